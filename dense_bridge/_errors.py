@@ -1,0 +1,66 @@
+"""Error types of dense_bridge and the helpers that phrase their messages.
+
+Every message names the argument and echoes the value received, in the style
+"expected a positive integer. Received: units=0".
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class DenseBridgeError(Exception):
+    """Base class of every error dense_bridge raises on purpose."""
+
+
+class SpecError(DenseBridgeError, ValueError):
+    """A spec (Dense, Activation, Init, wiring, ...) got an invalid value."""
+
+
+class ConversionError(DenseBridgeError):
+    """Parameters or a native object could not be converted or loaded."""
+
+
+class CheckpointError(DenseBridgeError):
+    """A checkpoint could not be read or written."""
+
+
+class BackendUnavailableError(DenseBridgeError, ImportError):
+    """The framework behind a backend is not installed; the message names the pip extra."""
+
+
+def received(name: str, value: object) -> str:
+    """Return ``"Received: name=value"`` with the value's repr (shortened when huge)."""
+    text = repr(value)
+    if len(text) > 200:
+        text = text[:200] + "...>"
+    return f"Received: {name}={text}"
+
+
+def suggest(value: object, choices: Iterable[str]) -> str:
+    """Return " Did you mean 'x'?" for the closest choice, or "" when nothing is close."""
+    if not isinstance(value, str):
+        return ""
+    match = difflib.get_close_matches(value.lower(), list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def check_type(name: str, value: object, types, what: str) -> None:
+    """Raise TypeError naming ``name`` unless ``value`` is an instance of ``types``.
+
+    ``bool`` never passes for an integer argument: ``units=True`` is a bug, not 1.
+    """
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise TypeError(f"{name} must be {what}, not a bool. {received(name, value)}")
+    if not isinstance(value, types):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}. {received(name, value)}")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as int when it is a positive integer; else TypeError/SpecError naming it."""
+    import numbers
+
+    check_type(name, value, numbers.Integral, "a positive integer")
+    if value <= 0:
+        raise SpecError(f"{name} must be a positive integer. {received(name, value)}")
+    return int(value)

@@ -1,0 +1,205 @@
+"""Canonical parameters: initial values from a seed, and validation of user-given ones.
+
+Canonical layout (numpy is the hub): Dense ``kernel`` (in_features, units), ``bias`` (units,),
+``mask`` (in_features, units); Bilinear ``kernel`` (units, in1, in2), ``bias`` (units,).
+In a Sequential every key is prefixed with the layer's position: "0.kernel", "2.bias".
+Arrays carry the layer's dtype; bfloat16 is ``ml_dtypes.bfloat16``.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Mapping
+
+import numpy as np
+
+from ._dtypes import dtype_name, numpy_dtype
+from ._errors import ConversionError, SpecError, check_type, received
+from .activations import Activation
+from .specs import Bilinear, Dense, Sequential, layer_param_shapes
+
+__all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype"]
+
+
+def layer_dtype(layer) -> str:
+    """The dtype name of a layer spec (float32 for layers without parameters)."""
+    return getattr(layer, "dtype", "float32")
+
+
+def _layer_rng(seed: int, index: int, part: int) -> np.random.Generator:
+    # One independent stream per (layer position, parameter): a lazy layer can draw its
+    # parameters late, and a Dense alone draws what it would draw at position 0 of a Sequential.
+    return np.random.default_rng([seed, index, part])
+
+
+def initial_layer_params(layer, seed: int, index: int = 0) -> dict[str, np.ndarray]:
+    """Initial canonical parameters of one layer spec (in_features known), in its dtype.
+
+    Drawn in float64 and rounded once to the dtype, so every backend gets the same bits.
+    Masked kernel entries are exactly 0.
+    """
+    if isinstance(layer, Dense):
+        shapes = layer.param_shapes()
+        dt = numpy_dtype(layer.dtype)
+        fan_in, fan_out = layer.in_features, layer.units
+        kernel = layer.kernel_init.sample(shapes["kernel"], fan_in, fan_out, _layer_rng(seed, index, 0))
+        out = {}
+        if layer.mask is not None:
+            kernel = kernel * layer.mask.adjacency
+        out["kernel"] = kernel.astype(dt)
+        if layer.use_bias:
+            out["bias"] = layer.bias_init.sample((layer.units,), fan_in, fan_out,
+                                                 _layer_rng(seed, index, 1)).astype(dt)
+        if layer.mask is not None:
+            out["mask"] = layer.mask.as_array(dt)
+        return out
+    if isinstance(layer, Bilinear):
+        dt = numpy_dtype(layer.dtype)
+        shapes = layer.param_shapes()
+        fan_in, fan_out = layer.in1_features, layer.units
+        out = {"kernel": layer.init.sample(shapes["kernel"], fan_in, fan_out,
+                                           _layer_rng(seed, index, 0)).astype(dt)}
+        if layer.use_bias:
+            if layer.init.name in ("torch_default", "mlx_default"):
+                bias = layer.init.sample((layer.units,), fan_in, fan_out, _layer_rng(seed, index, 1))
+            else:
+                bias = np.zeros(layer.units)
+            out["bias"] = bias.astype(dt)
+        return out
+    return {}
+
+
+def check_seed(seed: object) -> int:
+    """A non-negative int seed, or a fresh random one for None."""
+    if seed is None:
+        return int(np.random.SeedSequence().entropy % (2**63))
+    check_type("seed", seed, numbers.Integral, "a non-negative integer or None")
+    if seed < 0:
+        raise SpecError(f"seed must be a non-negative integer or None. {received('seed', seed)}")
+    return int(seed)
+
+
+class ParamSource:
+    """Where a compiled layer's first parameters come from: a seed, or given canonical params.
+
+    Adapters call :meth:`for_layer` once the layer's input width is known (at build time
+    for lazy layers), with the layer's position in its Sequential (0 for a lone layer).
+    """
+
+    def __init__(self, spec, seed: object = None, params: Mapping | None = None) -> None:
+        self.spec = spec
+        self.seed = check_seed(seed)
+        self.params = None
+        if params is not None:
+            if _is_lazy(spec):
+                spec = _fill_lazy_from_params(spec, params)
+            self.params = validate_params(spec, params, strict=True, argument="params")
+
+    def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
+        """Canonical params for the layer at ``index`` (fresh arrays the caller may keep)."""
+        if self.params is None:
+            return initial_layer_params(layer, self.seed, index)
+        prefix = f"{index}." if isinstance(self.spec, Sequential) else ""
+        expected = layer_param_shapes(layer)
+        out = {}
+        for key in expected:
+            value = self.params.get(prefix + key)
+            if value is None:
+                raise ConversionError(f"params has no {prefix + key!r} for layer {index}")
+            out[key] = value
+        return out
+
+
+def _is_lazy(spec) -> bool:
+    return getattr(spec, "lazy", False)
+
+
+def _fill_lazy_from_params(spec, params: Mapping):
+    """A lazy spec with in_features taken from the given kernel (params fix the width)."""
+    key = "kernel"
+    if isinstance(spec, Sequential):
+        first = next((i for i, l in enumerate(spec.layers) if isinstance(l, Dense)), None)
+        key = f"{first}.kernel"
+    kernel = params.get(key) if isinstance(params, Mapping) else None
+    if kernel is None or np.ndim(kernel) != 2:
+        return spec
+    return spec.with_in_features(int(np.shape(kernel)[0]))
+
+
+def expected_params(spec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) of every canonical parameter of ``spec``."""
+    if isinstance(spec, Sequential):
+        out = {}
+        for i, layer in enumerate(spec.layers):
+            for key, shape in layer_param_shapes(layer).items():
+                out[f"{i}.{key}"] = (shape, layer_dtype(layer))
+        return out
+    if isinstance(spec, Activation):
+        return {}
+    return {k: (s, spec.dtype) for k, s in spec.param_shapes().items()}
+
+
+def validate_params(spec, params: object, *, strict: bool = True,
+                    argument: str = "params") -> dict[str, np.ndarray]:
+    """Check ``params`` against ``spec``; return them as numpy arrays in the spec's dtypes.
+
+    Every offender is collected first: missing keys (strict only), unexpected keys (strict only),
+    wrong shapes, non-numeric values, NaN/Inf, masks that are not 0/1. One ConversionError then
+    lists them all, so the caller can reject the whole load before touching anything.
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{argument} must be a dict of name -> array. {received(argument, params)}")
+    try:
+        expected = expected_params(spec)
+    except SpecError as exc:
+        raise ConversionError(f"cannot load parameters: {exc}") from None
+    problems: list[str] = []
+    missing = [k for k in expected if k not in params]
+    unexpected = [k for k in params if k not in expected]
+    if strict and missing:
+        problems.append(f"missing keys: {missing}")
+    if unexpected:  # never silently ignored, strict or not
+        problems.append(f"unexpected keys: {unexpected}")
+    out: dict[str, np.ndarray] = {}
+    for key, (shape, dtype) in expected.items():
+        if key not in params:
+            continue
+        value = _to_numpy(params[key])
+        if value is None or not (np.issubdtype(value.dtype, np.number) or value.dtype == bool
+                                 or dtype_name(value.dtype) == "bfloat16"):
+            problems.append(f"{key}: expected a numeric array, received {type(params[key]).__name__}")
+            continue
+        if tuple(value.shape) != tuple(shape):
+            problems.append(f"expected shape {tuple(shape)} for parameter {key}, received {tuple(value.shape)}")
+            continue
+        target = numpy_dtype(dtype)
+        as_float = value.astype(np.float64) if value.dtype != np.float64 else value
+        if not np.isfinite(as_float).all():
+            bad = int((~np.isfinite(as_float)).sum())
+            problems.append(f"{key}: {bad} NaN or Inf value(s)")
+            continue
+        if key.endswith("mask") and not np.isin(as_float, (0.0, 1.0)).all():
+            problems.append(f"{key}: a mask must hold only 0 and 1")
+            continue
+        out[key] = value if value.dtype == target else value.astype(target)
+    if problems:
+        raise ConversionError(f"{argument} do not fit {_describe(spec)}: " + "; ".join(problems))
+    return out
+
+
+def _to_numpy(value) -> np.ndarray | None:
+    """A numpy view of an array-like from any framework (a torch tensor, an mx.array, ...)."""
+    if isinstance(value, np.ndarray):
+        return value
+    mod = type(value).__module__.split(".")[0]
+    try:
+        if mod == "torch":
+            return value.detach().cpu().numpy() if str(value.dtype) != "torch.bfloat16" else \
+                value.detach().cpu().view(__import__("torch").int16).numpy().view(numpy_dtype("bfloat16"))
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - reported as a non-numeric value by the caller
+        return None
+    return arr if arr.dtype != object else None
+
+
+def _describe(spec) -> str:
+    return f"{type(spec).__name__}" + (f" {spec.name!r}" if getattr(spec, "name", None) else "")

@@ -1,0 +1,95 @@
+"""Backend registry: names -> adapter modules, imported on first use.
+
+Adapters live in ``dense_bridge.backends.<name>`` and import their framework at the top.
+Nothing here imports a framework: availability is checked with importlib.util.find_spec,
+and a native object's backend is found by looking its framework up in ``sys.modules``
+(an object of a framework that was never imported cannot exist).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from ._errors import BackendUnavailableError, SpecError, received, suggest
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    module: str  # dotted path of the adapter
+    requires: tuple[str, ...]  # top-level framework modules that must be importable
+    install: str  # what to run when they are missing
+
+
+BACKENDS: dict[str, BackendInfo] = {
+    "numpy": BackendInfo("numpy", "dense_bridge.backends.numpy", ("numpy",), "pip install numpy"),
+    "torch": BackendInfo("torch", "dense_bridge.backends.torch", ("torch",),
+                         "pip install 'dense-bridge[torch]'"),
+    "keras": BackendInfo("keras", "dense_bridge.backends.keras", ("keras", "tensorflow"),
+                         "pip install 'dense-bridge[keras]'"),
+    "mlx": BackendInfo("mlx", "dense_bridge.backends.mlx", ("mlx",), "pip install 'dense-bridge[mlx]'"),
+}
+NAMES = tuple(BACKENDS)
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose framework is installed, in canonical order. Imports nothing."""
+    return [n for n, info in BACKENDS.items() if all(_installed(m) for m in info.requires)]
+
+
+def check_backend_name(name: object, argument: str = "backend") -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"{argument} must be a backend name ({', '.join(NAMES)}). {received(argument, name)}")
+    key = name.lower()
+    if key not in BACKENDS:
+        raise SpecError(f"Unknown backend {name!r}.{suggest(name, NAMES)} Known: {', '.join(NAMES)}. "
+                        f"{received(argument, name)}")
+    return key
+
+
+def get_adapter(name: object, argument: str = "backend") -> ModuleType:
+    """The adapter module for a backend name, imported now; BackendUnavailableError if missing."""
+    info = BACKENDS[check_backend_name(name, argument)]
+    missing = [m for m in info.requires if not _installed(m)]
+    if missing:
+        raise BackendUnavailableError(
+            f"Backend {info.name!r} needs {', '.join(missing)}, which is not installed. Install it with: "
+            f"{info.install}"
+        )
+    return importlib.import_module(info.module)
+
+
+def backend_of(native: object, argument: str = "native") -> str:
+    """Name of the backend that owns ``native``; TypeError naming ``argument`` if none does."""
+    for name, info in BACKENDS.items():
+        # only frameworks already imported can have made this object
+        if name != "numpy" and info.requires[0] not in sys.modules:
+            continue
+        try:
+            adapter = get_adapter(name)
+        except BackendUnavailableError:
+            continue
+        if adapter.owns(native):
+            return name
+    raise TypeError(
+        f"{argument} must be a layer or model of a supported framework (torch nn.Module, keras Layer/Model, "
+        f"mlx nn.Module, dense_bridge numpy layer), got {type(native).__module__}.{type(native).__name__}. "
+        f"{received(argument, native)}"
+    )
+
+
+def adapter_for(native: object, argument: str = "native") -> ModuleType:
+    """The adapter module that owns ``native``."""
+    return get_adapter(backend_of(native, argument))
