@@ -1,0 +1,68 @@
+"""Tolerances derived from dtype and fan-in (FACTS.md), not one fixed number.
+
+    |a - b| <= C * (eps_dtype * (|b| + rms(b)) + eps_f32 * sqrt(K) * rms(b))
+
+b is the reference, K the fan-in of the reduction that produced the values, eps_dtype the
+unit roundoff of the compared dtype, eps_f32 the float32 one (frameworks accumulate float16 and
+bfloat16 in float32). The first term is rounding of each value in its dtype (the rms part keeps
+values near 0 from demanding exactness: a relative error alone is useless there); the second is
+accumulation error that grows like sqrt(K). C = 4 for outputs, 10 for gradients: on 416 fresh
+comparisons the worst needs were 1.8 and 4.2, and a single weight scaled by 1.001 still fails.
+All arithmetic is float64 on the host.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._dtypes import EPS
+
+C_OUTPUT = 4.0
+C_GRADIENT = 10.0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Scales of the formula; override ``c_output``/``c_gradient`` or add an ``atol`` floor."""
+
+    c_output: float = C_OUTPUT
+    c_gradient: float = C_GRADIENT
+    atol: float = 0.0
+
+
+def as_float64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def rms(b: np.ndarray) -> float:
+    b = as_float64(b)
+    return float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
+
+
+def allowed_error(reference, dtype: str, fan_in: int, c: float, atol: float = 0.0) -> np.ndarray:
+    """Elementwise allowed |a - b| for reference ``b`` in ``dtype`` with reduction length ``fan_in``."""
+    b = as_float64(reference)
+    r = rms(b)
+    eps = EPS[dtype]
+    return c * (eps * (np.abs(b) + r) + EPS["float32"] * math.sqrt(max(1, fan_in)) * r) + atol
+
+
+def error_units(actual, reference, dtype: str, fan_in: int, c: float, atol: float = 0.0) -> tuple[float, float]:
+    """(max abs error, max error in tolerance units); units <= 1 passes. NaN mismatch is inf."""
+    a, b = as_float64(actual), as_float64(reference)
+    if a.shape != b.shape:
+        return math.inf, math.inf
+    if a.size == 0:
+        return 0.0, 0.0
+    diff = np.abs(a - b)
+    same_nonfinite = (~np.isfinite(a) | ~np.isfinite(b)) & ((a == b) | (np.isnan(a) & np.isnan(b)))
+    diff = np.where(same_nonfinite, 0.0, diff)
+    if not np.isfinite(diff).all():
+        return math.inf, math.inf
+    allowed = allowed_error(np.where(np.isfinite(b), b, 0.0), dtype, fan_in, c, atol)
+    # where nothing is allowed (an all-zero reference), any difference is infinitely many units
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = np.where(diff == 0, 0.0, diff / allowed)
+    return float(diff.max()), float(units.max())
