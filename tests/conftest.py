@@ -1,0 +1,27 @@
+"""Shared fixtures: backend parametrization that skips cleanly where a framework is missing."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import dense_bridge as db  # noqa: E402
+
+ALL_BACKENDS = ("numpy", "torch", "keras", "mlx")
+
+
+def require_backend(name: str):
+    """Import the adapter for ``name`` or skip the test with the reason."""
+    if name not in db.available_backends():
+        pytest.skip(f"framework for backend {name!r} is not installed")
+    from dense_bridge._registry import get_adapter
+
+    return get_adapter(name)
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def backend(request) -> str:
+    require_backend(request.param)
+    return request.param

@@ -1,0 +1,43 @@
+"""Packaging: import pulls in no framework; the wheel installs dense_bridge.backends only."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = ("torch", "tensorflow", "keras", "mlx", "jax", "safetensors", "h5py")
+
+
+def test_import_dense_bridge_imports_no_framework():
+    code = ("import sys, dense_bridge as db; db.Dense(3); db.available_backends(); "
+            "db.compile(db.Dense(2, in_features=2), 'numpy', seed=0); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_missing_framework_names_the_extra(monkeypatch):
+    import dense_bridge as db
+    from dense_bridge import _registry
+
+    monkeypatch.setattr(_registry, "_installed", lambda module: module == "numpy")
+    with pytest.raises(db.BackendUnavailableError, match=r"pip install 'dense-bridge\[torch\]'"):
+        db.compile(db.Dense(2, in_features=2), "torch")
+    assert _registry.available_backends() == ["numpy"]
+
+
+def test_wheel_contains_dense_bridge_backends_and_no_top_level_backends(tmp_path):
+    pytest.importorskip("setuptools")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"wheel build unavailable here: {result.stderr.strip()[-200:]}")
+    wheel = next(tmp_path.glob("*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "dense_bridge/backends/__init__.py" in names and "dense_bridge/backends/numpy.py" in names
+    assert not any(n.startswith("backends/") for n in names)
