@@ -14,7 +14,7 @@ from ._errors import received
 from ._params import ParamSource, validate_params
 from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
 from .activations import Activation
-from .specs import Spec
+from .specs import Bilinear, Dense, Sequential, Spec
 
 
 def _check_spec(spec: object) -> None:
@@ -33,7 +33,42 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     """
     _check_spec(spec)
     adapter = get_adapter(backend)
-    return adapter.compile(spec, ParamSource(spec, seed=seed, params=params))
+    native = adapter.compile(spec, ParamSource(spec, seed=seed, params=params))
+    _remember_spec(native, spec)
+    return native
+
+
+# A native object cannot tell which initializer drew its first values, nor its spec name;
+# compile leaves the spec on the object so to_spec/convert keep them. The hint is only
+# trusted where it agrees with what the adapter reads off the object itself.
+_SPEC_HINT = "_dense_bridge_spec"
+
+
+def _remember_spec(native: Any, spec: Any) -> None:
+    try:
+        object.__setattr__(native, _SPEC_HINT, spec)
+    except (AttributeError, TypeError):  # objects with __slots__: nothing to keep, nothing lost
+        pass
+
+
+def _with_hint(read: Any, hint: Any) -> Any:
+    """``read`` (the spec read off the native object) with init/name metadata from ``hint``
+    wherever the two agree on everything the object itself can show."""
+    if isinstance(read, Sequential) and isinstance(hint, Sequential) and len(read.layers) == len(hint.layers):
+        layers = [_with_hint(r, h) for r, h in zip(read.layers, hint.layers)]
+        return Sequential(layers, in_features=read.in_features, name=read.name or hint.name)
+    if isinstance(read, Dense) and isinstance(hint, Dense):
+        candidate = read.replace(kernel_init=hint.kernel_init, bias_init=hint.bias_init,
+                                 name=read.name if read.name else hint.name)
+        filled = hint if hint.in_features is not None or read.in_features is None else \
+            hint.with_in_features(read.in_features)
+        if candidate.replace(name=None) == filled.replace(name=None):
+            return candidate
+    if isinstance(read, Bilinear) and isinstance(hint, Bilinear):
+        candidate = read.replace(init=hint.init, name=read.name or hint.name)
+        if candidate.replace(name=None) == hint.replace(name=None):
+            return candidate
+    return read
 
 
 def get_params(native: Any) -> dict[str, np.ndarray]:
@@ -53,7 +88,7 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True) -> None:
     subset of the keys (unexpected ones still raise).
     """
     adapter = adapter_for(native)
-    spec = adapter.to_spec(native)
+    spec = _read_spec(adapter, native)
     checked = validate_params(spec, params, strict=strict)
     adapter.set_params(native, checked)
 
@@ -62,7 +97,13 @@ def to_spec(native: Any):
     """The backend-neutral spec of a native layer or model (activation parameters read exactly)."""
     if isinstance(native, (Spec, Activation)):
         return native
-    return adapter_for(native).to_spec(native)
+    return _read_spec(adapter_for(native), native)
+
+
+def _read_spec(adapter, native):
+    read = adapter.to_spec(native)
+    hint = getattr(native, _SPEC_HINT, None)
+    return read if hint is None else _with_hint(read, hint)
 
 
 def convert(native: Any, to: str):
@@ -73,7 +114,7 @@ def convert(native: Any, to: str):
     """
     target = check_backend_name(to, "to")
     source = adapter_for(native)
-    spec = source.to_spec(native)
+    spec = _read_spec(source, native)
     params = source.get_params(native)
     return get_adapter(target).compile(spec, ParamSource(spec, params=params))
 

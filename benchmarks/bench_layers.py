@@ -1,0 +1,157 @@
+"""Compiled layers vs hand-built native ones: forward and one training step.
+
+For each installed framework, times (median of interleaved samples):
+  native      the framework's own layer built by hand (nn.Linear / keras Dense / mlx nn.Linear)
+  compiled    db.compile(Dense(units, in_features)) -- exactly the native class
+  +relu       compiled with activation="relu" vs native Linear followed by the native ReLU
+  masked      compiled with a 50% random mask (the kernel is multiplied by the mask each call)
+at batch 1 and 64, for Linear(1024->4096) and Linear(16->16), and prints ratios to native.
+
+Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx] [--repeats 15]
+MLX's Linux CPU matmul is 50-70x slower than the others (FACTS.md): its large shape uses fewer repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+import dense_bridge as db  # noqa: E402
+from _timing import compare_medians, fmt_time, table  # noqa: E402
+
+SHAPES = [(1024, 4096), (16, 16)]
+BATCHES = [1, 64]
+
+
+def torch_cases(fan_in, units, batch):
+    import torch
+
+    torch.set_grad_enabled(True)
+    x = torch.randn(batch, fan_in)
+    mask = db.wiring.random(fan_in, units, 0.5, seed=0)
+    layers = {
+        "native": torch.nn.Linear(fan_in, units),
+        "compiled": db.compile(db.Dense(units, in_features=fan_in), "torch", seed=0),
+        "native+relu": torch.nn.Sequential(torch.nn.Linear(fan_in, units), torch.nn.ReLU()),
+        "compiled+relu": db.compile(db.Dense(units, in_features=fan_in, activation="relu"), "torch", seed=0),
+        "masked": db.compile(db.Dense(units, in_features=fan_in, mask=mask), "torch", seed=0),
+    }
+
+    def forward(layer):
+        def run():
+            with torch.no_grad():
+                layer(x)
+        return run
+
+    def train(layer):
+        opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            layer(x).square().mean().backward()
+            opt.step()
+        return run
+
+    return layers, forward, train
+
+
+def keras_cases(fan_in, units, batch):
+    import keras
+    import tensorflow as tf
+
+    x = tf.random.normal((batch, fan_in))
+    mask = db.wiring.random(fan_in, units, 0.5, seed=0)
+    native = keras.layers.Dense(units)
+    native.build((None, fan_in))
+    native_relu = keras.layers.Dense(units, activation="relu")
+    native_relu.build((None, fan_in))
+    layers = {
+        "native": native,
+        "compiled": db.compile(db.Dense(units, in_features=fan_in), "keras", seed=0),
+        "native+relu": native_relu,
+        "compiled+relu": db.compile(db.Dense(units, in_features=fan_in, activation="relu"), "keras", seed=0),
+        "masked": db.compile(db.Dense(units, in_features=fan_in, mask=mask), "keras", seed=0),
+    }
+
+    def forward(layer):
+        return lambda: layer(x)
+
+    def train(layer):
+        opt = keras.optimizers.SGD(1e-3)
+
+        def run():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(layer(x)))
+            grads = tape.gradient(loss, layer.trainable_variables)
+            opt.apply_gradients(zip(grads, layer.trainable_variables))
+        return run
+
+    return layers, forward, train
+
+
+def mlx_cases(fan_in, units, batch):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    x = mx.random.normal((batch, fan_in))
+    mask = db.wiring.random(fan_in, units, 0.5, seed=0)
+    layers = {
+        "native": nn.Linear(fan_in, units),
+        "compiled": db.compile(db.Dense(units, in_features=fan_in), "mlx", seed=0),
+        "native+relu": nn.Sequential(nn.Linear(fan_in, units), nn.ReLU()),
+        "compiled+relu": db.compile(db.Dense(units, in_features=fan_in, activation="relu"), "mlx", seed=0),
+        "masked": db.compile(db.Dense(units, in_features=fan_in, mask=mask), "mlx", seed=0),
+    }
+
+    def forward(layer):
+        return lambda: mx.eval(layer(x))
+
+    def train(layer):
+        opt = optim.SGD(learning_rate=1e-3)
+        loss_and_grad = nn.value_and_grad(layer, lambda m, v: mx.mean(mx.square(m(v))))
+
+        def run():
+            loss, grads = loss_and_grad(layer, x)
+            opt.update(layer, grads)
+            mx.eval(layer.parameters(), opt.state)
+        return run
+
+    return layers, forward, train
+
+
+CASES = {"torch": torch_cases, "keras": keras_cases, "mlx": mlx_cases}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frameworks", default=",".join(b for b in CASES if b in db.available_backends()))
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.frameworks.split(","):
+        for fan_in, units in SHAPES:
+            for batch in BATCHES:
+                layers, forward, train = CASES[name](fan_in, units, batch)
+                big = name == "mlx" and fan_in * units > 1e5
+                repeats = 5 if big else args.repeats
+                for mode, make in (("forward", forward), ("train step", train)):
+                    t = compare_medians({k: make(l) for k, l in layers.items()}, repeats=repeats,
+                                        target_s=0.05 if big else 0.02)
+                    rows.append([name, f"{fan_in}->{units}", batch, mode, fmt_time(t["native"]),
+                                 f"{t['compiled'] / t['native']:.3f}",
+                                 f"{t['compiled+relu'] / t['native+relu']:.3f}",
+                                 f"{t['masked'] / t['compiled']:.2f}"])
+                    print(" ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(table(rows, ["framework", "layer", "batch", "mode", "native (median)", "compiled / native",
+                       "compiled+relu / native+relu", "masked / unmasked"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
