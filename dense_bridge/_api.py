@@ -33,8 +33,9 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     """
     _check_spec(spec)
     adapter = get_adapter(backend)
-    native = adapter.compile(spec, ParamSource(spec, seed=seed, params=params))
-    _remember_spec(native, spec)
+    source = ParamSource(spec, seed=seed, params=params)
+    native = adapter.compile(source.spec, source)
+    _remember_spec(native, source.spec)
     return native
 
 
@@ -116,7 +117,7 @@ def convert(native: Any, to: str):
     source = adapter_for(native)
     spec = _read_spec(source, native)
     params = source.get_params(native)
-    return get_adapter(target).compile(spec, ParamSource(spec, params=params))
+    return compile(spec, target, params=params)
 
 
 def backend(native: Any) -> str:

@@ -91,7 +91,9 @@ class ParamSource:
         self.params = None
         if params is not None:
             if _is_lazy(spec):
+                # given params fix the width: adapters then build eagerly with these exact shapes
                 spec = _fill_lazy_from_params(spec, params)
+                self.spec = spec
             self.params = validate_params(spec, params, strict=True, argument="params")
 
     def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
@@ -205,6 +207,10 @@ def _to_numpy(value) -> np.ndarray | None:
         return value
     mod = type(value).__module__.split(".")[0]
     try:
+        if mod == "mlx" and str(value.dtype) == "mlx.core.bfloat16":
+            import mlx.core as mx  # already imported: the value is an mx.array
+
+            return np.asarray(value.view(mx.uint16)).view(numpy_dtype("bfloat16"))
         if mod == "torch":
             return value.detach().cpu().numpy() if str(value.dtype) != "torch.bfloat16" else \
                 value.detach().cpu().view(__import__("torch").int16).numpy().view(numpy_dtype("bfloat16"))
