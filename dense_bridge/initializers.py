@@ -81,6 +81,9 @@ class Init:
     def __setattr__(self, name, value):
         raise AttributeError("Init is immutable")
 
+    def __reduce__(self):
+        return (Init.from_config, (self.to_config(),))
+
     @property
     def name(self) -> str:
         return self._name

@@ -37,6 +37,11 @@ class Spec:
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} specs are immutable; use .replace(...)")
 
+    def __reduce__(self):
+        # immutable objects cannot be restored attribute by attribute: rebuild from the config
+        # (copy.deepcopy and pickle/torch.save of compiled models carry the spec hint)
+        return (from_config, (self.to_config(),))
+
     def _set(self, **fields: Any) -> None:
         for key, value in fields.items():
             object.__setattr__(self, key, value)

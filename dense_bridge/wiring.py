@@ -44,6 +44,9 @@ class Wiring:
     def __setattr__(self, name, value):
         raise AttributeError("Wiring is immutable")
 
+    def __reduce__(self):
+        return (Wiring.from_config, (self.to_config(),))
+
     @property
     def adjacency(self) -> np.ndarray:
         """Read-only bool array (in_features, units)."""
@@ -111,6 +114,8 @@ def _as_01(value: object, argument: str) -> np.ndarray:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - anything numpy cannot read is a type error for the user
         raise TypeError(f"{argument} must be array-like. {received(argument, value)}") from None
+    if arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 is not a numpy "number" subtype
+        arr = arr.astype(np.float32)
     if arr.dtype == object or not (arr.dtype == bool or np.issubdtype(arr.dtype, np.number)):
         raise TypeError(f"{argument} must hold numbers or bools, got dtype {arr.dtype}. {received(argument, value)}")
     if arr.ndim != 2 or 0 in arr.shape:
