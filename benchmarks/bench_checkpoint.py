@@ -1,0 +1,211 @@
+"""Sharded checkpoint conversion: peak memory and throughput.
+
+Builds a canonical checkpoint several times larger than its shard size (default 8 Dense layers of
+1024x1024 float32 = 33.6 MB in 5 MB shards, one layer per shard), then converts it in fresh
+subprocesses, one per target, and measures in each:
+
+- peak traced memory: tracemalloc's peak over the conversion (numpy registers its array
+  buffers with tracemalloc; framework-allocated tensors are not traced);
+- peak RSS over start: the kernel's peak-RSS mark (VmHWM, reset with /proc/self/clear_refs) after
+  the conversion minus VmRSS before it, with the frameworks already imported and warmed up by a tiny
+  conversion (it counts everything: numpy, torch/MLX/TF buffers, mapped file pages); the
+  ru_maxrss delta as well (it cannot be reset: a lower bound when imports peaked higher);
+- throughput: checkpoint bytes / wall time of the conversion.
+
+Streaming means: canonical -> canonical holds about one tensor; canonical -> a framework holds
+the output model plus about one tensor (the source is mapped one tensor at a time).
+
+    python benchmarks/bench_checkpoint.py [--layers 8] [--width 1024] [--shard-size 5MB] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+TARGETS = {  # name -> (convert_file "to", output file name)
+    "canonical (re-shard)": ("canonical", "out.safetensors"),
+    "numpy params (db.load)": (None, None),
+    "torch .pt": ("torch", "out.pt"),
+    "mlx .safetensors": ("mlx", "out_mlx.safetensors"),
+    "keras .weights.h5": ("keras", "out.weights.h5"),
+}
+TARGETS_OUT = {"canonical": "c.safetensors", "torch": "t.pt", "mlx": "m.safetensors", "keras": "k.weights.h5"}
+NEEDS = {"torch .pt": "torch", "mlx .safetensors": "mlx", "keras .weights.h5": "keras"}
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _status(field: str) -> int | None:
+    """A /proc/self/status memory field in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: clear_refs "5")."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _warm_up(to: str | None, workdir: str) -> None:
+    """One tiny conversion first: the frameworks' first-call costs are not throughput."""
+    import dense_bridge as db
+    from dense_bridge import checkpoint
+
+    src = os.path.join(workdir, "warm.safetensors")
+    db.save(db.compile(db.Sequential([db.Dense(4, in_features=4), db.Dense(4)]), "numpy", seed=0), src)
+    if to is None:
+        db.load(src)
+    else:
+        out = os.path.join(workdir, "warm_" + TARGETS_OUT[to])
+        checkpoint.convert_file(src, to, out)
+
+
+def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
+    """One conversion in this (fresh) process; the measurements as a dict."""
+    import tracemalloc
+
+    import dense_bridge as db
+    from dense_bridge import checkpoint
+
+    to, name = TARGETS[target]
+    if target in NEEDS:
+        from dense_bridge._registry import get_adapter
+
+        get_adapter(NEEDS[target])  # import the framework before the baseline
+    if to == "keras":
+        from dense_bridge.cli import import_keras_quietly
+
+        import_keras_quietly()
+    _warm_up(to, workdir)
+    ckpt = checkpoint.open_checkpoint(src)
+    nbytes = ckpt.total_bytes
+    del ckpt
+    import gc
+
+    gc.collect()
+    maxrss0 = _maxrss_bytes()
+    rss0 = _status("VmRSS")
+    exact = _reset_peak()
+    tracemalloc.start()
+    t = time.perf_counter()
+    if to is None:
+        _, params = db.load(src)
+        held = sum(v.nbytes for v in params.values())
+    else:
+        out = os.path.join(workdir, name)
+        checkpoint.convert_file(src, to, out, max_shard_size=shard_size if to == "canonical" else None)
+        held = 0
+    seconds = time.perf_counter() - t
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    hwm = _status("VmHWM")
+    return {"target": target, "seconds": seconds, "bytes": nbytes, "peak_traced": peak,
+            "maxrss_delta": _maxrss_bytes() - maxrss0,
+            "peak_rss_over_start": (hwm - rss0) if exact and hwm is not None and rss0 is not None else None,
+            "held_output": held}
+
+
+def _run_worker(name: str, src: str, workdir: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--src", src, "--workdir", workdir,
+           "--shard-size", args.shard_size, "--layers", str(args.layers), "--width", str(args.width),
+           "--dtype", args.dtype]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    if run.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{run.stderr}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--shard-size", default="5MB")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated subset of: " + ", ".join(TARGETS))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--src", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.worker == "make":
+        import dense_bridge as db
+
+        spec = db.Sequential([db.Dense(args.width, in_features=args.width, dtype=args.dtype, kernel_init="normal")
+                              for _ in range(args.layers)])
+        t = time.perf_counter()
+        files = db.save(db.compile(spec, "numpy", seed=0), args.src, max_shard_size=args.shard_size)
+        print(json.dumps({"files": files, "seconds": time.perf_counter() - t}))
+        return 0
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.src, args.workdir, args.shard_size)))
+        return 0
+
+    from dense_bridge._checkpoint_io import parse_size
+    from dense_bridge._registry import available_backends
+
+    workdir = tempfile.mkdtemp(prefix="bench-checkpoint-")
+    try:
+        src = os.path.join(workdir, "model.safetensors")
+        made = _run_worker("make", src, workdir, args)
+        files, build = made["files"], made["seconds"]
+        total = sum(os.path.getsize(f) for f in files[:-1])
+        shard_limit = parse_size(args.shard_size)
+        print(f"checkpoint: {args.layers} x Dense({args.width}x{args.width}, {args.dtype}) = {total / 1e6:.1f} MB in "
+              f"{len(files) - 1} shards (max_shard_size {args.shard_size}); written in {build:.2f} s")
+        available = available_backends()
+        rows = []
+        for target in args.targets.split(","):
+            target = target.strip()
+            if target not in TARGETS:
+                raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+            if target in NEEDS and NEEDS[target] not in available:
+                continue
+            rows.append(_run_worker(target, src, workdir, args))
+        if args.json:
+            print(json.dumps({"layers": args.layers, "width": args.width, "dtype": args.dtype,
+                              "shard_size": args.shard_size, "checkpoint_bytes": total, "rows": rows}, indent=2))
+            return 0
+        mb = 1e6
+        header = (f"{'target':<24} {'time s':>7} {'MB/s':>7} {'peak traced MB':>15} {'peak RSS - start MB':>20} "
+                  f"{'ru_maxrss delta MB':>19} {'output held MB':>15}")
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            exact = "n/a" if r["peak_rss_over_start"] is None else f"{r['peak_rss_over_start'] / mb:.1f}"
+            print(f"{r['target']:<24} {r['seconds']:>7.3f} {r['bytes'] / mb / r['seconds']:>7.0f} "
+                  f"{r['peak_traced'] / mb:>15.1f} {exact:>20} {r['maxrss_delta'] / mb:>19.1f} "
+                  f"{r['held_output'] / mb:>15.1f}")
+        largest = args.width * args.width * {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[args.dtype]
+        print(f"(checkpoint {total / mb:.1f} MB, largest tensor {largest / mb:.1f} MB, shard limit "
+              f"{shard_limit / mb:.1f} MB. peak RSS - start: VmHWM after the conversion minus VmRSS before it, "
+              "the peak reset with /proc/self/clear_refs; it includes the output model and mapped file pages. "
+              "'output held': numpy params returned by db.load)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Atomic file writes and checkpoint paths for dense_bridge.checkpoint.
+
+Every file is written to ``<target>.tmp-<random>`` beside its target (same directory, so the
+final ``os.replace`` is an atomic rename on one filesystem), flushed and fsynced, and only then
+renamed. On any error the temporaries are removed and the targets are untouched. Several files
+(shards + index) commit together: all temporaries first, renames after, the index last.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+
+from ._errors import CheckpointError
+
+__all__ = ["AtomicFiles", "check_writable", "describe_os_error", "parse_size", "shard_names"]
+
+
+def describe_os_error(exc: OSError) -> str:
+    """A short reason for an OSError (its strerror, or the text when it has none)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EFBIG:
+        reason = "file too large for this filesystem or process limit"
+    elif exc.errno == errno.ENOSPC:
+        reason = "no space left on device"
+    return reason
+
+
+def check_writable(path: str) -> None:
+    """CheckpointError naming ``path`` when a file can clearly not be created there."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot write {path}: it is a directory; give a file name inside it, "
+                              f"e.g. {os.path.join(path, 'model.safetensors')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        # walk up to say which component is wrong (a file where a directory should be)
+        probe = parent
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if probe and not os.path.isdir(probe):
+            raise CheckpointError(f"cannot write {path}: {probe} is a file, not a directory")
+        raise CheckpointError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"cannot write {path}: permission denied for directory {parent}")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicFiles:
+    """Temporaries that become their targets together on ``commit``, or vanish on ``abort``.
+
+    Use as a context manager: leaving with an exception aborts (removes every temporary),
+    turns OSError into CheckpointError naming the target, and re-raises the rest unchanged.
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label  # the path named in error messages
+        self.pending: list[tuple[str, str]] = []
+        self.committed = False
+
+    def temp_for(self, final: str, suffix: str = "") -> str:
+        """A fresh temporary path beside ``final``; ``suffix`` keeps an extension a writer needs."""
+        check_writable(final)
+        token = secrets.token_hex(4)
+        if suffix and final.endswith(suffix):
+            tmp = f"{final[:-len(suffix)]}.tmp-{token}{suffix}"
+        else:
+            tmp = f"{final}.tmp-{token}"
+        self.pending.append((tmp, final))
+        return tmp
+
+    def commit(self) -> None:
+        """fsync every temporary, rename each onto its target in order, fsync the directories."""
+        for tmp, _ in self.pending:
+            _fsync_path(tmp)
+        for tmp, final in self.pending:
+            os.replace(tmp, final)
+        for d in {os.path.dirname(os.path.abspath(f)) for _, f in self.pending}:
+            _fsync_dir(d)
+        self.committed = True
+
+    def abort(self) -> None:
+        for tmp, _ in self.pending:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            except OSError:  # pragma: no cover - nothing more we can do; the target is intact anyway
+                pass
+
+    def __enter__(self) -> "AtomicFiles":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            if not self.committed:
+                self.commit()
+            return False
+        self.abort()
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(f"cannot write {self.label}: {describe_os_error(exc)} "
+                                  f"(nothing was changed on disk)") from None
+        return False
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
+    """Bytes from an int or a string such as "10MB" (10**6), "4MiB" (2**20), "1GB"; None stays None."""
+    from ._errors import check_type, received
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m or (m.group(2) or "").lower() not in _UNITS:
+            raise ValueError(f"{argument} must be a byte count such as 10000000, '10MB', '4MiB' or '1GB'. "
+                             f"{received(argument, value)}")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    else:
+        import numbers
+
+        check_type(argument, value, numbers.Integral, "a byte count (int) or a string such as '10MB'")
+        size = int(value)
+    if size <= 0:
+        raise ValueError(f"{argument} must be positive. {received(argument, value)}")
+    return size
+
+
+def shard_names(path: str, count: int) -> tuple[list[str], str]:
+    """Shard file paths and the index path for a sharded save to ``path`` (hub naming).
+
+    ``dir/model.safetensors`` -> ``dir/model-00001-of-00003.safetensors`` ... and
+    ``dir/model.safetensors.index.json``; a path ending in ``.index.json`` names the index.
+    """
+    if path.endswith(".index.json"):
+        index = path
+        base = path[: -len(".index.json")]
+    else:
+        base = path
+        index = path + ".index.json"
+    stem = base[: -len(".safetensors")] if base.endswith(".safetensors") else base
+    width = max(5, len(str(count)))
+    shards = [f"{stem}-{i:0{width}d}-of-{count:0{width}d}.safetensors" for i in range(1, count + 1)]
+    return shards, index

@@ -1,0 +1,246 @@
+"""A small safetensors reader and streaming writer on numpy, bfloat16 included.
+
+The format (https://github.com/huggingface/safetensors): 8 bytes little-endian u64 N, then N
+bytes of UTF-8 JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+"__metadata__": {str: str}}`` (padded with spaces to a multiple of 8), then the raw
+little-endian, C-order tensor bytes; offsets are relative to the end of the header.
+
+Why our own: safetensors' numpy binding has no bfloat16 (FACTS.md) and copies; this one maps
+each tensor lazily with ``np.memmap`` (a tensor costs memory only while it is used) and
+writes tensor by tensor, so a checkpoint never has to sit in memory whole. bfloat16 is
+``ml_dtypes.bfloat16``. Errors are ``CheckpointError`` naming the file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ._errors import CheckpointError
+
+__all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype"]
+
+#: The header may not be larger than this (the reference implementation's limit).
+MAX_HEADER = 100_000_000
+
+_NUMPY_CODES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool",
+}
+_ML_CODES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def numpy_dtype_of(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code (BF16 -> ml_dtypes.bfloat16)."""
+    if code in _NUMPY_CODES:
+        return np.dtype(_NUMPY_CODES[code])
+    import ml_dtypes  # only needed for bfloat16 / float8 files
+
+    return np.dtype(getattr(ml_dtypes, _ML_CODES[code]))
+
+
+def st_dtype(dtype: np.dtype) -> str:
+    """The safetensors dtype code of a numpy dtype; ValueError when it has none."""
+    name = np.dtype(dtype).name
+    for table in (_NUMPY_CODES, _ML_CODES):
+        for code, n in table.items():
+            if n == name:
+                return code
+    raise ValueError(f"dtype {name} cannot be stored in safetensors")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file: dtype code, shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return numpy_dtype_of(self.dtype)
+
+
+def is_safetensors(head: bytes, size: int) -> bool:
+    """Whether the first bytes of a file of ``size`` bytes look like safetensors."""
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    # a header length that overruns the file still means safetensors (a truncated one): the
+    # reader then says so precisely
+    return 0 < n <= MAX_HEADER and head[8:9] == b"{"
+
+
+class SafetensorsFile:
+    """The header of a safetensors file, read and checked; tensors are mapped on demand.
+
+    ``get(name)`` returns a numpy array backed by a private copy-on-write map of just that
+    tensor's bytes (writable without touching the file; the pages are freed with the array).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise self._error(f"file is {size} bytes, too short for a safetensors header "
+                                      "(empty or truncated)")
+                (n,) = struct.unpack("<Q", prefix)
+                if n == 0 or n > MAX_HEADER or n > size - 8:
+                    raise self._error(f"header length field says {n} bytes but the file has {size - 8} "
+                                      "after it (truncated, or not a safetensors file)")
+                raw = f.read(n)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._error(f"corrupted header (not valid JSON: {exc})") from None
+        if not isinstance(header, dict):
+            raise self._error("corrupted header (not a JSON object)")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in meta.items()):
+            raise self._error("corrupted header (__metadata__ must map strings to strings)")
+        self.metadata: dict[str, str] = meta
+        self.size = size
+        data_start = 8 + n
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            self.tensors[name] = self._parse_entry(name, entry, data_start, size - data_start)
+
+    def _error(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path} is not a readable safetensors file: {what}")
+
+    def _parse_entry(self, name: str, entry: object, data_start: int, data_size: int) -> TensorInfo:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise self._error(f"corrupted header (entry {name!r} needs dtype, shape and data_offsets)")
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if code not in _NUMPY_CODES and code not in _ML_CODES:
+            raise self._error(f"tensor {name!r} has unsupported dtype {code!r}")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise self._error(f"corrupted header (tensor {name!r} has shape {shape!r})")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise self._error(f"corrupted header (tensor {name!r} has data_offsets {offsets!r})")
+        begin, end = offsets
+        itemsize = numpy_dtype_of(code).itemsize
+        if end - begin != itemsize * math.prod(shape):
+            raise self._error(f"tensor {name!r}: shape {tuple(shape)} of {code} needs "
+                              f"{itemsize * math.prod(shape)} bytes but its offsets span {end - begin}")
+        if end > data_size:
+            raise self._error(f"truncated: tensor {name!r} ends at data byte {end} but the file "
+                              f"holds only {data_size} data bytes")
+        return TensorInfo(name, code, tuple(shape), data_start + begin, end - begin)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a numpy array mapped from the file (copy-on-write)."""
+        info = self.tensors[name]
+        dtype = info.numpy_dtype
+        if info.nbytes == 0:
+            return np.zeros(info.shape, dtype)
+        try:
+            return np.memmap(self.path, dtype=dtype, mode="c", offset=info.start, shape=info.shape)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------ writing
+#: A tensor to write: its numpy array, or (dtype, shape, producer) to fetch it when its turn comes.
+Producer = Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
+class PendingTensor:
+    """A tensor known by dtype and shape now, its data fetched only when it is written."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    produce: Producer
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+
+def pending(value) -> PendingTensor:
+    """A PendingTensor for an array (or one already pending)."""
+    if isinstance(value, PendingTensor):
+        return value
+    arr = value
+    return PendingTensor(arr.dtype, tuple(arr.shape), lambda: arr)
+
+
+def header_bytes(tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
+    """The length-prefixed, space-padded header and the order the tensors' bytes follow in.
+
+    Larger dtypes come first (stable otherwise), so every tensor starts aligned to its itemsize.
+    """
+    order = sorted(tensors, key=lambda k: -tensors[k].dtype.itemsize)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": st_dtype(t.dtype), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None = None,
+                      on_tensor: Callable[[str, int], None] | None = None) -> int:
+    """Write ``tensors`` to the open binary file ``f``, one at a time; return the bytes written.
+
+    Each producer is called when its tensor's turn comes and its array dropped right after,
+    so memory holds one tensor at a time. ``on_tensor(name, nbytes)`` reports progress.
+    """
+    head, order = header_bytes(tensors, metadata)
+    f.write(head)
+    total = len(head)
+    for name in order:
+        t = tensors[name]
+        arr = t.produce()
+        if arr.dtype != t.dtype or tuple(arr.shape) != t.shape:
+            raise CheckpointError(f"tensor {name!r} changed while being written: expected {t.dtype} "
+                                  f"{t.shape}, got {arr.dtype} {tuple(arr.shape)}")
+        _write_array(f, arr)
+        total += t.nbytes
+        del arr
+        if on_tensor is not None:
+            on_tensor(name, t.nbytes)
+    return total
+
+
+def _write_array(f, arr: np.ndarray, chunk: int = 64 << 20) -> None:
+    """Write ``arr``'s bytes little-endian in C order, in chunks (no whole-tensor copy if contiguous)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if arr.size == 0:
+        return
+    if not arr.flags.c_contiguous:
+        # a transposed view: copy rows in blocks so the extra memory stays bounded
+        rows = max(1, chunk // max(1, arr[0].nbytes)) if arr.ndim > 1 else arr.shape[0]
+        for i in range(0, arr.shape[0], rows):
+            f.write(np.ascontiguousarray(arr[i:i + rows]).reshape(-1).view(np.uint8).data)
+        return
+    flat = arr.reshape(-1).view(np.uint8)
+    for i in range(0, flat.size, chunk):
+        f.write(flat[i:i + chunk].data)

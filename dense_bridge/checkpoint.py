@@ -1,0 +1,574 @@
+"""Checkpoints: ``db.save`` and ``db.load``, the canonical file format and the native ones.
+
+Canonical checkpoint (format_version 1): a safetensors file whose tensors are the canonical
+parameters ("0.kernel" (in_features, units), "0.bias" (units,), "0.mask", Bilinear kernel
+(units, in1, in2)) in their own dtype (bfloat16 stored as BF16, never widened), and whose
+string metadata holds
+
+- ``format`` = "dense_bridge", ``format_version`` = "1";
+- ``spec``: the JSON of ``spec.to_config()`` (rebuild with ``db.from_config``), or "null" when
+  only parameters were saved (``spec_note`` then says so);
+- ``layout``: JSON {name: "canonical"}, ``layout_note``: the canonical layout in words;
+- ``dtypes``: JSON {name: dtype name}; ``num_params``, ``source_backend``, ``dense_bridge_version``.
+
+Sharded (``max_shard_size``): ``model-00001-of-00003.safetensors`` ... plus
+``model.safetensors.index.json`` = {"metadata": {the same keys, "total_size": bytes},
+"weight_map": {name: shard file}} as model hubs write them; each shard's own metadata names
+its index. Files are recognised by content, not extension.
+
+Reading maps one tensor at a time (np.memmap), so loading onto a backend or converting a
+sharded checkpoint holds one tensor of the source in memory beyond the output. Writes are
+atomic (``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
+``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) live in ``_checkpoint_native``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+
+from ._checkpoint_io import AtomicFiles, check_writable, parse_size, shard_names
+from ._dtypes import dtype_name
+from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
+from ._params import ParamSource, expected_params, validate_params
+from ._safetensors import PendingTensor, SafetensorsFile, is_safetensors, pending, st_dtype, write_safetensors
+from .activations import Activation
+from .specs import Dense, Sequential, Spec, from_config, layer_config, layer_param_shapes
+
+__all__ = ["save", "load", "open_checkpoint", "convert_file", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "dense_bridge"
+FORMAT_VERSION = "1"
+LAYOUT_NOTE = ("canonical layout, y = x @ kernel + bias: Dense kernel (in_features, units), bias (units,), "
+               "mask (in_features, units); Bilinear kernel (units, in1_features, in2_features), bias (units,); "
+               "keys of a Sequential are '<position>.<name>'")
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+# ============================================================================ arguments
+def _path_arg(path: object, argument: str = "path") -> str:
+    if isinstance(path, (str, os.PathLike)):
+        text = os.fspath(path)
+        if isinstance(text, str) and text:
+            return text
+    raise TypeError(f"{argument} must be a file path (str or os.PathLike). {received(argument, path)}")
+
+
+def _spec_arg(spec: object, argument: str = "spec"):
+    """A spec from a Spec, an Activation or a config dict/JSON string; None stays None."""
+    if spec is None or isinstance(spec, (Spec, Activation)):
+        return spec
+    if isinstance(spec, (dict, str)):
+        return from_config(spec)
+    raise TypeError(f"{argument} must be a dense_bridge spec or its config dict. {received(argument, spec)}")
+
+
+def _spec_json(spec) -> str:
+    return json.dumps(layer_config(spec), separators=(",", ":"))
+
+
+def _spec_from_json(text: str, where: str):
+    if text in ("", "null"):
+        return None
+    try:
+        return from_config(json.loads(text))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{where} has a spec in its metadata that cannot be read: {exc}") from None
+
+
+# ============================================================================ saving
+def _is_native(obj: object) -> bool:
+    from ._registry import backend_of
+
+    try:
+        backend_of(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _as_array(value: object, name: str, path: str) -> np.ndarray:
+    from ._params import _to_numpy
+
+    arr = _to_numpy(value) if not isinstance(value, (list, tuple, int, float)) else np.asarray(value)
+    if arr is None:
+        raise CheckpointError(f"cannot save {path}: params[{name!r}] is a {type(value).__name__}, not a numeric "
+                              "array")
+    try:
+        st_dtype(arr.dtype)
+    except ValueError:
+        raise CheckpointError(f"cannot save {path}: params[{name!r}] has dtype {arr.dtype}, which a "
+                              "safetensors file cannot hold") from None
+    return arr
+
+
+def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str]:
+    """(spec or None, tensors to write, source backend) for what db.save was given."""
+    from . import _api
+
+    if isinstance(obj, (Spec, Activation)):
+        raise TypeError("obj is a spec without parameters: pass (spec, params), a compiled model, or a params "
+                        f"dict. {received('obj', obj)}")
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], (Spec, Activation)):
+        spec, params = obj
+        try:
+            checked = validate_params(spec, params)
+        except ConversionError as exc:
+            raise CheckpointError(f"cannot save {path}: {exc}") from None
+        return spec, {k: pending(v) for k, v in checked.items()}, "numpy"
+    # natives first: an MLX module is a dict too
+    if _is_native(obj):
+        try:
+            spec = _api.to_spec(obj)
+            params = _api.get_params(obj)
+        except DenseBridgeError as exc:
+            raise CheckpointError(f"cannot save {path}: {exc}") from None
+        return spec, {k: pending(np.asarray(v)) for k, v in params.items()}, _api.backend(obj)
+    if isinstance(obj, Mapping):
+        tensors = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"params keys must be strings. {received('key', k)}")
+            tensors[k] = pending(_as_array(v, k, path))
+        return None, tensors, "numpy"
+    raise TypeError("obj must be a native model or layer, a (spec, params) tuple or a params dict. "
+                    f"{received('obj', obj)}")
+
+
+def _metadata(spec, tensors: Mapping[str, PendingTensor], source: str) -> dict[str, str]:
+    from . import __version__
+
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
+            "spec": "null" if spec is None else _spec_json(spec),
+            "layout": json.dumps({k: "canonical" for k in tensors}),
+            "layout_note": LAYOUT_NOTE,
+            "dtypes": json.dumps({k: dtype_name(t.dtype) for k, t in tensors.items()}),
+            "num_params": str(sum(math.prod(t.shape) for k, t in tensors.items() if not k.endswith("mask"))),
+            "source_backend": source, "dense_bridge_version": __version__}
+    if spec is None:
+        meta["spec_note"] = ("parameters only, saved without a spec: pass spec= to db.load (--spec on the "
+                             "command line) to rebuild a model")
+    return meta
+
+
+def _plan_shards(tensors: Mapping[str, PendingTensor], limit: int | None) -> list[list[str]]:
+    """Greedy, in order: a new shard starts when the next tensor would overflow the limit."""
+    if limit is None:
+        return [list(tensors)]
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        if groups[-1] and size + t.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += t.nbytes
+    return groups
+
+
+def _index_files(index_path: str) -> list[str]:
+    """Files an existing dense_bridge index at ``index_path`` points to (none when unreadable)."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        if index.get("metadata", {}).get("format") != FORMAT:
+            return []
+        d = os.path.dirname(index_path)
+        return sorted({os.path.join(d, v) for v in index["weight_map"].values()})
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
+def _remove_quietly(paths) -> None:
+    for p in paths:
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mapping[str, str],
+                    max_shard_size: int | None = None, progress: Progress | None = None) -> list[str]:
+    """Write a canonical checkpoint atomically (sharded when asked); return the files written."""
+    groups = _plan_shards(tensors, max_shard_size)
+    total = sum(t.nbytes for t in tensors.values())
+    done = [0]
+
+    def tick(name: str, nbytes: int) -> None:
+        done[0] += nbytes
+        if progress is not None:
+            progress(done[0], total)
+
+    if len(groups) == 1 and not path.endswith(".index.json"):
+        stale_index = path + ".index.json"
+        stale = _index_files(stale_index)
+        with AtomicFiles(path) as tx:
+            tmp = tx.temp_for(path)
+            with open(tmp, "wb") as f:
+                write_safetensors(f, tensors, meta, tick)
+        # a sharded checkpoint saved earlier under this name would only confuse readers now
+        if stale:
+            _remove_quietly(stale + [stale_index])
+        return [path]
+
+    shards, index_path = shard_names(path, len(groups))
+    stale = set(_index_files(index_path))
+    index_meta: dict[str, Any] = dict(meta)
+    index_meta["total_size"] = total
+    weight_map = {}
+    with AtomicFiles(path) as tx:
+        for i, (names, shard) in enumerate(zip(groups, shards), start=1):
+            tmp = tx.temp_for(shard)
+            shard_meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "shard": f"{i}/{len(groups)}",
+                          "index": os.path.basename(index_path)}
+            with open(tmp, "wb") as f:
+                write_safetensors(f, {n: tensors[n] for n in names}, shard_meta, tick)
+            weight_map.update({n: os.path.basename(shard) for n in names})
+        tmp = tx.temp_for(index_path)  # renamed last: readers never see an index without its shards
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"metadata": index_meta, "weight_map": {n: weight_map[n] for n in tensors}}, f, indent=2)
+            f.write("\n")
+    stale -= {os.path.abspath(s) for s in shards} | set(shards)
+    if path != index_path and os.path.isfile(path):
+        stale.add(path)  # an earlier single-file save here would shadow the new index
+    _remove_quietly(stale)
+    return shards + [index_path]
+
+
+def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None = None) -> list[str]:
+    """Save a native model, a (spec, params) tuple or a params dict as a canonical checkpoint.
+
+    safetensors with the spec and layout in its metadata; bfloat16 kept bit for bit.
+    ``max_shard_size`` (bytes, or "10MB"/"1GB") shards it hub-style with an index. Atomic: on
+    any error nothing under ``path`` changes and no partial file is left. Returns the files written.
+    """
+    path = _path_arg(path)
+    limit = parse_size(max_shard_size)
+    check_writable(path)
+    spec, tensors, source = _resolve(obj, path)
+    try:
+        return write_canonical(path, tensors, _metadata(spec, tensors, source), limit)
+    except DenseBridgeError:
+        raise
+    except Exception as exc:  # a producer failed mid-write: the temporaries are gone already
+        raise CheckpointError(f"cannot save {path}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
+            from exc
+
+
+# ============================================================================ reading
+def _sniff(path: str) -> str:
+    """The kind of file at ``path`` by content: "safetensors", "index", "zip", "hdf5", "pickle"."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"cannot read {path}: no such file or directory")
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
+                              "(model.safetensors, model.safetensors.index.json, model.pt, ...)")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if size == 0:
+        raise CheckpointError(f"cannot read {path}: the file is empty (0 bytes)")
+    if is_safetensors(head, size):
+        return "safetensors"
+    if head.lstrip()[:1] == b"{":
+        return "index"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):
+        return "hdf5"
+    if head[:1] == b"\x80" or head.startswith(b"\x8a\x0a"):  # pickle protocol 2+ (torch's legacy format)
+        return "pickle"
+    ext = os.path.splitext(path)[1] or "(none)"
+    reason = f"its first bytes {head[:12]!r} match no supported format"
+    raise CheckpointError(
+        f"cannot read {path} (extension {ext}): {reason}. Supported: dense_bridge/torch/MLX .safetensors "
+        "(+ .index.json), torch .pt/.pth/.bin, Keras .weights.h5/.keras, MLX .npz")
+
+
+class CanonicalCheckpoint:
+    """A canonical checkpoint opened for reading: headers parsed, tensors mapped on demand."""
+
+    framework = None
+
+    def __init__(self, path: str, files: list[SafetensorsFile], meta: Mapping[str, Any], spec=None,
+                 index_path: str | None = None) -> None:
+        self.path = path
+        self.index_path = index_path
+        self.files = files
+        self.meta = dict(meta)
+        version = str(self.meta.get("format_version", "?"))
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path} is a dense_bridge checkpoint of format_version {version}; this version "
+                                  f"of dense_bridge reads format_version {FORMAT_VERSION} (upgrade dense_bridge)")
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in files:
+            for name in f.tensors:
+                self.where[name] = f
+        stored = _spec_from_json(str(self.meta.get("spec", "null")), path)
+        self.stored_spec = stored
+        self.spec = _fill_lazy(spec if spec is not None else stored, self)
+        if self.spec is not None:
+            self._check(self.spec)
+        self.kind = "dense_bridge checkpoint" + (f" ({len(files)} shards)" if index_path else "")
+
+    # -- info
+    def info(self, name: str):
+        return self.where[name].tensors[name]
+
+    def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(n, self.info(n).shape, dtype_name(self.info(n).numpy_dtype)) for n in self.where]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.info(n).nbytes for n in self.where)
+
+    def _check(self, spec) -> None:
+        try:
+            expected = expected_params(spec)
+        except SpecError as exc:
+            raise CheckpointError(f"{self.path}: the spec cannot describe parameters: {exc}") from None
+        problems = _mismatches({n: (self.info(n).shape, dtype_name(self.info(n).numpy_dtype)) for n in self.where},
+                               {k: (tuple(s), d) for k, (s, d) in expected.items()})
+        if problems:
+            raise CheckpointError(f"{self.path} does not match the spec ({_describe(spec)}): "
+                                  + "; ".join(problems))
+
+    # -- data
+    def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` mapped from its file (copy-on-write: writable, the file never changes)."""
+        return self.where[name].get(name)
+
+    def params(self) -> dict[str, np.ndarray]:
+        """All canonical parameters as in-memory arrays (copies)."""
+        return {n: np.array(self.get(n)) for n in self.where}
+
+    def pending(self) -> dict[str, PendingTensor]:
+        """Every tensor as a PendingTensor: read from the file only when written out."""
+        return {n: PendingTensor(self.info(n).numpy_dtype, self.info(n).shape, _getter(self, n)) for n in self.where}
+
+    def native(self, backend: str, progress: Progress | None = None):
+        """A native model on ``backend``, its parameters streamed in one tensor at a time."""
+        from ._registry import get_adapter
+
+        if self.spec is None:
+            raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
+                                  "db.load (--spec SPEC.json on the command line) to build a model from it")
+        adapter = get_adapter(backend)
+        source = _StreamingSource(self, progress)
+        try:
+            return adapter.compile(self.spec, source)
+        except ConversionError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from None
+
+
+def _getter(ckpt: CanonicalCheckpoint, name: str):
+    return lambda: ckpt.get(name)
+
+
+def _fill_lazy(spec, ckpt: CanonicalCheckpoint):
+    """A lazy spec (in_features=None) gets its width from the stored kernel."""
+    if spec is None or not getattr(spec, "lazy", False):
+        return spec
+    key = "kernel"
+    if isinstance(spec, Sequential):
+        first = next((i for i, l in enumerate(spec.layers) if isinstance(l, Dense)), None)
+        key = f"{first}.kernel"
+    if key in ckpt.where and len(ckpt.info(key).shape) == 2:
+        return spec.with_in_features(int(ckpt.info(key).shape[0]))
+    return spec
+
+
+class _StreamingSource(ParamSource):
+    """A ParamSource reading each layer's tensors from the checkpoint when the adapter asks.
+
+    Adapters copy what ``for_layer`` returns into framework memory, so the mapped pages of one
+    layer are released before the next layer is read.
+    """
+
+    def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None) -> None:
+        self.spec = ckpt.spec
+        self.seed = 0
+        self.params = None
+        self._ckpt = ckpt
+        self._progress = progress
+        self._done = 0
+        self._total = ckpt.total_bytes
+
+    def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
+        prefix = f"{index}." if isinstance(self.spec, Sequential) else ""
+        raw = {k: self._ckpt.get(prefix + k) for k in layer_param_shapes(layer)}
+        checked = validate_params(layer, raw, argument=f"parameters of layer {index}")
+        self._done += sum(a.nbytes for a in raw.values())
+        if self._progress is not None:
+            self._progress(self._done, self._total)
+        return checked
+
+
+def _mismatches(got: Mapping[str, tuple], expected: Mapping[str, tuple], note: str = "") -> list[str]:
+    """Every difference between stored and expected (name -> (shape, dtype)), in words."""
+    problems = []
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    for k in expected:
+        if k in got:
+            (gs, gd), (es, ed) = got[k], expected[k]
+            if tuple(gs) != tuple(es):
+                problems.append(f"{k}: file has shape {tuple(gs)}, the spec expects {tuple(es)}{note}")
+            elif gd != ed:
+                problems.append(f"{k}: file has dtype {gd}, the spec expects {ed}")
+    return problems
+
+
+def _describe(spec) -> str:
+    if isinstance(spec, Sequential):
+        return f"Sequential of {len(spec.layers)} layers"
+    return type(spec).__name__
+
+
+def _open_index(path: str, spec) -> CanonicalCheckpoint:
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: not a valid JSON index ({exc})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise CheckpointError(f"cannot read {path}: a JSON file but not a checkpoint index (no \"weight_map\")")
+    meta = index.get("metadata") or {}
+    d = os.path.dirname(path)
+    files: dict[str, SafetensorsFile] = {}
+    for name, fname in index["weight_map"].items():
+        if not isinstance(fname, str) or os.path.basename(fname) != fname:
+            raise CheckpointError(f"cannot read {path}: weight_map[{name!r}] must be a file name beside the index")
+        if fname not in files:
+            full = os.path.join(d, fname)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"cannot read {path}: its shard {fname} is missing (expected at {full})")
+            files[fname] = SafetensorsFile(full)
+        if name not in files[fname].tensors:
+            raise CheckpointError(f"cannot read {path}: the index maps {name!r} to {fname}, which does not hold it")
+    for fname, f in files.items():
+        extra = [n for n in f.tensors if index["weight_map"].get(n) != fname]
+        if extra:
+            raise CheckpointError(f"cannot read {path}: shard {fname} holds tensors the index does not list: {extra}")
+    if meta.get("format") != FORMAT:
+        return None  # a hub index of native shards: the caller treats it as a native checkpoint
+    return CanonicalCheckpoint(path, list(files.values()), {k: v for k, v in meta.items()}, spec, index_path=path)
+
+
+def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: str | None = None):
+    """A checkpoint opened for reading: canonical (CanonicalCheckpoint) or native (NativeCheckpoint).
+
+    ``spec`` (a spec or config dict) or ``like`` (a native model of the same architecture) say
+    what the file holds when the file does not carry a spec itself; ``format`` forces the
+    reading of a native file ("torch", "keras", "mlx").
+    """
+    from . import _checkpoint_native as native
+
+    path = _path_arg(path)
+    spec = _spec_arg(spec)
+    if like is not None:
+        from . import _api
+
+        if spec is None:
+            spec = _api.to_spec(like)
+    if format is not None and format not in native.FORMATS:
+        raise ValueError(f"format must be one of {', '.join(native.FORMATS)}. {received('format', format)}")
+    if not os.path.exists(path) and os.path.isfile(path + ".index.json"):
+        path = path + ".index.json"  # a sharded save to "model.safetensors" is read back by that name
+    kind = _sniff(path)
+    if kind == "safetensors":
+        st = SafetensorsFile(path)
+        if st.metadata.get("format") == FORMAT and format in (None, "dense_bridge"):
+            if "shard" in st.metadata:
+                index = os.path.join(os.path.dirname(path), st.metadata.get("index", "?"))
+                raise CheckpointError(f"{path} is shard {st.metadata['shard']} of a sharded checkpoint: load its "
+                                      f"index {index} instead")
+            return CanonicalCheckpoint(path, [st], st.metadata, spec)
+        return native.open_native(path, "safetensors", spec=spec, like=like, format=format, files=[st])
+    if kind == "index":
+        ckpt = _open_index(path, spec)
+        if ckpt is not None:
+            return ckpt
+        return native.open_native(path, "safetensors-index", spec=spec, like=like, format=format)
+    return native.open_native(path, kind, spec=spec, like=like, format=format)
+
+
+def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None):
+    """A native model on ``backend`` from a checkpoint, or ``(spec, params)`` when backend is None.
+
+    Reads canonical checkpoints (single or sharded), torch state dicts (.pt/.pth/.bin, read with
+    weights_only=True) and torch safetensors, Keras .weights.h5/.keras, MLX .safetensors/.npz.
+    Files that do not carry a spec need ``spec=`` or ``like=`` (a native model of the same
+    architecture). ``params`` are in-memory numpy arrays in the canonical layout; a checkpoint
+    saved without a spec gives ``(None, params)``.
+    """
+    from ._registry import check_backend_name
+
+    if backend is not None:
+        backend = check_backend_name(backend)
+    ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
+    if backend is None:
+        return ckpt.spec, ckpt.params()
+    return ckpt.native(backend)
+
+
+# ============================================================================ converting
+CANONICAL_TARGETS = ("canonical", "dense_bridge", "numpy")
+
+
+def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: str | None = None,
+                 max_shard_size: int | str | None = None, progress: Progress | None = None) -> dict:
+    """Convert checkpoint ``src`` to backend ``to``'s file format at ``out``; return a summary.
+
+    ``to`` is a backend ("torch", "keras", "mlx") or "canonical" (also "numpy": the reference
+    backend's format is the canonical checkpoint). Canonical -> canonical streams tensor by
+    tensor; canonical -> native builds the native model one mapped tensor at a time.
+    """
+    from . import _checkpoint_native as native
+    from ._registry import check_backend_name
+
+    src = _path_arg(src, "src")
+    out = _path_arg(out, "out")
+    target = to.lower() if isinstance(to, str) else to
+    if target not in CANONICAL_TARGETS:
+        target = check_backend_name(to, "to")
+    limit = parse_size(max_shard_size)
+    if limit is not None and target not in CANONICAL_TARGETS:
+        raise ValueError(f"max_shard_size applies to canonical checkpoints only (--to canonical), not to "
+                         f"{target} files. {received('max_shard_size', max_shard_size)}")
+    if os.path.abspath(out) == os.path.abspath(src):
+        raise CheckpointError(f"cannot write {out}: it is the source file; choose another output path")
+    check_writable(out)
+    ckpt = open_checkpoint(src, spec=spec, like=like, format=format)
+    if target in CANONICAL_TARGETS:
+        if isinstance(ckpt, CanonicalCheckpoint):
+            tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
+            meta = _metadata(ckpt.spec, tensors, ckpt.meta.get("source_backend", "numpy"))
+        else:
+            # views of the framework's memory: the output is written without a second copy
+            tensors = {k: pending(np.asarray(v)) for k, v in ckpt.param_views().items()}
+            meta = _metadata(ckpt.spec, tensors, ckpt.framework)
+        try:
+            files = write_canonical(out, tensors, meta, limit, progress)
+        except DenseBridgeError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
+                from exc
+        return {"src": src, "out": files, "to": "canonical", "spec": ckpt.spec is not None,
+                "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
+    model = ckpt.native(target, progress)
+    files = native.write_native(model, target, out, spec=ckpt.spec)
+    return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
+            "bytes": ckpt.total_bytes}

@@ -1,0 +1,474 @@
+"""The ``dense-bridge`` command: demo, convert, check, inspect.
+
+Exit codes: 0 ok, 1 not equivalent (check, demo), 2 bad input. Errors print one line on
+stderr (``dense-bridge <command>: error: ...``), never a traceback; ``--json`` prints a JSON
+document on stdout for scripts. Progress bars go to stderr, only on a terminal or with
+``--progress``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, Sequence
+
+EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
+BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx")
+
+
+# ============================================================================ formatting helpers
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """A plain-text table; columns in ``right`` are right-aligned."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+class ProgressBar:
+    """``[#####-----]  42%  12.0/28.4 MB  85.3 MB/s`` on stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, label: str, enabled: bool, stream=None) -> None:
+        self.label, self.enabled = label, enabled
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self.last = 0.0
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if done < total and now - self.last < 0.1:
+            return
+        self.last = now
+        frac = 1.0 if total <= 0 else min(1.0, done / total)
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        rate = done / max(now - self.start, 1e-9)
+        self.stream.write(f"\r{self.label} [{bar}] {frac * 100:5.1f}%  {human_bytes(done)}/{human_bytes(total)}  "
+                          f"{human_bytes(rate)}/s")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.enabled and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _emit_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, default=_json_default))
+
+
+def _json_default(value: Any):
+    if isinstance(value, tuple):
+        return list(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+# ============================================================================ shared argument handling
+def read_spec(text: str | None):
+    """A spec from --spec: a JSON file of spec.to_config(), a dense_bridge checkpoint, or inline JSON."""
+    if text is None:
+        return None
+    import dense_bridge as db
+
+    if text.lstrip().startswith("{"):
+        return db.from_config(text)
+    if not os.path.exists(text):
+        raise db.CheckpointError(f"--spec {text}: no such file (give a spec JSON file, a dense_bridge checkpoint "
+                                 "or inline JSON)")
+    if os.path.isdir(text):
+        raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
+    with open(text, "rb") as f:
+        head = f.read(1)
+    if head == b"{":
+        with open(text, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise db.SpecError(f"--spec {text}: not valid JSON ({exc})") from None
+        if isinstance(config, dict) and "weight_map" in config:  # an index: take the checkpoint's spec
+            return _spec_of_checkpoint(text)
+        if isinstance(config, dict) and "spec" in config and "class_name" not in config:
+            config = config["spec"]  # the output of `inspect --json`
+        return db.from_config(config)
+    return _spec_of_checkpoint(text)
+
+
+def _spec_of_checkpoint(path: str):
+    from . import checkpoint
+    import dense_bridge as db
+
+    ckpt = checkpoint.open_checkpoint(path)
+    if ckpt.spec is None:
+        raise db.CheckpointError(f"--spec {path}: this checkpoint carries no spec to take")
+    return ckpt.spec
+
+
+def _is_keras_file(path: str | None) -> bool:
+    """Whether ``path`` holds Keras data (HDF5 weights or a .keras zip), judged by its first bytes."""
+    if not path or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return False
+    return head.startswith(b"\x89HDF") or (head.startswith(b"PK") and path.lower().endswith(".keras"))
+
+
+def _needs_keras(args) -> bool:
+    if args.command == "demo":
+        return True
+    if args.command == "convert":
+        return args.to == "keras" or _is_keras_file(args.src)
+    if args.command == "check":
+        return "keras" in (args.backend_a, args.backend_b) or _is_keras_file(args.a) or _is_keras_file(args.b)
+    return args.command == "inspect" and _is_keras_file(args.src) and args.src.lower().endswith(".keras")
+
+
+def import_keras_quietly() -> None:
+    """Import Keras (and TensorFlow) with file descriptor 2 silenced.
+
+    TensorFlow's C++ start-up lines (absl "All log messages before absl::InitializeLog()",
+    oneDNN notices) bypass TF_CPP_MIN_LOG_LEVEL and Python; they would bury our one-line errors.
+    """
+    from ._registry import available_backends
+
+    if "keras" not in available_backends():
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                import keras  # noqa: F401
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+def _show_progress(args) -> bool:
+    if getattr(args, "progress", None) is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty()
+
+
+# ============================================================================ convert
+def cmd_convert(args) -> int:
+    from . import checkpoint
+
+    spec = read_spec(args.spec)
+    bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
+    start = time.perf_counter()
+    try:
+        summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
+                                          max_shard_size=args.max_shard_size, progress=bar)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    summary["seconds"] = round(seconds, 4)
+    summary["bytes_per_second"] = round(summary["bytes"] / max(seconds, 1e-9))
+    if args.json:
+        _emit_json(summary)
+        return EXIT_OK
+    outs = summary["out"]
+    where = outs[0] if len(outs) == 1 else f"{len(outs) - 1} shards + {os.path.basename(outs[-1])}"
+    print(f"converted {args.src} -> {where} ({summary['to']}): {summary['tensors']} tensors, "
+          f"{human_bytes(summary['bytes'])} in {seconds:.2f} s ({human_bytes(summary['bytes_per_second'])}/s)")
+    return EXIT_OK
+
+
+# ============================================================================ inspect
+def _activation_text(act) -> str:
+    if act is None:
+        return ""
+    from .activations import Activation
+
+    defaults = Activation(act.name).params
+    extra = {k: v for k, v in act.params.items() if defaults.get(k) != v}
+    return act.name + (f"({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
+
+
+def layer_rows(spec) -> list[dict]:
+    """One dict per layer position: type, widths, activation, dtype, parameter count."""
+    from .activations import Activation
+    from .specs import Bilinear, Dense, Sequential
+
+    layers = list(spec.layers) if isinstance(spec, Sequential) else [spec]
+    rows = []
+    for i, layer in enumerate(layers):
+        row: dict[str, Any] = {"position": i, "type": type(layer).__name__, "in_features": None, "units": None,
+                               "activation": "", "dtype": "", "params": 0, "mask_density": None}
+        if isinstance(layer, Dense):
+            row.update(in_features=layer.in_features, units=layer.units, activation=_activation_text(layer.activation),
+                       dtype=layer.dtype, params=layer.num_params if layer.in_features else None)
+            if layer.activation.is_identity:
+                row["activation"] = "linear"
+            if layer.mask is not None:
+                row["mask_density"] = round(layer.mask.density, 4)
+        elif isinstance(layer, Bilinear):
+            row.update(in_features=f"{layer.in1_features}x{layer.in2_features}", units=layer.units,
+                       dtype=layer.dtype, params=layer.num_params)
+        elif isinstance(layer, Activation):
+            row.update(type="Activation", activation=_activation_text(layer))
+        rows.append(row)
+    return rows
+
+
+def cmd_inspect(args) -> int:
+    from . import checkpoint
+    from .specs import layer_config
+
+    spec = read_spec(args.spec)
+    ckpt = checkpoint.open_checkpoint(args.src, spec=spec, format=args.format)
+    entries = ckpt.entries()
+    total_values = sum(math.prod(s) for _, s, _ in entries)
+    doc: dict[str, Any] = {
+        "path": args.src, "kind": ckpt.kind, "framework": ckpt.framework or "dense_bridge",
+        "files": [f.path for f in getattr(ckpt, "files", None) or []] or [args.src],
+        "bytes": ckpt.total_bytes,
+        "spec": None if ckpt.spec is None else layer_config(ckpt.spec),
+        "layers": [] if ckpt.spec is None else layer_rows(ckpt.spec),
+        "num_params": None if ckpt.spec is None else _num_params(ckpt.spec),
+        "tensors": [{"name": n, "shape": list(s), "dtype": d, "count": math.prod(s)} for n, s, d in entries],
+        "stored_values": total_values,
+    }
+    if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+        doc["format_version"] = ckpt.meta.get("format_version")
+    if args.json:
+        _emit_json(doc)
+        return EXIT_OK
+    nfiles = len(doc["files"])
+    print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
+    if ckpt.spec is None:
+        print("spec: none stored (pass --spec SPEC.json to see layers)")
+    else:
+        name = getattr(ckpt.spec, "name", None)
+        print(f"spec: {type(ckpt.spec).__name__}" + (f" {name!r}" if name else ""))
+        rows = [[r["position"], r["type"], "" if r["in_features"] is None else r["in_features"],
+                 "" if r["units"] is None else r["units"], r["activation"], r["dtype"],
+                 "" if r["params"] is None else f"{r['params']:,}",
+                 "" if r["mask_density"] is None else f"{r['mask_density']:.3f}"] for r in doc["layers"]]
+        print(table(["pos", "layer", "in", "units", "activation", "dtype", "params", "mask"], rows, right=(0, 2, 3, 6)))
+    print()
+    rows = [[n, "(" + ", ".join(str(x) for x in s) + ("," if len(s) == 1 else "") + ")", d, f"{math.prod(s):,}"]
+            for n, s, d in entries]
+    print(table(["tensor", "shape", "dtype", "values"], rows, right=(3,)))
+    if doc["num_params"] is not None:
+        print(f"total: {doc['num_params']:,} parameters ({len(entries)} tensors, {total_values:,} stored values)")
+    else:
+        print(f"total: {len(entries)} tensors, {total_values:,} stored values")
+    return EXIT_OK
+
+
+def _num_params(spec) -> int | None:
+    try:
+        return int(spec.num_params)
+    except Exception:  # noqa: BLE001 - a lazy spec has no count yet
+        return None
+
+
+# ============================================================================ check
+def _open_model(path: str, spec, backend: str | None, fmt: str | None):
+    from . import checkpoint
+
+    ckpt = checkpoint.open_checkpoint(path, spec=spec, format=fmt)
+    backend = backend or ckpt.framework or "numpy"
+    if ckpt.spec is None:
+        raise checkpoint.CheckpointError(f"{path} carries no spec: pass --spec SPEC.json")
+    return ckpt, backend, ckpt.native(backend)
+
+
+def param_diffs(pa: dict, pb: dict) -> list[dict]:
+    """Per canonical parameter: shapes, dtypes, max abs difference and whether the bits agree."""
+    import numpy as np
+
+    rows = []
+    for k in list(pa) + [k for k in pb if k not in pa]:
+        a, b = pa.get(k), pb.get(k)
+        row = {"name": k, "shape_a": None if a is None else list(a.shape),
+               "shape_b": None if b is None else list(b.shape),
+               "dtype_a": None if a is None else a.dtype.name, "dtype_b": None if b is None else b.dtype.name,
+               "max_abs_diff": None, "bit_identical": False}
+        if a is not None and b is not None and a.shape == b.shape:
+            diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            row["max_abs_diff"] = float(diff.max()) if diff.size else 0.0
+            row["bit_identical"] = a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == \
+                np.ascontiguousarray(b).tobytes()
+        rows.append(row)
+    return rows
+
+
+def _compare_fn():
+    try:
+        from .testing import compare
+    except ImportError as exc:
+        raise RuntimeError(f"this installation has no dense_bridge.testing.compare ({exc})") from None
+    return compare
+
+
+def cmd_check(args) -> int:
+    from . import _api
+
+    spec_a = read_spec(args.spec_a or args.spec)
+    spec_b = read_spec(args.spec_b or args.spec)
+    compare = _compare_fn()
+    _, backend_a, a = _open_model(args.a, spec_a, args.backend_a, args.format)
+    _, backend_b, b = _open_model(args.b, spec_b, args.backend_b, args.format)
+    report = compare(a, b, grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size)
+    diffs = param_diffs(_api.get_params(a), _api.get_params(b))
+    passed = bool(report.passed)
+    if args.json:
+        doc = {"a": {"path": args.a, "backend": backend_a}, "b": {"path": args.b, "backend": backend_b},
+               "equivalent": passed, "parameters": diffs, "report": report.to_dict()}
+        _emit_json(doc)
+        return EXIT_OK if passed else EXIT_NOT_EQUIVALENT
+    print(f"a: {args.a} ({backend_a})")
+    print(f"b: {args.b} ({backend_b})")
+    rows = [[d["name"], "x".join(map(str, d["shape_a"] or [])) or "-", "x".join(map(str, d["shape_b"] or [])) or "-",
+             d["dtype_a"] or "-", "-" if d["max_abs_diff"] is None else f"{d['max_abs_diff']:.3e}",
+             "yes" if d["bit_identical"] else "no"] for d in diffs]
+    print(table(["parameter", "shape a", "shape b", "dtype", "max abs diff", "bit-identical"], rows, right=(4,)))
+    print()
+    print(str(report))
+    print("equivalent" if passed else "NOT equivalent")
+    return EXIT_OK if passed else EXIT_NOT_EQUIVALENT
+
+
+# ============================================================================ demo
+def cmd_demo(args) -> int:
+    from . import _demo
+
+    return _demo.run(json_output=args.json, steps=args.steps, seed=args.seed, keep=args.keep)
+
+
+# ============================================================================ parser and main
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dense-bridge",
+        description="Port Dense/MLP models between torch, Keras, MLX and numpy: convert checkpoints, check "
+                    "equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
+    parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
+    sub.required = True
+
+    p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
+                       description="Build an MLP, train it briefly (torch when installed, else numpy), port it "
+                                   "to every installed framework, check outputs and gradients, save and reload "
+                                   "it, and print what happened.")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="seed for data and initial weights (default 0)")
+    p.add_argument("--keep", metavar="DIR", help="write the demo's checkpoints to DIR instead of a temp dir")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to another framework's format",
+                       description="Convert SRC (a dense_bridge checkpoint, torch .pt/.pth/.bin/.safetensors, "
+                                   "Keras .weights.h5/.keras, MLX .safetensors/.npz) to BACKEND's format at OUT. "
+                                   "--to canonical (or numpy) writes a dense_bridge checkpoint, shardable with "
+                                   "--max-shard-size. Files without a stored spec need --spec.")
+    p.add_argument("src", metavar="SRC", help="source checkpoint")
+    p.add_argument("--to", required=True, choices=BACKEND_CHOICES, metavar="BACKEND",
+                   help=f"target: {', '.join(BACKEND_CHOICES)}")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="output file: .pt/.pth/.bin/.safetensors (torch), .weights.h5/.keras (keras), "
+                        ".safetensors/.npz (mlx), any name for canonical")
+    p.add_argument("--spec", metavar="SPEC", help="spec JSON file (spec.to_config()), or a checkpoint to take it from")
+    p.add_argument("--format", choices=("torch", "keras", "mlx"),
+                   help="how to read a native SRC when its content is ambiguous (e.g. a bare .safetensors)")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="shard a canonical output: bytes or e.g. 10MB, 4MiB, 1GB")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="show a progress bar on stderr (default: only on a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("check", help="equivalence report for two checkpoints or models (exit 1 if they differ)",
+                       description="Load A and B (each on its own framework; canonical checkpoints on numpy), run "
+                                   "both on the same inputs and compare outputs and gradients layer by layer. "
+                                   "Exit 0 equivalent, 1 not equivalent, 2 bad input.")
+    p.add_argument("a", metavar="A", help="first checkpoint or .keras model")
+    p.add_argument("b", metavar="B", help="second checkpoint or .keras model (the reference)")
+    p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none (both sides)")
+    p.add_argument("--spec-a", metavar="SPEC", help="spec for A only")
+    p.add_argument("--spec-b", metavar="SPEC", help="spec for B only")
+    p.add_argument("--backend-a", choices=("numpy", "torch", "keras", "mlx"), help="run A on this backend")
+    p.add_argument("--backend-b", choices=("numpy", "torch", "keras", "mlx"), help="run B on this backend")
+    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--batch-size", type=int, default=8, help="rows of random input (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--no-grads", action="store_true", help="compare outputs only")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("inspect", help="layers, shapes, dtypes and parameter counts of a checkpoint",
+                       description="Show what SRC holds: its format, spec (layers, widths, activations, dtypes, "
+                                   "parameter counts) and every stored tensor.")
+    p.add_argument("src", metavar="SRC", help="checkpoint or model file")
+    p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none")
+    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up log lines are noise here
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")  # frameworks' deprecation chatter would bury the one-line errors
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
+        return int(exc.code or 0)
+    from ._errors import DenseBridgeError
+
+    try:
+        if _needs_keras(args):
+            import_keras_quietly()
+        return args.func(args)
+    except (DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        if os.environ.get("DENSE_BRIDGE_DEBUG"):
+            raise  # developers: the full traceback
+        print(f"dense-bridge {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"dense-bridge {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
