@@ -1,7 +1,5 @@
 """Tolerances derived from dtype and fan-in (FACTS.md), not one fixed number.
 
-For one reduction (FACTS.md, measured on every framework pair):
-
     |a - b| <= C * (eps_dtype * (|b| + rms(b)) + eps_f32 * sqrt(K) * rms(b))
 
 b is the reference, K the fan-in of the reduction that produced the values, eps_dtype the
@@ -12,16 +10,9 @@ accumulation error that grows like sqrt(K). C = 4 for outputs, 10 for gradients:
 comparisons the worst needs were 1.8 and 4.2, and a single weight scaled by 1.001 still fails.
 All arithmetic is float64 on the host.
 
-Chains (``stages``). In a model the value at layer i carries the rounding of every step before
-it. Rounding errors of independent steps are independent, and a well-conditioned layer carries
-an input error of size e * rms(x) to an output error of about e * rms(y), so errors add in
-quadrature relative to the rms of the values: S rounding steps in the dtype contribute
-eps_dtype * sqrt(S) * rms(b), and reductions of total length K (summed over the path)
-contribute eps_f32 * sqrt(K) * rms(b). The general form is therefore
-
-    |a - b| <= C * (eps_dtype * (|b| + sqrt(S) * rms(b)) + eps_f32 * sqrt(K) * rms(b)) + atol
-
-which is exactly the one-reduction formula when S = 1 and K is one fan-in.
+This is the allowance for one layer fed exact inputs. Inside a model, ``compare`` adds the
+differences a layer inherits from its inputs (see ``_propagate``) and passes the result to
+:func:`error_units` as ``allowed``.
 """
 from __future__ import annotations
 
@@ -63,23 +54,20 @@ def rms(b: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
 
 
-def allowed_error(reference, dtype: str, fan_in: int, c: float, atol: float = 0.0,
-                  stages: int = 1) -> np.ndarray:
-    """Elementwise allowed |a - b| for reference ``b`` in ``dtype``.
-
-    ``fan_in``: total reduction length K on the path that produced the values; ``stages``: the
-    number S of roundings to ``dtype`` on that path (1 for a single layer).
-    """
+def allowed_error(reference, dtype: str, fan_in: int, c: float, atol: float = 0.0) -> np.ndarray:
+    """Elementwise allowed |a - b| for reference ``b`` in ``dtype`` with reduction length ``fan_in``."""
     b = as_float64(reference)
     r = rms(b)
     eps = EPS[dtype]
-    return c * (eps * (np.abs(b) + math.sqrt(max(1, stages)) * r)
-                + EPS["float32"] * math.sqrt(max(1, fan_in)) * r) + atol
+    return c * (eps * (np.abs(b) + r) + EPS["float32"] * math.sqrt(max(1, fan_in)) * r) + atol
 
 
-def error_units(actual, reference, dtype: str, fan_in: int, c: float, atol: float = 0.0,
-                stages: int = 1) -> tuple[float, float]:
-    """(max abs error, max error in tolerance units); units <= 1 passes. NaN mismatch is inf."""
+def error_units(actual, reference, dtype: str, fan_in: int, c: float, atol: float = 0.0, *,
+                allowed=None) -> tuple[float, float]:
+    """(max abs error, max error in tolerance units); units <= 1 passes. NaN mismatch is inf.
+
+    ``allowed``: an elementwise allowance (shape of ``reference``) used instead of the formula.
+    """
     a, b = as_float64(actual), as_float64(reference)
     if a.shape != b.shape:
         return math.inf, math.inf
@@ -91,8 +79,9 @@ def error_units(actual, reference, dtype: str, fan_in: int, c: float, atol: floa
     diff = np.where(same_nonfinite, 0.0, diff)
     if not np.isfinite(diff).all():
         return math.inf, math.inf
-    allowed = allowed_error(np.where(np.isfinite(b), b, 0.0), dtype, fan_in, c, atol, stages)
+    if allowed is None:
+        allowed = allowed_error(np.where(np.isfinite(b), b, 0.0), dtype, fan_in, c, atol)
     # where nothing is allowed (an all-zero reference), any difference is infinitely many units
     with np.errstate(divide="ignore", invalid="ignore"):
-        units = np.where(diff == 0, 0.0, diff / allowed)
+        units = np.where(diff == 0, 0.0, diff / np.asarray(allowed, dtype=np.float64))
     return float(diff.max()), float(units.max())

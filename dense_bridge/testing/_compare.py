@@ -1,0 +1,377 @@
+"""compare(a, b): run two native models on identical data and compare every layer.
+
+Both models get the same inputs and the same upstream gradient ``grad_out`` (standard normal
+from ``seed`` unless given), rounded once to values that both models' dtypes represent
+exactly, so neither side starts from a different number. Each adapter's ``trace`` runs its
+framework's own forward and autograd backward for L = sum(y * grad_out); per layer we compare
+the output, dL/dx (one per input), dL/dkernel and dL/dbias in float64 on the host.
+
+Tolerance. The allowed error of each value is the FACTS.md formula (``_tolerance``)
+
+    C * (eps_dtype * (|b| + rms(b)) + eps_f32 * sqrt(K) * rms(b))
+
+for its own rounding, with b (the second model) as the reference, eps_dtype the coarser of
+the two models' dtypes, C = 4 for outputs and 10 for gradients, and K the fan-in of the
+reduction that produced it: in_features for a Dense output, in1*in2 for a Bilinear output,
+units for dL/dx (in2*units, in1*units for Bilinear), the number of batch rows for dL/dkernel and
+dL/dbias, the axis length for softmax/log_softmax, 1 for elementwise activations. Inside a
+model each value also inherits the differences of what it was computed from; those are carried
+along by first-order propagation on the reference (``_propagate``): through a Dense in
+quadrature over its weights, through an activation by the secant of f (and f' for gradients),
+which also accounts for the magnified relative error in the tails of gelu/silu/softmax and for
+a rounded value landing on the other side of a kink (relu' is 0 or 1). A lone layer fed exact
+inputs gets exactly the FACTS.md formula. Where a value's allowance is 0 (an all-zero
+reference), any difference fails.
+
+Empirical check (tests/test_compare.py and the sweeps quoted in the issue): every framework
+pair in float32/float16/bfloat16 over random specs and seeds passes with margin, and every
+wrong port of the issue fails at its layer.
+
+``first_divergence`` is the first failing quantity in the order the computation produces them:
+the forward outputs in layer order, then the backward in reverse layer order (for each layer:
+dL/dkernel, dL/dbias, dL/dx). A wrong weight in layer 2 also spoils the gradients of layers 0
+and 1 (backward flows through it), so "the first layer with any failure" would blame layer 0;
+execution order names the layer where the difference starts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._dtypes import EPS, numpy_dtype
+from .._errors import ConversionError, SpecError, received
+from .._params import _to_numpy
+from .._registry import adapter_for, backend_of
+from ..activations import Activation
+from ..specs import Bilinear, Dense, Sequential
+from ._report import LayerResult, ModelInfo, QuantityResult, Report
+from ._propagate import allowances
+from ._tolerance import Tolerance, error_units
+
+__all__ = ["compare", "assert_equivalent", "spec_differences"]
+
+_DEFAULT_BATCH = 8
+
+
+# ---------------------------------------------------------------------------- spec helpers
+def _layers(spec) -> list:
+    return list(spec.layers) if isinstance(spec, Sequential) else [spec]
+
+
+def _kind(spec) -> str:
+    return type(spec).__name__
+
+
+def _layer_dtype(layer) -> str | None:
+    return getattr(layer, "dtype", None) if isinstance(layer, (Dense, Bilinear)) else None
+
+
+def _model_dtype(spec) -> str:
+    """The dtype the model's input is cast to: its first layer with parameters (float32 if none)."""
+    return next((d for d in map(_layer_dtype, _layers(spec)) if d), "float32")
+
+
+def _output_dtype(spec) -> str:
+    """The dtype of the model's output: its last layer with parameters (float32 if none)."""
+    return next((d for d in map(_layer_dtype, reversed(_layers(spec))) if d), "float32")
+
+
+def _coarsest(dtypes) -> str:
+    return max(dtypes, key=lambda d: EPS[d])
+
+
+def _label(layer) -> str:
+    if isinstance(layer, Dense):
+        extra = "" if layer.activation.is_identity else f"+{layer.activation.name}"
+        return f"Dense{extra}" + ("[mask]" if layer.mask is not None else "")
+    if isinstance(layer, Activation):
+        return f"Act({layer.name})"
+    return type(layer).__name__
+
+
+def _input_widths(spec) -> list[int] | None:
+    """Input widths of the model (two for Bilinear); None when lazy or not fixed by the spec."""
+    if isinstance(spec, Bilinear):
+        return [spec.in1_features, spec.in2_features]
+    width = spec.in_features if isinstance(spec, (Dense, Sequential)) else None
+    return None if width is None else [width]
+
+
+# ---------------------------------------------------------------------------- spec diff
+def _fmt(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def _activation_diff(where: str, a: Activation, b: Activation) -> list[str]:
+    if a.name != b.name:
+        return [f"{where}: {a.name} vs {b.name}"]
+    return [f"{where}.{k}: {_fmt(a.params[k])} vs {_fmt(b.params[k])}"
+            for k in a.params if a.params[k] != b.params[k]]
+
+
+def _mask_diff(where: str, a, b) -> list[str]:
+    if a is None and b is None:
+        return []
+    if a is None or b is None:
+        m = a if a is not None else b
+        present = f"present ({m.num_connections} of {m.adjacency.size} connections)"
+        return [f"{where}: {present} vs absent" if a is not None else f"{where}: absent vs {present}"]
+    if a.shape != b.shape:
+        return [f"{where}: shape {a.shape} vs {b.shape}"]
+    n = int(np.count_nonzero(a.adjacency != b.adjacency))
+    return [f"{where}: differs in {n} of {a.adjacency.size} entries"] if n else []
+
+
+def _layer_diff(i: int, a, b) -> list[str]:
+    p = f"layer {i}"
+    if type(a) is not type(b):
+        return [f"{p} type: {_label(a)} vs {_label(b)}"]
+    if isinstance(a, Activation):
+        return _activation_diff(f"{p} activation", a, b)
+    out = []
+    if isinstance(a, Dense):
+        fields = ("units", "in_features", "use_bias", "dtype")
+    elif isinstance(a, Bilinear):
+        fields = ("in1_features", "in2_features", "units", "use_bias", "dtype")
+    else:
+        fields = ()
+    for f in fields:
+        va, vb = getattr(a, f), getattr(b, f)
+        if f == "in_features" and (va is None or vb is None):
+            continue  # a lazy layer takes its width from the input: not a difference in function
+        if va != vb:
+            out.append(f"{p} {f}: {_fmt(va)} vs {_fmt(vb)}")
+    if isinstance(a, Dense):
+        out += _activation_diff(f"{p} activation", a.activation, b.activation)
+        out += _mask_diff(f"{p} mask", a.mask, b.mask)
+    return out
+
+
+def spec_differences(spec_a, spec_b) -> list[str]:
+    """Readable field-by-field differences between two specs (initializers and names ignored:
+    they do not change what the layers compute)."""
+    out = []
+    if type(spec_a) is not type(spec_b):
+        out.append(f"model: {_kind(spec_a)} vs {_kind(spec_b)}")
+    la, lb = _layers(spec_a), _layers(spec_b)
+    if len(la) != len(lb):
+        out.append(f"number of layers: {len(la)} vs {len(lb)}")
+    for i, (x, y) in enumerate(zip(la, lb)):
+        out += _layer_diff(i, x, y)
+    return out
+
+
+# ---------------------------------------------------------------------------- inputs
+def _round_common(x: np.ndarray, dtypes: Sequence[str]) -> np.ndarray:
+    """float64 values that every dtype in ``dtypes`` represents exactly (rounded through each)."""
+    x = np.asarray(x, dtype=np.float64)
+    for _ in range(3):  # float16 <-> bfloat16 settles in one or two rounds
+        y = x
+        for d in dtypes:
+            y = y.astype(numpy_dtype(d)).astype(np.float64)
+        if np.array_equal(y, x, equal_nan=True):
+            break
+        x = y
+    return x
+
+
+def _as_array(value, argument: str) -> np.ndarray:
+    arr = _to_numpy(value)
+    if arr is None or not (np.issubdtype(arr.dtype, np.number) or arr.dtype.name == "bfloat16"):
+        raise TypeError(f"{argument} must be a numeric array. {received(argument, value)}")
+    return arr.astype(np.float64)
+
+
+def _given_inputs(inputs, n_inputs: int) -> list[np.ndarray]:
+    """The user's inputs as float64 arrays: one array, or a pair (x1, x2) for a Bilinear."""
+    if n_inputs == 2:
+        if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
+            raise SpecError(f"inputs must be a pair (x1, x2) for a Bilinear layer. "
+                            f"Received: inputs of type {type(inputs).__name__}")
+        arrays = [_as_array(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+    else:
+        arrays = [_as_array(inputs, "inputs")]
+    for i, x in enumerate(arrays):
+        if x.ndim < 1:
+            raise SpecError(f"inputs must have at least 1 dimension (*, in_features). "
+                            f"Received: inputs[{i}] of shape {x.shape}")
+    return arrays
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= {minimum}. {received(name, value)}")
+    if value < minimum:
+        raise SpecError(f"{name} must be an integer >= {minimum}. {received(name, value)}")
+    return int(value)
+
+
+def _output_width(spec, widths: list[int]) -> int:
+    if isinstance(spec, (Dense, Bilinear, Sequential)):
+        return spec.output_features(widths[0]) if not isinstance(spec, Bilinear) else spec.units
+    return widths[0]
+
+
+# ---------------------------------------------------------------------------- comparing
+_PARAM_ORDER = ("kernel", "bias")
+
+
+def _compare_layer(i: int | None, label: str, ta, tb, allowed: dict, grads: bool,
+                   dx_names: list[str]) -> LayerResult:
+    rows = [_quantity(i, label, "output", ta.output, tb.output, allowed.get("output"))]
+    if grads:
+        names = sorted(set(ta.param_grads) | set(tb.param_grads),
+                       key=lambda k: (_PARAM_ORDER.index(k) if k in _PARAM_ORDER else 9, k))
+        for k in names:
+            rows.append(_quantity(i, label, f"dL/d{k}", ta.param_grads.get(k), tb.param_grads.get(k),
+                                  allowed.get(f"dL/d{k}")))
+        for n, ga, gb in zip(dx_names, ta.input_grads, tb.input_grads):
+            rows.append(_quantity(i, label, n, ga, gb, allowed.get(n)))
+    return LayerResult(i, label, tuple(rows))
+
+
+def _quantity(i, label, name, a, b, allowed) -> QuantityResult:
+    """One row; ``allowed`` = (elementwise allowance, K) from the propagation on b (or None)."""
+    k = 0 if allowed is None else allowed[1]
+    if a is None or b is None:
+        side = "a" if a is None else "b"
+        shape = tuple(np.shape(b if a is None else a))
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, shape, f"absent in {side}")
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
+                              f"shape {a.shape} vs {b.shape}")
+    err, units = error_units(a, b, "float64", k, 1.0, allowed=allowed[0])
+    note = ""
+    if not math.isfinite(units):
+        bad_a = int((~np.isfinite(a.astype(np.float64))).sum())
+        bad_b = int((~np.isfinite(b.astype(np.float64))).sum())
+        if bad_a != bad_b:
+            note = f"non-finite values: {bad_a} in a, {bad_b} in b"
+    return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note)
+
+
+def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
+    """The first failing quantity in execution order: forward outputs, then backward from the end."""
+    for layer in layers:
+        for q in layer.quantities:
+            if q.quantity == "output" and not q.passed:
+                return q
+    for layer in reversed(layers):
+        for q in layer.quantities:
+            if q.quantity != "output" and not q.passed:
+                return q
+    return None
+
+
+def _dx_names(spec_layer) -> list[str]:
+    return ["dL/dx1", "dL/dx2"] if isinstance(spec_layer, Bilinear) else ["dL/dx"]
+
+
+def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
+    """(inputs, grad_out) as float64 arrays both models' dtypes hold exactly, or why there are none."""
+    la, lb = _layers(spec_a), _layers(spec_b)
+    if isinstance(la[0], Bilinear) != isinstance(lb[0], Bilinear):
+        return "one model is a Bilinear (two inputs), the other is not"
+    widths_a, widths_b = _input_widths(spec_a), _input_widths(spec_b)
+    rng = np.random.default_rng(seed)
+    if inputs is not None:
+        xs = _given_inputs(inputs, 2 if isinstance(la[0], Bilinear) else 1)
+        given = [x.shape[-1] for x in xs]
+        if any(w is not None and w != given for w in (widths_a, widths_b)):
+            return f"inputs have width(s) {given} but a takes {widths_a} and b {widths_b}"
+    else:
+        if widths_a is None and widths_b is None:
+            raise SpecError("compare: neither model has a fixed input width (lazy, or a lone activation); "
+                            "pass inputs=... (an array of shape (batch, in_features))")
+        if widths_a is not None and widths_b is not None and widths_a != widths_b:
+            return f"a takes input width(s) {widths_a}, b takes {widths_b}"
+        xs = [rng.standard_normal((batch_size, w)) for w in (widths_a or widths_b)]
+    xs = [_round_common(x, [_model_dtype(spec_a), _model_dtype(spec_b)]) for x in xs]
+    widths = [x.shape[-1] for x in xs]
+    out_a, out_b = _output_width(spec_a, widths), _output_width(spec_b, widths)
+    if out_a != out_b:
+        return f"a produces {out_a} output features, b {out_b}"
+    out_shape = xs[0].shape[:-1] + (out_a,)
+    if grad_out is None:
+        g = rng.standard_normal(out_shape)
+    else:
+        g = _as_array(grad_out, "grad_out")
+        if g.shape != out_shape:
+            raise SpecError(f"grad_out must have the output's shape {out_shape}. "
+                            f"Received: grad_out of shape {g.shape}")
+    return xs, _round_common(g, [_output_dtype(spec_a), _output_dtype(spec_b)])
+
+
+def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: Tolerance | None = None,
+            batch_size: int = _DEFAULT_BATCH, grad_out=None) -> Report:
+    """Run native models ``a`` and ``b`` (any backends, the same one too) on identical data and
+    compare every layer's output, dL/dx, dL/dkernel and dL/dbias (``b`` is the reference).
+
+    ``inputs``: an array (*, in_features), or ``(x1, x2)`` for a Bilinear; default: standard
+    normal of shape (batch_size, in_features) from ``seed``. ``grad_out`` (dL/dy of the final
+    output) defaults to standard normal from ``seed`` too. Both are rounded once to values
+    that both models' dtypes hold exactly. ``grads=False`` compares outputs only.
+    ``tolerance``: a :class:`Tolerance` overriding C (outputs 4, gradients 10) or adding atol.
+    Returns a :class:`Report`; its ``spec_differences`` list how the two specs differ.
+    """
+    if tolerance is None:
+        tolerance = Tolerance()
+    elif not isinstance(tolerance, Tolerance):
+        raise TypeError(f"tolerance must be a dense_bridge.testing.Tolerance or None. "
+                        f"{received('tolerance', tolerance)}")
+    seed, batch_size = _check_count("seed", seed, 0), _check_count("batch_size", batch_size, 1)
+    adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
+    la, lb = _layers(spec_a), _layers(spec_b)
+    dt_a = _coarsest([d for d in map(_layer_dtype, la) if d] or ["float32"])
+    dt_b = _coarsest([d for d in map(_layer_dtype, lb) if d] or ["float32"])
+    dtype = _coarsest([dt_a, dt_b])
+    report = Report(ModelInfo(backend_of(a, "a"), _kind(spec_a), dt_a), ModelInfo(backend_of(b, "b"),
+                    _kind(spec_b), dt_b), dtype, tolerance, [], seed, inputs is not None,
+                    spec_differences=spec_differences(spec_a, spec_b))
+
+    fed = _feed(spec_a, spec_b, inputs, grad_out, seed, batch_size)
+    if isinstance(fed, str):
+        report.compared = False
+        report.notes.append(f"numeric comparison skipped: {fed}")
+        return report
+    xs, g = fed
+    report.input_shapes = [tuple(x.shape) for x in xs]
+    in_a, in_b = _model_dtype(spec_a), _model_dtype(spec_b)
+    out_a, out_b = _output_dtype(spec_a), _output_dtype(spec_b)
+    trace_a = adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)))
+    trace_b = adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)))
+
+    if len(trace_b.layers) != len(lb):
+        raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")
+    params_b = adapter_b.get_params(b)
+    allowed = allowances(lb, trace_b, params_b, "{}." if isinstance(spec_b, Sequential) else "", xs, g,
+                         dtype, tolerance)
+    if len(trace_a.layers) == len(lb):
+        for i, (ta, tb) in enumerate(zip(trace_a.layers, trace_b.layers)):
+            label = _label(la[i]) if i < len(la) and _label(la[i]) == _label(lb[i]) else \
+                f"{_label(la[i]) if i < len(la) else '?'}|{_label(lb[i])}"
+            report.layers.append(_compare_layer(i, label, ta, tb, allowed[i], grads, _dx_names(lb[i])))
+    else:
+        # Layers do not line up (say Dense(relu) vs Dense + Activation): compare end to end only.
+        report.notes.append(f"the layers do not line up ({len(trace_a.layers)} vs {len(trace_b.layers)}): "
+                            "compared the model output and dL/dinput only")
+        ta, tb = trace_a.layers[-1], trace_b.layers[-1]
+        rows = [_quantity(None, "model", "output", ta.output, tb.output, allowed[-1]["output"])]
+        if grads:
+            for n, ga, gb in zip(_dx_names(lb[0]), trace_a.layers[0].input_grads, trace_b.layers[0].input_grads):
+                rows.append(_quantity(None, "model", n, ga, gb, allowed[0][n]))
+        report.layers.append(LayerResult(None, "model", tuple(rows)))
+    report.first_failure = _first_failure(report.layers)
+    return report
+
+
+def assert_equivalent(a, b, **kwargs) -> Report:
+    """compare(a, b, **kwargs); raise AssertionError with the report as message unless it passes."""
+    report = compare(a, b, **kwargs)
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report
