@@ -17,11 +17,14 @@ What compile builds:
   (an ``nn.Linear`` subclass applying weight * mask and the activation in ``__call__``); a lazy
   spec (in_features=None) -> :class:`LazyDenseLinear`, which draws its parameters on its first
   input. Bilinear -> ``nn.Bilinear``; Identity -> ``nn.Identity``; Sequential -> ``nn.Sequential``.
-- Activation -> the ``mlx.nn`` module where MLX computes exactly that function with explicit
-  parameters (``nn.LeakyReLU(negative_slope)``, ``nn.ELU(alpha)``, ``nn.GELU(approx="precise")``,
-  ...), else :class:`ExactActivation`: MLX's ``selu`` uses truncated constants (1.0507, 1.67326),
-  MLX has no ``hard_sigmoid``/``exponential``, ``nn.Softmax`` has no axis, and
-  ``maximum(s*x, x)`` is leaky_relu only for slopes <= 1.
+- Activation -> the ``mlx.nn`` module where MLX computes exactly that function, gradients at
+  kinks and in float16 included (``nn.ReLU``, ``nn.SiLU``, ``nn.Softmax()`` for axis -1, ...),
+  else :class:`ExactActivation`: MLX's ``selu`` uses truncated constants (1.0507, 1.67326), MLX
+  has no ``hard_sigmoid``/``exponential``, ``nn.Softmax`` has no axis, ``nn.LeakyReLU``'s
+  ``maximum(s*x, x)`` has slope 1 at 0 (and is leaky_relu only for slopes <= 1), ``nn.ELU``'s
+  gradient is NaN for large x, ``nn.GELU`` and ``nn.Hardswish`` overflow in float16, and
+  ``nn.log_softmax`` segfaults over an axis of length 1 (MLX 0.32.4). ``to_spec`` still reads
+  all of these native modules when users build them by hand.
 
 Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (FACTS), so ``mask``
 is frozen: ``save_weights``/``load_weights`` carry it, ``trainable_parameters``,
@@ -105,7 +108,14 @@ def _check_dtype(dtype: str) -> None:
 
 # ------------------------------------------------------------------ activations
 def _gelu_tanh(x):
-    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+    """0.5x(1 + tanh(u)), u = sqrt(2/pi)(x + 0.044715x^3), with x clipped to +-10 inside u only.
+
+    nn.gelu_approx cubes x as it is: x^3 overflows float16 above |x| = 40 (float32 above 7e12),
+    and tanh's vjp then multiplies 0 by inf (NaN gradients). At |x| = 10, u = 43.7 and tanh(u)
+    is +-1 to float64 precision, so the clip changes no value and no gradient.
+    """
+    c = mx.clip(x, -10.0, 10.0)
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (c + 0.044715 * c * c * c)))
 
 
 @functools.cache
@@ -116,51 +126,107 @@ def _mlx_gelu_approx_is_tanh() -> bool:
     return diff < 1e-5  # the two formulas differ by ~1e-4; float32 rounding is ~1e-7
 
 
+@mx.custom_function
+def _expm1(x):
+    """mx.expm1 with the gradient exp(x): MLX's expm1 vjp is (expm1(x) + 1), which cancels in
+    low precision (bfloat16 elu'(-6) 0.0039 instead of 0.0025)."""
+    return mx.expm1(x)
+
+
+@_expm1.vjp
+def _expm1_vjp(x, cotangent, output):
+    return (cotangent * mx.exp(x),)
+
+
+@_expm1.jvp
+def _expm1_jvp(x, tangent):
+    return (tangent * mx.exp(x),)
+
+
+def _elu(alpha: float, scale: float = 1.0) -> Callable:
+    """scale * (x if x > 0 else alpha*expm1(x)): elu (scale 1) and selu, finite in every dtype.
+
+    Not nn.elu: it takes exp of every x, so the unused branch overflows (float16 above 11,
+    float32 above 88) and where()'s vjp turns 0 * inf into NaN gradients; expm1 here only
+    sees x <= 0. where(x > 0, 0, x) rather than minimum(x, 0): MLX's minimum gives a tie's
+    gradient to its second argument, making elu'(0) 0 instead of alpha (torch, reference).
+    """
+    neg_scale = scale * alpha  # one rounded constant, as the float64 reference multiplies
+    if scale == 1.0:
+        return lambda x: mx.where(x > 0, x, neg_scale * _expm1(mx.where(x > 0, 0, x)))
+    return lambda x: mx.where(x > 0, scale * x, neg_scale * _expm1(mx.where(x > 0, 0, x)))
+
+
+def _gelu_erf(x):
+    """x * Phi(x) with Phi = (1 + erf(x/sqrt 2))/2 formed first: nn.gelu's x * (1 + erf) / 2
+    overflows float16 for x above 32752."""
+    return x * ((1 + mx.erf(x / math.sqrt(2))) * 0.5)
+
+
+def _hard_sigmoid(x):
+    """relu6(x + 3) / 6, as torch and Keras 3 (gradient 0 at the kinks -3 and 3)."""
+    return mx.minimum(mx.maximum(x + 3, 0), 6) / 6
+
+
+def _log_softmax(axis: int) -> Callable:
+    """(x - max) - logsumexp(x - max), the formula of nn.log_softmax, run uncompiled.
+
+    nn.log_softmax is mx.compile(shapeless=True)'d, and MLX 0.32.4 segfaults in it when the
+    axis has length 1 (any dtype). Subtracting the max first keeps float16 exact-ish where
+    x - logsumexp(x) loses the normaliser to the rounding of a large max (0.2 off at 1000).
+    """
+    def log_softmax(x):
+        shifted = x - mx.stop_gradient(mx.max(x, axis=axis, keepdims=True))
+        return shifted - mx.logsumexp(shifted, axis=axis, keepdims=True)
+    return log_softmax
+
+
 def _exact_fn(act: Activation) -> Callable:
     """The exact function for activations MLX lacks or defines differently."""
     n, p = act.name, act.params
     if n == "linear":
         return lambda x: x
+    if n == "elu":
+        return _elu(p["alpha"])
     if n == "selu":  # MLX's selu truncates the constants to 1.0507 and 1.67326
-        alpha, scale = p["alpha"], p["scale"]
-        return lambda x: scale * mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(x, 0)))
-    if n == "hard_sigmoid":  # relu6(x + 3) / 6, as torch and Keras 3
-        return lambda x: mx.minimum(mx.maximum(x + 3, 0), 6) / 6
+        return _elu(p["alpha"], p["scale"])
+    if n == "gelu":
+        return _gelu_erf
+    if n == "hard_sigmoid":
+        return _hard_sigmoid
+    if n == "hard_silu":  # x * hard_sigmoid(x): nn.hardswish's x * min(.., 6) / 6 overflows float16
+        return lambda x: x * _hard_sigmoid(x)
     if n == "exponential":
         return mx.exp
-    if n == "leaky_relu":  # where(), not maximum(s*x, x): right for any slope, slope at 0
+    if n == "leaky_relu":  # where(), not maximum(s*x, x): right for any slope, and slope at 0
         s = p["negative_slope"]
         return lambda x: mx.where(x > 0, x, s * x)
     if n == "gelu_tanh":
         return _gelu_tanh
     if n == "softmax":
         axis = p["axis"]
-        return lambda x: nn.softmax(x, axis=axis)
+        return lambda x: mx.softmax(x, axis=axis)
     if n == "log_softmax":
-        axis = p["axis"]
-        return lambda x: nn.log_softmax(x, axis=axis)
+        return _log_softmax(p["axis"])
     raise SpecError(f"no exact MLX function for {act!r}")  # pragma: no cover - table complete
 
 
-# name -> factory(params) -> native module; only where the module computes exactly that function.
+# name -> factory(params) -> native module; only where the module computes exactly that function,
+# including its gradient at kinks and in low precision. Elsewhere ExactActivation (see _exact_fn):
+# nn.LeakyReLU's maximum(s*x, x) has slope 1 at 0 (reference: s); nn.ELU gives NaN gradients for
+# large x; nn.GELU overflows float16 (x*(1+erf) above 32752, x^3 in the tanh form above 40);
+# nn.Hardswish overflows float16 above ~10920 (6x); nn.LogSoftmax segfaults over an axis of length 1.
 _NATIVE_MODULES: dict[str, Callable[[dict], nn.Module | None]] = {
     "relu": lambda p: nn.ReLU(),
     "relu6": lambda p: nn.ReLU6(),
-    # nn.LeakyReLU computes maximum(s*x, x): leaky_relu for s <= 1, a different function above
-    "leaky_relu": lambda p: nn.LeakyReLU(p["negative_slope"]) if p["negative_slope"] <= 1 else None,
-    "elu": lambda p: nn.ELU(p["alpha"]),
-    "gelu": lambda p: nn.GELU(approx="none"),
-    "gelu_tanh": lambda p: nn.GELU(approx="precise") if _mlx_gelu_approx_is_tanh() else None,
     "silu": lambda p: nn.SiLU(),
     "sigmoid": lambda p: nn.Sigmoid(),
-    "hard_silu": lambda p: nn.Hardswish(),
     "tanh": lambda p: nn.Tanh(),
     "softplus": lambda p: nn.Softplus(),  # logaddexp(x, 0): no threshold
     "softsign": lambda p: nn.Softsign(),
     "mish": lambda p: nn.Mish(),
-    # nn.Softmax / nn.LogSoftmax act on the last axis only
+    # nn.Softmax acts on the last axis only
     "softmax": lambda p: nn.Softmax() if p["axis"] == -1 else None,
-    "log_softmax": lambda p: nn.LogSoftmax() if p["axis"] == -1 else None,
 }
 
 
