@@ -29,7 +29,9 @@ Keras quirks handled here (measured in FACTS.md and below):
 - Parameters are written straight into the variables at creation: the layer's initializers
   hand out the ParamSource's arrays once, then the lasting initializer (a native Keras one
   where it samples the same distribution, else :class:`DenseBridgeInitializer`) is put back.
-  A lazy plain Dense stays exactly ``keras.layers.Dense`` this way.
+  A lazy plain Dense stays exactly ``keras.layers.Dense`` this way. The arrays handed out are
+  fresh 64-byte aligned buffers (``ParamSource.native_layer``) given to TF through DLPack, so
+  each variable adopts its buffer: one copy in all, and no Keras random init to throw away.
 - ``get_params`` arrays are zero-copy, read-only snapshots of the variables: TF copies a
   variable's buffer on write while another tensor still references it, so later training
   does not show in them (the first update after costs that one copy).
@@ -49,6 +51,7 @@ import tensorflow as tf
 from dense_bridge._dtypes import DTYPE_NAMES, numpy_dtype
 from dense_bridge._errors import BackendUnavailableError, ConversionError, SpecError, received
 from dense_bridge._params import ParamSource
+from dense_bridge._transfer import native_copy
 from dense_bridge._trace import LayerTrace, Trace
 from dense_bridge.activations import NAMES as ACTIVATION_NAMES
 from dense_bridge.activations import Activation
@@ -69,18 +72,38 @@ _PACKAGE = "dense_bridge"
 
 
 # ================================================================== memory
+_GIVE_MIN_BYTES = 1 << 20  # below this TF's own copy of a numpy array costs next to nothing
+_GIVEABLE = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {np.dtype(numpy_dtype("bfloat16"))}
+
+
 def _to_tensor(array: Any) -> tf.Tensor:
-    """A fresh TF tensor holding a copy of ``array`` (TF always copies numpy memory)."""
+    """A fresh TF tensor holding a copy of ``array``, in memory TF alone owns.
+
+    Large arrays are copied by dense_bridge (a cache-blocked transpose for views such as
+    torch's weight.T: 2-3x tf.transpose here) into a new buffer that TF then adopts (:func:`_give`).
+    """
     a = np.asarray(array)
-    if a.ndim < 2 or a.flags.c_contiguous:
-        return tf.convert_to_tensor(a)
-    # A transposed view (e.g. torch's weight.T): copy its contiguous base, transpose in TF.
-    # tf.transpose runs ~1.4 GB/s here against numpy's 0.5 GB/s transposing copy (FACTS).
-    perm = tuple(int(i) for i in np.argsort(a.strides, kind="stable")[::-1])
-    base = a.transpose(perm)
-    if base.flags.c_contiguous:
-        return tf.transpose(tf.convert_to_tensor(base), np.argsort(perm))
-    return tf.convert_to_tensor(np.ascontiguousarray(a))
+    if a.nbytes < _GIVE_MIN_BYTES or a.dtype not in _GIVEABLE or not tf.executing_eagerly():
+        return tf.convert_to_tensor(a)  # TF copies (numpy memory is not 64-byte aligned)
+    fresh, _ = native_copy(a)
+    return _give(fresh)
+
+
+def _give(fresh: np.ndarray) -> tf.Tensor:
+    """TF's tensor over ``fresh``, a new 64-byte aligned array that no one else references.
+
+    DLPack hands the buffer to TF without a copy (``tf.convert_to_tensor`` would copy it
+    again), and a variable created from or assigned the tensor takes the buffer over: its
+    only owner from then on. TF aborts on DLPack memory not aligned to 64 bytes (FACTS);
+    ``ParamSource.native_layer`` and ``native_copy`` buffers are.
+    """
+    if fresh.dtype not in _GIVEABLE or not tf.executing_eagerly() or fresh.ndim == 0:
+        return tf.convert_to_tensor(fresh)
+    if fresh.dtype == numpy_dtype("bfloat16"):
+        # numpy exports no ml_dtypes bfloat16 over DLPack: move the bits as uint16, relabel in TF
+        # (tf.bitcast shares the buffer)
+        return tf.bitcast(tf.experimental.dlpack.from_dlpack(fresh.view(np.uint16).__dlpack__()), tf.bfloat16)
+    return tf.experimental.dlpack.from_dlpack(fresh.__dlpack__())
 
 
 def _read(variable) -> np.ndarray:
@@ -388,17 +411,20 @@ class _Draw:
             if isinstance(self.spec, Dense):
                 # the kernel is made first; its shape (in, units) fixes a lazy width
                 self.spec = self.spec.with_in_features(int(shape[0]))
-            self.params = self.source.for_layer(self.index, self.spec)
+            # fresh aligned copies in Keras' layout (= canonical), NaN/Inf-checked while copied
+            self.params = self.source.native_layer(self.index, self.spec)
             if "mask" in self.params and self.source.params is not None:
                 # given kernels may hold values under the mask; stored masked weights are 0
-                self.params["kernel"] = self.params["kernel"] * self.params["mask"]
+                # (in place: the buffer is still ours alone)
+                np.multiply(self.params["kernel"], self.params["mask"], out=self.params["kernel"])
             self._left = set(self.params)
         value = self.params[key]
         if tuple(value.shape) != tuple(shape):
             raise SpecError(f"parameter {key!r} of layer {self.index} has shape {tuple(value.shape)} but "
                             f"the layer needs {tuple(shape)} for its input. {received(key, value.shape)}")
         self._left.discard(key)
-        tensor = _to_tensor(value)
+        del self.params[key]  # TF owns this buffer from here on: keep no writable alias of it
+        tensor = _give(value)
         if not self._left and self.on_done is not None:
             self.on_done(self.spec)
             self.on_done = None

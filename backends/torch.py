@@ -3,8 +3,10 @@
 Layouts (canonical is numpy's y = x @ kernel + bias):
 
 - ``nn.Linear.weight`` is (out, in) = ``kernel.T``; ``bias`` (out,) = ``bias``. Every transpose
-  lives here: out with a zero-copy ``weight.detach().numpy().T``, in with ``weight.copy_(K.t())``
-  (torch's transposing copy is the fastest transpose on CPU, far ahead of numpy's).
+  lives here: out with a zero-copy ``weight.detach().numpy().T``; in, at compile, as fresh memory
+  already transposed (``ParamSource.native_layer``: a cache-blocked copy, faster than torch's
+  ``copy_(K.t())``) that torch adopts through ``torch.from_numpy``, and in ``set_params`` with
+  ``weight.copy_(K.t())`` into the existing tensors.
 - :class:`DenseLinear` (a Dense with an activation and/or a mask) keeps the mask as a persistent
   buffer ``"mask"`` in the weight's layout (out, in) = ``mask.T``; the forward multiplies
   ``weight * mask``, so the mask holds from the first call and never trains.
@@ -339,6 +341,22 @@ class LazyDense(nn.LazyLinear):
 
 
 # ------------------------------------------------------------------ compile
+def _adopt(module: nn.Module, arrays: dict[str, np.ndarray], parameters: dict[str, str],
+           buffers: dict[str, str]) -> None:
+    """Give a meta-device module real tensors made from fresh arrays (no copy).
+
+    The arrays come from ``ParamSource.native_layer``: new memory in torch's layout that no
+    one else references, so torch owning it through ``torch.from_numpy`` is safe. It is also
+    the fast path: huge pages and a 64-byte start, which torch.empty (4 KiB pages) lacks.
+    """
+    for key, name in parameters.items():
+        if key in arrays:
+            setattr(module, name, nn.Parameter(_from_numpy(arrays[key])))
+    for key, name in buffers.items():
+        if key in arrays:
+            setattr(module, name, _from_numpy(arrays[key]))
+
+
 def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
     dtype = _TORCH_DTYPES[spec.dtype]
     act = None if spec.activation.name == "linear" else _activation_module(spec.activation)
@@ -347,7 +365,8 @@ def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
         init = {"spec": spec.to_config(), "seed": source.seed, "index": index}
         module = LazyDense(spec.units, spec.use_bias, activation=act, init=init, dtype=dtype)
     else:
-        params = source.for_layer(index, spec)
+        # fresh memory already in torch's layout: weight (out, in) = kernel.T, mask like the weight
+        params = source.native_layer(index, spec, {"kernel": (1, 0), "mask": (1, 0)})
         shape = (spec.units, spec.in_features)
         # Built on the meta device: torch's own init would be overwritten at once (skip_init).
         if act is None and spec.mask is None:
@@ -356,24 +375,17 @@ def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
             mask = None if spec.mask is None else torch.empty(shape, device="meta", dtype=dtype)
             module = DenseLinear(spec.in_features, spec.units, spec.use_bias, activation=act, mask=mask,
                                  device="meta", dtype=dtype)
-        module = module.to_empty(device="cpu")
-        _copy_in(module.weight, params["kernel"], transpose=True)
-        if spec.use_bias:
-            _copy_in(module.bias, params["bias"])
-        if spec.mask is not None:
-            _copy_in(module.mask, params["mask"], transpose=True)
+        _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {"mask": "mask"})
     setattr(module, _META, {"kernel_init": spec.kernel_init.to_config(),
                             "bias_init": spec.bias_init.to_config(), "name": spec.name})
     return module
 
 
 def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Bilinear:
-    params = source.for_layer(index, spec)
+    params = source.native_layer(index, spec)  # (out, in1, in2) is the canonical layout
     module = nn.Bilinear(spec.in1_features, spec.in2_features, spec.units, spec.use_bias, device="meta",
-                         dtype=_TORCH_DTYPES[spec.dtype]).to_empty(device="cpu")
-    _copy_in(module.weight, params["kernel"])  # (out, in1, in2) is the canonical layout
-    if spec.use_bias:
-        _copy_in(module.bias, params["bias"])
+                         dtype=_TORCH_DTYPES[spec.dtype])
+    _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {})
     setattr(module, _META, {"init": spec.init.to_config(), "name": spec.name})
     return module
 

@@ -8,7 +8,10 @@ calls these module-level functions. Canonical parameters follow ``dense_bridge._
   (Dense, Bilinear, Identity, Activation or Sequential). Parameters come from
   ``source.for_layer(index, layer_spec)`` (index = position in the Sequential, 0 for a lone
   layer), called when the input width is known (at build time for lazy layers). The adapter
-  copies them into storage it owns; masks become non-trainable state.
+  copies them into storage it owns; masks become non-trainable state. Where the framework can
+  adopt memory (``torch.from_numpy``, DLPack), ``source.native_layer(index, layer_spec, perms)``
+  returns fresh, aligned copies already in the framework's layout (one fast pass, NaN/Inf
+  checked on the way) for the adapter to hand over without another copy.
 - ``get_params(native) -> dict[str, np.ndarray]``: canonical names, layout and dtype.
   Arrays may be read-only views of the framework's memory: callers copy before mutating.
 - ``set_params(native, params)``: ``params`` were validated by the core (names, shapes, dtypes,

@@ -33,8 +33,11 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     """
     _check_spec(spec)
     adapter = get_adapter(backend)
-    source = ParamSource(spec, seed=seed, params=params)
+    # The target is a new object, so the NaN/Inf scan of given params can ride along with the
+    # copies into it instead of costing a pass of its own (the same error, before returning).
+    source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True)
     native = adapter.compile(source.spec, source)
+    source.finish()
     _remember_spec(native, source.spec)
     return native
 

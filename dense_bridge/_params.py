@@ -8,12 +8,14 @@ Arrays carry the layer's dtype; bfloat16 is ``ml_dtypes.bfloat16``.
 from __future__ import annotations
 
 import numbers
+from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
 
 from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
+from ._transfer import count_nonfinite, count_nonfinite_later, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
@@ -81,11 +83,23 @@ def check_seed(seed: object) -> int:
 class ParamSource:
     """Where a compiled layer's first parameters come from: a seed, or given canonical params.
 
-    Adapters call :meth:`for_layer` once the layer's input width is known (at build time
-    for lazy layers), with the layer's position in its Sequential (0 for a lone layer).
+    Adapters call :meth:`for_layer` (or :meth:`native_layer`) once the layer's input width is
+    known (at build time for lazy layers), with the layer's position in its Sequential (0 for
+    a lone layer).
+
+    With ``defer_finite_check`` the NaN/Inf scan of given params is not a separate pass over
+    everything up front: :meth:`native_layer` scans inside its copy, :meth:`for_layer` starts
+    a scan on a worker thread that runs while the adapter copies, and :meth:`finish` collects
+    those and scans whatever no adapter asked for. The error is the one
+    :func:`validate_params` raises, listing every offender. Only for targets that are new
+    objects (compile, convert): a half-built one is simply dropped.
     """
 
-    def __init__(self, spec, seed: object = None, params: Mapping | None = None) -> None:
+    _unchecked: frozenset | set = frozenset()  # given keys not yet known to be free of NaN/Inf
+    _pending: Mapping = MappingProxyType({})  # key -> Future of its NaN/Inf count (for_layer's scans)
+
+    def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
+                 defer_finite_check: bool = False) -> None:
         self.spec = spec
         self.seed = check_seed(seed)
         self.params = None
@@ -94,21 +108,79 @@ class ParamSource:
                 # given params fix the width: adapters then build eagerly with these exact shapes
                 spec = _fill_lazy_from_params(spec, params)
                 self.spec = spec
-            self.params = validate_params(spec, params, strict=True, argument="params")
+            self.params, deferred = _validate(spec, params, strict=True, argument="params",
+                                              check_finite=not defer_finite_check)
+            self._unchecked = set(deferred)
+            self._pending = {}
 
-    def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
-        """Canonical params for the layer at ``index`` (fresh arrays the caller may keep)."""
-        if self.params is None:
-            return initial_layer_params(layer, self.seed, index)
-        prefix = f"{index}." if isinstance(self.spec, Sequential) else ""
-        expected = layer_param_shapes(layer)
+    def _prefix(self, index: int) -> str:
+        return f"{index}." if isinstance(self.spec, Sequential) else ""
+
+    def _given(self, index: int, layer) -> dict[str, np.ndarray]:
+        prefix = self._prefix(index)
         out = {}
-        for key in expected:
+        for key in layer_param_shapes(layer):
             value = self.params.get(prefix + key)
             if value is None:
                 raise ConversionError(f"params has no {prefix + key!r} for layer {index}")
             out[key] = value
         return out
+
+    def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
+        """Canonical params for the layer at ``index`` (fresh arrays the caller may keep)."""
+        if self.params is None:
+            return initial_layer_params(layer, self.seed, index)
+        out = self._given(index, layer)
+        prefix = self._prefix(index)
+        for key in out:
+            if prefix + key in self._unchecked and prefix + key not in self._pending:
+                # scanned while the adapter copies; finish() collects the verdict
+                self._pending[prefix + key] = count_nonfinite_later(out[key])
+        return out
+
+    def native_layer(self, index: int, layer, perms: Mapping[str, tuple[int, ...]] | None = None
+                     ) -> dict[str, np.ndarray]:
+        """The layer's params in a framework's layout, as fresh memory the adapter may give away.
+
+        Each array is a new, 64-byte aligned, C-contiguous copy of ``value.transpose(perm)``
+        (``perms[key]``; keys not listed keep the canonical layout), bit for bit, written in
+        one fast pass that also scans given params for NaN/Inf (see the class docstring).
+        Adapters hand these to their framework without another copy (``torch.from_numpy``,
+        DLPack), so the framework owns memory nobody else references.
+        """
+        perms = perms or {}
+        prefix = self._prefix(index)
+        due = {k for k in layer_param_shapes(layer)
+               if prefix + k in self._unchecked and prefix + k not in self._pending}
+        values = self._given(index, layer) if due else self.for_layer(index, layer)
+        out, bad = {}, False
+        for key, value in values.items():
+            out[key], count = native_copy(value, perms.get(key), check_finite=key in due)
+            bad = bad or count > 0
+        if bad:
+            self._raise_nonfinite()
+        if due:
+            self._unchecked.difference_update(prefix + k for k in due)
+        return out
+
+    def finish(self) -> None:
+        """Collect the scans under way and scan the given params no adapter asked for; raise
+        if any holds NaN or Inf."""
+        if not self._unchecked:
+            return
+        for key, future in self._pending.items():
+            if future.result() == 0:
+                self._unchecked.discard(key)
+        self._pending = {}
+        if any(count_nonfinite(self.params[k]) for k in self._unchecked):
+            self._raise_nonfinite()
+        self._unchecked = set()
+
+    def _raise_nonfinite(self) -> None:
+        # the same words, in the same key order, as validate_params' up-front scan
+        problems = [f"{key}: {bad} NaN or Inf value(s)" for key in expected_params(self.spec)
+                    if key in self._unchecked and (bad := count_nonfinite(self.params[key]))]
+        raise ConversionError(f"params do not fit {_describe(self.spec)}: " + "; ".join(problems))
 
 
 def _is_lazy(spec) -> bool:
@@ -148,6 +220,19 @@ def validate_params(spec, params: object, *, strict: bool = True,
     wrong shapes, non-numeric values, NaN/Inf, masks that are not 0/1. One ConversionError then
     lists them all, so the caller can reject the whole load before touching anything.
     """
+    return _validate(spec, params, strict=strict, argument=argument, check_finite=True)[0]
+
+
+def _deferrable(key: str, value: np.ndarray, target: np.dtype) -> bool:
+    """May this value's NaN/Inf scan wait for the copy? Not for masks (a NaN must read as NaN,
+    not as "not 0/1") nor for values cast to the spec's dtype (the cast may overflow to Inf)."""
+    return not key.endswith("mask") and value.dtype == target
+
+
+def _validate(spec, params: object, *, strict: bool, argument: str,
+              check_finite: bool) -> tuple[dict[str, np.ndarray], list[str]]:
+    """validate_params, plus the keys whose NaN/Inf scan was left for later (only when
+    ``check_finite`` is False and nothing else is wrong: an error lists every offender)."""
     if not isinstance(params, Mapping):
         raise TypeError(f"{argument} must be a dict of name -> array. {received(argument, params)}")
     try:
@@ -162,6 +247,7 @@ def validate_params(spec, params: object, *, strict: bool = True,
     if unexpected:  # never silently ignored, strict or not
         problems.append(f"unexpected keys: {unexpected}")
     out: dict[str, np.ndarray] = {}
+    deferred: list[str] = []
     for key, (shape, dtype) in expected.items():
         if key not in params:
             continue
@@ -174,31 +260,22 @@ def validate_params(spec, params: object, *, strict: bool = True,
             problems.append(f"expected shape {tuple(shape)} for parameter {key}, received {tuple(value.shape)}")
             continue
         target = numpy_dtype(dtype)
-        bad = _count_nonfinite(value)
-        if bad:
-            problems.append(f"{key}: {bad} NaN or Inf value(s)")
-            continue
+        if not check_finite and _deferrable(key, value, target):
+            deferred.append(key)
+        else:
+            bad = count_nonfinite(value)
+            if bad:
+                problems.append(f"{key}: {bad} NaN or Inf value(s)")
+                continue
         if key.endswith("mask") and not ((value == 0) | (value == 1)).all():
             problems.append(f"{key}: a mask must hold only 0 and 1")
             continue
         out[key] = value if value.dtype == target else value.astype(target)
+    if problems and deferred:  # the one error must name every offender: scan now after all
+        return _validate(spec, params, strict=strict, argument=argument, check_finite=True)
     if problems:
         raise ConversionError(f"{argument} do not fit {_describe(spec)}: " + "; ".join(problems))
-    return out
-
-
-def _count_nonfinite(value: np.ndarray) -> int:
-    """Number of NaN/Inf entries, found with one allocation-free pass in the common case.
-
-    A sum is finite only if every term is (NaN and Inf propagate); only when it is not do we
-    pay for the elementwise check, which also tells a real NaN from an overflowing sum.
-    """
-    if value.dtype == bool or np.issubdtype(value.dtype, np.integer):
-        return 0
-    acc = np.float64 if value.dtype == np.float64 else np.float32
-    if value.size == 0 or np.isfinite(np.sum(value, dtype=acc)):
-        return 0
-    return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
+    return out, deferred
 
 
 def _to_numpy(value) -> np.ndarray | None:
