@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _memory import maxrss_bytes, reset_peak, status_bytes  # noqa: E402
 
 TARGETS = {  # name -> (convert_file "to", output file name)
     "canonical (re-shard)": ("canonical", "out.safetensors"),
@@ -38,33 +40,6 @@ TARGETS = {  # name -> (convert_file "to", output file name)
 }
 TARGETS_OUT = {"canonical": "c.safetensors", "torch": "t.pt", "mlx": "m.safetensors", "keras": "k.weights.h5"}
 NEEDS = {"torch .pt": "torch", "mlx .safetensors": "mlx", "keras .weights.h5": "keras"}
-
-
-def _maxrss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-
-
-def _status(field: str) -> int | None:
-    """A /proc/self/status memory field in bytes (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: clear_refs "5")."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _warm_up(to: str | None, workdir: str) -> None:
@@ -104,9 +79,9 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     import gc
 
     gc.collect()
-    maxrss0 = _maxrss_bytes()
-    rss0 = _status("VmRSS")
-    exact = _reset_peak()
+    maxrss0 = maxrss_bytes()
+    rss0 = status_bytes("VmRSS")
+    exact = reset_peak()
     tracemalloc.start()
     t = time.perf_counter()
     if to is None:
@@ -119,9 +94,9 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     seconds = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    hwm = _status("VmHWM")
+    hwm = status_bytes("VmHWM")
     return {"target": target, "seconds": seconds, "bytes": nbytes, "peak_traced": peak,
-            "maxrss_delta": _maxrss_bytes() - maxrss0,
+            "maxrss_delta": maxrss_bytes() - maxrss0,
             "peak_rss_over_start": (hwm - rss0) if exact and hwm is not None and rss0 is not None else None,
             "held_output": held}
 

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 
 import dense_bridge as db  # noqa: E402
+from _memory import reset_peak, status_bytes  # noqa: E402
 from _timing import table  # noqa: E402
 
 FRAMEWORKS = ("torch", "keras", "mlx")
@@ -242,24 +243,6 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
 
 
 # ------------------------------------------------------------------ peak memory (child process)
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(src: str, dst: str, layers: int, width: int) -> dict:
     """Peak extra RSS of one db.convert in this (fresh) process."""
     import resource
@@ -267,12 +250,12 @@ def memory_child(src: str, dst: str, layers: int, width: int) -> dict:
     source = build(src, layers, width)
     db.convert(build(src, 2, 8), to=dst)  # warm-up: imports and first-call setup are not the convert's
     gc.collect()
-    reset = _reset_hwm()
-    before_kb = _status_kb("VmRSS")
+    reset = reset_peak()
+    before_kb = (status_bytes("VmRSS") // 1024)
     if not reset:  # fall back to the process-wide high-water mark
         before_kb = max(before_kb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     out = db.convert(source, to=dst)
-    peak_kb = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = (status_bytes("VmHWM") // 1024) if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     extra = peak_kb * 1024 - before_kb * 1024 - param_bytes(layers, width)
     del out
     return {"extra_bytes": extra, "hwm_reset": reset}
