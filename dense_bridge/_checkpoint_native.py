@@ -348,6 +348,11 @@ class NativeCheckpoint:
     def _keras_model(self):
         import keras
 
+        from ._registry import get_adapter
+
+        # dense_bridge's own Keras classes (DenseBridgeDense, Bilinear, ExactActivation, ...) are
+        # registered when the adapter is imported; a fresh process has not imported it yet
+        get_adapter("keras")
         with _keras_named(self.path, ".keras") as named:
             try:
                 return keras.saving.load_model(named)

@@ -501,3 +501,18 @@ def test_hub_style_sharded_torch_safetensors(tmp_path):
     assert bits(params) == bits(db.get_params(model))
     assert torch.equal(db.load(tmp_path / "hub.safetensors.index.json", "torch", spec=spec)[0].weight,
                        model[0].weight)
+
+
+def test_keras_file_with_dense_bridge_layers_loads_in_a_fresh_process(tmp_path):
+    """db.load registers dense_bridge's Keras classes itself before keras.saving.load_model."""
+    pytest.importorskip("keras")
+    path = tmp_path / "m.keras"
+    model = db.compile(db.Sequential([db.Dense(4, in_features=3, activation="gelu",
+                                               mask=db.wiring.banded(3, 4, 1)), db.Dense(2)]), "keras", seed=0)
+    model.save(str(path))
+    code = ("import dense_bridge as db, sys; spec, params = db.load(sys.argv[1]); "
+            "print(spec.layers[0].activation.name, sorted(params))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "gelu" and "'0.mask'" in out.stdout

@@ -1,0 +1,78 @@
+"""Keras 3 adapter (TensorFlow backend): dense_bridge specs <-> Keras layers and models.
+
+Layouts (canonical == Keras for every parameter: this adapter never transposes):
+
+==========  ============================  ===========================================
+spec        Keras object                  weights (Keras name: shape)
+==========  ============================  ===========================================
+Dense       keras.layers.Dense            kernel: (in_features, units), bias: (units,)
+ + act/mask DenseBridgeDense (subclass)   + mask: (in_features, units), non-trainable
+Bilinear    Bilinear (registered layer)   kernel: (units, in1, in2), bias: (units,)
+Identity    keras.layers.Identity         -
+Activation  ReLU/LeakyReLU/ELU/Softmax/   -
+            Activation(name or exact fn)
+Sequential  keras.Sequential              keys "<position>.<name>" by position in .layers
+==========  ============================  ===========================================
+
+Keras quirks handled here (measured in FACTS.md and below):
+
+- Keras' activation defaults are not dense_bridge's (``leaky_relu`` 0.2, ``LeakyReLU()`` 0.3),
+  ``tf.nn.leaky_relu`` stores its slope as a float32 attribute and ``tf.nn.gelu`` passes
+  1/sqrt(2) through float32: both are ~1e-8 off in float64. Compiled layers therefore apply
+  :class:`ExactActivation` (explicit parameters, constants made in the tensor's dtype); native
+  Keras activation layers are used only where they compute the same function.
+- ``kernel_constraint`` runs only after an optimizer step, so a mask is multiplied into the
+  kernel in ``call``; its gradient is then zero on masked entries and the stored zeros stay
+  zero under SGD (momentum, decoupled weight decay), Adam and custom GradientTape loops.
+- Layers compute in their dtype policy's compute dtype and cast floating inputs to it, so
+  activation and identity layers in a Sequential take the dtype of the Dense before them.
+- Parameters are written straight into the variables at creation: the layer's initializers
+  hand out the ParamSource's arrays once, then the lasting initializer (a native Keras one
+  where it samples the same distribution, else :class:`DenseBridgeInitializer`) is put back.
+  A lazy plain Dense stays exactly ``keras.layers.Dense`` this way. The arrays handed out are
+  fresh 64-byte aligned buffers (``ParamSource.native_layer``) given to TF through DLPack, so
+  each variable adopts its buffer: one copy in all, and no Keras random init to throw away.
+- ``get_params`` arrays are zero-copy, read-only snapshots of the variables: TF copies a
+  variable's buffer on write while another tensor still references it, so later training
+  does not show in them (the first update after costs that one copy).
+
+The package, one job a module: ``_arrays`` (numpy <-> TF buffers: DLPack hand-over, zero-copy
+snapshots), ``_walk`` (the layer chain of a Sequential/functional model, layer descriptions),
+``_activations`` (exact activation functions, native activation layers, reading them back),
+``_initializers`` (Keras <-> dense_bridge initializers, the ParamSource draw), ``_layers``
+(DenseBridgeDense, Bilinear and ``compile``), ``_to_spec`` (reading layers and models back into
+specs), ``_params`` (get/set params), ``_trace`` (``tf.GradientTape`` traces).
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow  # noqa: F401 - the adapter runs on it: missing, this import fails first
+
+from dense_bridge._errors import BackendUnavailableError
+
+if keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on KERAS_BACKEND
+    raise BackendUnavailableError(
+        f"the 'keras' backend of dense_bridge needs Keras' TensorFlow backend, but Keras runs on "
+        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
+    )
+
+from ._activations import ExactActivation  # noqa: E402 - after the backend check
+from ._initializers import DenseBridgeInitializer  # noqa: E402
+from ._layers import Bilinear, DenseBridgeDense, compile  # noqa: E402
+from ._params import get_params, set_params  # noqa: E402
+from ._to_spec import to_spec  # noqa: E402
+from ._trace import trace  # noqa: E402
+
+__all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace"]
+
+# The registered classes keep the module they had as one file: saved .keras configs record
+# it ("module") and error messages print it, so both stay as they were.
+for _cls in (ExactActivation, DenseBridgeInitializer, DenseBridgeDense, Bilinear):
+    _cls.__module__ = __name__
+del _cls
+
+
+def owns(obj) -> bool:
+    """Is ``obj`` a Keras layer (models included)."""
+    return isinstance(obj, keras.layers.Layer)

@@ -1,0 +1,205 @@
+"""Activations, both directions: exact TF functions (:class:`ExactActivation`), native Keras
+activation layers where they compute the same function, and reading Keras activations back.
+
+Keras' activation defaults are not dense_bridge's (``leaky_relu`` 0.2, ``LeakyReLU()`` 0.3),
+``tf.nn.leaky_relu`` stores its slope as a float32 attribute and ``tf.nn.gelu`` passes
+1/sqrt(2) through float32: both are ~1e-8 off in float64. Compiled layers therefore apply
+:class:`ExactActivation` (explicit parameters, constants made in the tensor's dtype); native
+Keras activation layers are used only where they compute the same function. Reading, every
+Keras default is read from Keras itself, never assumed.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dense_bridge._errors import ConversionError
+from dense_bridge.activations import NAMES as ACTIVATION_NAMES
+from dense_bridge.activations import Activation
+
+from ._walk import _describe
+
+_PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
+
+
+def _const(value: float, x: tf.Tensor) -> tf.Tensor:
+    # A constant made directly in x's dtype: TF routes some Python floats through float32
+    # (FACTS: gelu's 1/sqrt(2) is 5e-9 off in float64).
+    return tf.constant(value, dtype=x.dtype)
+
+
+def _leaky_relu(x, negative_slope):
+    # not tf.nn.leaky_relu: its alpha is a float32 attribute (0.01 -> 2e-9 relative in float64)
+    return tf.where(x > 0, x, x * _const(negative_slope, x))
+
+
+def _elu(x, alpha):
+    return tf.where(x > 0, x, _const(alpha, x) * tf.math.expm1(tf.minimum(x, _const(0.0, x))))
+
+
+def _gelu(x):
+    return _const(0.5, x) * x * tf.math.erfc(-x * _const(1.0 / math.sqrt(2.0), x))
+
+
+def _gelu_tanh(x):
+    inner = _const(math.sqrt(2.0 / math.pi), x) * (x + _const(0.044715, x) * x * x * x)
+    return _const(0.5, x) * x * (_const(1.0, x) + tf.math.tanh(inner))
+
+
+def _hard_sigmoid(x):
+    return tf.nn.relu6(x + _const(3.0, x)) / _const(6.0, x)
+
+
+# canonical name -> f(x, **params), each the exact function with every parameter explicit
+_TF_FUNCTIONS: dict[str, Callable[..., tf.Tensor]] = {
+    "linear": lambda x: x,
+    "relu": tf.nn.relu,
+    "relu6": tf.nn.relu6,
+    "leaky_relu": _leaky_relu,
+    "elu": _elu,
+    "selu": lambda x, alpha, scale: _const(scale, x) * _elu(x, alpha),
+    "gelu": _gelu,
+    "gelu_tanh": _gelu_tanh,
+    "silu": tf.nn.silu,
+    "sigmoid": tf.math.sigmoid,
+    "hard_sigmoid": _hard_sigmoid,
+    "hard_silu": lambda x: x * _hard_sigmoid(x),
+    "tanh": tf.math.tanh,
+    "softplus": tf.math.softplus,
+    "softsign": tf.nn.softsign,
+    "mish": lambda x: x * tf.math.tanh(tf.math.softplus(x)),
+    "softmax": lambda x, axis: tf.nn.softmax(x, axis=axis),
+    "log_softmax": lambda x, axis: tf.nn.log_softmax(x, axis=axis),
+    "exponential": tf.math.exp,
+}
+assert set(_TF_FUNCTIONS) == set(ACTIVATION_NAMES)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ExactActivation:
+    """A dense_bridge activation as a Keras activation callable: exact function, explicit params.
+
+    float16/bfloat16 input is computed in float32 and rounded once, as the numpy reference does.
+    Serialises as the activation's config, so ``.keras`` files keep every parameter.
+    """
+
+    def __init__(self, activation: Any) -> None:
+        self.activation = activation if isinstance(activation, Activation) else Activation.from_config(activation)
+        self._fn = _TF_FUNCTIONS[self.activation.name]
+        self._params = dict(self.activation.params)
+
+    def __call__(self, x):
+        x = tf.convert_to_tensor(x)
+        if x.dtype in (tf.float16, tf.bfloat16):
+            return tf.cast(self._fn(tf.cast(x, tf.float32), **self._params), x.dtype)
+        return self._fn(x, **self._params)
+
+    def get_config(self) -> dict:
+        return self.activation.to_config()
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ExactActivation":
+        return cls(Activation.from_config(config))
+
+    def __repr__(self) -> str:
+        return f"ExactActivation({self.activation!r})"
+
+
+# Keras activation functions whose function equals a dense_bridge name with no parameters.
+_KERAS_FUNCTIONS: dict[Callable, str] = {
+    keras.activations.linear: "linear",
+    keras.activations.relu: "relu",
+    keras.activations.relu6: "relu6",
+    keras.activations.selu: "selu",  # tf.nn.selu: the exact constants, as Activation("selu")
+    keras.activations.silu: "silu",  # also "swish"
+    keras.activations.sigmoid: "sigmoid",
+    keras.activations.hard_sigmoid: "hard_sigmoid",  # Keras 3: relu6(x + 3) / 6
+    keras.activations.hard_silu: "hard_silu",  # also "hard_swish"
+    keras.activations.tanh: "tanh",
+    keras.activations.softplus: "softplus",
+    keras.activations.softsign: "softsign",
+    keras.activations.mish: "mish",
+    keras.activations.exponential: "exponential",
+}
+_KERAS_FUNCTIONS_BY_NAME = {v: k for k, v in _KERAS_FUNCTIONS.items()}
+
+
+def _keras_default(fn: Callable, parameter: str):
+    """The default Keras itself gives ``parameter`` of ``fn`` (read, never assumed)."""
+    return inspect.signature(fn).parameters[parameter].default
+
+
+def _activation_of_function(fn: Any, where: str) -> Activation:
+    """The db Activation that a Keras activation callable computes, its defaults made explicit."""
+    if fn is None:
+        return Activation("linear")
+    if isinstance(fn, ExactActivation):
+        return fn.activation
+    if fn in _KERAS_FUNCTIONS:
+        return Activation(_KERAS_FUNCTIONS[fn])
+    a = keras.activations
+    if fn is a.leaky_relu:  # 0.2 in Keras 3, not the 0.01 of torch/MLX
+        return Activation("leaky_relu", negative_slope=_keras_default(fn, "negative_slope"))
+    if fn is a.elu:
+        return Activation("elu", alpha=_keras_default(fn, "alpha"))
+    if fn is a.gelu:  # keras.activations.gelu is exact (erf) by default; keras.ops.gelu is not
+        return Activation("gelu_tanh" if _keras_default(fn, "approximate") else "gelu")
+    if fn in (a.softmax, a.log_softmax):
+        return Activation(fn.__name__, axis=_keras_default(fn, "axis"))
+    readable = sorted({*_KERAS_FUNCTIONS.values(), "leaky_relu", "elu", "gelu", "softmax", "log_softmax"})
+    raise ConversionError(
+        f"{where} uses the activation {getattr(fn, '__name__', fn)!r}, which dense_bridge cannot "
+        f"express exactly. Readable: keras.activations {', '.join(readable)}, or an ExactActivation."
+    )
+
+
+def _activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
+    """A Keras layer computing ``act``: a native layer where it is the same function."""
+    name, p = act.name, act.params
+    if name == "relu":
+        return keras.layers.ReLU(dtype=dtype)
+    if name == "relu6":
+        return keras.layers.ReLU(max_value=6.0, dtype=dtype)
+    if name == "elu":
+        return keras.layers.ELU(alpha=p["alpha"], dtype=dtype)
+    if name == "softmax":
+        return keras.layers.Softmax(axis=p["axis"], dtype=dtype)
+    slope = p.get("negative_slope")
+    if name == "leaky_relu" and (dtype != "float64" or float(np.float32(slope)) == slope):
+        # tf.nn.leaky_relu holds its slope as float32: exact unless a float64 layer needs more
+        return keras.layers.LeakyReLU(negative_slope=slope, dtype=dtype)
+    native = name in _KERAS_FUNCTIONS_BY_NAME and act == Activation(name)  # selu: only its exact constants
+    if native or (name == "log_softmax" and p["axis"] == -1):
+        return keras.layers.Activation(name, dtype=dtype)
+    # gelu/gelu_tanh (tf.nn.gelu rounds its constants through float32), other axes and parameters
+    return keras.layers.Activation(ExactActivation(act), dtype=dtype)
+
+
+def _activation_of_layer(layer) -> Activation | None:
+    """The db Activation of a Keras activation layer; None when ``layer`` is not one."""
+    t, where = type(layer), _describe(layer)
+    if t is keras.layers.Activation:
+        return _activation_of_function(layer.activation, where)
+    if t is keras.layers.LeakyReLU:  # LeakyReLU() is 0.3: read the layer, never assume
+        return Activation("leaky_relu", negative_slope=float(layer.negative_slope))
+    if t is keras.layers.ELU:
+        return Activation("elu", alpha=float(layer.alpha))
+    if t is keras.layers.Softmax:
+        if not isinstance(layer.axis, int):
+            raise ConversionError(f"{where} normalises over the axes {layer.axis!r}; dense_bridge "
+                                  "supports softmax over one axis")
+        return Activation("softmax", axis=layer.axis)
+    if t is keras.layers.ReLU:
+        slope, top, threshold = float(layer.negative_slope), layer.max_value, float(layer.threshold)
+        if threshold == 0.0 and top is None:
+            return Activation("leaky_relu", negative_slope=slope) if slope else Activation("relu")
+        if threshold == 0.0 and slope == 0.0 and float(top) == 6.0:
+            return Activation("relu6")
+        raise ConversionError(f"{where} has max_value={top}, negative_slope={slope}, "
+                              f"threshold={threshold}, which no dense_bridge activation computes")
+    return None

@@ -1,0 +1,61 @@
+"""numpy <-> TensorFlow memory: fresh tensors TF alone owns, zero-copy snapshots, variable writes.
+
+Large arrays cross into TF with one copy: dense_bridge copies them into a fresh 64-byte
+aligned buffer that TF adopts through DLPack (:func:`_give`). ``_read`` gives zero-copy,
+read-only snapshots of variables (TF copies a variable's buffer on write while another
+tensor still references it, so later training does not show in them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from dense_bridge._dtypes import numpy_dtype
+from dense_bridge._transfer import native_copy
+
+_GIVE_MIN_BYTES = 1 << 20  # below this TF's own copy of a numpy array costs next to nothing
+_GIVEABLE = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {np.dtype(numpy_dtype("bfloat16"))}
+
+
+def _to_tensor(array: Any) -> tf.Tensor:
+    """A fresh TF tensor holding a copy of ``array``, in memory TF alone owns.
+
+    Large arrays are copied by dense_bridge (a cache-blocked transpose for views such as
+    torch's weight.T: 2-3x tf.transpose here) into a new buffer that TF then adopts (:func:`_give`).
+    """
+    a = np.asarray(array)
+    if a.nbytes < _GIVE_MIN_BYTES or a.dtype not in _GIVEABLE or not tf.executing_eagerly():
+        return tf.convert_to_tensor(a)  # TF copies (numpy memory is not 64-byte aligned)
+    fresh, _ = native_copy(a)
+    return _give(fresh)
+
+
+def _give(fresh: np.ndarray) -> tf.Tensor:
+    """TF's tensor over ``fresh``, a new 64-byte aligned array that no one else references.
+
+    DLPack hands the buffer to TF without a copy (``tf.convert_to_tensor`` would copy it
+    again), and a variable created from or assigned the tensor takes the buffer over: its
+    only owner from then on. TF aborts on DLPack memory not aligned to 64 bytes (FACTS);
+    ``ParamSource.native_layer`` and ``native_copy`` buffers are.
+    """
+    if fresh.dtype not in _GIVEABLE or not tf.executing_eagerly() or fresh.ndim == 0:
+        return tf.convert_to_tensor(fresh)
+    if fresh.dtype == numpy_dtype("bfloat16"):
+        # numpy exports no ml_dtypes bfloat16 over DLPack: move the bits as uint16, relabel in TF
+        # (tf.bitcast shares the buffer)
+        return tf.bitcast(tf.experimental.dlpack.from_dlpack(fresh.view(np.uint16).__dlpack__()), tf.bfloat16)
+    return tf.experimental.dlpack.from_dlpack(fresh.__dlpack__())
+
+
+def _read(variable) -> np.ndarray:
+    """A zero-copy, read-only numpy snapshot of a Keras variable (bfloat16 as ml_dtypes)."""
+    out = np.asarray(tf.convert_to_tensor(variable.value))
+    out.flags.writeable = False  # it is TF's buffer: never written through numpy
+    return out
+
+
+def _assign(variable, array: Any) -> None:
+    """Copy a canonical array into a variable (the variable takes over the fresh buffer)."""
+    variable.assign(_to_tensor(array))

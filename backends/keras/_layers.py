@@ -1,0 +1,211 @@
+"""The Keras layer classes and ``compile``: specs to Keras layers and models, parameters from a ParamSource.
+
+What compile builds: Dense with no activation and no mask -> exactly ``keras.layers.Dense``
+(also when lazy); otherwise :class:`DenseBridgeDense`. Bilinear -> :class:`Bilinear` (Keras
+has none); Identity -> ``keras.layers.Identity``; Activation -> see ``_activations``;
+Sequential -> ``keras.Sequential`` (with a ``keras.Input`` when the width is known).
+
+- ``kernel_constraint`` runs only after an optimizer step, so a mask is multiplied into the
+  kernel in ``call``; its gradient is then zero on masked entries and the stored zeros stay
+  zero under SGD (momentum, decoupled weight decay), Adam and custom GradientTape loops.
+- Layers compute in their dtype policy's compute dtype and cast floating inputs to it, so
+  activation and identity layers in a Sequential take the dtype of the Dense before them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dense_bridge._dtypes import numpy_dtype
+from dense_bridge._errors import SpecError, received
+from dense_bridge._params import ParamSource
+from dense_bridge.activations import Activation
+from dense_bridge.initializers import Init
+from dense_bridge.specs import Bilinear as BilinearSpec
+from dense_bridge.specs import Dense, Identity, Sequential
+from dense_bridge.wiring import Wiring
+
+from ._activations import _PACKAGE, ExactActivation, _activation_layer
+from ._arrays import _read, _to_tensor
+from ._initializers import DenseBridgeInitializer, _Draw, _keras_initializer
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class DenseBridgeDense(keras.layers.Dense):
+    """keras.layers.Dense with an exact activation and/or a fixed 0/1 mask on the kernel.
+
+    y = activation(x @ (kernel * mask) + bias). ``mask`` is a dense_bridge wiring config (or
+    None); built, the layer holds it as the non-trainable weight "mask" (in_features, units),
+    so it is saved with the weights and the optimizer never touches it. The activation is an
+    :class:`ExactActivation`, serialised with its parameters.
+    """
+
+    def __init__(self, units, *, mask: dict | None = None, **kwargs) -> None:
+        super().__init__(units, **kwargs)
+        self._wiring = None if mask is None else (mask if isinstance(mask, Wiring) else Wiring.from_config(mask))
+        self._mask_init: Callable | None = None  # a _Draw's initializer, set by compile
+        self.mask = None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if self._wiring is None:
+            return
+        shape = (int(input_shape[-1]), self.units)
+        if shape != self._wiring.shape:
+            raise SpecError(f"the mask of layer {self.name!r} has shape {self._wiring.shape} but the input "
+                            f"gives a kernel of shape {shape}. {received('input_shape', input_shape)}")
+        wiring = self._wiring
+        init = self._mask_init or (lambda shape, dtype=None: _to_tensor(wiring.as_array(numpy_dtype(dtype))))
+        self._mask_init = None
+        self.mask = self.add_weight(name="mask", shape=shape, initializer=init, trainable=False)
+
+    def call(self, inputs, training=None):
+        kernel = self.kernel
+        if self.mask is not None:
+            # in the forward pass, not a kernel_constraint (that runs only after an update):
+            # masked entries get zero gradient, so they stay exactly 0
+            kernel = keras.ops.multiply(kernel, self.mask)
+        x = keras.ops.matmul(inputs, kernel)
+        if self.bias is not None:
+            x = keras.ops.add(x, self.bias)
+        return self.activation(x)
+
+    def save_own_variables(self, store):
+        # Dense saves only the variables it knows by name: without this the files drop the mask
+        super().save_own_variables(store)
+        if self.mask is not None:
+            store["mask"] = self.mask
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)  # Dense checks the entry count: the mask is counted
+        if self.mask is not None:
+            self.mask.assign(store["mask"])
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config["mask"] = None if self._wiring is None else self.wiring().to_config()
+        return config
+
+    def wiring(self) -> Wiring | None:
+        """The mask as a dense_bridge Wiring, read from the weight once built."""
+        if self.mask is None or self._wiring is None:
+            return self._wiring
+        current = _read(self.mask) != 0
+        if not np.array_equal(current, self._wiring.adjacency):
+            self._wiring = Wiring(current, allow_empty_outputs=True)
+        return self._wiring
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Bilinear(keras.layers.Layer):
+    """y_k = x1 @ kernel[k] @ x2 + bias[k]; Keras has no bilinear layer.
+
+    Called as ``layer(x1, x2)`` (like torch.nn.Bilinear and db.Bilinear), x1 (*, in1_features),
+    x2 (*, in2_features) with equal leading dims -> y (*, units). Weights "kernel"
+    (units, in1_features, in2_features) and "bias" (units,), created at construction since
+    every shape is known. Default initializers are torch's: U(+-1/sqrt(in1)) for both.
+    """
+
+    def __init__(self, in1_features: int, in2_features: int, units: int, use_bias: bool = True,
+                 kernel_initializer: Any = None, bias_initializer: Any = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.in1_features, self.in2_features, self.units = int(in1_features), int(in2_features), int(units)
+        self.use_bias = bool(use_bias)
+        default = DenseBridgeInitializer("torch_default", self.in1_features, self.units)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer or default)
+        self.bias_initializer = keras.initializers.get(bias_initializer or default)
+        self.kernel = self.add_weight(name="kernel", shape=(self.units, self.in1_features, self.in2_features),
+                                      initializer=self.kernel_initializer)
+        self.bias = self.add_weight(name="bias", shape=(self.units,), initializer=self.bias_initializer) \
+            if self.use_bias else None
+        self.built = True
+
+    def call(self, x1, x2):
+        y = tf.einsum("...i,kij,...j->...k", x1, tf.convert_to_tensor(self.kernel), x2)
+        return y + self.bias if self.bias is not None else y
+
+    def compute_output_shape(self, x1_shape, x2_shape):
+        return tuple(x1_shape[:-1]) + (self.units,)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "in1_features": self.in1_features, "in2_features": self.in2_features,
+                "units": self.units, "use_bias": self.use_bias,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer)}
+
+
+def compile(spec, source: ParamSource):
+    """The Keras layer or model for ``spec``, parameters from ``source`` (built when width known)."""
+    if isinstance(spec, Sequential):
+        return _compile_sequential(spec, source)
+    return _compile_layer(spec, source, 0, getattr(spec, "dtype", "float32"))
+
+
+def _compile_layer(spec, source: ParamSource, index: int, dtype: str):
+    if isinstance(spec, Dense):
+        return _compile_dense(spec, source, index)
+    if isinstance(spec, BilinearSpec):
+        return _compile_bilinear(spec, source, index)
+    if isinstance(spec, Identity):
+        return keras.layers.Identity(name=spec.name, dtype=dtype)
+    if isinstance(spec, Activation):
+        return _activation_layer(spec, dtype)
+    raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
+
+
+def _compile_dense(spec: Dense, source: ParamSource, index: int):
+    """keras.layers.Dense (exactly, with no activation and no mask) or DenseBridgeDense."""
+    exact = spec.activation.is_identity and spec.mask is None
+    cls = keras.layers.Dense if exact else DenseBridgeDense
+    layer = None
+
+    def install_lasting_initializers(built: Dense) -> None:
+        layer.kernel_initializer = _keras_initializer(built.kernel_init, "kernel", built.in_features, built.units)
+        layer.bias_initializer = _keras_initializer(built.bias_init, "bias", built.in_features, built.units)
+
+    draw = _Draw(source, index, spec, install_lasting_initializers)
+    kwargs: dict[str, Any] = dict(
+        use_bias=spec.use_bias, dtype=spec.dtype, name=spec.name,
+        kernel_initializer=draw.initializer(spec.kernel_init, "kernel", spec.in_features, spec.units),
+        bias_initializer=draw.initializer(spec.bias_init, "bias", spec.in_features, spec.units))
+    if not exact:
+        kwargs["activation"] = None if spec.activation.is_identity else ExactActivation(spec.activation)
+        kwargs["mask"] = spec.mask
+    layer = cls(spec.units, **kwargs)
+    if spec.mask is not None:
+        layer._mask_init = draw.initializer(Init("ones"), "mask", spec.in_features, spec.units)
+    if spec.in_features is not None:
+        layer.build((None, spec.in_features))
+    return layer
+
+
+def _compile_bilinear(spec: BilinearSpec, source: ParamSource, index: int) -> Bilinear:
+    draw = _Draw(source, index, spec)
+    bias_init = spec.init if spec.init.name in ("torch_default", "mlx_default") else Init("zeros")
+    k_init = draw.initializer(spec.init, "kernel", spec.in1_features, spec.units)
+    b_init = draw.initializer(bias_init, "bias", spec.in1_features, spec.units)
+    return Bilinear(spec.in1_features, spec.in2_features, spec.units, use_bias=spec.use_bias,
+                    kernel_initializer=k_init, bias_initializer=b_init, dtype=spec.dtype, name=spec.name)
+
+
+def _neighbour_dtypes(layers: Sequence) -> list[str]:
+    """Each position's compute dtype: its own, else the Dense before it, else the one after."""
+    own = [getattr(l, "dtype", None) for l in layers]
+    out, last = [], None
+    for d in own:
+        last = d or last
+        out.append(last)
+    following = next((d for d in own if d), "float32")
+    return [d or following for d in out]
+
+
+def _compile_sequential(spec: Sequential, source: ParamSource):
+    dtypes = _neighbour_dtypes(spec.layers)
+    layers = [_compile_layer(l, source, i, dtypes[i]) for i, l in enumerate(spec.layers)]
+    if spec.in_features is not None:
+        # the Input's dtype is the first layer's: Keras casts model inputs to the Input dtype
+        layers.insert(0, keras.Input((spec.in_features,), dtype=dtypes[0] if dtypes else "float32"))
+    return keras.Sequential(layers, name=spec.name)

@@ -1,0 +1,65 @@
+"""Canonical parameters: get_params / set_params on Keras variables (the mask included).
+
+Canonical == Keras for every parameter: nothing is transposed. ``get_params`` arrays are
+zero-copy, read-only snapshots of the variables: TF copies a variable's buffer on write while
+another tensor still references it, so later training does not show in them (the first update
+after costs that one copy). Stored masked weights are always exactly 0.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from dense_bridge._errors import SpecError
+
+from ._arrays import _assign, _read, _to_tensor
+from ._to_spec import _kind
+from ._walk import _describe, _layers_of
+
+
+def _variables(layer) -> dict[str, Any]:
+    """Canonical name -> Keras variable of one layer (the mask included)."""
+    kind = _kind(layer)
+    if kind == "free":
+        return {}
+    if not layer.built:
+        raise SpecError(f"{_describe(layer)} has in_features=None (lazy) and no parameters yet: run one "
+                        "input through it (or build it) first")
+    out = {"kernel": layer.kernel}
+    if layer.bias is not None:
+        out["bias"] = layer.bias
+    if getattr(layer, "mask", None) is not None and kind == "dense":
+        out["mask"] = layer.mask
+    return out
+
+
+def get_params(native) -> dict[str, np.ndarray]:
+    """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
+    layers, keyed = _layers_of(native)
+    return {(f"{i}." if keyed else "") + k: _read(v)
+            for i, layer in enumerate(layers) for k, v in _variables(layer).items()}
+
+
+def set_params(native, params: dict[str, np.ndarray]) -> None:
+    """Write validated canonical params (possibly a subset) into the variables."""
+    layers, keyed = _layers_of(native)
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if keyed else ""
+        mine = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
+        if mine:
+            _set_layer(layer, mine)
+
+
+def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
+    variables = _variables(layer)
+    if "mask" in params:
+        _assign(variables["mask"], params["mask"])
+    if "kernel" in params or "mask" in params:
+        kernel = _to_tensor(params["kernel"]) if "kernel" in params else tf.convert_to_tensor(variables["kernel"].value)
+        if "mask" in variables:  # stored masked weights are exactly 0, whatever was given
+            kernel = kernel * tf.convert_to_tensor(variables["mask"].value)
+        variables["kernel"].assign(kernel)
+    if "bias" in params:
+        _assign(variables["bias"], params["bias"])

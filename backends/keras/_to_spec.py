@@ -1,0 +1,116 @@
+"""Reading Keras objects back into specs: which layers are readable (:func:`_kind`) and their specs.
+
+Reads keras.layers.Dense, DenseBridgeDense, Bilinear, Identity, Dropout (identity at
+inference) and the activation layers, alone or in a Sequential or single-chain functional
+model. A name Keras generated ("dense_3") is not carried into the spec.
+"""
+from __future__ import annotations
+
+import re
+
+import keras
+
+from dense_bridge._dtypes import DTYPE_NAMES
+from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge.specs import Bilinear as BilinearSpec
+from dense_bridge.specs import Dense, Identity, Sequential
+
+from ._activations import _activation_of_function, _activation_of_layer
+from ._initializers import _db_init
+from ._layers import Bilinear, DenseBridgeDense
+from ._walk import _chain, _describe
+
+
+def _snake(name: str) -> str:
+    # keras.src.utils.naming.to_snake_case, which Keras uses for automatic layer names
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _spec_name(obj) -> str | None:
+    """The layer's name, or None when Keras generated it ("dense_3", "sequential")."""
+    name = getattr(obj, "name", None)
+    if name is None or re.fullmatch(rf"{re.escape(_snake(type(obj).__name__))}(_\d+)?", name):
+        return None
+    return name
+
+
+def _kind(layer) -> str:
+    """"dense", "bilinear" or "free" (no parameters); ConversionError for anything else."""
+    t = type(layer)
+    if t in (keras.layers.Dense, DenseBridgeDense):
+        return "dense"
+    if t is Bilinear:
+        return "bilinear"
+    if t in (keras.layers.Identity, keras.layers.Dropout) or _activation_of_layer(layer) is not None:
+        return "free"
+    raise ConversionError(
+        f"cannot convert {_describe(layer)}: dense_bridge reads Dense, Bilinear, Identity, Dropout, "
+        "Activation, ReLU, LeakyReLU, ELU and Softmax layers")
+
+
+def to_spec(native):
+    """The dense_bridge spec of a Keras layer, Sequential or single-chain functional model."""
+    if isinstance(native, keras.Model):
+        return _model_spec(native)
+    return _layer_spec(native)
+
+
+def _model_spec(model) -> Sequential:
+    chain = _chain(model)
+    specs = []
+    for layer in chain:
+        if _kind(layer) == "bilinear":
+            raise ConversionError(f"{_describe(layer)} takes two inputs and cannot sit in a Sequential chain")
+        specs.append(_layer_spec(layer))
+    try:
+        return Sequential(specs, in_features=_input_width(model), name=_spec_name(model))
+    except SpecError as exc:
+        raise ConversionError(f"{_describe(model)}: {exc}") from None
+
+
+def _input_width(model) -> int | None:
+    try:
+        inputs = model.inputs  # a Sequential without an Input has none yet (lazy)
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    width = inputs[0].shape[-1]
+    return None if width is None else int(width)
+
+
+def _layer_spec(layer):
+    kind = _kind(layer)
+    if kind == "dense":
+        return _dense_spec(layer)
+    if kind == "bilinear":
+        return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
+                            init=_db_init(layer.kernel_initializer, "torch_default"),
+                            dtype=_dtype_of(layer), name=_spec_name(layer))
+    if type(layer) in (keras.layers.Identity, keras.layers.Dropout):  # Dropout: identity at inference
+        return Identity(name=_spec_name(layer))
+    return _activation_of_layer(layer)
+
+
+def _dtype_of(layer) -> str:
+    # the variables' dtype: a mixed policy ("mixed_float16") reads as its float32 parameters
+    dtype = keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype)
+    if dtype not in DTYPE_NAMES:
+        raise ConversionError(f"{_describe(layer)} has dtype {dtype}; dense_bridge supports "
+                              f"{', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
+def _dense_spec(layer) -> Dense:
+    where = _describe(layer)
+    if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
+        raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
+    wiring = layer.wiring() if isinstance(layer, DenseBridgeDense) else None
+    in_features = int(layer.kernel.shape[0]) if layer.built else None
+    return Dense(layer.units, in_features=in_features, use_bias=layer.use_bias,
+                 activation=_activation_of_function(layer.activation, where),
+                 kernel_init=_db_init(layer.kernel_initializer, "glorot_uniform"),
+                 bias_init=_db_init(layer.bias_initializer, "zeros"),
+                 mask=wiring, dtype=_dtype_of(layer), name=_spec_name(layer))

@@ -1,0 +1,63 @@
+"""The MLX adapter: specs to ``mlx.nn`` modules and back, canonical parameters, autograd traces.
+
+Layouts (canonical <-> MLX), by declaration and never by shape:
+
+- Dense: canonical ``kernel`` (in_features, units) <-> ``nn.Linear.weight`` (units, in_features),
+  i.e. weight = kernel.T; ``bias`` (units,) is the same in both. A mask is stored like the
+  weight, (units, in_features) = canonical mask.T, as the frozen parameter ``mask``.
+- Bilinear: canonical ``kernel`` (units, in1, in2) <-> ``nn.Bilinear.weight`` (units, in2, in1):
+  MLX computes y_i = x2^T W_i x1 + b_i (mlx/nn/layers/linear.py), so weight = kernel with axes
+  1 and 2 swapped.
+- Sequential: ``nn.Sequential`` keeps its modules in ``.layers``; canonical keys are
+  "<position>.<name>" ("0.kernel", "2.bias"), MLX's native ones "layers.0.weight".
+
+What compile builds:
+
+- Dense with no activation and no mask -> exactly ``nn.Linear``; otherwise :class:`DenseLinear`
+  (an ``nn.Linear`` subclass applying weight * mask and the activation in ``__call__``); a lazy
+  spec (in_features=None) -> :class:`LazyDenseLinear`, which draws its parameters on its first
+  input. Bilinear -> ``nn.Bilinear``; Identity -> ``nn.Identity``; Sequential -> ``nn.Sequential``.
+- Activation -> the ``mlx.nn`` module where MLX computes exactly that function, gradients at
+  kinks and in float16 included (``nn.ReLU``, ``nn.SiLU``, ``nn.Softmax()`` for axis -1, ...),
+  else :class:`ExactActivation`: MLX's ``selu`` uses truncated constants (1.0507, 1.67326), MLX
+  has no ``hard_sigmoid``/``exponential``, ``nn.Softmax`` has no axis, ``nn.LeakyReLU``'s
+  ``maximum(s*x, x)`` has slope 1 at 0 (and is leaky_relu only for slopes <= 1), ``nn.ELU``'s
+  gradient is NaN for large x, ``nn.GELU`` and ``nn.Hardswish`` overflow in float16, and
+  ``nn.log_softmax`` segfaults over an axis of length 1 (MLX 0.32.4). ``to_spec`` still reads
+  all of these native modules when users build them by hand.
+
+Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (FACTS), so ``mask``
+is frozen: ``save_weights``/``load_weights`` carry it, ``trainable_parameters``,
+``nn.value_and_grad`` and the optimizers never see it, and ``unfreeze()`` cannot thaw it.
+
+dtypes: float32, float16, bfloat16 and float64. float64 runs on the CPU only, and MLX computes
+``exp``, ``sigmoid`` and ``erf`` there to float32 accuracy only (FACTS): float64 activations
+built on them are float32-accurate. ``mx.array`` of a float64 numpy array silently makes float32
+unless told otherwise, so every conversion here passes its dtype. bfloat16 crosses to and from
+numpy bit for bit through a uint16 view (ml_dtypes on the numpy side), never widened.
+
+Compiling never draws from MLX's global random state: modules are created without running
+``nn.Linear.__init__`` (whose uniform draws would be thrown away) and given the numpy params.
+
+The package, one job a module: ``_arrays`` (numpy <-> mx copies/views and dtype names),
+``_activations`` (exact activation modules/functions and reading native ones, both directions),
+``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
+transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces).
+"""
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ._activations import ExactActivation
+from ._layers import DenseLinear, LazyDenseLinear, compile
+from ._params import get_params, set_params
+from ._to_spec import to_spec
+from ._trace import trace
+
+__all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace"]
+
+
+def owns(obj) -> bool:
+    """Is ``obj`` an mlx.nn module."""
+    return isinstance(obj, nn.Module)

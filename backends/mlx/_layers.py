@@ -1,0 +1,240 @@
+"""The MLX layer classes and ``compile``: specs to ``mlx.nn`` modules, parameters from a ParamSource.
+
+What compile builds:
+
+- Dense with no activation and no mask -> exactly ``nn.Linear``; otherwise :class:`DenseLinear`
+  (an ``nn.Linear`` subclass applying weight * mask and the activation in ``__call__``); a lazy
+  spec (in_features=None) -> :class:`LazyDenseLinear`, which draws its parameters on its first
+  input. Bilinear -> ``nn.Bilinear``; Identity -> ``nn.Identity``; Sequential -> ``nn.Sequential``;
+  Activation -> see ``_activations``.
+
+Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (FACTS), so ``mask``
+is frozen: ``save_weights``/``load_weights`` carry it, ``trainable_parameters``,
+``nn.value_and_grad`` and the optimizers never see it, and ``unfreeze()`` cannot thaw it.
+
+Compiling never draws from MLX's global random state: modules are created without running
+``nn.Linear.__init__`` (whose uniform draws would be thrown away) and given the numpy params.
+Each compiled layer keeps its spec under ``_SPEC_ATTR`` (names and initializers MLX cannot hold).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from dense_bridge._errors import SpecError, received
+from dense_bridge._params import ParamSource
+from dense_bridge.activations import Activation
+from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+
+from ._activations import _activation_fn, _activation_module
+from ._arrays import _check_dtype, _to_mx
+
+_SPEC_ATTR = "_dense_bridge_spec"  # the compiled spec: names and initializers MLX cannot hold
+
+
+# ------------------------------------------------------------------ Dense
+class _FrozenKeys(set):
+    """A Module._no_grad set that keeps "mask" through unfreeze(): the mask must never train."""
+
+    _KEEP = frozenset({"mask"})
+
+    def clear(self) -> None:
+        super().clear()
+        self.update(self._KEEP)
+
+    def difference_update(self, *others) -> None:
+        super().difference_update(*others)
+        self.update(self._KEEP)
+
+    def discard(self, key) -> None:
+        if key not in self._KEEP:
+            super().discard(key)
+
+    def remove(self, key) -> None:
+        if key not in self._KEEP:
+            super().remove(key)
+
+    def __isub__(self, other):
+        self.difference_update(other)
+        return self
+
+
+class DenseLinear(nn.Linear):
+    """``nn.Linear`` plus an activation and/or a frozen 0/1 mask: y = f(x @ (weight * mask).T + b).
+
+    weight (units, in_features), bias (units,), mask (units, in_features) like the weight.
+    The mask multiplies the weight in every forward, so its zeros hold from the first call and
+    the weight's gradient is zero where the mask is (optimizers then leave those entries at 0).
+    """
+
+    def __init__(self, weight: mx.array | None, bias: mx.array | None, mask: mx.array | None,
+                 activation: Activation) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: its random draws would be discarded
+        self._no_grad = _FrozenKeys(self._no_grad)
+        self._activation = activation
+        self._act = None if activation.is_identity else _activation_fn(activation)
+        self._set_arrays(weight, bias, mask)
+
+    def _set_arrays(self, weight, bias, mask) -> None:
+        if weight is not None:
+            self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        if mask is not None:
+            self.mask = mask
+            self.freeze(keys=["mask"], recurse=False)
+
+    @property
+    def activation(self) -> Activation:
+        return self._activation
+
+    @property
+    def to_quantized(self):
+        # QuantizedLinear.from_linear would silently drop the mask and the activation; without
+        # this attribute nn.quantize's default predicate leaves the layer in full precision
+        raise AttributeError(f"{type(self).__name__} cannot be quantized: MLX's QuantizedLinear has no "
+                             "mask and no activation")
+
+    def _extra_repr(self) -> str:
+        act = "" if self._activation.is_identity else f", activation={self._activation!r}"
+        return super()._extra_repr() + act + (", masked=True" if "mask" in self else "")
+
+    def _check_input(self, x: mx.array) -> None:
+        expected = self["weight"].shape[1]
+        if x.ndim == 0 or x.shape[-1] != expected:
+            raise SpecError(f"x must have shape (*, in_features={expected}). "
+                            f"Received: x of shape {tuple(x.shape)}")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self._check_input(x)
+        w = self["weight"] * self["mask"] if "mask" in self else self["weight"]
+        y = mx.addmm(self["bias"], x, w.T) if "bias" in self else x @ w.T
+        return y if self._act is None else self._act(y)
+
+
+class LazyDenseLinear(DenseLinear):
+    """A DenseLinear whose in_features is fixed by its first input (like torch's LazyLinear).
+
+    The parameters are drawn then, from the same source and position as an eager spec would
+    use, so the same seed gives the same parameters. Run one input before building an optimizer
+    or ``nn.value_and_grad``: until then the layer has no parameters to train.
+    """
+
+    def __init__(self, spec: Dense, source: ParamSource, index: int) -> None:
+        super().__init__(None, None, None, spec.activation)
+        self._spec, self._source, self._index = spec, source, index
+
+    @property
+    def built(self) -> bool:
+        return "weight" in self
+
+    def _extra_repr(self) -> str:
+        if self.built:
+            return super()._extra_repr()
+        act = "" if self._activation.is_identity else f", activation={self._activation!r}"
+        return f"input_dims=None (lazy), output_dims={self._spec.units}, bias={self._spec.use_bias}{act}"
+
+    def _build(self, in_features: int) -> None:
+        spec = self._spec.with_in_features(in_features)
+        params = self._source.for_layer(self._index, spec)
+        weight, bias, mask = _dense_arrays(params, spec.dtype)
+        self._set_arrays(weight, bias, mask)
+        self._spec, self._source = spec, None  # drop the source: it may hold every layer's params
+
+    def _check_input(self, x: mx.array) -> None:
+        expected = self["weight"].shape[1]
+        if x.ndim == 0 or x.shape[-1] != expected:
+            raise SpecError(f"x must have last dimension in_features={expected}, fixed by this lazy "
+                            f"layer's first input. Received: x of shape {tuple(x.shape)}")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.built:
+            if x.ndim == 0:
+                raise SpecError(f"x must have shape (*, in_features). Received: x of shape {tuple(x.shape)}")
+            self._build(int(x.shape[-1]))
+        return super().__call__(x)
+
+
+def _dense_arrays(params: dict, dtype: str) -> tuple:
+    """(weight, bias, mask) MLX arrays from canonical params; masked weights stored as 0."""
+    kernel = params["kernel"]
+    if "mask" in params:
+        kernel = kernel * params["mask"]  # exact: the mask is 0/1
+    weight = _to_mx(np.asarray(kernel).T, dtype)
+    bias = _to_mx(params["bias"], dtype) if "bias" in params else None
+    mask = _to_mx(np.asarray(params["mask"]).T, dtype) if "mask" in params else None
+    return weight, bias, mask
+
+
+def _bare(cls):
+    """An instance of an mlx.nn class without its __init__ (no draws from MLX's random state)."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    return module
+
+
+def _resolve_lazy(spec: Dense, source: ParamSource, index: int) -> Dense:
+    """A lazy Dense whose width the given params already fix gets it now."""
+    if not spec.lazy or source.params is None:
+        return spec
+    prefix = f"{index}." if isinstance(source.spec, Sequential) else ""
+    kernel = source.params.get(prefix + "kernel")
+    return spec if kernel is None else spec.with_in_features(int(np.shape(kernel)[0]))
+
+
+def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
+    _check_dtype(spec.dtype)
+    spec = _resolve_lazy(spec, source, index)
+    if spec.lazy:
+        layer = LazyDenseLinear(spec, source, index)
+    else:
+        weight, bias, mask = _dense_arrays(source.for_layer(index, spec), spec.dtype)
+        if spec.activation.is_identity and mask is None:
+            layer = _bare(nn.Linear)  # exactly nn.Linear, as the contract requires
+            layer.weight = weight
+            if bias is not None:
+                layer.bias = bias
+        else:
+            layer = DenseLinear(weight, bias, mask, spec.activation)
+    setattr(layer, _SPEC_ATTR, spec)
+    return layer
+
+
+def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Module:
+    _check_dtype(spec.dtype)
+    params = source.for_layer(index, spec)
+    layer = _bare(nn.Bilinear)
+    # MLX's weight is (units, in2, in1): swap the canonical (units, in1, in2) axes 1 and 2
+    layer.weight = _to_mx(np.asarray(params["kernel"]).transpose(0, 2, 1), spec.dtype)
+    if "bias" in params:
+        layer.bias = _to_mx(params["bias"], spec.dtype)
+    setattr(layer, _SPEC_ATTR, spec)
+    return layer
+
+
+def _compile_layer(spec, source: ParamSource, index: int):
+    if isinstance(spec, Dense):
+        return _compile_dense(spec, source, index)
+    if isinstance(spec, Bilinear):
+        return _compile_bilinear(spec, source, index)
+    if isinstance(spec, Identity):
+        layer = nn.Identity()
+        setattr(layer, _SPEC_ATTR, spec)
+        return layer
+    if isinstance(spec, Activation):
+        return _activation_module(spec)
+    raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
+
+
+def compile(spec, source: ParamSource):
+    """The mlx.nn module for ``spec`` with parameters from ``source`` (see the module docstring)."""
+    if isinstance(spec, Sequential):
+        model = nn.Sequential(*[_compile_layer(layer, source, i) for i, layer in enumerate(spec.layers)])
+        setattr(model, _SPEC_ATTR, spec)
+        return model
+    return _compile_layer(spec, source, 0)
+
+
+def _is_dense(m) -> bool:
+    return type(m) is nn.Linear or isinstance(m, DenseLinear)

@@ -1,0 +1,97 @@
+"""Canonical parameters <-> MLX arrays: ``get_params``/``set_params`` and the layout transposes.
+
+Layouts (canonical <-> MLX), by declaration and never by shape:
+
+- Dense: canonical ``kernel`` (in_features, units) <-> ``nn.Linear.weight`` (units, in_features),
+  i.e. weight = kernel.T; ``bias`` (units,) is the same in both. A mask is stored like the
+  weight, (units, in_features) = canonical mask.T, as the frozen parameter ``mask``.
+- Bilinear: canonical ``kernel`` (units, in1, in2) <-> ``nn.Bilinear.weight`` (units, in2, in1):
+  MLX computes y_i = x2^T W_i x1 + b_i (mlx/nn/layers/linear.py), so weight = kernel with axes
+  1 and 2 swapped.
+- Sequential: ``nn.Sequential`` keeps its modules in ``.layers``; canonical keys are
+  "<position>.<name>" ("0.kernel", "2.bias"), MLX's native ones "layers.0.weight".
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from dense_bridge._errors import ConversionError
+
+from ._arrays import _dtype_name, _to_mx, _to_numpy
+from ._layers import _is_dense
+
+
+def _positions(native) -> list[tuple[str, Any]]:
+    """(key prefix, module) for each position: "" for a lone layer, "0.", "1.", ... in a Sequential."""
+    if type(native) is nn.Sequential:
+        return [(f"{i}.", m) for i, m in enumerate(native.layers)]
+    return [("", native)]
+
+
+def _layer_params(m) -> dict[str, np.ndarray]:
+    if _is_dense(m):
+        if "weight" not in m:
+            raise ConversionError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
+                                  "first input): run one input through it before reading or saving them")
+        out = {"kernel": _to_numpy(m["weight"]).T}
+        if "bias" in m:
+            out["bias"] = _to_numpy(m["bias"])
+        if "mask" in m:
+            out["mask"] = _to_numpy(m["mask"]).T
+        return out
+    if type(m) is nn.Bilinear:
+        out = {"kernel": _to_numpy(m["weight"]).transpose(0, 2, 1)}
+        if "bias" in m:
+            out["bias"] = _to_numpy(m["bias"])
+        return out
+    return {}
+
+
+def get_params(native) -> dict[str, np.ndarray]:
+    """Canonical params as read-only zero-copy views of MLX's memory (MLX arrays are immutable,
+    so a view stays a snapshot: training rebinds the module to new arrays)."""
+    mx.eval(native.parameters())
+    out: dict[str, np.ndarray] = {}
+    for prefix, m in _positions(native):
+        for key, value in _layer_params(m).items():
+            out[prefix + key] = value
+    return out
+
+
+def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
+    get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
+    if not get:
+        return
+    if type(m) is nn.Bilinear:
+        dtype = _dtype_name(m["weight"].dtype, "weight")
+        new = {}
+        if "kernel" in get:
+            new["weight"] = _to_mx(np.asarray(get["kernel"]).transpose(0, 2, 1), dtype)
+        if "bias" in get:
+            new["bias"] = _to_mx(get["bias"], dtype)
+        m.update(new)
+        return
+    dtype = _dtype_name(m["weight"].dtype, "weight")
+    new = {}
+    if "kernel" in get:
+        new["weight"] = _to_mx(np.asarray(get["kernel"]).T, dtype)
+    if "bias" in get:
+        new["bias"] = _to_mx(get["bias"], dtype)
+    if "mask" in get:
+        new["mask"] = _to_mx(np.asarray(get["mask"]).T, dtype)
+    if "mask" in m and ("kernel" in get or "mask" in get):
+        # masked weights are exactly 0 by contract, whatever was passed for them
+        weight = new.get("weight", m["weight"]) * new.get("mask", m["mask"])
+        mx.eval(weight)
+        new["weight"] = weight
+    m.update(new)
+
+
+def set_params(native, params: dict[str, np.ndarray]) -> None:
+    """Copy validated canonical params into new MLX arrays (mx.array copies) and rebind them."""
+    for prefix, m in _positions(native):
+        _set_layer(m, params, prefix)

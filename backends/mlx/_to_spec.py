@@ -1,0 +1,95 @@
+"""Reading live MLX modules back into specs: ``to_spec`` for a layer or a flat ``nn.Sequential``.
+
+Structure comes from the module itself (shapes, dtypes, the mask, the activation); names and
+initializers, which MLX cannot hold, come from the spec ``compile`` stored on it, if any.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge.activations import Activation
+from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.wiring import Wiring
+
+from ._activations import _activation_of_function, _activation_of_module, _conversion_error
+from ._arrays import _dtype_name, _to_numpy
+from ._layers import _SPEC_ATTR, DenseLinear, LazyDenseLinear, _is_dense
+
+
+def _stored(m, cls):
+    spec = getattr(m, _SPEC_ATTR, None)
+    return spec if isinstance(spec, cls) else None
+
+
+def _dense_spec(m, where: str) -> Dense:
+    if isinstance(m, LazyDenseLinear) and not m.built:
+        return m._spec
+    weight = m["weight"]
+    if weight.ndim != 2:
+        raise _conversion_error(where, m, f"has a weight of shape {tuple(weight.shape)}, not (units, in)")
+    units, in_features = (int(s) for s in weight.shape)
+    stored = _stored(m, Dense)
+    mask = None
+    if "mask" in m:
+        mx.eval(m["mask"])
+        adjacency = _to_numpy(m["mask"]).T != 0
+        kind = stored.mask.kind if stored is not None and stored.mask is not None and \
+            np.array_equal(stored.mask.adjacency, adjacency) else "custom"
+        mask = Wiring(adjacency, kind=kind, allow_empty_outputs=True)
+    activation = m.activation if isinstance(m, DenseLinear) else Activation("linear")
+    return Dense(units, in_features=in_features, use_bias="bias" in m, activation=activation,
+                 kernel_init=stored.kernel_init if stored else "mlx_default",
+                 bias_init=stored.bias_init if stored else "mlx_default",
+                 mask=mask, dtype=_dtype_name(weight.dtype, f"{where}.weight"),
+                 name=stored.name if stored else None)
+
+
+def _bilinear_spec(m, where: str) -> Bilinear:
+    units, in2, in1 = (int(s) for s in m["weight"].shape)
+    stored = _stored(m, Bilinear)
+    return Bilinear(in1, in2, units, use_bias="bias" in m,
+                    init=stored.init if stored else "mlx_default",
+                    dtype=_dtype_name(m["weight"].dtype, f"{where}.weight"), name=stored.name if stored else None)
+
+
+def _layer_spec(m, where: str):
+    if _is_dense(m):
+        return _dense_spec(m, where)
+    if type(m) is nn.Bilinear:
+        return _bilinear_spec(m, where)
+    if type(m) is nn.Identity:
+        stored = _stored(m, Identity)
+        return Identity(name=stored.name if stored else None)
+    if isinstance(m, nn.Linear):
+        raise _conversion_error(where, m, "subclasses nn.Linear with a forward dense_bridge cannot read")
+    if isinstance(m, nn.Module):
+        return _activation_of_module(m, where)
+    if callable(m):
+        return _activation_of_function(m, where)
+    raise _conversion_error(where, m, "is not an MLX module or activation function")
+
+
+def to_spec(native):
+    """The spec of an MLX layer or nn.Sequential, structure read from the live module."""
+    if type(native) is not nn.Sequential:
+        spec = _layer_spec(native, "native")
+        return spec
+    layers = []
+    for i, m in enumerate(native.layers):
+        where = f"native.layers[{i}]"
+        if isinstance(m, nn.Sequential):
+            raise _conversion_error(where, m, "is a nested nn.Sequential; flatten it (parameter keys are "
+                                    "positions in one Sequential)")
+        if type(m) is nn.Bilinear:
+            raise _conversion_error(where, m, "takes two inputs and cannot sit in a Sequential chain")
+        layers.append(_layer_spec(m, where))
+    stored = _stored(native, Sequential)
+    has_dense = any(isinstance(l, Dense) for l in layers)
+    try:
+        return Sequential(layers, in_features=None if has_dense or stored is None else stored.in_features,
+                          name=stored.name if stored else None)
+    except SpecError as exc:
+        raise ConversionError(f"native (mlx.nn.Sequential) does not chain: {exc}") from None

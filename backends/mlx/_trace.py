@@ -1,0 +1,95 @@
+"""Autograd traces on MLX: per-layer outputs and gradients of L = sum(y * grad_out) via ``mx.vjp``.
+
+Each layer sees its input cast to its own parameter dtype; the mask is never differentiated;
+gradients are returned in the canonical layout (see ``_params``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dense_bridge._trace import LayerTrace, Trace
+
+from ._arrays import _MX_DTYPES, _dtype_name, _to_mx, _to_numpy
+from ._layers import _is_dense
+from ._params import _positions
+
+
+def _param_dtype(m) -> mx.Dtype | None:
+    """The dtype of a layer's weight (None for layers without parameters)."""
+    return m["weight"].dtype if isinstance(m, nn.Module) and "weight" in m else None
+
+
+def _trace_dtype(layers: list, x: np.ndarray) -> str:
+    """Inputs are cast to the first parameter layer's dtype; a parameter-free model keeps x's."""
+    for m in layers:
+        if _param_dtype(m) is not None:
+            return _dtype_name(_param_dtype(m), "weight")
+    name = np.dtype(x.dtype).name
+    return name if name in _MX_DTYPES else "float32"
+
+
+def _grad_params(m) -> list[tuple[str, mx.array]]:
+    """The parameters to differentiate: everything but the mask (which never trains)."""
+    if not isinstance(m, nn.Module):
+        return []
+    return [(k, v) for k, v in tree_flatten(m.parameters()) if k != "mask"]
+
+
+def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    out = {}
+    if "weight" in grads:
+        w = _to_numpy(grads["weight"])
+        out["kernel"] = w.T if _is_dense(m) else w.transpose(0, 2, 1)
+    if "bias" in grads:
+        out["bias"] = _to_numpy(grads["bias"])
+    return out
+
+
+def _layer_vjp(m, xs: list[mx.array], g: mx.array) -> tuple[mx.array, list[mx.array], dict]:
+    """(output, input grads, native param grads) of one layer for cotangent g, via mx.vjp."""
+    named = _grad_params(m)
+    names, arrays = [k for k, _ in named], [v for _, v in named]
+    n = len(arrays)
+
+    def fn(*primals):
+        if n:
+            m.update(tree_unflatten(list(zip(names, primals[:n]))))
+        return m(*primals[n:])
+
+    try:
+        (y,), cotangents = mx.vjp(fn, arrays + xs, [g])
+    finally:
+        if n:  # put the real arrays back: the traced ones must not stay in the module
+            m.update(tree_unflatten(list(zip(names, arrays))))
+    mx.eval(y, cotangents)
+    return y, cotangents[n:], dict(zip(names, cotangents[:n]))
+
+
+def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
+    """Per-layer outputs and gradients of L = sum(y * grad_out) with MLX's autograd (mx.vjp)."""
+    layers = [m for _, m in _positions(native)]
+    inputs = [np.asarray(x) for x in inputs]
+    dtype = _trace_dtype(layers, inputs[0])
+    xs = [_to_mx(x, dtype) for x in inputs]
+    layer_inputs, outputs = [], []
+    for m in layers:
+        if _param_dtype(m) is not None:  # each layer sees its input in its own dtype
+            xs = [x.astype(_param_dtype(m)) for x in xs]
+        layer_inputs.append(xs)
+        y = m(*xs)
+        mx.eval(y)
+        outputs.append(y)
+        xs = [y]
+    g = _to_mx(np.asarray(grad_out), _dtype_name(outputs[-1].dtype, "output"))
+    records: list[LayerTrace] = [None] * len(layers)  # type: ignore[list-item]
+    for i in range(len(layers) - 1, -1, -1):
+        y, dxs, grads = _layer_vjp(layers[i], layer_inputs[i], g.astype(outputs[i].dtype))
+        records[i] = LayerTrace(np.array(_to_numpy(y)), tuple(np.array(_to_numpy(d)) for d in dxs),
+                                {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
+        g = dxs[0]
+    return Trace(records)

@@ -1,0 +1,56 @@
+"""The PyTorch adapter: specs <-> ``torch.nn`` modules, canonical parameters, autograd traces.
+
+Layouts (canonical is numpy's y = x @ kernel + bias):
+
+- ``nn.Linear.weight`` is (out, in) = ``kernel.T``; ``bias`` (out,) = ``bias``. Every transpose
+  lives here: out with a zero-copy ``weight.detach().numpy().T``; in, at compile, as fresh memory
+  already transposed (``ParamSource.native_layer``: a cache-blocked copy, faster than torch's
+  ``copy_(K.t())``) that torch adopts through ``torch.from_numpy``, and in ``set_params`` with
+  ``weight.copy_(K.t())`` into the existing tensors.
+- :class:`DenseLinear` (a Dense with an activation and/or a mask) keeps the mask as a persistent
+  buffer ``"mask"`` in the weight's layout (out, in) = ``mask.T``; the forward multiplies
+  ``weight * mask``, so the mask holds from the first call and never trains.
+- ``nn.Bilinear.weight`` is (out, in1, in2) = ``kernel``: no transpose.
+- bfloat16 crosses to numpy as ``ml_dtypes.bfloat16`` through an int16 view (numpy has no bf16).
+
+Compile: Dense -> exactly ``nn.Linear`` when there is no activation and no mask, else
+:class:`DenseLinear`; lazy Dense -> :class:`LazyDense` (an ``nn.LazyLinear`` that draws the seeded
+parameters at its first call, then becomes ``nn.Linear``/``DenseLinear`` like torch's own lazy
+modules); Bilinear -> ``nn.Bilinear``; Identity -> ``nn.Identity``; Activation -> the native
+module with explicit parameters, or :class:`ExactActivation` where torch has no exact module;
+Sequential -> ``nn.Sequential`` (keys by native position).
+
+to_spec also reads what users write: ``nn.Sequential`` of those modules, and any ``nn.Module``
+whose ``forward`` is a single chain input -> Linear/activation -> ... -> output (traced with
+``torch.fx``; its parameter keys are the chain positions of the returned Sequential). Dropout
+is read as Identity (its eval-mode function). A leading ``x.view(-1, in_features)`` (the MNIST
+flattening in most tutorial MLPs) is accepted as input formatting: the spec takes (*, in_features).
+
+The package, one job a module:
+
+- ``_tensors``: dtype names and numpy <-> torch memory (zero-copy views, copies in).
+- ``_activations``: Activation <-> torch activation modules, functions and tensor methods.
+- ``_layers``: :class:`DenseLinear` and :class:`LazyDense`, the modules dense_bridge adds.
+- ``_compile``: the ``compile`` and ``owns`` verbs.
+- ``_leaves``: one torch module -> its layer spec.
+- ``_to_spec``: the ``to_spec`` verb; chains of nn.Sequential and torch.fx-traced modules.
+- ``_params``: the ``get_params``/``set_params`` verbs and their layout transposes.
+- ``_trace``: the ``trace`` verb (torch autograd).
+"""
+from __future__ import annotations
+
+from ._activations import ExactActivation
+from ._compile import compile, owns
+from ._layers import DenseLinear, LazyDense, _check_width
+from ._params import get_params, set_params
+from ._to_spec import to_spec
+from ._trace import trace
+
+__all__ = ["DenseLinear", "LazyDense", "ExactActivation"]
+
+# Pickles of whole modules (torch.save) name these by module path, and error messages print
+# it (``_describe``): keep the path they had as the single module ``backends/torch.py``.
+# ``_check_width`` is pickled as the forward pre-hook of a materialized LazyDense.
+for _obj in (ExactActivation, DenseLinear, LazyDense, _check_width):
+    _obj.__module__ = __name__
+del _obj

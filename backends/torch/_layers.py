@@ -1,0 +1,133 @@
+"""dense_bridge's own torch modules: :class:`DenseLinear` (activation and/or mask fused into
+``nn.Linear``) and :class:`LazyDense` (a seeded ``nn.LazyLinear``), plus the attribute names
+under which compiled modules carry spec data torch cannot hold.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dense_bridge._errors import SpecError
+from dense_bridge._params import ParamSource
+from dense_bridge.specs import from_config
+
+from ._tensors import _copy_in
+
+# Spec fields a torch module cannot hold natively (initializers, names): kept on the compiled
+# module as plain JSON-able data so that deepcopy/pickle of the module keep working.
+_META = "_dense_bridge_meta"
+_LAZY_INIT = "_dense_bridge_init"
+
+
+class DenseLinear(nn.Linear):
+    """``nn.Linear`` with a fused activation and/or a fixed 0/1 connectivity mask.
+
+    y = activation(x @ (weight * mask).T + bias). ``weight`` (out, in) and ``bias`` (out,) are the
+    usual parameters; ``mask`` (out, in), in the weight's layout, is a persistent buffer: saved in
+    the state dict, never a parameter, so no optimizer touches it. Multiplying in the forward
+    (rather than torch's ``prune``, which renames the weight and is stale after ``opt.step()``)
+    gives masked weights a zero gradient, so they stay exactly 0 under SGD with momentum and
+    weight decay, Adam and AdamW when they start at 0; ``load_state_dict`` re-zeroes them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 activation: nn.Module | None = None, mask: Any = None, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.activation = activation
+        if mask is None:
+            self.register_buffer("mask", None)
+            return
+        mask = torch.as_tensor(mask, dtype=self.weight.dtype, device=self.weight.device)
+        if tuple(mask.shape) != (out_features, in_features):
+            raise SpecError(f"mask must have the weight's shape (out_features, in_features) = "
+                            f"({out_features}, {in_features}). Received: mask of shape {tuple(mask.shape)}")
+        self.register_buffer("mask", mask.clone())
+        with torch.no_grad():
+            self.weight.mul_(self.mask)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # one read each: nn.Module.__getattr__ is a slow path (~0.3 us a read) that showed at
+        # 16->16, batch 1 in benchmarks/bench_layers.py
+        mask, activation = self.mask, self.activation
+        weight = self.weight if mask is None else self.weight * mask
+        out = F.linear(input, weight, self.bias)
+        return out if activation is None else activation(out)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # A state dict may carry nonzero masked weights (saved from an unmasked model): zero
+        # them so the stored weight matches what the layer computes. Only in place when needed,
+        # since with assign=True the weight is the caller's tensor.
+        if self.mask is not None and self.weight.device.type != "meta":
+            with torch.no_grad():
+                if bool(((self.weight != 0) & (self.mask == 0)).any()):
+                    self.weight.mul_(self.mask)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.mask is not None:
+            text += f", mask=({self.out_features}, {self.in_features}) density={float(self.mask.float().mean()):.3f}"
+        return text
+
+
+def _check_width(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a materialized lazy layer: a clear error for another input width."""
+    width = args[0].shape[-1] if args and args[0].dim() > 0 else None
+    if width != module.in_features:
+        raise SpecError(f"{type(module).__name__} was built for in_features={module.in_features} by its first "
+                        f"input. Received: input of shape {tuple(args[0].shape)} (last dimension {width})")
+
+
+class LazyDense(nn.LazyLinear):
+    """A lazy Dense: ``nn.LazyLinear`` whose first input fixes ``in_features`` and draws the
+    parameters from dense_bridge's seed (the same bits as the eager spec).
+
+    Once materialized it becomes ``nn.Linear`` (or :class:`DenseLinear` with an activation),
+    as torch's own lazy modules do, with a pre-hook that rejects inputs of another width.
+    """
+
+    def __init__(self, out_features: int, bias: bool = True, *, activation: nn.Module | None = None,
+                 init: dict | None = None, device=None, dtype=None) -> None:
+        super().__init__(out_features, bias, device=device, dtype=dtype)
+        if activation is not None:
+            self.activation = activation
+            self.register_buffer("mask", None)
+            self.cls_to_become = DenseLinear  # instance attribute: LazyModuleMixin reads it
+        # {"spec": Dense config, "seed": int, "index": position in the Sequential}: plain data, so
+        # the module deep-copies and pickles
+        setattr(self, _LAZY_INIT, init)
+
+    def initialize_parameters(self, input: torch.Tensor) -> None:  # type: ignore[override]
+        if input.dim() == 0:
+            raise SpecError(f"input must have at least 1 dimension (*, in_features). "
+                            f"Received: input of shape {tuple(input.shape)}")
+        width = int(input.shape[-1])
+        if self.has_uninitialized_params():
+            params = self._draw(width)
+            with torch.no_grad():
+                self.in_features = width
+                self.weight.materialize((self.out_features, width))
+                if self.bias is not None:
+                    self.bias.materialize((self.out_features,))
+            if params is None:
+                self.reset_parameters()
+            else:
+                _copy_in(self.weight, params["kernel"], transpose=True)
+                if self.bias is not None:
+                    _copy_in(self.bias, params["bias"])
+        elif self.in_features == 0:  # materialized by load_state_dict before the first call
+            self.in_features = int(self.weight.shape[-1])
+        if hasattr(self, _LAZY_INIT):
+            delattr(self, _LAZY_INIT)  # drop the seed/params: they are in the weights now
+        self.register_forward_pre_hook(_check_width)
+        _check_width(self, (input,))
+
+    def _draw(self, width: int) -> dict | None:
+        info = getattr(self, _LAZY_INIT, None)
+        if info is None:
+            return None  # built by hand: torch's own init
+        spec = from_config(info["spec"]).with_in_features(width)
+        return ParamSource(spec, seed=info["seed"]).for_layer(info["index"], spec)

@@ -1,0 +1,59 @@
+"""The ``get_params``/``set_params`` verbs: canonical parameters by chain position, with the
+layout transposes (``nn.Linear.weight`` and the mask are (out, in) = ``kernel.T``; Bilinear's
+weight is canonical as is).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from dense_bridge._errors import SpecError
+
+from ._leaves import _LINEAR_TYPES, _has_params
+from ._tensors import _copy_in, _to_numpy
+from ._to_spec import _chain, _is_container
+
+
+def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(key prefix, module) for every parameterised layer, by chain position."""
+    if not _is_container(native):
+        return [("", native)]
+    return [(f"{i}.", s.module) for i, s in enumerate(_chain(native)) if _has_params(s.module)]
+
+
+def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
+    if type(m) is nn.Bilinear:
+        out = {"kernel": _to_numpy(m.weight)}
+    elif type(m) in _LINEAR_TYPES:
+        if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
+            raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
+                            f"(its in_features is fixed by the first input)")
+        out = {"kernel": _to_numpy(m.weight).T}
+        if getattr(m, "mask", None) is not None:
+            out["mask"] = _to_numpy(m.mask).T
+    else:
+        return {}
+    if m.bias is not None:
+        out["bias"] = _to_numpy(m.bias)
+    return out
+
+
+def get_params(native: nn.Module) -> dict[str, np.ndarray]:
+    """Canonical params as read-only zero-copy views of torch's memory (kernel = weight.T)."""
+    return {prefix + k: v for prefix, m in _layer_modules(native) for k, v in _module_params(m).items()}
+
+
+def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
+    """Copy validated canonical params in (transposing copies into the existing tensors)."""
+    for prefix, m in _layer_modules(native):
+        transpose = type(m) is not nn.Bilinear
+        if prefix + "mask" in params:
+            _copy_in(m.mask, params[prefix + "mask"], transpose=True)
+        if prefix + "kernel" in params:
+            _copy_in(m.weight, params[prefix + "kernel"], transpose=transpose)
+        if prefix + "bias" in params:
+            _copy_in(m.bias, params[prefix + "bias"])
+        if getattr(m, "mask", None) is not None and (prefix + "kernel" in params or prefix + "mask" in params):
+            with torch.no_grad():
+                m.weight.mul_(m.mask)  # masked weights are exactly 0 by contract

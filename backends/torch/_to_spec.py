@@ -1,0 +1,220 @@
+"""The ``to_spec`` verb and the chains behind it: an ``nn.Sequential`` read position by position,
+or any ``nn.Module`` whose forward ``torch.fx`` traces as a single chain of layers and
+activations (a leading ``x.view(-1, in_features)`` accepted as input formatting).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx
+from torch import nn
+
+from dense_bridge._errors import ConversionError, SpecError, received
+from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+
+from ._activations import _FUNCTIONS, _METHODS, ExactActivation, _fn_spec
+from ._layers import _META, DenseLinear, LazyDense
+from ._leaves import _describe, _has_params, _leaf_spec
+
+
+class _Step:
+    """One position of a chain: its spec, the module holding its parameters, how to run it."""
+
+    __slots__ = ("spec", "module", "run")
+
+    def __init__(self, spec, module: nn.Module | None, run: Callable) -> None:
+        self.spec, self.module, self.run = spec, module, run
+
+
+_OWN_LEAVES = (DenseLinear, LazyDense, ExactActivation)
+
+
+def _is_container(m: nn.Module) -> bool:
+    """Modules whose forward calls other modules: traced into rather than read as a layer."""
+    if isinstance(m, nn.Sequential):
+        return True
+    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn")
+
+
+class _Tracer(torch.fx.Tracer):
+    """fx tracer that keeps dense_bridge's own modules as leaves (torch.nn ones already are)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return type(m) in _OWN_LEAVES or super().is_leaf_module(m, qualname)
+
+
+_RESHAPES = {"view", "reshape"}
+
+
+def _node_name(node: torch.fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+    return f"node {node.name!r} ({node.op} {target})"
+
+
+def _bind(node: torch.fx.Node, names: tuple[str, ...], where: str) -> dict:
+    if len(node.args) > len(names):
+        raise ConversionError(f"{where} has {len(node.args)} positional arguments; expected at most {len(names)}")
+    bound = dict(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        if key not in names or key in bound:
+            raise ConversionError(f"{where} has an unexpected argument {key}={value!r}")
+        bound[key] = value
+    return bound
+
+
+def _is_flatten(node: torch.fx.Node) -> int | None:
+    """N for ``x.view(-1, N)`` / ``x.reshape(-1, N)`` (also with a tuple), else None."""
+    if node.op != "call_method" or node.target not in _RESHAPES or node.kwargs:
+        return None
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if len(shape) == 2 and shape[0] == -1 and isinstance(shape[1], int) and shape[1] > 0:
+        return shape[1]
+    return None
+
+
+def _replay(node: torch.fx.Node) -> Callable:
+    """Run a traced function/method node on a new chain input (its other arguments as traced)."""
+    args, kwargs = list(node.args[1:]), dict(node.kwargs)
+    if node.op == "call_method":
+        return lambda x: getattr(x, node.target)(*args, **kwargs)
+    if "input" in kwargs:  # F.relu(input=x)
+        return lambda x: node.target(*node.args, **{**kwargs, "input": x})
+    return lambda x: node.target(x, *args, **kwargs)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _traced_chain(root: nn.Module, what: str) -> list[_Step]:
+    """The chain of a module's forward, read with torch.fx; ConversionError naming any offender."""
+    try:
+        graph = _Tracer().trace(root)
+    except Exception as exc:  # noqa: BLE001 - any trace failure means "not a plain chain"
+        raise ConversionError(f"cannot convert {what}: torch.fx could not trace its forward "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Only a "
+                              f"chain of Linear layers and activations without Python control flow converts")
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise ConversionError(f"cannot convert {what}: its forward takes {len(inputs)} inputs "
+                              f"({', '.join(n.name for n in inputs)}); only single-input chains convert")
+    steps: list[_Step] = []
+    flatten: tuple[torch.fx.Node, int] | None = None
+    cur = inputs[0]
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        where = f"{what}, {_node_name(node)}"
+        if node.op == "output":
+            if node.args[0] is not cur:
+                raise ConversionError(f"cannot convert {what}: it returns {node.args[0]!r}, not the last value "
+                                      f"of a single chain")
+            break
+        used = node.all_input_nodes
+        if used != [cur]:
+            raise ConversionError(f"cannot convert {where}: it uses {[n.name for n in used]} where a chain "
+                                  f"uses only the previous step's output {cur.name!r} (branches, residual "
+                                  f"connections, parameters used directly and second inputs do not convert)")
+        if len(cur.users) != 1:
+            raise ConversionError(f"cannot convert {what}: the value {cur.name!r} feeds "
+                                  f"{[u.name for u in cur.users]} (a branch or residual connection), at {where}")
+        if _is_flatten(node) is not None:
+            if steps:
+                raise ConversionError(f"cannot convert {where}: a reshape inside the chain (only a leading "
+                                      f"x.view(-1, in_features) converts, as input formatting)")
+            flatten = (node, _is_flatten(node))
+        else:
+            steps.append(_node_step(root, node, cur, where))
+        cur = node
+    first = next((s.spec for s in steps if isinstance(s.spec, Dense)), None)
+    if flatten is not None and first is not None and first.in_features not in (None, flatten[1]):
+        raise ConversionError(f"cannot convert {what}, {_node_name(flatten[0])}: it flattens the input to "
+                              f"{flatten[1]} features but the first Linear takes in_features={first.in_features}")
+    return steps
+
+
+def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> _Step:
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        spec = _leaf_spec(module, where)
+        if spec is None or isinstance(spec, Bilinear):
+            raise ConversionError(f"cannot convert {where}: {_describe(module)} is not a Linear layer, "
+                                  f"Identity, Dropout or activation module")
+        if node.args[0] is not cur or len(node.args) != 1 or node.kwargs:
+            raise ConversionError(f"cannot convert {where}: called with extra arguments")
+        return _Step(spec, module, module)
+    table = _FUNCTIONS if node.op == "call_function" else _METHODS if node.op == "call_method" else {}
+    key = node.target
+    try:
+        entry = table.get(key)
+    except TypeError:  # unhashable target
+        entry = None
+    if entry is None:
+        raise ConversionError(f"cannot convert {where}: not a Linear layer or a known activation")
+    name, names = entry
+    bound = _bind(node, names, where)
+    if bound.get("input") is not cur:
+        raise ConversionError(f"cannot convert {where}: the chain value is not its input")
+    spec = _fn_spec(name, bound, where)
+    # dropout runs as what the spec says it is (identity), even if traced in training mode
+    return _Step(spec, None, _identity if isinstance(spec, Identity) else _replay(node))
+
+
+def _chain(native: nn.Module) -> list[_Step]:
+    """Positions of a container (nn.Sequential or a traced nn.Module) as steps."""
+    steps = _chain_steps(native)
+    seen: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        if _has_params(step.module):
+            if id(step.module) in seen:
+                raise ConversionError(f"cannot convert {_describe(native)}: the same {type(step.module).__name__} "
+                                      f"is used at chain positions {seen[id(step.module)]} and {i} (shared "
+                                      f"weights); dense_bridge layers own their parameters")
+            seen[id(step.module)] = i
+        if isinstance(step.spec, Identity) and step.module is not None and type(step.module) is not nn.Identity:
+            step.run = _identity  # Dropout: its eval-mode function, whatever the module's mode
+    return steps
+
+
+def _chain_steps(native: nn.Module) -> list[_Step]:
+    what = _describe(native)
+    if type(native) is nn.Sequential:
+        children = list(native)
+        if not any(_is_container(c) for c in children):
+            steps = []
+            for i, child in enumerate(children):
+                where = f"{what} position {i}"
+                spec = _leaf_spec(child, where)
+                if spec is None or isinstance(spec, Bilinear):
+                    raise ConversionError(f"cannot convert {where}: {_describe(child)} is not a Linear layer, "
+                                          f"Identity, Dropout or activation module")
+                steps.append(_Step(spec, child, child))
+            return steps
+    return _traced_chain(native, what)
+
+
+def to_spec(native: nn.Module):
+    """The spec of a torch module: a layer, an nn.Sequential, or an nn.Module chain (see module doc)."""
+    what = _describe(native)
+    if not _is_container(native):
+        spec = _leaf_spec(native, what)
+        if spec is None:
+            raise ConversionError(f"cannot convert {what}: not a Linear, Bilinear, Identity, Dropout, activation "
+                                  f"or container module. {received('native', native)}")
+        return spec
+    steps = _chain(native)
+    meta = getattr(native, _META, None) or {}
+    layers = [s.spec for s in steps]
+    try:
+        try:
+            return Sequential(layers, in_features=meta.get("in_features"), name=meta.get("name"))
+        except SpecError:
+            if not meta:
+                raise
+            return Sequential(layers)  # the module changed since compile: read it as it is now
+    except (SpecError, TypeError) as exc:
+        raise ConversionError(f"cannot convert {what}: its layers do not form a valid Sequential: {exc}") from None
