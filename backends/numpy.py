@@ -21,6 +21,7 @@ from dense_bridge._params import ParamSource
 from dense_bridge._trace import LayerTrace, Trace
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.wiring import Wiring
 
 __all__ = ["DenseLayer", "BilinearLayer", "IdentityLayer", "ActivationLayer", "SequentialModel"]
 
@@ -316,6 +317,12 @@ def to_spec(native):
     if isinstance(native, SequentialModel):
         return Sequential([to_spec(l) for l in native.layers], in_features=native.spec.in_features,
                           name=native.spec.name)
+    if isinstance(native, DenseLayer) and native.mask is not None:
+        # set_params may have replaced the mask: the stored array, not the spec it started
+        # from, is what the layer computes with
+        wiring = Wiring(native.mask != 0, kind=native.spec.mask.kind, allow_empty_outputs=True)
+        if wiring != native.spec.mask:
+            return native.spec.replace(mask=wiring)
     return native.spec
 
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import received
+from ._errors import ConversionError, SpecError, received
 from ._params import ParamSource, validate_params
 from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
 from .activations import Activation
@@ -75,13 +75,22 @@ def _with_hint(read: Any, hint: Any) -> Any:
     return read
 
 
-def get_params(native: Any) -> dict[str, np.ndarray]:
+def get_params(native: Any, *, copy: bool = True) -> dict[str, np.ndarray]:
     """Canonical parameters of a native layer or model: kernel (in, units), bias (units,), mask.
 
     Sequential keys are prefixed with the layer position ("0.kernel"). bfloat16 stays bfloat16.
-    Arrays may share memory with the framework: copy before mutating them.
+    With ``copy=True`` (the default) the arrays are snapshots the caller owns: training the
+    model afterwards does not change them. ``copy=False`` returns the adapters' zero-copy,
+    read-only views where the framework allows (torch, MLX): fast, but a torch view follows
+    the weights through ``opt.step()``.
     """
-    return adapter_for(native).get_params(native)
+    if not isinstance(copy, bool):
+        raise TypeError(f"copy must be True or False. {received('copy', copy)}")
+    try:
+        params = adapter_for(native).get_params(native)
+    except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
+        raise ConversionError(str(exc)) from None
+    return {k: np.array(v, copy=True) for k, v in params.items()} if copy else params
 
 
 def set_params(native: Any, params: Mapping, *, strict: bool = True) -> None:
@@ -93,6 +102,8 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True) -> None:
     """
     adapter = adapter_for(native)
     spec = _read_spec(adapter, native)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     checked = validate_params(spec, params, strict=strict)
     adapter.set_params(native, checked)
 

@@ -46,6 +46,8 @@ def canonical_dtype(value: object, argument: str = "dtype") -> str:
                 f"{suggest(value, DTYPE_NAMES)} {received(argument, value)}"
             )
         return name
+    if value is None:  # np.dtype(None) is float64: never what "no dtype" meant
+        raise TypeError(f"{argument} must be a dtype name such as 'float32', not None. {received(argument, value)}")
     try:
         dt = np.dtype(value)
     except TypeError:

@@ -110,6 +110,7 @@ class ParamSource:
                 self.spec = spec
             self.params, deferred = _validate(spec, params, strict=True, argument="params",
                                               check_finite=not defer_finite_check)
+            _check_masks_match(spec, self.params)
             self._unchecked = set(deferred)
             self._pending = {}
 
@@ -183,6 +184,19 @@ class ParamSource:
         raise ConversionError(f"params do not fit {_describe(self.spec)}: " + "; ".join(problems))
 
 
+def _check_masks_match(spec, params: Mapping[str, np.ndarray]) -> None:
+    """A mask given in params must be the spec's own wiring: the spec is what to_spec, save and
+    compare report, so a different mask would make the object lie about what it computes."""
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    prefix = (lambda i: f"{i}.") if isinstance(spec, Sequential) else (lambda i: "")
+    wrong = [prefix(i) + "mask" for i, layer in enumerate(layers)
+             if isinstance(layer, Dense) and layer.mask is not None and prefix(i) + "mask" in params
+             and not np.array_equal(np.asarray(params[prefix(i) + "mask"]) != 0, layer.mask.adjacency)]
+    if wrong:
+        raise ConversionError(f"params {wrong} differ from the spec's mask: pass a spec with that wiring "
+                              f"(db.Dense(mask=...)) or leave the mask out of params")
+
+
 def _is_lazy(spec) -> bool:
     return getattr(spec, "lazy", False)
 
@@ -253,24 +267,36 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
             continue
         value = _to_numpy(params[key])
         if value is None or not (np.issubdtype(value.dtype, np.number) or value.dtype == bool
-                                 or dtype_name(value.dtype) == "bfloat16"):
-            problems.append(f"{key}: expected a numeric array, received {type(params[key]).__name__}")
+                                 or dtype_name(value.dtype) == "bfloat16") \
+                or np.issubdtype(value.dtype, np.complexfloating):
+            what = f"dtype {value.dtype}" if value is not None else type(params[key]).__name__
+            problems.append(f"{key}: expected a real numeric array, received {what}")
             continue
         if tuple(value.shape) != tuple(shape):
             problems.append(f"expected shape {tuple(shape)} for parameter {key}, received {tuple(value.shape)}")
             continue
+        if any(stride < 0 for stride in value.strides):
+            # reversed views (x[::-1]) are legal numpy but DLPack importers (MLX) refuse them
+            value = np.ascontiguousarray(value)
         target = numpy_dtype(dtype)
         if not check_finite and _deferrable(key, value, target):
             deferred.append(key)
-        else:
-            bad = count_nonfinite(value)
-            if bad:
-                problems.append(f"{key}: {bad} NaN or Inf value(s)")
-                continue
-        if key.endswith("mask") and not ((value == 0) | (value == 1)).all():
+            out[key] = value
+            continue
+        # cast first: a finite float64 such as 1e6 becomes Inf in float16, and that is the
+        # value the layer would hold
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, by key
+            cast = value if value.dtype == target else value.astype(target)
+        bad = count_nonfinite(cast)
+        if bad:
+            overflow = "" if value.dtype == target or count_nonfinite(value) else \
+                f" after casting to {dtype} (values outside its range)"
+            problems.append(f"{key}: {bad} NaN or Inf value(s){overflow}")
+            continue
+        if key.endswith("mask") and not ((cast == 0) | (cast == 1)).all():
             problems.append(f"{key}: a mask must hold only 0 and 1")
             continue
-        out[key] = value if value.dtype == target else value.astype(target)
+        out[key] = cast
     if problems and deferred:  # the one error must name every offender: scan now after all
         return _validate(spec, params, strict=strict, argument=argument, check_finite=True)
     if problems:

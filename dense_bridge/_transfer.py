@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -43,6 +44,7 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 _pool_pid = 0  # a forked child inherits the pool object but not its threads: it needs its own
 
 
@@ -62,15 +64,19 @@ def _run(tasks: list[Callable[[], int]]) -> int:
     """
     if _workers() == 1 or len(tasks) == 1:
         return sum(_quiet(t) for t in tasks)
-    return sum(_executor().map(_quiet, tasks))
+    try:
+        return sum(_executor().map(_quiet, tasks))
+    except RuntimeError:  # no new threads after interpreter shutdown (an atexit hook): serial
+        return sum(_quiet(t) for t in tasks)
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool, _pool_pid
-    if _pool is None or _pool_pid != os.getpid():
-        _pool = ThreadPoolExecutor(_workers(), thread_name_prefix="dense_bridge_copy")
-        _pool_pid = os.getpid()
-    return _pool
+    with _pool_lock:  # two threads' first copies must not each start a pool
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(_workers(), thread_name_prefix="dense_bridge_copy")
+            _pool_pid = os.getpid()
+        return _pool
 
 
 def _quiet(task: Callable[[], int]) -> int:
@@ -147,7 +153,12 @@ def count_nonfinite_later(value: np.ndarray) -> Future:
         done: Future = Future()
         done.set_result(count_nonfinite(value))
         return done
-    return _executor().submit(count_nonfinite, value)
+    try:
+        return _executor().submit(count_nonfinite, value)
+    except RuntimeError:  # no new threads after interpreter shutdown: scan now
+        done = Future()
+        done.set_result(count_nonfinite(value))
+        return done
 
 
 def _small_nonfinite(value: np.ndarray) -> int:

@@ -327,6 +327,12 @@ class Sequential(Spec):
                     in_features = layer.in_features
                 width = layer.units
             filled.append(layer)
+        dtypes = {l.dtype for l in filled if isinstance(l, Dense)}
+        if len(dtypes) > 1:
+            # frameworks disagree on mixed chains (torch raises, Keras and MLX cast silently):
+            # one dtype per Sequential keeps every backend computing the same thing
+            found = ", ".join(f"layers[{i}]={l.dtype}" for i, l in enumerate(filled) if isinstance(l, Dense))
+            raise SpecError(f"all Dense layers of a Sequential must share one dtype. Received: {found}")
         self._set(layers=tuple(filled), in_features=in_features, name=_check_name(name))
 
     def _fields(self) -> dict:
@@ -422,16 +428,23 @@ def from_config(config: Any):
             config = json.loads(config)
         except json.JSONDecodeError as exc:
             raise SpecError(f"config is not valid JSON ({exc}). {received('config', config)}") from None
+    if isinstance(config, dict) and "class_name" not in config and "name" in config:
+        return Activation.from_config(config)  # Activation.to_config() has no class envelope
     if not isinstance(config, dict) or "class_name" not in config:
         raise TypeError(f"config must be a dict made by spec.to_config(). {received('config', config)}")
     name, body = config["class_name"], config.get("config", {})
-    if name == "Activation":
-        return Activation.from_config(body)
-    if name == "Identity":
-        return Identity(**body)
-    if name not in _CLASSES:
+    if name not in _CLASSES and name not in ("Activation", "Identity"):
         raise SpecError(f"config has an unknown class_name. {received('class_name', name)}")
+    if not isinstance(body, dict):
+        raise SpecError(f"config['config'] of {name} must be a dict. {received('config', body)}")
     try:
+        if name == "Activation":
+            return Activation.from_config(body)
+        if name == "Identity":
+            return Identity(**body)
         return _CLASSES[name]._from_body(body)
-    except TypeError as exc:
-        raise SpecError(f"config for {name} is malformed: {exc}") from None
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(f"config for {name} is malformed ({type(exc).__name__}: {exc}). "
+                        f"{received('config', config)}") from None

@@ -85,3 +85,27 @@ def test_set_params_lists_every_offender_and_changes_nothing():
         assert needle in msg
     after = db.get_params(layer)
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+MORE_CASES = [
+    (lambda: db.Dense(2, dtype=None), TypeError, ["dtype", "None"]),
+    (lambda: db.Sequential([db.Dense(3, in_features=2), db.Dense(2, dtype="float64")]), db.SpecError,
+     ["dtype", "layers[1]=float64"]),
+    (lambda: db.from_config({"class_name": "Sequential", "config": {}}), db.SpecError, ["Sequential", "malformed"]),
+    (lambda: db.from_config({"class_name": "Identity", "config": {"junk": 1}}), db.SpecError, ["Identity"]),
+    (lambda: db.from_config({"class_name": "Dense", "config": {"units": 2, "mask": {"shape": [2]}}}), db.SpecError,
+     ["Dense"]),
+]
+
+
+@pytest.mark.parametrize("make,error,needles", MORE_CASES, ids=[f"more{i}" for i in range(len(MORE_CASES))])
+def test_more_bad_inputs(make, error, needles):
+    with pytest.raises(error) as info:
+        make()
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {info.value!s}"
+
+
+def test_activation_config_round_trips_through_from_config():
+    act = db.Activation("leaky_relu", negative_slope=0.2)
+    assert db.from_config(act.to_config()) == act

@@ -85,7 +85,7 @@ def test_bilinear_backward_matches_finite_differences():
 
 def test_sequential_chains_and_keys():
     spec = db.Sequential([db.Dense(6, in_features=4, activation="tanh"), db.Identity(),
-                          db.Activation("gelu"), db.Dense(3, dtype="float64")])
+                          db.Activation("gelu"), db.Dense(3)])
     model = db.compile(spec, "numpy", seed=2)
     x = np.random.default_rng(0).normal(size=(5, 4))
     y = model.forward(x)

@@ -106,6 +106,7 @@ def test_random_sequential_config_roundtrip(layers):
     # chain widths so the Sequential is valid: each layer's in_features = previous units
     fixed, width = [], None
     for layer in layers:
+        layer = layer.replace(dtype=layers[0].dtype)  # a Sequential has one dtype
         if width is not None and layer.mask is None:
             layer = layer.replace(in_features=width)
         elif width is not None:

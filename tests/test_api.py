@@ -1,0 +1,73 @@
+"""Public verbs on every backend: snapshots, all-or-nothing loads, and review regressions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dense_bridge as db
+
+from conftest import require_backend
+
+
+def test_get_params_are_snapshots_by_default(backend):
+    model = db.compile(db.Sequential([db.Dense(3, in_features=2), db.Dense(2)]), backend, seed=0)
+    before = db.get_params(model)
+    kept = {k: v.copy() for k, v in before.items()}
+    db.set_params(model, {k: (np.asarray(v) + 1).astype(v.dtype) for k, v in before.items()})
+    assert all(np.array_equal(before[k], kept[k]) for k in kept)  # the snapshot did not move
+    before["0.kernel"][...] = 7  # and it is the caller's to change
+    assert not np.array_equal(db.get_params(model)["0.kernel"], before["0.kernel"])
+
+
+def test_values_that_overflow_the_dtype_are_rejected(backend):
+    spec = db.Dense(2, in_features=2, dtype="float16")
+    with pytest.raises(db.ConversionError, match="after casting to float16"):
+        db.compile(spec, backend, params={"kernel": np.full((2, 2), 1e6), "bias": np.zeros(2)})
+
+
+def test_reversed_views_load_and_failed_loads_change_nothing(backend):
+    model = db.compile(db.Sequential([db.Dense(3, in_features=2), db.Dense(2)]), backend, seed=0)
+    start = db.get_params(model)
+    new = {k: (v + 1).astype(v.dtype) for k, v in start.items()}
+    new["1.bias"] = new["1.bias"].copy()[::-1].copy()[::-1]  # a negative-stride view
+    db.set_params(model, new)
+    assert all(np.array_equal(db.get_params(model)[k], new[k]) for k in new)
+    broken = dict(new, **{"1.bias": np.array([np.nan, 0.0], np.float32)})
+    broken["0.kernel"] = broken["0.kernel"] + 5
+    with pytest.raises(db.ConversionError, match="1.bias"):
+        db.set_params(model, broken)
+    assert all(np.array_equal(db.get_params(model)[k], new[k]) for k in new)
+
+
+def test_complex_parameters_are_rejected(backend):
+    model = db.compile(db.Dense(2, in_features=2), backend, seed=0)
+    with pytest.raises(db.ConversionError, match="real numeric"):
+        db.set_params(model, {"kernel": np.ones((2, 2), np.complex64), "bias": np.zeros(2, np.float32)})
+
+
+def test_params_mask_must_match_the_spec(backend):
+    spec = db.Dense(3, in_features=2, mask=db.wiring.banded(2, 3, 0))
+    with pytest.raises(db.ConversionError, match="mask"):
+        db.compile(spec, backend, params={"kernel": np.ones((2, 3), np.float32),
+                                          "bias": np.zeros(3, np.float32), "mask": np.ones((2, 3), np.float32)})
+
+
+def test_numpy_to_spec_follows_a_replaced_mask():
+    require_backend("numpy")
+    layer = db.compile(db.Dense(3, in_features=2, mask=db.wiring.banded(2, 3, 0)), "numpy", seed=0)
+    db.set_params(layer, {"mask": np.ones((2, 3), np.float32)}, strict=False)
+    assert db.to_spec(layer).mask.adjacency.all()
+
+
+@pytest.mark.parametrize("bad,error", [("no", TypeError), (1, TypeError)])
+def test_strict_and_copy_take_only_bools(bad, error):
+    model = db.compile(db.Dense(2, in_features=2), "numpy", seed=0)
+    with pytest.raises(error, match="strict"):
+        db.set_params(model, db.get_params(model), strict=bad)
+    with pytest.raises(error, match="copy"):
+        db.get_params(model, copy=bad)
+
+
+def test_unbuilt_lazy_get_params_is_a_conversion_error_everywhere(backend):
+    with pytest.raises(db.ConversionError):
+        db.get_params(db.compile(db.Dense(3), backend, seed=0))
