@@ -447,9 +447,11 @@ def test_layers_that_do_not_line_up_are_compared_end_to_end():
 def test_spec_differences_field_by_field():
     base = db.Sequential([db.Dense(4, in_features=3, activation="relu", mask=db.wiring.banded(3, 4, 0)),
                           db.Activation("elu"), db.Dense(2)])
-    other = db.Sequential([db.Dense(4, in_features=3, activation="relu", mask=db.wiring.banded(3, 4, 1)),
+    other = db.Sequential([db.Dense(4, in_features=3, activation="relu", mask=db.wiring.banded(3, 4, 1),
+                                    dtype="bfloat16"),
                            db.Identity(), db.Dense(5, dtype="bfloat16", use_bias=False)])
     assert db.testing.spec_differences(base, other) == [
+        "layer 0 dtype: float32 vs bfloat16",
         "layer 0 mask: differs in 4 of 12 entries",
         "layer 1 type: Act(elu) vs Identity",
         "layer 2 units: 2 vs 5",
@@ -459,3 +461,158 @@ def test_spec_differences_field_by_field():
     assert db.testing.spec_differences(base, base) == []
     assert db.testing.spec_differences(db.Dense(2, in_features=3), base)[:2] == ["model: Dense vs Sequential",
                                                                                    "number of layers: 1 vs 3"]
+
+
+# ------------------------------------------------------------------------------ review findings
+@pytest.mark.parametrize("name", ALL)
+def test_empty_sequential_is_the_identity(name):
+    """Sequential([]) crashed with IndexError; it is x -> x on every backend."""
+    need(name)
+    empty = db.compile(db.Sequential([]), name, seed=0)
+    reference = db.compile(db.Sequential([]), "numpy", seed=0)
+    nothing = compare(empty, reference)  # no width anywhere: passes with nothing to compare
+    assert nothing.passed and nothing.rows == [] and "nothing to compare" in nothing.notes[0], str(nothing)
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    report = compare(empty, reference, inputs=x)
+    assert report.passed and report.worst.units == 0.0, str(report)
+    assert "a is an empty Sequential: its output is its input" in str(report)
+    identity = db.compile(db.Sequential([db.Identity()], in_features=4), "numpy", seed=0)
+    assert compare(empty, identity, inputs=x, strict=True).passed
+    # an empty model is not equivalent to a layer that computes something
+    dense = db.compile(db.Dense(4, in_features=4, bias_init="normal"), "numpy", seed=0)
+    assert not compare(empty, dense).passed and not compare(dense, empty).passed
+
+
+@pytest.mark.parametrize("a_name,b_name", PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_one_dimensional_inputs_get_a_batch_axis_for_every_backend(a_name, b_name):
+    """Keras' Dense rejects 1-D inputs (min_ndim=2) where the others accept them: all get (1, n)."""
+    need(a_name, b_name)
+    spec = db.Sequential([db.Dense(3, in_features=4, activation="tanh", bias_init="normal")])
+    a, b = db.compile(spec, a_name, seed=1), db.compile(spec, b_name, seed=1)
+    for first, second in ((a, b), (b, a)):
+        report = compare(first, second, inputs=np.ones(4))
+        assert report.passed and report.input_shapes == [(1, 4)], str(report)
+        assert any("batch axis was added" in n for n in report.notes), report.notes
+    report = compare(a, b, inputs=np.ones(4), grad_out=np.ones(3))  # the sample's gradient, 1-D too
+    assert report.passed and report.layers[0]["output"].shape == (1, 3), str(report)
+
+
+def test_bilinear_one_dimensional_and_mismatched_inputs():
+    models = [db.compile(db.Bilinear(3, 4, 2), n, seed=1) for n in ("numpy", "torch", "mlx")
+              if _unavailable(n) is None]
+    report = compare(models[0], models[-1], inputs=(np.ones(3), np.ones(4)))
+    assert report.passed and report.input_shapes == [(1, 3), (1, 4)], str(report)
+    with pytest.raises(db.SpecError, match=r"same batch shape.*\(2, 3\) and \(3, 4\)"):
+        compare(models[0], models[-1], inputs=(np.ones((2, 3)), np.ones((3, 4))))
+    with pytest.raises(db.SpecError, match=r"\(\*, 3\) and \(\*, 4\).*\(2, 3\), \(2, 5\)"):
+        compare(models[0], models[-1], inputs=(np.ones((2, 3)), np.ones((2, 5))))
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    ({"grads": "no"}, TypeError, ["grads", "'no'"]),
+    ({"grads": 1}, TypeError, ["grads", "grads=1"]),
+    ({"strict": "yes"}, TypeError, ["strict", "'yes'"]),
+    ({"seed": 1.5}, TypeError, ["seed", "seed=1.5"]),
+    ({"seed": -1}, db.SpecError, ["seed", "seed=-1"]),
+    ({"seed": True}, TypeError, ["seed", "seed=True"]),
+    ({"tolerance": 3}, TypeError, ["tolerance", "tolerance=3"]),
+    ({"batch_size": 0}, db.SpecError, ["batch_size", "batch_size=0"]),
+    ({"batch_size": "8"}, TypeError, ["batch_size", "'8'"]),
+    ({"inputs": "abc"}, TypeError, ["inputs", "'abc'"]),
+    ({"inputs": {"x": 1}}, TypeError, ["inputs", "{'x': 1}"]),
+    ({"inputs": np.ones((2, 4), dtype=complex)}, TypeError, ["inputs", "complex128"]),
+    ({"inputs": np.ones((2, 5))}, db.SpecError, ["inputs", "(*, 4)", "(2, 5)"]),
+    ({"inputs": np.ones(5)}, db.SpecError, ["inputs", "(*, 4)", "(5,)"]),
+    ({"inputs": np.ones((0, 4))}, db.SpecError, ["inputs", "(0, 4)"]),
+    ({"inputs": np.float64(1.0)}, db.SpecError, ["inputs", "()"]),
+    ({"grad_out": "x"}, TypeError, ["grad_out", "'x'"]),
+    ({"grad_out": np.ones((8, 2))}, db.SpecError, ["grad_out", "(8, 3)", "(8, 2)"]),
+])
+def test_bad_arguments_raise_naming_the_argument_and_value(kwargs, error, words):
+    model = db.compile(db.Dense(3, in_features=4), "numpy", seed=0)
+    with pytest.raises(error) as info:
+        compare(model, model, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "numpy"])
+def test_wrong_input_width_is_a_spec_error_not_a_framework_error(name):
+    need(name)
+    spec = db.Dense(3, in_features=4)
+    a, b = db.compile(spec, name, seed=0), db.compile(spec, "numpy", seed=0)
+    for first, second in ((a, b), (b, a)):
+        with pytest.raises(db.SpecError, match=r"inputs.*\(\*, 4\).*\(2, 5\)"):
+            compare(first, second, inputs=np.ones((2, 5)))
+    lazy = db.compile(db.Dense(3), name, seed=0)  # lazy on one side: the other fixes the width
+    with pytest.raises(db.SpecError, match=r"\(\*, 4\).*\(2, 6\)"):
+        compare(lazy, b, inputs=np.ones((2, 6)))
+    wider = db.compile(db.Dense(3, in_features=5), "numpy", seed=0)  # fits neither model
+    with pytest.raises(db.SpecError, match=r"\(\*, 4\) \(a\) or \(\*, 5\) \(b\).*\(2, 6\)"):
+        compare(a, wider, inputs=np.ones((2, 6)))
+
+
+def _bf16_port():
+    """A float32 model and a bfloat16 port with the same (bfloat16-representable) weights."""
+    spec32 = db.Sequential([db.Dense(8, in_features=6, activation="tanh"), db.Dense(4)])
+    p16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in db.get_params(db.compile(spec32, "numpy", seed=1)).items()}
+    a = db.compile(spec32, "numpy", params={k: v.astype(np.float32) for k, v in p16.items()})
+    b = db.compile(db.Sequential([l.replace(dtype="bfloat16") for l in spec32.layers]), "numpy", params=p16)
+    return a, b
+
+
+def test_strict_mode_fails_a_bfloat16_port_that_numerically_passes():
+    a, b = _bf16_port()
+    default = compare(a, b)
+    assert default.passed and not default.strict, str(default)  # default: numeric only
+    assert default.strict_differences == ["layer 0 dtype: float32 vs bfloat16", "layer 1 dtype: float32 vs bfloat16"]
+    strict = compare(a, b, strict=True)
+    assert not strict.passed and strict.first_failure is None and all(l.passed for l in strict.layers)
+    assert strict.verdict().startswith("FAIL (strict: the specs differ in 2 field(s)"), strict.verdict()
+    assert "layer 0 dtype: float32 vs bfloat16" in str(strict) and "strict" in str(strict).splitlines()[3]
+    d = strict.to_dict()
+    assert d["strict"] is True and d["passed"] is False and len(d["strict_differences"]) == 2
+    assert "strict" in strict.to_html()
+    with pytest.raises(AssertionError, match="strict"):
+        assert_equivalent(a, b, strict=True)
+    assert assert_equivalent(a, b).passed
+
+
+@pytest.mark.parametrize("change,difference", [
+    ({"activation": "gelu_tanh"}, "layer 0 activation: gelu vs gelu_tanh"),
+    ({"use_bias": False}, "layer 0 use_bias: True vs False"),
+    ({"mask": db.wiring.banded(4, 4, 1)}, "layer 0 mask: absent vs present (10 of 16 connections)"),
+    ({"dtype": "float16"}, "layer 0 dtype: float32 vs float16"),
+], ids=["activation", "use_bias", "mask", "dtype"])
+def test_strict_mode_fails_on_each_function_changing_field(change, difference):
+    base = db.Dense(4, in_features=4, activation="gelu")
+    a, b = db.compile(base, "numpy", seed=0), db.compile(base.replace(**change), "numpy", seed=0)
+    report = compare(a, b, strict=True, tolerance=Tolerance(c_output=1e9, c_gradient=1e9))  # numbers: ignored
+    assert report.strict_differences == [difference]
+    assert not report.passed and difference in report.verdict(), str(report)
+    if "use_bias" not in change:  # a missing bias already fails numerically (dL/dbias absent in b)
+        assert compare(a, b, tolerance=Tolerance(c_output=1e9, c_gradient=1e9)).passed  # default: numbers only
+
+
+def test_strict_mode_activation_params_and_what_is_not_a_difference():
+    leaky = db.compile(db.Dense(4, in_features=3, activation="leaky_relu"), "numpy", seed=0)
+    leaky2 = db.compile(db.Dense(4, in_features=3, activation=Activation("leaky_relu", negative_slope=0.2)),
+                        "numpy", seed=0)
+    assert compare(leaky, leaky2, strict=True).strict_differences == \
+        ["layer 0 activation.negative_slope: 0.01 vs 0.2"]
+    # same function, other structure / initializer / name / all-ones mask: strict passes
+    fused = db.compile(db.Sequential([db.Dense(5, in_features=3, activation="relu"), db.Dense(2)]), "numpy", seed=1)
+    p = db.get_params(fused)
+    split = db.compile(db.Sequential([db.Dense(5, in_features=3, kernel_init="he_normal", name="first"),
+                                      db.Activation("relu"), db.Identity(),
+                                      db.Dense(2, mask=db.wiring.dense(5, 2))]), "numpy",
+                       params={"0.kernel": p["0.kernel"], "0.bias": p["0.bias"], "3.kernel": p["1.kernel"],
+                               "3.bias": p["1.bias"], "3.mask": np.ones((5, 2), np.float32)})
+    report = compare(fused, split, strict=True)
+    assert report.spec_differences and report.strict_differences == [] and report.passed, str(report)
+    # positions are a's, with b's where the structure differs
+    other = db.Sequential([db.Dense(5, in_features=3), db.Dense(3, dtype="float32")])
+    assert db.testing.function_differences(db.to_spec(split), other) == [
+        "layer 0 activation: relu vs linear", "layer 3 (b: layer 1) units: 2 vs 3"]
+    assert db.testing.function_differences(db.to_spec(split), db.Sequential([db.Dense(5, in_features=3)])) == [
+        "layer 0 activation: relu vs linear", "a layer 3 (Dense): no counterpart in b"]

@@ -45,12 +45,13 @@ from .._errors import ConversionError, SpecError, received
 from .._params import _to_numpy
 from .._registry import adapter_for, backend_of
 from ..activations import Activation
-from ..specs import Bilinear, Dense, Sequential
+from .._trace import LayerTrace, Trace
+from ..specs import Bilinear, Dense, Identity, Sequential
 from ._report import LayerResult, ModelInfo, QuantityResult, Report
 from ._propagate import allowances
 from ._tolerance import Tolerance, error_units
 
-__all__ = ["compare", "assert_equivalent", "spec_differences"]
+__all__ = ["compare", "assert_equivalent", "spec_differences", "function_differences"]
 
 _DEFAULT_BATCH = 8
 
@@ -124,8 +125,7 @@ def _mask_diff(where: str, a, b) -> list[str]:
     return [f"{where}: differs in {n} of {a.adjacency.size} entries"] if n else []
 
 
-def _layer_diff(i: int, a, b) -> list[str]:
-    p = f"layer {i}"
+def _layer_diff(p: str, a, b) -> list[str]:
     if type(a) is not type(b):
         return [f"{p} type: {_label(a)} vs {_label(b)}"]
     if isinstance(a, Activation):
@@ -159,7 +159,39 @@ def spec_differences(spec_a, spec_b) -> list[str]:
     if len(la) != len(lb):
         out.append(f"number of layers: {len(la)} vs {len(lb)}")
     for i, (x, y) in enumerate(zip(la, lb)):
-        out += _layer_diff(i, x, y)
+        out += _layer_diff(f"layer {i}", x, y)
+    return out
+
+
+def _function_form(spec) -> list[tuple[int, Any]]:
+    """(position, layer) of what a model computes: Identity and linear layers dropped, an
+    Activation layer fused into the Dense before it when that Dense has none, an all-ones mask
+    dropped; so Dense(relu) and Dense + Activation("relu") have the same form."""
+    out: list[tuple[int, Any]] = []
+    for i, layer in enumerate(_layers(spec)):
+        if isinstance(layer, Identity) or (isinstance(layer, Activation) and layer.is_identity):
+            continue
+        if isinstance(layer, Activation) and out and isinstance(out[-1][1], Dense) \
+                and out[-1][1].activation.is_identity:
+            out[-1] = (out[-1][0], out[-1][1].replace(activation=layer))
+            continue
+        if isinstance(layer, Dense) and layer.mask is not None and bool(np.all(layer.mask.adjacency)):
+            layer = layer.replace(mask=None)
+        out.append((i, layer))
+    return out
+
+
+def function_differences(spec_a, spec_b) -> list[str]:
+    """The spec differences that change the function or its precision (what ``strict=True``
+    fails on): dtype, activation and its parameters, mask, use_bias, widths, layers. Structure
+    alone (Sequential vs lone layer, Identity layers, an activation fused or as its own layer)
+    and initializers or names are not differences. Positions are a's (b's where they differ)."""
+    fa, fb = _function_form(spec_a), _function_form(spec_b)
+    out = []
+    for (i, x), (j, y) in zip(fa, fb):
+        out += _layer_diff(f"layer {i}" if i == j else f"layer {i} (b: layer {j})", x, y)
+    for side, other, extra in (("a", "b", fa[len(fb):]), ("b", "a", fb[len(fa):])):
+        out += [f"{side} layer {i} ({_label(layer)}): no counterpart in {other}" for i, layer in extra]
     return out
 
 
@@ -179,13 +211,17 @@ def _round_common(x: np.ndarray, dtypes: Sequence[str]) -> np.ndarray:
 
 def _as_array(value, argument: str) -> np.ndarray:
     arr = _to_numpy(value)
-    if arr is None or not (np.issubdtype(arr.dtype, np.number) or arr.dtype.name == "bfloat16"):
-        raise TypeError(f"{argument} must be a numeric array. {received(argument, value)}")
+    if arr is None or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+                           or arr.dtype.name == "bfloat16"):
+        kind = "" if arr is None else f" (got dtype {arr.dtype})"
+        raise TypeError(f"{argument} must be a real numeric array{kind}. {received(argument, value)}")
     return arr.astype(np.float64)
 
 
-def _given_inputs(inputs, n_inputs: int) -> list[np.ndarray]:
-    """The user's inputs as float64 arrays: one array, or a pair (x1, x2) for a Bilinear."""
+def _given_inputs(inputs, n_inputs: int) -> tuple[list[np.ndarray], list[tuple[int, ...]]]:
+    """The user's inputs as float64 arrays (one, or a pair (x1, x2) for a Bilinear) and their
+    shapes as given. A 1-D input is one sample (Keras' Dense rejects 1-D, min_ndim=2;
+    torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
     if n_inputs == 2:
         if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
             raise SpecError(f"inputs must be a pair (x1, x2) for a Bilinear layer. "
@@ -193,19 +229,37 @@ def _given_inputs(inputs, n_inputs: int) -> list[np.ndarray]:
         arrays = [_as_array(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
     else:
         arrays = [_as_array(inputs, "inputs")]
-    for i, x in enumerate(arrays):
-        if x.ndim < 1:
-            raise SpecError(f"inputs must have at least 1 dimension (*, in_features). "
-                            f"Received: inputs[{i}] of shape {x.shape}")
-    return arrays
+    names = ["inputs"] if n_inputs == 1 else ["inputs[0]", "inputs[1]"]
+    for name, x in zip(names, arrays):
+        if x.ndim < 1 or x.shape[-1] == 0 or x.size == 0:
+            raise SpecError(f"{name} must have shape (*, in_features) with at least one row and one feature. "
+                            f"Received: {name} of shape {x.shape}")
+    shapes = [x.shape for x in arrays]
+    arrays = [x[np.newaxis] if x.ndim == 1 else x for x in arrays]
+    if n_inputs == 2 and arrays[0].shape[:-1] != arrays[1].shape[:-1]:
+        raise SpecError(f"inputs x1 and x2 must have the same batch shape. Received: inputs of shapes "
+                        f"{arrays[0].shape} and {arrays[1].shape}")
+    return arrays, shapes
+
+
+def _want(widths) -> str:
+    return " and ".join(f"(*, {w})" for w in widths)
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= {minimum}. {received(name, value)}")
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__}. "
+                        f"{received(name, value)}")
     if value < minimum:
         raise SpecError(f"{name} must be an integer >= {minimum}. {received(name, value)}")
     return int(value)
+
+
+def _check_flag(name: str, value: object) -> bool:
+    """A bool (numpy's too); anything else is a TypeError: grads="no" would be truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}. {received(name, value)}")
+    return bool(value)
 
 
 def _output_width(spec, widths: list[int]) -> int:
@@ -270,17 +324,31 @@ def _dx_names(spec_layer) -> list[str]:
     return ["dL/dx1", "dL/dx2"] if isinstance(spec_layer, Bilinear) else ["dL/dx"]
 
 
-def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
-    """(inputs, grad_out) as float64 arrays both models' dtypes hold exactly, or why there are none."""
-    la, lb = _layers(spec_a), _layers(spec_b)
-    if isinstance(la[0], Bilinear) != isinstance(lb[0], Bilinear):
+def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: list[str]):
+    """(inputs, grad_out) as float64 arrays both models' dtypes hold exactly, or why there are none.
+
+    Inputs that fit neither model, or fit no model where one width would feed both, are the
+    caller's error (SpecError); models that no single input can feed are a failed report.
+    """
+    pair_a, pair_b = isinstance(spec_a, Bilinear), isinstance(spec_b, Bilinear)
+    if pair_a != pair_b:
         return "one model is a Bilinear (two inputs), the other is not"
     widths_a, widths_b = _input_widths(spec_a), _input_widths(spec_b)
     rng = np.random.default_rng(seed)
     if inputs is not None:
-        xs = _given_inputs(inputs, 2 if isinstance(la[0], Bilinear) else 1)
+        xs, shapes = _given_inputs(inputs, 2 if pair_a else 1)
         given = [x.shape[-1] for x in xs]
-        if any(w is not None and w != given for w in (widths_a, widths_b)):
+        batched = any(len(shape) == 1 for shape in shapes)
+        if batched:
+            notes.append(f"1-D inputs are one sample: a batch axis was added for both models, "
+                         f"compared as {', '.join(str(x.shape) for x in xs)}")
+        fits = [w is None or w == given for w in (widths_a, widths_b)]
+        feedable = widths_a is None or widths_b is None or widths_a == widths_b  # some input fits both
+        if not all(fits) and (feedable or not any(fits)):
+            want = _want(widths_a or widths_b) if feedable else f"{_want(widths_a)} (a) or {_want(widths_b)} (b)"
+            raise SpecError(f"inputs do not fit the models: they take {want}, the last axis being in_features. "
+                            f"Received: inputs of shape {', '.join(map(str, shapes))}")
+        if not all(fits):
             return f"inputs have width(s) {given} but a takes {widths_a} and b {widths_b}"
     else:
         if widths_a is None and widths_b is None:
@@ -288,6 +356,7 @@ def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
                             "pass inputs=... (an array of shape (batch, in_features))")
         if widths_a is not None and widths_b is not None and widths_a != widths_b:
             return f"a takes input width(s) {widths_a}, b takes {widths_b}"
+        batched = False
         xs = [rng.standard_normal((batch_size, w)) for w in (widths_a or widths_b)]
     xs = [_round_common(x, [_model_dtype(spec_a), _model_dtype(spec_b)]) for x in xs]
     widths = [x.shape[-1] for x in xs]
@@ -299,29 +368,54 @@ def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
         g = rng.standard_normal(out_shape)
     else:
         g = _as_array(grad_out, "grad_out")
+        if batched and g.shape == out_shape[1:]:
+            g = g[np.newaxis]  # the 1-D sample's gradient, batched like its input
         if g.shape != out_shape:
             raise SpecError(f"grad_out must have the output's shape {out_shape}. "
                             f"Received: grad_out of shape {g.shape}")
     return xs, _round_common(g, [_output_dtype(spec_a), _output_dtype(spec_b)])
 
 
+def _identity_trace(xs: list[np.ndarray], g: np.ndarray) -> Trace:
+    """What an empty Sequential computes: its output is its input, dL/dx is grad_out."""
+    return Trace([LayerTrace(xs[0].copy(), (g.copy(),), {})])
+
+
+def _check_tolerance(tolerance) -> Tolerance:
+    if tolerance is None:
+        return Tolerance()
+    if not isinstance(tolerance, Tolerance):
+        raise TypeError(f"tolerance must be a dense_bridge.testing.Tolerance or None, got "
+                        f"{type(tolerance).__name__}. {received('tolerance', tolerance)}")
+    return tolerance
+
+
 def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: Tolerance | None = None,
-            batch_size: int = _DEFAULT_BATCH, grad_out=None) -> Report:
+            batch_size: int = _DEFAULT_BATCH, grad_out=None, strict: bool = False) -> Report:
     """Run native models ``a`` and ``b`` (any backends, the same one too) on identical data and
     compare every layer's output, dL/dx, dL/dkernel and dL/dbias (``b`` is the reference).
 
-    ``inputs``: an array (*, in_features), or ``(x1, x2)`` for a Bilinear; default: standard
-    normal of shape (batch_size, in_features) from ``seed``. ``grad_out`` (dL/dy of the final
-    output) defaults to standard normal from ``seed`` too. Both are rounded once to values
-    that both models' dtypes hold exactly. ``grads=False`` compares outputs only.
+    ``inputs``: an array (*, in_features), or ``(x1, x2)`` for a Bilinear; a 1-D array is one
+    sample and gets a batch axis (1, in_features) for both models (noted in the report).
+    Default: standard normal of shape (batch_size, in_features) from ``seed``. ``grad_out``
+    (dL/dy of the final output) defaults to standard normal from ``seed`` too. Both are rounded
+    once to values that both models' dtypes hold exactly. ``grads=False`` compares outputs only.
     ``tolerance``: a :class:`Tolerance` overriding C (outputs 4, gradients 10) or adding atol.
-    Returns a :class:`Report`; its ``spec_differences`` list how the two specs differ.
+
+    Passing. By default (``strict=False``) the verdict is numeric only: a float16 or bfloat16
+    port of a float32 model passes when its numbers agree at the coarser dtype's tolerance, and
+    ``report.spec_differences`` merely lists how the specs differ. ``strict=True`` also fails
+    when the specs differ in anything that changes the function or its precision (dtype,
+    activation or its parameters, mask, use_bias, widths, layers: ``report.strict_differences``,
+    see :func:`function_differences`); structure alone (an activation fused into its Dense or
+    as its own layer, Identity layers), initializers and names never count.
+
+    An empty Sequential is the identity: its output is its input, compared as one Identity
+    layer (noted); two empty models with no input width pass with nothing to compare.
+    Returns a :class:`Report`. Wrong argument types raise TypeError, bad values SpecError.
     """
-    if tolerance is None:
-        tolerance = Tolerance()
-    elif not isinstance(tolerance, Tolerance):
-        raise TypeError(f"tolerance must be a dense_bridge.testing.Tolerance or None. "
-                        f"{received('tolerance', tolerance)}")
+    tolerance = _check_tolerance(tolerance)
+    grads, strict = _check_flag("grads", grads), _check_flag("strict", strict)
     seed, batch_size = _check_count("seed", seed, 0), _check_count("batch_size", batch_size, 1)
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
     spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
@@ -331,9 +425,19 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     dtype = _coarsest([dt_a, dt_b])
     report = Report(ModelInfo(backend_of(a, "a"), _kind(spec_a), dt_a), ModelInfo(backend_of(b, "b"),
                     _kind(spec_b), dt_b), dtype, tolerance, [], seed, inputs is not None,
-                    spec_differences=spec_differences(spec_a, spec_b))
+                    spec_differences=spec_differences(spec_a, spec_b), strict=strict,
+                    strict_differences=function_differences(spec_a, spec_b))
 
-    fed = _feed(spec_a, spec_b, inputs, grad_out, seed, batch_size)
+    empty = [side for side, layers in (("a", la), ("b", lb)) if not layers]
+    if len(empty) == 2 and inputs is None and _input_widths(spec_a) is None and _input_widths(spec_b) is None:
+        report.notes.append("both models are empty Sequentials (the identity) with no input width: "
+                            "nothing to compare (pass inputs=... to compare their outputs)")
+        return report
+    for side in empty:
+        report.notes.append(f"{side} is an empty Sequential: its output is its input (compared as one "
+                            f"Identity layer)")
+
+    fed = _feed(spec_a, spec_b, inputs, grad_out, seed, batch_size, report.notes)
     if isinstance(fed, str):
         report.compared = False
         report.notes.append(f"numeric comparison skipped: {fed}")
@@ -342,12 +446,16 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     report.input_shapes = [tuple(x.shape) for x in xs]
     in_a, in_b = _model_dtype(spec_a), _model_dtype(spec_b)
     out_a, out_b = _output_dtype(spec_a), _output_dtype(spec_b)
-    trace_a = adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)))
-    trace_b = adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)))
+    # an empty native Sequential is not traced (frameworks differ on what it does); it is x -> x
+    trace_a = _identity_trace(xs, g) if not la else \
+        adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)))
+    trace_b = _identity_trace(xs, g) if not lb else \
+        adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)))
+    la, lb = la or [Identity()], lb or [Identity()]
 
     if len(trace_b.layers) != len(lb):
         raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")
-    params_b = adapter_b.get_params(b)
+    params_b = adapter_b.get_params(b) if "b" not in empty else {}
     allowed = allowances(lb, trace_b, params_b, "{}." if isinstance(spec_b, Sequential) else "", xs, g,
                          dtype, tolerance)
     if len(trace_a.layers) == len(lb):
@@ -370,7 +478,11 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
 
 
 def assert_equivalent(a, b, **kwargs) -> Report:
-    """compare(a, b, **kwargs); raise AssertionError with the report as message unless it passes."""
+    """compare(a, b, **kwargs); raise AssertionError with the report as message unless it passes.
+
+    Numeric only by default; ``strict=True`` also fails on spec differences that change the
+    function or its precision (see :func:`compare`).
+    """
     report = compare(a, b, **kwargs)
     if not report.passed:
         raise AssertionError(str(report))

@@ -87,7 +87,9 @@ class Report:
     ``layers``: one :class:`LayerResult` per layer position, in forward order;
     ``first_divergence``: the index of the layer where the two models first part (see
     ``compare``), ``first_failure`` the failing quantity there; ``spec_differences``: readable
-    field-by-field differences of the two specs; ``notes``: why parts were not compared.
+    field-by-field differences of the two specs; ``strict_differences``: those of them that
+    change the function or its precision, which fail the report only when ``strict`` is True;
+    ``notes``: what was adapted or not compared.
     """
 
     a: ModelInfo
@@ -102,12 +104,20 @@ class Report:
     notes: list[str] = field(default_factory=list)
     compared: bool = True
     first_failure: QuantityResult | None = None
+    strict: bool = False
+    strict_differences: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ verdict
     @property
     def passed(self) -> bool:
-        """True when the numeric comparison ran and every quantity is within tolerance."""
-        return self.compared and all(layer.passed for layer in self.layers)
+        """True when the numeric comparison ran and every quantity is within tolerance (and, when
+        ``strict``, the specs compute the same function at the same precision)."""
+        return self.compared and all(layer.passed for layer in self.layers) and not self.strict_failed
+
+    @property
+    def strict_failed(self) -> bool:
+        """True when strict mode is on and the specs differ in function or precision."""
+        return self.strict and bool(self.strict_differences)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -133,6 +143,8 @@ class Report:
         """One line: PASS or FAIL and where."""
         if not self.compared:
             return "FAIL: the numeric comparison could not run (" + "; ".join(self.notes) + ")"
+        strict = (f"strict: the specs differ in {len(self.strict_differences)} field(s) that change the "
+                  f"function or its precision: " + "; ".join(self.strict_differences)) if self.strict_failed else ""
         worst = self.worst
         if self.passed:
             extra = f" (specs differ in {len(self.spec_differences)} field(s))" if self.spec_differences else ""
@@ -140,10 +152,11 @@ class Report:
                                               f"{_where(worst)} {worst.quantity}")
             return f"PASS: {len(self.rows)} quantities within tolerance{where}{extra}"
         f = self.first_failure
-        if f is None:  # pragma: no cover - a failing report always names its first failure
-            return "FAIL"
+        if f is None:  # the numbers agree: only strict mode failed it
+            return f"FAIL ({strict}); numerically {len(self.rows)} quantities within tolerance"
         return (f"FAIL: first divergence at {_where(f)} {f.quantity}: {_fmt_units(f.units)} tolerance "
-                f"units (max abs err {_fmt_err(f.max_abs_error)})" + (f"; {f.note}" if f.note else ""))
+                f"units (max abs err {_fmt_err(f.max_abs_error)})" + (f"; {f.note}" if f.note else "")
+                + (f"; {strict}" if strict else ""))
 
     def __str__(self) -> str:
         t = self.tolerance
@@ -154,7 +167,8 @@ class Report:
             f"  tolerance: dtype {self.dtype}, C output {t.c_output:g}, C gradient {t.c_gradient:g}"
             + (f", atol {t.atol:g}" if t.atol else "")
             + f"; inputs {', '.join(str(s) for s in self.input_shapes) or '-'} "
-            + ("given" if self.inputs_given else f"from seed {self.seed}"),
+            + ("given" if self.inputs_given else f"from seed {self.seed}")
+            + ("; strict (spec differences in function or precision fail)" if self.strict else ""),
         ]
         if self.spec_differences:
             lines.append("spec differences (a vs b):")
@@ -196,7 +210,9 @@ class Report:
             "inputs": {"shapes": [list(s) for s in self.input_shapes], "seed": self.seed,
                        "given": self.inputs_given},
             "compared": self.compared,
+            "strict": self.strict,
             "spec_differences": list(self.spec_differences),
+            "strict_differences": list(self.strict_differences),
             "notes": list(self.notes),
             "layers": [layer.to_dict() for layer in self.layers],
         }
@@ -329,7 +345,8 @@ def _render_html(report: Report) -> str:
            f"<p>a: {e(str(report.a))}<br>b: {e(str(report.b))}<br>tolerance: dtype {e(report.dtype)}, "
            f"C output {t.c_output:g}, C gradient {t.c_gradient:g}" + (f", atol {t.atol:g}" if t.atol else "")
            + f"<br>inputs: {e(', '.join(str(s) for s in report.input_shapes) or '-')} "
-           + ("given" if report.inputs_given else f"from seed {report.seed}") + "</p>",
+           + ("given" if report.inputs_given else f"from seed {report.seed}")
+           + ("; strict (spec differences in function or precision fail)" if report.strict else "") + "</p>",
            f'<p class="verdict {status}">{e(report.verdict())}</p>']
     if report.spec_differences:
         out.append("<h2>Spec differences (a vs b)</h2><ul>")
