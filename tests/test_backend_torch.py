@@ -262,7 +262,7 @@ def test_lazy_dense_draws_the_eager_params_at_first_call():
     lazy = db.compile(db.Dense(5), "torch", seed=7)
     assert type(lazy) is LazyDense and isinstance(lazy, nn.LazyLinear)
     assert db.to_spec(lazy) == db.Dense(5)
-    with pytest.raises(db.SpecError, match="first input"):
+    with pytest.raises(db.ConversionError, match="first input"):
         db.get_params(lazy)
     lazy(torch.randn(2, 7))
     assert type(lazy) is nn.Linear  # like torch's LazyLinear, it becomes a plain Linear
@@ -522,7 +522,7 @@ def test_residual_error_names_the_node():
 # ------------------------------------------------------------------ get/set params
 def test_get_params_are_read_only_views_of_torch_memory():
     native = db.compile(db.Dense(3, in_features=4, mask=np.ones((4, 3))), "torch", seed=0)
-    params = db.get_params(native)
+    params = db.get_params(native, copy=False)
     assert np.shares_memory(params["kernel"], native.weight.detach().numpy())
     assert np.shares_memory(params["bias"], native.bias.detach().numpy())
     assert np.shares_memory(params["mask"], native.mask.numpy())
@@ -628,3 +628,170 @@ def test_trace_of_a_traced_module_and_float32_input_cast():
     with torch.no_grad():
         y = model(torch.from_numpy(x).float()).numpy()
     np.testing.assert_array_equal(t.layers[-1].output, y)
+
+
+# ------------------------------------------------------------------ reparametrized, tied, keras-owned, mixed dtype
+def _adapter():
+    from dense_bridge._registry import get_adapter
+
+    return get_adapter("torch")
+
+
+def _pruned():
+    lin = nn.Linear(4, 3)
+    torch.nn.utils.prune.l1_unstructured(lin, "weight", 0.5)
+    return lin
+
+
+def _weight_normed():
+    return torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+
+
+def _orthogonal():
+    return torch.nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+
+
+def _legacy_weight_norm():
+    import warnings
+
+    with warnings.catch_warnings():
+        # torch deprecates this hook-based API (FutureWarning); users still have modules built with it
+        warnings.filterwarnings("ignore", message=".*torch.nn.utils.weight_norm. is deprecated", category=FutureWarning)
+        return torch.nn.utils.weight_norm(nn.Linear(4, 3))
+
+
+@pytest.mark.parametrize("make, match", [
+    (_pruned, r"weight pruned with torch.nn.utils.prune.*prune.remove\(module, 'weight'\)"),
+    (_weight_normed, r"ParametrizedLinear.*parametrize.remove_parametrizations\(module, 'weight'\)"),
+    (_orthogonal, r"ParametrizedLinear.*parametrize.remove_parametrizations\(module, 'weight'\)"),
+    (_legacy_weight_norm, r"weight_norm hook.*remove_weight_norm\(module\)"),
+], ids=["prune", "weight_norm", "orthogonal", "legacy_weight_norm"])
+def test_reparametrized_linear_is_rejected_everywhere(make, match):
+    lin = make()
+    before = lin(torch.ones(1, lin.in_features)).detach().clone()
+    params = {"kernel": np.zeros((lin.in_features, lin.out_features), np.float32),
+              "bias": np.zeros(lin.out_features, np.float32)}
+    # lone, in an nn.Sequential (the message names the position), in a traced module
+    traced = SeedMLP(input_dim=784, hidden=4, classes=lin.out_features)
+    traced.layers[2] = lin
+    for native, where in [(lin, "Linear"), (nn.Sequential(nn.Linear(2, 4), nn.ReLU(), lin), "position 2"),
+                          (traced, "layers.2")]:
+        for verb in (db.to_spec, db.get_params, _adapter().get_params, lambda n: db.convert(n, "numpy"),
+                     lambda n: _adapter().set_params(n, params), lambda n: db.set_params(n, params)):
+            with pytest.raises(db.ConversionError, match=f"{where}.*{match}"):
+                verb(native)
+    # nothing was written: a silently accepted write would be lost at the next forward anyway
+    torch.testing.assert_close(lin(torch.ones(1, lin.in_features)), before, rtol=0, atol=0)
+
+
+def test_pruned_linear_converts_once_the_pruning_is_removed():
+    lin = _pruned()
+    torch.nn.utils.prune.remove(lin, "weight")
+    kernel = np.arange(12, dtype=np.float32).reshape(4, 3)
+    db.set_params(lin, {"kernel": kernel, "bias": np.zeros(3, np.float32)})
+    np.testing.assert_array_equal(lin(torch.eye(4)).detach().numpy(), kernel)  # the write survives a forward
+    np.testing.assert_array_equal(db.get_params(lin)["kernel"], kernel)
+
+
+class TiedMLP(nn.Module):
+    """fc2 reuses fc1's weight Parameter (a different Linear): weight tying."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.fc2.weight = self.fc1.weight
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _tied_sequential():
+    lin1, lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    lin2.weight = lin1.weight
+    return nn.Sequential(lin1, nn.ReLU(), lin2)
+
+
+def _aliased_bias():
+    lin1, lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    lin2.bias = nn.Parameter(lin1.bias.detach())  # another Parameter over the same memory
+    return nn.Sequential(lin1, nn.Tanh(), lin2)
+
+
+@pytest.mark.parametrize("make, positions, match", [
+    (_tied_sequential, (0, 2), "weight of chain position 0 and the weight of chain position 2 are the same Parameter"),
+    (TiedMLP, (0, 2), "weight of chain position 0 and the weight of chain position 2 are the same Parameter"),
+    (_aliased_bias, (0, 2), "bias of chain position 0 and the bias of chain position 2 are tensors sharing memory"),
+], ids=["sequential", "traced", "aliased_memory"])
+def test_parameters_shared_across_positions_are_rejected(make, positions, match):
+    native = make()
+    params = {f"{i}.{k}": np.full(shape, float(i), np.float32)
+              for i in positions for k, shape in (("kernel", (4, 4)), ("bias", (4,)))}
+    # set_params would keep only the last write and convert would untie them: refuse both
+    for verb in (db.to_spec, db.get_params, lambda n: db.convert(n, "numpy"),
+                 lambda n: db.set_params(n, params), lambda n: _adapter().set_params(n, params)):
+        with pytest.raises(db.ConversionError, match=match):
+            verb(native)
+
+
+def test_distinct_parameters_are_not_mistaken_for_tied():
+    lin = nn.Linear(4, 4)
+    twin = nn.Linear(4, 4)
+    twin.load_state_dict(lin.state_dict())  # equal values, own memory
+    native = nn.Sequential(lin, nn.ReLU(), twin)
+    assert len(db.to_spec(native).layers) == 3
+    masked = db.compile(db.Sequential([db.Dense(4, in_features=3, mask=np.ones((3, 4))),
+                                       db.Dense(4, mask=np.ones((4, 4)))]), "torch", seed=0)
+    assert sorted(db.get_params(masked)) == ["0.bias", "0.kernel", "0.mask", "1.bias", "1.kernel", "1.mask"]
+
+
+def test_owns_leaves_keras_layers_to_keras_under_keras_backend_torch():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed")
+    # Under KERAS_BACKEND=torch every keras layer is a torch.nn.Module; the backend is fixed at
+    # keras' import, hence a fresh process.
+    script = (
+        "import keras, torch\n"
+        "from dense_bridge.backends import torch as adapter\n"
+        "class Custom(keras.layers.Layer):\n"
+        "    def call(self, x): return x\n"
+        "dense = keras.layers.Dense(3); dense.build((None, 4))\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+        "objs = [dense, Custom(), model]\n"
+        "assert all(isinstance(o, torch.nn.Module) for o in objs)\n"
+        "print([adapter.owns(o) for o in objs], adapter.owns(torch.nn.Linear(2, 2)))\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "torch", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "[False, False, False] True"
+
+
+class MixedDtypeMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)).double())
+
+
+@pytest.mark.parametrize("native, match", [
+    (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2).double()), "position 0: float32, position 2: float64"),
+    (nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 2).bfloat16()), "position 0: float16, position 1: bfloat16"),
+], ids=["float32_float64", "float16_bfloat16"])
+def test_mixed_dtype_sequential_is_a_conversion_error(native, match):
+    with pytest.raises(db.ConversionError, match=f"mix dtypes.*{match}"):
+        db.to_spec(native)
+    with pytest.raises(db.ConversionError, match=match):
+        db.convert(native, "numpy")
+
+
+def test_mixed_dtype_traced_module_is_a_conversion_error():
+    # .double() between layers is not a chain step the tracer reads: it already fails there
+    with pytest.raises(db.ConversionError, match="double"):
+        db.to_spec(MixedDtypeMLP())

@@ -25,6 +25,14 @@ whose ``forward`` is a single chain input -> Linear/activation -> ... -> output 
 ``torch.fx``; its parameter keys are the chain positions of the returned Sequential). Dropout
 is read as Identity (its eval-mode function). A leading ``x.view(-1, in_features)`` (the MNIST
 flattening in most tutorial MLPs) is accepted as input formatting: the spec takes (*, in_features).
+Rejected with a ConversionError that says what to do (by to_spec, get_params and set_params
+alike): a Linear whose weight torch recomputes at every forward (``prune``, ``parametrize``,
+legacy ``weight_norm``: a write would be lost, a read goes stale), a parameter shared by two
+chain positions (tied weights: set_params would keep the last write, convert would untie
+them), and a chain mixing dtypes (a Sequential spec has one).
+
+``owns`` leaves Keras layers to the keras adapter: under ``KERAS_BACKEND=torch`` they are
+``nn.Module`` too.
 
 The package, one job a module:
 

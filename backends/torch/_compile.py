@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch import nn
@@ -80,8 +82,18 @@ def _compile_layer(spec, source: ParamSource, index: int) -> nn.Module:
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
+def _is_keras(obj) -> bool:
+    """Is ``obj`` a Keras object? Without importing keras: one that exists has been imported."""
+    if (getattr(type(obj), "__module__", None) or "").split(".")[0] == "keras":
+        return True
+    keras = sys.modules.get("keras")
+    layer = getattr(getattr(keras, "layers", None), "Layer", None)
+    return isinstance(layer, type) and isinstance(obj, layer)
+
+
 def owns(obj) -> bool:
-    return isinstance(obj, nn.Module)
+    """Is ``obj`` a torch module (not a Keras layer, which is one under KERAS_BACKEND=torch)."""
+    return isinstance(obj, nn.Module) and not _is_keras(obj)
 
 
 def compile(spec, source: ParamSource) -> nn.Module:

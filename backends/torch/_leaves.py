@@ -4,6 +4,7 @@ activation modules (what a chain position can hold).
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
 from dense_bridge._errors import ConversionError
 from dense_bridge.activations import Activation
@@ -26,6 +27,48 @@ def _has_params(m: nn.Module | None) -> bool:
     return m is not None and type(m) in _LINEAR_TYPES + (nn.Bilinear,)
 
 
+def _hook_fix(m: nn.Module) -> str:
+    """Why a module's weight/bias is not a Parameter (a forward pre-hook computes it), and the fix."""
+    hooks = list(m._forward_pre_hooks.values())
+    pruned = [h._tensor_name for h in hooks if isinstance(h, prune.BasePruningMethod)]
+    if pruned:
+        removes = "; ".join(f"torch.nn.utils.prune.remove(module, {n!r})" for n in pruned)
+        return (f"{' and '.join(pruned)} pruned with torch.nn.utils.prune (<name> = <name>_orig * <name>_mask, "
+                f"recomputed at every forward). Make the pruning permanent first: {removes}; for a mask that "
+                f"stays enforced, use db.Dense(..., mask=...)")
+    kinds = {type(h).__name__ for h in hooks}
+    if "WeightNorm" in kinds:
+        return ("weight computed by the legacy torch.nn.utils.weight_norm hook (from weight_g, weight_v). Bake it in "
+                "first: torch.nn.utils.remove_weight_norm(module)")
+    if "SpectralNorm" in kinds:
+        return ("weight computed by the legacy torch.nn.utils.spectral_norm hook (from weight_orig). Bake it in "
+                "first: torch.nn.utils.remove_spectral_norm(module)")
+    return "weight or bias computed rather than registered as a Parameter; make it a plain nn.Parameter first"
+
+
+def _check_plain_params(m: nn.Module, where: str) -> None:
+    """ConversionError for a Linear/Bilinear whose weight or bias is computed, not stored.
+
+    torch's prune, parametrize (weight_norm, spectral_norm, orthogonal, ...) and the legacy
+    weight_norm/spectral_norm hooks replace the ``weight`` Parameter by a tensor recomputed from other ones at
+    every forward: a value written into it is lost at the next call, and one read from it goes
+    stale after ``opt.step()``. Only the user can choose how to bake it in.
+    """
+    if not isinstance(m, (nn.Linear, nn.Bilinear)):
+        return
+    if parametrize.is_parametrized(m):
+        names = list(m.parametrizations.keys())
+        removes = "; ".join(f"torch.nn.utils.parametrize.remove_parametrizations(module, {n!r})" for n in names)
+        raise ConversionError(
+            f"cannot convert {where}: {type(m).__name__} has its {' and '.join(names)} parametrized with "
+            f"torch.nn.utils.parametrize (weight_norm, spectral_norm, ...: recomputed from "
+            f"parametrizations.<name>.original at every access), so dense_bridge cannot read or write it "
+            f"exactly. Bake it in first: {removes}")
+    # a reparametrized tensor is deleted from _parameters (a bias=False layer keeps "bias": None)
+    if "weight" not in m._parameters or "bias" not in m._parameters:
+        raise ConversionError(f"cannot convert {where}: {type(m).__name__} has its {_hook_fix(m)}")
+
+
 def _dense_spec(m: nn.Module, where: str) -> Dense:
     lazy = isinstance(m, nn.LazyLinear) and m.has_uninitialized_params()
     act = getattr(m, "activation", None)
@@ -46,6 +89,7 @@ def _dense_spec(m: nn.Module, where: str) -> Dense:
 
 def _leaf_spec(m: nn.Module, where: str):
     """The spec of a single module, or None when ``m`` is not one dense_bridge knows as a layer."""
+    _check_plain_params(m, where)
     kind = type(m)
     if kind in _LINEAR_TYPES:
         return _dense_spec(m, where)

@@ -10,7 +10,7 @@ from torch import nn
 
 from dense_bridge._errors import SpecError
 
-from ._leaves import _LINEAR_TYPES, _has_params
+from ._leaves import _LINEAR_TYPES, _check_plain_params, _describe, _has_params
 from ._tensors import _copy_in, _to_numpy
 from ._to_spec import _chain, _is_container
 
@@ -18,6 +18,9 @@ from ._to_spec import _chain, _is_container
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     """(key prefix, module) for every parameterised layer, by chain position."""
     if not _is_container(native):
+        # a chain checks each position in _leaf_spec; a lone pruned/parametrized Linear must fail
+        # here too, not read a stale weight (or nothing: a parametrized Linear changes class)
+        _check_plain_params(native, _describe(native))
         return [("", native)]
     return [(f"{i}.", s.module) for i, s in enumerate(_chain(native)) if _has_params(s.module)]
 

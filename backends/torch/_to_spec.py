@@ -164,6 +164,49 @@ def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> _Step:
     return _Step(spec, None, _identity if isinstance(spec, Identity) else _replay(node))
 
 
+def _memory_span(t: torch.Tensor) -> tuple | None:
+    """(device, first byte, end byte) of the memory a tensor covers; None where it has none."""
+    if t is None or isinstance(t, nn.parameter.UninitializedTensorMixin) or t.device.type == "meta" \
+            or t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return (str(t.device), start, start + extent * t.element_size())
+
+
+def _check_untied(what: str, steps: list[_Step]) -> None:
+    """ConversionError when two positions share a parameter (tied weights) or its memory.
+
+    ``lin2.weight = lin1.weight`` (or an ``nn.Parameter`` over the same storage) passes the
+    same-module check, but set_params would keep only the last write and convert would untie
+    them: dense_bridge layers own their parameters.
+    """
+    spans = []
+    for i, step in enumerate(steps):
+        if not _has_params(step.module):
+            continue
+        m = step.module
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            span = _memory_span(t)
+            if span is not None:
+                spans.append((span, i, name, t))
+    spans.sort(key=lambda e: e[0])
+    reach = None  # the entry reaching furthest so far: any overlap with an earlier one overlaps it
+    for entry in spans:
+        (device, start, end), i, name, t = entry
+        if reach is not None and reach[0][0] == device and start < reach[0][2]:
+            _, j, other, u = reach
+            if j > i:  # name the earlier position first
+                (i, name), (j, other) = (j, other), (i, name)
+            how = "the same Parameter" if t is u else "tensors sharing memory"
+            raise ConversionError(
+                f"cannot convert {what}: the {other} of chain position {j} and the {name} of chain position {i} "
+                f"are {how} (tied weights, e.g. lin2.weight = lin1.weight); dense_bridge layers own their "
+                f"parameters: untie them (lin2.weight = nn.Parameter(lin1.weight.detach().clone()))")
+        if reach is None or reach[0][0] != device or end > reach[0][2]:
+            reach = entry
+
+
 def _chain(native: nn.Module) -> list[_Step]:
     """Positions of a container (nn.Sequential or a traced nn.Module) as steps."""
     steps = _chain_steps(native)
@@ -177,6 +220,7 @@ def _chain(native: nn.Module) -> list[_Step]:
             seen[id(step.module)] = i
         if isinstance(step.spec, Identity) and step.module is not None and type(step.module) is not nn.Identity:
             step.run = _identity  # Dropout: its eval-mode function, whatever the module's mode
+    _check_untied(_describe(native), steps)
     return steps
 
 
@@ -197,6 +241,19 @@ def _chain_steps(native: nn.Module) -> list[_Step]:
     return _traced_chain(native, what)
 
 
+def _check_one_dtype(what: str, layers: list) -> None:
+    """ConversionError naming the positions when a chain's layers mix dtypes.
+
+    A Sequential spec has one dtype (the core rejects mixed ones); torch runs a mixed chain only
+    with casts between layers that the spec cannot express, so say so before the core's error.
+    """
+    dtypes = {i: l.dtype for i, l in enumerate(layers) if isinstance(l, (Dense, Bilinear))}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"position {i}: {d}" for i, d in dtypes.items())
+        raise ConversionError(f"cannot convert {what}: its layers mix dtypes ({listed}); a Sequential has one "
+                              f"dtype: cast the model to one first (e.g. model.to(torch.float32))")
+
+
 def to_spec(native: nn.Module):
     """The spec of a torch module: a layer, an nn.Sequential, or an nn.Module chain (see module doc)."""
     what = _describe(native)
@@ -209,6 +266,7 @@ def to_spec(native: nn.Module):
     steps = _chain(native)
     meta = getattr(native, _META, None) or {}
     layers = [s.spec for s in steps]
+    _check_one_dtype(what, layers)
     try:
         try:
             return Sequential(layers, in_features=meta.get("in_features"), name=meta.get("name"))
