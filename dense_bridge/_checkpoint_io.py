@@ -4,9 +4,15 @@ Every file is written to ``<target>.tmp-<random>`` beside its target (same direc
 final ``os.replace`` is an atomic rename on one filesystem), flushed and fsynced, and only then
 renamed. On any error the temporaries are removed and the targets are untouched. Several files
 (shards + index) commit together: all temporaries first, renames after, the index last.
+
+``directory_lock`` serialises the short commit step (read the previous index, rename, remove
+what it referenced) of dense_bridge saves into one directory, so two processes saving to the
+same path cannot delete each other's files; it is an advisory ``flock`` on the directory
+itself (no lock file is left behind), and a no-op where the platform has none.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -14,7 +20,8 @@ import secrets
 
 from ._errors import CheckpointError
 
-__all__ = ["AtomicFiles", "check_writable", "describe_os_error", "parse_size", "shard_names"]
+__all__ = ["AtomicFiles", "check_writable", "describe_os_error", "directory_lock", "parse_size",
+           "shard_names", "new_save_id"]
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -68,20 +75,56 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def directory_lock(directory: str):
+    """Hold an exclusive advisory lock on ``directory`` (flock; a no-op where unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a directory we may write but not open
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # pragma: no cover - filesystems without flock: commit unlocked
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def new_save_id() -> str:
+    """A short random id naming one save's shard files (unique per save)."""
+    return secrets.token_hex(4)
+
+
 class AtomicFiles:
     """Temporaries that become their targets together on ``commit``, or vanish on ``abort``.
 
-    Use as a context manager: leaving with an exception aborts (removes every temporary),
-    turns OSError into CheckpointError naming the target, and re-raises the rest unchanged.
+    Use as a context manager: leaving with an exception aborts (removes every temporary, and
+    every ``fresh`` target already renamed), turns OSError into CheckpointError naming the
+    target, and re-raises the rest unchanged.
     """
 
     def __init__(self, label: str) -> None:
         self.label = label  # the path named in error messages
         self.pending: list[tuple[str, str]] = []
+        self.fresh: set[str] = set()  # targets that did not exist before: removed again on abort
+        self.renamed: list[str] = []
+        self.synced = False
         self.committed = False
 
-    def temp_for(self, final: str, suffix: str = "") -> str:
-        """A fresh temporary path beside ``final``; ``suffix`` keeps an extension a writer needs."""
+    def temp_for(self, final: str, suffix: str = "", fresh: bool = False) -> str:
+        """A fresh temporary path beside ``final``; ``suffix`` keeps an extension a writer needs.
+
+        ``fresh``: ``final`` is a new, unique name (a shard of this save), so an abort after its
+        rename removes it again instead of leaving an orphan.
+        """
         check_writable(final)
         token = secrets.token_hex(4)
         if suffix and final.endswith(suffix):
@@ -89,22 +132,32 @@ class AtomicFiles:
         else:
             tmp = f"{final}.tmp-{token}"
         self.pending.append((tmp, final))
+        if fresh:
+            self.fresh.add(final)
         return tmp
+
+    def sync(self) -> None:
+        """fsync every temporary (slow for big files: done before any lock is taken)."""
+        for tmp, _ in self.pending:
+            _fsync_path(tmp)
+        self.synced = True
 
     def commit(self) -> None:
         """fsync every temporary, rename each onto its target in order, fsync the directories."""
-        for tmp, _ in self.pending:
-            _fsync_path(tmp)
+        if not self.synced:
+            self.sync()
         for tmp, final in self.pending:
             os.replace(tmp, final)
+            self.renamed.append(final)
         for d in {os.path.dirname(os.path.abspath(f)) for _, f in self.pending}:
             _fsync_dir(d)
         self.committed = True
 
     def abort(self) -> None:
-        for tmp, _ in self.pending:
+        leftovers = [tmp for tmp, _ in self.pending] + [f for f in self.renamed if f in self.fresh]
+        for path in leftovers:
             try:
-                os.remove(tmp)
+                os.remove(path)
             except FileNotFoundError:
                 pass
             except OSError:  # pragma: no cover - nothing more we can do; the target is intact anyway
@@ -153,11 +206,12 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
     return size
 
 
-def shard_names(path: str, count: int) -> tuple[list[str], str]:
-    """Shard file paths and the index path for a sharded save to ``path`` (hub naming).
+def shard_names(path: str, count: int, save_id: str | None = None) -> tuple[list[str], str]:
+    """Shard file paths and the index path for a sharded save to ``path`` (hub-like naming).
 
-    ``dir/model.safetensors`` -> ``dir/model-00001-of-00003.safetensors`` ... and
+    ``dir/model.safetensors`` -> ``dir/model-<save_id>-00001-of-00003.safetensors`` ... and
     ``dir/model.safetensors.index.json``; a path ending in ``.index.json`` names the index.
+    Without ``save_id`` the hub's own ``model-00001-of-00003.safetensors``.
     """
     if path.endswith(".index.json"):
         index = path
@@ -167,5 +221,7 @@ def shard_names(path: str, count: int) -> tuple[list[str], str]:
         index = path + ".index.json"
     stem = base[: -len(".safetensors")] if base.endswith(".safetensors") else base
     width = max(5, len(str(count)))
+    if save_id:
+        stem = f"{stem}-{save_id}"
     shards = [f"{stem}-{i:0{width}d}-of-{count:0{width}d}.safetensors" for i in range(1, count + 1)]
     return shards, index

@@ -8,15 +8,24 @@ parameters. So every native layout detail (torch weight (out, in), the mask buff
 the weight, MLX Bilinear (out, in2, in1), Keras per-layer ``vars/0``...) stays in the adapter
 that defines it and is never guessed from a shape.
 
+Safetensors files (torch's and MLX's) are read with dense_bridge's own reader, opened once
+(consistent against a concurrent save; see ``_safetensors``), also for MLX: ``mx.load``
+would re-open the path, and refuses F64 tensors that other tools write.
+
 Writing: torch ``.pt/.pth/.bin`` = ``torch.save(model.state_dict())``, torch or MLX
 ``.safetensors`` (the native names and layouts; the spec rides along in the metadata as
 ``dense_bridge_spec``), Keras ``.weights.h5`` (``save_weights``; spec in a root attribute)
-and ``.keras`` (``model.save``), MLX ``.npz`` (``mx.savez``). All atomic.
+and ``.keras`` (``model.save``), MLX ``.npz`` (``mx.savez``). All atomic. An MLX
+``.safetensors`` holding float64 is refused: MLX itself neither writes nor reads F64
+safetensors (``mx.load``: "unsupported dtype F64"), so MLX users could not open the file;
+float64 goes to ``.npz``, which MLX reads.
+
+Reading or writing a framework's format without that framework installed is a
+CheckpointError naming the extra to install (``pip install 'dense-bridge[torch]'``).
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shutil
@@ -65,6 +74,16 @@ def _torch_to_numpy(t) -> np.ndarray:
     return t.numpy()
 
 
+def _numpy_to_mlx(arr: np.ndarray, name: str, path: str):
+    """An MLX array copying ``arr`` in its own dtype (mx.array alone would turn float64 into float32)."""
+    import mlx.core as mx
+
+    dtype = getattr(mx, arr.dtype.name, None)
+    if not isinstance(dtype, mx.Dtype):
+        raise CheckpointError(f"cannot read {path}: tensor {name!r} has dtype {arr.dtype.name}, which MLX has not")
+    return mx.array(arr, dtype=dtype)
+
+
 def _numpy_to_torch(arr: np.ndarray):
     import torch
 
@@ -77,18 +96,28 @@ def _numpy_to_torch(arr: np.ndarray):
 # ============================================================================ reading
 def open_native(path: str, container: str, *, spec=None, like=None, format: str | None = None,
                 files: list[SafetensorsFile] | None = None) -> "NativeCheckpoint":
-    """The native checkpoint at ``path`` whose container was sniffed as ``container``."""
+    """The native checkpoint at ``path`` whose container was sniffed as ``container``.
+
+    Safetensors containers come with their ``files`` already opened (a sharded one: every
+    shard of the index, read once by the caller).
+    """
     framework, container = _framework_of(path, container, format, files)
-    if files is None and container == "safetensors-index":
-        files = _index_shards(path)
     return NativeCheckpoint(path, framework, container, spec=spec, like=like, files=files)
 
 
-def _index_shards(path: str) -> list[SafetensorsFile]:
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    d = os.path.dirname(path)
-    return [SafetensorsFile(os.path.join(d, name)) for name in dict.fromkeys(index["weight_map"].values())]
+def require_framework(framework: str, what: str) -> None:
+    """CheckpointError naming the extra to install when ``framework`` is missing for ``what``."""
+    from ._errors import BackendUnavailableError
+    from ._registry import BACKENDS, get_adapter
+
+    try:
+        get_adapter(framework)
+    except BackendUnavailableError:
+        raise CheckpointError(f"{what} needs {framework}, which is not installed. Install it with: "
+                              f"{BACKENDS[framework].install}") from None
+    except ImportError as exc:  # installed but broken (a missing shared library, a version clash)
+        raise CheckpointError(f"{what} needs {framework}, which cannot be imported ({_first_line(exc)}). "
+                              f"Reinstall it with: {BACKENDS[framework].install}") from None
 
 
 def _framework_of(path: str, container: str, format: str | None, files) -> tuple[str, str]:
@@ -149,6 +178,20 @@ class NativeCheckpoint:
         if self.spec is None and container == "keras-model":
             self.spec = self._spec_from_model()
 
+    def close(self) -> None:
+        """Close the safetensors files' descriptors (a loaded template stays valid)."""
+        for f in self.files or []:
+            f.close()
+
+    def __enter__(self) -> "NativeCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _require(self) -> None:
+        require_framework(self.framework, f"reading {self.path} ({self.kind})")
+
     # -- what the file says about itself
     def _embedded_spec(self):
         from .checkpoint import _spec_from_json
@@ -208,6 +251,7 @@ class NativeCheckpoint:
 
     def _raw_state(self) -> dict:
         if self._state is None:
+            self._require()
             if self.framework == "torch":
                 self._state = self._torch_state()
             elif self.framework == "mlx":
@@ -245,12 +289,11 @@ class NativeCheckpoint:
     def _mlx_state(self) -> dict:
         import mlx.core as mx
 
+        if self.files:
+            # our reader, not mx.load(path): the files stay the ones opened (a concurrent save may
+            # have replaced the path by now), and F64 (which mx.load refuses) reads too
+            return {n: _numpy_to_mlx(f.get(n), n, self.path) for f in self.files for n in f.tensors}
         try:
-            if self.files:
-                state = {}
-                for f in self.files:
-                    state.update(mx.load(f.path))
-                return state
             return dict(mx.load(self.path))
         except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
             raise CheckpointError(f"cannot read {self.path} as MLX weights: {_first_line(exc)}") from None
@@ -259,6 +302,7 @@ class NativeCheckpoint:
     def template(self):
         """The file loaded into a native model of its own framework (cached)."""
         if self._template is None:
+            self._require()
             loader = {"torch": self._load_torch, "mlx": self._load_mlx, "keras": self._load_keras}[self.framework]
             self._template = loader()
         return self._template
@@ -576,6 +620,16 @@ def native_state(model, backend: str) -> dict[str, PendingTensor]:
             for k, v in tree_flatten(model.parameters())}
 
 
+def _refuse_mlx_float64(state: dict[str, PendingTensor], out: str) -> None:
+    """MLX reads no F64 safetensors (mx.load: "unsupported dtype F64"): such a file would be MLX's in
+    name only. Refused before anything is written; .npz holds float64 for MLX."""
+    wide = [k for k, t in state.items() if t.dtype == np.float64]
+    if wide:
+        raise CheckpointError(f"cannot write {out}: MLX cannot read float64 tensors from .safetensors (mx.load "
+                              f"refuses dtype F64), and {wide} are float64. Write an MLX .npz instead (MLX reads "
+                              "float64 there), or a canonical checkpoint (--to canonical)")
+
+
 def _later(fn, value):
     return lambda: fn(value)
 
@@ -592,6 +646,10 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         return write_canonical(out, tensors, _metadata(spec, tensors, "numpy"))
     kind = output_kind(backend, out)
     check_writable(out)
+    require_framework(backend, f"writing {out}")
+    state = native_state(model, backend) if kind == "safetensors" else None
+    if backend == "mlx" and kind == "safetensors":
+        _refuse_mlx_float64(state, out)
     spec_json = _spec_json(spec) if spec is not None else None
     try:
         with AtomicFiles(out) as tx:
@@ -606,7 +664,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
                 if spec_json:
                     meta[SPEC_KEY] = spec_json
                 with open(tmp, "wb") as f:
-                    write_safetensors(f, native_state(model, backend), meta)
+                    write_safetensors(f, state, meta)
             elif kind == "npz":
                 import mlx.core as mx
                 from mlx.utils import tree_flatten

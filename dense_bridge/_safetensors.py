@@ -4,18 +4,28 @@ The format (https://github.com/huggingface/safetensors): 8 bytes little-endian u
 bytes of UTF-8 JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
 "__metadata__": {str: str}}`` (padded with spaces to a multiple of 8), then the raw
 little-endian, C-order tensor bytes; offsets are relative to the end of the header.
+``__metadata__`` is reserved: no tensor may have that name (the writer refuses it).
 
 Why our own: safetensors' numpy binding has no bfloat16 (FACTS.md) and copies; this one maps
-each tensor lazily with ``np.memmap`` (a tensor costs memory only while it is used) and
-writes tensor by tensor, so a checkpoint never has to sit in memory whole. bfloat16 is
-``ml_dtypes.bfloat16``. Errors are ``CheckpointError`` naming the file.
+each tensor lazily and writes tensor by tensor, so a checkpoint never has to sit in memory
+whole. bfloat16 is ``ml_dtypes.bfloat16``. Errors are ``CheckpointError`` naming the file.
+
+Reading is consistent against a concurrent atomic save (``os.replace``) of the same path: a
+``SafetensorsFile`` opens the file ONCE, reads the header from that descriptor and maps every
+tensor from it, so a rename that lands in between cannot pair the old header with the new
+file's bytes (the replaced inode lives on while the descriptor or a map holds it). Each
+tensor gets its own small private map of that descriptor (not one map of the whole file), so
+its pages are released as soon as the array is dropped and a streamed conversion's resident
+memory stays at about one tensor.
 """
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -23,10 +33,13 @@ import numpy as np
 
 from ._errors import CheckpointError
 
-__all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype"]
+__all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
+           "open_readonly", "read_at", "RESERVED"]
 
 #: The header may not be larger than this (the reference implementation's limit).
 MAX_HEADER = 100_000_000
+#: The header key the format keeps for string metadata: a tensor of this name cannot be stored.
+RESERVED = "__metadata__"
 
 _NUMPY_CODES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
@@ -80,27 +93,63 @@ def is_safetensors(head: bytes, size: int) -> bool:
     return 0 < n <= MAX_HEADER and head[8:9] == b"{"
 
 
+def open_readonly(path: str) -> int:
+    """A read-only descriptor of ``path`` (OSError as the OS raises it)."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+
+
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file)."""
+    chunks, got = [], 0
+    while got < n:
+        if hasattr(os, "pread"):
+            chunk = os.pread(fd, n - got, offset + got)
+        else:  # pragma: no cover - Windows has no pread; one reader per descriptor there
+            os.lseek(fd, offset + got, os.SEEK_SET)
+            chunk = os.read(fd, n - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 class SafetensorsFile:
-    """The header of a safetensors file, read and checked; tensors are mapped on demand.
+    """A safetensors file opened once: header read and checked; tensors mapped on demand.
 
     ``get(name)`` returns a numpy array backed by a private copy-on-write map of just that
-    tensor's bytes (writable without touching the file; the pages are freed with the array).
+    tensor's bytes, taken from the descriptor opened here (writable without touching the
+    file; the pages are freed with the array). ``fd`` hands over a descriptor of ``path``
+    already open (this object then owns it). ``close()`` (or garbage collection) closes the
+    descriptor; arrays already returned stay valid.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, fd: int | None = None) -> None:
         self.path = os.fspath(path)
+        if fd is None:
+            try:
+                fd = open_readonly(self.path)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    raise self._error(f"file is {size} bytes, too short for a safetensors header "
-                                      "(empty or truncated)")
-                (n,) = struct.unpack("<Q", prefix)
-                if n == 0 or n > MAX_HEADER or n > size - 8:
-                    raise self._error(f"header length field says {n} bytes but the file has {size - 8} "
-                                      "after it (truncated, or not a safetensors file)")
-                raw = f.read(n)
+            self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self) -> None:
+        try:
+            size = os.fstat(self._fd).st_size
+            prefix = read_at(self._fd, 8, 0)
+            if len(prefix) < 8:
+                raise self._error(f"file is {size} bytes, too short for a safetensors header (empty or truncated)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n == 0 or n > MAX_HEADER or n > size - 8:
+                raise self._error(f"header length field says {n} bytes but the file has {size - 8} "
+                                  "after it (truncated, or not a safetensors file)")
+            raw = read_at(self._fd, n, 8)
         except OSError as exc:
             raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         try:
@@ -109,7 +158,7 @@ class SafetensorsFile:
             raise self._error(f"corrupted header (not valid JSON: {exc})") from None
         if not isinstance(header, dict):
             raise self._error("corrupted header (not a JSON object)")
-        meta = header.pop("__metadata__", None) or {}
+        meta = header.pop(RESERVED, None) or {}
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in meta.items()):
             raise self._error("corrupted header (__metadata__ must map strings to strings)")
@@ -119,6 +168,20 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             self.tensors[name] = self._parse_entry(name, entry, data_start, size - data_start)
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent); arrays already mapped keep their own maps."""
+        self._closer()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _error(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path} is not a readable safetensors file: {what}")
@@ -148,15 +211,21 @@ class SafetensorsFile:
         return list(self.tensors)
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor ``name`` as a numpy array mapped from the file (copy-on-write)."""
+        """The tensor ``name`` as a numpy array mapped from the opened file (copy-on-write)."""
         info = self.tensors[name]
         dtype = info.numpy_dtype
         if info.nbytes == 0:
             return np.zeros(info.shape, dtype)
+        if self.closed:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: the file was closed")
+        # mmap offsets must be multiples of the allocation granularity: map from the page before
+        skip = info.start % mmap.ALLOCATIONGRANULARITY
         try:
-            return np.memmap(self.path, dtype=dtype, mode="c", offset=info.start, shape=info.shape)
+            # mmap duplicates the descriptor: the map (and the array on it) outlives close()
+            mapped = mmap.mmap(self._fd, skip + info.nbytes, access=mmap.ACCESS_COPY, offset=info.start - skip)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: {exc}") from None
+        return np.frombuffer(mapped, dtype=dtype, count=math.prod(info.shape), offset=skip).reshape(info.shape)
 
 
 # ------------------------------------------------------------------------------ writing
@@ -190,6 +259,9 @@ def header_bytes(tensors: Mapping[str, PendingTensor], metadata: Mapping[str, st
 
     Larger dtypes come first (stable otherwise), so every tensor starts aligned to its itemsize.
     """
+    if RESERVED in tensors:
+        raise CheckpointError(f"a tensor cannot be named {RESERVED!r}: safetensors reserves that header key "
+                              "for metadata (rename the parameter)")
     order = sorted(tensors, key=lambda k: -tensors[k].dtype.itemsize)
     header: dict = {}
     if metadata:

@@ -11,14 +11,30 @@ string metadata holds
 - ``layout``: JSON {name: "canonical"}, ``layout_note``: the canonical layout in words;
 - ``dtypes``: JSON {name: dtype name}; ``num_params``, ``source_backend``, ``dense_bridge_version``.
 
-Sharded (``max_shard_size``): ``model-00001-of-00003.safetensors`` ... plus
+Sharded (``max_shard_size``): ``model-<id>-00001-of-00003.safetensors`` ... plus
 ``model.safetensors.index.json`` = {"metadata": {the same keys, "total_size": bytes},
 "weight_map": {name: shard file}} as model hubs write them; each shard's own metadata names
-its index. Files are recognised by content, not extension.
+its index. ``<id>`` is a short random id, new for every save. Files are recognised by
+content, not extension. A tensor may not be named ``__metadata__`` (safetensors reserves it).
 
-Reading maps one tensor at a time (np.memmap), so loading onto a backend or converting a
-sharded checkpoint holds one tensor of the source in memory beyond the output. Writes are
-atomic (``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
+Concurrency (several processes saving and loading one path):
+
+- the index is the single commit point of a sharded save: its shards get names no other save
+  uses and are complete on disk before the index is renamed over the old one, so a reader
+  sees the old checkpoint or the new one, never a mix, and no save ever overwrites a file
+  another save (or a reader's index) refers to;
+- cleanup removes only what the index being replaced referred to (plus a single-file save at
+  the same name, which would shadow the index), never a name-pattern match; reading that
+  index, renaming and cleaning up happen under ``directory_lock`` (an flock on the
+  directory), so concurrent saves to one path leave exactly the last one, without orphans;
+- readers take no lock: every safetensors file is opened once and mapped from that
+  descriptor (``_safetensors.SafetensorsFile``), an index is read once, and when a save
+  removes a shard (or the file) between reading the index and opening it, the read starts
+  over (a few times) from the then current index.
+
+Reading maps one tensor at a time, so loading onto a backend or converting a sharded
+checkpoint holds one tensor of the source in memory beyond the output. Writes are atomic
+(``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
 ``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) live in ``_checkpoint_native``.
 """
 from __future__ import annotations
@@ -31,11 +47,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._checkpoint_io import AtomicFiles, check_writable, parse_size, shard_names
+from ._checkpoint_io import AtomicFiles, check_writable, directory_lock, new_save_id, parse_size, shard_names
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ._params import ParamSource, expected_params, validate_params
-from ._safetensors import PendingTensor, SafetensorsFile, is_safetensors, pending, st_dtype, write_safetensors
+from ._safetensors import (RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly, pending, read_at,
+                           st_dtype, write_safetensors)
 from .activations import Activation
 from .specs import Dense, Sequential, Spec, from_config, layer_config, layer_param_shapes
 
@@ -106,6 +123,13 @@ def _as_array(value: object, name: str, path: str) -> np.ndarray:
     return arr
 
 
+def check_tensor_name(name: str, path: str) -> None:
+    """CheckpointError when ``name`` cannot be a tensor of a safetensors file."""
+    if name == RESERVED:
+        raise CheckpointError(f"cannot save {path}: params key {name!r} is reserved by the safetensors format for "
+                              "the file's metadata, so a tensor of that name could not be read back; rename it")
+
+
 def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str]:
     """(spec or None, tensors to write, source backend) for what db.save was given."""
     from . import _api
@@ -115,6 +139,10 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
                         f"dict. {received('obj', obj)}")
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], (Spec, Activation)):
         spec, params = obj
+        if getattr(spec, "lazy", False):
+            from ._params import _fill_lazy_from_params
+
+            spec = _fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
         try:
             checked = validate_params(spec, params)
         except ConversionError as exc:
@@ -133,6 +161,7 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise TypeError(f"params keys must be strings. {received('key', k)}")
+            check_tensor_name(k, path)
             tensors[k] = pending(_as_array(v, k, path))
         return None, tensors, "numpy"
     raise TypeError("obj must be a native model or layer, a (spec, params) tuple or a params dict. "
@@ -171,14 +200,17 @@ def _plan_shards(tensors: Mapping[str, PendingTensor], limit: int | None) -> lis
 
 
 def _index_files(index_path: str) -> list[str]:
-    """Files an existing dense_bridge index at ``index_path`` points to (none when unreadable)."""
+    """Files beside it that an existing dense_bridge index at ``index_path`` points to (none when
+    unreadable or not ours: a hub's own shards are never removed)."""
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
         if index.get("metadata", {}).get("format") != FORMAT:
             return []
         d = os.path.dirname(index_path)
-        return sorted({os.path.join(d, v) for v in index["weight_map"].values()})
+        names = {v for v in index["weight_map"].values() if isinstance(v, str)}
+        # only plain file names beside the index: an edited index must not steer deletions elsewhere
+        return sorted(os.path.join(d, v) for v in names if v and os.path.basename(v) == v and v not in (".", ".."))
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return []
 
@@ -191,9 +223,18 @@ def _remove_quietly(paths) -> None:
             pass
 
 
+def _same_files(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
 def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mapping[str, str],
                     max_shard_size: int | None = None, progress: Progress | None = None) -> list[str]:
-    """Write a canonical checkpoint atomically (sharded when asked); return the files written."""
+    """Write a canonical checkpoint atomically (sharded when asked); return the files written.
+
+    See the module docstring for how concurrent saves and loads of one path stay consistent.
+    """
+    for name in tensors:
+        check_tensor_name(name, path)
     groups = _plan_shards(tensors, max_shard_size)
     total = sum(t.nbytes for t in tensors.values())
     done = [0]
@@ -203,39 +244,48 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
         if progress is not None:
             progress(done[0], total)
 
+    directory = os.path.dirname(os.path.abspath(path))
     if len(groups) == 1 and not path.endswith(".index.json"):
         stale_index = path + ".index.json"
-        stale = _index_files(stale_index)
         with AtomicFiles(path) as tx:
             tmp = tx.temp_for(path)
             with open(tmp, "wb") as f:
                 write_safetensors(f, tensors, meta, tick)
-        # a sharded checkpoint saved earlier under this name would only confuse readers now
-        if stale:
-            _remove_quietly(stale + [stale_index])
+            tx.sync()
+            with directory_lock(directory):
+                # a sharded checkpoint saved earlier under this name would only confuse readers now;
+                # read under the lock: exactly what the index being dropped refers to
+                stale = _index_files(stale_index)
+                tx.commit()
+                if stale or os.path.isfile(stale_index):
+                    # the index first: a reader never finds an index whose shards are gone for good
+                    _remove_quietly([stale_index] + stale)
         return [path]
 
-    shards, index_path = shard_names(path, len(groups))
-    stale = set(_index_files(index_path))
+    shards, index_path = shard_names(path, len(groups), new_save_id())
     index_meta: dict[str, Any] = dict(meta)
     index_meta["total_size"] = total
     weight_map = {}
     with AtomicFiles(path) as tx:
         for i, (names, shard) in enumerate(zip(groups, shards), start=1):
-            tmp = tx.temp_for(shard)
+            tmp = tx.temp_for(shard, fresh=True)  # a name no other save uses
             shard_meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "shard": f"{i}/{len(groups)}",
                           "index": os.path.basename(index_path)}
             with open(tmp, "wb") as f:
                 write_safetensors(f, {n: tensors[n] for n in names}, shard_meta, tick)
             weight_map.update({n: os.path.basename(shard) for n in names})
-        tmp = tx.temp_for(index_path)  # renamed last: readers never see an index without its shards
+        tmp = tx.temp_for(index_path)  # renamed last: the single commit point
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"metadata": index_meta, "weight_map": {n: weight_map[n] for n in tensors}}, f, indent=2)
             f.write("\n")
-    stale -= {os.path.abspath(s) for s in shards} | set(shards)
-    if path != index_path and os.path.isfile(path):
-        stale.add(path)  # an earlier single-file save here would shadow the new index
-    _remove_quietly(stale)
+        tx.sync()
+        with directory_lock(directory):
+            stale = set(_index_files(index_path))
+            tx.commit()
+            stale = {p for p in stale if not any(_same_files(p, s) for s in shards)}
+            if path != index_path and os.path.isfile(path):
+                stale.add(path)  # an earlier single-file save here would shadow the new index
+            _remove_quietly(sorted(stale))
     return shards + [index_path]
 
 
@@ -250,6 +300,8 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     limit = parse_size(max_shard_size)
     check_writable(path)
     spec, tensors, source = _resolve(obj, path)
+    for name in tensors:  # before anything is written
+        check_tensor_name(name, path)
     try:
         return write_canonical(path, tensors, _metadata(spec, tensors, source), limit)
     except DenseBridgeError:
@@ -260,17 +312,33 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
 
 
 # ============================================================================ reading
-def _sniff(path: str) -> str:
-    """The kind of file at ``path`` by content: "safetensors", "index", "zip", "hdf5", "pickle"."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"cannot read {path}: no such file or directory")
+class _Changed(Exception):
+    """What was being read was replaced or removed by a concurrent save: read it again."""
+
+
+def _open_sniffed(path: str) -> tuple[str, int]:
+    """(kind, open descriptor) of the file at ``path``, judged by content: "safetensors",
+    "index", "zip", "hdf5", "pickle". The caller owns the descriptor."""
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
                               "(model.safetensors, model.safetensors.index.json, model.pt, ...)")
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(64)
+        fd = open_readonly(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot read {path}: no such file or directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return _kind(path, fd), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(path: str, fd: int) -> str:
+    try:
+        size = os.fstat(fd).st_size
+        head = read_at(fd, 64, 0)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     if size == 0:
@@ -290,6 +358,13 @@ def _sniff(path: str) -> str:
     raise CheckpointError(
         f"cannot read {path} (extension {ext}): {reason}. Supported: dense_bridge/torch/MLX .safetensors "
         "(+ .index.json), torch .pt/.pth/.bin, Keras .weights.h5/.keras, MLX .npz")
+
+
+def _read_all(path: str, fd: int) -> bytes:
+    try:
+        return read_at(fd, os.fstat(fd).st_size, 0)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 class CanonicalCheckpoint:
@@ -317,6 +392,17 @@ class CanonicalCheckpoint:
         if self.spec is not None:
             self._check(self.spec)
         self.kind = "dense_bridge checkpoint" + (f" ({len(files)} shards)" if index_path else "")
+
+    def close(self) -> None:
+        """Close the files' descriptors; arrays already returned stay valid."""
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> "CanonicalCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- info
     def info(self, name: str):
@@ -436,34 +522,78 @@ def _describe(spec) -> str:
     return type(spec).__name__
 
 
-def _open_index(path: str, spec) -> CanonicalCheckpoint:
+def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile]]:
+    """(index, shard file name -> opened shard) of the index at ``path`` whose bytes are ``raw``.
+
+    _Changed when a shard is missing and the index no longer reads ``raw`` (a save replaced it).
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: not a valid JSON index ({exc})") from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise CheckpointError(f"cannot read {path}: a JSON file but not a checkpoint index (no \"weight_map\")")
-    meta = index.get("metadata") or {}
     d = os.path.dirname(path)
     files: dict[str, SafetensorsFile] = {}
-    for name, fname in index["weight_map"].items():
-        if not isinstance(fname, str) or os.path.basename(fname) != fname:
-            raise CheckpointError(f"cannot read {path}: weight_map[{name!r}] must be a file name beside the index")
-        if fname not in files:
-            full = os.path.join(d, fname)
-            if not os.path.isfile(full):
-                raise CheckpointError(f"cannot read {path}: its shard {fname} is missing (expected at {full})")
-            files[fname] = SafetensorsFile(full)
-        if name not in files[fname].tensors:
-            raise CheckpointError(f"cannot read {path}: the index maps {name!r} to {fname}, which does not hold it")
-    for fname, f in files.items():
-        extra = [n for n in f.tensors if index["weight_map"].get(n) != fname]
-        if extra:
-            raise CheckpointError(f"cannot read {path}: shard {fname} holds tensors the index does not list: {extra}")
-    if meta.get("format") != FORMAT:
-        return None  # a hub index of native shards: the caller treats it as a native checkpoint
-    return CanonicalCheckpoint(path, list(files.values()), {k: v for k, v in meta.items()}, spec, index_path=path)
+    try:
+        for name, fname in index["weight_map"].items():
+            if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
+                raise CheckpointError(f"cannot read {path}: weight_map[{name!r}] must be a file name beside the "
+                                      "index")
+            if fname not in files:
+                files[fname] = _open_shard(path, raw, os.path.join(d, fname), fname)
+            if name not in files[fname].tensors:
+                raise CheckpointError(f"cannot read {path}: the index maps {name!r} to {fname}, which does not "
+                                      "hold it")
+        for fname, f in files.items():
+            extra = [n for n in f.tensors if index["weight_map"].get(n) != fname]
+            if extra:
+                raise CheckpointError(f"cannot read {path}: shard {fname} holds tensors the index does not list: "
+                                      f"{extra}")
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return index, files
+
+
+def _open_shard(path: str, raw: bytes, full: str, fname: str) -> SafetensorsFile:
+    try:
+        fd = open_readonly(full)
+    except FileNotFoundError:
+        try:
+            with open(path, "rb") as f:
+                now = f.read()
+        except OSError:
+            now = None
+        if now != raw:
+            raise _Changed() from None  # a save replaced the index (and removed its old shards)
+        raise CheckpointError(f"cannot read {path}: its shard {fname} is missing (expected at {full})") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {full}: {exc.strerror or exc}") from None
+    return SafetensorsFile(full, fd=fd)
+
+
+def _open_index(path: str, raw: bytes, spec, like, format):
+    """A sharded checkpoint from its index (read once, as ``raw``): canonical or a hub's native one."""
+    from . import _checkpoint_native as native
+
+    index, files = _open_shards(path, raw)
+    meta = index.get("metadata") or {}
+    try:
+        if isinstance(meta, dict) and meta.get("format") == FORMAT and format in (None, "dense_bridge"):
+            return CanonicalCheckpoint(path, list(files.values()), dict(meta), spec, index_path=path)
+        # a hub index of native shards
+        return native.open_native(path, "safetensors-index", spec=spec, like=like, format=format,
+                                  files=list(files.values()))
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+
+
+#: How often a read starts over when a concurrent save replaces what it was reading.
+_READ_ATTEMPTS = 20
 
 
 def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: str | None = None):
@@ -471,37 +601,67 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
 
     ``spec`` (a spec or config dict) or ``like`` (a native model of the same architecture) say
     what the file holds when the file does not carry a spec itself; ``format`` forces the
-    reading of a native file ("torch", "keras", "mlx").
+    reading of a native file ("torch", "keras", "mlx"). Safetensors files are opened once
+    and stay consistent while a concurrent save replaces them; ``close()`` the result (or
+    let it be garbage collected) to release their descriptors.
     """
     from . import _checkpoint_native as native
 
     path = _path_arg(path)
     spec = _spec_arg(spec)
     if like is not None:
-        from . import _api
-
+        if not _is_native(like):
+            raise TypeError("like must be a native model or layer of the checkpoint's architecture (torch "
+                            "nn.Module, keras Layer/Model, mlx nn.Module, dense_bridge numpy layer); pass a "
+                            f"dense_bridge spec as spec= instead. {received('like', like)}")
         if spec is None:
+            from . import _api
+
             spec = _api.to_spec(like)
     if format is not None and format not in native.FORMATS:
         raise ValueError(f"format must be one of {', '.join(native.FORMATS)}. {received('format', format)}")
+    for _ in range(_READ_ATTEMPTS):
+        try:
+            return _open_once(path, spec, like, format)
+        except _Changed:
+            continue
+    raise CheckpointError(f"cannot read {path}: it was replaced by other saves {_READ_ATTEMPTS} times while being "
+                          "read; try again when they are done")
+
+
+def _open_once(path: str, spec, like, format):
+    from . import _checkpoint_native as native
+
+    target = path
     if not os.path.exists(path) and os.path.isfile(path + ".index.json"):
-        path = path + ".index.json"  # a sharded save to "model.safetensors" is read back by that name
-    kind = _sniff(path)
+        target = path + ".index.json"  # a sharded save to "model.safetensors" is read back by that name
+    try:
+        kind, fd = _open_sniffed(target)
+    except CheckpointError:
+        # a save switched between a single file and shards under this name since we looked
+        if not os.path.exists(target) and (os.path.exists(path) or os.path.isfile(path + ".index.json")):
+            raise _Changed() from None
+        raise
     if kind == "safetensors":
-        st = SafetensorsFile(path)
-        if st.metadata.get("format") == FORMAT and format in (None, "dense_bridge"):
-            if "shard" in st.metadata:
-                index = os.path.join(os.path.dirname(path), st.metadata.get("index", "?"))
-                raise CheckpointError(f"{path} is shard {st.metadata['shard']} of a sharded checkpoint: load its "
-                                      f"index {index} instead")
-            return CanonicalCheckpoint(path, [st], st.metadata, spec)
-        return native.open_native(path, "safetensors", spec=spec, like=like, format=format, files=[st])
+        st = SafetensorsFile(target, fd=fd)
+        try:
+            if st.metadata.get("format") == FORMAT and format in (None, "dense_bridge"):
+                if "shard" in st.metadata:
+                    index = os.path.join(os.path.dirname(target), st.metadata.get("index", "?"))
+                    raise CheckpointError(f"{target} is shard {st.metadata['shard']} of a sharded checkpoint: load "
+                                          f"its index {index} instead")
+                return CanonicalCheckpoint(target, [st], st.metadata, spec)
+            return native.open_native(target, "safetensors", spec=spec, like=like, format=format, files=[st])
+        except BaseException:
+            st.close()
+            raise
+    try:
+        raw = _read_all(target, fd) if kind == "index" else None
+    finally:
+        os.close(fd)  # other kinds are read by their framework, from the path
     if kind == "index":
-        ckpt = _open_index(path, spec)
-        if ckpt is not None:
-            return ckpt
-        return native.open_native(path, "safetensors-index", spec=spec, like=like, format=format)
-    return native.open_native(path, kind, spec=spec, like=like, format=format)
+        return _open_index(target, raw, spec, like, format)
+    return native.open_native(target, kind, spec=spec, like=like, format=format)
 
 
 def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None):
@@ -518,9 +678,12 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     if backend is not None:
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
-    if backend is None:
-        return ckpt.spec, ckpt.params()
-    return ckpt.native(backend)
+    try:
+        if backend is None:
+            return ckpt.spec, ckpt.params()
+        return ckpt.native(backend)
+    finally:
+        ckpt.close()  # everything is copied out by now
 
 
 # ============================================================================ converting
@@ -535,7 +698,6 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
     backend's format is the canonical checkpoint). Canonical -> canonical streams tensor by
     tensor; canonical -> native builds the native model one mapped tensor at a time.
     """
-    from . import _checkpoint_native as native
     from ._registry import check_backend_name
 
     src = _path_arg(src, "src")
@@ -551,6 +713,15 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
         raise CheckpointError(f"cannot write {out}: it is the source file; choose another output path")
     check_writable(out)
     ckpt = open_checkpoint(src, spec=spec, like=like, format=format)
+    try:
+        return _convert(ckpt, src, target, out, limit, progress)
+    finally:
+        ckpt.close()
+
+
+def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None) -> dict:
+    from . import _checkpoint_native as native
+
     if target in CANONICAL_TARGETS:
         if isinstance(ckpt, CanonicalCheckpoint):
             tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written

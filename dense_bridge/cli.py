@@ -125,10 +125,10 @@ def _spec_of_checkpoint(path: str):
     from . import checkpoint
     import dense_bridge as db
 
-    ckpt = checkpoint.open_checkpoint(path)
-    if ckpt.spec is None:
-        raise db.CheckpointError(f"--spec {path}: this checkpoint carries no spec to take")
-    return ckpt.spec
+    with checkpoint.open_checkpoint(path) as ckpt:
+        if ckpt.spec is None:
+            raise db.CheckpointError(f"--spec {path}: this checkpoint carries no spec to take")
+        return ckpt.spec
 
 
 def _is_keras_file(path: str | None) -> bool:
@@ -154,12 +154,15 @@ def _needs_keras(args) -> bool:
 
 
 def import_keras_quietly() -> None:
-    """Import Keras (and TensorFlow) with file descriptor 2 silenced.
+    """Import Keras (and TensorFlow) and dense_bridge's Keras adapter with file descriptor 2 silenced.
 
     TensorFlow's C++ start-up lines (absl "All log messages before absl::InitializeLog()",
     oneDNN notices) bypass TF_CPP_MIN_LOG_LEVEL and Python; they would bury our one-line errors.
+    Importing the adapter registers dense_bridge's Keras classes (DenseBridgeDense, Bilinear,
+    ExactActivation, ...) with keras.saving, which a ``.keras`` file using them needs before any
+    ``keras.saving.load_model`` in this fresh process.
     """
-    from ._registry import available_backends
+    from ._registry import available_backends, get_adapter
 
     if "keras" not in available_backends():
         return
@@ -170,6 +173,8 @@ def import_keras_quietly() -> None:
             os.dup2(null.fileno(), 2)
             try:
                 import keras  # noqa: F401
+
+                get_adapter("keras")
             finally:
                 os.dup2(saved, 2)
     finally:

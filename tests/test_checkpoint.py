@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -240,7 +241,9 @@ def test_sharded_save_and_load(tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     assert files[-1] == str(index) and not path.exists()
     shards = sorted(n for n in os.listdir(tmp_path) if n.startswith("model-"))
-    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    save_id = shards[0].split("-")[1]  # unique per save: concurrent saves never share a shard name
+    assert re.fullmatch(r"[0-9a-f]{8}", save_id)
+    assert shards == [f"model-{save_id}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     assert len(shards) >= 3
     doc = json.loads(index.read_text())
     assert doc["metadata"]["format"] == "dense_bridge" and doc["metadata"]["total_size"] == 6 * 33 * 32 * 4
@@ -265,8 +268,10 @@ def test_resaving_replaces_stale_files(tmp_path):
     assert not path.exists()  # the single file would shadow the new index
     assert len(os.listdir(tmp_path)) == 4 + 1
     db.save(model, path, max_shard_size=2200)  # two layers per shard: the four old shards go
-    assert sorted(os.listdir(tmp_path)) == ["m-00001-of-00002.safetensors", "m-00002-of-00002.safetensors",
-                                            "m.safetensors.index.json"]
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 3 and names[-1] == "m.safetensors.index.json"
+    assert set(json.loads((tmp_path / names[-1]).read_text())["weight_map"].values()) == set(names[:2])
+    assert [n.split("-", 2)[2] for n in names[:2]] == ["00001-of-00002.safetensors", "00002-of-00002.safetensors"]
     assert bits(db.load(path)[1]) == bits(db.get_params(model))
     db.save(model, path)
     assert os.listdir(tmp_path) == ["m.safetensors"]
@@ -516,3 +521,172 @@ def test_keras_file_with_dense_bridge_layers_loads_in_a_fresh_process(tmp_path):
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == "gelu" and "'0.mask'" in out.stdout
+
+
+# ----------------------------------------------------------------------------- concurrent saves and loads
+def _filled(spec, value: float) -> tuple:
+    """(spec, params) with every parameter equal to ``value``: a mixed read shows as two values."""
+    return spec, {k: np.full(s, value, d) for k, (s, d) in checkpoint.expected_params(spec).items()}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+
+def test_reader_keeps_the_file_it_opened_when_a_save_replaces_it(tmp_path):
+    """A save's os.replace landing between reading the header and the tensors never mixes files."""
+    path = tmp_path / "m.safetensors"
+    db.save(_filled(db.Dense(4, in_features=4), 1.0), path)
+    ckpt = checkpoint.open_checkpoint(path)  # header parsed, no tensor read yet
+    other = db.Sequential([db.Dense(2, in_features=2, dtype="float16"), db.Dense(300, dtype="float16")])
+    db.save(db.compile(other, "numpy", seed=0), path)  # what another process does meanwhile
+    spec, params = ckpt.spec, ckpt.params()
+    ckpt.close()
+    assert spec == db.Dense(4, in_features=4)
+    assert {k: v.tolist() for k, v in params.items()} == {"kernel": [[1.0] * 4] * 4, "bias": [1.0] * 4}
+    assert db.load(path)[0] == other  # and the path now reads the new file
+
+
+def test_sharded_reader_survives_a_resave_between_index_and_shards(tmp_path):
+    spec = db.Sequential([db.Dense(16, in_features=16) for _ in range(4)])
+    path = tmp_path / "m.safetensors"
+    db.save(_filled(spec, 1.0), path, max_shard_size=1200)
+    ckpt = checkpoint.open_checkpoint(path)  # every shard open: a resave may now delete them
+    db.save(_filled(spec, 2.0), path, max_shard_size=2200)
+    assert {float(x) for v in ckpt.params().values() for x in np.unique(v)} == {1.0}
+    ckpt.close()
+    assert {float(x) for v in db.load(path)[1].values() for x in np.unique(v)} == {2.0}
+
+
+def test_concurrent_saves_and_loads_of_one_path(tmp_path):
+    """Two writers (sharded and single-file saves of different values) and a reader, all on one path:
+    every load sees one whole checkpoint, and the last save leaves exactly its files behind."""
+    import threading
+
+    spec = db.Sequential([db.Dense(16, in_features=16) for _ in range(4)])
+    path = tmp_path / "m.safetensors"
+    db.save(_filled(spec, 1.0), path)
+    failures = []
+
+    def writer(value, shard):
+        try:
+            for i in range(60):
+                db.save(_filled(spec, value), path, max_shard_size=shard if i % 3 else None)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(1.0, 1200)), threading.Thread(target=writer, args=(2.0, 2200))]
+    fds = _open_fds()
+    for w in writers:
+        w.start()
+    reads = 0
+    while any(w.is_alive() for w in writers) or reads < 20:
+        try:
+            _, params = db.load(path)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(exc)
+            break
+        values = {float(x) for v in params.values() for x in np.unique(v)}
+        assert values in ({1.0}, {2.0}), values  # never one file's header with another's bytes
+        reads += 1
+    for w in writers:
+        w.join()
+    assert failures == []
+    assert _open_fds() == fds  # every descriptor closed again
+    names = sorted(os.listdir(tmp_path))
+    if names != ["m.safetensors"]:  # the last save was sharded: the index and exactly its shards
+        assert names[-1] == "m.safetensors.index.json"
+        assert sorted(set(json.loads((tmp_path / names[-1]).read_text())["weight_map"].values())) == names[:-1]
+    assert len({float(x) for v in db.load(path)[1].values() for x in np.unique(v)}) == 1
+
+
+def test_resave_removes_only_what_the_replaced_index_named(tmp_path):
+    """Other files matching the shard pattern (another save's, a user's) are never deleted."""
+    spec = db.Sequential([db.Dense(16, in_features=16) for _ in range(2)])
+    path = tmp_path / "m.safetensors"
+    first = db.save(_filled(spec, 1.0), path, max_shard_size=1200)
+    (tmp_path / "m-00001-of-00002.safetensors").write_bytes(b"someone else's")
+    second = db.save(_filled(spec, 2.0), path, max_shard_size=1200)
+    assert not any(os.path.exists(f) for f in first[:-1])
+    assert sorted(os.listdir(tmp_path)) == sorted(["m-00001-of-00002.safetensors"] + [os.path.basename(f)
+                                                                                      for f in second])
+
+
+# ----------------------------------------------------------------------------- review findings
+def test_reserved_metadata_key_is_refused_before_writing(tmp_path):
+    path = tmp_path / "m.safetensors"
+    db.save({"a": np.zeros(2, np.float32)}, path)
+    before = path.read_bytes()
+    for shard in (None, 8):
+        with pytest.raises(db.CheckpointError, match="'__metadata__' is reserved"):
+            db.save({"__metadata__": np.ones(3, np.float32), "a": np.zeros(2, np.float32)}, path,
+                    max_shard_size=shard)
+    assert os.listdir(tmp_path) == ["m.safetensors"] and path.read_bytes() == before
+
+
+def test_load_like_names_like(tmp_path):
+    path = _saved(tmp_path, make_spec())
+    with pytest.raises(TypeError, match=r"like must be a native model.*Received: like=3") as info:
+        db.load(path, like=3)
+    assert "native=" not in str(info.value)
+
+
+def test_save_lazy_spec_takes_width_from_params(tmp_path):
+    lazy = db.Sequential([db.Dense(4, activation="relu"), db.Dense(2)])
+    params = db.get_params(db.compile(lazy.with_in_features(3), "numpy", seed=0))
+    db.save((lazy, params), tmp_path / "w.safetensors")  # as db.compile(lazy, params=...) infers it
+    spec, loaded = db.load(tmp_path / "w.safetensors")
+    assert spec == lazy.with_in_features(3) and bits(loaded) == bits(params)
+
+
+BLOCK_TORCH = textwrap.dedent("""
+    import sys
+
+    class NoTorch:  # torch as if not installed: find_spec and import both fail
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NoTorch())
+    import dense_bridge as db
+    spec = db.from_config(sys.argv[2])
+    for kwargs in ({"spec": spec}, {}):
+        try:
+            db.load(sys.argv[1], **kwargs)
+        except db.CheckpointError as exc:
+            print("CheckpointError:", exc)
+""")
+
+
+def test_torch_file_without_torch_names_the_extra(tmp_path):
+    require_backend("torch")
+    path = tmp_path / "m.pt"
+    checkpoint.convert_file(str(_saved(tmp_path, make_spec())), "torch", str(path))
+    run = subprocess.run([sys.executable, "-c", BLOCK_TORCH, str(path), json.dumps(make_spec().to_config())],
+                         capture_output=True, text=True, timeout=60)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2, run.stdout + run.stderr
+    for line in lines:
+        assert "needs torch, which is not installed" in line and "pip install 'dense-bridge[torch]'" in line
+        assert "m.pt" in line
+
+
+def test_mlx_safetensors_refuses_float64_and_reads_f64_written_elsewhere(tmp_path):
+    require_backend("mlx")
+    st_numpy = pytest.importorskip("safetensors.numpy")
+    spec = db.Dense(3, in_features=2, dtype="float64")
+    src = _saved(tmp_path, spec)
+    out = tmp_path / "m.safetensors"
+    # MLX neither writes nor reads F64 safetensors: such a file would be MLX's in name only
+    with pytest.raises(db.CheckpointError, match=r"MLX cannot read float64.*\.npz"):
+        checkpoint.convert_file(str(src), "mlx", str(out))
+    assert not out.exists() and tmp_leftovers(tmp_path) == []
+    checkpoint.convert_file(str(src), "mlx", str(tmp_path / "m.npz"))  # what the error suggests
+    want = bits(db.load(src)[1])
+    assert bits(db.load(tmp_path / "m.npz", spec=spec)[1]) == want
+    # an F64 file in MLX's names written by another tool still loads (our reader, not mx.load)
+    weights = {"weight": np.ascontiguousarray(db.load(src)[1]["kernel"].T), "bias": db.load(src)[1]["bias"]}
+    st_numpy.save_file(weights, str(tmp_path / "other.safetensors"), metadata={"format": "mlx"})
+    model = db.load(tmp_path / "other.safetensors", "mlx", spec=spec)
+    assert bits(db.get_params(model)) == want

@@ -189,3 +189,21 @@ def test_write_failing_mid_way_keeps_the_old_output(files):
     assert_one_line_error(run, "nothing was changed on disk")
     assert (files / "out.safetensors").read_bytes() == b"previous contents"
     assert not [n for n in os.listdir(files) if ".tmp-" in n]
+
+
+def test_keras_model_with_dense_bridge_layers_inspects_in_a_fresh_process(tmp_path):
+    """A .keras file using dense_bridge's own Keras classes (masked, gelu) reads in a new process:
+    the CLI registers them with keras.saving before loading the model."""
+    pytest.importorskip("keras")
+    masked = db.Sequential([db.Dense(4, in_features=3, activation="gelu", mask=db.wiring.banded(3, 4, 1)),
+                            db.Dense(2)])
+    db.save(db.compile(masked, "numpy", seed=0), tmp_path / "m.safetensors")
+    run = cli("convert", tmp_path / "m.safetensors", "--to", "keras", "-o", tmp_path / "x.keras", timeout=120)
+    assert run.returncode == 0, run.stderr
+    run = cli("inspect", tmp_path / "x.keras", "--json", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""  # TensorFlow's start-up noise stays silenced
+    doc = json.loads(run.stdout)
+    assert db.from_config(doc["spec"]) == masked
+    assert "0.mask" in [t["name"] for t in doc["tensors"]]
+    assert cli("inspect", tmp_path / "x.keras", timeout=120).returncode == 0
