@@ -231,7 +231,7 @@ class NativeCheckpoint:
         if self.container == "keras-model":
             from . import _api
 
-            return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template()).items()]
+            return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
         state = self._raw_state()
         if self.framework == "torch":
             return [(k, tuple(v.shape), _torch_dtype_name(v.dtype)) for k, v in state.items()]

@@ -152,7 +152,7 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
     if _is_native(obj):
         try:
             spec = _api.to_spec(obj)
-            params = _api.get_params(obj)
+            params = _api.get_params(obj, copy=False)  # streamed to disk: no snapshot needed
         except DenseBridgeError as exc:
             raise CheckpointError(f"cannot save {path}: {exc}") from None
         return spec, {k: pending(np.asarray(v)) for k, v in params.items()}, _api.backend(obj)

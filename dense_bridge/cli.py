@@ -350,7 +350,7 @@ def cmd_check(args) -> int:
     _, backend_a, a = _open_model(args.a, spec_a, args.backend_a, args.format)
     _, backend_b, b = _open_model(args.b, spec_b, args.backend_b, args.format)
     report = compare(a, b, grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size)
-    diffs = param_diffs(_api.get_params(a), _api.get_params(b))
+    diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
     passed = bool(report.passed)
     if args.json:
         doc = {"a": {"path": args.a, "backend": backend_a}, "b": {"path": args.b, "backend": backend_b},
