@@ -349,7 +349,10 @@ def cmd_check(args) -> int:
     compare = _compare_fn()
     _, backend_a, a = _open_model(args.a, spec_a, args.backend_a, args.format)
     _, backend_b, b = _open_model(args.b, spec_b, args.backend_b, args.format)
-    report = compare(a, b, grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size)
+    report = compare(a, b, grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size,
+                     strict=args.strict)
+    if args.html:
+        report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
     diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
     passed = bool(report.passed)
     if args.json:
@@ -435,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="rows of random input (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--no-grads", action="store_true", help="compare outputs only")
+    p.add_argument("--strict", action="store_true",
+                   help="also fail when the specs differ in dtype, activation, mask or bias, not only on numbers")
+    p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
 

@@ -132,6 +132,19 @@ def test_check_across_frameworks(files):
     assert all(p["bit_identical"] for p in doc["parameters"])
 
 
+def test_check_strict_fails_a_bfloat16_copy_and_writes_html(files, tmp_path):
+    spec, params = db.load(files / "m.safetensors")
+    half = db.from_config(json.loads(json.dumps(spec.to_config()).replace('"float32"', '"bfloat16"')))
+    db.save((half, {k: v.astype(db._dtypes.numpy_dtype("bfloat16")) for k, v in params.items()}),
+            tmp_path / "half.safetensors")
+    page = tmp_path / "report.html"
+    loose = cli("check", tmp_path / "half.safetensors", files / "m.safetensors", "--html", page)
+    assert loose.returncode == 0, loose.stdout + loose.stderr  # numerically within bfloat16 tolerance
+    assert "<svg" in page.read_text()
+    strict = cli("check", tmp_path / "half.safetensors", files / "m.safetensors", "--strict")
+    assert strict.returncode == 1 and "strict" in strict.stdout
+
+
 # ----------------------------------------------------------------------------- bad input
 def _bad_inputs(d):
     (d / "empty.safetensors").write_bytes(b"")
