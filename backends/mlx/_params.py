@@ -1,15 +1,7 @@
 """Canonical parameters <-> MLX arrays: ``get_params``/``set_params`` and the layout transposes.
 
-Layouts (canonical <-> MLX), by declaration and never by shape:
-
-- Dense: canonical ``kernel`` (in_features, units) <-> ``nn.Linear.weight`` (units, in_features),
-  i.e. weight = kernel.T; ``bias`` (units,) is the same in both. A mask is stored like the
-  weight, (units, in_features) = canonical mask.T, as the frozen parameter ``mask``.
-- Bilinear: canonical ``kernel`` (units, in1, in2) <-> ``nn.Bilinear.weight`` (units, in2, in1):
-  MLX computes y_i = x2^T W_i x1 + b_i (mlx/nn/layers/linear.py), so weight = kernel with axes
-  1 and 2 swapped.
-- Sequential: ``nn.Sequential`` keeps its modules in ``.layers``; canonical keys are
-  "<position>.<name>" ("0.kernel", "2.bias"), MLX's native ones "layers.0.weight".
+The transposes follow the layouts table in the package docstring (``backends/mlx/__init__.py``):
+weight = kernel.T for Dense (mask likewise), Bilinear swaps axes 1 and 2.
 """
 from __future__ import annotations
 
