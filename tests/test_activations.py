@@ -5,7 +5,6 @@ import copy
 import json
 import math
 import pickle
-import time
 import warnings
 import zlib
 
@@ -197,16 +196,6 @@ def test_gelu_is_exact_erf_not_tanh():
     assert 1e-4 < diff < 1e-2
     want = 0.5 * (1 + math.erf(1 / math.sqrt(2)))
     assert Activation("gelu").forward(np.array([1.0]))[0] == pytest.approx(want, rel=1e-15)
-
-
-def test_gelu_is_fast_enough_on_1e5_elements():
-    """The pure-stdlib erfc path stays well under 0.2 s for 1e5 elements."""
-    x = np.random.default_rng(0).normal(size=100_000)
-    act = Activation("gelu")
-    start = time.perf_counter()
-    y = act.forward(x)
-    act.vjp(x, y, np.ones_like(x))
-    assert time.perf_counter() - start < 0.4  # forward + vjp, each < 0.2 s
 
 
 # --------------------------------------------------------------------------------------------
