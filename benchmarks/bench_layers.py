@@ -8,7 +8,7 @@ For each installed framework, times (median of interleaved samples):
 at batch 1 and 64, for Linear(1024->4096) and Linear(16->16), and prints ratios to native.
 
 Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx] [--repeats 15]
-MLX's Linux CPU matmul is 50-70x slower than the others (FACTS.md): its large shape uses fewer repeats.
+MLX's Linux CPU matmul is 50-70x slower than the others (docs/FACTS.md): its large shape uses fewer repeats.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import numpy as np  # noqa: E402
 
 import dense_bridge as db  # noqa: E402
 from _timing import compare_medians, fmt_time, table  # noqa: E402

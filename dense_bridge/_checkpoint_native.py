@@ -419,7 +419,7 @@ class NativeCheckpoint:
         """Canonical parameters as views of the loaded model's memory (do not mutate)."""
         from . import _api
 
-        params = _api.get_params(self.template())
+        params = _api.get_params(self.template(), copy=False)
         if self.spec is not None and self.container == "keras-model":
             from ._params import validate_params
 
@@ -442,7 +442,7 @@ class NativeCheckpoint:
             if progress is not None:
                 progress(1, 1)
             return model
-        params = _api.get_params(model)
+        params = _api.get_params(model, copy=False)
         try:
             out = _api.compile(self.spec, backend, params=params)
         except ConversionError as exc:
@@ -641,7 +641,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
     if backend == "numpy":
         from . import _api
 
-        params = _api.get_params(model)
+        params = _api.get_params(model, copy=False)
         tensors = {k: pending(np.asarray(v)) for k, v in params.items()}
         return write_canonical(out, tensors, _metadata(spec, tensors, "numpy"))
     kind = output_kind(backend, out)

@@ -5,7 +5,7 @@ torch when installed, else in numpy with the reference backward), ported with ``
 to every installed framework, checked layer by layer (outputs and gradients, in tolerance
 units) with ``db.testing.compare``, saved as a canonical checkpoint (single and sharded) and
 as each framework's own file, and reloaded bit for bit. Sizes stay small: MLX's Linux CPU
-matmul is 50-70x slower than the others (FACTS.md).
+matmul is 50-70x slower than the others (docs/FACTS.md).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from ._errors import received, suggest
 
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 
-#: Unit roundoff used by the tolerance formula (FACTS.md): the spacing of 1.0 in each dtype.
+#: Unit roundoff used by the tolerance formula (docs/FACTS.md): the spacing of 1.0 in each dtype.
 EPS = {
     "float32": float(np.finfo(np.float32).eps),
     "float64": float(np.finfo(np.float64).eps),

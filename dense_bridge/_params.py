@@ -128,7 +128,8 @@ class ParamSource:
         return out
 
     def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
-        """Canonical params for the layer at ``index`` (fresh arrays the caller may keep)."""
+        """Canonical params for the layer at ``index``: drawn fresh from the seed, or, with given
+        params, the caller's own validated arrays (adapters copy before keeping them)."""
         if self.params is None:
             return initial_layer_params(layer, self.seed, index)
         out = self._given(index, layer)

@@ -6,7 +6,7 @@ bytes of UTF-8 JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets": [be
 little-endian, C-order tensor bytes; offsets are relative to the end of the header.
 ``__metadata__`` is reserved: no tensor may have that name (the writer refuses it).
 
-Why our own: safetensors' numpy binding has no bfloat16 (FACTS.md) and copies; this one maps
+Why our own: safetensors' numpy binding has no bfloat16 (docs/FACTS.md) and copies; this one maps
 each tensor lazily and writes tensor by tensor, so a checkpoint never has to sit in memory
 whole. bfloat16 is ``ml_dtypes.bfloat16``. Errors are ``CheckpointError`` naming the file.
 

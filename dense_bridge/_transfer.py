@@ -3,7 +3,7 @@
 Adapters hand frameworks memory they no longer touch: :func:`native_copy` fills a FRESH
 buffer with the parameter in the target framework's layout, and the adapter gives it away
 through a supported zero-copy import (``torch.from_numpy``, TF DLPack). Nothing here ever
-writes into memory a framework owns. Measured on the 2-core reference machine (FACTS.md):
+writes into memory a framework owns. Measured on the 2-core reference machine (docs/FACTS.md):
 
 - Alignment: numpy's buffers are only 16-byte aligned and TF aborts (``Check failed:
   IsAligned()``) on a misaligned DLPack import, so every buffer here starts on 64 bytes.

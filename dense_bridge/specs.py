@@ -11,7 +11,6 @@ Parameters are described in the canonical layout:
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from . import activations as _activations
@@ -19,19 +18,15 @@ from . import initializers as _initializers
 from ._dtypes import canonical_dtype
 from ._errors import SpecError, check_positive_int, check_type, received
 from .activations import Activation
-from .initializers import Init
 from .wiring import Wiring
 
 __all__ = ["Spec", "Dense", "Bilinear", "Identity", "Sequential", "Activation", "from_config"]
-
-CONFIG_VERSION = 1
-
 
 class Spec:
     """Base of every layer spec: immutability, value equality and the config envelope."""
 
     __slots__ = ()
-    #: Name of the parameters this layer holds, in canonical order (overridden).
+    #: Input width; None while a lazy layer waits for its first input (overridden per spec).
     in_features: int | None = None
 
     def __setattr__(self, name, value):

@@ -14,7 +14,7 @@ from dense_bridge._dtypes import numpy_dtype
 from dense_bridge.activations import NAMES
 from dense_bridge.testing import error_units
 
-from conftest import ALL_BACKENDS, require_backend
+from conftest import require_backend
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 

@@ -14,7 +14,7 @@ Activation  ReLU/LeakyReLU/ELU/Softmax/   -
 Sequential  keras.Sequential              keys "<position>.<name>" by position in .layers
 ==========  ============================  ===========================================
 
-Keras quirks handled here (measured in FACTS.md and below):
+Keras quirks handled here (measured in docs/FACTS.md and below):
 
 - Keras' activation defaults are not dense_bridge's (``leaky_relu`` 0.2, ``LeakyReLU()`` 0.3),
   ``tf.nn.leaky_relu`` stores its slope as a float32 attribute and ``tf.nn.gelu`` passes

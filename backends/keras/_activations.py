@@ -29,7 +29,7 @@ _PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras fil
 
 def _const(value: float, x: tf.Tensor) -> tf.Tensor:
     # A constant made directly in x's dtype: TF routes some Python floats through float32
-    # (FACTS: gelu's 1/sqrt(2) is 5e-9 off in float64).
+    # (docs/FACTS.md: gelu's 1/sqrt(2) is 5e-9 off in float64).
     return tf.constant(value, dtype=x.dtype)
 
 

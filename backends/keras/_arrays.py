@@ -37,7 +37,7 @@ def _give(fresh: np.ndarray) -> tf.Tensor:
 
     DLPack hands the buffer to TF without a copy (``tf.convert_to_tensor`` would copy it
     again), and a variable created from or assigned the tensor takes the buffer over: its
-    only owner from then on. TF aborts on DLPack memory not aligned to 64 bytes (FACTS);
+    only owner from then on. TF aborts on DLPack memory not aligned to 64 bytes (docs/FACTS.md);
     ``ParamSource.native_layer`` and ``native_copy`` buffers are.
     """
     if fresh.dtype not in _GIVEABLE or not tf.executing_eagerly() or fresh.ndim == 0:

@@ -26,12 +26,12 @@ What compile builds:
   ``nn.log_softmax`` segfaults over an axis of length 1 (MLX 0.32.4). ``to_spec`` still reads
   all of these native modules when users build them by hand.
 
-Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (FACTS), so ``mask``
+Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (docs/FACTS.md), so ``mask``
 is frozen: ``save_weights``/``load_weights`` carry it, ``trainable_parameters``,
 ``nn.value_and_grad`` and the optimizers never see it, and ``unfreeze()`` cannot thaw it.
 
 dtypes: float32, float16, bfloat16 and float64. float64 runs on the CPU only, and MLX computes
-``exp``, ``sigmoid`` and ``erf`` there to float32 accuracy only (FACTS): float64 activations
+``exp``, ``sigmoid`` and ``erf`` there to float32 accuracy only (docs/FACTS.md): float64 activations
 built on them are float32-accurate. ``mx.array`` of a float64 numpy array silently makes float32
 unless told otherwise, so every conversion here passes its dtype. bfloat16 crosses to and from
 numpy bit for bit through a uint16 view (ml_dtypes on the numpy side), never widened.

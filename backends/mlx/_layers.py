@@ -1,19 +1,7 @@
 """The MLX layer classes and ``compile``: specs to ``mlx.nn`` modules, parameters from a ParamSource.
 
-What compile builds:
-
-- Dense with no activation and no mask -> exactly ``nn.Linear``; otherwise :class:`DenseLinear`
-  (an ``nn.Linear`` subclass applying weight * mask and the activation in ``__call__``); a lazy
-  spec (in_features=None) -> :class:`LazyDenseLinear`, which draws its parameters on its first
-  input. Bilinear -> ``nn.Bilinear``; Identity -> ``nn.Identity``; Sequential -> ``nn.Sequential``;
-  Activation -> see ``_activations``.
-
-Masks: MLX makes every public ``mx.array`` attribute a trainable parameter (FACTS), so ``mask``
-is frozen: ``save_weights``/``load_weights`` carry it, ``trainable_parameters``,
-``nn.value_and_grad`` and the optimizers never see it, and ``unfreeze()`` cannot thaw it.
-
-Compiling never draws from MLX's global random state: modules are created without running
-``nn.Linear.__init__`` (whose uniform draws would be thrown away) and given the numpy params.
+What compile builds, how masks stay frozen and why compiling never draws from MLX's random
+state: see the package docstring (``backends/mlx/__init__.py``).
 Each compiled layer keeps its spec under ``_SPEC_ATTR`` (names and initializers MLX cannot hold).
 """
 from __future__ import annotations
@@ -174,18 +162,8 @@ def _bare(cls):
     return module
 
 
-def _resolve_lazy(spec: Dense, source: ParamSource, index: int) -> Dense:
-    """A lazy Dense whose width the given params already fix gets it now."""
-    if not spec.lazy or source.params is None:
-        return spec
-    prefix = f"{index}." if isinstance(source.spec, Sequential) else ""
-    kernel = source.params.get(prefix + "kernel")
-    return spec if kernel is None else spec.with_in_features(int(np.shape(kernel)[0]))
-
-
 def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
     _check_dtype(spec.dtype)
-    spec = _resolve_lazy(spec, source, index)
     if spec.lazy:
         layer = LazyDenseLinear(spec, source, index)
     else:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dense_bridge._errors import ConversionError
+from dense_bridge._errors import SpecError
 
 from ._arrays import _dtype_name, _to_mx, _to_numpy
 from ._layers import _is_dense
@@ -27,7 +27,7 @@ def _positions(native) -> list[tuple[str, Any]]:
 def _layer_params(m) -> dict[str, np.ndarray]:
     if _is_dense(m):
         if "weight" not in m:
-            raise ConversionError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
+            raise SpecError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
                                   "first input): run one input through it before reading or saving them")
         out = {"kernel": _to_numpy(m["weight"]).T}
         if "bias" in m:

@@ -6,7 +6,7 @@ exactly, so neither side starts from a different number. Each adapter's ``trace`
 framework's own forward and autograd backward for L = sum(y * grad_out); per layer we compare
 the output, dL/dx (one per input), dL/dkernel and dL/dbias in float64 on the host.
 
-Tolerance. The allowed error of each value is the FACTS.md formula (``_tolerance``)
+Tolerance. The allowed error of each value is the docs/FACTS.md formula (``_tolerance``)
 
     C * (eps_dtype * (|b| + rms(b)) + eps_f32 * sqrt(K) * rms(b))
 
@@ -20,7 +20,7 @@ along by first-order propagation on the reference (``_propagate``): through a De
 quadrature over its weights, through an activation by the secant of f (and f' for gradients),
 which also accounts for the magnified relative error in the tails of gelu/silu/softmax and for
 a rounded value landing on the other side of a kink (relu' is 0 or 1). A lone layer fed exact
-inputs gets exactly the FACTS.md formula. Where a value's allowance is 0 (an all-zero
+inputs gets exactly the docs/FACTS.md formula. Where a value's allowance is 0 (an all-zero
 reference), any difference fails.
 
 Empirical check (tests/test_compare.py and the sweeps quoted in the issue): every framework

@@ -1,7 +1,7 @@
 """Allowed error of every traced quantity of a model: local rounding plus propagated allowance.
 
 A quantity deep in a model differs between two correct implementations for two reasons: its
-own rounding (the FACTS.md formula with the fan-in K of the reduction that produced it), and
+own rounding (the docs/FACTS.md formula with the fan-in K of the reduction that produced it), and
 the differences already present in what it was computed from. The first is
 ``allowed_error(v, dtype, K, C)``; the second is the allowance of the inputs pushed through the
 layer's first-order sensitivity. Independent errors add in quadrature, so
@@ -34,7 +34,7 @@ softplus eps; the derivatives of smooth activations eps * (1 + |z|) * |g| (taken
 intermediates such as y + scale*alpha or 1 - y^2).
 
 For one lone Dense (exact inputs and upstream gradient) without those activations this is
-exactly the FACTS.md formula with K = in_features (output), units (dL/dx) and N (dL/dkernel,
+exactly the docs/FACTS.md formula with K = in_features (output), units (dL/dx) and N (dL/dkernel,
 dL/dbias).
 """
 from __future__ import annotations

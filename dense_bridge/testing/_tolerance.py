@@ -1,4 +1,4 @@
-"""Tolerances derived from dtype and fan-in (FACTS.md), not one fixed number.
+"""Tolerances derived from dtype and fan-in (docs/FACTS.md), not one fixed number.
 
     |a - b| <= C * (eps_dtype * (|b| + rms(b)) + eps_f32 * sqrt(K) * rms(b))
 
