@@ -14,8 +14,9 @@ import pytest
 from dense_bridge._errors import SpecError
 from dense_bridge.activations import NAMES, Activation, get
 
+from conftest import KINKS, away_from_kinks
+
 # Points where some activation is not differentiable; finite differences stay away from them.
-KINKS = (-3.0, 0.0, 3.0, 6.0)
 
 NON_DEFAULT = {
     "leaky_relu": {"negative_slope": 0.2},
@@ -26,13 +27,8 @@ NON_DEFAULT = {
 }
 
 
-def _away_from_kinks(x: np.ndarray, margin: float = 1e-3) -> np.ndarray:
-    """Push every entry at least ``margin`` away from every kink."""
-    x = x.copy()
-    for k in KINKS:
-        near = np.abs(x - k) < margin
-        x[near] = k + 2 * margin * np.where(x[near] >= k, 1.0, -1.0)
-    return x
+def _away_from_kinks(x: np.ndarray) -> np.ndarray:
+    return away_from_kinks(x, margin=1e-3)
 
 
 def _acts_with_non_defaults() -> list[Activation]:

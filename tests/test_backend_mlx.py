@@ -25,6 +25,7 @@ from dense_bridge.activations import NAMES, Activation  # noqa: E402
 from dense_bridge.backends import mlx as adapter  # noqa: E402
 from dense_bridge.backends import numpy as reference  # noqa: E402
 from dense_bridge.testing import C_GRADIENT, C_OUTPUT, error_units  # noqa: E402
+from conftest import KINKS, away_from_kinks  # noqa: E402
 
 NON_DEFAULT = [
     Activation("leaky_relu", negative_slope=0.2),
@@ -36,20 +37,14 @@ NON_DEFAULT = [
     Activation("log_softmax", axis=0),
 ]
 ALL_ACTS = [Activation(n) for n in NAMES] + NON_DEFAULT
-KINKS = (-3.0, 0.0, 3.0, 6.0)
 
 
 def _rng(tag: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(tag.encode()))
 
 
-def _away_from_kinks(x: np.ndarray, margin: float = 1e-2) -> np.ndarray:
-    """Keep inputs off the points where activations are not differentiable."""
-    x = x.copy()
-    for k in KINKS:
-        near = np.abs(x - k) < margin
-        x[near] = k + 2 * margin * np.where(x[near] >= k, 1.0, -1.0)
-    return x
+def _away_from_kinks(x: np.ndarray) -> np.ndarray:
+    return away_from_kinks(x, margin=1e-2)
 
 
 def _np(a) -> np.ndarray:
