@@ -36,6 +36,12 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
 - ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
   (bfloat16 included); may share memory with ``array`` where the framework allows it (torch).
 
+Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where present):
+
+- ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
+  with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
+  probabilities (the demo: torch, and numpy's reference backward).
+
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
 contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
 ``_files.py``, issue 10), ``walk`` (linear layers inside any model, ``_models.py``, issue 12),
@@ -51,12 +57,15 @@ import numpy as np
 from ._params import ParamSource
 from ._trace import Trace
 
-__all__ = ["Adapter", "REQUIRED_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
+__all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
 REQUIRED_VERBS: tuple[str, ...] = (
     "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
 )
+
+#: Module-level functions some adapters offer; callers check with ``hasattr`` first.
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd",)
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

@@ -52,10 +52,11 @@ from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace
+from ._trace import trace, train_sgd
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "train_sgd"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``_describe``): keep the path they had as the single module ``backends/torch.py``.

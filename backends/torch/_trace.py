@@ -1,5 +1,6 @@
 """The ``trace`` verb: forward and torch autograd backward of L = sum(y * grad_out), every
-layer's output, input gradients and canonical parameter gradients recorded.
+layer's output, input gradients and canonical parameter gradients recorded; and ``train_sgd``
+(the demo's training loop, torch autograd).
 """
 from __future__ import annotations
 
@@ -96,3 +97,34 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
             pg[name] = to_numpy(gt.t() if transposed else gt)
         records.append(LayerTrace(to_numpy(outputs[i]), dxs[i], pg))
     return Trace(records)
+
+
+def train_sgd(native: nn.Module, inputs: np.ndarray, labels: np.ndarray, *, steps: int,
+              lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """Plain SGD with torch autograd on L = mean(-log p[label]), p = native(inputs) (probabilities).
+
+    inputs (N, in_features), labels (N,) integers. Returns the output probabilities (N, classes)
+    before the first step and after the last. The optimizer is written out: ``torch.optim``
+    imports ``torch._dynamo`` (2 s here) for a loop this small.
+    """
+    x, y = from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    threads = torch.get_num_threads()
+    # one thread: for a model this small, intra-op threads only add contention (60 steps take
+    # about 0.1 s on one thread and seconds with two on a busy 2-core machine)
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            before = to_numpy(native(x)).copy()
+        for _ in range(steps):
+            probs = native(x)
+            loss = torch.nn.functional.nll_loss(torch.log(probs.clamp_min(1e-12)), y)
+            native.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in native.parameters():
+                    p -= lr * p.grad
+        with torch.no_grad():
+            after = to_numpy(native(x)).copy()
+    finally:
+        torch.set_num_threads(threads)
+    return before, after
