@@ -9,11 +9,11 @@ from ._api import backend, compile, convert, get_params, set_params, to_spec
 from ._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError,
                       SpecError)
 from ._registry import available_backends
+from ._version import __version__
 from .activations import Activation
 from .initializers import Init
 from .specs import Bilinear, Dense, Identity, Sequential, from_config
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Sequential", "Activation", "Init", "wiring", "from_config",

@@ -10,9 +10,8 @@ from torch import nn
 
 from dense_bridge._errors import SpecError
 
-from ._leaves import _LINEAR_TYPES, _check_plain_params, _describe, _has_params
-from ._tensors import _copy_in, _to_numpy
-from ._to_spec import _chain, _is_container
+from ._arrays import copy_in, to_numpy
+from ._to_spec import _LINEAR_TYPES, _chain, _check_plain_params, _describe, _has_params, _is_container
 
 
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -27,18 +26,18 @@ def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
-        out = {"kernel": _to_numpy(m.weight)}
+        out = {"kernel": to_numpy(m.weight)}
     elif type(m) in _LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
-        out = {"kernel": _to_numpy(m.weight).T}
+        out = {"kernel": to_numpy(m.weight).T}
         if getattr(m, "mask", None) is not None:
-            out["mask"] = _to_numpy(m.mask).T
+            out["mask"] = to_numpy(m.mask).T
     else:
         return {}
     if m.bias is not None:
-        out["bias"] = _to_numpy(m.bias)
+        out["bias"] = to_numpy(m.bias)
     return out
 
 
@@ -52,11 +51,11 @@ def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     for prefix, m in _layer_modules(native):
         transpose = type(m) is not nn.Bilinear
         if prefix + "mask" in params:
-            _copy_in(m.mask, params[prefix + "mask"], transpose=True)
+            copy_in(m.mask, params[prefix + "mask"], transpose=True)
         if prefix + "kernel" in params:
-            _copy_in(m.weight, params[prefix + "kernel"], transpose=transpose)
+            copy_in(m.weight, params[prefix + "kernel"], transpose=transpose)
         if prefix + "bias" in params:
-            _copy_in(m.bias, params[prefix + "bias"])
+            copy_in(m.bias, params[prefix + "bias"])
         if getattr(m, "mask", None) is not None and (prefix + "kernel" in params or prefix + "mask" in params):
             with torch.no_grad():
                 m.weight.mul_(m.mask)  # masked weights are exactly 0 by contract
