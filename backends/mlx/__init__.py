@@ -55,9 +55,10 @@ from ._layers import DenseLinear, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
+from ._capture import capture
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
-from ._arrays import _DTYPE_NAMES, _to_mx, _to_numpy
+from ._arrays import _DTYPE_NAMES, to_mx as _to_mx, to_numpy as _to_numpy
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 

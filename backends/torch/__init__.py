@@ -53,9 +53,10 @@ from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace, train_sgd
+from ._capture import capture
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "to_numpy", "from_numpy",
            "train_sgd"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print

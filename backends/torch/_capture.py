@@ -17,7 +17,7 @@ import torch
 from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
-from ._tensors import _from_numpy, _to_numpy
+from ._arrays import from_numpy as _from_numpy, to_numpy as _to_numpy
 
 
 def _float_dtype(model) -> torch.dtype:
