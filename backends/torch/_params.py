@@ -11,23 +11,23 @@ from torch import nn
 from dense_bridge._errors import SpecError
 
 from ._arrays import copy_in, to_numpy
-from ._to_spec import _LINEAR_TYPES, _chain, _check_plain_params, _describe, _has_params, _is_container
+from ._to_spec import LINEAR_TYPES, chain, check_plain_params, describe, has_params, is_container
 
 
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     """(key prefix, module) for every parameterised layer, by chain position."""
-    if not _is_container(native):
+    if not is_container(native):
         # a chain checks each position in _leaf_spec; a lone pruned/parametrized Linear must fail
         # here too, not read a stale weight (or nothing: a parametrized Linear changes class)
-        _check_plain_params(native, _describe(native))
+        check_plain_params(native, describe(native))
         return [("", native)]
-    return [(f"{i}.", s.module) for i, s in enumerate(_chain(native)) if _has_params(s.module)]
+    return [(f"{i}.", s.module) for i, s in enumerate(chain(native)) if has_params(s.module)]
 
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
         out = {"kernel": to_numpy(m.weight)}
-    elif type(m) in _LINEAR_TYPES:
+    elif type(m) in LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
