@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
-from ._arrays import _DTYPE_NAMES, to_mx as _to_mx, to_numpy as _to_numpy
+from ._arrays import dtype_name, to_mx as _to_mx, to_numpy as _to_numpy
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
@@ -42,7 +42,7 @@ def _float_dtype(model) -> str:
     """Floating inputs are cast to the dtype of the model's first floating parameter."""
     for _, v in tree_flatten(model.parameters()):
         if v.dtype in _FLOATS:
-            return _DTYPE_NAMES[v.dtype]
+            return dtype_name(v.dtype, "parameter")
     return "float32"
 
 
@@ -110,7 +110,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         result = Capture(calls, {}, _np(out))
         if not grads:
             return result
-        cot = _to_mx(cotangent(tuple(out.shape)), _DTYPE_NAMES[out.dtype])
+        cot = _to_mx(cotangent(tuple(out.shape)), dtype_name(out.dtype, "the model output"))
         paths = list(layers)
         originals = [layers[p].trainable_parameters() for p in paths]
         probes0 = [mx.zeros_like(y) for _, _, _, y in log]
