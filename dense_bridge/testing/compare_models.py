@@ -18,10 +18,10 @@ What is judged, per call of each matched layer (b is the reference; float64 on t
   named once.
 - ``input``: what reaches the layer from the code between linear layers (attention, norms,
   activations, embeddings, which dense_bridge does not describe). Its difference is allowed the
-  formula's rounding (K = in_features) plus G = 16 times the largest relative difference
-  (elementwise |a - b| / (|b| + rms b)) of anything computed before it in execution order:
-  the code in between may amplify what it is given, but does not create differences of its
-  own beyond rounding. An activation swapped between two linear layers (gelu exact vs tanh) is
+  formula's rounding (K = in_features) plus G = 32 times the largest relative difference
+  (elementwise |a - b| / (|b| + rms b)) of anything computed before it in execution order, or
+  of the dtype's roundoff where that is more: the code in between may amplify what it is given
+  and its own rounding, but creates no differences of its own. An activation swapped between two linear layers (gelu exact vs tanh) is
   named at the input of the layer after it.
 - with ``grads``: ``dL/dy`` (dL/d(output), judged like ``input`` but in backward order, against
   everything after it in the backward pass and the whole forward pass, C = 10), and per layer
@@ -44,17 +44,17 @@ import numpy as np
 
 from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
-from .._params import _to_numpy
+from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from ._captures import Call, Capture
-from ._report import LayerResult, ModelInfo, QuantityResult, Report, _fmt_err, _fmt_units
+from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
 
 __all__ = ["compare_models", "ModelReport", "GROWTH"]
 
 #: How much the code between two linear layers (attention, norms, activations) may amplify the
 #: relative difference it is given before a layer's input counts as diverged (see the module doc).
-GROWTH = 16.0
+GROWTH = 32.0
 
 
 @dataclass
@@ -82,8 +82,8 @@ class ModelReport(Report):
                 "model output": "the model output differs beyond what the last linear layers explain"}
         why = what.get(f.quantity, f"its own {f.quantity} differs")
         where = "the model output" if f.layer is None else f.layer_type
-        return (f"FAIL: first divergence at {where} ({f.quantity}): {_fmt_units(f.units)} tolerance units "
-                f"(max abs err {_fmt_err(f.max_abs_error)}): {why}" + (f"; {f.note}" if f.note else ""))
+        return (f"FAIL: first divergence at {where} ({f.quantity}): {fmt_units(f.units)} tolerance units "
+                f"(max abs err {fmt_err(f.max_abs_error)}): {why}" + (f"; {f.note}" if f.note else ""))
 
     def to_dict(self) -> dict:
         d = super().to_dict()
@@ -166,15 +166,11 @@ def _linear_layers(model, argument: str) -> dict[str, Any]:
         raise ConversionError(f"{argument}: {exc}") from None
 
 
-def _pairs(layers_a: dict, layers_b: dict, mapping) -> list[tuple[str, str]]:
-    """Matched (path in a, path in b), through the mapping machinery of ``db.transfer``."""
+def _pairs(a, b, mapping) -> list[tuple[str, str]]:
+    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``."""
     from .. import models
 
-    match = getattr(models, "match_layers", None)
-    if match is None:
-        raise ConversionError("compare_models needs the layer mapping of db.transfer (issue 12), "
-                              "not in this build")
-    return match(layers_a, layers_b, mapping)
+    return list(models.match_layers(a, b, mapping).items())
 
 
 # ---------------------------------------------------------------------------- judging
@@ -224,20 +220,77 @@ def _row(i, label, name, a, b, allowed, k, note="") -> QuantityResult:
 
 
 def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: float) -> np.ndarray:
-    """Allowance of a value computed by undescribed code: its rounding plus GROWTH x what it was given."""
-    return allowed_error(b, dtype, k, c, tol.atol) + GROWTH * prev * (np.abs(b) + rms(b))
+    """Allowance of a value computed by undescribed code: its rounding plus GROWTH x what it was
+    given, or x its own dtype's roundoff where that is more (attention's softmax amplifies the
+    rounding of its logits, ~eps x |logit|, in bfloat16 a few eps of its output on its own)."""
+    return allowed_error(b, dtype, k, c, tol.atol) + GROWTH * max(prev, EPS[dtype]) * (np.abs(b) + rms(b))
 
 
-def _own(a: np.ndarray, b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
-    """Allowance of a difference of two own-rounding errors (each side's formula, in quadrature)."""
-    return np.sqrt(np.square(allowed_error(a, dtype, k, c, tol.atol)) + np.square(allowed_error(b, dtype, k, c, tol.atol)))
+def _rounding(v: np.ndarray, terms: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
+    """Allowed rounding of a sum v of k products whose absolute values sum to ``terms``: the
+    docs/FACTS.md formula plus eps_f32 * terms, which also covers a sum that cancels to about 0
+    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not)."""
+    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS["float32"] * terms
 
 
 def _cast_term(x: np.ndarray, w: np.ndarray, x_dtype: str, w_dtype: str, c: float) -> np.ndarray | float:
     """A layer whose input arrives wider than its kernel rounds it first: eps * |x| @ |W| more."""
     if EPS[x_dtype] >= EPS[w_dtype]:
         return 0.0
-    return c * EPS[w_dtype] * np.sqrt(np.square(x) @ np.square(w))
+    return c * EPS[w_dtype] * (np.abs(x) @ np.abs(w))
+
+
+def _activation(layer):
+    """The activation a linear layer applies inside itself (Keras ``Dense(activation=...)``), or None."""
+    from .._api import to_spec
+    from ..specs import Dense
+
+    try:
+        spec = to_spec(layer)
+    except Exception:  # noqa: BLE001 - a layer without a spec (EinsumDense, declared classes) is linear
+        return None
+    act = getattr(spec, "activation", None) if isinstance(spec, Dense) else None
+    return None if act is None or act.is_identity else act
+
+
+@dataclass
+class _Side:
+    """One model's call of a layer, canonical and float64, with what its own rounding allows."""
+
+    x: np.ndarray  # (rows, in)
+    y: np.ndarray  # (rows, units), what the layer returned (after its activation, if any)
+    z: np.ndarray  # x @ W_b + b_b: the pre-activation with the reference's parameters
+    pred: np.ndarray  # f(z): what the layer returns if its parameters are b's
+    allowed: np.ndarray  # rounding allowed in y - pred
+    act: Any
+    x_dtype: str
+
+
+def _side(call: Call, w: np.ndarray, bias, act, n_in: int, n_out: int, dtype: str, w_dtype: str,
+          tol: Tolerance, what: str) -> _Side:
+    from ._propagate import activation_output_allowance
+
+    x = _rows(call.inputs[0], n_in, f"{what} input")
+    y = _rows(call.output, n_out, f"{what} output")
+    z = x @ w + (0.0 if bias is None else bias)
+    terms = np.abs(x) @ np.abs(w) + (0.0 if bias is None else np.abs(bias))
+    x_dtype = _dtype_name(call.inputs[0])
+    az = _rounding(z, terms, dtype, n_in, tol.c_output, tol) + _cast_term(x, w, x_dtype, w_dtype, tol.c_output)
+    if act is None:
+        return _Side(x, y, z, z, az, None, x_dtype)
+    with np.errstate(all="ignore"):
+        pred = np.asarray(act.forward(z), dtype=np.float64)
+    return _Side(x, y, z, pred, activation_output_allowance(act, z, az, y, dtype, tol), act, x_dtype)
+
+
+def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """dL/dz of one side's call (dL/dy through its own activation) and the allowance that adds."""
+    from ._propagate import activation_vjp
+
+    g = np.zeros_like(side.y) if g is None else _rows(g, n_out, f"{what} dL/dy")
+    if side.act is None:
+        return g, np.zeros_like(g)
+    return activation_vjp(side.act, side.z, g, dtype)
 
 
 def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
@@ -258,11 +311,11 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
-    from ._compare import _check_count, _check_flag, _check_tolerance
+    from ._compare import check_count, check_flag, check_tolerance
 
-    grads = _check_flag("grads", grads)
-    seed = _check_count("seed", seed, 0)
-    tol = _check_tolerance(tolerance)
+    grads = check_flag("grads", grads)
+    seed = check_count("seed", seed, 0)
+    tol = check_tolerance(tolerance)
     if outputs is None:
         select_a = select_b = None
     elif isinstance(outputs, (tuple, list)) and len(outputs) == 2:
@@ -276,7 +329,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
-    pairs = _pairs(layers_a, layers_b, mapping)
+    pairs = _pairs(a, b, mapping)
     from .._api import get_params
 
     params_a = {pa: get_params(layers_a[pa], copy=False) for pa, _ in pairs}
@@ -304,7 +357,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
-    _judge(report, pairs, cap_a, cap_b, params_b, grads, tol)
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
 
 
@@ -313,81 +366,77 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
     return [tuple(np.shape(v)) for v in values]
 
 
-def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, params_b: dict, grads: bool,
-           tol: Tolerance) -> None:
+def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
+           params_b: dict, grads: bool, tol: Tolerance) -> None:
     by_a: dict[str, list[Call]] = {}
     for c in cap_a.calls:
         by_a.setdefault(c.path, []).append(c)
-    to_b = {pa: pb for pa, pb in pairs}
     b_to_a = {pb: pa for pa, pb in pairs}
-    # b's execution order is the order of the report; a's calls are matched call by call
-    order: list[tuple[Call, Call | None]] = []
-    seen: dict[str, int] = {}
-    for cb in cap_b.calls:
-        pa = b_to_a[cb.path]
-        n = seen.get(cb.path, 0)
-        seen[cb.path] = n + 1
-        calls_a = by_a.get(pa, [])
-        order.append((cb, calls_a[n] if n < len(calls_a) else None))
-    counts_b = {pb: seen.get(pb, 0) for _, pb in pairs}
+    counts_b: dict[str, int] = {}
+    for c in cap_b.calls:
+        counts_b[c.path] = counts_b.get(c.path, 0) + 1
     for pa, pb in pairs:
-        na, nb = len(by_a.get(pa, [])), counts_b[pb]
+        na, nb = len(by_a.get(pa, [])), counts_b.get(pb, 0)
         if na != nb:
             report.notes.append(f"{pb}: called {nb} time(s) in b but {pa} {na} time(s) in a")
-        if na == nb == 0:
+        elif na == 0:
             report.notes.append(f"{pb} ({pa} in a): not called in the forward pass, nothing to compare")
+    acts = {}
+    for pa, pb in pairs:
+        # a capture taken before the layer's own activation sees the linear map alone
+        acts[pb] = (None if pa in cap_a.pre_activation else _activation(layers_a[pa]),
+                    None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
+        fa, fb = acts[pb]
+        if (fa is None) != (fb is None) or (fa is not None and fa != fb):
+            report.notes.append(f"{pb}: the layer applies {fb.name if fb else 'no activation'} inside itself, "
+                                f"{pa} in a {fa.name if fa else 'none'}: outputs compared each through its own, "
+                                f"gradients before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
     results: list[LayerResult] = []
-    rec = []  # per row: what the backward pass needs
-    for idx, (cb, ca) in enumerate(order):
+    rec: list = []  # per row: what the backward pass needs, or None
+    for idx, cb in enumerate(cap_b.calls):
         pb = cb.path
-        label = pb if cb.call == 0 and counts_b[pb] == 1 else f"{pb} [call {cb.call}]"
-        if to_b[b_to_a[pb]] != pb:  # pragma: no cover - pairs are one to one
-            raise ConversionError(f"layer {pb} is matched twice")
         pa = b_to_a[pb]
+        label = pb if counts_b[pb] == 1 else f"{pb} [call {cb.call}]"
         if pa != pb:
             label += f" <- {pa}"
+        calls_a = by_a.get(pa, [])
+        ca = calls_a[cb.call] if cb.call < len(calls_a) else None
         kb = params_b[pb].get("kernel")
         if ca is None:
-            q = QuantityResult(idx, label, "output", math.inf, math.inf, False, 0, tuple(cb.output.shape),
-                               f"no call {cb.call} of {pa} in a")
-            results.append(LayerResult(idx, label, (q,)))
+            results.append(LayerResult(idx, label, (QuantityResult(
+                idx, label, "output", math.inf, math.inf, False, 0, tuple(cb.output.shape),
+                f"no call {cb.call} of {pa} in a"),)))
             rec.append(None)
             continue
         if kb is None or kb.ndim != 2 or len(cb.inputs) != 1 or len(ca.inputs) != 1:
-            q = _row(idx, label, "output", ca.output.astype(np.float64), cb.output.astype(np.float64),
-                     allowed_error(cb.output, report.dtype, 1, tol.c_output, tol.atol), 0,
-                     "not a one-input linear map: compared as values")
-            results.append(LayerResult(idx, label, (q,)))
+            ya, yb = np.asarray(ca.output, np.float64), np.asarray(cb.output, np.float64)
+            results.append(LayerResult(idx, label, (_row(idx, label, "output", ya, yb, allowed_error(
+                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
             rec.append(None)
             continue
         n_in, n_out = kb.shape
         w = kb.astype(np.float64)
-        dtype = _coarsest([report.dtype])
-        xa, xb = _rows(ca.inputs[0], n_in, f"{pa} input"), _rows(cb.inputs[0], n_in, f"{pb} input")
-        ya, yb = _rows(ca.output, n_out, f"{pa} output"), _rows(cb.output, n_out, f"{pb} output")
-        rows = []
-        if xa.shape == xb.shape:
-            rows.append(_row(idx, label, "input", xa, xb, _carried(xb, dtype, n_in, tol.c_output, tol, fwd_prev), n_in))
+        bias = params_b[pb]["bias"].astype(np.float64) if "bias" in params_b[pb] else None
+        dtype = report.dtype
+        w_dtype = _dtype_name(kb)
+        fa, fb = acts[pb]
+        sa = _side(ca, w, bias, fa, n_in, n_out, dtype, w_dtype, tol, pa)
+        sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb)
+        rows = [_row(idx, label, "input", sa.x, sb.x, _carried(sb.x, dtype, n_in, tol.c_output, tol, fwd_prev)
+                     if sa.x.shape == sb.x.shape else 0.0, n_in)]
+        if sa.x.shape == sb.x.shape and sa.y.shape == sb.y.shape:
+            # the layer's own contribution: each side's output minus what b's parameters make of its input
+            rows.append(_row(idx, label, "output", sa.y - sa.pred, sb.y - sb.pred,
+                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in))
+            fwd_prev = max(fwd_prev, _rel(sa.x, sb.x))
+            if (fa is None) == (fb is None) and (fa is None or fa == fb):
+                fwd_prev = max(fwd_prev, _rel(sa.y, sb.y))
         else:
-            rows.append(_row(idx, label, "input", xa, xb, 0.0, n_in))
-        if xa.shape == xb.shape and ya.shape == yb.shape:
-            r_a = ya - xa @ w
-            r_b = yb - xb @ w
-            allowed = _own(ya, yb, dtype, n_in, tol.c_output, tol)
-            allowed = allowed + _cast_term(xa, w, _dtype_name(ca.inputs[0]), _dtype_name(params_b[pb]["kernel"]),
-                                           tol.c_output) + _cast_term(xb, w, _dtype_name(cb.inputs[0]),
-                                                                       _dtype_name(params_b[pb]["kernel"]), tol.c_output)
-            rows.append(_row(idx, label, "output", r_a, r_b, allowed, n_in))
-        else:
-            rows.append(_row(idx, label, "output", ya, yb, 0.0, n_in))
-        if xa.shape == xb.shape:
-            fwd_prev = max(fwd_prev, _rel(xa, xb))
-        if ya.shape == yb.shape:
-            fwd_prev = max(fwd_prev, _rel(ya, yb))
+            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in))
         results.append(LayerResult(idx, label, tuple(rows)))
-        rec.append((pa, pb, ca, cb, xa, xb, n_in, n_out, dtype))
+        rec.append((pa, pb, ca, cb, sa, sb, n_in, n_out))
 
     final = None
     if cap_a.output is not None and cap_b.output is not None:
@@ -402,52 +451,62 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, params_b:
 
     if grads:
         bwd_prev = fwd_prev  # the backward through undescribed code also uses the forward values
-        first_call = {}
+        first_call: dict[str, int] = {}
         for i, r in enumerate(rec):
             if r is not None and r[1] not in first_call:
                 first_call[r[1]] = i
+        dzs: dict[int, tuple] = {}
         for i in range(len(rec) - 1, -1, -1):
             r = rec[i]
             if r is None:
                 continue
-            pa, pb, ca, cb, xa, xb, n_in, n_out, dtype = r
+            pa, pb, ca, cb, sa, sb, n_in, n_out = r
             extra = []
-            ga, gb = ca.output_grad, cb.output_grad
-            if ga is None and gb is None:
-                pass
-            else:
-                ga = np.zeros(ca.output.shape) if ga is None else ga
-                gb = np.zeros(cb.output.shape) if gb is None else gb
-                ga, gb = _rows(ga, n_out, f"{pa} dL/dy"), _rows(gb, n_out, f"{pb} dL/dy")
-                if ga.shape == gb.shape:
-                    extra.append(_row(i, results[i].layer_type, "dL/dy", ga, gb,
-                                      _carried(gb, dtype, n_out, tol.c_gradient, tol, bwd_prev), n_out))
-                    bwd_prev = max(bwd_prev, _rel(ga, gb))
-                else:
-                    extra.append(_row(i, results[i].layer_type, "dL/dy", ga, gb, 0.0, n_out))
+            if ca.output_grad is not None or cb.output_grad is not None:
+                ga, aga = _dz(sa, ca.output_grad, n_out, report.dtype, pa)
+                gb, agb = _dz(sb, cb.output_grad, n_out, report.dtype, pb)
+                dzs[i] = (ga, gb, aga, agb)
+                same = (sa.act is None) == (sb.act is None) and (sa.act is None or sa.act == sb.act)
+                if same:  # compare what each framework gave: dL/dy
+                    qa = np.zeros_like(sa.y) if ca.output_grad is None else _rows(ca.output_grad, n_out, pa)
+                    qb = np.zeros_like(sb.y) if cb.output_grad is None else _rows(cb.output_grad, n_out, pb)
+                    note, extra_allowed = "", 0.0
+                else:  # the activation sits inside one layer only: compare before it, dL/dz
+                    qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", np.sqrt(aga ** 2 + agb ** 2)
+                extra.append(_row(i, results[i].layer_type, "dL/dy", qa, qb,
+                                  _carried(qb, report.dtype, n_out, tol.c_gradient, tol, bwd_prev) + extra_allowed,
+                                  n_out, note))
+                bwd_prev = max(bwd_prev, _rel(qa, qb))
             if first_call.get(pb) == i:
-                extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dtype, tol)
+                extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dzs, report.dtype, tol)
             if extra:
                 results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
     report.layers = results + ([LayerResult(None, "model", (final,))] if final is not None else [])
     report.first_failure = _first_failure(report.layers)
 
 
-def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dtype, tol: Tolerance) -> list:
-    """dL/dkernel, dL/dbias on their own contribution: autograd's minus sum over calls of x^T dL/dy."""
+def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtype, tol: Tolerance) -> list:
+    """dL/dkernel, dL/dbias on their own contribution: each side's autograd gradient minus the sum
+    over the layer's calls of x^T dL/dz (resp. of dL/dz), computed in float64 from its captures."""
     pg_a, pg_b = cap_a.param_grads.get(pa), cap_b.param_grads.get(pb)
     if pg_a is None and pg_b is None:
         return []
-    calls = [r for r in rec if r is not None and r[1] == pb]
-    expect_a, expect_b, n_rows = {}, {}, 0
-    for _, _, ca, cb, xa, xb, n_in, n_out, _ in calls:
-        ga = np.zeros((xa.shape[0], n_out)) if ca.output_grad is None else _rows(ca.output_grad, n_out, "dL/dy")
-        gb = np.zeros((xb.shape[0], n_out)) if cb.output_grad is None else _rows(cb.output_grad, n_out, "dL/dy")
-        expect_a["kernel"] = expect_a.get("kernel", 0.0) + xa.T @ ga
-        expect_b["kernel"] = expect_b.get("kernel", 0.0) + xb.T @ gb
-        expect_a["bias"] = expect_a.get("bias", 0.0) + ga.sum(0)
-        expect_b["bias"] = expect_b.get("bias", 0.0) + gb.sum(0)
-        n_rows += xb.shape[0]
+    want: dict[str, list] = {"kernel": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], "bias": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]}
+    n_rows = 0
+    for j, r in enumerate(rec):
+        if r is None or r[1] != pb or j not in dzs:
+            continue
+        sa, sb = r[4], r[5]
+        ga, gb, aga, agb = dzs[j]
+        for side, (x, g, ag) in enumerate(((sa.x, ga, aga), (sb.x, gb, agb))):
+            k, bb = want["kernel"], want["bias"]
+            k[side] = k[side] + x.T @ g
+            k[2 + side] = k[2 + side] + np.abs(x).T @ np.abs(g)  # the size of the terms summed
+            k[4 + side] = k[4 + side] + np.abs(x).T @ ag  # what dL/dz's own evaluation adds
+            bb[side] = bb[side] + g.sum(0)
+            bb[2 + side] = bb[2 + side] + np.abs(g).sum(0)
+            bb[4 + side] = bb[4 + side] + ag.sum(0)
+        n_rows += sb.x.shape[0]
     out = []
     for name in ("kernel", "bias"):
         va = None if pg_a is None else pg_a.get(name)
@@ -460,13 +519,15 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dtype, to
             shape = tuple(np.shape(vb if va is None else va))
             out.append(QuantityResult(i, label, q, math.inf, math.inf, False, n_rows, shape, f"absent in {side}"))
             continue
+        ea, eb, ta, tb, xa, xb = want[name]
         va, vb = np.asarray(va).astype(np.float64), np.asarray(vb).astype(np.float64)
-        ea, eb = np.asarray(expect_a[name]), np.asarray(expect_b[name])
-        if va.shape != ea.shape or vb.shape != eb.shape:
+        if va.shape != np.shape(ea) or vb.shape != np.shape(eb):
             out.append(QuantityResult(i, label, q, math.inf, math.inf, False, n_rows, va.shape,
-                                      f"shape {va.shape} vs {vb.shape}"))
+                                      f"shape {va.shape} vs {vb.shape}, expected {np.shape(eb)}"))
             continue
-        out.append(_row(i, label, q, va - ea, vb - eb, _own(va, vb, dtype, n_rows, tol.c_gradient, tol), n_rows))
+        allowed = np.sqrt(np.square(_rounding(va, ta, dtype, n_rows, tol.c_gradient, tol) + xa)
+                          + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
+        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows))
     return out
 
 
