@@ -342,3 +342,31 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(outputs[i], dxs, layers[i].grads)
         g = dxs[0]
     return Trace(records)
+
+
+def walk(native) -> list:
+    """The reference layers holding parameters, by position ("0", "2", ...; "" for a lone layer).
+
+    A numpy reference model is always a chain, so this is the Sequential's own list.
+    """
+    from dense_bridge._layouts import Entry
+
+    seq = isinstance(native, SequentialModel)
+    out = []
+    for i, layer in enumerate(_sublayers(native)):
+        if not isinstance(layer, (DenseLayer, BilinearLayer)):
+            continue
+
+        def read(layer=layer) -> dict[str, np.ndarray]:
+            return dict(layer.params())
+
+        def write(arrays: dict[str, np.ndarray], layer=layer) -> None:
+            for k, a in arrays.items():
+                setattr(layer, k, np.array(a, copy=True))
+
+        built = layer.built if isinstance(layer, DenseLayer) else True
+        names = tuple(layer.params()) if built else ()
+        out.append(Entry(str(i) if seq else "", layer, "linear", names,
+                         {n: id(getattr(layer, n)) for n in names},
+                         {n: tuple(getattr(layer, n).shape) for n in names}, read, write))
+    return out

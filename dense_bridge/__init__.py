@@ -9,6 +9,7 @@ from ._api import backend, compile, convert, get_params, set_params, to_spec
 from ._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError,
                       SpecError)
 from ._registry import available_backends
+from .models import linear_layers, register_layout, transfer
 from .activations import Activation
 from .initializers import Init
 from .specs import Bilinear, Dense, Identity, Sequential, from_config
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Dense", "Bilinear", "Identity", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -21,6 +21,11 @@ calls these module-level functions. Canonical parameters follow ``dense_bridge._
 - ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace``: run forward and
   backward with the framework's own autograd for L = sum(y * grad_out); report every layer
   (``dense_bridge._trace``).
+- ``walk(model) -> list[dense_bridge._layouts.Entry]``: every layer inside any model tree that
+  holds parameters of its own (and every linear-family layer), in definition order, with its
+  path in the framework's naming, its kind ("linear": works with get/set_params, to_spec and
+  trace as a lone layer; "quantized"; "other": norms, embeddings, ...) and readers/writers of its
+  own parameters in the framework's layout. Behind ``db.linear_layers`` and ``db.transfer``.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._layouts import Entry
 from ._params import ParamSource
 from ._trace import Trace
 
@@ -39,3 +45,4 @@ class Adapter(Protocol):
     def set_params(self, native: Any, params: dict[str, np.ndarray]) -> None: ...
     def to_spec(self, native: Any) -> Any: ...
     def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace: ...
+    def walk(self, model: Any) -> list[Entry]: ...

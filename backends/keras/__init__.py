@@ -41,7 +41,8 @@ snapshots), ``_walk`` (the layer chain of a Sequential/functional model, layer d
 ``_activations`` (exact activation functions, native activation layers, reading them back),
 ``_initializers`` (Keras <-> dense_bridge initializers, the ParamSource draw), ``_layers``
 (DenseBridgeDense, Bilinear and ``compile``), ``_to_spec`` (reading layers and models back into
-specs), ``_params`` (get/set params), ``_trace`` (``tf.GradientTape`` traces).
+specs), ``_params`` (get/set params), ``_trace`` (``tf.GradientTape`` traces), ``_models`` (``walk``:
+every layer with variables inside any model, and EinsumDense read as a linear layer).
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ from ._layers import Bilinear, DenseBridgeDense, compile  # noqa: E402
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
+from ._models import walk  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

@@ -42,7 +42,8 @@ Compiling never draws from MLX's global random state: modules are created withou
 The package, one job a module: ``_arrays`` (numpy <-> mx copies/views and dtype names),
 ``_activations`` (exact activation modules/functions and reading native ones, both directions),
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
-transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces).
+transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
+``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path).
 """
 from __future__ import annotations
 
@@ -53,9 +54,10 @@ from ._layers import DenseLinear, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
+from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk"]
 
 
 def owns(obj) -> bool:

@@ -44,12 +44,14 @@ The package, one job a module:
 - ``_to_spec``: the ``to_spec`` verb; chains of nn.Sequential and torch.fx-traced modules.
 - ``_params``: the ``get_params``/``set_params`` verbs and their layout transposes.
 - ``_trace``: the ``trace`` verb (torch autograd).
+- ``_models``: the ``walk`` verb (every parameterised layer inside any module tree, by path).
 """
 from __future__ import annotations
 
 from ._activations import ExactActivation
 from ._compile import compile, owns
 from ._layers import DenseLinear, LazyDense, _check_width
+from ._models import walk
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace

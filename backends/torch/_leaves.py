@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from dense_bridge._errors import ConversionError
+from dense_bridge._layouts import declared
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity
 
@@ -19,12 +20,25 @@ def _describe(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__qualname__}"
 
 
-_LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense)
+# NonDynamicallyQuantizableLinear: nn.MultiheadAttention's out_proj, an nn.Linear in all but name
+_LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
 def _has_params(m: nn.Module | None) -> bool:
     """Is ``m`` a layer whose parameters dense_bridge reads (Linear family or Bilinear)?"""
-    return m is not None and type(m) in _LINEAR_TYPES + (nn.Bilinear,)
+    return m is not None and (type(m) in _LINEAR_TYPES + (nn.Bilinear,) or declared(m) is not None)
+
+
+def _declared_tensors(m: nn.Module) -> tuple[object, object | None, bool]:
+    """(kernel tensor, bias tensor or None, stored transposed?) of a class declared with
+    db.register_layout (transformers' Conv1D: weight (in, out), not transposed)."""
+    decl = declared(m)
+    kernel = getattr(m, decl.kernel, None)
+    if kernel is None or getattr(kernel, "ndim", 0) != 2:
+        raise ConversionError(f"cannot read {_describe(m)}: its layout declaration names the kernel "
+                              f"attribute {decl.kernel!r}, which is {type(kernel).__name__}, not a 2-D tensor")
+    bias = getattr(m, decl.bias, None) if decl.bias else None
+    return kernel, bias, decl.transposed
 
 
 def _hook_fix(m: nn.Module) -> str:
@@ -98,6 +112,11 @@ def _leaf_spec(m: nn.Module, where: str):
         return Bilinear(m.in1_features, m.in2_features, m.out_features, use_bias=m.bias is not None,
                         init=meta.get("init", "torch_default"), dtype=_dtype_name(m.weight.dtype, where),
                         name=meta.get("name"))
+    if declared(m) is not None:
+        kernel, bias, transposed = _declared_tensors(m)
+        units, in_features = kernel.shape if transposed else kernel.shape[::-1]
+        return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
+                     kernel_init="torch_default", bias_init="zeros", dtype=_dtype_name(kernel.dtype, where))
     if kind is nn.Identity:
         return Identity(name=(getattr(m, _META, None) or {}).get("name"))
     if kind in (nn.Dropout, nn.AlphaDropout):

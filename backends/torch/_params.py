@@ -10,7 +10,7 @@ from torch import nn
 
 from dense_bridge._errors import SpecError
 
-from ._leaves import _LINEAR_TYPES, _check_plain_params, _describe, _has_params
+from ._leaves import _LINEAR_TYPES, _check_plain_params, _declared_tensors, _describe, _has_params
 from ._tensors import _copy_in, _to_numpy
 from ._to_spec import _chain, _is_container
 
@@ -28,6 +28,10 @@ def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
         out = {"kernel": _to_numpy(m.weight)}
+    elif type(m) not in _LINEAR_TYPES and _has_params(m):  # declared with db.register_layout
+        kernel, bias, transposed = _declared_tensors(m)
+        out = {"kernel": _to_numpy(kernel).T if transposed else _to_numpy(kernel)}
+        return out if bias is None else {**out, "bias": _to_numpy(bias)}
     elif type(m) in _LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
@@ -50,6 +54,13 @@ def get_params(native: nn.Module) -> dict[str, np.ndarray]:
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
     for prefix, m in _layer_modules(native):
+        if type(m) not in _LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
+            kernel, bias, transposed = _declared_tensors(m)
+            if prefix + "kernel" in params:
+                _copy_in(kernel, params[prefix + "kernel"], transpose=transposed)
+            if prefix + "bias" in params:
+                _copy_in(bias, params[prefix + "bias"])
+            continue
         transpose = type(m) is not nn.Bilinear
         if prefix + "mask" in params:
             _copy_in(m.mask, params[prefix + "mask"], transpose=True)

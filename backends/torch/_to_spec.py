@@ -11,6 +11,7 @@ import torch.fx
 from torch import nn
 
 from dense_bridge._errors import ConversionError, SpecError, received
+from dense_bridge._layouts import declared
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 
 from ._activations import _FUNCTIONS, _METHODS, ExactActivation, _fn_spec
@@ -34,14 +35,14 @@ def _is_container(m: nn.Module) -> bool:
     """Modules whose forward calls other modules: traced into rather than read as a layer."""
     if isinstance(m, nn.Sequential):
         return True
-    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn")
+    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn") and declared(m) is None
 
 
 class _Tracer(torch.fx.Tracer):
     """fx tracer that keeps dense_bridge's own modules as leaves (torch.nn ones already are)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return type(m) in _OWN_LEAVES or super().is_leaf_module(m, qualname)
+        return type(m) in _OWN_LEAVES or declared(m) is not None or super().is_leaf_module(m, qualname)
 
 
 _RESHAPES = {"view", "reshape"}
