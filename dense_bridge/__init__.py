@@ -10,11 +10,11 @@ from ._errors import (BackendUnavailableError, CheckpointError, ConversionError,
                       SpecError)
 from ._registry import available_backends
 from .models import linear_layers, register_layout, transfer
+from ._version import __version__
 from .activations import Activation
 from .initializers import Init
 from .specs import Bilinear, Dense, Identity, Sequential, from_config
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Sequential", "Activation", "Init", "wiring", "from_config",

@@ -1,9 +1,18 @@
-"""The contract every adapter module in ``dense_bridge.backends`` fulfils.
+"""The contract every adapter package in ``dense_bridge.backends`` fulfils, as data a test checks.
 
-This is documentation plus a typing Protocol; the registry imports adapters by name and
-calls these module-level functions. Canonical parameters follow ``dense_bridge._params``.
+An adapter is a package ``backends/<framework>/`` (installed as ``dense_bridge.backends.<fw>``)
+whose ``__init__.py`` exposes the verbs below as module-level functions. The registry imports it
+by name; the core calls these verbs and never the framework. ``tests/test_architecture.py`` checks
+that every registered adapter whose framework is installed has every verb in :data:`REQUIRED_VERBS`
+and that every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus those of
+:data:`OPTIONAL_FILES`).
+
+Canonical parameters follow ``dense_bridge._params``: Dense ``kernel`` (in_features, units),
+``bias`` (units,), ``mask`` (in_features, units); Bilinear ``kernel`` (units, in1, in2); in a
+Sequential every key is prefixed with the layer's position ("0.kernel").
 
 - ``owns(obj) -> bool``: is ``obj`` a layer/model of this framework that the adapter handles.
+  Decided without importing anything new (an object of a framework exists only once it is imported).
 - ``compile(spec, source: ParamSource) -> native``: the framework's own object for ``spec``
   (Dense, Bilinear, Identity, Activation or Sequential). Parameters come from
   ``source.for_layer(index, layer_spec)`` (index = position in the Sequential, 0 for a lone
@@ -11,7 +20,8 @@ calls these module-level functions. Canonical parameters follow ``dense_bridge._
   copies them into storage it owns; masks become non-trainable state. Where the framework can
   adopt memory (``torch.from_numpy``, DLPack), ``source.native_layer(index, layer_spec, perms)``
   returns fresh, aligned copies already in the framework's layout (one fast pass, NaN/Inf
-  checked on the way) for the adapter to hand over without another copy.
+  checked on the way) for the adapter to hand over without another copy. The core calls it
+  only through ``dense_bridge._api.build`` (the one compile path).
 - ``get_params(native) -> dict[str, np.ndarray]``: canonical names, layout and dtype.
   Arrays may be read-only views of the framework's memory: callers copy before mutating.
 - ``set_params(native, params)``: ``params`` were validated by the core (names, shapes, dtypes,
@@ -25,7 +35,23 @@ calls these module-level functions. Canonical parameters follow ``dense_bridge._
   holds parameters of its own (and every linear-family layer), in definition order, with its
   path in the framework's naming, its kind ("linear": works with get/set_params, to_spec and
   trace as a lone layer; "quantized"; "other": norms, embeddings, ...) and readers/writers of its
-  own parameters in the framework's layout. Behind ``db.linear_layers`` and ``db.transfer``.
+  own parameters in the framework's layout (``_models.py``). Behind ``db.linear_layers``,
+  ``db.transfer`` and ``testing.compare_models``.
+- ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
+  (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
+- ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
+  (bfloat16 included); may share memory with ``array`` where the framework allows it (torch).
+
+Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where present):
+
+- ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
+  with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
+  probabilities (the demo: torch, and numpy's reference backward).
+
+Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
+contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
+``_files.py``, issue 10), ``capture`` (per-layer capture inside a whole model, ``_capture.py``, issue 13), and
+``parallelize`` (``_parallel.py``, optional, issue 16).
 """
 from __future__ import annotations
 
@@ -37,12 +63,46 @@ from ._layouts import Entry
 from ._params import ParamSource
 from ._trace import Trace
 
+__all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
+
+#: Module-level functions every adapter package's ``__init__`` exposes.
+REQUIRED_VERBS: tuple[str, ...] = (
+    "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy", "walk",
+)
+
+#: Module-level functions some adapters offer; callers check with ``hasattr`` first.
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd",)
+
+#: Files every adapter package has, one role each (the same names in every package).
+REQUIRED_FILES: tuple[str, ...] = (
+    "__init__.py",      # the verbs, re-exported; the package docstring gives the layouts
+    "_arrays.py",       # to_numpy/from_numpy, dtype names, bfloat16 across the boundary
+    "_activations.py",  # dense_bridge Activation <-> the framework's activations
+    "_layers.py",       # compile/owns and dense_bridge's own native layer classes
+    "_params.py",       # get_params/set_params and the layout table (every transpose)
+    "_to_spec.py",      # to_spec: a native layer or chain -> its spec
+    "_trace.py",        # trace: forward and backward with the framework's autograd
+    "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
+)
+
+#: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
+#: issue that adds them to every adapter).
+OPTIONAL_FILES: tuple[str, ...] = (
+    "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
+    "_capture.py",   # capture: per-layer inputs/outputs inside a whole model (issue 13)
+    "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
+)
+
 
 class Adapter(Protocol):
+    """The verbs of :data:`REQUIRED_VERBS` as a typing Protocol (adapters are modules)."""
+
     def owns(self, obj: Any) -> bool: ...
     def compile(self, spec: Any, source: ParamSource) -> Any: ...
     def get_params(self, native: Any) -> dict[str, np.ndarray]: ...
     def set_params(self, native: Any, params: dict[str, np.ndarray]) -> None: ...
     def to_spec(self, native: Any) -> Any: ...
     def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace: ...
+    def to_numpy(self, array: Any) -> np.ndarray: ...
+    def from_numpy(self, array: np.ndarray) -> Any: ...
     def walk(self, model: Any) -> list[Entry]: ...

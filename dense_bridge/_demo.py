@@ -10,6 +10,7 @@ matmul is 50-70x slower than the others (docs/FACTS.md).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -45,49 +46,6 @@ def _loss_acc(probs: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(-np.log(p).mean()), float((probs.argmax(axis=1) == y).mean())
 
 
-def train_torch(model, x: np.ndarray, y: np.ndarray, steps: int, lr: float = 0.5) -> None:
-    """Plain SGD with torch autograd (by hand: torch.optim imports torch._dynamo, 2 s here)."""
-    import torch
-
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    threads = torch.get_num_threads()
-    # one thread: for a model this small, intra-op threads only add contention (60 steps take
-    # about 0.1 s on one thread and seconds with two on a busy 2-core machine)
-    torch.set_num_threads(1)
-    try:
-        for _ in range(steps):
-            probs = model(xt)
-            loss = torch.nn.functional.nll_loss(torch.log(probs.clamp_min(1e-12)), yt)
-            model.zero_grad()
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= lr * p.grad
-    finally:
-        torch.set_num_threads(threads)
-
-
-def train_numpy(model, x: np.ndarray, y: np.ndarray, steps: int, lr: float = 0.5) -> None:
-    """Plain SGD on the reference backward: dL/dp = -onehot / p / N for L = mean(-log p_y)."""
-    import dense_bridge as db
-
-    onehot = np.eye(OUT, dtype=np.float32)[y]
-    for _ in range(steps):
-        probs = model.forward(x)
-        model.backward(-onehot / np.clip(probs, 1e-12, None) / len(y))
-        grads = model.grads
-        db.set_params(model, {k: v - lr * grads[k] for k, v in db.get_params(model).items()})
-
-
-def _probs(model, backend: str, x: np.ndarray) -> np.ndarray:
-    if backend == "torch":
-        import torch
-
-        with torch.no_grad():
-            return model(torch.from_numpy(x)).numpy()
-    return np.asarray(model.forward(x))
-
-
 def _bit_identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         np.asarray(a[k]).dtype == np.asarray(b[k]).dtype
@@ -107,17 +65,19 @@ class _Rows:
 def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | None = None) -> int:
     """Run the demo, print its table (or JSON); 0 when every step passed, else 1."""
     import dense_bridge as db
-    from . import checkpoint
-    from .cli import table
 
-    try:
-        from .testing import compare
-    except ImportError as exc:  # pragma: no cover - shipped with the package
-        raise RuntimeError(f"the demo needs dense_bridge.testing.compare ({exc})") from None
+    from . import checkpoint
+    from ._errors import SpecError, check_type, received
+    from ._registry import get_adapter
+    from ._text import table
+    from .testing import compare
+
+    check_type("steps", steps, numbers.Integral, "a non-negative integer")
     if steps < 0:
-        raise ValueError(f"--steps must be >= 0. Received: steps={steps}")
+        raise SpecError(f"steps must be a non-negative integer. {received('steps', steps)}")
     backends = db.available_backends()
-    trainer = "torch" if "torch" in backends else "numpy"
+    # the first installed backend whose adapter trains (the train_sgd verb): torch, else numpy
+    trainer = next(b for b in ("torch", "numpy") if b in backends and hasattr(get_adapter(b), "train_sgd"))
     spec = demo_spec()
     x, y = synthetic_data(seed)
     rows = _Rows()
@@ -126,9 +86,8 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
     try:
         t = time.perf_counter()
         model = db.compile(spec, trainer, seed=seed)
-        before = _loss_acc(_probs(model, trainer, x), y)
-        (train_torch if trainer == "torch" else train_numpy)(model, x, y, steps)
-        after = _loss_acc(_probs(model, trainer, x), y)
+        probs_before, probs_after = get_adapter(trainer).train_sgd(model, x, y, steps=steps, lr=0.5)
+        before, after = _loss_acc(probs_before, y), _loss_acc(probs_after, y)
         how = "SGD, torch autograd" if trainer == "torch" else "SGD, reference backward"
         rows.add(f"train {steps} steps ({how})", trainer,
                  after[0] < before[0] or steps == 0, time.perf_counter() - t,

@@ -15,11 +15,12 @@ import numpy as np
 
 from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
+from ._registry import array_adapter
 from ._transfer import count_nonfinite, count_nonfinite_later, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
-__all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype"]
+__all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype", "array_to_numpy"]
 
 
 def layer_dtype(layer) -> str:
@@ -266,7 +267,7 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
     for key, (shape, dtype) in expected.items():
         if key not in params:
             continue
-        value = _to_numpy(params[key])
+        value = array_to_numpy(params[key])
         if value is None or not (np.issubdtype(value.dtype, np.number) or value.dtype == bool
                                  or dtype_name(value.dtype) == "bfloat16") \
                 or np.issubdtype(value.dtype, np.complexfloating):
@@ -305,23 +306,25 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
     return out, deferred
 
 
-def _to_numpy(value) -> np.ndarray | None:
-    """A numpy view of an array-like from any framework (a torch tensor, an mx.array, ...)."""
+def array_to_numpy(value) -> np.ndarray | None:
+    """A numpy array (a view where possible) of an array-like from any framework, or None.
+
+    A torch tensor, an mx.array, a TF tensor or Keras variable goes through its adapter's
+    ``to_numpy`` verb (bfloat16 as ``ml_dtypes.bfloat16``, device memory copied to the host);
+    anything else through ``np.asarray``. None for what is not numeric (object arrays, errors).
+    """
     if isinstance(value, np.ndarray):
         return value
-    mod = type(value).__module__.split(".")[0]
+    adapter = array_adapter(value)
     try:
-        if mod == "mlx" and str(value.dtype) == "mlx.core.bfloat16":
-            import mlx.core as mx  # already imported: the value is an mx.array
-
-            return np.asarray(value.view(mx.uint16)).view(numpy_dtype("bfloat16"))
-        if mod == "torch":
-            return value.detach().cpu().numpy() if str(value.dtype) != "torch.bfloat16" else \
-                value.detach().cpu().view(__import__("torch").int16).numpy().view(numpy_dtype("bfloat16"))
-        arr = np.asarray(value)
+        arr = adapter.to_numpy(value) if adapter is not None else np.asarray(value)
     except Exception:  # noqa: BLE001 - reported as a non-numeric value by the caller
         return None
     return arr if arr.dtype != object else None
+
+
+# the name checkpoint.py imports (issue 10 moves it to array_to_numpy)
+_to_numpy = array_to_numpy
 
 
 def _describe(spec) -> str:

@@ -90,6 +90,24 @@ def backend_of(native: object, argument: str = "native") -> str:
     )
 
 
+def array_adapter(value: object) -> ModuleType | None:
+    """The adapter of the framework that made the array ``value`` (tensor, variable), or None.
+
+    Found by the top-level module of its type among the frameworks already imported; None for
+    numpy and other array-likes, and when that adapter cannot load (``np.asarray`` serves then).
+    """
+    root = (getattr(type(value), "__module__", None) or "").split(".")[0]
+    if not root or root == "numpy" or root not in sys.modules:
+        return None
+    for name, info in BACKENDS.items():
+        if name != "numpy" and root in info.requires:
+            try:
+                return get_adapter(name)
+            except BackendUnavailableError:
+                return None
+    return None
+
+
 def adapter_for(native: object, argument: str = "native") -> ModuleType:
     """The adapter module that owns ``native``."""
     return get_adapter(backend_of(native, argument))

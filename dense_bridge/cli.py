@@ -16,6 +16,8 @@ import time
 import warnings
 from typing import Any, Sequence
 
+from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
+
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
 BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx")
 
@@ -27,19 +29,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    """A plain-text table; columns in ``right`` are right-aligned."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
-    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join(out)
 
 
 def one_line(exc: BaseException) -> str:
@@ -172,9 +161,7 @@ def import_keras_quietly() -> None:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
             try:
-                import keras  # noqa: F401
-
-                get_adapter("keras")
+                get_adapter("keras")  # imports keras (and its backend) with the adapter
             finally:
                 os.dup2(saved, 2)
     finally:

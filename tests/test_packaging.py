@@ -39,5 +39,7 @@ def test_wheel_contains_dense_bridge_backends_and_no_top_level_backends(tmp_path
         pytest.skip(f"wheel build unavailable here: {result.stderr.strip()[-200:]}")
     wheel = next(tmp_path.glob("*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dense_bridge/backends/__init__.py" in names and "dense_bridge/backends/numpy.py" in names
+    assert "dense_bridge/backends/__init__.py" in names and "dense_bridge/backends/numpy/__init__.py" in names
+    for fw in ("numpy", "torch", "keras", "mlx"):
+        assert f"dense_bridge/backends/{fw}/_arrays.py" in names, fw
     assert not any(n.startswith("backends/") for n in names)

@@ -36,13 +36,14 @@ Keras quirks handled here (measured in docs/FACTS.md and below):
   variable's buffer on write while another tensor still references it, so later training
   does not show in them (the first update after costs that one copy).
 
-The package, one job a module: ``_arrays`` (numpy <-> TF buffers: DLPack hand-over, zero-copy
-snapshots), ``_walk`` (the layer chain of a Sequential/functional model, layer descriptions),
+The package, one job a module (the same files as every adapter): ``_arrays`` (the
+``to_numpy``/``from_numpy`` verbs; numpy <-> TF buffers: DLPack hand-over, zero-copy snapshots),
 ``_activations`` (exact activation functions, native activation layers, reading them back),
-``_initializers`` (Keras <-> dense_bridge initializers, the ParamSource draw), ``_layers``
-(DenseBridgeDense, Bilinear and ``compile``), ``_to_spec`` (reading layers and models back into
-specs), ``_params`` (get/set params), ``_trace`` (``tf.GradientTape`` traces), ``_models`` (``walk``:
-every layer with variables inside any model, and EinsumDense read as a linear layer).
+``_layers`` (DenseBridgeDense, Bilinear, Keras <-> dense_bridge initializers with the ParamSource
+draw, and ``compile``), ``_to_spec`` (the layer chain of a Sequential/functional model, reading
+layers and models back into specs), ``_params`` (get/set params), ``_trace``
+(``tf.GradientTape`` traces), ``_models`` (``walk``: every layer with variables inside any model,
+and EinsumDense read as the linear layer its equation makes it).
 """
 from __future__ import annotations
 
@@ -58,15 +59,16 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on KER
     )
 
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
-from ._initializers import DenseBridgeInitializer  # noqa: E402
-from ._layers import Bilinear, DenseBridgeDense, compile  # noqa: E402
+from ._arrays import from_numpy, to_numpy  # noqa: E402
+from ._layers import Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
 from ._models import walk  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "walk"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

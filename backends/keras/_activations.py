@@ -22,7 +22,6 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.activations import NAMES as ACTIVATION_NAMES
 from dense_bridge.activations import Activation
 
-from ._walk import _describe
 
 _PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
 
@@ -182,7 +181,8 @@ def _activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
 
 def _activation_of_layer(layer) -> Activation | None:
     """The db Activation of a Keras activation layer; None when ``layer`` is not one."""
-    t, where = type(layer), _describe(layer)
+    t = type(layer)
+    where = f"layer {getattr(layer, 'name', '?')!r} ({t.__module__}.{t.__qualname__})"
     if t is keras.layers.Activation:
         return _activation_of_function(layer.activation, where)
     if t is keras.layers.LeakyReLU:  # LeakyReLU() is 0.3: read the layer, never assume

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -59,3 +60,20 @@ def _read(variable) -> np.ndarray:
 def _assign(variable, array: Any) -> None:
     """Copy a canonical array into a variable (the variable takes over the fresh buffer)."""
     variable.assign(_to_tensor(array))
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """The adapter verb: a numpy array of a TF tensor or Keras variable (bfloat16 as ml_dtypes).
+
+    A zero-copy view where TF allows one, read-only either way (TF owns the memory).
+    """
+    if isinstance(array, keras.Variable):
+        return _read(array)
+    out = np.asarray(tf.convert_to_tensor(array))
+    out.flags.writeable = False
+    return out
+
+
+def from_numpy(array: Any) -> tf.Tensor:
+    """The adapter verb: a TF tensor holding ``array``'s values in its dtype (bfloat16 included)."""
+    return _to_tensor(array)

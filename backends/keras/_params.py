@@ -16,8 +16,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import _assign, _read, _to_tensor
 from ._models import einsum_params, set_einsum_params
-from ._to_spec import _kind
-from ._walk import _describe, _layers_of
+from ._to_spec import _describe, _kind, _layers_of
 
 
 def _variables(layer) -> dict[str, Any]:

@@ -11,8 +11,7 @@ from dense_bridge._trace import LayerTrace, Trace
 from ._arrays import _to_tensor
 from ._models import einsum_call, einsum_canonical_grads
 from ._params import _variables
-from ._to_spec import _kind
-from ._walk import _layers_of
+from ._to_spec import _kind, _layers_of
 
 
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:

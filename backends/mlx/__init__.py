@@ -39,7 +39,8 @@ numpy bit for bit through a uint16 view (ml_dtypes on the numpy side), never wid
 Compiling never draws from MLX's global random state: modules are created without running
 ``nn.Linear.__init__`` (whose uniform draws would be thrown away) and given the numpy params.
 
-The package, one job a module: ``_arrays`` (numpy <-> mx copies/views and dtype names),
+The package, one job a module (the same files as every adapter): ``_arrays`` (the
+``to_numpy``/``from_numpy`` verbs, numpy <-> mx copies/views and dtype names),
 ``_activations`` (exact activation modules/functions and reading native ones, both directions),
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
 transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
@@ -50,6 +51,7 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ._activations import ExactActivation
+from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
@@ -57,7 +59,8 @@ from ._trace import trace
 from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "walk"]
 
 
 def owns(obj) -> bool:

@@ -16,7 +16,7 @@ from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 
 from ._activations import _activation_fn, _activation_module
-from ._arrays import _check_dtype, _to_mx
+from ._arrays import check_dtype, to_mx
 
 _SPEC_ATTR = "_dense_bridge_spec"  # the compiled spec: names and initializers MLX cannot hold
 
@@ -149,9 +149,9 @@ def _dense_arrays(params: dict, dtype: str) -> tuple:
     kernel = params["kernel"]
     if "mask" in params:
         kernel = kernel * params["mask"]  # exact: the mask is 0/1
-    weight = _to_mx(np.asarray(kernel).T, dtype)
-    bias = _to_mx(params["bias"], dtype) if "bias" in params else None
-    mask = _to_mx(np.asarray(params["mask"]).T, dtype) if "mask" in params else None
+    weight = to_mx(np.asarray(kernel).T, dtype)
+    bias = to_mx(params["bias"], dtype) if "bias" in params else None
+    mask = to_mx(np.asarray(params["mask"]).T, dtype) if "mask" in params else None
     return weight, bias, mask
 
 
@@ -163,7 +163,7 @@ def _bare(cls):
 
 
 def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
-    _check_dtype(spec.dtype)
+    check_dtype(spec.dtype)
     if spec.lazy:
         layer = LazyDenseLinear(spec, source, index)
     else:
@@ -180,13 +180,13 @@ def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
 
 
 def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Module:
-    _check_dtype(spec.dtype)
+    check_dtype(spec.dtype)
     params = source.for_layer(index, spec)
     layer = _bare(nn.Bilinear)
     # MLX's weight is (units, in2, in1): swap the canonical (units, in1, in2) axes 1 and 2
-    layer.weight = _to_mx(np.asarray(params["kernel"]).transpose(0, 2, 1), spec.dtype)
+    layer.weight = to_mx(np.asarray(params["kernel"]).transpose(0, 2, 1), spec.dtype)
     if "bias" in params:
-        layer.bias = _to_mx(params["bias"], spec.dtype)
+        layer.bias = to_mx(params["bias"], spec.dtype)
     setattr(layer, _SPEC_ATTR, spec)
     return layer
 

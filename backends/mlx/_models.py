@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from dense_bridge._layouts import Entry
 
-from ._arrays import _DTYPE_NAMES, _to_mx, _to_numpy
+from ._arrays import _DTYPE_NAMES, to_mx, to_numpy
 from ._layers import _is_dense
 
 
@@ -66,14 +66,14 @@ def _entry(path: str, m, kind: str) -> Entry:
     def read() -> dict[str, np.ndarray]:
         arrays = _own_arrays(m)
         mx.eval(list(arrays.values()))
-        return {n: _to_numpy(a) for n, a in arrays.items()}
+        return {n: to_numpy(a) for n, a in arrays.items()}
 
     def write(arrays: dict[str, Any]) -> None:
         current = _own_arrays(m)
         new = {}
         for n, a in arrays.items():
             dtype = _DTYPE_NAMES.get(current[n].dtype)
-            new[n] = _to_mx(a, dtype) if dtype is not None else mx.array(np.asarray(a), dtype=current[n].dtype)
+            new[n] = to_mx(a, dtype) if dtype is not None else mx.array(np.asarray(a), dtype=current[n].dtype)
         m.update(new)
 
     arrays = _own_arrays(m)

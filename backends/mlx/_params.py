@@ -13,7 +13,7 @@ import numpy as np
 
 from dense_bridge._errors import SpecError
 
-from ._arrays import _dtype_name, _to_mx, _to_numpy
+from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import _is_dense
 
 
@@ -29,16 +29,16 @@ def _layer_params(m) -> dict[str, np.ndarray]:
         if "weight" not in m:
             raise SpecError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
                                   "first input): run one input through it before reading or saving them")
-        out = {"kernel": _to_numpy(m["weight"]).T}
+        out = {"kernel": to_numpy(m["weight"]).T}
         if "bias" in m:
-            out["bias"] = _to_numpy(m["bias"])
+            out["bias"] = to_numpy(m["bias"])
         if "mask" in m:
-            out["mask"] = _to_numpy(m["mask"]).T
+            out["mask"] = to_numpy(m["mask"]).T
         return out
     if type(m) is nn.Bilinear:
-        out = {"kernel": _to_numpy(m["weight"]).transpose(0, 2, 1)}
+        out = {"kernel": to_numpy(m["weight"]).transpose(0, 2, 1)}
         if "bias" in m:
-            out["bias"] = _to_numpy(m["bias"])
+            out["bias"] = to_numpy(m["bias"])
         return out
     return {}
 
@@ -59,22 +59,22 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     if not get:
         return
     if type(m) is nn.Bilinear:
-        dtype = _dtype_name(m["weight"].dtype, "weight")
+        dtype = dtype_name(m["weight"].dtype, "weight")
         new = {}
         if "kernel" in get:
-            new["weight"] = _to_mx(np.asarray(get["kernel"]).transpose(0, 2, 1), dtype)
+            new["weight"] = to_mx(np.asarray(get["kernel"]).transpose(0, 2, 1), dtype)
         if "bias" in get:
-            new["bias"] = _to_mx(get["bias"], dtype)
+            new["bias"] = to_mx(get["bias"], dtype)
         m.update(new)
         return
-    dtype = _dtype_name(m["weight"].dtype, "weight")
+    dtype = dtype_name(m["weight"].dtype, "weight")
     new = {}
     if "kernel" in get:
-        new["weight"] = _to_mx(np.asarray(get["kernel"]).T, dtype)
+        new["weight"] = to_mx(np.asarray(get["kernel"]).T, dtype)
     if "bias" in get:
-        new["bias"] = _to_mx(get["bias"], dtype)
+        new["bias"] = to_mx(get["bias"], dtype)
     if "mask" in get:
-        new["mask"] = _to_mx(np.asarray(get["mask"]).T, dtype)
+        new["mask"] = to_mx(np.asarray(get["mask"]).T, dtype)
     if "mask" in m and ("kernel" in get or "mask" in get):
         # masked weights are exactly 0 by contract, whatever was passed for them
         weight = new.get("weight", m["weight"]) * new.get("mask", m["mask"])

@@ -15,7 +15,7 @@ from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
 from ._activations import _activation_of_function, _activation_of_module, _conversion_error
-from ._arrays import _dtype_name, _to_numpy
+from ._arrays import dtype_name, to_numpy
 from ._layers import _SPEC_ATTR, DenseLinear, LazyDenseLinear, _is_dense
 
 
@@ -35,7 +35,7 @@ def _dense_spec(m, where: str) -> Dense:
     mask = None
     if "mask" in m:
         mx.eval(m["mask"])
-        adjacency = _to_numpy(m["mask"]).T != 0
+        adjacency = to_numpy(m["mask"]).T != 0
         kind = stored.mask.kind if stored is not None and stored.mask is not None and \
             np.array_equal(stored.mask.adjacency, adjacency) else "custom"
         mask = Wiring(adjacency, kind=kind, allow_empty_outputs=True)
@@ -43,7 +43,7 @@ def _dense_spec(m, where: str) -> Dense:
     return Dense(units, in_features=in_features, use_bias="bias" in m, activation=activation,
                  kernel_init=stored.kernel_init if stored else "mlx_default",
                  bias_init=stored.bias_init if stored else "mlx_default",
-                 mask=mask, dtype=_dtype_name(weight.dtype, f"{where}.weight"),
+                 mask=mask, dtype=dtype_name(weight.dtype, f"{where}.weight"),
                  name=stored.name if stored else None)
 
 
@@ -52,7 +52,7 @@ def _bilinear_spec(m, where: str) -> Bilinear:
     stored = _stored(m, Bilinear)
     return Bilinear(in1, in2, units, use_bias="bias" in m,
                     init=stored.init if stored else "mlx_default",
-                    dtype=_dtype_name(m["weight"].dtype, f"{where}.weight"), name=stored.name if stored else None)
+                    dtype=dtype_name(m["weight"].dtype, f"{where}.weight"), name=stored.name if stored else None)
 
 
 def _layer_spec(m, where: str):

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from dense_bridge._trace import LayerTrace, Trace
 
-from ._arrays import _MX_DTYPES, _dtype_name, _to_mx, _to_numpy
+from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import _is_dense
 from ._params import _positions
 
@@ -28,9 +28,9 @@ def _trace_dtype(layers: list, x: np.ndarray) -> str:
     """Inputs are cast to the first parameter layer's dtype; a parameter-free model keeps x's."""
     for m in layers:
         if _param_dtype(m) is not None:
-            return _dtype_name(_param_dtype(m), "weight")
+            return dtype_name(_param_dtype(m), "weight")
     name = np.dtype(x.dtype).name
-    return name if name in _MX_DTYPES else "float32"
+    return name if name in MX_DTYPES else "float32"
 
 
 def _grad_params(m) -> list[tuple[str, mx.array]]:
@@ -43,10 +43,10 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
     out = {}
     if "weight" in grads:
-        w = _to_numpy(grads["weight"])
+        w = to_numpy(grads["weight"])
         out["kernel"] = w.T if _is_dense(m) else w.transpose(0, 2, 1)
     if "bias" in grads:
-        out["bias"] = _to_numpy(grads["bias"])
+        out["bias"] = to_numpy(grads["bias"])
     return out
 
 
@@ -75,7 +75,7 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     layers = [m for _, m in _positions(native)]
     inputs = [np.asarray(x) for x in inputs]
     dtype = _trace_dtype(layers, inputs[0])
-    xs = [_to_mx(x, dtype) for x in inputs]
+    xs = [to_mx(x, dtype) for x in inputs]
     layer_inputs, outputs = [], []
     for m in layers:
         if _param_dtype(m) is not None:  # each layer sees its input in its own dtype
@@ -85,11 +85,11 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         mx.eval(y)
         outputs.append(y)
         xs = [y]
-    g = _to_mx(np.asarray(grad_out), _dtype_name(outputs[-1].dtype, "output"))
+    g = to_mx(np.asarray(grad_out), dtype_name(outputs[-1].dtype, "output"))
     records: list[LayerTrace] = [None] * len(layers)  # type: ignore[list-item]
     for i in range(len(layers) - 1, -1, -1):
         y, dxs, grads = _layer_vjp(layers[i], layer_inputs[i], g.astype(outputs[i].dtype))
-        records[i] = LayerTrace(np.array(_to_numpy(y)), tuple(np.array(_to_numpy(d)) for d in dxs),
+        records[i] = LayerTrace(np.array(to_numpy(y)), tuple(np.array(to_numpy(d)) for d in dxs),
                                 {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
         g = dxs[0]
     return Trace(records)

@@ -36,12 +36,12 @@ them), and a chain mixing dtypes (a Sequential spec has one).
 
 The package, one job a module:
 
-- ``_tensors``: dtype names and numpy <-> torch memory (zero-copy views, copies in).
+- ``_arrays``: the ``to_numpy``/``from_numpy`` verbs, dtype names, copies into tensors.
 - ``_activations``: Activation <-> torch activation modules, functions and tensor methods.
-- ``_layers``: :class:`DenseLinear` and :class:`LazyDense`, the modules dense_bridge adds.
-- ``_compile``: the ``compile`` and ``owns`` verbs.
-- ``_leaves``: one torch module -> its layer spec.
-- ``_to_spec``: the ``to_spec`` verb; chains of nn.Sequential and torch.fx-traced modules.
+- ``_layers``: :class:`DenseLinear` and :class:`LazyDense`, the modules dense_bridge adds, and
+  the ``compile`` and ``owns`` verbs.
+- ``_to_spec``: the ``to_spec`` verb: one module -> its layer spec; chains of nn.Sequential and
+  torch.fx-traced modules.
 - ``_params``: the ``get_params``/``set_params`` verbs and their layout transposes.
 - ``_trace``: the ``trace`` verb (torch autograd).
 - ``_models``: the ``walk`` verb (every parameterised layer inside any module tree, by path).
@@ -49,14 +49,16 @@ The package, one job a module:
 from __future__ import annotations
 
 from ._activations import ExactActivation
-from ._compile import compile, owns
-from ._layers import DenseLinear, LazyDense, _check_width
-from ._models import walk
+from ._arrays import from_numpy, to_numpy
+from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace
+from ._trace import trace, train_sgd
+from ._models import walk
 
-__all__ = ["DenseLinear", "LazyDense", "ExactActivation"]
+__all__ = ["DenseLinear", "LazyDense", "ExactActivation",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "train_sgd", "walk"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``_describe``): keep the path they had as the single module ``backends/torch.py``.

@@ -1,20 +1,27 @@
-"""dense_bridge's own torch modules: :class:`DenseLinear` (activation and/or mask fused into
-``nn.Linear``) and :class:`LazyDense` (a seeded ``nn.LazyLinear``), plus the attribute names
-under which compiled modules carry spec data torch cannot hold.
+"""dense_bridge's own torch modules and the ``compile``/``owns`` verbs.
+
+:class:`DenseLinear` (activation and/or mask fused into ``nn.Linear``) and :class:`LazyDense` (a
+seeded ``nn.LazyLinear``), the attribute names under which compiled modules carry spec data torch
+cannot hold, and ``compile``: a spec -> the torch module, parameters adopted from ``ParamSource``
+without another copy.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense_bridge._errors import SpecError
+from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
-from dense_bridge.specs import from_config
+from dense_bridge.activations import Activation
+from dense_bridge.specs import Bilinear, Dense, Identity, Sequential, from_config
 
-from ._tensors import _copy_in
+from ._activations import _activation_module
+from ._arrays import TORCH_DTYPES, copy_in, from_numpy
 
 # Spec fields a torch module cannot hold natively (initializers, names): kept on the compiled
 # module as plain JSON-able data so that deepcopy/pickle of the module keep working.
@@ -115,9 +122,9 @@ class LazyDense(nn.LazyLinear):
             if params is None:
                 self.reset_parameters()
             else:
-                _copy_in(self.weight, params["kernel"], transpose=True)
+                copy_in(self.weight, params["kernel"], transpose=True)
                 if self.bias is not None:
-                    _copy_in(self.bias, params["bias"])
+                    copy_in(self.bias, params["bias"])
         elif self.in_features == 0:  # materialized by load_state_dict before the first call
             self.in_features = int(self.weight.shape[-1])
         if hasattr(self, _LAZY_INIT):
@@ -131,3 +138,90 @@ class LazyDense(nn.LazyLinear):
             return None  # built by hand: torch's own init
         spec = from_config(info["spec"]).with_in_features(width)
         return ParamSource(spec, seed=info["seed"]).for_layer(info["index"], spec)
+
+
+# ------------------------------------------------------------------ compile
+def _adopt(module: nn.Module, arrays: dict[str, np.ndarray], parameters: dict[str, str],
+           buffers: dict[str, str]) -> None:
+    """Give a meta-device module real tensors made from fresh arrays (no copy).
+
+    The arrays come from ``ParamSource.native_layer``: new memory in torch's layout that no
+    one else references, so torch owning it through ``torch.from_numpy`` is safe. It is also
+    the fast path: huge pages and a 64-byte start, which torch.empty (4 KiB pages) lacks.
+    """
+    for key, name in parameters.items():
+        if key in arrays:
+            setattr(module, name, nn.Parameter(from_numpy(arrays[key])))
+    for key, name in buffers.items():
+        if key in arrays:
+            setattr(module, name, from_numpy(arrays[key]))
+
+
+def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
+    dtype = TORCH_DTYPES[spec.dtype]
+    act = None if spec.activation.name == "linear" else _activation_module(spec.activation)
+    if spec.lazy:
+        # given params fix the width (ParamSource fills it), so a lazy layer always draws from the seed
+        init = {"spec": spec.to_config(), "seed": source.seed, "index": index}
+        module = LazyDense(spec.units, spec.use_bias, activation=act, init=init, dtype=dtype)
+    else:
+        # fresh memory already in torch's layout: weight (out, in) = kernel.T, mask like the weight
+        params = source.native_layer(index, spec, {"kernel": (1, 0), "mask": (1, 0)})
+        shape = (spec.units, spec.in_features)
+        # Built on the meta device: torch's own init would be overwritten at once (skip_init).
+        if act is None and spec.mask is None:
+            module = nn.Linear(spec.in_features, spec.units, spec.use_bias, device="meta", dtype=dtype)
+        else:
+            mask = None if spec.mask is None else torch.empty(shape, device="meta", dtype=dtype)
+            module = DenseLinear(spec.in_features, spec.units, spec.use_bias, activation=act, mask=mask,
+                                 device="meta", dtype=dtype)
+        _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {"mask": "mask"})
+    setattr(module, _META, {"kernel_init": spec.kernel_init.to_config(),
+                            "bias_init": spec.bias_init.to_config(), "name": spec.name})
+    return module
+
+
+def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Bilinear:
+    params = source.native_layer(index, spec)  # (out, in1, in2) is the canonical layout
+    module = nn.Bilinear(spec.in1_features, spec.in2_features, spec.units, spec.use_bias, device="meta",
+                         dtype=TORCH_DTYPES[spec.dtype])
+    _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {})
+    setattr(module, _META, {"init": spec.init.to_config(), "name": spec.name})
+    return module
+
+
+def _compile_layer(spec, source: ParamSource, index: int) -> nn.Module:
+    if isinstance(spec, Dense):
+        return _compile_dense(spec, source, index)
+    if isinstance(spec, Bilinear):
+        return _compile_bilinear(spec, source, index)
+    if isinstance(spec, Identity):
+        module = nn.Identity()
+        setattr(module, _META, {"name": spec.name})
+        return module
+    if isinstance(spec, Activation):
+        return _activation_module(spec)
+    raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
+
+
+def _is_keras(obj) -> bool:
+    """Is ``obj`` a Keras object? Without importing keras: one that exists has been imported."""
+    if (getattr(type(obj), "__module__", None) or "").split(".")[0] == "keras":
+        return True
+    keras = sys.modules.get("keras")
+    layer = getattr(getattr(keras, "layers", None), "Layer", None)
+    return isinstance(layer, type) and isinstance(obj, layer)
+
+
+def owns(obj) -> bool:
+    """Is ``obj`` a torch module (not a Keras layer, which is one under KERAS_BACKEND=torch)."""
+    return isinstance(obj, nn.Module) and not _is_keras(obj)
+
+
+def compile(spec, source: ParamSource) -> nn.Module:
+    """The torch module for ``spec``, with parameters from ``source`` copied into torch memory."""
+    if isinstance(spec, Sequential):
+        module = nn.Sequential(*[_compile_layer(l, source, i) for i, l in enumerate(spec.layers)])
+        setattr(module, _META, {"name": spec.name, "in_features": spec.in_features})
+        return module
+    return _compile_layer(spec, source, 0)

@@ -15,18 +15,15 @@ from torch import nn
 
 from dense_bridge._layouts import Entry, Layout, declared
 
-from ._leaves import _LINEAR_TYPES
-from ._tensors import _copy_in, _to_numpy
+from ._arrays import copy_in, to_numpy
+from ._to_spec import _LINEAR_TYPES
 
-# nn.MultiheadAttention's out_proj: an nn.Linear subclass that only exists to keep it from
-# being dynamically quantized; same parameters, same forward.
-_LINEAR_ALIASES = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 
 def linear_kind(m: nn.Module) -> str | None:
     """"linear", "bilinear", "declared" for the linear family, else None."""
     kind = type(m)
-    if kind in _LINEAR_TYPES or kind in _LINEAR_ALIASES:
+    if kind in _LINEAR_TYPES:
         return "linear"
     if kind is nn.Bilinear:
         return "bilinear"
@@ -70,11 +67,11 @@ def _shape(p) -> tuple[int, ...]:
 
 def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
     def read() -> dict[str, np.ndarray]:
-        return {n: _to_numpy(p) for n, p in params.items()}
+        return {n: to_numpy(p) for n, p in params.items()}
 
     def write(arrays: dict[str, np.ndarray]) -> None:
         for n, a in arrays.items():
-            _copy_in(params[n], a)
+            copy_in(params[n], a)
 
     note = "" if kind != "quantized" else "its weights are quantized (packed integers and scales)"
     return Entry(path, m, kind, tuple(params), {n: id(p) for n, p in params.items()},

@@ -10,9 +10,9 @@ from torch import nn
 
 from dense_bridge._errors import SpecError
 
-from ._leaves import _LINEAR_TYPES, _check_plain_params, _declared_tensors, _describe, _has_params
-from ._tensors import _copy_in, _to_numpy
-from ._to_spec import _chain, _is_container
+from ._arrays import copy_in, to_numpy
+from ._to_spec import (_LINEAR_TYPES, _chain, _check_plain_params, _declared_tensors, _describe, _has_params,
+                       _is_container)
 
 
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -27,22 +27,22 @@ def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
-        out = {"kernel": _to_numpy(m.weight)}
+        out = {"kernel": to_numpy(m.weight)}
     elif type(m) not in _LINEAR_TYPES and _has_params(m):  # declared with db.register_layout
         kernel, bias, transposed = _declared_tensors(m)
-        out = {"kernel": _to_numpy(kernel).T if transposed else _to_numpy(kernel)}
-        return out if bias is None else {**out, "bias": _to_numpy(bias)}
+        out = {"kernel": to_numpy(kernel).T if transposed else to_numpy(kernel)}
+        return out if bias is None else {**out, "bias": to_numpy(bias)}
     elif type(m) in _LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
-        out = {"kernel": _to_numpy(m.weight).T}
+        out = {"kernel": to_numpy(m.weight).T}
         if getattr(m, "mask", None) is not None:
-            out["mask"] = _to_numpy(m.mask).T
+            out["mask"] = to_numpy(m.mask).T
     else:
         return {}
     if m.bias is not None:
-        out["bias"] = _to_numpy(m.bias)
+        out["bias"] = to_numpy(m.bias)
     return out
 
 
@@ -57,17 +57,17 @@ def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
         if type(m) not in _LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
             kernel, bias, transposed = _declared_tensors(m)
             if prefix + "kernel" in params:
-                _copy_in(kernel, params[prefix + "kernel"], transpose=transposed)
+                copy_in(kernel, params[prefix + "kernel"], transpose=transposed)
             if prefix + "bias" in params:
-                _copy_in(bias, params[prefix + "bias"])
+                copy_in(bias, params[prefix + "bias"])
             continue
         transpose = type(m) is not nn.Bilinear
         if prefix + "mask" in params:
-            _copy_in(m.mask, params[prefix + "mask"], transpose=True)
+            copy_in(m.mask, params[prefix + "mask"], transpose=True)
         if prefix + "kernel" in params:
-            _copy_in(m.weight, params[prefix + "kernel"], transpose=transpose)
+            copy_in(m.weight, params[prefix + "kernel"], transpose=transpose)
         if prefix + "bias" in params:
-            _copy_in(m.bias, params[prefix + "bias"])
+            copy_in(m.bias, params[prefix + "bias"])
         if getattr(m, "mask", None) is not None and (prefix + "kernel" in params or prefix + "mask" in params):
             with torch.no_grad():
                 m.weight.mul_(m.mask)  # masked weights are exactly 0 by contract

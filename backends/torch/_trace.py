@@ -1,5 +1,6 @@
 """The ``trace`` verb: forward and torch autograd backward of L = sum(y * grad_out), every
-layer's output, input gradients and canonical parameter gradients recorded.
+layer's output, input gradients and canonical parameter gradients recorded; and ``train_sgd``
+(the demo's training loop, torch autograd).
 """
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ from dense_bridge._errors import SpecError
 from dense_bridge._trace import LayerTrace, Trace
 from dense_bridge.specs import Identity
 
+from ._arrays import TORCH_DTYPES, from_numpy, to_numpy
 from dense_bridge._layouts import declared
 
-from ._leaves import _declared_tensors, _has_params
-from ._tensors import _TORCH_DTYPES, _from_numpy, _to_numpy
-from ._to_spec import _chain, _identity, _is_container, _Step, to_spec
+from ._to_spec import _chain, _declared_tensors, _has_params, _identity, _is_container, _Step, to_spec
 
 
 def _steps(native: nn.Module) -> list[_Step]:
@@ -33,7 +33,7 @@ def _input_dtype(steps: list[_Step], x: np.ndarray) -> torch.dtype:
         if _has_params(s.module):
             return _param_tensors(s.module)[0][1].dtype
     # parameterless: the input's own float dtype; numpy's rule for integer input is float64
-    return _TORCH_DTYPES.get(np.asarray(x).dtype.name, torch.float64)
+    return TORCH_DTYPES.get(np.asarray(x).dtype.name, torch.float64)
 
 
 def _param_tensors(m: nn.Module | None) -> list[tuple[str, torch.Tensor, bool]]:
@@ -70,7 +70,7 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
     """
     steps = _steps(native)
     dtype = _input_dtype(steps, inputs[0])
-    xs = [_from_numpy(np.asarray(x)).to(dtype).clone().requires_grad_(True) for x in inputs]
+    xs = [from_numpy(np.asarray(x)).to(dtype).clone().requires_grad_(True) for x in inputs]
     params = [_param_tensors(s.module) for s in steps]
     frozen = [t for group in params for _, t, _ in group if not t.requires_grad]
     for t in frozen:  # gradients are reported for every parameter, frozen or not
@@ -79,7 +79,7 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
         with torch.enable_grad():
             layer_inputs, outputs = _forward_steps(steps, xs)
             y = outputs[-1]
-            g = _from_numpy(np.asarray(grad_out)).to(y.dtype)
+            g = from_numpy(np.asarray(grad_out)).to(y.dtype)
             if tuple(g.shape) != tuple(y.shape):
                 raise SpecError(f"grad_out must have the output's shape {tuple(y.shape)}. "
                                 f"Received: grad_out of shape {tuple(g.shape)}")
@@ -90,7 +90,7 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
             t.requires_grad_(False)
 
     def _grad(value, like):  # allow_unused gives None for an unused input: its gradient is 0
-        return _to_numpy(torch.zeros_like(like) if value is None else value)
+        return to_numpy(torch.zeros_like(like) if value is None else value)
 
     dxs = [tuple(_grad(next(grads), x) for x in group) for group in layer_inputs]
     records = []
@@ -99,6 +99,37 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
         for name, t, transposed in group:
             gt = next(grads)
             gt = torch.zeros_like(t) if gt is None else gt
-            pg[name] = _to_numpy(gt.t() if transposed else gt)
-        records.append(LayerTrace(_to_numpy(outputs[i]), dxs[i], pg))
+            pg[name] = to_numpy(gt.t() if transposed else gt)
+        records.append(LayerTrace(to_numpy(outputs[i]), dxs[i], pg))
     return Trace(records)
+
+
+def train_sgd(native: nn.Module, inputs: np.ndarray, labels: np.ndarray, *, steps: int,
+              lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """Plain SGD with torch autograd on L = mean(-log p[label]), p = native(inputs) (probabilities).
+
+    inputs (N, in_features), labels (N,) integers. Returns the output probabilities (N, classes)
+    before the first step and after the last. The optimizer is written out: ``torch.optim``
+    imports ``torch._dynamo`` (2 s here) for a loop this small.
+    """
+    x, y = from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    threads = torch.get_num_threads()
+    # one thread: for a model this small, intra-op threads only add contention (60 steps take
+    # about 0.1 s on one thread and seconds with two on a busy 2-core machine)
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            before = to_numpy(native(x)).copy()
+        for _ in range(steps):
+            probs = native(x)
+            loss = torch.nn.functional.nll_loss(torch.log(probs.clamp_min(1e-12)), y)
+            native.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in native.parameters():
+                    p -= lr * p.grad
+        with torch.no_grad():
+            after = to_numpy(native(x)).copy()
+    finally:
+        torch.set_num_threads(threads)
+    return before, after

@@ -42,7 +42,7 @@ import numpy as np
 
 from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
-from .._params import _to_numpy
+from .._params import array_to_numpy
 from .._registry import adapter_for, backend_of
 from ..activations import Activation
 from .._trace import LayerTrace, Trace
@@ -210,7 +210,7 @@ def _round_common(x: np.ndarray, dtypes: Sequence[str]) -> np.ndarray:
 
 
 def _as_array(value, argument: str) -> np.ndarray:
-    arr = _to_numpy(value)
+    arr = array_to_numpy(value)
     if arr is None or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
                            or arr.dtype.name == "bfloat16"):
         kind = "" if arr is None else f" (got dtype {arr.dtype})"

@@ -1,55 +1,16 @@
-"""The numpy reference backend: forward and hand-derived backward for every layer spec.
-
-Layout is the canonical one (y = x @ W + b): ``kernel`` (in_features, units). float32 and
-float64 compute in their own precision; float16 and bfloat16 compute in float32 and round
-each result to the layer dtype, as the frameworks' CPU kernels do.
-
-Backward (seed 004), for z = x @ (W * M) + b, y = f(z), upstream g = dL/dy:
-    dz = f'(z)^T g           (the activation's vector-Jacobian product)
-    dL/dx = dz @ (W * M)^T,  dL/dW = (x^T dz) * M,  dL/db = sum over batch of dz
-The mask multiplies the gradient so a masked weight never moves under plain SGD.
-"""
+"""The reference layers and the ``compile``/``owns`` verbs: forward and hand-derived backward."""
 from __future__ import annotations
-
-from typing import Sequence
 
 import numpy as np
 
 from dense_bridge._dtypes import compute_dtype, numpy_dtype
 from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
-from dense_bridge._trace import LayerTrace, Trace
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
-from dense_bridge.wiring import Wiring
 
-__all__ = ["DenseLayer", "BilinearLayer", "IdentityLayer", "ActivationLayer", "SequentialModel"]
-
-
-def _as_input(x, argument: str = "x") -> np.ndarray:
-    arr = np.asarray(x)
-    if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"
-            or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{argument} must be a numeric array. Received: {argument} of dtype {arr.dtype}")
-    return arr
-
-
-class _Layer:
-    """Common surface: ``forward``, ``backward``, ``__call__``, ``spec``, ``grads``."""
-
-    spec = None
-
-    def __call__(self, *inputs):
-        return self.forward(*inputs)
-
-    def _require_forward(self):
-        if getattr(self, "_cache", None) is None:
-            raise RuntimeError(f"{type(self).__name__}.backward called before forward")
-
-    @property
-    def grads(self) -> dict[str, np.ndarray]:
-        """Gradients of the parameters from the last backward (canonical names and layout)."""
-        return dict(getattr(self, "_grads", {}))
+from ._activations import ActivationLayer, _Layer
+from ._arrays import as_input
 
 
 class DenseLayer(_Layer):
@@ -88,7 +49,7 @@ class DenseLayer(_Layer):
 
     def forward(self, x) -> np.ndarray:
         """y = f(x @ (kernel * mask) + bias); x (*, in_features) -> y (*, units)."""
-        x = _as_input(x)
+        x = as_input(x)
         if x.ndim == 0:
             raise SpecError(f"x must have at least 1 dimension (*, in_features). Received: x of shape {x.shape}")
         if not self.built:
@@ -160,7 +121,7 @@ class BilinearLayer(_Layer):
         self._grads = {}
 
     def forward(self, x1, x2) -> np.ndarray:
-        x1, x2 = _as_input(x1, "x1"), _as_input(x2, "x2")
+        x1, x2 = as_input(x1, "x1"), as_input(x2, "x2")
         s = self.spec
         if x1.shape[-1:] != (s.in1_features,) or x2.shape[-1:] != (s.in2_features,) or x1.shape[:-1] != x2.shape[:-1]:
             raise SpecError(f"inputs must be x1 (*, {s.in1_features}) and x2 (*, {s.in2_features}) with equal "
@@ -206,33 +167,11 @@ class IdentityLayer(_Layer):
 
     def forward(self, x):
         self._cache = True
-        return _as_input(x)
+        return as_input(x)
 
     def backward(self, grad_out):
         self._require_forward()
         return np.asarray(grad_out)
-
-    def params(self) -> dict[str, np.ndarray]:
-        return {}
-
-
-class ActivationLayer(_Layer):
-    """y = f(x), computed in float64 and returned in x's dtype."""
-
-    def __init__(self, spec: Activation) -> None:
-        self.spec = spec
-        self._cache = None
-
-    def forward(self, x):
-        x = _as_input(x)
-        y = self.spec.forward(x)
-        self._cache = (x, y)
-        return y
-
-    def backward(self, grad_out):
-        self._require_forward()
-        x, y = self._cache
-        return self.spec.vjp(x, y, np.asarray(grad_out).astype(x.dtype))
 
     def params(self) -> dict[str, np.ndarray]:
         return {}
@@ -282,7 +221,6 @@ def _compile_layer(spec, source: ParamSource, index: int):
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
-# ------------------------------------------------------------------ adapter verbs
 def owns(obj) -> bool:
     return isinstance(obj, _LAYER_TYPES)
 
@@ -294,79 +232,6 @@ def compile(spec, source: ParamSource):
     return _compile_layer(spec, source, 0)
 
 
-def get_params(native) -> dict[str, np.ndarray]:
-    return native.params()
-
-
-def _sublayers(native) -> list:
+def sublayers(native) -> list:
+    """The layers of a reference model in order: its ``layers``, or ``[native]`` for a lone layer."""
     return native.layers if isinstance(native, SequentialModel) else [native]
-
-
-def set_params(native, params: dict[str, np.ndarray]) -> None:
-    seq = isinstance(native, SequentialModel)
-    for i, layer in enumerate(_sublayers(native)):
-        prefix = f"{i}." if seq else ""
-        for key in ("kernel", "bias", "mask"):
-            if prefix + key in params:
-                setattr(layer, key, np.array(params[prefix + key], copy=True))
-        if isinstance(layer, DenseLayer) and layer.mask is not None and prefix + "kernel" in params:
-            layer.kernel = layer.kernel * layer.mask  # masked weights are exactly 0 by contract
-
-
-def to_spec(native):
-    if isinstance(native, SequentialModel):
-        return Sequential([to_spec(l) for l in native.layers], in_features=native.spec.in_features,
-                          name=native.spec.name)
-    if isinstance(native, DenseLayer) and native.mask is not None:
-        # set_params may have replaced the mask: the stored array, not the spec it started
-        # from, is what the layer computes with
-        wiring = Wiring(native.mask != 0, kind=native.spec.mask.kind, allow_empty_outputs=True)
-        if wiring != native.spec.mask:
-            return native.spec.replace(mask=wiring)
-    return native.spec
-
-
-def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
-    """Forward and reference backward of every layer for L = sum(y * grad_out)."""
-    layers = _sublayers(native)
-    outputs, x = [], list(inputs)
-    for layer in layers:
-        y = layer.forward(*x)
-        outputs.append(y)
-        x = [y]
-    records: list[LayerTrace] = [None] * len(layers)  # type: ignore[list-item]
-    g = grad_out
-    for i in range(len(layers) - 1, -1, -1):
-        dx = layers[i].backward(g)
-        dxs = tuple(dx) if isinstance(dx, tuple) else (dx,)
-        records[i] = LayerTrace(outputs[i], dxs, layers[i].grads)
-        g = dxs[0]
-    return Trace(records)
-
-
-def walk(native) -> list:
-    """The reference layers holding parameters, by position ("0", "2", ...; "" for a lone layer).
-
-    A numpy reference model is always a chain, so this is the Sequential's own list.
-    """
-    from dense_bridge._layouts import Entry
-
-    seq = isinstance(native, SequentialModel)
-    out = []
-    for i, layer in enumerate(_sublayers(native)):
-        if not isinstance(layer, (DenseLayer, BilinearLayer)):
-            continue
-
-        def read(layer=layer) -> dict[str, np.ndarray]:
-            return dict(layer.params())
-
-        def write(arrays: dict[str, np.ndarray], layer=layer) -> None:
-            for k, a in arrays.items():
-                setattr(layer, k, np.array(a, copy=True))
-
-        built = layer.built if isinstance(layer, DenseLayer) else True
-        names = tuple(layer.params()) if built else ()
-        out.append(Entry(str(i) if seq else "", layer, "linear", names,
-                         {n: id(getattr(layer, n)) for n in names},
-                         {n: tuple(getattr(layer, n).shape) for n in names}, read, write))
-    return out

@@ -12,19 +12,19 @@ import torch
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
 
-_TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64,
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64,
                  "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-def _dtype_name(dtype: torch.dtype, what: str) -> str:
+def dtype_name(dtype: torch.dtype, what: str) -> str:
     if dtype not in _DTYPE_NAMES:
         raise ConversionError(f"{what} has dtype {dtype}; dense_bridge supports float32, float64, float16 "
                               f"and bfloat16")
     return _DTYPE_NAMES[dtype]
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A read-only numpy view of a CPU tensor (a copy for other devices); bf16 as ml_dtypes."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -37,7 +37,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return arr
 
 
-def _from_numpy(arr: np.ndarray) -> torch.Tensor:
+def from_numpy(arr: np.ndarray) -> torch.Tensor:
     """A tensor viewing ``arr`` (no copy) for torch to read from; bf16 through an int16 view."""
     arr = np.asarray(arr)
     if not arr.dtype.isnative:
@@ -55,8 +55,8 @@ def _from_numpy(arr: np.ndarray) -> torch.Tensor:
     return t.view(torch.bfloat16) if bf16 else t
 
 
-def _copy_in(target: torch.Tensor, value: np.ndarray, transpose: bool = False) -> None:
+def copy_in(target: torch.Tensor, value: np.ndarray, transpose: bool = False) -> None:
     """Copy canonical ``value`` into ``target`` (transposed for torch's (out, in) layout)."""
-    src = _from_numpy(value)
+    src = from_numpy(value)
     with torch.no_grad():
         target.copy_(src.t() if transpose else src)

@@ -1,0 +1,293 @@
+"""The architecture, checked: the adapter contract, a core that imports no framework, no import circles.
+
+- Every registered adapter whose framework is installed exposes every verb of
+  ``dense_bridge._adapter.REQUIRED_VERBS``, and every adapter package has the same files.
+- No core module (``dense_bridge/``, checkpoints, testing, CLI and demo included) imports a framework,
+  anywhere: module level, function bodies, ``importlib.import_module("...")`` and ``__import__``.
+- The import graph of the package (function-level imports included) has no cycle.
+
+All three read source files with ``ast``: nothing here imports a framework.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dense_bridge
+from dense_bridge._adapter import OPTIONAL_FILES, REQUIRED_FILES, REQUIRED_VERBS
+from dense_bridge._registry import BACKENDS, available_backends, get_adapter
+
+CORE = Path(dense_bridge.__file__).parent
+ADAPTERS = CORE.parent / "backends"  # installed as dense_bridge.backends (pyproject package-dir)
+
+FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox"}
+
+#: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
+#: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
+PENDING_VERBS: dict[tuple[str, str], str] = {}
+
+#: Core modules still allowed a framework import, each naming the issue that removes it.
+FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {
+    # native checkpoint formats move into backends/<fw>/_files.py (engineer "ckpt")
+    "_checkpoint_native.py": "issue 10",
+}
+
+#: Imports that still close a circle, (importer, imported), each naming the issue that removes it.
+#: The cycle test drops these edges and fails on any circle left, and on an entry whose import is gone.
+KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
+    # checkpoint <-> _checkpoint_native (engineer "ckpt")
+    ("dense_bridge._checkpoint_native", "dense_bridge.checkpoint"): "issue 10",
+    # checkpoint -> dense_bridge (``from . import __version__``; read it from ._version instead)
+    # -> checkpoint (the lazy db.save/db.load)
+    ("dense_bridge.checkpoint", "dense_bridge"): "issue 10",
+}
+
+
+# ------------------------------------------------------------------ the adapter contract
+def _adapter_packages() -> list[Path]:
+    return sorted(p for p in ADAPTERS.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def test_every_backend_is_a_package_of_the_same_files():
+    packages = {p.name: p for p in _adapter_packages()}
+    loose = sorted(p.name for p in ADAPTERS.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"adapters are packages backends/<fw>/, not modules: {loose}"
+    registered = {info.module.rsplit(".", 1)[1] for info in BACKENDS.values()}
+    assert registered <= set(packages), f"registered adapters without a package: {registered - set(packages)}"
+    allowed = set(REQUIRED_FILES) | set(OPTIONAL_FILES)
+    problems = []
+    for name, path in packages.items():
+        files = {f.name for f in path.glob("*.py")}
+        if missing := set(REQUIRED_FILES) - files:
+            problems.append(f"backends/{name} lacks {sorted(missing)}")
+        if extra := files - allowed:
+            problems.append(f"backends/{name} has {sorted(extra)}, which no adapter role names "
+                            f"(dense_bridge/_adapter.py REQUIRED_FILES/OPTIONAL_FILES)")
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_adapter_implements_the_whole_contract(name):
+    if name not in available_backends():
+        pytest.skip(f"framework for backend {name!r} is not installed")
+    adapter = get_adapter(name)
+    missing = [v for v in REQUIRED_VERBS if not callable(getattr(adapter, v, None))
+               and (name, v) not in PENDING_VERBS]
+    assert not missing, f"adapter {adapter.__name__} lacks the verbs {missing}"
+    stale = [v for (b, v) in PENDING_VERBS if b == name and callable(getattr(adapter, v, None))]
+    assert not stale, f"{stale} exist in {adapter.__name__} now: remove them from PENDING_VERBS"
+    # the verbs are the package's own (re-exported), not a framework function of the same name
+    for verb in REQUIRED_VERBS:
+        fn = getattr(adapter, verb, None)
+        if fn is not None:
+            assert fn.__module__.startswith(adapter.__name__), (verb, fn.__module__)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_adapter_arrays_round_trip(name):
+    """to_numpy(from_numpy(a)) gives back a's dtype and bits, bfloat16 included."""
+    if name not in available_backends():
+        pytest.skip(f"framework for backend {name!r} is not installed")
+    import numpy as np
+
+    from dense_bridge._dtypes import numpy_dtype
+
+    adapter = get_adapter(name)
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        if name in ("mlx",) and dtype == "float64":
+            continue  # MLX float64 lives on the CPU device only; covered in test_backend_mlx
+        a = rng.standard_normal((3, 4)).astype(numpy_dtype(dtype))
+        back = adapter.to_numpy(adapter.from_numpy(a))
+        assert back.dtype == a.dtype, (dtype, back.dtype)
+        assert back.tobytes() == a.tobytes(), dtype
+
+
+# ------------------------------------------------------------------ no framework in the core
+def _core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
+
+
+def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import anywhere in ``tree``, function bodies included,
+    and for ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in ("import_module", "__import__") and not node.args[0].value.startswith("."):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def test_core_imports_no_framework():
+    offenders, allowed_seen = [], set()
+    for path in _core_files():
+        rel = path.relative_to(CORE).as_posix()
+        hits = [(line, mod) for line, mod in _imported_names(ast.parse(path.read_text(), str(path)))
+                if mod.split(".")[0] in FRAMEWORKS]
+        if hits and rel in FRAMEWORK_IMPORT_ALLOWLIST:
+            allowed_seen.add(rel)
+            continue
+        offenders += [f"dense_bridge/{rel}:{line} imports {mod}" for line, mod in hits]
+    assert not offenders, "framework work belongs in an adapter verb:\n" + "\n".join(offenders)
+    stale = set(FRAMEWORK_IMPORT_ALLOWLIST) - allowed_seen
+    assert not stale, f"remove {sorted(stale)} from FRAMEWORK_IMPORT_ALLOWLIST: they import no framework now"
+
+
+def test_the_ast_check_sees_imports_inside_functions():
+    src = "def f():\n    import torch.nn\n    return __import__('mlx.core')\n" \
+          "class C:\n    def g(self):\n        from keras import ops\n        importlib.import_module('jax')\n"
+    found = {mod.split(".")[0] for _, mod in _imported_names(ast.parse(src))}
+    assert found == {"torch", "mlx", "keras", "jax"}
+
+
+def test_import_dense_bridge_imports_no_framework():
+    code = ("import sys, dense_bridge as db; db.available_backends(); import dense_bridge.testing; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FRAMEWORKS)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------------------------------ no import circles
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(ADAPTERS):
+        parts = ("dense_bridge", "backends") + path.relative_to(ADAPTERS).with_suffix("").parts
+    else:
+        parts = ("dense_bridge",) + path.relative_to(CORE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in it, function bodies included).
+
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``.
+    A parent package's ``__init__`` that Python runs on the way is not an edge: only what the
+    source names is.
+    """
+    files = _core_files() + sorted(ADAPTERS.rglob("*.py"))
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        package = name if is_pkg else name.rsplit(".", 1)[0]
+        edges: set[str] = set()
+
+        def resolve(base: str, names: list[str]) -> None:
+            targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
+            if targets:
+                edges.update(targets)
+            if len(targets) < len(names) and base in modules:
+                edges.add(base)
+
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
+                resolve(base, [a.name for a in node.names])
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                f = node.func
+                if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == "import_module":
+                    target = node.args[0].value
+                    target = package + target if target.startswith(".") else target
+                    if target in modules:
+                        edges.add(target)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_has_no_cycle():
+    graph = _import_graph()
+    stale = [edge for edge in KNOWN_BACK_EDGES if edge[1] not in graph.get(edge[0], ())]
+    assert not stale, f"remove {stale} from KNOWN_BACK_EDGES: that import is gone"
+    for src, dst in KNOWN_BACK_EDGES:
+        graph[src] = graph[src] - {dst}
+    cycles = [sorted(c) for c in _cycles(graph)]
+    assert not cycles, f"import circles (function-level imports included): {cycles}"
+
+
+def test_the_cycle_check_sees_function_level_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [frozenset({"a", "b", "c"})]
+    g = _import_graph()
+    # a function-level import is an edge: _demo imports checkpoint inside run()
+    assert "dense_bridge.checkpoint" in g["dense_bridge._demo"]
+    # adapters import the core, never the reverse
+    assert "dense_bridge._params" in g["dense_bridge.backends.torch._layers"]
+    assert not any(e.startswith("dense_bridge.backends") for m, es in g.items()
+                   if not m.startswith("dense_bridge.backends") for e in es)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_optional_train_sgd_verb_trains_the_demo_model(name):
+    """Where an adapter offers train_sgd, it lowers the demo loss, and torch and the numpy
+    reference agree on the first step (same spec, seed and data)."""
+    if name not in available_backends():
+        pytest.skip(f"framework for backend {name!r} is not installed")
+    adapter = get_adapter(name)
+    if not hasattr(adapter, "train_sgd"):
+        pytest.skip(f"{name} offers no train_sgd (optional verb)")
+    import numpy as np
+
+    from dense_bridge import _demo
+
+    x, y = _demo.synthetic_data(0)
+    model = dense_bridge.compile(_demo.demo_spec(), name, seed=0)
+    before, after = adapter.train_sgd(model, x, y, steps=5, lr=0.5)
+    assert before.shape == after.shape == (len(x), _demo.OUT)
+    assert _demo._loss_acc(after, y)[0] < _demo._loss_acc(before, y)[0]
+    ref = dense_bridge.compile(_demo.demo_spec(), "numpy", seed=0)
+    ref_before, ref_after = get_adapter("numpy").train_sgd(ref, x, y, steps=1, lr=0.5)
+    np.testing.assert_allclose(before, ref_before, rtol=0, atol=1e-5)
