@@ -5,10 +5,9 @@ Importing this package imports no framework; adapters load on first use.
 from __future__ import annotations
 
 from . import wiring
-from ._api import backend, compile, convert, get_params, set_params, to_spec
+from ._api import available_backends, backend, compile, convert, get_params, set_params, to_spec
 from ._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError,
                       SpecError)
-from ._registry import available_backends
 from .models import linear_layers, register_layout, transfer
 from ._version import __version__
 from .activations import Activation

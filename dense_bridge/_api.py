@@ -1,4 +1,5 @@
-"""The public verbs: compile, get_params, set_params, to_spec, convert.
+"""The public verbs: compile, get_params, set_params, to_spec, convert; and ``build``, the one
+compile path they and checkpoint loading share.
 
 Each one finds the adapter through the registry and leaves framework work to it; the
 checks that must hold for every backend (names, shapes, dtypes, all-or-nothing loading)
@@ -13,6 +14,8 @@ import numpy as np
 from ._errors import ConversionError, SpecError, received
 from ._params import ParamSource, validate_params
 from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
+from ._registry import available_backends as installed_backends
+from ._spec_memory import remember_spec, remembered_spec
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, Spec
 
@@ -32,27 +35,26 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     backend), or loaded from canonical ``params``.
     """
     _check_spec(spec)
-    adapter = get_adapter(backend)
+    backend = check_backend_name(backend)
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True)
-    native = adapter.compile(source.spec, source)
+    return build(backend, source)
+
+
+def build(backend: str, source: ParamSource):
+    """The one compile path: the native object for ``source.spec`` on ``backend``.
+
+    ``compile``, ``convert`` and checkpoint loading all come here. ``source`` says where the
+    parameters come from (a seed, given canonical params, or a stream reading each layer from a
+    file: ``ParamSource(spec, stream=...)``); the adapter asks it layer by layer. Afterwards the
+    deferred NaN/Inf checks are collected (``source.finish()``) and the spec is remembered on
+    the object (``dense_bridge._spec_memory``).
+    """
+    native = get_adapter(backend).compile(source.spec, source)
     source.finish()
-    _remember_spec(native, source.spec)
+    remember_spec(native, source.spec)
     return native
-
-
-# A native object cannot tell which initializer drew its first values, nor its spec name;
-# compile leaves the spec on the object so to_spec/convert keep them. The hint is only
-# trusted where it agrees with what the adapter reads off the object itself.
-_SPEC_HINT = "_dense_bridge_spec"
-
-
-def _remember_spec(native: Any, spec: Any) -> None:
-    try:
-        object.__setattr__(native, _SPEC_HINT, spec)
-    except (AttributeError, TypeError):  # objects with __slots__: nothing to keep, nothing lost
-        pass
 
 
 def _with_hint(read: Any, hint: Any) -> Any:
@@ -117,7 +119,7 @@ def to_spec(native: Any):
 
 def _read_spec(adapter, native):
     read = adapter.to_spec(native)
-    hint = getattr(native, _SPEC_HINT, None)
+    hint = remembered_spec(native)
     return read if hint is None else _with_hint(read, hint)
 
 
@@ -132,6 +134,29 @@ def convert(native: Any, to: str):
     spec = _read_spec(source, native)
     params = source.get_params(native)
     return compile(spec, target, params=params)
+
+
+def available_backends(check: bool = False) -> list[str]:
+    """Names of the usable backends, in canonical order.
+
+    ``check=False``: those whose framework packages are installed, decided by package lookup
+    without importing a framework not yet imported (for keras, Keras plus the package its
+    ``KERAS_BACKEND`` names). ``check=True``: of those, the ones whose adapter imports and
+    compiles a 1x1 Dense (a framework installed but broken here is left out).
+    """
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be True or False. {received('check', check)}")
+    names = installed_backends()
+    if not check:
+        return names
+    working = []
+    for name in names:
+        try:
+            compile(Dense(1, in_features=1), name, seed=0)
+        except Exception:  # noqa: BLE001 - any failure (import, build) means "not usable here"
+            continue
+        working.append(name)
+    return working
 
 
 def backend(native: Any) -> str:

@@ -25,6 +25,10 @@ class CheckpointError(DenseBridgeError):
     """A checkpoint could not be read or written."""
 
 
+class StateError(DenseBridgeError, RuntimeError):
+    """A call made in the wrong order (a reference layer's backward before its forward)."""
+
+
 class BackendUnavailableError(DenseBridgeError, ImportError):
     """The framework behind a backend is not installed; the message names the pip extra."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from ._transfer import count_nonfinite, count_nonfinite_later, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
-__all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype", "array_to_numpy"]
+__all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype", "array_to_numpy",
+           "fill_lazy_from_params", "expected_params", "check_seed"]
 
 
 def layer_dtype(layer) -> str:
@@ -82,7 +83,10 @@ def check_seed(seed: object) -> int:
 
 
 class ParamSource:
-    """Where a compiled layer's first parameters come from: a seed, or given canonical params.
+    """Where a compiled layer's first parameters come from: a seed, given canonical params, or
+    a stream (``stream(index, layer_spec) -> canonical params``, called once per layer as the
+    adapter builds it: a checkpoint reads each layer from its file then, so one layer's pages
+    are released before the next is read).
 
     Adapters call :meth:`for_layer` (or :meth:`native_layer`) once the layer's input width is
     known (at build time for lazy layers), with the layer's position in its Sequential (0 for
@@ -98,16 +102,21 @@ class ParamSource:
 
     _unchecked: frozenset | set = frozenset()  # given keys not yet known to be free of NaN/Inf
     _pending: Mapping = MappingProxyType({})  # key -> Future of its NaN/Inf count (for_layer's scans)
+    _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
-                 defer_finite_check: bool = False) -> None:
+                 defer_finite_check: bool = False,
+                 stream: Callable[[int, Any], dict[str, np.ndarray]] | None = None) -> None:
         self.spec = spec
-        self.seed = check_seed(seed)
+        self.seed = check_seed(0 if stream is not None else seed)
         self.params = None
+        self._stream = stream
+        if stream is not None and params is not None:
+            raise TypeError("pass params or stream to ParamSource, not both")
         if params is not None:
             if _is_lazy(spec):
                 # given params fix the width: adapters then build eagerly with these exact shapes
-                spec = _fill_lazy_from_params(spec, params)
+                spec = fill_lazy_from_params(spec, params)
                 self.spec = spec
             self.params, deferred = _validate(spec, params, strict=True, argument="params",
                                               check_finite=not defer_finite_check)
@@ -130,7 +139,10 @@ class ParamSource:
 
     def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
         """Canonical params for the layer at ``index``: drawn fresh from the seed, or, with given
-        params, the caller's own validated arrays (adapters copy before keeping them)."""
+        params, the caller's own validated arrays (adapters copy before keeping them), or what
+        the stream returns for it (read and validated by the stream's owner, e.g. a checkpoint)."""
+        if self._stream is not None:
+            return self._stream(index, layer)
         if self.params is None:
             return initial_layer_params(layer, self.seed, index)
         out = self._given(index, layer)
@@ -203,7 +215,7 @@ def _is_lazy(spec) -> bool:
     return getattr(spec, "lazy", False)
 
 
-def _fill_lazy_from_params(spec, params: Mapping):
+def fill_lazy_from_params(spec, params: Mapping):
     """A lazy spec with in_features taken from the given kernel (params fix the width)."""
     key = "kernel"
     if isinstance(spec, Sequential):
@@ -321,10 +333,6 @@ def array_to_numpy(value) -> np.ndarray | None:
     except Exception:  # noqa: BLE001 - reported as a non-numeric value by the caller
         return None
     return arr if arr.dtype != object else None
-
-
-# the name checkpoint.py imports (issue 10 moves it to array_to_numpy)
-_to_numpy = array_to_numpy
 
 
 def _describe(spec) -> str:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 from ._errors import BackendUnavailableError, SpecError, received, suggest
 
@@ -22,14 +25,38 @@ class BackendInfo:
     module: str  # dotted path of the adapter
     requires: tuple[str, ...]  # top-level framework modules that must be importable
     install: str  # what to run when they are missing
+    # more modules needed, decided at call time without importing anything (keras: the package
+    # its KERAS_BACKEND names)
+    runtime_requires: Callable[[], tuple[str, ...]] | None = None
+
+    def all_requires(self) -> tuple[str, ...]:
+        extra = self.runtime_requires() if self.runtime_requires is not None else ()
+        return self.requires + tuple(m for m in extra if m not in self.requires)
+
+
+def keras_backend_package() -> str:
+    """The package Keras 3 will run on, read as Keras reads it, without importing Keras:
+    ``KERAS_BACKEND``, else ``"backend"`` in ``$KERAS_HOME/keras.json`` (``~/.keras``), else
+    TensorFlow."""
+    name = os.environ.get("KERAS_BACKEND")
+    if not name:
+        home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+        try:
+            with open(os.path.join(home, "keras.json")) as f:
+                name = json.load(f).get("backend")
+        except (OSError, ValueError, AttributeError):
+            name = None
+    return {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch", "numpy": "numpy",
+            "openvino": "openvino"}.get(str(name or "tensorflow").lower(), str(name))
 
 
 BACKENDS: dict[str, BackendInfo] = {
     "numpy": BackendInfo("numpy", "dense_bridge.backends.numpy", ("numpy",), "pip install numpy"),
     "torch": BackendInfo("torch", "dense_bridge.backends.torch", ("torch",),
                          "pip install 'dense-bridge[torch]'"),
-    "keras": BackendInfo("keras", "dense_bridge.backends.keras", ("keras", "tensorflow"),
-                         "pip install 'dense-bridge[keras]'"),
+    "keras": BackendInfo("keras", "dense_bridge.backends.keras", ("keras",),
+                         "pip install 'dense-bridge[keras]'",
+                         runtime_requires=lambda: (keras_backend_package(),)),
     "mlx": BackendInfo("mlx", "dense_bridge.backends.mlx", ("mlx",), "pip install 'dense-bridge[mlx]'"),
 }
 NAMES = tuple(BACKENDS)
@@ -45,8 +72,13 @@ def _installed(module: str) -> bool:
 
 
 def available_backends() -> list[str]:
-    """Names of the backends whose framework is installed, in canonical order. Imports nothing."""
-    return [n for n, info in BACKENDS.items() if all(_installed(m) for m in info.requires)]
+    """Names of the backends whose framework packages are installed, in canonical order.
+
+    Decided by package lookup, importing no framework not yet imported (for keras: Keras plus
+    the package its ``KERAS_BACKEND`` names). ``dense_bridge.available_backends(check=True)``
+    also tries each one.
+    """
+    return [n for n, info in BACKENDS.items() if all(_installed(m) for m in info.all_requires())]
 
 
 def check_backend_name(name: object, argument: str = "backend") -> str:
@@ -62,7 +94,7 @@ def check_backend_name(name: object, argument: str = "backend") -> str:
 def get_adapter(name: object, argument: str = "backend") -> ModuleType:
     """The adapter module for a backend name, imported now; BackendUnavailableError if missing."""
     info = BACKENDS[check_backend_name(name, argument)]
-    missing = [m for m in info.requires if not _installed(m)]
+    missing = [m for m in info.all_requires() if not _installed(m)]
     if missing:
         raise BackendUnavailableError(
             f"Backend {info.name!r} needs {', '.join(missing)}, which is not installed. Install it with: "

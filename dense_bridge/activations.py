@@ -485,12 +485,12 @@ class Activation:
         x64 = _as_float64("x", x)
         g64 = _as_float64("grad_out", grad_out)
         if g64.shape != x64.shape:
-            raise ValueError(
+            raise SpecError(
                 f"grad_out must have the shape of x {x64.shape}, got {g64.shape}. "
                 f"{received('grad_out.shape', g64.shape)}"
             )
         if y is not None and np.shape(y) != x64.shape:
-            raise ValueError(
+            raise SpecError(
                 f"y must have the shape of x {x64.shape}, got {np.shape(y)}. "
                 f"{received('y.shape', np.shape(y))}"
             )

@@ -109,9 +109,9 @@ def _is_native(obj: object) -> bool:
 
 
 def _as_array(value: object, name: str, path: str) -> np.ndarray:
-    from ._params import _to_numpy
+    from ._params import array_to_numpy
 
-    arr = _to_numpy(value) if not isinstance(value, (list, tuple, int, float)) else np.asarray(value)
+    arr = array_to_numpy(value) if not isinstance(value, (list, tuple, int, float)) else np.asarray(value)
     if arr is None:
         raise CheckpointError(f"cannot save {path}: params[{name!r}] is a {type(value).__name__}, not a numeric "
                               "array")
@@ -140,9 +140,9 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], (Spec, Activation)):
         spec, params = obj
         if getattr(spec, "lazy", False):
-            from ._params import _fill_lazy_from_params
+            from ._params import fill_lazy_from_params
 
-            spec = _fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
+            spec = fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
         try:
             checked = validate_params(spec, params)
         except ConversionError as exc:
@@ -441,15 +441,14 @@ class CanonicalCheckpoint:
 
     def native(self, backend: str, progress: Progress | None = None):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
-        from ._registry import get_adapter
+        from . import _api
 
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
                                   "db.load (--spec SPEC.json on the command line) to build a model from it")
-        adapter = get_adapter(backend)
-        source = _StreamingSource(self, progress)
+        source = ParamSource(self.spec, stream=_LayerStream(self, progress))
         try:
-            return adapter.compile(self.spec, source)
+            return _api.build(backend, source)
         except ConversionError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
 
@@ -471,24 +470,22 @@ def _fill_lazy(spec, ckpt: CanonicalCheckpoint):
     return spec
 
 
-class _StreamingSource(ParamSource):
-    """A ParamSource reading each layer's tensors from the checkpoint when the adapter asks.
+class _LayerStream:
+    """Reads each layer's tensors from the checkpoint when the adapter asks (a ParamSource stream).
 
-    Adapters copy what ``for_layer`` returns into framework memory, so the mapped pages of one
-    layer are released before the next layer is read.
+    Adapters copy what they are given into framework memory, so the mapped pages of one layer
+    are released before the next layer is read.
     """
 
     def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None) -> None:
-        self.spec = ckpt.spec
-        self.seed = 0
-        self.params = None
         self._ckpt = ckpt
         self._progress = progress
         self._done = 0
         self._total = ckpt.total_bytes
+        self._sequential = isinstance(ckpt.spec, Sequential)
 
-    def for_layer(self, index: int, layer) -> dict[str, np.ndarray]:
-        prefix = f"{index}." if isinstance(self.spec, Sequential) else ""
+    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
+        prefix = f"{index}." if self._sequential else ""
         raw = {k: self._ckpt.get(prefix + k) for k in layer_param_shapes(layer)}
         checked = validate_params(layer, raw, argument=f"parameters of layer {index}")
         self._done += sum(a.nbytes for a in raw.values())

@@ -71,3 +71,80 @@ def test_strict_and_copy_take_only_bools(bad, error):
 def test_unbuilt_lazy_get_params_is_a_conversion_error_everywhere(backend):
     with pytest.raises(db.ConversionError):
         db.get_params(db.compile(db.Dense(3), backend, seed=0))
+
+
+# ----------------------------------------------------------------- available_backends, errors (issue 11)
+def test_available_backends_decides_keras_by_the_package_keras_backend_names(monkeypatch, tmp_path):
+    import sys
+
+    from dense_bridge import _registry
+
+    if "keras" not in db.available_backends():
+        pytest.skip("keras is not installed")
+    monkeypatch.setenv("KERAS_BACKEND", "no_such_framework_pkg")
+    assert "keras" not in db.available_backends()
+    with pytest.raises(db.BackendUnavailableError, match="no_such_framework_pkg"):
+        _registry.get_adapter("keras")
+    monkeypatch.delenv("KERAS_BACKEND")
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    (tmp_path / "keras.json").write_text('{"backend": "jax"}')
+    assert _registry.keras_backend_package() == "jax"
+    (tmp_path / "keras.json").write_text("not json")
+    assert _registry.keras_backend_package() == "tensorflow"
+    assert db.available_backends(check=False) == _registry.available_backends()
+    assert sys.modules.get("no_such_framework_pkg") is None
+
+
+def test_available_backends_check_compiles_a_1x1_dense_on_each():
+    checked = db.available_backends(check=True)
+    assert "numpy" in checked and set(checked) <= set(db.available_backends())
+    for name in checked:  # every listed one really works
+        assert db.get_params(db.compile(db.Dense(1, in_features=1), name, seed=0))["kernel"].shape == (1, 1)
+    with pytest.raises(TypeError, match="check"):
+        db.available_backends(check="yes")
+
+
+def test_deliberate_errors_are_dense_bridge_errors():
+    from dense_bridge.testing._tolerance import Tolerance
+
+    with pytest.raises(db.SpecError, match="c_output"):
+        Tolerance(c_output=-1.0)
+    with pytest.raises(db.SpecError, match="grad_out"):
+        db.Activation("relu").vjp(np.zeros(3), None, np.zeros(4))
+    with pytest.raises(db.SpecError, match="y must"):
+        db.Activation("relu").vjp(np.zeros(3), np.zeros(2), np.zeros(3))
+    from dense_bridge import _demo
+
+    with pytest.raises(db.SpecError, match="steps"):
+        _demo.run(steps=-1)
+    with pytest.raises(TypeError, match="steps"):
+        _demo.run(steps=1.5)
+    layer = db.compile(db.Dense(2, in_features=2), "numpy", seed=0)
+    with pytest.raises(db.DenseBridgeError, match="before forward"):
+        layer.backward(np.zeros((1, 2)))
+
+
+def test_one_compile_path_remembers_the_spec_once():
+    from dense_bridge._params import ParamSource
+    from dense_bridge._spec_memory import remembered_spec
+
+    spec = db.Sequential([db.Dense(3, in_features=2, kernel_init="he_normal", name="a"), db.Dense(1)], name="m")
+    calls = []
+
+    def stream(index, layer):
+        calls.append(index)
+        from dense_bridge._params import initial_layer_params
+
+        return initial_layer_params(layer, 7, index)
+
+    for backend in db.available_backends():
+        calls.clear()
+        native = db._api.build(backend, ParamSource(spec, stream=stream))
+        assert calls == [0, 1]  # asked layer by layer
+        assert remembered_spec(native) == spec
+        assert db.to_spec(native) == spec
+        same = db.compile(spec, backend, seed=7)
+        for k, v in db.get_params(same).items():
+            np.testing.assert_array_equal(v, db.get_params(native)[k])
+    with pytest.raises(TypeError, match="not both"):
+        ParamSource(spec, params={}, stream=stream)

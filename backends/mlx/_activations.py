@@ -163,29 +163,29 @@ class ExactActivation(nn.Module):
         return self._fn(x)
 
 
-def _activation_module(act: Activation) -> nn.Module:
+def activation_module(act: Activation) -> nn.Module:
     """The MLX module for an Activation layer: native where exact, else ExactActivation."""
     factory = _NATIVE_MODULES.get(act.name)
     module = factory(act.params) if factory is not None else None
     return module if module is not None else ExactActivation(act)
 
 
-def _activation_fn(act: Activation) -> Callable:
+def activation_fn(act: Activation) -> Callable:
     """The callable a DenseLinear applies after its affine map (native module where exact).
 
     A bound method, not the module: a module attribute would become a child of the layer.
     """
-    return _activation_module(act).__call__
+    return activation_module(act).__call__
 
 
 
 # ------------------------------------------------------------------ MLX -> canonical
-def _conversion_error(where: str, m, why: str) -> ConversionError:
+def conversion_error(where: str, m, why: str) -> ConversionError:
     return ConversionError(f"{where} ({type(m).__module__}.{type(m).__qualname__}) {why}. "
                            f"{received(where, m)}")
 
 
-def _activation_of_module(m, where: str) -> Activation:
+def activation_of_module(m, where: str) -> Activation:
     """The canonical Activation an MLX activation module computes, parameters read exactly."""
     t = type(m)
     if isinstance(m, ExactActivation):
@@ -207,19 +207,19 @@ def _activation_of_module(m, where: str) -> Activation:
         return _checked(lambda: Activation("elu", alpha=m._alpha), m, where)
     if t is nn.GELU:
         return _gelu(m._approx, m, where)
-    raise _conversion_error(where, m, "is not a layer or activation dense_bridge can describe")
+    raise conversion_error(where, m, "is not a layer or activation dense_bridge can describe")
 
 
 def _checked(make: Callable[[], Activation], m, where: str) -> Activation:
     try:
         return make()
     except (SpecError, TypeError) as exc:
-        raise _conversion_error(where, m, f"has parameters no canonical activation takes ({exc})") from None
+        raise conversion_error(where, m, f"has parameters no canonical activation takes ({exc})") from None
 
 
 def _leaky(slope, m, where: str) -> Activation:
     if slope > 1:
-        raise _conversion_error(where, m, f"computes maximum({slope}*x, x), which is not leaky_relu "
+        raise conversion_error(where, m, f"computes maximum({slope}*x, x), which is not leaky_relu "
                                 "for a slope above 1")
     return _checked(lambda: Activation("leaky_relu", negative_slope=slope), m, where)
 
@@ -229,7 +229,7 @@ def _gelu(approx: str, m, where: str) -> Activation:
         return Activation("gelu")
     if approx in ("precise", "tanh") and _mlx_gelu_approx_is_tanh():
         return Activation("gelu_tanh")
-    raise _conversion_error(where, m, f"uses the approximation approx={approx!r}, which no canonical "
+    raise conversion_error(where, m, f"uses the approximation approx={approx!r}, which no canonical "
                             "activation computes (gelu is exact, gelu_tanh the tanh formula)")
 
 
@@ -252,16 +252,16 @@ def _function_table() -> list[tuple[Callable, Callable[[dict], Activation]]]:
     ]
 
 
-def _activation_of_function(fn, where: str) -> Activation:
+def activation_of_function(fn, where: str) -> Activation:
     """The Activation of a bare callable in an nn.Sequential (optionally a functools.partial)."""
     base, kwargs = fn, {}
     if isinstance(fn, functools.partial):
         if fn.args:
-            raise _conversion_error(where, fn, "binds positional arguments; bind parameters by keyword")
+            raise conversion_error(where, fn, "binds positional arguments; bind parameters by keyword")
         base, kwargs = fn.func, dict(fn.keywords)
     if base is nn.gelu_approx:
         if kwargs or not _mlx_gelu_approx_is_tanh():
-            raise _conversion_error(where, fn, "is not a canonical activation")
+            raise conversion_error(where, fn, "is not a canonical activation")
         return Activation("gelu_tanh")
     for known, make in _function_table():
         if base is known:
@@ -273,7 +273,7 @@ def _activation_of_function(fn, where: str) -> Activation:
                 if extra:
                     raise SpecError(f"unknown keyword(s) {sorted(extra)}")
             except (SpecError, TypeError) as exc:
-                raise _conversion_error(where, fn, f"has arguments no canonical activation takes ({exc})") from None
+                raise conversion_error(where, fn, f"has arguments no canonical activation takes ({exc})") from None
             return act
-    raise _conversion_error(where, fn, "is a Python callable dense_bridge cannot read; use an mlx.nn "
+    raise conversion_error(where, fn, "is a Python callable dense_bridge cannot read; use an mlx.nn "
                             "activation module or a known function such as nn.relu")

@@ -2,7 +2,8 @@
 
 What compile builds, how masks stay frozen and why compiling never draws from MLX's random
 state: see the package docstring (``backends/mlx/__init__.py``).
-Each compiled layer keeps its spec under ``_SPEC_ATTR`` (names and initializers MLX cannot hold).
+Each compiled layer keeps its spec with the core's ``remember_spec`` (names and initializers MLX
+cannot hold).
 """
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import numpy as np
 
 from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
+from dense_bridge._spec_memory import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 
-from ._activations import _activation_fn, _activation_module
+from ._activations import activation_fn, activation_module
 from ._arrays import check_dtype, to_mx
 
-_SPEC_ATTR = "_dense_bridge_spec"  # the compiled spec: names and initializers MLX cannot hold
 
 
 # ------------------------------------------------------------------ Dense
@@ -61,7 +62,7 @@ class DenseLinear(nn.Linear):
         nn.Module.__init__(self)  # not nn.Linear.__init__: its random draws would be discarded
         self._no_grad = _FrozenKeys(self._no_grad)
         self._activation = activation
-        self._act = None if activation.is_identity else _activation_fn(activation)
+        self._act = None if activation.is_identity else activation_fn(activation)
         self._set_arrays(weight, bias, mask)
 
     def _set_arrays(self, weight, bias, mask) -> None:
@@ -175,7 +176,7 @@ def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
                 layer.bias = bias
         else:
             layer = DenseLinear(weight, bias, mask, spec.activation)
-    setattr(layer, _SPEC_ATTR, spec)
+    remember_spec(layer, spec)
     return layer
 
 
@@ -187,7 +188,7 @@ def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Mod
     layer.weight = to_mx(np.asarray(params["kernel"]).transpose(0, 2, 1), spec.dtype)
     if "bias" in params:
         layer.bias = to_mx(params["bias"], spec.dtype)
-    setattr(layer, _SPEC_ATTR, spec)
+    remember_spec(layer, spec)
     return layer
 
 
@@ -198,10 +199,10 @@ def _compile_layer(spec, source: ParamSource, index: int):
         return _compile_bilinear(spec, source, index)
     if isinstance(spec, Identity):
         layer = nn.Identity()
-        setattr(layer, _SPEC_ATTR, spec)
+        remember_spec(layer, spec)
         return layer
     if isinstance(spec, Activation):
-        return _activation_module(spec)
+        return activation_module(spec)
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
@@ -209,10 +210,10 @@ def compile(spec, source: ParamSource):
     """The mlx.nn module for ``spec`` with parameters from ``source`` (see the module docstring)."""
     if isinstance(spec, Sequential):
         model = nn.Sequential(*[_compile_layer(layer, source, i) for i, layer in enumerate(spec.layers)])
-        setattr(model, _SPEC_ATTR, spec)
+        remember_spec(model, spec)
         return model
     return _compile_layer(spec, source, 0)
 
 
-def _is_dense(m) -> bool:
+def is_dense(m) -> bool:
     return type(m) is nn.Linear or isinstance(m, DenseLinear)

@@ -19,8 +19,8 @@ from mlx.utils import tree_flatten
 
 from dense_bridge._layouts import Entry
 
-from ._arrays import _DTYPE_NAMES, to_mx, to_numpy
-from ._layers import _is_dense
+from ._arrays import MX_DTYPES, to_mx, to_numpy
+from ._layers import is_dense as _is_dense
 
 
 def _kind(m) -> str:
@@ -72,7 +72,7 @@ def _entry(path: str, m, kind: str) -> Entry:
         current = _own_arrays(m)
         new = {}
         for n, a in arrays.items():
-            dtype = _DTYPE_NAMES.get(current[n].dtype)
+            dtype = next((k for k, v in MX_DTYPES.items() if v == current[n].dtype), None)
             new[n] = to_mx(a, dtype) if dtype is not None else mx.array(np.asarray(a), dtype=current[n].dtype)
         m.update(new)
 

@@ -14,10 +14,10 @@ import numpy as np
 from dense_bridge._errors import SpecError
 
 from ._arrays import dtype_name, to_mx, to_numpy
-from ._layers import _is_dense
+from ._layers import is_dense
 
 
-def _positions(native) -> list[tuple[str, Any]]:
+def positions(native) -> list[tuple[str, Any]]:
     """(key prefix, module) for each position: "" for a lone layer, "0.", "1.", ... in a Sequential."""
     if type(native) is nn.Sequential:
         return [(f"{i}.", m) for i, m in enumerate(native.layers)]
@@ -25,7 +25,7 @@ def _positions(native) -> list[tuple[str, Any]]:
 
 
 def _layer_params(m) -> dict[str, np.ndarray]:
-    if _is_dense(m):
+    if is_dense(m):
         if "weight" not in m:
             raise SpecError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
                                   "first input): run one input through it before reading or saving them")
@@ -48,7 +48,7 @@ def get_params(native) -> dict[str, np.ndarray]:
     so a view stays a snapshot: training rebinds the module to new arrays)."""
     mx.eval(native.parameters())
     out: dict[str, np.ndarray] = {}
-    for prefix, m in _positions(native):
+    for prefix, m in positions(native):
         for key, value in _layer_params(m).items():
             out[prefix + key] = value
     return out
@@ -85,5 +85,5 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
 
 def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params into new MLX arrays (mx.array copies) and rebind them."""
-    for prefix, m in _positions(native):
+    for prefix, m in positions(native):
         _set_layer(m, params, prefix)

@@ -10,18 +10,18 @@ import mlx.nn as nn
 import numpy as np
 
 from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
-from ._activations import _activation_of_function, _activation_of_module, _conversion_error
+from ._activations import activation_of_function, activation_of_module, conversion_error
 from ._arrays import dtype_name, to_numpy
-from ._layers import _SPEC_ATTR, DenseLinear, LazyDenseLinear, _is_dense
+from ._layers import DenseLinear, LazyDenseLinear, is_dense
 
 
 def _stored(m, cls):
-    spec = getattr(m, _SPEC_ATTR, None)
-    return spec if isinstance(spec, cls) else None
+    return remembered_spec(m, cls)
 
 
 def _dense_spec(m, where: str) -> Dense:
@@ -29,7 +29,7 @@ def _dense_spec(m, where: str) -> Dense:
         return m._spec
     weight = m["weight"]
     if weight.ndim != 2:
-        raise _conversion_error(where, m, f"has a weight of shape {tuple(weight.shape)}, not (units, in)")
+        raise conversion_error(where, m, f"has a weight of shape {tuple(weight.shape)}, not (units, in)")
     units, in_features = (int(s) for s in weight.shape)
     stored = _stored(m, Dense)
     mask = None
@@ -56,7 +56,7 @@ def _bilinear_spec(m, where: str) -> Bilinear:
 
 
 def _layer_spec(m, where: str):
-    if _is_dense(m):
+    if is_dense(m):
         return _dense_spec(m, where)
     if type(m) is nn.Bilinear:
         return _bilinear_spec(m, where)
@@ -64,12 +64,12 @@ def _layer_spec(m, where: str):
         stored = _stored(m, Identity)
         return Identity(name=stored.name if stored else None)
     if isinstance(m, nn.Linear):
-        raise _conversion_error(where, m, "subclasses nn.Linear with a forward dense_bridge cannot read")
+        raise conversion_error(where, m, "subclasses nn.Linear with a forward dense_bridge cannot read")
     if isinstance(m, nn.Module):
-        return _activation_of_module(m, where)
+        return activation_of_module(m, where)
     if callable(m):
-        return _activation_of_function(m, where)
-    raise _conversion_error(where, m, "is not an MLX module or activation function")
+        return activation_of_function(m, where)
+    raise conversion_error(where, m, "is not an MLX module or activation function")
 
 
 def to_spec(native):
@@ -81,10 +81,10 @@ def to_spec(native):
     for i, m in enumerate(native.layers):
         where = f"native.layers[{i}]"
         if isinstance(m, nn.Sequential):
-            raise _conversion_error(where, m, "is a nested nn.Sequential; flatten it (parameter keys are "
+            raise conversion_error(where, m, "is a nested nn.Sequential; flatten it (parameter keys are "
                                     "positions in one Sequential)")
         if type(m) is nn.Bilinear:
-            raise _conversion_error(where, m, "takes two inputs and cannot sit in a Sequential chain")
+            raise conversion_error(where, m, "takes two inputs and cannot sit in a Sequential chain")
         layers.append(_layer_spec(m, where))
     stored = _stored(native, Sequential)
     has_dense = any(isinstance(l, Dense) for l in layers)

@@ -15,8 +15,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
-from ._layers import _is_dense
-from ._params import _positions
+from ._layers import is_dense
+from ._params import positions
 
 
 def _param_dtype(m) -> mx.Dtype | None:
@@ -44,7 +44,7 @@ def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
     out = {}
     if "weight" in grads:
         w = to_numpy(grads["weight"])
-        out["kernel"] = w.T if _is_dense(m) else w.transpose(0, 2, 1)
+        out["kernel"] = w.T if is_dense(m) else w.transpose(0, 2, 1)
     if "bias" in grads:
         out["bias"] = to_numpy(grads["bias"])
     return out
@@ -72,7 +72,7 @@ def _layer_vjp(m, xs: list[mx.array], g: mx.array) -> tuple[mx.array, list[mx.ar
 
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Per-layer outputs and gradients of L = sum(y * grad_out) with MLX's autograd (mx.vjp)."""
-    layers = [m for _, m in _positions(native)]
+    layers = [m for _, m in positions(native)]
     inputs = [np.asarray(x) for x in inputs]
     dtype = _trace_dtype(layers, inputs[0])
     xs = [to_mx(x, dtype) for x in inputs]

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from dense_bridge._errors import StateError
 from dense_bridge.activations import Activation
 
 from ._arrays import as_input
 
 
-class _Layer:
+class Layer:
     """Common surface: ``forward``, ``backward``, ``__call__``, ``spec``, ``grads``."""
 
     spec = None
@@ -22,7 +23,7 @@ class _Layer:
 
     def _require_forward(self):
         if getattr(self, "_cache", None) is None:
-            raise RuntimeError(f"{type(self).__name__}.backward called before forward")
+            raise StateError(f"{type(self).__name__}.backward called before forward")
 
     @property
     def grads(self) -> dict[str, np.ndarray]:
@@ -30,7 +31,7 @@ class _Layer:
         return dict(getattr(self, "_grads", {}))
 
 
-class ActivationLayer(_Layer):
+class ActivationLayer(Layer):
     """y = f(x), computed in float64 and returned in x's dtype."""
 
     def __init__(self, spec: Activation) -> None:

@@ -9,11 +9,11 @@ from dense_bridge._params import ParamSource
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 
-from ._activations import ActivationLayer, _Layer
+from ._activations import ActivationLayer, Layer
 from ._arrays import as_input
 
 
-class DenseLayer(_Layer):
+class DenseLayer(Layer):
     """Reference Dense: y = f(x @ (kernel * mask) + bias) for x (*, in_features).
 
     Attributes: ``kernel`` (in_features, units), ``bias`` (units,) or None, ``mask`` or None,
@@ -106,7 +106,7 @@ class DenseLayer(_Layer):
         return out
 
 
-class BilinearLayer(_Layer):
+class BilinearLayer(Layer):
     """Reference Bilinear: y_k = x1 @ kernel[k] @ x2 + bias[k].
 
     x1 (*, in1), x2 (*, in2) with equal leading dims -> y (*, units); kernel (units, in1, in2).
@@ -158,7 +158,7 @@ class BilinearLayer(_Layer):
         return out
 
 
-class IdentityLayer(_Layer):
+class IdentityLayer(Layer):
     """y = x."""
 
     def __init__(self, spec: Identity | None = None) -> None:
@@ -177,7 +177,7 @@ class IdentityLayer(_Layer):
         return {}
 
 
-class SequentialModel(_Layer):
+class SequentialModel(Layer):
     """Reference Sequential: ``layers`` applied in order; backward runs them in reverse."""
 
     def __init__(self, spec: Sequential, source: ParamSource) -> None:

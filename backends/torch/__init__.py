@@ -61,7 +61,7 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "train_sgd", "walk"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
-# it (``_describe``): keep the path they had as the single module ``backends/torch.py``.
+# it (``describe``): keep the path they had as the single module ``backends/torch.py``.
 # ``_check_width`` is pickled as the forward pre-hook of a materialized LazyDense.
 for _obj in (ExactActivation, DenseLinear, LazyDense, _check_width):
     _obj.__module__ = __name__

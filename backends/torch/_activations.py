@@ -48,7 +48,7 @@ class ExactActivation(nn.Module):
 _DEFAULT_SELU = Activation("selu")
 
 
-def _activation_module(act: Activation) -> nn.Module:
+def activation_module(act: Activation) -> nn.Module:
     """The torch module computing ``act`` exactly, every parameter passed explicitly."""
     n, p = act.name, act.params
     simple = {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
@@ -113,7 +113,7 @@ def _celu_spec(alpha: Any, where: str) -> Activation:
     return Activation("elu", alpha=1.0)
 
 
-def _module_activation(m: nn.Module, where: str) -> Activation | None:
+def module_activation(m: nn.Module, where: str) -> Activation | None:
     """The Activation a torch activation module computes (params read exactly), or None."""
     kind = type(m)
     if kind is ExactActivation:
@@ -145,7 +145,7 @@ def _module_activation(m: nn.Module, where: str) -> Activation | None:
 
 
 # ------------------------------------------------------------------ functions and tensor methods
-def _fn_spec(name: str, b: dict, where: str):
+def fn_spec(name: str, b: dict, where: str):
     """The spec of a traced function call, from its bound arguments (torch's defaults filled in)."""
     if name == "dropout":
         return Identity()
@@ -171,7 +171,7 @@ def _fn_spec(name: str, b: dict, where: str):
 
 # Functions and tensor methods a chain may call: target -> (dense_bridge name, argument names).
 _I, _IP = ("input",), ("input", "inplace")
-_FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
+FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
     F.relu: ("relu", _IP), torch.relu: ("relu", _I), torch.relu_: ("relu", _I), F.relu_: ("relu", _I),
     F.relu6: ("relu6", _IP), F.hardtanh: ("hardtanh", ("input", "min_val", "max_val", "inplace")),
     F.leaky_relu: ("leaky_relu", ("input", "negative_slope", "inplace")),
@@ -187,7 +187,7 @@ _FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
     torch.log_softmax: ("log_softmax", ("input", "dim", "dtype")),
     torch.exp: ("exponential", _I), F.dropout: ("dropout", ("input", "p", "training", "inplace")),
 }
-_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
+METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "relu": ("relu", _I), "relu_": ("relu", _I), "sigmoid": ("sigmoid", _I), "tanh": ("tanh", _I),
     "exp": ("exponential", _I), "softmax": ("softmax", ("input", "dim", "dtype")),
     "log_softmax": ("log_softmax", ("input", "dim", "dtype")),

@@ -17,15 +17,15 @@ from torch import nn
 
 from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
+from dense_bridge._spec_memory import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential, from_config
 
-from ._activations import _activation_module
+from ._activations import activation_module
 from ._arrays import TORCH_DTYPES, copy_in, from_numpy
 
-# Spec fields a torch module cannot hold natively (initializers, names): kept on the compiled
-# module as plain JSON-able data so that deepcopy/pickle of the module keep working.
-_META = "_dense_bridge_meta"
+# Spec fields a torch module cannot hold natively (initializers, names) are kept with the
+# core's remember_spec (the spec itself: picklable and deep-copyable).
 _LAZY_INIT = "_dense_bridge_init"
 
 
@@ -159,7 +159,7 @@ def _adopt(module: nn.Module, arrays: dict[str, np.ndarray], parameters: dict[st
 
 def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
     dtype = TORCH_DTYPES[spec.dtype]
-    act = None if spec.activation.name == "linear" else _activation_module(spec.activation)
+    act = None if spec.activation.name == "linear" else activation_module(spec.activation)
     if spec.lazy:
         # given params fix the width (ParamSource fills it), so a lazy layer always draws from the seed
         init = {"spec": spec.to_config(), "seed": source.seed, "index": index}
@@ -176,8 +176,7 @@ def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
             module = DenseLinear(spec.in_features, spec.units, spec.use_bias, activation=act, mask=mask,
                                  device="meta", dtype=dtype)
         _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {"mask": "mask"})
-    setattr(module, _META, {"kernel_init": spec.kernel_init.to_config(),
-                            "bias_init": spec.bias_init.to_config(), "name": spec.name})
+    remember_spec(module, spec)
     return module
 
 
@@ -186,7 +185,7 @@ def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Bil
     module = nn.Bilinear(spec.in1_features, spec.in2_features, spec.units, spec.use_bias, device="meta",
                          dtype=TORCH_DTYPES[spec.dtype])
     _adopt(module, params, {"kernel": "weight", "bias": "bias"}, {})
-    setattr(module, _META, {"init": spec.init.to_config(), "name": spec.name})
+    remember_spec(module, spec)
     return module
 
 
@@ -197,10 +196,10 @@ def _compile_layer(spec, source: ParamSource, index: int) -> nn.Module:
         return _compile_bilinear(spec, source, index)
     if isinstance(spec, Identity):
         module = nn.Identity()
-        setattr(module, _META, {"name": spec.name})
+        remember_spec(module, spec)
         return module
     if isinstance(spec, Activation):
-        return _activation_module(spec)
+        return activation_module(spec)
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
@@ -222,6 +221,6 @@ def compile(spec, source: ParamSource) -> nn.Module:
     """The torch module for ``spec``, with parameters from ``source`` copied into torch memory."""
     if isinstance(spec, Sequential):
         module = nn.Sequential(*[_compile_layer(l, source, i) for i, l in enumerate(spec.layers)])
-        setattr(module, _META, {"name": spec.name, "in_features": spec.in_features})
+        remember_spec(module, spec)
         return module
     return _compile_layer(spec, source, 0)

@@ -16,7 +16,7 @@ from torch import nn
 from dense_bridge._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
-from ._to_spec import _LINEAR_TYPES
+from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
 
 
 

@@ -11,28 +11,28 @@ from torch import nn
 from dense_bridge._errors import SpecError
 
 from ._arrays import copy_in, to_numpy
-from ._to_spec import (_LINEAR_TYPES, _chain, _check_plain_params, _declared_tensors, _describe, _has_params,
-                       _is_container)
+from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params,
+                       is_container)
 
 
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     """(key prefix, module) for every parameterised layer, by chain position."""
-    if not _is_container(native):
+    if not is_container(native):
         # a chain checks each position in _leaf_spec; a lone pruned/parametrized Linear must fail
         # here too, not read a stale weight (or nothing: a parametrized Linear changes class)
-        _check_plain_params(native, _describe(native))
+        check_plain_params(native, describe(native))
         return [("", native)]
-    return [(f"{i}.", s.module) for i, s in enumerate(_chain(native)) if _has_params(s.module)]
+    return [(f"{i}.", s.module) for i, s in enumerate(chain(native)) if has_params(s.module)]
 
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
         out = {"kernel": to_numpy(m.weight)}
-    elif type(m) not in _LINEAR_TYPES and _has_params(m):  # declared with db.register_layout
-        kernel, bias, transposed = _declared_tensors(m)
+    elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
+        kernel, bias, transposed = declared_tensors(m)
         out = {"kernel": to_numpy(kernel).T if transposed else to_numpy(kernel)}
         return out if bias is None else {**out, "bias": to_numpy(bias)}
-    elif type(m) in _LINEAR_TYPES:
+    elif type(m) in LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
@@ -54,8 +54,8 @@ def get_params(native: nn.Module) -> dict[str, np.ndarray]:
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
     for prefix, m in _layer_modules(native):
-        if type(m) not in _LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
-            kernel, bias, transposed = _declared_tensors(m)
+        if type(m) not in LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
+            kernel, bias, transposed = declared_tensors(m)
             if prefix + "kernel" in params:
                 copy_in(kernel, params[prefix + "kernel"], transpose=transposed)
             if prefix + "bias" in params:

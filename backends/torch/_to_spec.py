@@ -17,34 +17,54 @@ from torch.nn.utils import parametrize, prune
 from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge._layouts import declared
 from dense_bridge.activations import Activation
+from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 
-from ._activations import _FUNCTIONS, _METHODS, ExactActivation, _fn_spec, _module_activation
+from ._activations import FUNCTIONS, METHODS, ExactActivation, fn_spec, module_activation
 from ._arrays import dtype_name
-from ._layers import _META, DenseLinear, LazyDense
+from ._layers import DenseLinear, LazyDense
+
+# Modules pickled by dense_bridge 0.1 carry the remembered fields as a JSON-able dict here.
+_LEGACY_META = "_dense_bridge_meta"
 
 
 # ------------------------------------------------------------------ one module
-def _describe(m: nn.Module) -> str:
+def _remembered(m: nn.Module, cls: type) -> dict:
+    """The spec fields torch cannot hold (initializers, name, a Sequential's in_features) that
+    compile remembered on ``m``, as a dict; {} for a module built by hand."""
+    spec = remembered_spec(m, cls)
+    if spec is not None:
+        fields = {"name": spec.name}
+        if isinstance(spec, Dense):
+            fields.update(kernel_init=spec.kernel_init, bias_init=spec.bias_init)
+        elif isinstance(spec, Bilinear):
+            fields.update(init=spec.init)
+        elif isinstance(spec, Sequential):
+            fields.update(in_features=spec.in_features)
+        return fields
+    return dict(getattr(m, _LEGACY_META, None) or {})  # a module pickled by dense_bridge 0.1
+
+
+def describe(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__qualname__}"
 
 
 # NonDynamicallyQuantizableLinear: nn.MultiheadAttention's out_proj, an nn.Linear in all but name
-_LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense, nn.modules.linear.NonDynamicallyQuantizableLinear)
+LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
-def _has_params(m: nn.Module | None) -> bool:
+def has_params(m: nn.Module | None) -> bool:
     """Is ``m`` a layer whose parameters dense_bridge reads (Linear family or Bilinear)?"""
-    return m is not None and (type(m) in _LINEAR_TYPES + (nn.Bilinear,) or declared(m) is not None)
+    return m is not None and (type(m) in LINEAR_TYPES + (nn.Bilinear,) or declared(m) is not None)
 
 
-def _declared_tensors(m: nn.Module) -> tuple[object, object | None, bool]:
+def declared_tensors(m: nn.Module) -> tuple[object, object | None, bool]:
     """(kernel tensor, bias tensor or None, stored transposed?) of a class declared with
     db.register_layout (transformers' Conv1D: weight (in, out), not transposed)."""
     decl = declared(m)
     kernel = getattr(m, decl.kernel, None)
     if kernel is None or getattr(kernel, "ndim", 0) != 2:
-        raise ConversionError(f"cannot read {_describe(m)}: its layout declaration names the kernel "
+        raise ConversionError(f"cannot read {describe(m)}: its layout declaration names the kernel "
                               f"attribute {decl.kernel!r}, which is {type(kernel).__name__}, not a 2-D tensor")
     bias = getattr(m, decl.bias, None) if decl.bias else None
     return kernel, bias, decl.transposed
@@ -69,7 +89,7 @@ def _hook_fix(m: nn.Module) -> str:
     return "weight or bias computed rather than registered as a Parameter; make it a plain nn.Parameter first"
 
 
-def _check_plain_params(m: nn.Module, where: str) -> None:
+def check_plain_params(m: nn.Module, where: str) -> None:
     """ConversionError for a Linear/Bilinear whose weight or bias is computed, not stored.
 
     torch's prune, parametrize (weight_norm, spectral_norm, orthogonal, ...) and the legacy
@@ -96,11 +116,11 @@ def _dense_spec(m: nn.Module, where: str) -> Dense:
     lazy = isinstance(m, nn.LazyLinear) and m.has_uninitialized_params()
     act = getattr(m, "activation", None)
     activation = Activation("linear") if act is None or type(act) is nn.Identity else \
-        _module_activation(act, f"{where}.activation")
+        module_activation(act, f"{where}.activation")
     if activation is None:
-        raise ConversionError(f"{where}.activation is {_describe(act)}, not a known activation module")
+        raise ConversionError(f"{where}.activation is {describe(act)}, not a known activation module")
     mask = getattr(m, "mask", None)
-    meta = getattr(m, _META, None) or {}
+    meta = _remembered(m, Dense)
     return Dense(
         m.out_features, in_features=None if lazy else m.in_features, use_bias=m.bias is not None,
         # read as bool: the mask is 0/1 in the layer dtype, and Wiring takes no bfloat16
@@ -112,29 +132,29 @@ def _dense_spec(m: nn.Module, where: str) -> Dense:
 
 def _leaf_spec(m: nn.Module, where: str):
     """The spec of a single module, or None when ``m`` is not one dense_bridge knows as a layer."""
-    _check_plain_params(m, where)
+    check_plain_params(m, where)
     kind = type(m)
-    if kind in _LINEAR_TYPES:
+    if kind in LINEAR_TYPES:
         return _dense_spec(m, where)
     if kind is nn.Bilinear:
-        meta = getattr(m, _META, None) or {}
+        meta = _remembered(m, Bilinear)
         return Bilinear(m.in1_features, m.in2_features, m.out_features, use_bias=m.bias is not None,
                         init=meta.get("init", "torch_default"), dtype=dtype_name(m.weight.dtype, where),
                         name=meta.get("name"))
     if declared(m) is not None:
-        kernel, bias, transposed = _declared_tensors(m)
+        kernel, bias, transposed = declared_tensors(m)
         units, in_features = kernel.shape if transposed else kernel.shape[::-1]
         return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
                      kernel_init="torch_default", bias_init="zeros", dtype=dtype_name(kernel.dtype, where))
     if kind is nn.Identity:
-        return Identity(name=(getattr(m, _META, None) or {}).get("name"))
+        return Identity(name=_remembered(m, Identity).get("name"))
     if kind in (nn.Dropout, nn.AlphaDropout):
         return Identity()  # dropout's eval-mode function; training-time dropout is not carried over
-    return _module_activation(m, where)
+    return module_activation(m, where)
 
 
 # ------------------------------------------------------------------ chains
-class _Step:
+class Step:
     """One position of a chain: its spec, the module holding its parameters, how to run it."""
 
     __slots__ = ("spec", "module", "run")
@@ -146,7 +166,7 @@ class _Step:
 _OWN_LEAVES = (DenseLinear, LazyDense, ExactActivation)
 
 
-def _is_container(m: nn.Module) -> bool:
+def is_container(m: nn.Module) -> bool:
     """Modules whose forward calls other modules: traced into rather than read as a layer."""
     if isinstance(m, nn.Sequential):
         return True
@@ -201,11 +221,11 @@ def _replay(node: torch.fx.Node) -> Callable:
     return lambda x: node.target(x, *args, **kwargs)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _traced_chain(root: nn.Module, what: str) -> list[_Step]:
+def _traced_chain(root: nn.Module, what: str) -> list[Step]:
     """The chain of a module's forward, read with torch.fx; ConversionError naming any offender."""
     try:
         graph = _Tracer().trace(root)
@@ -218,7 +238,7 @@ def _traced_chain(root: nn.Module, what: str) -> list[_Step]:
     if len(inputs) != 1:
         raise ConversionError(f"cannot convert {what}: its forward takes {len(inputs)} inputs "
                               f"({', '.join(n.name for n in inputs)}); only single-input chains convert")
-    steps: list[_Step] = []
+    steps: list[Step] = []
     flatten: tuple[torch.fx.Node, int] | None = None
     cur = inputs[0]
     for node in nodes:
@@ -253,17 +273,17 @@ def _traced_chain(root: nn.Module, what: str) -> list[_Step]:
     return steps
 
 
-def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> _Step:
+def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> Step:
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         spec = _leaf_spec(module, where)
         if spec is None or isinstance(spec, Bilinear):
-            raise ConversionError(f"cannot convert {where}: {_describe(module)} is not a Linear layer, "
+            raise ConversionError(f"cannot convert {where}: {describe(module)} is not a Linear layer, "
                                   f"Identity, Dropout or activation module")
         if node.args[0] is not cur or len(node.args) != 1 or node.kwargs:
             raise ConversionError(f"cannot convert {where}: called with extra arguments")
-        return _Step(spec, module, module)
-    table = _FUNCTIONS if node.op == "call_function" else _METHODS if node.op == "call_method" else {}
+        return Step(spec, module, module)
+    table = FUNCTIONS if node.op == "call_function" else METHODS if node.op == "call_method" else {}
     key = node.target
     try:
         entry = table.get(key)
@@ -275,9 +295,9 @@ def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> _Step:
     bound = _bind(node, names, where)
     if bound.get("input") is not cur:
         raise ConversionError(f"cannot convert {where}: the chain value is not its input")
-    spec = _fn_spec(name, bound, where)
+    spec = fn_spec(name, bound, where)
     # dropout runs as what the spec says it is (identity), even if traced in training mode
-    return _Step(spec, None, _identity if isinstance(spec, Identity) else _replay(node))
+    return Step(spec, None, identity if isinstance(spec, Identity) else _replay(node))
 
 
 def _memory_span(t: torch.Tensor) -> tuple | None:
@@ -290,7 +310,7 @@ def _memory_span(t: torch.Tensor) -> tuple | None:
     return (str(t.device), start, start + extent * t.element_size())
 
 
-def _check_untied(what: str, steps: list[_Step]) -> None:
+def _check_untied(what: str, steps: list[Step]) -> None:
     """ConversionError when two positions share a parameter (tied weights) or its memory.
 
     ``lin2.weight = lin1.weight`` (or an ``nn.Parameter`` over the same storage) passes the
@@ -299,7 +319,7 @@ def _check_untied(what: str, steps: list[_Step]) -> None:
     """
     spans = []
     for i, step in enumerate(steps):
-        if not _has_params(step.module):
+        if not has_params(step.module):
             continue
         m = step.module
         for name, t in list(m._parameters.items()) + list(m._buffers.items()):
@@ -323,36 +343,36 @@ def _check_untied(what: str, steps: list[_Step]) -> None:
             reach = entry
 
 
-def _chain(native: nn.Module) -> list[_Step]:
+def chain(native: nn.Module) -> list[Step]:
     """Positions of a container (nn.Sequential or a traced nn.Module) as steps."""
     steps = _chain_steps(native)
     seen: dict[int, int] = {}
     for i, step in enumerate(steps):
-        if _has_params(step.module):
+        if has_params(step.module):
             if id(step.module) in seen:
-                raise ConversionError(f"cannot convert {_describe(native)}: the same {type(step.module).__name__} "
+                raise ConversionError(f"cannot convert {describe(native)}: the same {type(step.module).__name__} "
                                       f"is used at chain positions {seen[id(step.module)]} and {i} (shared "
                                       f"weights); dense_bridge layers own their parameters")
             seen[id(step.module)] = i
         if isinstance(step.spec, Identity) and step.module is not None and type(step.module) is not nn.Identity:
-            step.run = _identity  # Dropout: its eval-mode function, whatever the module's mode
-    _check_untied(_describe(native), steps)
+            step.run = identity  # Dropout: its eval-mode function, whatever the module's mode
+    _check_untied(describe(native), steps)
     return steps
 
 
-def _chain_steps(native: nn.Module) -> list[_Step]:
-    what = _describe(native)
+def _chain_steps(native: nn.Module) -> list[Step]:
+    what = describe(native)
     if type(native) is nn.Sequential:
         children = list(native)
-        if not any(_is_container(c) for c in children):
+        if not any(is_container(c) for c in children):
             steps = []
             for i, child in enumerate(children):
                 where = f"{what} position {i}"
                 spec = _leaf_spec(child, where)
                 if spec is None or isinstance(spec, Bilinear):
-                    raise ConversionError(f"cannot convert {where}: {_describe(child)} is not a Linear layer, "
+                    raise ConversionError(f"cannot convert {where}: {describe(child)} is not a Linear layer, "
                                           f"Identity, Dropout or activation module")
-                steps.append(_Step(spec, child, child))
+                steps.append(Step(spec, child, child))
             return steps
     return _traced_chain(native, what)
 
@@ -372,15 +392,15 @@ def _check_one_dtype(what: str, layers: list) -> None:
 
 def to_spec(native: nn.Module):
     """The spec of a torch module: a layer, an nn.Sequential, or an nn.Module chain (see module doc)."""
-    what = _describe(native)
-    if not _is_container(native):
+    what = describe(native)
+    if not is_container(native):
         spec = _leaf_spec(native, what)
         if spec is None:
             raise ConversionError(f"cannot convert {what}: not a Linear, Bilinear, Identity, Dropout, activation "
                                   f"or container module. {received('native', native)}")
         return spec
-    steps = _chain(native)
-    meta = getattr(native, _META, None) or {}
+    steps = chain(native)
+    meta = _remembered(native, Sequential)
     layers = [s.spec for s in steps]
     _check_one_dtype(what, layers)
     try:

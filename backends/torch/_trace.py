@@ -17,20 +17,20 @@ from dense_bridge.specs import Identity
 from ._arrays import TORCH_DTYPES, from_numpy, to_numpy
 from dense_bridge._layouts import declared
 
-from ._to_spec import _chain, _declared_tensors, _has_params, _identity, _is_container, _Step, to_spec
+from ._to_spec import Step, chain, declared_tensors, has_params, identity, is_container, to_spec
 
 
-def _steps(native: nn.Module) -> list[_Step]:
-    if not _is_container(native):
+def _steps(native: nn.Module) -> list[Step]:
+    if not is_container(native):
         spec = to_spec(native)
-        return [_Step(spec, native, _identity if isinstance(spec, Identity) else native)]
-    return _chain(native)
+        return [Step(spec, native, identity if isinstance(spec, Identity) else native)]
+    return chain(native)
 
 
-def _input_dtype(steps: list[_Step], x: np.ndarray) -> torch.dtype:
+def _input_dtype(steps: list[Step], x: np.ndarray) -> torch.dtype:
     """The first parameterised layer's dtype (torch's Linear rejects any other input dtype)."""
     for s in steps:
-        if _has_params(s.module):
+        if has_params(s.module):
             return _param_tensors(s.module)[0][1].dtype
     # parameterless: the input's own float dtype; numpy's rule for integer input is float64
     return TORCH_DTYPES.get(np.asarray(x).dtype.name, torch.float64)
@@ -38,10 +38,10 @@ def _input_dtype(steps: list[_Step], x: np.ndarray) -> torch.dtype:
 
 def _param_tensors(m: nn.Module | None) -> list[tuple[str, torch.Tensor, bool]]:
     """(canonical name, tensor, transposed?) of a step's parameters."""
-    if not _has_params(m):
+    if not has_params(m):
         return []
     if declared(m) is not None:
-        kernel, bias, transposed = _declared_tensors(m)
+        kernel, bias, transposed = declared_tensors(m)
         return [("kernel", kernel, transposed)] + ([] if bias is None else [("bias", bias, False)])
     out = [("kernel", m.weight, type(m) is not nn.Bilinear)]
     if m.bias is not None:
@@ -49,11 +49,11 @@ def _param_tensors(m: nn.Module | None) -> list[tuple[str, torch.Tensor, bool]]:
     return out
 
 
-def _forward_steps(steps: list[_Step], xs: list[torch.Tensor]):
+def _forward_steps(steps: list[Step], xs: list[torch.Tensor]):
     """Run the steps keeping every layer's inputs and output (the graph retains them)."""
     layer_inputs, outputs, cur = [], [], xs
     for step in steps:
-        if _has_params(step.module):
+        if has_params(step.module):
             y = step.run(*cur)
         else:  # run on a copy: an in-place activation (inplace=True) must not overwrite the record
             y = step.run(*[c.clone() for c in cur])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._dtypes import EPS
+from .._errors import SpecError
 
 C_OUTPUT = 4.0
 C_GRADIENT = 10.0
@@ -42,7 +43,7 @@ class Tolerance:
                 raise TypeError(f"Tolerance.{name} must be a number. Received: {name}={value!r}")
             if not math.isfinite(value) or value < 0 or (name != "atol" and value == 0):
                 what = "a finite number >= 0" if name == "atol" else "a finite number > 0"
-                raise ValueError(f"Tolerance.{name} must be {what}. Received: {name}={value!r}")
+                raise SpecError(f"Tolerance.{name} must be {what}. Received: {name}={value!r}")
 
 
 def as_float64(x) -> np.ndarray:
