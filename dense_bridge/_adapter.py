@@ -37,6 +37,14 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
   trace as a lone layer; "quantized"; "other": norms, embeddings, ...) and readers/writers of its
   own parameters in the framework's layout (``_models.py``). Behind ``db.linear_layers``,
   ``db.transfer`` and ``testing.compare_models``.
+- ``capture(model, inputs, layers, *, cotangent, select=None, grads=True) -> Capture``: one forward
+  and (with ``grads``) one backward pass of a whole native ``model`` with the framework's own
+  autograd for L = sum(out * cotangent(out.shape)), ``out`` the selected output (the first
+  floating one unless ``select``), recording for every layer of ``layers`` (path -> native layer,
+  as ``walk`` gives them) each call's inputs, output and dL/d(output), in execution order, and
+  each layer's parameter gradients in the canonical layout. ``inputs``: a list of numpy arrays
+  (positional) or a dict (keyword); integer arrays stay integers. Layers are hooked or wrapped
+  only for the pass and ALWAYS restored (``dense_bridge.testing._captures``, issue 13).
 - ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
   (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
 - ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
@@ -50,7 +58,7 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
 contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
-``_files.py``, issue 10), ``capture`` (per-layer capture inside a whole model, ``_capture.py``, issue 13), and
+``_files.py``, issue 10), and
 ``parallelize`` (``_parallel.py``, optional, issue 16).
 """
 from __future__ import annotations
@@ -67,7 +75,9 @@ __all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPT
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
 REQUIRED_VERBS: tuple[str, ...] = (
-    "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy", "walk",
+    "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+    "capture",  # issue 13
+    "walk",  # issue 12
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
@@ -89,7 +99,7 @@ REQUIRED_FILES: tuple[str, ...] = (
 #: issue that adds them to every adapter).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
-    "_capture.py",   # capture: per-layer inputs/outputs inside a whole model (issue 13)
+    "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
 )
 
@@ -105,4 +115,6 @@ class Adapter(Protocol):
     def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace: ...
     def to_numpy(self, array: Any) -> np.ndarray: ...
     def from_numpy(self, array: np.ndarray) -> Any: ...
+    def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
+                select: Any = None, grads: bool = True) -> Any: ...
     def walk(self, model: Any) -> list[Entry]: ...

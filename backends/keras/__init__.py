@@ -64,11 +64,11 @@ from ._layers import Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
+from ._capture import capture
 from ._models import walk  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
-           "walk"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

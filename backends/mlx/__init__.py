@@ -56,11 +56,11 @@ from ._layers import DenseLinear, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
+from ._capture import capture
 from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
-           "walk"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:

@@ -54,11 +54,12 @@ from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace, train_sgd
+from ._capture import capture
 from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
-           "train_sgd", "walk"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "train_sgd"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.
