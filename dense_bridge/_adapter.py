@@ -31,6 +31,12 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
 - ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace``: run forward and
   backward with the framework's own autograd for L = sum(y * grad_out); report every layer
   (``dense_bridge._trace``).
+- ``walk(model) -> list[dense_bridge._layouts.Entry]``: every layer inside any model tree that
+  holds parameters of its own (and every linear-family layer), in definition order, with its
+  path in the framework's naming, its kind ("linear": works with get/set_params, to_spec and
+  trace as a lone layer; "quantized"; "other": norms, embeddings, ...) and readers/writers of its
+  own parameters in the framework's layout (``_models.py``). Behind ``db.linear_layers``,
+  ``db.transfer`` and ``testing.compare_models``.
 - ``capture(model, inputs, layers, *, cotangent, select=None, grads=True) -> Capture``: one forward
   and (with ``grads``) one backward pass of a whole native ``model`` with the framework's own
   autograd for L = sum(out * cotangent(out.shape)), ``out`` the selected output (the first
@@ -52,7 +58,7 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
 contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
-``_files.py``, issue 10), ``walk`` (linear layers inside any model, ``_models.py``, issue 12), and
+``_files.py``, issue 10), and
 ``parallelize`` (``_parallel.py``, optional, issue 16).
 """
 from __future__ import annotations
@@ -61,6 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._layouts import Entry
 from ._params import ParamSource
 from ._trace import Trace
 
@@ -70,6 +77,7 @@ __all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPT
 REQUIRED_VERBS: tuple[str, ...] = (
     "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
     "capture",  # issue 13
+    "walk",  # issue 12
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
@@ -84,13 +92,13 @@ REQUIRED_FILES: tuple[str, ...] = (
     "_params.py",       # get_params/set_params and the layout table (every transpose)
     "_to_spec.py",      # to_spec: a native layer or chain -> its spec
     "_trace.py",        # trace: forward and backward with the framework's autograd
+    "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
 )
 
 #: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
 #: issue that adds them to every adapter).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
-    "_models.py",    # walk: linear layers inside any model, other params (issue 12)
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
 )
@@ -109,3 +117,4 @@ class Adapter(Protocol):
     def from_numpy(self, array: np.ndarray) -> Any: ...
     def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
                 select: Any = None, grads: bool = True) -> Any: ...
+    def walk(self, model: Any) -> list[Entry]: ...

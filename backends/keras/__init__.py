@@ -42,7 +42,8 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``_layers`` (DenseBridgeDense, Bilinear, Keras <-> dense_bridge initializers with the ParamSource
 draw, and ``compile``), ``_to_spec`` (the layer chain of a Sequential/functional model, reading
 layers and models back into specs), ``_params`` (get/set params), ``_trace``
-(``tf.GradientTape`` traces).
+(``tf.GradientTape`` traces), ``_models`` (``walk``: every layer with variables inside any model,
+and EinsumDense read as the linear layer its equation makes it).
 """
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
 from ._capture import capture
+from ._models import walk  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

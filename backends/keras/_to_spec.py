@@ -20,6 +20,7 @@ from dense_bridge.specs import Dense, Identity, Sequential
 
 from ._activations import _activation_of_function, _activation_of_layer
 from ._layers import Bilinear, DenseBridgeDense, _db_init
+from ._models import plan_or_raise
 
 
 
@@ -111,6 +112,9 @@ def _kind(layer) -> str:
         return "dense"
     if t is Bilinear:
         return "bilinear"
+    if t is keras.layers.EinsumDense:  # a linear map by its equation, or refused saying why
+        plan_or_raise(layer)
+        return "einsum"
     if t in (keras.layers.Identity, keras.layers.Dropout) or _activation_of_layer(layer) is not None:
         return "free"
     raise ConversionError(
@@ -153,6 +157,8 @@ def _layer_spec(layer):
     kind = _kind(layer)
     if kind == "dense":
         return _dense_spec(layer)
+    if kind == "einsum":
+        return _einsum_spec(layer)
     if kind == "bilinear":
         return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
                             init=_db_init(layer.kernel_initializer, "torch_default"),
@@ -169,6 +175,18 @@ def _dtype_of(layer) -> str:
         raise ConversionError(f"{_describe(layer)} has dtype {dtype}; dense_bridge supports "
                               f"{', '.join(DTYPE_NAMES)}")
     return dtype
+
+
+def _einsum_spec(layer) -> Dense:
+    """An EinsumDense whose equation is a linear map, as the Dense it computes (backends/keras/_models.py)."""
+    where = _describe(layer)
+    if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
+        raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
+    plan = plan_or_raise(layer)
+    return Dense(plan.units, in_features=plan.in_features, use_bias=plan.bias_axes is not None,
+                 activation=_activation_of_function(layer.activation, where),
+                 kernel_init=_db_init(layer.kernel_initializer, "glorot_uniform"),
+                 bias_init=_db_init(layer.bias_initializer, "zeros"), dtype=_dtype_of(layer), name=_spec_name(layer))
 
 
 def _dense_spec(layer) -> Dense:

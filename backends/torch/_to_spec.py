@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from dense_bridge._errors import ConversionError, SpecError, received
+from dense_bridge._layouts import declared
 from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
@@ -48,12 +49,25 @@ def describe(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__qualname__}"
 
 
-LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense)
+# NonDynamicallyQuantizableLinear: nn.MultiheadAttention's out_proj, an nn.Linear in all but name
+LINEAR_TYPES = (nn.Linear, DenseLinear, nn.LazyLinear, LazyDense, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
 def has_params(m: nn.Module | None) -> bool:
     """Is ``m`` a layer whose parameters dense_bridge reads (Linear family or Bilinear)?"""
-    return m is not None and type(m) in LINEAR_TYPES + (nn.Bilinear,)
+    return m is not None and (type(m) in LINEAR_TYPES + (nn.Bilinear,) or declared(m) is not None)
+
+
+def declared_tensors(m: nn.Module) -> tuple[object, object | None, bool]:
+    """(kernel tensor, bias tensor or None, stored transposed?) of a class declared with
+    db.register_layout (transformers' Conv1D: weight (in, out), not transposed)."""
+    decl = declared(m)
+    kernel = getattr(m, decl.kernel, None)
+    if kernel is None or getattr(kernel, "ndim", 0) != 2:
+        raise ConversionError(f"cannot read {describe(m)}: its layout declaration names the kernel "
+                              f"attribute {decl.kernel!r}, which is {type(kernel).__name__}, not a 2-D tensor")
+    bias = getattr(m, decl.bias, None) if decl.bias else None
+    return kernel, bias, decl.transposed
 
 
 def _hook_fix(m: nn.Module) -> str:
@@ -127,6 +141,11 @@ def _leaf_spec(m: nn.Module, where: str):
         return Bilinear(m.in1_features, m.in2_features, m.out_features, use_bias=m.bias is not None,
                         init=meta.get("init", "torch_default"), dtype=dtype_name(m.weight.dtype, where),
                         name=meta.get("name"))
+    if declared(m) is not None:
+        kernel, bias, transposed = declared_tensors(m)
+        units, in_features = kernel.shape if transposed else kernel.shape[::-1]
+        return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
+                     kernel_init="torch_default", bias_init="zeros", dtype=dtype_name(kernel.dtype, where))
     if kind is nn.Identity:
         return Identity(name=_remembered(m, Identity).get("name"))
     if kind in (nn.Dropout, nn.AlphaDropout):
@@ -151,14 +170,14 @@ def is_container(m: nn.Module) -> bool:
     """Modules whose forward calls other modules: traced into rather than read as a layer."""
     if isinstance(m, nn.Sequential):
         return True
-    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn")
+    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn") and declared(m) is None
 
 
 class _Tracer(torch.fx.Tracer):
     """fx tracer that keeps dense_bridge's own modules as leaves (torch.nn ones already are)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return type(m) in _OWN_LEAVES or super().is_leaf_module(m, qualname)
+        return type(m) in _OWN_LEAVES or declared(m) is not None or super().is_leaf_module(m, qualname)
 
 
 _RESHAPES = {"view", "reshape"}
