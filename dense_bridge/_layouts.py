@@ -110,7 +110,12 @@ class Entry:
     read: Callable[[], dict[str, Any]]
     write: Callable[[dict[str, Any]], None]
     note: str = ""  # why a layer is quantized/other, for error messages
+    sep: str = "."  # between a layer path and its parameter names ("/" in Keras)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def param_path(self, name: str) -> str:
+        """The path of one of this layer's parameters ("encoder.dense.weight", "dense/kernel")."""
+        return f"{self.path}{self.sep}{name}" if self.path else name
 
     def where(self) -> str:
         t = type(self.layer)

@@ -29,6 +29,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
 from dense_bridge._layouts import Entry
 
@@ -237,8 +238,9 @@ def _entry(path: str, layer, kind: str, variables: list) -> Entry:
 
     def write(arrays: dict[str, Any]) -> None:
         for n, a in arrays.items():
-            _assign(named[n], np.ascontiguousarray(a))
+            target = numpy_dtype(keras.backend.standardize_dtype(named[n].dtype))
+            _assign(named[n], np.ascontiguousarray(np.asarray(a).astype(target, copy=False)))
 
     note = "" if kind != "quantized" else f"quantization_mode={layer.quantization_mode!r}"
     return Entry(path, layer, kind, tuple(named), {n: id(v) for n, v in named.items()},
-                 {n: tuple(int(s) for s in v.shape) for n, v in named.items()}, read, write, note)
+                 {n: tuple(int(s) for s in v.shape) for n, v in named.items()}, read, write, note, sep="/")

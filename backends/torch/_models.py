@@ -51,6 +51,10 @@ def walk(model: nn.Module) -> list[Entry]:
     for path, m in model.named_modules():
         kind = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
         params = {n: p for n, p in m._parameters.items() if p is not None}
+        # persistent floating buffers are state a port carries too (BatchNorm's running stats);
+        # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
+        params.update({n: b for n, b in m._buffers.items() if b is not None and b.is_floating_point()
+                       and n not in m._non_persistent_buffers_set and n != "mask"})
         if kind is None:
             if not params:
                 continue
