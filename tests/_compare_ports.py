@@ -3,8 +3,9 @@
 - transformers BERT (torch, ``hidden_act="gelu_pytorch_tanh"``) and keras-hub's ``BertBackbone``
   (whose FFN uses the tanh gelu);
 - transformers GPT-2 and mlx-lm's GPT-2 (``gelu_new`` = mlx ``gelu_approx``);
-- transformers Llama (``intermediate_size == hidden_size``: square MLP matrices) and mlx-lm's Llama
-  (MLP defined gate, down, up: by-order matching would swap up and down).
+- transformers Llama (``intermediate_size == hidden_size``: square MLP matrices; biases on, so
+  that a dropped one can be planted) and mlx-lm's Llama (MLP defined gate, down, up: by-order
+  matching would swap up and down).
 
 Every parameter of the source is drawn at random first (transformers zeroes biases and sets norm
 scales to 1, under which a dropped bias or a swapped norm would go unseen). The ports go through
@@ -61,7 +62,7 @@ def torch_bert(seed: int = 0):
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(seed)
     model = transformers.BertModel(cfg).eval()
-    _randomize_torch(model, seed)
+    _randomize_torch(model, seed, scale=0.25)
     return model
 
 
@@ -103,7 +104,8 @@ def torch_gpt2(seed: int = 0):
     import transformers
 
     cfg = transformers.GPT2Config(vocab_size=V, n_positions=POS, n_embd=H, n_layer=LAYERS, n_head=HEADS,
-                                  activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     model = transformers.GPT2Model(cfg).eval()
     _randomize_torch(model, seed, scale=0.3)
@@ -133,7 +135,8 @@ def torch_llama(seed: int = 0):
 
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=H, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POS,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=None)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     _randomize_torch(model, seed, scale=0.3)
@@ -146,7 +149,8 @@ def mlx_llama(dtype: str = "float32"):
 
     args = llama.ModelArgs(model_type="llama", hidden_size=H, num_hidden_layers=LAYERS, intermediate_size=H,
                            num_attention_heads=HEADS, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=V,
-                           max_position_embeddings=POS, tie_word_embeddings=False)
+                           max_position_embeddings=POS, tie_word_embeddings=False, attention_bias=True,
+                           mlp_bias=True)
     model = llama.Model(args)
     if dtype != "float32":
         model.set_dtype(getattr(mx, dtype))

@@ -65,11 +65,25 @@ class ModelReport(Report):
     layer where the models first part; ``pairs`` the matched (path in a, path in b)."""
 
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    #: per row of ``layers`` (by index): (path in a, path in b, call number)
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def first_divergence(self) -> str | None:  # type: ignore[override]
+        """The path in b of the layer where the models first part ("model output" for the end
+        of the model; None when they agree)."""
         f = self.first_failure
-        return None if f is None else f.layer_type.split(" [call")[0]
+        if f is None:
+            return None
+        return "model output" if f.layer is None else self.calls[f.layer][1]
+
+    @property
+    def first_divergence_a(self) -> str | None:
+        """The same layer's path in a."""
+        f = self.first_failure
+        if f is None:
+            return None
+        return "model output" if f.layer is None else self.calls[f.layer][0]
 
     def verdict(self) -> str:
         if not self.compared or self.passed or self.first_failure is None:
@@ -88,6 +102,8 @@ class ModelReport(Report):
     def to_dict(self) -> dict:
         d = super().to_dict()
         d["first_divergence"] = self.first_divergence
+        d["first_divergence_a"] = self.first_divergence_a
+        d["calls"] = [{"a": pa, "b": pb, "call": n} for pa, pb, n in self.calls]
         d["pairs"] = [list(p) for p in self.pairs]
         return d
 
@@ -190,13 +206,12 @@ def _rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    """Largest elementwise |a - b| / (|b| + rms(b)): the scale-free size of a difference."""
+    """The typical relative size of a difference, rms(a - b) / rms(b) (0 when b is all 0)."""
     if a.shape != b.shape or not a.size:
         return 0.0 if a.shape == b.shape else math.inf
-    with np.errstate(invalid="ignore", divide="ignore"):
-        d = np.abs(a - b) / (np.abs(b) + rms(b))
-    d = np.where(np.isnan(d), 0.0, d)
-    return float(d.max())
+    scale = rms(b)
+    d = rms(np.where(np.isfinite(a - b), a - b, 0.0))
+    return d / scale if scale > 0 else 0.0
 
 
 def _row(i, label, name, a, b, allowed, k, note="") -> QuantityResult:
@@ -398,6 +413,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
     for idx, cb in enumerate(cap_b.calls):
         pb = cb.path
         pa = b_to_a[pb]
+        report.calls.append((pa, pb, cb.call))
         label = pb if counts_b[pb] == 1 else f"{pb} [call {cb.call}]"
         if pa != pb:
             label += f" <- {pa}"
