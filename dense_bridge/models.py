@@ -242,11 +242,17 @@ def _last(path: str) -> str:
     return re.split(r"[./]", path)[-1] if path else ""
 
 
+def _linear_params(layer: Any) -> dict[str, np.ndarray]:
+    """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    try:
+        return adapter_for(layer).get_params(layer)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
+
+
 def _shape(e: Entry) -> tuple:
     """The canonical kernel shape: (in_features, units), or (units, in1, in2) for a Bilinear."""
-    from ._api import get_params
-
-    return tuple(get_params(e.layer, copy=False)["kernel"].shape)
+    return tuple(_linear_params(e.layer)["kernel"].shape)
 
 
 def _plan(src: _Side, dst: _Side, mapping: Any) -> _Plan:
@@ -485,11 +491,9 @@ def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
     Only the parameters are compared (names, shapes; values cast to dst's dtype and checked for
     NaN/Inf): a layer's fused activation need not be readable for its weights to move.
     """
-    from ._api import get_params
-
     try:
-        params = get_params(s.layer, copy=False)
-        have = get_params(d.layer, copy=False)
+        params = _linear_params(s.layer)
+        have = _linear_params(d.layer)
     except (ConversionError, SpecError) as exc:
         return f"{s.path!r} -> {d.path!r}: {exc}"
     if sorted(params) != sorted(have):
