@@ -15,6 +15,7 @@ import keras
 
 from dense_bridge._dtypes import DTYPE_NAMES
 from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge._layouts import warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Identity, Sequential
 
@@ -163,6 +164,8 @@ def _layer_spec(layer):
         return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
                             init=_db_init(layer.kernel_initializer, "torch_default"),
                             dtype=_dtype_of(layer), name=_spec_name(layer))
+    if type(layer) is keras.layers.Dropout:
+        warn_dropout(_describe(layer), layer.rate)
     if type(layer) in (keras.layers.Identity, keras.layers.Dropout):  # Dropout: identity at inference
         return Identity(name=_spec_name(layer))
     return _activation_of_layer(layer)

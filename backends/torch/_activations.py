@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dense_bridge._errors import ConversionError, SpecError, received
+from dense_bridge._layouts import warn_dropout
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Identity
 
@@ -148,6 +149,7 @@ def module_activation(m: nn.Module, where: str) -> Activation | None:
 def fn_spec(name: str, b: dict, where: str):
     """The spec of a traced function call, from its bound arguments (torch's defaults filled in)."""
     if name == "dropout":
+        warn_dropout(where, b.get("p", 0.5))
         return Identity()
     if name == "hardtanh":
         return _hardtanh_spec(b.get("min_val", -1.0), b.get("max_val", 1.0), where)
