@@ -132,3 +132,78 @@ def test_transformers_activation_inside_a_traced_module():
             return self.proj(self.act(self.fc(x)))
 
     assert db.to_spec(MLP()).layers[1] == db.Activation("gelu_tanh")
+
+
+# ------------------------------------------------------------------------ Flatten and any rank
+def _forward(model, backend, x):
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            return model(torch.tensor(x)).numpy()
+    if backend == "mlx":
+        import mlx.core as mx
+
+        return np.asarray(model(mx.array(x)))
+    if backend == "numpy":
+        return model.forward(x)
+    return np.asarray(model(x))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "keras", "mlx"])
+def test_flatten_spec_compiles_and_reads_back_on_every_backend(backend):
+    require_backend(backend)
+    spec = db.Sequential([db.Flatten(), db.Dense(5, in_features=12, activation="relu"), db.Dense(2)])
+    assert db.from_config(spec.to_config()) == spec and spec.layers[0] != db.Identity()
+    model = db.compile(spec, backend, seed=0)
+    assert db.to_spec(model) == spec
+    x = np.random.default_rng(0).standard_normal((3, 3, 4)).astype(np.float32)  # images: (batch, h, w)
+    want = db.compile(spec, "numpy", seed=0).forward(x)
+    assert want.shape == (3, 2)
+    np.testing.assert_allclose(_forward(model, backend, x), want, rtol=1e-5, atol=1e-6)
+    assert db.testing.compare(model, db.convert(model, "numpy")).passed
+
+
+def test_torch_flattening_idioms_read_as_flatten_and_port_with_the_same_input():
+    torch = pytest.importorskip("torch")
+    require_backend("keras")
+
+    class ViewMLP(torch.nn.Module):  # the seed documents' MNIST MLP
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(12, 2)
+
+        def forward(self, x):
+            return self.fc(x.view(-1, 12))
+
+    class FlattenMLP(ViewMLP):
+        def forward(self, x):
+            return self.fc(torch.flatten(x, 1))
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    for model in (ViewMLP(), FlattenMLP(), torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))):
+        spec = db.to_spec(model)
+        assert spec.layers[0] == db.Flatten() and spec.in_features == 12
+        want = _forward(model, "torch", x)
+        for backend in ("keras", "mlx", "numpy"):
+            if backend in db.available_backends():
+                np.testing.assert_allclose(_forward(db.convert(model, backend), backend, x), want, atol=1e-6)
+    with pytest.raises(db.ConversionError, match="start_dim=2"):
+        db.to_spec(torch.nn.Sequential(torch.nn.Flatten(2), torch.nn.Linear(4, 2)))
+
+
+def test_keras_models_take_inputs_of_any_rank_features_last():
+    torch = pytest.importorskip("torch")
+    require_backend("keras")
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    converted = db.convert(src, "keras")
+    compiled = db.compile(db.to_spec(src), "keras", params=db.get_params(src))
+    for shape in ((5, 4), (2, 5, 4), (4,), (2, 2, 3, 4)):
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        want = _forward(src, "torch", x)
+        for model in (converted, compiled):
+            got = np.asarray(model(x))
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

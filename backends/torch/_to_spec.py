@@ -3,7 +3,8 @@
 A chain position holds a Linear-family module, Bilinear, Identity, Dropout or an activation
 module (:func:`_leaf_spec`). A chain is an ``nn.Sequential`` read position by position, or any
 ``nn.Module`` whose forward ``torch.fx`` traces as a single chain of layers and activations (a
-leading ``x.view(-1, in_features)`` accepted as input formatting).
+leading ``x.view(-1, in_features)`` read as ``db.Flatten()``, as are ``nn.Flatten()`` and
+``torch.flatten(x, 1)``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge._layouts import declared, warn_dropout
 from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
-from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
 from ._activations import FUNCTIONS, METHODS, ExactActivation, fn_spec, module_activation
 from ._arrays import dtype_name
@@ -169,6 +170,11 @@ def _leaf_spec(m: nn.Module, where: str):
         units, in_features = kernel.shape if transposed else kernel.shape[::-1]
         return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
                      kernel_init="torch_default", bias_init="zeros", dtype=dtype_name(kernel.dtype, where))
+    if kind is nn.Flatten:
+        if (m.start_dim, m.end_dim) != (1, -1):
+            raise ConversionError(f"cannot convert {where}: nn.Flatten(start_dim={m.start_dim}, end_dim={m.end_dim}) "
+                                  f"is not db.Flatten() (start_dim=1, end_dim=-1)")
+        return Flatten()
     if kind is nn.Identity:
         return Identity(name=_remembered(m, Identity).get("name"))
     if kind in (nn.Dropout, nn.AlphaDropout):
@@ -290,8 +296,10 @@ def _traced_chain(root: nn.Module, what: str) -> list[Step]:
         if _is_flatten(node) is not None:
             if steps:
                 raise ConversionError(f"cannot convert {where}: a reshape inside the chain (only a leading "
-                                      f"x.view(-1, in_features) converts, as input formatting)")
+                                      f"x.view(-1, in_features) converts, read as db.Flatten())")
             flatten = (node, _is_flatten(node))
+            # the MNIST flattening of tutorial MLPs: db.Flatten() (on (batch, ...) images it is that)
+            steps.append(Step(Flatten(), None, _replay(node)))
         else:
             steps.append(_node_step(root, node, cur, where))
         cur = node
