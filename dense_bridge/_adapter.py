@@ -31,6 +31,20 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
 - ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace``: run forward and
   backward with the framework's own autograd for L = sum(y * grad_out); report every layer
   (``dense_bridge._trace``).
+- ``walk(model) -> list[dense_bridge._layouts.Entry]``: every layer inside any model tree that
+  holds parameters of its own (and every linear-family layer), in definition order, with its
+  path in the framework's naming, its kind ("linear": works with get/set_params, to_spec and
+  trace as a lone layer; "quantized"; "other": norms, embeddings, ...) and readers/writers of its
+  own parameters in the framework's layout (``_models.py``). Behind ``db.linear_layers``,
+  ``db.transfer`` and ``testing.compare_models``.
+- ``capture(model, inputs, layers, *, cotangent, select=None, grads=True) -> Capture``: one forward
+  and (with ``grads``) one backward pass of a whole native ``model`` with the framework's own
+  autograd for L = sum(out * cotangent(out.shape)), ``out`` the selected output (the first
+  floating one unless ``select``), recording for every layer of ``layers`` (path -> native layer,
+  as ``walk`` gives them) each call's inputs, output and dL/d(output), in execution order, and
+  each layer's parameter gradients in the canonical layout. ``inputs``: a list of numpy arrays
+  (positional) or a dict (keyword); integer arrays stay integers. Layers are hooked or wrapped
+  only for the pass and ALWAYS restored (``dense_bridge.testing._captures``, issue 13).
 - ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
   (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
 - ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
@@ -41,11 +55,13 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 - ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
   probabilities (the demo: torch, and numpy's reference backward).
+- ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
+  framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
+  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
 
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
 contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
-``_files.py``, issue 10), ``walk`` (linear layers inside any model, ``_models.py``, issue 12),
-``capture`` (per-layer capture inside a whole model, ``_capture.py``, issue 13), and
+``_files.py``, issue 10), and
 ``parallelize`` (``_parallel.py``, optional, issue 16).
 """
 from __future__ import annotations
@@ -54,6 +70,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._layouts import Entry
 from ._params import ParamSource
 from ._trace import Trace
 
@@ -62,10 +79,12 @@ __all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPT
 #: Module-level functions every adapter package's ``__init__`` exposes.
 REQUIRED_VERBS: tuple[str, ...] = (
     "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+    "capture",  # issue 13
+    "walk",  # issue 12
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd",)
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
@@ -76,14 +95,14 @@ REQUIRED_FILES: tuple[str, ...] = (
     "_params.py",       # get_params/set_params and the layout table (every transpose)
     "_to_spec.py",      # to_spec: a native layer or chain -> its spec
     "_trace.py",        # trace: forward and backward with the framework's autograd
+    "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
 )
 
 #: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
 #: issue that adds them to every adapter).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
-    "_models.py",    # walk: linear layers inside any model, other params (issue 12)
-    "_capture.py",   # capture: per-layer inputs/outputs inside a whole model (issue 13)
+    "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
 )
 
@@ -99,3 +118,6 @@ class Adapter(Protocol):
     def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace: ...
     def to_numpy(self, array: Any) -> np.ndarray: ...
     def from_numpy(self, array: np.ndarray) -> Any: ...
+    def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
+                select: Any = None, grads: bool = True) -> Any: ...
+    def walk(self, model: Any) -> list[Entry]: ...

@@ -15,6 +15,7 @@ import tensorflow as tf
 from dense_bridge._errors import SpecError
 
 from ._arrays import _assign, _read, _to_tensor
+from ._models import einsum_params, set_einsum_params
 from ._to_spec import _describe, _kind, _layers_of
 
 
@@ -37,8 +38,13 @@ def _variables(layer) -> dict[str, Any]:
 def get_params(native) -> dict[str, np.ndarray]:
     """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
     layers, keyed = _layers_of(native)
-    return {(f"{i}." if keyed else "") + k: _read(v)
-            for i, layer in enumerate(layers) for k, v in _variables(layer).items()}
+    out = {}
+    for i, layer in enumerate(layers):
+        # an EinsumDense kernel is reshaped (a copy) to the canonical (in_features, units)
+        read = einsum_params(layer) if _kind(layer) == "einsum" else \
+            {k: _read(v) for k, v in _variables(layer).items()}
+        out.update({(f"{i}." if keyed else "") + k: v for k, v in read.items()})
+    return out
 
 
 def set_params(native, params: dict[str, np.ndarray]) -> None:
@@ -47,7 +53,9 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
     for i, layer in enumerate(layers):
         prefix = f"{i}." if keyed else ""
         mine = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
-        if mine:
+        if mine and _kind(layer) == "einsum":
+            set_einsum_params(layer, mine)
+        elif mine:
             _set_layer(layer, mine)
 
 

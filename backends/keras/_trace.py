@@ -9,6 +9,7 @@ import tensorflow as tf
 from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import _to_tensor
+from ._models import einsum_call, einsum_canonical_grads
 from ._params import _variables
 from ._to_spec import _kind, _layers_of
 
@@ -25,7 +26,7 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         with tf.GradientTape() as tape:
             for x in xs:
                 tape.watch(x)
-            y = layer(*xs, training=False)
+            y = einsum_call(layer, xs[0]) if _kind(layer) == "einsum" else layer(*xs, training=False)
         steps.append((layer, tape, xs, y))
         xs = [y]
     records: list[LayerTrace] = [None] * len(steps)  # type: ignore[list-item]
@@ -37,6 +38,9 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         grads = tape.gradient(y, sources, output_gradients=g)
         grads = [tf.zeros_like(s) if d is None else d for s, d in zip(sources, grads)]
         dxs = tuple(d.numpy() for d in grads[:len(xs)])
-        records[i] = LayerTrace(y.numpy(), dxs, {k: d.numpy() for k, d in zip(trainable, grads[len(xs):])})
+        pgrads = {k: d.numpy() for k, d in zip(trainable, grads[len(xs):])}
+        if _kind(layer) == "einsum":
+            pgrads = einsum_canonical_grads(layer, pgrads)
+        records[i] = LayerTrace(y.numpy(), dxs, pgrads)
         g = grads[0]
     return Trace(records)

@@ -43,7 +43,8 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``to_numpy``/``from_numpy`` verbs, numpy <-> mx copies/views and dtype names),
 ``_activations`` (exact activation modules/functions and reading native ones, both directions),
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
-transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces).
+transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
+``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path).
 """
 from __future__ import annotations
 
@@ -51,13 +52,15 @@ import mlx.nn as nn
 
 from ._activations import ExactActivation
 from ._arrays import from_numpy, to_numpy
-from ._layers import DenseLinear, LazyDenseLinear, compile
+from ._layers import DenseLinear, Flatten, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
+from ._capture import capture
+from ._models import walk
 
-__all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy"]
+__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:

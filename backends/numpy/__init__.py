@@ -22,9 +22,11 @@ from ._layers import BilinearLayer, DenseLayer, IdentityLayer, SequentialModel, 
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace, train_sgd
+from ._capture import capture
+from ._models import walk
 
 __all__ = ["DenseLayer", "BilinearLayer", "IdentityLayer", "ActivationLayer", "SequentialModel",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "train_sgd"]
 
 # Pickles of reference layers name their classes by module path: keep the path they had as the

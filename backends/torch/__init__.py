@@ -44,6 +44,7 @@ The package, one job a module:
   torch.fx-traced modules.
 - ``_params``: the ``get_params``/``set_params`` verbs and their layout transposes.
 - ``_trace``: the ``trace`` verb (torch autograd).
+- ``_models``: the ``walk`` verb (every parameterised layer inside any module tree, by path).
 """
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace, train_sgd
+from ._capture import capture, load_model
+from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "train_sgd"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print

@@ -11,7 +11,8 @@ from torch import nn
 from dense_bridge._errors import SpecError
 
 from ._arrays import copy_in, to_numpy
-from ._to_spec import LINEAR_TYPES, chain, check_plain_params, describe, has_params, is_container
+from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params,
+                       is_container)
 
 
 def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -27,6 +28,10 @@ def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
     if type(m) is nn.Bilinear:
         out = {"kernel": to_numpy(m.weight)}
+    elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
+        kernel, bias, transposed = declared_tensors(m)
+        out = {"kernel": to_numpy(kernel).T if transposed else to_numpy(kernel)}
+        return out if bias is None else {**out, "bias": to_numpy(bias)}
     elif type(m) in LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
@@ -49,6 +54,13 @@ def get_params(native: nn.Module) -> dict[str, np.ndarray]:
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
     for prefix, m in _layer_modules(native):
+        if type(m) not in LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
+            kernel, bias, transposed = declared_tensors(m)
+            if prefix + "kernel" in params:
+                copy_in(kernel, params[prefix + "kernel"], transpose=transposed)
+            if prefix + "bias" in params:
+                copy_in(bias, params[prefix + "bias"])
+            continue
         transpose = type(m) is not nn.Bilinear
         if prefix + "mask" in params:
             copy_in(m.mask, params[prefix + "mask"], transpose=True)

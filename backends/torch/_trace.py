@@ -15,7 +15,9 @@ from dense_bridge._trace import LayerTrace, Trace
 from dense_bridge.specs import Identity
 
 from ._arrays import TORCH_DTYPES, from_numpy, to_numpy
-from ._to_spec import chain, has_params, identity, is_container, Step, to_spec
+from dense_bridge._layouts import declared
+
+from ._to_spec import Step, chain, declared_tensors, has_params, identity, is_container, to_spec
 
 
 def _steps(native: nn.Module) -> list[Step]:
@@ -29,7 +31,7 @@ def _input_dtype(steps: list[Step], x: np.ndarray) -> torch.dtype:
     """The first parameterised layer's dtype (torch's Linear rejects any other input dtype)."""
     for s in steps:
         if has_params(s.module):
-            return s.module.weight.dtype
+            return _param_tensors(s.module)[0][1].dtype
     # parameterless: the input's own float dtype; numpy's rule for integer input is float64
     return TORCH_DTYPES.get(np.asarray(x).dtype.name, torch.float64)
 
@@ -38,6 +40,9 @@ def _param_tensors(m: nn.Module | None) -> list[tuple[str, torch.Tensor, bool]]:
     """(canonical name, tensor, transposed?) of a step's parameters."""
     if not has_params(m):
         return []
+    if declared(m) is not None:
+        kernel, bias, transposed = declared_tensors(m)
+        return [("kernel", kernel, transposed)] + ([] if bias is None else [("bias", bias, False)])
     out = [("kernel", m.weight, type(m) is not nn.Bilinear)]
     if m.bias is not None:
         out.append(("bias", m.bias, False))

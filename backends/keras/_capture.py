@@ -1,0 +1,211 @@
+"""The ``capture`` verb on Keras: per-call inputs, outputs and gradients of linear layers inside a model.
+
+Each captured layer's ``call`` is wrapped through an instance attribute (``Layer.__call__`` looks
+``self.call`` up at every call, so nested, subclassed and functional models all go through it)
+and ALWAYS restored afterwards, also on error. The wrapper records what the layer's own ``call``
+received (after Keras' autocast to the compute dtype) and returned. One forward in inference mode
+(``training=False``: dropout is the identity), then one backward of L = sum(out * cotangent) with
+the Keras backend's own autograd, with respect to the captured layers' trainable variables and
+the recorded call outputs:
+
+- TensorFlow: ``tf.GradientTape`` (the wrapper watches each call output);
+- torch (``KERAS_BACKEND=torch``, Keras variables are torch parameters): ``torch.autograd.grad``;
+- JAX: forward only for now (``grads=False``).
+
+Everything else speaks ``keras.ops``. See ``dense_bridge.testing._captures``.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import keras
+import numpy as np
+
+from dense_bridge._errors import ConversionError
+from dense_bridge.testing._captures import Call, Capture, select_output
+
+
+def _np(x) -> np.ndarray:
+    """A numpy copy of a backend tensor (bfloat16 as ml_dtypes)."""
+    return np.array(keras.ops.convert_to_numpy(x), copy=True)
+
+
+def _is_float(x) -> bool:
+    return keras.ops.is_tensor(x) and "float" in str(keras.backend.standardize_dtype(x.dtype))
+
+
+def _tensor(value: np.ndarray, dtype: str):
+    arr = np.asarray(value)
+    if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
+        return keras.ops.convert_to_tensor(arr.astype(np.float32) if arr.dtype == np.float64 else arr, dtype=dtype)
+    return keras.ops.convert_to_tensor(arr)  # token ids stay integers, masks keep their type
+
+
+def _takes_keywords(model, keys) -> bool:
+    """A functional model's ``call(inputs)`` takes a dict positionally (keras-hub's BertBackbone);
+    a subclassed model whose ``call`` names the keys takes them as keywords."""
+    try:
+        params = inspect.signature(model.call).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(k in params for k in keys)
+
+
+class _Wrapped:
+    """Records calls of one layer (on TensorFlow the tape watches each output).
+
+    A layer with an activation inside (``Dense(activation=...)``, keras-hub's FFN) runs its
+    linear map alone (its ``activation`` set to linear for the capture) and the wrapper applies
+    the activation after recording: the recorded output is the linear map's, like torch's
+    ``nn.Linear`` followed by its activation module.
+    """
+
+    def __init__(self, path: str, layer, log: list, state: dict):
+        self.path, self.layer, self.log, self.state = path, layer, log, state
+        self.original = layer.call
+        self.count = 0
+        act = getattr(layer, "activation", None)
+        self.activation = act if act is not None and act is not keras.activations.linear else None
+        if self.activation is not None:
+            layer.activation = keras.activations.linear
+
+    def __call__(self, *args, **kwargs):
+        y = self.original(*args, **kwargs)
+        xs = tuple(a for a in args if keras.ops.is_tensor(a) or hasattr(a, "shape"))
+        if self.state.get("tape") is not None:
+            self.state["tape"].watch(y)
+        self.log.append((self.path, self.count, xs, y))
+        self.count += 1
+        return y if self.activation is None else self.activation(y)
+
+
+def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
+    """Native variable gradients -> canonical names and layout, read by ``get_params`` itself: each
+    gradient is assigned into its variable for one ``get_params`` call and the value assigned back,
+    so the layer's layout declaration (Dense, EinsumDense reshapes, ...) applies to it exactly."""
+    from dense_bridge._api import get_params
+
+    saved = []
+    try:
+        for var, g in grads:
+            saved.append((var, keras.ops.convert_to_tensor(keras.ops.copy(var.value))))
+            var.assign(keras.ops.cast(g, var.dtype))
+        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+    finally:
+        for var, value in saved:
+            var.assign(value)
+
+
+def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
+            select=None, grads: bool = True) -> Capture:
+    """One forward (and backward) of ``model`` recording every call of ``layers`` (path -> layer).
+
+    ``inputs``: a list of numpy arrays (positional) or a dict (keyword; a functional model gets
+    the dict as its one input); floating arrays are cast to the model's compute dtype.
+    """
+    backend = keras.backend.backend()
+    if grads and backend not in ("tensorflow", "torch"):
+        # JAX has no gradient with respect to an intermediate value: it would need a zero probe
+        # added to every call output under model.stateless_call (not built yet)
+        raise ConversionError(f"capture with grads=True supports Keras on TensorFlow and torch; this process "
+                              f"runs Keras on {backend!r}: pass grads=False to compare the forward pass")
+    dtype = getattr(model, "compute_dtype", None) or "float32"
+    if isinstance(inputs, dict):
+        tensors = {k: _tensor(v, dtype) for k, v in inputs.items()}
+        args, kwargs = ([], tensors) if _takes_keywords(model, tensors) else ([tensors], {})
+    else:
+        args, kwargs = [_tensor(v, dtype) for v in inputs], {}
+    log: list = []
+    state: dict = {}
+    wrappers = []
+    try:
+        for path, layer in layers.items():
+            w = _Wrapped(path, layer, log, state)
+            layer.call = w
+            wrappers.append(w)
+
+        def forward():
+            return select_output(model(*args, training=False, **kwargs), select, _is_float)
+
+        pre = {w.path for w in wrappers if w.activation is not None}
+        if not grads:
+            out = forward()
+            return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out),
+                           pre_activation=pre)
+        trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
+        variables = [v for vs in trainables.values() for v in vs]
+        if backend == "tensorflow":
+            out, g_out, g_vars = _backward_tf(forward, log, state, variables, cotangent)
+        else:
+            out, g_out, g_vars = _backward_torch(forward, log, variables, cotangent)
+        _unwrap(wrappers)  # get_params must see the layers as they are
+        calls = [Call(p, n, tuple(_np(x) for x in xs), _np(y), None if g is None else _np(g))
+                 for (p, n, xs, y), g in zip(log, g_out)]
+        result = Capture(calls, {}, _np(out), pre_activation=pre)
+        by_var = {id(v): g for v, g in zip(variables, g_vars)}
+        for path, vs in trainables.items():
+            pairs = [(v, by_var.get(id(v))) for v in vs]
+            if vs and all(g is not None for _, g in pairs):
+                try:
+                    result.param_grads[path] = _canonical_grads(layers[path], pairs)
+                except ConversionError as exc:  # a layer get_params cannot read: say so, compare the rest
+                    result.notes.append(f"{path}: parameter gradients not compared ({exc})")
+        return result
+    finally:
+        _unwrap(wrappers)
+
+
+def _unwrap(wrappers: list) -> None:
+    while wrappers:
+        w = wrappers.pop()
+        if w.activation is not None:
+            w.layer.activation = w.activation
+        try:
+            del w.layer.call  # the class's own method shows again
+        except AttributeError:
+            w.layer.call = w.original
+
+
+def _backward_tf(forward, log, state, variables, cotangent):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        state["tape"] = tape
+        try:
+            out = forward()
+        finally:
+            state["tape"] = None
+    cot = keras.ops.convert_to_tensor(cotangent(tuple(out.shape)), dtype=out.dtype)
+    sources = [y for _, _, _, y in log] + [v.value for v in variables]
+    got = tape.gradient(out, sources, output_gradients=cot)
+    return out, got[:len(log)], got[len(log):]
+
+
+def _backward_torch(forward, log, variables, cotangent):
+    import torch
+
+    with torch.enable_grad():
+        out = forward()
+    cot = keras.ops.convert_to_tensor(cotangent(tuple(out.shape)), dtype=out.dtype)
+    ys = [y for _, _, _, y in log]
+    params = [v.value for v in variables]
+    sources = [t for t in ys + params if t.requires_grad]
+    got = torch.autograd.grad(out, sources, grad_outputs=cot, allow_unused=True) if out.requires_grad else []
+    by_id = {id(t): g for t, g in zip(sources, got)}
+    return out, [by_id.get(id(y)) for y in ys], [by_id.get(id(p)) for p in params]
+
+
+def load_model(path: str, *, trust_pickle: bool = False):
+    """A whole Keras model from a ``.keras`` file (for ``dense-bridge check --mapping``); keras-hub's
+    classes are registered first when keras-hub is installed. ``trust_pickle`` is not needed here."""
+    import importlib.util
+
+    from dense_bridge._errors import CheckpointError
+
+    if importlib.util.find_spec("keras_hub") is not None:
+        import keras_hub  # noqa: F401 - registers its layers and models for deserialization
+    try:
+        return keras.saving.load_model(path, compile=False)
+    except Exception as exc:  # noqa: BLE001 - any deserialization failure is a bad file
+        raise CheckpointError(f"{path}: cannot load a Keras model ({type(exc).__name__}: {exc})") from None

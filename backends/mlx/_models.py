@@ -1,0 +1,82 @@
+"""The ``walk`` verb for MLX: every module holding arrays of its own inside any module tree.
+
+Paths are MLX's dotted attribute paths ("model.layers.0.mlp.up_proj"; "" is the root), ordered
+by ``tree_flatten(module.parameters())``, which is definition order (``named_modules()`` is in
+reverse definition order: docs/FACTS.md). Kinds: ``nn.Linear`` and dense_bridge's Dense modules
+and ``nn.Bilinear`` are "linear"; ``QuantizedLinear`` and every other ``Quantized*`` module
+are "quantized" (packed integer weights with scales: no exact float kernel); anything else
+with arrays of its own (norms, embeddings) is "other", read and written under MLX's names.
+Frozen arrays count too: ``parameters()`` lists them, and a port must carry them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from dense_bridge._layouts import Entry
+
+from ._arrays import MX_DTYPES, to_mx, to_numpy
+from ._layers import is_dense as _is_dense
+
+
+def _kind(m) -> str:
+    if type(m).__name__.startswith("Quantized"):
+        return "quantized"
+    if _is_dense(m) or type(m) is nn.Bilinear:
+        return "linear"
+    return "other"
+
+
+def _own_arrays(m) -> dict[str, mx.array]:
+    return {k: v for k, v in m.items() if isinstance(v, mx.array) and not k.startswith("_")}
+
+
+def walk(model) -> list[Entry]:
+    """Every module with arrays of its own (and every linear one), in ``tree_flatten`` order."""
+    modules = dict(model.named_modules())
+    order: list[str] = []
+    seen: set[str] = set()
+    for key, _ in tree_flatten(model.parameters()):
+        path = key.rsplit(".", 1)[0] if "." in key else ""
+        if path not in seen and path in modules:
+            seen.add(path)
+            order.append(path)
+    # linear modules without arrays yet (a lazy Dense before its first call) still belong to the list
+    for path, m in reversed(list(modules.items())):
+        if path not in seen and _kind(m) != "other":
+            seen.add(path)
+            order.append(path)
+    out, done = [], set()
+    for path in order:
+        m = modules[path]
+        if id(m) in done:  # a module reachable under two paths is reported once
+            continue
+        done.add(id(m))
+        out.append(_entry(path, m, _kind(m)))
+    return out
+
+
+def _entry(path: str, m, kind: str) -> Entry:
+    names = tuple(_own_arrays(m))
+
+    def read() -> dict[str, np.ndarray]:
+        arrays = _own_arrays(m)
+        mx.eval(list(arrays.values()))
+        return {n: to_numpy(a) for n, a in arrays.items()}
+
+    def write(arrays: dict[str, Any]) -> None:
+        current = _own_arrays(m)
+        new = {}
+        for n, a in arrays.items():
+            dtype = next((k for k, v in MX_DTYPES.items() if v == current[n].dtype), None)
+            new[n] = to_mx(a, dtype) if dtype is not None else mx.array(np.asarray(a), dtype=current[n].dtype)
+        m.update(new)
+
+    arrays = _own_arrays(m)
+    note = "" if kind != "quantized" else "its weights are packed integers with scales (mlx.nn.quantize)"
+    return Entry(path, m, kind, names, {n: id(a) for n, a in arrays.items()},
+                 {n: tuple(int(s) for s in a.shape) for n, a in arrays.items()}, read, write, note)

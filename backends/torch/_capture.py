@@ -1,0 +1,161 @@
+"""The ``capture`` verb on torch: per-call inputs, outputs and gradients of linear layers inside a model.
+
+One forward pass with forward hooks on the captured layers (removed afterwards, even on error),
+then one ``torch.autograd.grad`` of L = sum(out * cotangent) with respect to the captured layers'
+parameters AND the recorded call outputs: dL/d(output) comes straight from autograd, per call,
+and nothing touches the parameters' ``.grad``. The model runs in eval mode (dropout is the
+inference identity) with its training flags restored afterwards; parameters of captured layers
+are made to require grad for the pass and restored. See ``dense_bridge.testing._captures``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dense_bridge._errors import ConversionError
+from dense_bridge.testing._captures import Call, Capture, select_output
+
+from ._arrays import from_numpy as _from_numpy, to_numpy as _to_numpy
+
+
+def _float_dtype(model) -> torch.dtype:
+    """Floating inputs are cast to the dtype of the model's first floating parameter."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _to_torch(value: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    arr = np.asarray(value)
+    if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
+        return _from_numpy(arr.astype(np.float32) if arr.dtype == np.float64 else arr).to(dtype).clone()
+    return _from_numpy(arr).clone()  # integer token ids stay integers, bool masks stay bool
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _numpy(t) -> np.ndarray:
+    return np.array(_to_numpy(t), copy=True)
+
+
+def _canonical_grads(layer, grads: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Native parameter gradients -> canonical names and layout, read by ``get_params`` itself.
+
+    The gradients are swapped into the parameters' ``.data`` for one ``get_params`` call and the
+    values swapped back (no copies): whatever layout the layer declares (nn.Linear's (out, in),
+    transformers' Conv1D (in, out), ...) applies to its gradients exactly as to its weights.
+    """
+    from dense_bridge._api import get_params  # the core dispatch: declarations of third-party classes
+
+    saved = {}
+    try:
+        for name, g in grads.items():
+            p = getattr(layer, name)
+            saved[name] = p.data
+            p.data = g.detach().to(p.dtype)
+        out = {k: v for k, v in get_params(layer).items() if k != "mask"}
+    finally:
+        for name, data in saved.items():
+            getattr(layer, name).data = data
+    return out
+
+
+def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
+            select=None, grads: bool = True) -> Capture:
+    """One forward (and backward) of ``model`` recording every call of ``layers`` (path -> module).
+
+    ``inputs``: a list of numpy arrays (positional) or a dict (keyword); floating arrays are cast
+    to the model's parameter dtype, integer and bool arrays keep their type.
+    """
+    dtype = _float_dtype(model)
+    if isinstance(inputs, dict):
+        args, kwargs = [], {k: _to_torch(v, dtype) for k, v in inputs.items()}
+    else:
+        args, kwargs = [_to_torch(v, dtype) for v in inputs], {}
+    records: list[list] = []  # [path, call, input tensors, output tensor]
+    counts: dict[str, int] = {}
+
+    def hook_for(path):
+        def hook(module, hook_args, output):
+            n = counts.get(path, 0)
+            counts[path] = n + 1
+            records.append([path, n, tuple(a for a in hook_args if isinstance(a, torch.Tensor)), output])
+        return hook
+
+    modes = [(m, m.training) for m in model.modules()]
+    wanted = {path: [(n, p) for n, p in layer.named_parameters(recurse=False)] for path, layer in layers.items()}
+    flags = [(p, p.requires_grad) for ps in wanted.values() for _, p in ps]
+    handles = []
+    try:
+        model.eval()
+        for p, _ in flags:
+            p.requires_grad_(grads)
+        for path, layer in layers.items():
+            handles.append(layer.register_forward_hook(hook_for(path)))
+        with torch.enable_grad() if grads else torch.no_grad():
+            out = select_output(model(*args, **kwargs), select, _is_float)
+        for h in handles:
+            h.remove()
+        handles = []
+        calls = [Call(path, n, tuple(_numpy(x) for x in xs), _numpy(y)) for path, n, xs, y in records]
+        result = Capture(calls, {}, _numpy(out))
+        if not grads:
+            return result
+        cot = _to_torch(cotangent(tuple(out.shape)), out.dtype)
+        outs = [r[3] for r in records]
+        params = [p for ps in wanted.values() for _, p in ps]
+        sources = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad] + params
+        got = torch.autograd.grad(out, sources, grad_outputs=cot, allow_unused=True) if out.requires_grad \
+            else [None] * len(sources)
+        by_id = {id(t): g for t, g in zip(sources, got)}
+        for call, y in zip(calls, outs):
+            g = by_id.get(id(y))
+            call.output_grad = None if g is None else _numpy(g)
+        uses: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        for path, ps in wanted.items():
+            tied = [n for n, p in ps if uses.get(id(p), 0) > 1]
+            if tied:
+                result.notes.append(f"{path}: {', '.join(tied)} shared with another part of the model "
+                                    f"(tied): its gradient sums every use, not compared")
+                continue
+            gs = {n: by_id.get(id(p)) for n, p in ps}
+            if ps and all(g is not None for g in gs.values()):
+                try:
+                    result.param_grads[path] = _canonical_grads(layers[path], gs)
+                except ConversionError as exc:  # a layer get_params cannot read: say so, compare the rest
+                    result.notes.append(f"{path}: parameter gradients not compared ({exc})")
+        return result
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        for m, training in modes:
+            m.training = training
+
+
+def load_model(path: str, *, trust_pickle: bool = False):
+    """A whole ``nn.Module`` saved with ``torch.save(model)`` (for ``dense-bridge check --mapping``).
+
+    Unpickling runs code named in the file, so it happens only with ``trust_pickle``.
+    """
+    from dense_bridge._errors import CheckpointError
+
+    if not trust_pickle:
+        raise CheckpointError(f"{path}: a whole torch model is a pickle, and loading one runs code from the file: "
+                              f"pass --trust-pickle if you trust it")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise CheckpointError(f"{path}: cannot load a torch model ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, torch.nn.Module):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a whole nn.Module (save one with "
+                              f"torch.save(model); a state dict is a checkpoint: check it without --mapping)")
+    return obj.eval()

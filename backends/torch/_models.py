@@ -1,0 +1,82 @@
+"""The ``walk`` verb: every layer holding parameters inside any ``nn.Module`` tree, with its path.
+
+Paths are torch's own module paths (``named_modules``: "encoder.layer.0.output.dense"), in
+definition order; "" is the root itself. Linear-family layers (``nn.Linear`` and its lazy and
+dense_bridge variants, ``nn.Bilinear``, classes declared with ``db.register_layout`` such as
+transformers' ``Conv1D``) are kind "linear"; quantized linear classes are "quantized" (their
+weights are packed integers: no exact float kernel to read); everything else with parameters
+(norms, embeddings, attention's packed ``in_proj_weight``) is "other", its parameters read and
+written in torch's own layout under their own names.
+"""
+from __future__ import annotations
+
+import numpy as np
+from torch import nn
+
+from dense_bridge._layouts import Entry, Layout, declared
+
+from ._arrays import copy_in, to_numpy
+from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
+
+
+
+def linear_kind(m: nn.Module) -> str | None:
+    """"linear", "bilinear", "declared" for the linear family, else None."""
+    kind = type(m)
+    if kind in _LINEAR_TYPES:
+        return "linear"
+    if kind is nn.Bilinear:
+        return "bilinear"
+    if declared(m) is not None:
+        return "declared"
+    return None
+
+
+def declaration(m: nn.Module) -> Layout | None:
+    """The layout declaration of a third-party linear module (None for torch's own)."""
+    return declared(m)
+
+
+def _quantized(m: nn.Module) -> bool:
+    """torch.ao quantized Linear modules, bitsandbytes' Linear8bitLt/Linear4bit and the like."""
+    mod, name = type(m).__module__, type(m).__name__
+    if "Linear" not in name:
+        return False
+    return "quantized" in mod or any(tag in name for tag in ("4bit", "8bit", "Quant", "FP8", "Int8"))
+
+
+def walk(model: nn.Module) -> list[Entry]:
+    """Every module with parameters of its own (and every linear-family module), in definition order."""
+    out = []
+    for path, m in model.named_modules():
+        kind = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
+        params = {n: p for n, p in m._parameters.items() if p is not None}
+        # persistent floating buffers are state a port carries too (BatchNorm's running stats);
+        # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
+        params.update({n: b for n, b in m._buffers.items() if b is not None and b.is_floating_point()
+                       and n not in m._non_persistent_buffers_set and n != "mask"})
+        if kind is None:
+            if not params:
+                continue
+            kind = "other"
+        out.append(_entry(path, m, kind, params))
+    return out
+
+
+def _shape(p) -> tuple[int, ...]:
+    if isinstance(p, nn.parameter.UninitializedTensorMixin):
+        return ()
+    return tuple(int(s) for s in p.shape)
+
+
+def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
+    def read() -> dict[str, np.ndarray]:
+        return {n: to_numpy(p) for n, p in params.items()}
+
+    def write(arrays: dict[str, np.ndarray]) -> None:
+        for n, a in arrays.items():
+            copy_in(params[n], a)
+
+    note = "" if kind != "quantized" else "its weights are quantized (packed integers and scales)"
+    return Entry(path, m, kind, tuple(params), {n: id(p) for n, p in params.items()},
+                 {n: _shape(p) for n, p in params.items()}, read, write, note)

@@ -1,0 +1,579 @@
+"""Linear layers inside any model: find them (:func:`linear_layers`), declare third-party
+layouts (:func:`register_layout`) and move whole models' weights (:func:`transfer`).
+
+Everything framework-specific is the adapters' ``walk`` verb: it lists every layer that holds
+parameters of its own, with its path in the framework's naming, its kind ("linear",
+"quantized", "other") and readers/writers for its own parameters. Paths:
+
+- torch: module paths from ``named_modules`` ("encoder.layer.0.output.dense");
+- Keras: ``layer.path`` without the root model's name ("transformer_layer_0/self_attention_layer/query");
+  automatic names depend on process history ("dense_3"), so name the layers you map;
+- MLX: dotted attribute paths ("model.layers.0.mlp.up_proj"), in ``tree_flatten`` order.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import ConversionError, SpecError, received
+from ._layouts import Entry, Layout, register
+from ._registry import adapter_for, backend_of
+
+__all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "walk", "TransferReport", "NAME_TABLE"]
+
+
+def walk(model: Any, argument: str = "model") -> list[Entry]:
+    """Every layer of ``model`` holding parameters of its own, in definition order (adapter ``walk``)."""
+    name = backend_of(model, argument)
+    adapter = adapter_for(model, argument)
+    verb = getattr(adapter, "walk", None)
+    if verb is None:
+        raise ConversionError(f"the {name!r} backend cannot look inside models (it has no walk verb). "
+                              f"{received(argument, model)}")
+    return verb(model)
+
+
+def _refuse_quantized(entries: list[Entry], argument: str) -> None:
+    bad = [e for e in entries if e.kind == "quantized"]
+    if bad:
+        listed = "; ".join(f"{e.where()}{': ' + e.note if e.note else ''}" for e in bad)
+        raise ConversionError(
+            f"{argument} holds quantized linear layers, which have no exact float kernel to read or write: "
+            f"{listed}. Dequantize the model first (load it in float16/float32, or mlx_lm's dequantize), "
+            f"then list or transfer its layers")
+
+
+def linear_layers(model: Any) -> dict[str, Any]:
+    """Every linear-family layer inside ``model``, keyed by its path, in definition order.
+
+    Linear-family: torch ``nn.Linear``/``LazyLinear``/``nn.Bilinear``, Keras ``Dense`` and
+    ``EinsumDense`` whose equation is a linear map, MLX ``nn.Linear``/``nn.Bilinear``, and classes
+    declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
+    native layer itself and works with ``to_spec``, ``get_params`` (canonical kernel
+    (in_features, units)), ``set_params``, ``convert`` and ``testing.compare`` like a lone layer.
+    Quantized linear layers raise ConversionError naming them (no exact float kernel exists).
+    A model that is itself a linear layer comes back under the path "".
+    """
+    entries = walk(model)
+    _refuse_quantized(entries, "model")
+    return {e.path: e.layer for e in entries if e.kind == "linear"}
+
+
+def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: str) -> Layout:
+    """Declare where a third-party linear class keeps its parameters, and in which layout.
+
+    ``cls``: the class, or its dotted name ("transformers.pytorch_utils.Conv1D") so that the
+    framework need not be imported to declare it. ``kernel``/``bias``: attribute names.
+    ``layout``: ``"in_out"`` (kernel stored as (in_features, units), like Conv1D) or
+    ``"out_in"`` (stored as (units, in_features), like ``nn.Linear``). The class must compute
+    ``x @ kernel + bias`` over the last axis; only its exact class is matched (a subclass may
+    change the forward). Declaring a class again replaces its declaration. Returns it.
+    """
+    return register(cls, kernel=kernel, bias=bias, layout=layout)
+
+
+
+# ----------------------------------------------------------------------------- mapping
+#: Parameter names that mean the same thing across frameworks, for layers that are not linear.
+#: A mapped pair of such layers moves each parameter to the one of the same name, else to the one
+#: name of its group the other layer has (norm scale/offset, embedding table, batch-norm stats).
+NAME_TABLE: tuple[tuple[str, ...], ...] = (
+    ("weight", "gamma", "scale"),
+    ("bias", "beta", "offset"),
+    ("weight", "embeddings"),
+    ("running_mean", "moving_mean"),
+    ("running_var", "moving_variance"),
+)
+
+
+def _check_mapping(mapping: Any) -> Any:
+    if mapping is None or callable(mapping):
+        return mapping
+    if isinstance(mapping, dict):
+        bad = [k for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"mapping must map path strings to path strings; {bad[0]!r} -> "
+                            f"{mapping[bad[0]]!r} is not. {received('mapping', mapping)}")
+        return dict(mapping)
+    if isinstance(mapping, (list, tuple)):
+        rules = []
+        for rule in mapping:
+            if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(r, str) for r in rule)):
+                raise TypeError(f"mapping rules must be (regex, replacement) pairs of strings; got {rule!r}. "
+                                f"{received('mapping', mapping)}")
+            try:
+                rules.append((re.compile(rule[0]), rule[1]))
+            except re.error as exc:
+                raise SpecError(f"mapping rule {rule[0]!r} is not a valid regular expression ({exc}). "
+                                f"{received('mapping', mapping)}") from None
+        return rules
+    raise TypeError(f"mapping must be None, a dict of paths, a list of (regex, replacement) rules or a callable. "
+                    f"{received('mapping', mapping)}")
+
+
+class _Side:
+    """One model's walk, indexed by layer path and parameter path, with ties resolved."""
+
+    def __init__(self, model: Any, argument: str) -> None:
+        self.argument = argument
+        self.backend = backend_of(model, argument)
+        self.entries = walk(model, argument)
+        _refuse_quantized(self.entries, argument)
+        self.layers = {e.path: e for e in self.entries}
+        self.params: dict[str, tuple[Entry, str]] = {}
+        self.tied_to: dict[str, str] = {}  # param path -> the first path of the same storage
+        first: dict[Any, str] = {}
+        for e in self.entries:
+            for n in e.names:
+                p = e.param_path(n)
+                self.params[p] = (e, n)
+                key = e.ident[n]
+                if key in first:
+                    self.tied_to[p] = first[key]
+                else:
+                    first[key] = p
+
+    def linear(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "linear"]
+
+    def fully_tied(self, e: Entry) -> bool:
+        """A layer all of whose parameters are another layer's (GPT-2's lm_head is wte's weight)."""
+        return bool(e.names) and all(e.param_path(n) in self.tied_to for n in e.names)
+
+    def unknown(self, path: str, what: str) -> str:
+        known = list(self.layers) + list(self.params)
+        return f"{path!r} is not a {what} of {self.argument}.{suggest(path, known)}"
+
+
+def suggest(path: str, known: list[str]) -> str:
+    """" Did you mean 'x'?" for the closest known path (case kept, unlike _errors.suggest)."""
+    import difflib
+
+    close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _name_pairs(s: Entry, d: Entry) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(src name, dst name) pairs of two mapped non-linear layers, and the names left on each side."""
+    pairs, used = [], set()
+    for n in s.names:
+        if n in d.names and n not in used:
+            pairs.append((n, n))
+            used.add(n)
+            continue
+        cands = {c for group in NAME_TABLE if n in group for c in group if c in d.names and c not in used}
+        if len(cands) == 1:
+            c = cands.pop()
+            pairs.append((n, c))
+            used.add(c)
+    moved_src = {a for a, _ in pairs}
+    return pairs, [n for n in s.names if n not in moved_src], [n for n in d.names if n not in used]
+
+
+class _Plan:
+    """What maps to what: layer pairs, direct parameter pairs, and every problem found."""
+
+    def __init__(self) -> None:
+        self.layer_pairs: list[tuple[Entry, Entry]] = []
+        self.param_pairs: list[tuple[str, str]] = []
+        self.problems: list[str] = []
+        self.rule_hits: dict[int, int] = {}
+
+
+def _target(mapping: Any, path: str, plan: _Plan) -> str | None:
+    """Where ``mapping`` sends one source path (None: nowhere)."""
+    if isinstance(mapping, dict):
+        return mapping.get(path)
+    if callable(mapping):
+        out = mapping(path)
+        if out is not None and not isinstance(out, str):
+            raise TypeError(f"mapping (a callable) must return a path string or None; for {path!r} it returned "
+                            f"{out!r}")
+        return out
+    for i, (rx, repl) in enumerate(mapping):
+        m = rx.fullmatch(path)
+        if m is not None:
+            plan.rule_hits[i] = plan.rule_hits.get(i, 0) + 1
+            return m.expand(repl)
+    return None
+
+
+def _by_order(src: _Side, dst: _Side, plan: _Plan) -> None:
+    """Linear layers paired by order; an error where equal shapes and names say otherwise."""
+    a = [e for e in src.linear() if not src.fully_tied(e)]
+    b = [e for e in dst.linear() if not dst.fully_tied(e)]
+    if len(a) != len(b):
+        plan.problems.append(
+            f"mapping=None pairs linear layers by order, but src has {len(a)} and dst has {len(b)} "
+            f"(src: {[e.path for e in a]}; dst: {[e.path for e in b]}): give a mapping")
+        return
+    shapes_a = [_shape(e) for e in a]
+    shapes_b = [_shape(e) for e in b]
+    for i, (s, d) in enumerate(zip(a, b)):
+        if shapes_a[i] != shapes_b[i]:
+            plan.problems.append(f"mapping=None pairs src {s.where()} with dst {d.where()} by order, but their "
+                                 f"(in_features, units) differ: {shapes_a[i]} vs {shapes_b[i]}: give a mapping")
+            continue
+        ns, nd = _last(s.path), _last(d.path)
+        if ns == nd:
+            plan.layer_pairs.append((s, d))
+            continue
+        # names disagree: an error when another layer of the same shape carries the other's name
+        # (mlx-lm's Llama MLP defines gate, down, up; transformers' gate, up, down: by order with
+        # square shapes, up and down would swap silently)
+        same = [j for j in range(len(a)) if shapes_a[j] == shapes_a[i]]
+        names_a = {_last(a[j].path) for j in same}
+        names_b = {_last(b[j].path) for j in same}
+        if ns in names_b or nd in names_a:
+            twin = next((b[j].path for j in same if _last(b[j].path) == ns), None)
+            plan.problems.append(
+                f"mapping=None would pair src {s.path!r} with dst {d.path!r} (both {shapes_a[i]}), but their names "
+                f"differ and dst has a layer named like src's{f' ({twin!r})' if twin else ''}: layers of equal shape "
+                f"defined in another order would swap silently. Give a mapping (e.g. "
+                f"[(r'(.*)', r'\\1')] when the paths agree)")
+            continue
+        plan.layer_pairs.append((s, d))
+
+
+def _last(path: str) -> str:
+    return re.split(r"[./]", path)[-1] if path else ""
+
+
+def _linear_params(layer: Any) -> dict[str, np.ndarray]:
+    """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    try:
+        return adapter_for(layer).get_params(layer)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
+
+
+def _shape(e: Entry) -> tuple:
+    """The canonical kernel shape: (in_features, units), or (units, in1, in2) for a Bilinear."""
+    return tuple(_linear_params(e.layer)["kernel"].shape)
+
+
+def _plan(src: _Side, dst: _Side, mapping: Any) -> _Plan:
+    plan = _Plan()
+    if mapping is None:
+        _by_order(src, dst, plan)
+        return plan
+    if isinstance(mapping, dict):
+        for key, value in mapping.items():
+            if key in src.layers:
+                if value in dst.layers:
+                    plan.layer_pairs.append((src.layers[key], dst.layers[value]))
+                else:
+                    plan.problems.append(f"mapping[{key!r}]: {dst.unknown(value, 'layer')}")
+            elif key in src.params:
+                if value in dst.params:
+                    plan.param_pairs.append((key, value))
+                else:
+                    plan.problems.append(f"mapping[{key!r}]: {dst.unknown(value, 'parameter')}")
+            else:
+                plan.problems.append(f"mapping key {src.unknown(key, 'layer or parameter')}")
+        return plan
+    mapped: set[str] = set()
+    for e in src.entries:
+        target = _target(mapping, e.path, plan)
+        if target is None:
+            continue
+        if target in dst.layers:
+            plan.layer_pairs.append((e, dst.layers[target]))
+            mapped.add(e.path)
+        elif target in dst.params and len(e.names) == 1:  # a one-parameter layer to a parameter
+            plan.param_pairs.append((e.param_path(e.names[0]), target))
+            mapped.add(e.path)
+        else:
+            plan.problems.append(f"mapping sends src layer {e.path!r} to {target!r}, and "
+                                 f"{dst.unknown(target, 'layer')}")
+            mapped.add(e.path)
+    for p, (e, _) in src.params.items():
+        if e.path in mapped:
+            continue
+        target = _target(mapping, p, plan)
+        if target is None:
+            continue
+        if target in dst.params:
+            plan.param_pairs.append((p, target))
+        else:
+            plan.problems.append(f"mapping sends src parameter {p!r} to {target!r}, and "
+                                 f"{dst.unknown(target, 'parameter')}")
+    return plan
+
+
+def match_layers(a: Any, b: Any, mapping: Any = None) -> dict[str, str]:
+    """Linear layer paths of ``a`` -> linear layer paths of ``b``, as :func:`transfer` pairs them.
+
+    ``mapping`` as in :func:`transfer` (None: by order, refusing ambiguous equal-shape pairs).
+    Pairs of non-linear layers are left out. ConversionError lists every problem found.
+    """
+    mapping = _check_mapping(mapping)
+    src, dst = _Side(a, "a"), _Side(b, "b")
+    plan = _plan(src, dst, mapping)
+    if plan.problems:
+        raise ConversionError("cannot match the layers of a and b:\n  - " + "\n  - ".join(plan.problems))
+    return {s.path: d.path for s, d in plan.layer_pairs if s.kind == d.kind == "linear"}
+
+
+# ----------------------------------------------------------------------------- transfer
+@dataclass
+class TransferReport:
+    """What :func:`transfer` moved, and every parameter of either model it did not.
+
+    ``moved``: (src path, dst path, what) per move: a linear layer's canonical kernel/bias, or one
+    parameter. ``not_moved_src``/``not_moved_dst``: parameter paths left alone (native names).
+    ``tied``: parameter path -> the path it shares storage with (moved once, with it).
+    """
+
+    src_backend: str
+    dst_backend: str
+    moved: list[tuple[str, str, str]] = field(default_factory=list)
+    not_moved_src: list[str] = field(default_factory=list)
+    not_moved_dst: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_moved(self) -> int:
+        return len(self.moved)
+
+    def to_dict(self) -> dict:
+        return {"src_backend": self.src_backend, "dst_backend": self.dst_backend,
+                "moved": [list(m) for m in self.moved], "not_moved_src": list(self.not_moved_src),
+                "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied)}
+
+    def __str__(self) -> str:
+        lines = [f"transfer {self.src_backend} -> {self.dst_backend}: {len(self.moved)} moved, "
+                 f"{len(self.not_moved_src)} src and {len(self.not_moved_dst)} dst parameters not moved"]
+        width = max([len(s) for s, _, _ in self.moved] + [3])
+        lines += [f"  {s:<{width}}  ->  {d}  [{what}]" for s, d, what in self.moved]
+        for title, items in (("not moved (src)", self.not_moved_src), ("not moved (dst)", self.not_moved_dst)):
+            if items:
+                lines.append(f"{title}: " + ", ".join(items))
+        if self.tied:
+            lines.append("tied (moved once): " + ", ".join(f"{k} = {v}" for k, v in self.tied.items()))
+        return "\n".join(lines)
+
+
+def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) -> TransferReport:
+    """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
+
+    Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
+    transposed and reshaped by its declaration; other layers (norms, embeddings) move when
+    mapped, parameter by parameter through :data:`NAME_TABLE` (``weight``/``bias`` <->
+    ``gamma``/``beta``, ``weight`` <-> ``embeddings``), in the frameworks' shared layout. A
+    parameter path mapped directly moves as it is stored (shapes must agree).
+
+    ``mapping``: keys and values are paths (layer or parameter paths; torch "a.b", Keras "a/b"
+    without the root model's name, MLX "a.b"):
+
+    - a dict ``{src path: dst path}``;
+    - a list of ``(regex, replacement)`` rules: each src layer path (then each parameter path of
+      layers no rule took) goes through the first rule that ``re.fullmatch``-es it, to
+      ``match.expand(replacement)``;
+    - a callable ``src path -> dst path or None``;
+    - ``None``: linear layers paired by order; two layers of equal shape whose last path
+      components say another pairing (a layer of the same name sits elsewhere) is an error
+      naming them.
+
+    ``strict=True``: every linear layer of both models must be matched (a layer whose
+    parameters are all tied to another's, like GPT-2's ``lm_head``, moves with it) and every
+    rule must match something. All-or-nothing: names, shapes and values are checked before
+    anything is written, and ``dst`` is restored if a write fails. Tied parameters move once.
+    Returns a :class:`TransferReport` listing what moved and every parameter that did not.
+    """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
+    if src is dst:
+        raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
+                              f"{received('dst', dst)}")
+    rules = _check_mapping(mapping)
+    a, b = _Side(src, "src"), _Side(dst, "dst")
+    plan = _plan(a, b, rules)
+    problems = list(plan.problems)
+    writes: list[tuple[Entry, str, dict]] = []  # (dst entry, "linear"/"native", arrays)
+    report = TransferReport(a.backend, b.backend)
+    moved_src: set[str] = set()
+    moved_dst: dict[Any, str] = {}  # dst storage identity -> the src path written into it
+
+    def claim(d: Entry, name: str, source: str) -> bool:
+        key = d.ident[name]
+        if key in moved_dst:
+            if moved_dst[key] != source:
+                problems.append(f"dst parameter {d.param_path(name)!r} gets both {moved_dst[key]!r} and {source!r}")
+            return False
+        moved_dst[key] = source
+        return True
+
+    for s, d in plan.layer_pairs:
+        if (s.kind == "linear") != (d.kind == "linear"):
+            lin, other = (s, d) if s.kind == "linear" else (d, s)
+            problems.append(f"{lin.where()} is a linear layer but {other.where()} is not: map its parameters by "
+                            f"parameter path instead")
+            continue
+        if s.kind == "linear":
+            problem = _linear_move(s, d, writes)
+            if problem:
+                problems.append(problem)
+                continue
+            for n in d.names:
+                claim(d, n, s.path)
+            moved_src.update(s.param_path(n) for n in s.names)
+            report.moved.append((s.path, d.path, ", ".join(sorted(writes[-1][2])) + " (canonical)"))
+            continue
+        pairs, left_s, left_d = _name_pairs(s, d)
+        if left_s and strict:
+            problems.append(f"src {s.where()} has parameters {left_s} with no counterpart in dst {d.where()} "
+                            f"(which has {list(d.names)}): map them by parameter path")
+        arrays = {}
+        values = s.read()
+        for ns, nd in pairs:
+            problem = _check_native(s.param_path(ns), values[ns], d, nd)
+            if problem:
+                problems.append(problem)
+                continue
+            if claim(d, nd, s.param_path(ns)):
+                arrays[nd] = values[ns]
+            moved_src.add(s.param_path(ns))
+            report.moved.append((s.param_path(ns), d.param_path(nd), "parameter"))
+        if arrays:
+            writes.append((d, "native", arrays))
+    for ps, pd in plan.param_pairs:
+        s, ns = a.params[ps]
+        d, nd = b.params[pd]
+        value = s.read()[ns]
+        problem = _check_native(ps, value, d, nd)
+        if problem:
+            problems.append(problem)
+            continue
+        if claim(d, nd, ps):
+            writes.append((d, "native", {nd: value}))
+        moved_src.add(ps)
+        report.moved.append((ps, pd, "parameter"))
+
+    # ties: a src parameter tied to a moved one has moved; a dst one tied to a written one is written
+    for p, first in a.tied_to.items():
+        if first in moved_src:
+            moved_src.add(p)
+            report.tied[p] = first
+    written_dst = set(moved_dst)
+    dst_done = {p for p, (e, n) in b.params.items() if e.ident[n] in written_dst}
+    for p, first in b.tied_to.items():
+        if p in dst_done:
+            report.tied[p] = first
+
+    if strict:
+        mapped_s = {s.path for s, _ in plan.layer_pairs}
+        mapped_d = {d.path for _, d in plan.layer_pairs}
+        for side, mapped, done in ((a, mapped_s, moved_src), (b, mapped_d, dst_done)):
+            missing = [e.path for e in side.linear() if e.path not in mapped
+                       and not (e.names and all(e.param_path(n) in done for n in e.names))]
+            if missing:
+                problems.append(f"strict: linear layers of {side.argument} not matched: {missing}")
+        if isinstance(rules, list):
+            idle = [rules[i][0].pattern for i in range(len(rules)) if i not in plan.rule_hits]
+            if idle:
+                problems.append(f"strict: mapping rules that matched nothing: {idle}")
+    if problems:
+        raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
+                              + "\n  - ".join(problems))
+    _write_all(writes)
+    report.not_moved_src = [p for p in a.params if p not in moved_src]
+    report.not_moved_dst = [p for p in b.params if p not in dst_done]
+    return report
+
+
+def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
+    """Queue the canonical params of linear ``s`` for linear ``d``; a problem sentence if they do not fit.
+
+    Only the parameters are compared (names, shapes; values cast to dst's dtype and checked for
+    NaN/Inf): a layer's fused activation need not be readable for its weights to move.
+    """
+    try:
+        params = _linear_params(s.layer)
+        have = _linear_params(d.layer)
+    except (ConversionError, SpecError) as exc:
+        return f"{s.path!r} -> {d.path!r}: {exc}"
+    if sorted(params) != sorted(have):
+        return (f"src {s.where()} has parameters {sorted(params)} but dst {d.where()} has {sorted(have)} "
+                f"(a bias or mask on one side only)")
+    out = {}
+    for k in params:
+        if params[k].shape != have[k].shape:
+            return (f"src {s.where()} {k} {params[k].shape} does not fit dst {d.where()} {k} {have[k].shape} "
+                    f"(canonical layout: kernel (in_features, units))")
+        with np.errstate(over="ignore", invalid="ignore"):
+            value = np.asarray(params[k]).astype(have[k].dtype, copy=False)
+        if not np.isfinite(np.asarray(value, dtype=np.float32)).all():
+            return f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {have[k].dtype})"
+        out[k] = value
+    writes.append((d, "linear", out))
+    return None
+
+
+def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str) -> str | None:
+    shape = tuple(value.shape)
+    if shape != d.shapes[name]:
+        return (f"src parameter {src_path!r} {shape} does not fit dst parameter {d.param_path(name)!r} "
+                f"{d.shapes[name]}")
+    if (value.dtype.kind == "f" or str(value.dtype) == "bfloat16") and \
+            not np.isfinite(np.asarray(value, dtype=np.float32)).all():
+        return f"src parameter {src_path!r} holds NaN or Inf"
+    return None
+
+
+def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
+    """Write everything; on a failure, put back what was written (all-or-nothing)."""
+    done: list[tuple[Entry, dict]] = []
+    try:
+        for d, how, arrays in writes:
+            before = {k: np.array(v, copy=True) for k, v in d.read().items()}
+            done.append((d, before))
+            if how == "linear":
+                adapter_for(d.layer).set_params(d.layer, arrays)
+            else:
+                d.write(arrays)
+    except BaseException:
+        for d, before in reversed(done):
+            try:
+                d.write(before)
+            except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
+                pass
+        raise
+
+
+def empty_params_error(adapter: Any, native: Any) -> ConversionError | None:
+    """The error for ``get_params`` finding no linear parameters in ``native`` (None: {} is right).
+
+    {} is the right answer only for a chain whose layers have no parameters (a Sequential of
+    activations). A lone activation, a norm, a convolution or a custom model whose linear layers
+    dense_bridge cannot see as a chain gets an error naming its class and what to use instead.
+    """
+    from .specs import Sequential
+
+    t = type(native)
+    what = f"{t.__module__}.{t.__qualname__}"
+    try:
+        spec = adapter.to_spec(native)
+    except (ConversionError, SpecError, TypeError) as exc:
+        spec, why = None, str(exc)
+    else:
+        why = ""
+    if isinstance(spec, Sequential):
+        return None
+    if spec is not None:
+        return ConversionError(f"get_params: {what} has no linear parameters (it reads as {type(spec).__name__}, "
+                               f"a layer without weights). Received: native={native!r}"[:600])
+    inside = ""
+    try:
+        found = [e.path for e in walk(native, "native") if e.kind == "linear"]
+    except (ConversionError, TypeError):
+        found = []
+    if found:
+        inside = f" It holds linear layers at {found[:6]}{' ...' if len(found) > 6 else ''}."
+    return ConversionError(
+        f"get_params: {what} holds no linear parameters dense_bridge can read as a layer or a chain "
+        f"({why or 'not a Linear/Dense layer'}).{inside} For the linear layers inside any model use "
+        f"db.linear_layers(model); to move a whole model's weights use db.transfer(src, dst, mapping=...)")

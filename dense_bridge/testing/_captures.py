@@ -1,0 +1,89 @@
+"""What an adapter's ``capture`` verb returns: per-call inputs, outputs and gradients of linear layers.
+
+``capture(model, inputs, layers, *, cotangent, select=None, grads=True)`` runs ONE forward and
+(with ``grads``) one backward pass of a whole native model with its framework's own autograd, for
+the loss L = sum(out * cotangent(out.shape)) where ``out`` is the selected model output, and
+records every call of every layer in ``layers`` (a dict path -> native layer, from
+``linear_layers``) in execution order. Arrays are numpy in the framework's own dtype (bfloat16 as
+``ml_dtypes.bfloat16``) and in the layer's NATIVE shapes: a Keras ``EinsumDense`` output stays
+(batch, seq, heads, head_dim); the core reshapes to the canonical (..., in_features) / (..., units).
+Parameter gradients are canonical (the layout ``get_params`` gives: "kernel" (in, units), "bias").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Call", "Capture"]
+
+
+@dataclass
+class Call:
+    """One call of one captured layer.
+
+    ``inputs``: the layer's positional array arguments as the layer received them (two for a
+    Bilinear); ``output``: what it returned; ``output_grad``: dL/d(output) from the framework's
+    autograd, None when ``grads`` is off or the backward pass did not reach this call.
+    """
+
+    path: str
+    call: int  # 0 for the first call of this layer, 1 for the second, ...
+    inputs: tuple[np.ndarray, ...]
+    output: np.ndarray
+    output_grad: np.ndarray | None = None
+
+
+@dataclass
+class Capture:
+    """``calls`` in execution order; ``param_grads``: path -> canonical name -> dL/dparam summed
+    over the layer's calls (absent for a layer the backward pass did not reach); ``output``: the
+    selected model output the cotangent was applied to; ``notes``: what was not captured and why
+    (a parameter shared with another part of the model has a gradient from every use)."""
+
+    calls: list[Call]
+    param_grads: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    output: np.ndarray | None = None
+    notes: list[str] = field(default_factory=list)
+    #: paths whose recorded outputs (and dL/d(output)) are taken BEFORE the activation the layer
+    #: applies inside itself (Keras ``Dense(activation=...)``): the linear map alone
+    pre_activation: set[str] = field(default_factory=set)
+
+
+def select_output(out, select, is_float):
+    """The model output the backward pass starts from, in the framework's own type.
+
+    ``select`` None: the first floating tensor of ``out`` (itself; a dict's or a transformers
+    ``ModelOutput``'s values in order; a tuple's or list's items), searched depth first.
+    A callable: ``select(out)``. A str: ``out[select]`` for a mapping, else ``getattr(out, select)``.
+    An int: ``out[select]``. ``is_float(x)``: is x a floating tensor of the framework.
+    """
+    if callable(select):
+        return select(out)
+    if isinstance(select, str):
+        return out[select] if hasattr(out, "keys") else getattr(out, select)
+    if isinstance(select, int) and not isinstance(select, bool):
+        return out[select]
+    found = _first_floating(out, is_float)
+    if found is None:
+        raise TypeError(f"the model returned no floating tensor to start the backward pass from "
+                        f"(got {type(out).__name__}); pass outputs=(select_a, select_b)")
+    return found
+
+
+def _first_floating(out, is_float, depth: int = 0):
+    if is_float(out):
+        return out
+    if depth > 8:
+        return None
+    if hasattr(out, "keys") and hasattr(out, "values"):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        items = list(out)
+    else:
+        return None
+    for item in items:
+        found = _first_floating(item, is_float, depth + 1)
+        if found is not None:
+            return found
+    return None
