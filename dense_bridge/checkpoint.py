@@ -169,7 +169,7 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
 
 
 def _metadata(spec, tensors: Mapping[str, PendingTensor], source: str) -> dict[str, str]:
-    from . import __version__
+    from ._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "spec": "null" if spec is None else _spec_json(spec),
