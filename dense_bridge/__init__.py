@@ -12,11 +12,11 @@ from .models import linear_layers, register_layout, transfer
 from ._version import __version__
 from .activations import Activation
 from .initializers import Init
-from .specs import Bilinear, Dense, Identity, Sequential, from_config
+from .specs import Bilinear, Dense, Flatten, Identity, Sequential, from_config
 
 
 __all__ = [
-    "Dense", "Bilinear", "Identity", "Sequential", "Activation", "Init", "wiring", "from_config",
+    "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
     "save", "load", "testing", "linear_layers", "register_layout", "transfer",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",

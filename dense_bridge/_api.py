@@ -99,10 +99,17 @@ def get_params(native: Any, *, copy: bool = True) -> dict[str, np.ndarray]:
     """
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be True or False. {received('copy', copy)}")
+    adapter = adapter_for(native)
     try:
-        params = adapter_for(native).get_params(native)
+        params = adapter.get_params(native)
     except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
         raise ConversionError(str(exc)) from None
+    if not params:  # never an empty answer for an object that has, or hides, parameters (issue 12)
+        from .models import empty_params_error
+
+        error = empty_params_error(adapter, native)
+        if error is not None:
+            raise error
     return {k: np.array(v, copy=True) for k, v in params.items()} if copy else params
 
 
@@ -131,8 +138,19 @@ def to_spec(native: Any):
     return _read_spec(adapter_for(native), native)
 
 
+#: Appended to every "cannot read this model" error: the verbs that work on any model.
+WHOLE_MODEL_HINT = ("dense_bridge reads chains of linear layers and activations as specs; for the linear layers "
+                    "inside any model use db.linear_layers(model), and db.transfer(src, dst, mapping=...) moves a "
+                    "whole model's weights")
+
+
 def _read_spec(adapter, native):
-    read = adapter.to_spec(native)
+    try:
+        read = adapter.to_spec(native)
+    except ConversionError as exc:
+        if "db.linear_layers(" in str(exc):
+            raise
+        raise ConversionError(f"{exc}. {WHOLE_MODEL_HINT}") from None
     hint = remembered_spec(native)
     return read if hint is None else _with_hint(read, hint)
 

@@ -120,3 +120,16 @@ class Entry:
     def where(self) -> str:
         t = type(self.layer)
         return f"{self.path or '<root>'} ({t.__module__}.{t.__qualname__})"
+
+
+def warn_dropout(where: str, rate: Any = None) -> None:
+    """Warn that a Dropout was read as the identity: its inference function, alike on every backend.
+
+    Training-time dropout is not part of a spec, so a converted model does not drop; say so once
+    per call site rather than refusing the model (torch, Keras and MLX alike).
+    """
+    import warnings
+
+    p = "" if rate is None else f" (rate {float(rate):g})"
+    warnings.warn(f"{where}: Dropout{p} read as the identity (its function at inference); training-time "
+                  f"dropout is not carried over to the spec or a converted model", UserWarning, stacklevel=3)

@@ -242,11 +242,17 @@ def _last(path: str) -> str:
     return re.split(r"[./]", path)[-1] if path else ""
 
 
+def _linear_params(layer: Any) -> dict[str, np.ndarray]:
+    """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    try:
+        return adapter_for(layer).get_params(layer)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
+
+
 def _shape(e: Entry) -> tuple:
     """The canonical kernel shape: (in_features, units), or (units, in1, in2) for a Bilinear."""
-    from ._api import get_params
-
-    return tuple(get_params(e.layer, copy=False)["kernel"].shape)
+    return tuple(_linear_params(e.layer)["kernel"].shape)
 
 
 def _plan(src: _Side, dst: _Side, mapping: Any) -> _Plan:
@@ -485,11 +491,9 @@ def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
     Only the parameters are compared (names, shapes; values cast to dst's dtype and checked for
     NaN/Inf): a layer's fused activation need not be readable for its weights to move.
     """
-    from ._api import get_params
-
     try:
-        params = get_params(s.layer, copy=False)
-        have = get_params(d.layer, copy=False)
+        params = _linear_params(s.layer)
+        have = _linear_params(d.layer)
     except (ConversionError, SpecError) as exc:
         return f"{s.path!r} -> {d.path!r}: {exc}"
     if sorted(params) != sorted(have):
@@ -538,3 +542,38 @@ def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
             except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
                 pass
         raise
+
+
+def empty_params_error(adapter: Any, native: Any) -> ConversionError | None:
+    """The error for ``get_params`` finding no linear parameters in ``native`` (None: {} is right).
+
+    {} is the right answer only for a chain whose layers have no parameters (a Sequential of
+    activations). A lone activation, a norm, a convolution or a custom model whose linear layers
+    dense_bridge cannot see as a chain gets an error naming its class and what to use instead.
+    """
+    from .specs import Sequential
+
+    t = type(native)
+    what = f"{t.__module__}.{t.__qualname__}"
+    try:
+        spec = adapter.to_spec(native)
+    except (ConversionError, SpecError, TypeError) as exc:
+        spec, why = None, str(exc)
+    else:
+        why = ""
+    if isinstance(spec, Sequential):
+        return None
+    if spec is not None:
+        return ConversionError(f"get_params: {what} has no linear parameters (it reads as {type(spec).__name__}, "
+                               f"a layer without weights). Received: native={native!r}"[:600])
+    inside = ""
+    try:
+        found = [e.path for e in walk(native, "native") if e.kind == "linear"]
+    except (ConversionError, TypeError):
+        found = []
+    if found:
+        inside = f" It holds linear layers at {found[:6]}{' ...' if len(found) > 6 else ''}."
+    return ConversionError(
+        f"get_params: {what} holds no linear parameters dense_bridge can read as a layer or a chain "
+        f"({why or 'not a Linear/Dense layer'}).{inside} For the linear layers inside any model use "
+        f"db.linear_layers(model); to move a whole model's weights use db.transfer(src, dst, mapping=...)")

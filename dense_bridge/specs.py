@@ -20,7 +20,7 @@ from ._errors import SpecError, check_positive_int, check_type, received
 from .activations import Activation
 from .wiring import Wiring
 
-__all__ = ["Spec", "Dense", "Bilinear", "Identity", "Sequential", "Activation", "from_config"]
+__all__ = ["Spec", "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "from_config"]
 
 class Spec:
     """Base of every layer spec: immutability, value equality and the config envelope."""
@@ -281,6 +281,18 @@ class Identity(Spec):
         return 0
 
 
+class Flatten(Identity):
+    """Flattens every axis after the first: (batch, d1, ..., dn) -> (batch, d1*...*dn), as torch's
+    ``nn.Flatten()``, ``torch.flatten(x, 1)`` and Keras' ``layers.Flatten`` do. No parameters.
+
+    On (batch, features) inputs it is the identity, which is how a Sequential counts widths
+    through it (its ``in_features`` is the width after flattening, e.g. 784 for 28x28 images)
+    and how equivalence tests see it; it subclasses :class:`Identity` for that reason only.
+    """
+
+    __slots__ = ()
+
+
 # ----------------------------------------------------------------- Sequential
 class Sequential(Spec):
     """A stack of layers applied in order (an MLP).
@@ -431,7 +443,7 @@ def from_config(config: Any):
     name, body = config["class_name"], config.get("config", {})
     if not isinstance(name, str):
         raise SpecError(f"config's class_name must be a string. {received('class_name', name)}")
-    if name not in _CLASSES and name not in ("Activation", "Identity"):
+    if name not in _CLASSES and name not in ("Activation", "Identity", "Flatten"):
         raise SpecError(f"config has an unknown class_name. {received('class_name', name)}")
     if not isinstance(body, dict):
         raise SpecError(f"config['config'] of {name} must be a dict. {received('config', body)}")
@@ -440,6 +452,8 @@ def from_config(config: Any):
             return Activation.from_config(body)
         if name == "Identity":
             return Identity(**body)
+        if name == "Flatten":
+            return Flatten(**body)
         return _CLASSES[name]._from_body(body)
     except SpecError as exc:
         raise SpecError(f"config for {name}: {exc}") from None

@@ -419,22 +419,23 @@ class FunctionalMLP(nn.Module):
 def test_to_spec_of_seed_mlp_classes():
     tor = dict(kernel_init="torch_default", bias_init="torch_default")
     small = SeedMLP()
-    assert db.to_spec(small) == db.Sequential([db.Dense(128, in_features=784, **tor), db.Activation("relu"),
-                                               db.Dense(10, **tor)])
-    assert sorted(db.get_params(small)) == ["0.bias", "0.kernel", "2.bias", "2.kernel"]
-    np.testing.assert_array_equal(db.get_params(small)["2.kernel"], small.layers[2].weight.detach().numpy().T)
+    # x.view(-1, 784) reads as db.Flatten() (issue 12): MNIST images port with the same input everywhere
+    assert db.to_spec(small) == db.Sequential([db.Flatten(), db.Dense(128, in_features=784, **tor),
+                                               db.Activation("relu"), db.Dense(10, **tor)])
+    assert sorted(db.get_params(small)) == ["1.bias", "1.kernel", "3.bias", "3.kernel"]
+    np.testing.assert_array_equal(db.get_params(small)["3.kernel"], small.layers[2].weight.detach().numpy().T)
     _assert_converts(small, torch.randn(3, 784))
 
     big = MLPComponents()
-    assert db.to_spec(big) == db.Sequential([
+    assert db.to_spec(big) == db.Sequential([db.Flatten(),
         db.Dense(128, in_features=784, **tor), db.Activation("relu"), db.Dense(64, **tor), db.Activation("relu"),
         db.Dense(10, **tor), db.Activation("softmax", axis=1)])
-    np.testing.assert_array_equal(db.get_params(big)["2.kernel"], big.hidden_layers[1].weight.detach().numpy().T)
+    np.testing.assert_array_equal(db.get_params(big)["3.kernel"], big.hidden_layers[1].weight.detach().numpy().T)
     torch_copy = _assert_converts(big, torch.randn(3, 784))
     # set_params on the class uses the same chain keys
     new = {k: np.asarray(v) * 2 for k, v in db.get_params(torch_copy).items()}
     db.set_params(big, new)
-    np.testing.assert_array_equal(big.output_layer.weight.detach().numpy(), new["4.kernel"].T)
+    np.testing.assert_array_equal(big.output_layer.weight.detach().numpy(), new["5.kernel"].T)
 
 
 def test_to_spec_of_functional_forward():
@@ -623,8 +624,8 @@ def test_trace_of_a_traced_module_and_float32_input_cast():
     model = SeedMLP(input_dim=784, hidden=16, classes=3)
     x = np.random.default_rng(0).normal(size=(2, 784))  # float64 input: cast to the layer dtype
     t = _trace(model, [x], np.ones((2, 3)))
-    assert len(t.layers) == 3 and t.layers[0].output.dtype == np.float32
-    assert t.layers[0].param_grads["kernel"].shape == (784, 16)
+    assert len(t.layers) == 4 and t.layers[1].output.dtype == np.float32  # Flatten (x.view(-1, 784)) first
+    assert t.layers[1].param_grads["kernel"].shape == (784, 16)
     with torch.no_grad():
         y = model(torch.from_numpy(x).float()).numpy()
     np.testing.assert_array_equal(t.layers[-1].output, y)

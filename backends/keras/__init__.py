@@ -60,19 +60,19 @@ if keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on KER
 
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
 from ._arrays import from_numpy, to_numpy  # noqa: E402
-from ._layers import Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
+from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
 from ._capture import capture
 from ._models import walk  # noqa: E402
 
-__all__ = ["DenseBridgeDense", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
+__all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.
-for _cls in (ExactActivation, DenseBridgeInitializer, DenseBridgeDense, Bilinear):
+for _cls in (ExactActivation, DenseBridgeInitializer, DenseBridgeDense, Bilinear, AnyRankSequential):
     _cls.__module__ = __name__
 del _cls
 

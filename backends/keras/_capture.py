@@ -53,12 +53,22 @@ def _takes_keywords(model, keys) -> bool:
 
 
 class _Wrapped:
-    """Records calls of one layer (on TensorFlow the tape watches each output)."""
+    """Records calls of one layer (on TensorFlow the tape watches each output).
+
+    A layer with an activation inside (``Dense(activation=...)``, keras-hub's FFN) runs its
+    linear map alone (its ``activation`` set to linear for the capture) and the wrapper applies
+    the activation after recording: the recorded output is the linear map's, like torch's
+    ``nn.Linear`` followed by its activation module.
+    """
 
     def __init__(self, path: str, layer, log: list, state: dict):
         self.path, self.layer, self.log, self.state = path, layer, log, state
         self.original = layer.call
         self.count = 0
+        act = getattr(layer, "activation", None)
+        self.activation = act if act is not None and act is not keras.activations.linear else None
+        if self.activation is not None:
+            layer.activation = keras.activations.linear
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
@@ -67,7 +77,7 @@ class _Wrapped:
             self.state["tape"].watch(y)
         self.log.append((self.path, self.count, xs, y))
         self.count += 1
-        return y
+        return y if self.activation is None else self.activation(y)
 
 
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
@@ -118,9 +128,11 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         def forward():
             return select_output(model(*args, training=False, **kwargs), select, _is_float)
 
+        pre = {w.path for w in wrappers if w.activation is not None}
         if not grads:
             out = forward()
-            return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out))
+            return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out),
+                           pre_activation=pre)
         trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
         variables = [v for vs in trainables.values() for v in vs]
         if backend == "tensorflow":
@@ -130,7 +142,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         _unwrap(wrappers)  # get_params must see the layers as they are
         calls = [Call(p, n, tuple(_np(x) for x in xs), _np(y), None if g is None else _np(g))
                  for (p, n, xs, y), g in zip(log, g_out)]
-        result = Capture(calls, {}, _np(out))
+        result = Capture(calls, {}, _np(out), pre_activation=pre)
         by_var = {id(v): g for v, g in zip(variables, g_vars)}
         for path, vs in trainables.items():
             pairs = [(v, by_var.get(id(v))) for v in vs]
@@ -147,6 +159,8 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
 def _unwrap(wrappers: list) -> None:
     while wrappers:
         w = wrappers.pop()
+        if w.activation is not None:
+            w.layer.activation = w.activation
         try:
             del w.layer.call  # the class's own method shows again
         except AttributeError:

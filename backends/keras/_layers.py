@@ -4,7 +4,8 @@ parameters from a ParamSource.
 What compile builds: Dense with no activation and no mask -> exactly ``keras.layers.Dense``
 (also when lazy); otherwise :class:`DenseBridgeDense`. Bilinear -> :class:`Bilinear` (Keras
 has none); Identity -> ``keras.layers.Identity``; Activation -> see ``_activations``;
-Sequential -> ``keras.Sequential`` (with a ``keras.Input`` when the width is known).
+Sequential -> :class:`AnyRankSequential`, a ``keras.Sequential`` (with a ``keras.Input`` when the width
+is known) that takes inputs of any rank, features last.
 
 - ``kernel_constraint`` runs only after an optimizer step, so a mask is multiplied into the
   kernel in ``call``; its gradient is then zero on masked entries and the stored zeros stay
@@ -26,7 +27,7 @@ from dense_bridge._params import ParamSource
 from dense_bridge.activations import Activation
 from dense_bridge.initializers import Init
 from dense_bridge.specs import Bilinear as BilinearSpec
-from dense_bridge.specs import Dense, Identity, Sequential
+from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
 from ._activations import _PACKAGE, ExactActivation, _activation_layer
@@ -296,6 +297,8 @@ def _compile_layer(spec, source: ParamSource, index: int, dtype: str):
         return _compile_dense(spec, source, index)
     if isinstance(spec, BilinearSpec):
         return _compile_bilinear(spec, source, index)
+    if isinstance(spec, Flatten):
+        return keras.layers.Flatten(name=spec.name, dtype=dtype)
     if isinstance(spec, Identity):
         return keras.layers.Identity(name=spec.name, dtype=dtype)
     if isinstance(spec, Activation):
@@ -349,10 +352,41 @@ def _neighbour_dtypes(layers: Sequence) -> list[str]:
     return [d or following for d in out]
 
 
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AnyRankSequential(keras.Sequential):
+    """``keras.Sequential`` that takes inputs of any rank, features last, as ``nn.Linear`` does.
+
+    A Keras Sequential with an Input runs as a functional graph fixed to the Input's rank, so
+    (batch, seq, features) or (features,) input is refused where the torch and MLX models take
+    it (issue 12). Dense, activations and Flatten act on the last axes of any rank, so for
+    another rank this runs the layers one by one; 1-D input runs as a batch of one.
+    """
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        functional = getattr(self, "_functional", None)
+        rank = len(getattr(inputs, "shape", ()))
+        if functional is None or rank == len(functional.inputs[0].shape) or kwargs or \
+                not hasattr(inputs, "shape"):
+            return super().call(inputs, training=training, mask=mask, **kwargs)
+        x = keras.ops.expand_dims(inputs, 0) if rank == 1 else inputs
+        for layer in self.layers:
+            x = layer(x, training=training) if layer._call_has_training_arg and training is not None else layer(x)
+        return keras.ops.squeeze(x, 0) if rank == 1 else x
+
+    def compute_output_spec(self, inputs, training=None, mask=None, **kwargs):
+        functional = getattr(self, "_functional", None)
+        if functional is None or len(inputs.shape) == len(functional.inputs[0].shape):
+            return super().compute_output_spec(inputs, training=training, mask=mask, **kwargs)
+        x = inputs
+        for layer in self.layers:
+            x = layer.compute_output_spec(x)
+        return x
+
+
 def _compile_sequential(spec: Sequential, source: ParamSource):
     dtypes = _neighbour_dtypes(spec.layers)
     layers = [_compile_layer(l, source, i, dtypes[i]) for i, l in enumerate(spec.layers)]
     if spec.in_features is not None:
         # the Input's dtype is the first layer's: Keras casts model inputs to the Input dtype
         layers.insert(0, keras.Input((spec.in_features,), dtype=dtypes[0] if dtypes else "float32"))
-    return keras.Sequential(layers, name=spec.name)
+    return AnyRankSequential(layers, name=spec.name)

@@ -9,17 +9,19 @@ model. A name Keras generated ("dense_3") is not carried into the spec.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import keras
 
 from dense_bridge._dtypes import DTYPE_NAMES
 from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge._layouts import warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
-from dense_bridge.specs import Dense, Identity, Sequential
+from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 
 from ._activations import _activation_of_function, _activation_of_layer
-from ._layers import Bilinear, DenseBridgeDense, _db_init
+from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, _db_init
 from ._models import plan_or_raise
 
 
@@ -43,7 +45,7 @@ def _chain(model) -> list:
 
     Positions in this list are the parameter-key positions ("0.kernel"); InputLayers excluded.
     """
-    if type(model) is keras.Sequential:
+    if type(model) in (keras.Sequential, AnyRankSequential):
         layers = list(model.layers)
     elif _is_functional(model):
         layers = _functional_chain(model)
@@ -115,11 +117,15 @@ def _kind(layer) -> str:
     if t is keras.layers.EinsumDense:  # a linear map by its equation, or refused saying why
         plan_or_raise(layer)
         return "einsum"
-    if t in (keras.layers.Identity, keras.layers.Dropout) or _activation_of_layer(layer) is not None:
+    if t is keras.layers.Flatten and layer.data_format == "channels_first":
+        raise ConversionError(f"cannot convert {_describe(layer)}: Flatten(data_format='channels_first') moves the "
+                              f"channels last before flattening; db.Flatten() flattens the axes in their order")
+    if t in (keras.layers.Identity, keras.layers.Dropout, keras.layers.Flatten) or \
+            _activation_of_layer(layer) is not None:
         return "free"
     raise ConversionError(
-        f"cannot convert {_describe(layer)}: dense_bridge reads Dense, Bilinear, Identity, Dropout, "
-        "Activation, ReLU, LeakyReLU, ELU and Softmax layers")
+        f"cannot convert {_describe(layer)}: dense_bridge reads Dense, EinsumDense (a linear map), Bilinear, "
+        "Identity, Dropout, Flatten, Activation, ReLU, LeakyReLU, ELU and Softmax layers")
 
 
 def to_spec(native):
@@ -149,7 +155,10 @@ def _input_width(model) -> int | None:
         return None
     if not inputs:
         return None
-    width = inputs[0].shape[-1]
+    shape = inputs[0].shape
+    if type(model.layers[0]).__name__ == "Flatten" and len(shape) > 2:  # the width after flattening
+        return None if any(s is None for s in shape[1:]) else int(math.prod(shape[1:]))
+    width = shape[-1]
     return None if width is None else int(width)
 
 
@@ -163,6 +172,10 @@ def _layer_spec(layer):
         return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
                             init=_db_init(layer.kernel_initializer, "torch_default"),
                             dtype=_dtype_of(layer), name=_spec_name(layer))
+    if type(layer) is keras.layers.Flatten:
+        return Flatten(name=_spec_name(layer))
+    if type(layer) is keras.layers.Dropout:
+        warn_dropout(_describe(layer), layer.rate)
     if type(layer) in (keras.layers.Identity, keras.layers.Dropout):  # Dropout: identity at inference
         return Identity(name=_spec_name(layer))
     return _activation_of_layer(layer)

@@ -52,14 +52,14 @@ import mlx.nn as nn
 
 from ._activations import ExactActivation
 from ._arrays import from_numpy, to_numpy
-from ._layers import DenseLinear, LazyDenseLinear, compile
+from ._layers import DenseLinear, Flatten, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
 from ._capture import capture
 from ._models import walk
 
-__all__ = ["DenseLinear", "LazyDenseLinear", "ExactActivation",
+__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
 
 

@@ -16,6 +16,7 @@ from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.specs import Flatten as FlattenSpec
 
 from ._activations import activation_fn, activation_module
 from ._arrays import check_dtype, to_mx
@@ -192,13 +193,23 @@ def _compile_bilinear(spec: Bilinear, source: ParamSource, index: int) -> nn.Mod
     return layer
 
 
+class Flatten(nn.Module):
+    """Every axis after the first flattened: (batch, d1, ..., dn) -> (batch, d1*...*dn).
+
+    MLX has no Flatten module (mlx.nn 0.32); this is dense_bridge's ``db.Flatten()`` there.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x.reshape(x.shape[0], -1) if x.ndim > 2 else x
+
+
 def _compile_layer(spec, source: ParamSource, index: int):
     if isinstance(spec, Dense):
         return _compile_dense(spec, source, index)
     if isinstance(spec, Bilinear):
         return _compile_bilinear(spec, source, index)
     if isinstance(spec, Identity):
-        layer = nn.Identity()
+        layer = Flatten() if isinstance(spec, FlattenSpec) else nn.Identity()
         remember_spec(layer, spec)
         return layer
     if isinstance(spec, Activation):

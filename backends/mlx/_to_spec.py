@@ -10,14 +10,16 @@ import mlx.nn as nn
 import numpy as np
 
 from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge._layouts import warn_dropout
 from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.specs import Flatten as FlattenSpec
 from dense_bridge.wiring import Wiring
 
 from ._activations import activation_of_function, activation_of_module, conversion_error
 from ._arrays import dtype_name, to_numpy
-from ._layers import DenseLinear, LazyDenseLinear, is_dense
+from ._layers import DenseLinear, Flatten, LazyDenseLinear, is_dense
 
 
 def _stored(m, cls):
@@ -60,6 +62,12 @@ def _layer_spec(m, where: str):
         return _dense_spec(m, where)
     if type(m) is nn.Bilinear:
         return _bilinear_spec(m, where)
+    if type(m) is Flatten:
+        stored = _stored(m, FlattenSpec)
+        return FlattenSpec(name=stored.name if stored else None)
+    if type(m) is nn.Dropout:  # the identity at inference, as torch's and Keras' Dropout are read
+        warn_dropout(f"{where} (mlx.nn.Dropout)", 1.0 - m._p_1)
+        return Identity()
     if type(m) is nn.Identity:
         stored = _stored(m, Identity)
         return Identity(name=stored.name if stored else None)

@@ -72,7 +72,8 @@ def _layer_vjp(m, xs: list[mx.array], g: mx.array) -> tuple[mx.array, list[mx.ar
 
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Per-layer outputs and gradients of L = sum(y * grad_out) with MLX's autograd (mx.vjp)."""
-    layers = [m for _, m in positions(native)]
+    # Dropout runs as what the spec says it is (the identity), whatever the module's training flag
+    layers = [nn.Identity() if type(m) is nn.Dropout else m for _, m in positions(native)]
     inputs = [np.asarray(x) for x in inputs]
     dtype = _trace_dtype(layers, inputs[0])
     xs = [to_mx(x, dtype) for x in inputs]

@@ -7,7 +7,7 @@ from dense_bridge._dtypes import compute_dtype, numpy_dtype
 from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
 from dense_bridge.activations import Activation
-from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
 from ._activations import ActivationLayer, Layer
 from ._arrays import as_input
@@ -159,19 +159,22 @@ class BilinearLayer(Layer):
 
 
 class IdentityLayer(Layer):
-    """y = x."""
+    """y = x; for a Flatten spec, y = x.reshape(batch, -1) (every axis after the first)."""
 
     def __init__(self, spec: Identity | None = None) -> None:
         self.spec = spec or Identity()
         self._cache = None
 
     def forward(self, x):
-        self._cache = True
-        return as_input(x)
+        x = as_input(x)
+        self._cache = x.shape
+        if isinstance(self.spec, Flatten) and x.ndim > 2:
+            return x.reshape(x.shape[0], -1)
+        return x
 
     def backward(self, grad_out):
         self._require_forward()
-        return np.asarray(grad_out)
+        return np.asarray(grad_out).reshape(self._cache)
 
     def params(self) -> dict[str, np.ndarray]:
         return {}

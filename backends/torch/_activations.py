@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dense_bridge._errors import ConversionError, SpecError, received
+from dense_bridge._layouts import warn_dropout
 from dense_bridge.activations import Activation
-from dense_bridge.specs import Identity
+from dense_bridge.specs import Flatten, Identity
 
 
 # ------------------------------------------------------------------ modules
@@ -147,7 +148,13 @@ def module_activation(m: nn.Module, where: str) -> Activation | None:
 # ------------------------------------------------------------------ functions and tensor methods
 def fn_spec(name: str, b: dict, where: str):
     """The spec of a traced function call, from its bound arguments (torch's defaults filled in)."""
+    if name == "flatten":  # torch.flatten(x, 1) / x.flatten(1): db.Flatten; other axes are not a layer spec
+        if b.get("start_dim", 0) == 1 and b.get("end_dim", -1) == -1:
+            return Flatten()
+        raise ConversionError(f"{where}: flatten(start_dim={b.get('start_dim', 0)}, end_dim={b.get('end_dim', -1)}) "
+                              f"is not db.Flatten() (start_dim=1, end_dim=-1: every axis after the first)")
     if name == "dropout":
+        warn_dropout(where, b.get("p", 0.5))
         return Identity()
     if name == "hardtanh":
         return _hardtanh_spec(b.get("min_val", -1.0), b.get("max_val", 1.0), where)
@@ -186,9 +193,11 @@ FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
     F.log_softmax: ("log_softmax", ("input", "dim", "_stacklevel", "dtype")),
     torch.log_softmax: ("log_softmax", ("input", "dim", "dtype")),
     torch.exp: ("exponential", _I), F.dropout: ("dropout", ("input", "p", "training", "inplace")),
+    torch.flatten: ("flatten", ("input", "start_dim", "end_dim")),
 }
 METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "relu": ("relu", _I), "relu_": ("relu", _I), "sigmoid": ("sigmoid", _I), "tanh": ("tanh", _I),
     "exp": ("exponential", _I), "softmax": ("softmax", ("input", "dim", "dtype")),
     "log_softmax": ("log_softmax", ("input", "dim", "dtype")),
+    "flatten": ("flatten", ("input", "start_dim", "end_dim")),
 }

@@ -19,7 +19,7 @@ from dense_bridge._errors import SpecError, received
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
 from dense_bridge.activations import Activation
-from dense_bridge.specs import Bilinear, Dense, Identity, Sequential, from_config
+from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential, from_config
 
 from ._activations import activation_module
 from ._arrays import TORCH_DTYPES, copy_in, from_numpy
@@ -195,7 +195,8 @@ def _compile_layer(spec, source: ParamSource, index: int) -> nn.Module:
     if isinstance(spec, Bilinear):
         return _compile_bilinear(spec, source, index)
     if isinstance(spec, Identity):
-        module = nn.Identity()
+        # Flatten: start_dim=1, end_dim=-1, every axis after the first
+        module = nn.Flatten() if isinstance(spec, Flatten) else nn.Identity()
         remember_spec(module, spec)
         return module
     if isinstance(spec, Activation):

@@ -3,7 +3,8 @@
 A chain position holds a Linear-family module, Bilinear, Identity, Dropout or an activation
 module (:func:`_leaf_spec`). A chain is an ``nn.Sequential`` read position by position, or any
 ``nn.Module`` whose forward ``torch.fx`` traces as a single chain of layers and activations (a
-leading ``x.view(-1, in_features)`` accepted as input formatting).
+leading ``x.view(-1, in_features)`` read as ``db.Flatten()``, as are ``nn.Flatten()`` and
+``torch.flatten(x, 1)``).
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from dense_bridge._errors import ConversionError, SpecError, received
-from dense_bridge._layouts import declared
+from dense_bridge._layouts import declared, warn_dropout
 from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
-from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
+from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
 from ._activations import FUNCTIONS, METHODS, ExactActivation, fn_spec, module_activation
 from ._arrays import dtype_name
@@ -26,6 +27,29 @@ from ._layers import DenseLinear, LazyDense
 
 # Modules pickled by dense_bridge 0.1 carry the remembered fields as a JSON-able dict here.
 _LEGACY_META = "_dense_bridge_meta"
+
+
+#: Third-party activation modules that compute an activation of dense_bridge's table, by dotted
+#: class name (no import): transformers' NewGELU/FastGELU/AccurateGELU evaluate the tanh formula
+#: 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) in Python, GELUTanh/PytorchGELUTanh call
+#: gelu(approximate="tanh"), GELUActivation the exact erf gelu (transformers/activations.py).
+THIRD_PARTY_ACTIVATIONS = {
+    "transformers.activations.NewGELUActivation": "gelu_tanh",
+    "transformers.activations.FastGELUActivation": "gelu_tanh",
+    "transformers.activations.AccurateGELUActivation": "gelu_tanh",
+    "transformers.activations.GELUTanh": "gelu_tanh",
+    "transformers.activations.PytorchGELUTanh": "gelu_tanh",
+    "transformers.activations.GELUActivation": "gelu",
+    "transformers.activations.SiLUActivation": "silu",
+    "transformers.activations.MishActivation": "mish",
+    "transformers.activations.LinearActivation": "linear",
+}
+
+
+def third_party_activation(m: nn.Module) -> Activation | None:
+    """The table's Activation for a known third-party activation module (exact class), else None."""
+    name = THIRD_PARTY_ACTIVATIONS.get(f"{type(m).__module__}.{type(m).__qualname__}")
+    return None if name is None else Activation(name)
 
 
 # ------------------------------------------------------------------ one module
@@ -146,10 +170,19 @@ def _leaf_spec(m: nn.Module, where: str):
         units, in_features = kernel.shape if transposed else kernel.shape[::-1]
         return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
                      kernel_init="torch_default", bias_init="zeros", dtype=dtype_name(kernel.dtype, where))
+    if kind is nn.Flatten:
+        if (m.start_dim, m.end_dim) != (1, -1):
+            raise ConversionError(f"cannot convert {where}: nn.Flatten(start_dim={m.start_dim}, end_dim={m.end_dim}) "
+                                  f"is not db.Flatten() (start_dim=1, end_dim=-1)")
+        return Flatten()
     if kind is nn.Identity:
         return Identity(name=_remembered(m, Identity).get("name"))
     if kind in (nn.Dropout, nn.AlphaDropout):
+        warn_dropout(f"{where} ({describe(m)})", m.p)
         return Identity()  # dropout's eval-mode function; training-time dropout is not carried over
+    third_party = third_party_activation(m)
+    if third_party is not None:
+        return third_party
     return module_activation(m, where)
 
 
@@ -170,14 +203,16 @@ def is_container(m: nn.Module) -> bool:
     """Modules whose forward calls other modules: traced into rather than read as a layer."""
     if isinstance(m, nn.Sequential):
         return True
-    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn") and declared(m) is None
+    return type(m) not in _OWN_LEAVES and not type(m).__module__.startswith("torch.nn") and declared(m) is None \
+        and third_party_activation(m) is None
 
 
 class _Tracer(torch.fx.Tracer):
     """fx tracer that keeps dense_bridge's own modules as leaves (torch.nn ones already are)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return type(m) in _OWN_LEAVES or declared(m) is not None or super().is_leaf_module(m, qualname)
+        return type(m) in _OWN_LEAVES or declared(m) is not None or third_party_activation(m) is not None \
+            or super().is_leaf_module(m, qualname)
 
 
 _RESHAPES = {"view", "reshape"}
@@ -261,8 +296,10 @@ def _traced_chain(root: nn.Module, what: str) -> list[Step]:
         if _is_flatten(node) is not None:
             if steps:
                 raise ConversionError(f"cannot convert {where}: a reshape inside the chain (only a leading "
-                                      f"x.view(-1, in_features) converts, as input formatting)")
+                                      f"x.view(-1, in_features) converts, read as db.Flatten())")
             flatten = (node, _is_flatten(node))
+            # the MNIST flattening of tutorial MLPs: db.Flatten() (on (batch, ...) images it is that)
+            steps.append(Step(Flatten(), None, _replay(node)))
         else:
             steps.append(_node_step(root, node, cur, where))
         cur = node

@@ -9,8 +9,9 @@ dtype and the reduction lengths (see ``_tolerance`` for the formula and ``_compa
 and S are counted along a model).
 """
 from ._compare import assert_equivalent, compare, function_differences, spec_differences
+from .compare_models import ModelReport, compare_models
 from ._report import LayerResult, QuantityResult, Report
 from ._tolerance import C_GRADIENT, C_OUTPUT, Tolerance, allowed_error, error_units
 
-__all__ = ["compare", "assert_equivalent", "spec_differences", "function_differences", "Report", "LayerResult",
+__all__ = ["compare", "assert_equivalent", "compare_models", "ModelReport", "spec_differences", "function_differences", "Report", "LayerResult",
            "QuantityResult", "Tolerance", "allowed_error", "error_units", "C_OUTPUT", "C_GRADIENT"]

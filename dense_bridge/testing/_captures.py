@@ -45,6 +45,9 @@ class Capture:
     param_grads: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     output: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
+    #: paths whose recorded outputs (and dL/d(output)) are taken BEFORE the activation the layer
+    #: applies inside itself (Keras ``Dense(activation=...)``): the linear map alone
+    pre_activation: set[str] = field(default_factory=set)
 
 
 def select_output(out, select, is_float):

@@ -246,7 +246,7 @@ def _want(widths) -> str:
     return " and ".join(f"(*, {w})" for w in widths)
 
 
-def _check_count(name: str, value: object, minimum: int) -> int:
+def check_count(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__}. "
                         f"{received(name, value)}")
@@ -255,7 +255,7 @@ def _check_count(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _check_flag(name: str, value: object) -> bool:
+def check_flag(name: str, value: object) -> bool:
     """A bool (numpy's too); anything else is a TypeError: grads="no" would be truthy."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}. {received(name, value)}")
@@ -381,7 +381,7 @@ def _identity_trace(xs: list[np.ndarray], g: np.ndarray) -> Trace:
     return Trace([LayerTrace(xs[0].copy(), (g.copy(),), {})])
 
 
-def _check_tolerance(tolerance) -> Tolerance:
+def check_tolerance(tolerance) -> Tolerance:
     if tolerance is None:
         return Tolerance()
     if not isinstance(tolerance, Tolerance):
@@ -414,9 +414,9 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     layer (noted); two empty models with no input width pass with nothing to compare.
     Returns a :class:`Report`. Wrong argument types raise TypeError, bad values SpecError.
     """
-    tolerance = _check_tolerance(tolerance)
-    grads, strict = _check_flag("grads", grads), _check_flag("strict", strict)
-    seed, batch_size = _check_count("seed", seed, 0), _check_count("batch_size", batch_size, 1)
+    tolerance = check_tolerance(tolerance)
+    grads, strict = check_flag("grads", grads), check_flag("strict", strict)
+    seed, batch_size = check_count("seed", seed, 0), check_count("batch_size", batch_size, 1)
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
     spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
     la, lb = _layers(spec_a), _layers(spec_b)

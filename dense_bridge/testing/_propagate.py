@@ -46,7 +46,7 @@ from ..activations import Activation
 from ..specs import Bilinear, Dense
 from ._tolerance import Tolerance, allowed_error
 
-__all__ = ["allowances"]
+__all__ = ["allowances", "activation_output_allowance", "activation_vjp"]
 
 _REDUCING = ("softmax", "log_softmax")
 # Activations that frameworks evaluate through intermediates larger than the result, so that
@@ -244,3 +244,31 @@ def _backward(act: _Act, rec: dict, g, ag, local_fn, jump_scale: float):
             # the quadrature underestimates by up to ~3x over a batch: scale it like an output (C=4).
             prop = _q(np.abs(act.df(z)) * ag, jump_scale * np.abs(g) * act.spread(act.df, z, rec["az"]))
     return dz, _q(local_fn(act, z, g, dz), _f64(prop))
+
+
+# ---------------------------------------------------------------------------- for compare_models
+def activation_output_allowance(act: Activation, z: np.ndarray, az: np.ndarray, y: np.ndarray, dtype: str,
+                                tol: Tolerance) -> np.ndarray:
+    """Allowed error of y = f(z) (float64, elementwise) when z is allowed ``az``: y's own rounding
+    (with the intermediates frameworks evaluate it through) plus the secant spread of f over +-az."""
+    a = _Act(act)
+    local = allowed_error(y, dtype, a.k(z), tol.c_output, tol.atol)
+    size = _EVAL_SIZE.get(act.name)
+    if size is not None:
+        local = local + tol.c_output * EPS[dtype] * size(z, act.params)
+    return a.forward_allowance(_f64(z), az, _f64(y), local)
+
+
+def activation_vjp(act: Activation, z: np.ndarray, g: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(dL/dz = f'(z) g, its allowance from z's rounding in ``dtype``) in float64: the allowance is
+    |g| times the spread of f' over z +- 4 eps (|z| + rms z) (scaled by 4, as ``allowances`` scales
+    kink jumps), so a rounded z landing on the other side of a kink is allowed."""
+    a = _Act(act)
+    z, g = _f64(z), _f64(g)
+    with np.errstate(all="ignore"):
+        dz = _f64(act.vjp(z, None, g))
+    if a.reduces:
+        return dz, np.zeros_like(dz)
+    r = float(np.sqrt(np.mean(np.square(z)))) if z.size else 0.0
+    az = 4.0 * EPS[dtype] * (np.abs(z) + r)
+    return dz, 4.0 * np.abs(g) * a.spread(a.df, z, az)

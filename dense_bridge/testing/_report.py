@@ -148,14 +148,14 @@ class Report:
         worst = self.worst
         if self.passed:
             extra = f" (specs differ in {len(self.spec_differences)} field(s))" if self.spec_differences else ""
-            where = "" if worst is None else (f"; worst {_fmt_units(worst.units)} tolerance units at "
+            where = "" if worst is None else (f"; worst {fmt_units(worst.units)} tolerance units at "
                                               f"{_where(worst)} {worst.quantity}")
             return f"PASS: {len(self.rows)} quantities within tolerance{where}{extra}"
         f = self.first_failure
         if f is None:  # the numbers agree: only strict mode failed it
             return f"FAIL ({strict}); numerically {len(self.rows)} quantities within tolerance"
-        return (f"FAIL: first divergence at {_where(f)} {f.quantity}: {_fmt_units(f.units)} tolerance "
-                f"units (max abs err {_fmt_err(f.max_abs_error)})" + (f"; {f.note}" if f.note else "")
+        return (f"FAIL: first divergence at {_where(f)} {f.quantity}: {fmt_units(f.units)} tolerance "
+                f"units (max abs err {fmt_err(f.max_abs_error)})" + (f"; {f.note}" if f.note else "")
                 + (f"; {strict}" if strict else ""))
 
     def __str__(self) -> str:
@@ -185,7 +185,7 @@ class Report:
                 idx = "all" if layer.index is None else str(layer.index)
                 for q in layer.quantities:
                     lines.append(f"{idx:>5}  {layer.layer_type:<{type_w}}  {q.quantity:<{q_w}}  "
-                                 f"{_fmt_err(q.max_abs_error):>11}  {_fmt_units(q.units):>9}  {q.fan_in:>6}  "
+                                 f"{fmt_err(q.max_abs_error):>11}  {fmt_units(q.units):>9}  {q.fan_in:>6}  "
                                  f"{'PASS' if q.passed else 'FAIL'}"
                                  + (f"  ({q.note})" if q.note else ""))
         lines.append(self.verdict())
@@ -235,11 +235,11 @@ def _json_float(x: float):
     return x if math.isfinite(x) else ("nan" if math.isnan(x) else ("inf" if x > 0 else "-inf"))
 
 
-def _fmt_err(x: float) -> str:
+def fmt_err(x: float) -> str:
     return "inf" if math.isinf(x) else ("nan" if math.isnan(x) else f"{x:.3e}")
 
 
-def _fmt_units(x: float) -> str:
+def fmt_units(x: float) -> str:
     if not math.isfinite(x):
         return "inf"
     return f"{x:.3g}" if x < 1e4 else f"{x:.2e}"
@@ -311,7 +311,7 @@ def _svg_chart(report: Report) -> str:
                 v = top_cap
             color = "#2f9e44" if q.passed else "#e03131"
             tip = html.escape(f"layer {layer.index if layer.index is not None else 'all'} {q.quantity}: "
-                              f"{_fmt_units(q.units)} units, max abs err {_fmt_err(q.max_abs_error)}")
+                              f"{fmt_units(q.units)} units, max abs err {fmt_err(q.max_abs_error)}")
             parts.append(f'<rect x="{bx}" y="{y(v):.1f}" width="{bar}" height="{max(1.0, y(lo) - y(v)):.1f}" '
                          f'fill="{color}"><title>{tip}</title></rect>')
             label = html.escape(_SHORT.get(q.quantity, q.quantity))
@@ -363,7 +363,7 @@ def _render_html(report: Report) -> str:
             cls = "" if q.passed else ' class="fail"'
             out.append(f"<tr{cls}><td>{'all' if layer.index is None else layer.index}</td>"
                        f'<td class="l">{e(layer.layer_type)}</td><td class="l">{e(q.quantity)}</td>'
-                       f"<td>{_fmt_err(q.max_abs_error)}</td><td>{_fmt_units(q.units)}</td><td>{q.fan_in}</td>"
+                       f"<td>{fmt_err(q.max_abs_error)}</td><td>{fmt_units(q.units)}</td><td>{q.fan_in}</td>"
                        f"<td class=\"{'pass' if q.passed else 'fail'}\">"
                        f"{'PASS' if q.passed else 'FAIL'}</td><td class=\"l\">{e(q.note)}</td></tr>")
     out.append("</table></body></html>")

@@ -1,0 +1,566 @@
+"""compare_models(a, b, inputs): two whole models (any frameworks), judged linear layer by linear layer.
+
+A ported transformer holds its linear layers among attention, norms and embeddings. Each model
+runs ONE forward and ONE backward pass with its own framework's autograd (the adapters'
+``capture`` verb), on the same inputs and the same random cotangent at the selected output, and
+every matched linear layer's inputs, outputs, dL/d(output) and parameter gradients are recorded
+call by call. Captures are reshaped to the canonical (rows, in_features) / (rows, units), so a
+Keras ``EinsumDense`` output (batch, seq, heads, head_dim) meets torch's (batch, seq, hidden).
+
+What is judged, per call of each matched layer (b is the reference; float64 on the host):
+
+- ``output``, the layer's OWN contribution: r = (y_a - y_b) - (x_a - x_b) @ W_b, the output
+  difference beyond what the difference already in its input explains (for a correct pair r is
+  each side's own rounding: x_a W_a - y_a and x_b W_b - y_b). Allowed: the docs/FACTS.md
+  formula with K = in_features, C = 4, for each side, added in quadrature. A transposed kernel,
+  a dropped bias, a kernel rounded to bfloat16 leave r at the size of x (W_a - W_b): hundreds of
+  units; a correct layer after a broken one passes (its r stays rounding), so one bad layer is
+  named once.
+- ``input``: what reaches the layer from the code between linear layers (attention, norms,
+  activations, embeddings, which dense_bridge does not describe). Its difference is allowed the
+  formula's rounding (K = in_features) plus G = 32 times the largest relative difference
+  (elementwise |a - b| / (|b| + rms b)) of anything computed before it in execution order, or
+  of the dtype's roundoff where that is more: the code in between may amplify what it is given
+  and its own rounding, but creates no differences of its own. An activation swapped between two linear layers (gelu exact vs tanh) is
+  named at the input of the layer after it.
+- with ``grads``: ``dL/dy`` (dL/d(output), judged like ``input`` but in backward order, against
+  everything after it in the backward pass and the whole forward pass, C = 10), and per layer
+  ``dL/dkernel`` / ``dL/dbias`` on their own contribution, like ``output``: autograd's
+  gradient minus sum over calls of x^T dL/dy (resp. sum of dL/dy), each side, in quadrature.
+
+The first divergence is the first failing row in execution order (forward: each call's input,
+then its output; then the model output; then the backward in reverse: dL/dy, then the layer's
+parameter gradients) and is named by the layer's path. The tolerance dtype of a layer is the
+coarser of the two layers' dtypes. The report is :class:`ModelReport` (a
+:class:`~dense_bridge.testing.Report`: table, ``to_json``, ``to_html`` with the per-layer chart).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import EPS, numpy_dtype
+from .._errors import ConversionError, SpecError, received
+from .._params import array_to_numpy as _to_numpy
+from .._registry import adapter_for, backend_of
+from ._captures import Call, Capture
+from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
+from ._tolerance import Tolerance, allowed_error, rms
+
+__all__ = ["compare_models", "ModelReport", "GROWTH"]
+
+#: How much the code between two linear layers (attention, norms, activations) may amplify the
+#: relative difference it is given before a layer's input counts as diverged (see the module doc).
+GROWTH = 32.0
+
+
+@dataclass
+class ModelReport(Report):
+    """The :class:`Report` of :func:`compare_models`: one :class:`LayerResult` per call of a
+    matched layer in execution order (``layer_type`` is its path, with ``[call n]`` from the
+    second call on), then the model output (index None). ``first_divergence`` is the PATH of the
+    layer where the models first part; ``pairs`` the matched (path in a, path in b)."""
+
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    #: per row of ``layers`` (by index): (path in a, path in b, call number)
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def first_divergence(self) -> str | None:  # type: ignore[override]
+        """The path in b of the layer where the models first part ("model output" for the end
+        of the model; None when they agree)."""
+        f = self.first_failure
+        if f is None:
+            return None
+        return "model output" if f.layer is None else self.calls[f.layer][1]
+
+    @property
+    def first_divergence_a(self) -> str | None:
+        """The same layer's path in a."""
+        f = self.first_failure
+        if f is None:
+            return None
+        return "model output" if f.layer is None else self.calls[f.layer][0]
+
+    def verdict(self) -> str:
+        if not self.compared or self.passed or self.first_failure is None:
+            return super().verdict()
+        f = self.first_failure
+        what = {"input": "its input differs beyond what the layers before it explain (look at the code "
+                         "between the previous linear layer and this one)",
+                "output": "its own output differs (its parameters or its function differ)",
+                "dL/dy": "the gradient reaching its output differs beyond what comes after it explains",
+                "model output": "the model output differs beyond what the last linear layers explain"}
+        why = what.get(f.quantity, f"its own {f.quantity} differs")
+        where = "the model output" if f.layer is None else f.layer_type
+        return (f"FAIL: first divergence at {where} ({f.quantity}): {fmt_units(f.units)} tolerance units "
+                f"(max abs err {fmt_err(f.max_abs_error)}): {why}" + (f"; {f.note}" if f.note else ""))
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["first_divergence"] = self.first_divergence
+        d["first_divergence_a"] = self.first_divergence_a
+        d["calls"] = [{"a": pa, "b": pb, "call": n} for pa, pb, n in self.calls]
+        d["pairs"] = [list(p) for p in self.pairs]
+        return d
+
+
+# ---------------------------------------------------------------------------- arguments
+def _as_numpy(value, argument: str) -> np.ndarray:
+    arr = _to_numpy(value)
+    if arr is None or arr.dtype == object:
+        raise TypeError(f"{argument} must be a numeric array. {received(argument, value)}")
+    return np.asarray(arr)
+
+
+def _normalise_inputs(value, argument: str) -> list[np.ndarray] | dict[str, np.ndarray]:
+    """A list (positional) or a dict (keyword) of numpy arrays; a lone array is one positional input."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{argument} keys must be argument names (str). {received(argument, value)}")
+        return {k: _as_numpy(v, f"{argument}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_numpy(v, f"{argument}[{i}]") for i, v in enumerate(value)]
+    return [_as_numpy(value, argument)]
+
+
+def _split_inputs(inputs):
+    """(inputs_a, inputs_b): a pair of lists/dicts is one per model, anything else feeds both."""
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
+        return _normalise_inputs(inputs[0], "inputs[0]"), _normalise_inputs(inputs[1], "inputs[1]")
+    if inputs is None:
+        raise TypeError("inputs must be given: a list (positional), a dict (keyword) or a pair "
+                        "(inputs_a, inputs_b) of numpy arrays. Received: inputs=None")
+    same = _normalise_inputs(inputs, "inputs")
+    return same, same
+
+
+def _is_float_dtype(dt) -> bool:
+    return np.issubdtype(dt, np.floating) or np.dtype(dt).name == "bfloat16"
+
+
+def _round_common(x: np.ndarray, dtypes) -> np.ndarray:
+    """float64 values every dtype in ``dtypes`` holds exactly (rounded through each, to a fixpoint)."""
+    x = np.asarray(x).astype(np.float64)
+    for _ in range(3):
+        y = x
+        for d in dtypes:
+            y = y.astype(numpy_dtype(d)).astype(np.float64)
+        if np.array_equal(y, x, equal_nan=True):
+            break
+        x = y
+    return x
+
+
+def _round_inputs(inputs, dtypes):
+    if isinstance(inputs, dict):
+        return {k: _round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for k, v in inputs.items()}
+    return [_round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for v in inputs]
+
+
+def _dtype_name(arr: np.ndarray) -> str:
+    name = np.dtype(arr.dtype).name
+    return name if name in EPS else "float32"
+
+
+def _coarsest(dtypes) -> str:
+    return max(dtypes, key=lambda d: EPS[d])
+
+
+# ---------------------------------------------------------------------------- pairing
+def _linear_layers(model, argument: str) -> dict[str, Any]:
+    from .. import models
+
+    try:
+        return models.linear_layers(model)
+    except TypeError:
+        raise
+    except ConversionError as exc:
+        raise ConversionError(f"{argument}: {exc}") from None
+
+
+def _pairs(a, b, mapping) -> list[tuple[str, str]]:
+    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``."""
+    from .. import models
+
+    return list(models.match_layers(a, b, mapping).items())
+
+
+# ---------------------------------------------------------------------------- judging
+def _rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
+    """A capture as canonical (rows, width) float64: the trailing axes whose sizes multiply to
+    ``width`` are the features (an EinsumDense's (batch, seq, heads, head_dim) -> (batch*seq, hidden))."""
+    x = np.asarray(x)
+    size = 1
+    for k in range(x.ndim - 1, -1, -1):
+        size *= x.shape[k]
+        if size == width:
+            return x.astype(np.float64).reshape(-1, width)
+        if size > width:
+            break
+    raise ConversionError(f"{what} of shape {x.shape} cannot be read as (..., {width}): no trailing axes "
+                          f"hold {width} features")
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """The typical relative size of a difference, rms(a - b) / rms(b) (0 when b is all 0)."""
+    if a.shape != b.shape or not a.size:
+        return 0.0 if a.shape == b.shape else math.inf
+    scale = rms(b)
+    d = rms(np.where(np.isfinite(a - b), a - b, 0.0))
+    return d / scale if scale > 0 else 0.0
+
+
+def _row(i, label, name, a, b, allowed, k, note="") -> QuantityResult:
+    if a.shape != b.shape:
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
+                              f"shape {a.shape} vs {b.shape}")
+    if not a.size:
+        return QuantityResult(i, label, name, 0.0, 0.0, True, k, tuple(a.shape), note)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - b)
+    if not np.isfinite(diff).all():
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        diff = np.where(same, 0.0, diff)
+    if not np.isfinite(diff).all():
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
+                              note or "non-finite values in one model only")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = np.where(diff == 0, 0.0, diff / np.broadcast_to(allowed, diff.shape))
+    err, u = float(diff.max()), float(units.max())
+    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note)
+
+
+def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: float) -> np.ndarray:
+    """Allowance of a value computed by undescribed code: its rounding plus GROWTH x what it was
+    given, or x its own dtype's roundoff where that is more (attention's softmax amplifies the
+    rounding of its logits, ~eps x |logit|, in bfloat16 a few eps of its output on its own)."""
+    return allowed_error(b, dtype, k, c, tol.atol) + GROWTH * max(prev, EPS[dtype]) * (np.abs(b) + rms(b))
+
+
+def _rounding(v: np.ndarray, terms: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
+    """Allowed rounding of a sum v of k products whose absolute values sum to ``terms``: the
+    docs/FACTS.md formula plus eps_f32 * terms, which also covers a sum that cancels to about 0
+    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not)."""
+    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS["float32"] * terms
+
+
+def _cast_term(x: np.ndarray, w: np.ndarray, x_dtype: str, w_dtype: str, c: float) -> np.ndarray | float:
+    """A layer whose input arrives wider than its kernel rounds it first: eps * |x| @ |W| more."""
+    if EPS[x_dtype] >= EPS[w_dtype]:
+        return 0.0
+    return c * EPS[w_dtype] * (np.abs(x) @ np.abs(w))
+
+
+def _activation(layer):
+    """The activation a linear layer applies inside itself (Keras ``Dense(activation=...)``), or None."""
+    from .._api import to_spec
+    from ..specs import Dense
+
+    try:
+        spec = to_spec(layer)
+    except Exception:  # noqa: BLE001 - a layer without a spec (EinsumDense, declared classes) is linear
+        return None
+    act = getattr(spec, "activation", None) if isinstance(spec, Dense) else None
+    return None if act is None or act.is_identity else act
+
+
+@dataclass
+class _Side:
+    """One model's call of a layer, canonical and float64, with what its own rounding allows."""
+
+    x: np.ndarray  # (rows, in)
+    y: np.ndarray  # (rows, units), what the layer returned (after its activation, if any)
+    z: np.ndarray  # x @ W_b + b_b: the pre-activation with the reference's parameters
+    pred: np.ndarray  # f(z): what the layer returns if its parameters are b's
+    allowed: np.ndarray  # rounding allowed in y - pred
+    act: Any
+    x_dtype: str
+
+
+def _side(call: Call, w: np.ndarray, bias, act, n_in: int, n_out: int, dtype: str, w_dtype: str,
+          tol: Tolerance, what: str) -> _Side:
+    from ._propagate import activation_output_allowance
+
+    x = _rows(call.inputs[0], n_in, f"{what} input")
+    y = _rows(call.output, n_out, f"{what} output")
+    z = x @ w + (0.0 if bias is None else bias)
+    terms = np.abs(x) @ np.abs(w) + (0.0 if bias is None else np.abs(bias))
+    x_dtype = _dtype_name(call.inputs[0])
+    az = _rounding(z, terms, dtype, n_in, tol.c_output, tol) + _cast_term(x, w, x_dtype, w_dtype, tol.c_output)
+    if act is None:
+        return _Side(x, y, z, z, az, None, x_dtype)
+    with np.errstate(all="ignore"):
+        pred = np.asarray(act.forward(z), dtype=np.float64)
+    return _Side(x, y, z, pred, activation_output_allowance(act, z, az, y, dtype, tol), act, x_dtype)
+
+
+def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """dL/dz of one side's call (dL/dy through its own activation) and the allowance that adds."""
+    from ._propagate import activation_vjp
+
+    g = np.zeros_like(side.y) if g is None else _rows(g, n_out, f"{what} dL/dy")
+    if side.act is None:
+        return g, np.zeros_like(g)
+    return activation_vjp(side.act, side.z, g, dtype)
+
+
+def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
+                   tolerance: Tolerance | None = None) -> ModelReport:
+    """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
+
+    ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
+    ``BertBackbone`` takes ``token_ids``/``segment_ids``/``padding_mask``), or a pair
+    ``(inputs_a, inputs_b)`` when the models take different signatures. Integer arrays (token
+    ids) stay integers; floating ones are rounded once to values both models' dtypes hold.
+    ``mapping``: pairs a's linear layers with b's, as ``db.transfer`` takes it (a dict of paths,
+    ``(regex, replacement)`` rules, a callable, or None for by-order matching).
+    ``outputs``: ``(select_a, select_b)``, each a callable on the model's output, a key or an
+    index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
+    first value). The backward pass starts there with the same standard-normal cotangent (from
+    ``seed``) on both sides. ``grads=False``: forward only. ``tolerance``: a :class:`Tolerance`.
+
+    Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
+    layer where the models part. See the module docstring for what each row measures.
+    """
+    from ._compare import check_count, check_flag, check_tolerance
+
+    grads = check_flag("grads", grads)
+    seed = check_count("seed", seed, 0)
+    tol = check_tolerance(tolerance)
+    if outputs is None:
+        select_a = select_b = None
+    elif isinstance(outputs, (tuple, list)) and len(outputs) == 2:
+        select_a, select_b = outputs
+    else:
+        raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
+    adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    for name, adapter in (("a", adapter_a), ("b", adapter_b)):
+        if not callable(getattr(adapter, "capture", None)):
+            raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
+                                  f"inside a whole model yet (no capture verb); {name} cannot be compared")
+    in_a, in_b = _split_inputs(inputs)
+    layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
+    pairs = _pairs(a, b, mapping)
+    from .._api import get_params
+
+    params_a = {pa: get_params(layers_a[pa], copy=False) for pa, _ in pairs}
+    params_b = {pb: get_params(layers_b[pb], copy=False) for _, pb in pairs}
+    dtypes = sorted({_dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
+                     if "kernel" in p} or {"float32"})
+    in_a, in_b = _round_inputs(in_a, dtypes), _round_inputs(in_b, dtypes)
+
+    cache: dict[int, np.ndarray] = {}
+
+    def cotangent(shape: tuple) -> np.ndarray:
+        size = int(np.prod(shape))
+        if size not in cache:
+            cache[size] = _round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
+        return cache[size].reshape(shape)
+
+    cap_a = adapter_a.capture(a, in_a, {pa: layers_a[pa] for pa, _ in pairs}, cotangent=cotangent,
+                              select=select_a, grads=grads)
+    cap_b = adapter_b.capture(b, in_b, {pb: layers_b[pb] for _, pb in pairs}, cotangent=cotangent,
+                              select=select_b, grads=grads)
+    dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
+    dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
+    report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
+                         ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
+                         _input_shapes(in_b), seed, True)
+    report.pairs = pairs
+    report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
+    return report
+
+
+def _input_shapes(inputs) -> list[tuple[int, ...]]:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return [tuple(np.shape(v)) for v in values]
+
+
+def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
+           params_b: dict, grads: bool, tol: Tolerance) -> None:
+    by_a: dict[str, list[Call]] = {}
+    for c in cap_a.calls:
+        by_a.setdefault(c.path, []).append(c)
+    b_to_a = {pb: pa for pa, pb in pairs}
+    counts_b: dict[str, int] = {}
+    for c in cap_b.calls:
+        counts_b[c.path] = counts_b.get(c.path, 0) + 1
+    for pa, pb in pairs:
+        na, nb = len(by_a.get(pa, [])), counts_b.get(pb, 0)
+        if na != nb:
+            report.notes.append(f"{pb}: called {nb} time(s) in b but {pa} {na} time(s) in a")
+        elif na == 0:
+            report.notes.append(f"{pb} ({pa} in a): not called in the forward pass, nothing to compare")
+    acts = {}
+    for pa, pb in pairs:
+        # a capture taken before the layer's own activation sees the linear map alone
+        acts[pb] = (None if pa in cap_a.pre_activation else _activation(layers_a[pa]),
+                    None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
+        fa, fb = acts[pb]
+        if (fa is None) != (fb is None) or (fa is not None and fa != fb):
+            report.notes.append(f"{pb}: the layer applies {fb.name if fb else 'no activation'} inside itself, "
+                                f"{pa} in a {fa.name if fa else 'none'}: outputs compared each through its own, "
+                                f"gradients before the activation")
+
+    fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
+    results: list[LayerResult] = []
+    rec: list = []  # per row: what the backward pass needs, or None
+    for idx, cb in enumerate(cap_b.calls):
+        pb = cb.path
+        pa = b_to_a[pb]
+        report.calls.append((pa, pb, cb.call))
+        label = pb if counts_b[pb] == 1 else f"{pb} [call {cb.call}]"
+        if pa != pb:
+            label += f" <- {pa}"
+        calls_a = by_a.get(pa, [])
+        ca = calls_a[cb.call] if cb.call < len(calls_a) else None
+        kb = params_b[pb].get("kernel")
+        if ca is None:
+            results.append(LayerResult(idx, label, (QuantityResult(
+                idx, label, "output", math.inf, math.inf, False, 0, tuple(cb.output.shape),
+                f"no call {cb.call} of {pa} in a"),)))
+            rec.append(None)
+            continue
+        if kb is None or kb.ndim != 2 or len(cb.inputs) != 1 or len(ca.inputs) != 1:
+            ya, yb = np.asarray(ca.output, np.float64), np.asarray(cb.output, np.float64)
+            results.append(LayerResult(idx, label, (_row(idx, label, "output", ya, yb, allowed_error(
+                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
+            rec.append(None)
+            continue
+        n_in, n_out = kb.shape
+        w = kb.astype(np.float64)
+        bias = params_b[pb]["bias"].astype(np.float64) if "bias" in params_b[pb] else None
+        dtype = report.dtype
+        w_dtype = _dtype_name(kb)
+        fa, fb = acts[pb]
+        sa = _side(ca, w, bias, fa, n_in, n_out, dtype, w_dtype, tol, pa)
+        sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb)
+        rows = [_row(idx, label, "input", sa.x, sb.x, _carried(sb.x, dtype, n_in, tol.c_output, tol, fwd_prev)
+                     if sa.x.shape == sb.x.shape else 0.0, n_in)]
+        if sa.x.shape == sb.x.shape and sa.y.shape == sb.y.shape:
+            # the layer's own contribution: each side's output minus what b's parameters make of its input
+            rows.append(_row(idx, label, "output", sa.y - sa.pred, sb.y - sb.pred,
+                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in))
+            fwd_prev = max(fwd_prev, _rel(sa.x, sb.x))
+            if (fa is None) == (fb is None) and (fa is None or fa == fb):
+                fwd_prev = max(fwd_prev, _rel(sa.y, sb.y))
+        else:
+            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in))
+        results.append(LayerResult(idx, label, tuple(rows)))
+        rec.append((pa, pb, ca, cb, sa, sb, n_in, n_out))
+
+    final = None
+    if cap_a.output is not None and cap_b.output is not None:
+        oa, ob = np.asarray(cap_a.output).astype(np.float64), np.asarray(cap_b.output).astype(np.float64)
+        if oa.size == ob.size and oa.shape != ob.shape:
+            oa = oa.reshape(ob.shape)
+        width = ob.shape[-1] if ob.ndim else 1
+        final = _row(None, "model", "model output", oa, ob,
+                     _carried(ob, report.dtype, width, tol.c_output, tol, fwd_prev) if oa.shape == ob.shape else 0.0,
+                     width)
+        fwd_prev = max(fwd_prev, _rel(oa, ob))
+
+    if grads:
+        bwd_prev = fwd_prev  # the backward through undescribed code also uses the forward values
+        first_call: dict[str, int] = {}
+        for i, r in enumerate(rec):
+            if r is not None and r[1] not in first_call:
+                first_call[r[1]] = i
+        dzs: dict[int, tuple] = {}
+        for i in range(len(rec) - 1, -1, -1):
+            r = rec[i]
+            if r is None:
+                continue
+            pa, pb, ca, cb, sa, sb, n_in, n_out = r
+            extra = []
+            if ca.output_grad is not None or cb.output_grad is not None:
+                ga, aga = _dz(sa, ca.output_grad, n_out, report.dtype, pa)
+                gb, agb = _dz(sb, cb.output_grad, n_out, report.dtype, pb)
+                dzs[i] = (ga, gb, aga, agb)
+                same = (sa.act is None) == (sb.act is None) and (sa.act is None or sa.act == sb.act)
+                if same:  # compare what each framework gave: dL/dy
+                    qa = np.zeros_like(sa.y) if ca.output_grad is None else _rows(ca.output_grad, n_out, pa)
+                    qb = np.zeros_like(sb.y) if cb.output_grad is None else _rows(cb.output_grad, n_out, pb)
+                    note, extra_allowed = "", 0.0
+                else:  # the activation sits inside one layer only: compare before it, dL/dz
+                    qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", np.sqrt(aga ** 2 + agb ** 2)
+                extra.append(_row(i, results[i].layer_type, "dL/dy", qa, qb,
+                                  _carried(qb, report.dtype, n_out, tol.c_gradient, tol, bwd_prev) + extra_allowed,
+                                  n_out, note))
+                bwd_prev = max(bwd_prev, _rel(qa, qb))
+            if first_call.get(pb) == i:
+                extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dzs, report.dtype, tol)
+            if extra:
+                results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
+    report.layers = results + ([LayerResult(None, "model", (final,))] if final is not None else [])
+    report.first_failure = _first_failure(report.layers)
+
+
+def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtype, tol: Tolerance) -> list:
+    """dL/dkernel, dL/dbias on their own contribution: each side's autograd gradient minus the sum
+    over the layer's calls of x^T dL/dz (resp. of dL/dz), computed in float64 from its captures."""
+    pg_a, pg_b = cap_a.param_grads.get(pa), cap_b.param_grads.get(pb)
+    if pg_a is None and pg_b is None:
+        return []
+    want: dict[str, list] = {"kernel": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], "bias": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]}
+    n_rows = 0
+    for j, r in enumerate(rec):
+        if r is None or r[1] != pb or j not in dzs:
+            continue
+        sa, sb = r[4], r[5]
+        ga, gb, aga, agb = dzs[j]
+        for side, (x, g, ag) in enumerate(((sa.x, ga, aga), (sb.x, gb, agb))):
+            k, bb = want["kernel"], want["bias"]
+            k[side] = k[side] + x.T @ g
+            k[2 + side] = k[2 + side] + np.abs(x).T @ np.abs(g)  # the size of the terms summed
+            k[4 + side] = k[4 + side] + np.abs(x).T @ ag  # what dL/dz's own evaluation adds
+            bb[side] = bb[side] + g.sum(0)
+            bb[2 + side] = bb[2 + side] + np.abs(g).sum(0)
+            bb[4 + side] = bb[4 + side] + ag.sum(0)
+        n_rows += sb.x.shape[0]
+    out = []
+    for name in ("kernel", "bias"):
+        va = None if pg_a is None else pg_a.get(name)
+        vb = None if pg_b is None else pg_b.get(name)
+        if va is None and vb is None:
+            continue
+        q = f"dL/d{name}"
+        if va is None or vb is None:
+            side = "a" if va is None else "b"
+            shape = tuple(np.shape(vb if va is None else va))
+            out.append(QuantityResult(i, label, q, math.inf, math.inf, False, n_rows, shape, f"absent in {side}"))
+            continue
+        ea, eb, ta, tb, xa, xb = want[name]
+        va, vb = np.asarray(va).astype(np.float64), np.asarray(vb).astype(np.float64)
+        if va.shape != np.shape(ea) or vb.shape != np.shape(eb):
+            out.append(QuantityResult(i, label, q, math.inf, math.inf, False, n_rows, va.shape,
+                                      f"shape {va.shape} vs {vb.shape}, expected {np.shape(eb)}"))
+            continue
+        allowed = np.sqrt(np.square(_rounding(va, ta, dtype, n_rows, tol.c_gradient, tol) + xa)
+                          + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
+        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows))
+    return out
+
+
+def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
+    """Execution order: forward rows call by call (input, output), the model output, then the
+    backward from the last call to the first (dL/dy, then the layer's parameter gradients)."""
+    forward = ("input", "output")
+    for layer in layers:
+        for q in layer.quantities:
+            if q.quantity in forward and not q.passed:
+                return q
+    for layer in layers:
+        for q in layer.quantities:
+            if q.quantity == "model output" and not q.passed:
+                return q
+    for layer in reversed(layers):
+        for q in layer.quantities:
+            if q.quantity not in forward and q.quantity != "model output" and not q.passed:
+                return q
+    return None

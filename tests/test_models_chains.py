@@ -1,0 +1,209 @@
+"""Reading chains from real user code (issue 12's first paragraph): get_params never answers {},
+Dropout is the inference identity everywhere (with a warning), transformers' activation modules
+read as the table's, and unreadable models point at linear_layers/transfer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dense_bridge as db
+from conftest import require_backend
+
+
+# ------------------------------------------------------------------------ get_params never {}
+def test_get_params_on_torch_layers_without_linear_parameters_raises_naming_the_class():
+    torch = pytest.importorskip("torch")
+    for module, name in ((torch.nn.LayerNorm(4), "LayerNorm"), (torch.nn.Conv1d(2, 3, 3), "Conv1d")):
+        with pytest.raises(db.ConversionError, match=rf"(?s){name}.*db.linear_layers\(model\).*db.transfer"):
+            db.get_params(module)
+    with pytest.raises(db.ConversionError, match="ReLU has no linear parameters"):
+        db.get_params(torch.nn.ReLU())
+
+
+def test_get_params_on_a_custom_mlx_module_names_its_linear_layers():
+    require_backend("mlx")
+    import mlx.nn as nn
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 2)
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    with pytest.raises(db.ConversionError, match=r"(?s)Custom.*\[.inner.\].*linear_layers"):
+        db.get_params(Custom())
+    assert list(db.linear_layers(Custom())) == ["inner"]
+
+
+def test_a_chain_of_parameterless_layers_still_has_empty_params():
+    model = db.compile(db.Sequential([db.Identity(), db.Activation("relu")]), "numpy")
+    assert db.get_params(model) == {}
+
+
+def test_unreadable_models_suggest_linear_layers_and_transfer():
+    torch = pytest.importorskip("torch")
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return x + self.lin(x)
+
+    with pytest.raises(db.ConversionError, match=r"(?s)Residual.*db.linear_layers\(model\)"):
+        db.to_spec(Residual())
+    with pytest.raises(db.ConversionError, match=r"db.transfer"):
+        db.convert(Residual(), "numpy")
+
+
+# ------------------------------------------------------------------------ dropout everywhere
+def _dropout_chain(backend):
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5), torch.nn.Linear(3, 2))
+    if backend == "keras":
+        require_backend("keras")
+        import keras
+
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5),
+                                 keras.layers.Dense(2)])
+    require_backend("mlx")
+    import mlx.nn as nn
+
+    return nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5), nn.Linear(3, 2))  # MLX modules start in training mode
+
+
+@pytest.mark.parametrize("backend", ["torch", "keras", "mlx"])
+def test_dropout_is_the_inference_identity_with_a_warning(backend):
+    model = _dropout_chain(backend)
+    with pytest.warns(UserWarning, match="Dropout .*rate 0.5.* read as the identity"):
+        spec = db.to_spec(model)
+    assert spec.layers[1] == db.Identity()
+    with pytest.warns(UserWarning, match="read as the identity"):
+        other = db.convert(model, "numpy")
+        report = db.testing.compare(model, other)  # the native Dropout runs as the identity too
+    assert report.passed
+
+
+def test_functional_dropout_warns_too():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.b(F.dropout(self.a(x), 0.25, self.training))
+
+    with pytest.warns(UserWarning, match="rate 0.25"):
+        assert db.to_spec(Net()).layers[1] == db.Identity()
+
+
+# ------------------------------------------------------------------------ transformers activations
+@pytest.mark.parametrize("cls, name", [("NewGELUActivation", "gelu_tanh"), ("GELUTanh", "gelu_tanh"),
+                                       ("FastGELUActivation", "gelu_tanh"), ("GELUActivation", "gelu"),
+                                       ("SiLUActivation", "silu")])
+def test_transformers_activation_modules_read_as_the_table(cls, name):
+    torch = pytest.importorskip("torch")
+    activations = pytest.importorskip("transformers.activations")
+    act = getattr(activations, cls)()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), act, torch.nn.Linear(8, 2))
+    assert db.to_spec(model).layers[1] == db.Activation(name)
+    assert db.testing.compare(model, db.convert(model, "numpy")).passed
+
+
+def test_transformers_activation_inside_a_traced_module():
+    torch = pytest.importorskip("torch")
+    from transformers.activations import NewGELUActivation
+
+    class MLP(torch.nn.Module):  # GPT-2's MLP shape, with Linear layers
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act, self.proj = torch.nn.Linear(4, 16), NewGELUActivation(), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.proj(self.act(self.fc(x)))
+
+    assert db.to_spec(MLP()).layers[1] == db.Activation("gelu_tanh")
+
+
+# ------------------------------------------------------------------------ Flatten and any rank
+def _forward(model, backend, x):
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            return model(torch.tensor(x)).numpy()
+    if backend == "mlx":
+        import mlx.core as mx
+
+        return np.asarray(model(mx.array(x)))
+    if backend == "numpy":
+        return model.forward(x)
+    return np.asarray(model(x))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "keras", "mlx"])
+def test_flatten_spec_compiles_and_reads_back_on_every_backend(backend):
+    require_backend(backend)
+    spec = db.Sequential([db.Flatten(), db.Dense(5, in_features=12, activation="relu"), db.Dense(2)])
+    assert db.from_config(spec.to_config()) == spec and spec.layers[0] != db.Identity()
+    model = db.compile(spec, backend, seed=0)
+    assert db.to_spec(model) == spec
+    x = np.random.default_rng(0).standard_normal((3, 3, 4)).astype(np.float32)  # images: (batch, h, w)
+    want = db.compile(spec, "numpy", seed=0).forward(x)
+    assert want.shape == (3, 2)
+    np.testing.assert_allclose(_forward(model, backend, x), want, rtol=1e-5, atol=1e-6)
+    assert db.testing.compare(model, db.convert(model, "numpy")).passed
+
+
+def test_torch_flattening_idioms_read_as_flatten_and_port_with_the_same_input():
+    torch = pytest.importorskip("torch")
+    require_backend("keras")
+
+    class ViewMLP(torch.nn.Module):  # the seed documents' MNIST MLP
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(12, 2)
+
+        def forward(self, x):
+            return self.fc(x.view(-1, 12))
+
+    class FlattenMLP(ViewMLP):
+        def forward(self, x):
+            return self.fc(torch.flatten(x, 1))
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    for model in (ViewMLP(), FlattenMLP(), torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))):
+        spec = db.to_spec(model)
+        assert spec.layers[0] == db.Flatten() and spec.in_features == 12
+        want = _forward(model, "torch", x)
+        for backend in ("keras", "mlx", "numpy"):
+            if backend in db.available_backends():
+                np.testing.assert_allclose(_forward(db.convert(model, backend), backend, x), want, atol=1e-6)
+    with pytest.raises(db.ConversionError, match="start_dim=2"):
+        db.to_spec(torch.nn.Sequential(torch.nn.Flatten(2), torch.nn.Linear(4, 2)))
+
+
+def test_keras_models_take_inputs_of_any_rank_features_last():
+    torch = pytest.importorskip("torch")
+    require_backend("keras")
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    converted = db.convert(src, "keras")
+    compiled = db.compile(db.to_spec(src), "keras", params=db.get_params(src))
+    for shape in ((5, 4), (2, 5, 4), (4,), (2, 2, 3, 4)):
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        want = _forward(src, "torch", x)
+        for model in (converted, compiled):
+            got = np.asarray(model(x))
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
