@@ -247,7 +247,9 @@ class SafetensorsFile:
         except OSError as exc:
             raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         header = parse_json_object(raw, self._error, "header")
-        meta = header.pop(RESERVED, {})
+        meta = header.pop(RESERVED, None)
+        if meta is None:  # absent, or null as MLX writes it
+            meta = {}
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in meta.items()):
             raise self._error("corrupted header (__metadata__ must map strings to strings)")
