@@ -55,6 +55,9 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 - ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
   probabilities (the demo: torch, and numpy's reference backward).
+- ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
+  framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
+  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
 
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
 contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
@@ -81,7 +84,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd",)
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

@@ -430,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
+    from .testing._check_models import add_arguments as add_model_check  # whole models (issue 13)
+
+    add_model_check(p)
 
     p = sub.add_parser("inspect", help="layers, shapes, dtypes and parameter counts of a checkpoint",
                        description="Show what SRC holds: its format, spec (layers, widths, activations, dtypes, "

@@ -64,7 +64,7 @@ from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeI
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
-from ._capture import capture
+from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",

@@ -194,3 +194,18 @@ def _backward_torch(forward, log, variables, cotangent):
     got = torch.autograd.grad(out, sources, grad_outputs=cot, allow_unused=True) if out.requires_grad else []
     by_id = {id(t): g for t, g in zip(sources, got)}
     return out, [by_id.get(id(y)) for y in ys], [by_id.get(id(p)) for p in params]
+
+
+def load_model(path: str, *, trust_pickle: bool = False):
+    """A whole Keras model from a ``.keras`` file (for ``dense-bridge check --mapping``); keras-hub's
+    classes are registered first when keras-hub is installed. ``trust_pickle`` is not needed here."""
+    import importlib.util
+
+    from dense_bridge._errors import CheckpointError
+
+    if importlib.util.find_spec("keras_hub") is not None:
+        import keras_hub  # noqa: F401 - registers its layers and models for deserialization
+    try:
+        return keras.saving.load_model(path, compile=False)
+    except Exception as exc:  # noqa: BLE001 - any deserialization failure is a bad file
+        raise CheckpointError(f"{path}: cannot load a Keras model ({type(exc).__name__}: {exc})") from None

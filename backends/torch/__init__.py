@@ -54,7 +54,7 @@ from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace, train_sgd
-from ._capture import capture
+from ._capture import capture, load_model
 from ._models import walk
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",

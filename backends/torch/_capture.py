@@ -139,3 +139,23 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
+
+
+def load_model(path: str, *, trust_pickle: bool = False):
+    """A whole ``nn.Module`` saved with ``torch.save(model)`` (for ``dense-bridge check --mapping``).
+
+    Unpickling runs code named in the file, so it happens only with ``trust_pickle``.
+    """
+    from dense_bridge._errors import CheckpointError
+
+    if not trust_pickle:
+        raise CheckpointError(f"{path}: a whole torch model is a pickle, and loading one runs code from the file: "
+                              f"pass --trust-pickle if you trust it")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise CheckpointError(f"{path}: cannot load a torch model ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, torch.nn.Module):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a whole nn.Module (save one with "
+                              f"torch.save(model); a state dict is a checkpoint: check it without --mapping)")
+    return obj.eval()

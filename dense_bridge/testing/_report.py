@@ -268,7 +268,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 _SHORT = {"output": "out", "dL/dx": "dx", "dL/dx1": "dx1", "dL/dx2": "dx2", "dL/dkernel": "dW",
-          "dL/dbias": "db"}
+          "dL/dbias": "db", "input": "in", "dL/dy": "dy", "model output": "out"}
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 h1{font-size:1.3em}table{border-collapse:collapse;font-family:monospace;font-size:13px}
 td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#f3f3f3}
