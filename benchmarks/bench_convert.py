@@ -59,9 +59,9 @@ _GAP_REASONS = {
            "zero-copy CPU import: 'Cannot import a CPU array without a copy'): one thread, holding the GIL, "
            "into malloc'd 4 KiB pages, with no API to hand it huge-page memory or to copy on more cores; "
            f"besides, {_FRESH}",
-    "torch": f"{_FRESH}; dense_bridge already fills 2 MiB-aligned huge pages on every core and torch adopts "
+    "torch": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and torch adopts "
              "them (torch.from_numpy), the fastest fresh-memory path measured",
-    "keras": f"{_FRESH}; dense_bridge already fills 2 MiB-aligned huge pages on every core and each TF "
+    "keras": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and each TF "
              "variable adopts its buffer through DLPack, the fastest fresh-memory path measured",
 }
 
@@ -148,24 +148,43 @@ def transpose_limit(weights, fresh: bool) -> Callable[[], object]:
     return run
 
 
-def threaded_limit(weights, transposing: bool) -> Callable[[], object]:
-    """The same copy on every core into preallocated memory, with dense_bridge's own kernels
-    (huge-page chunks per thread; cache-blocked transpose): what this machine can do at best."""
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _threaded_copy_jobs(out: np.ndarray, a: np.ndarray, transposing: bool, pieces: int) -> list[Callable[[], object]]:
+    """out = a.T (transposing, with dense_bridge's cache-blocked kernel) or out = a, split into
+    ``pieces`` column strips / flat chunks for a thread pool."""
     from dense_bridge import _transfer
 
+    if transposing and a.ndim == 2:
+        step = -(-a.shape[1] // pieces)
+        return [lambda j=j: _transfer._blocked_transpose(out[j:j + step], a[:, j:j + step], False)
+                for j in range(0, a.shape[1], step)]
+    fo, fa = out.reshape(-1), a.reshape(-1)
+    step = -(-fa.size // pieces)
+    return [lambda j=j: np.copyto(fo[j:j + step], fa[j:j + step]) for j in range(0, fa.size, step)]
+
+
+def threaded_limit(weights, transposing: bool) -> Callable[[], object]:
+    """The same copy on every core into preallocated memory, with dense_bridge's own kernel
+    (cache-blocked transpose): what this machine can do at best."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = _cores()
+    pool = ThreadPoolExecutor(cores)
     jobs = []
     for pair in weights:
         for a in pair:
             assert a.flags.c_contiguous, "native weights are row-major"
-            if transposing and a.ndim == 2:
-                out = np.ones(a.T.shape, a.dtype)
-                jobs.append((out, a, _transfer._transposed_tasks))  # out = a.T; a is C-contiguous
-            else:
-                jobs.append((np.ones_like(a), a, _transfer._plain_tasks))
+            out = np.ones(a.T.shape if transposing and a.ndim == 2 else a.shape, a.dtype)
+            jobs += _threaded_copy_jobs(out, a, transposing, cores)
 
     def run():
-        for out, a, tasks in jobs:
-            _transfer._run(tasks(out, a, False))
+        list(pool.map(lambda job: job(), jobs))
     return run
 
 
@@ -270,6 +289,97 @@ def measure_memory(src: str, dst: str, layers: int, width: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# ------------------------------------------------------------------ ablation: does each piece of
+# dense_bridge._transfer pay? db.convert with one piece replaced by the plain alternative, on one
+# thread and on every core, round-robin in the same run.
+def _plain_native_copy(src, perm=None, *, check_finite=False):
+    """The simplest correct native_copy: a 64-byte aligned buffer, numpy's own (strided) copy,
+    then numpy's own NaN/Inf count over the result."""
+    from dense_bridge import _transfer
+
+    src = np.asarray(src)
+    view = src if perm is None else src.transpose(tuple(perm))
+    nbytes = view.nbytes
+    raw = np.empty(nbytes + _transfer.ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _transfer.ALIGN
+    out = raw[start:start + nbytes].view(view.dtype).reshape(view.shape)
+    np.copyto(_transfer._raw(out), _transfer._raw(view))
+    if not check_finite:
+        return out, 0
+    return out, int(out.size - np.count_nonzero(np.isfinite(out)))
+
+
+def _variant(name: str):
+    """A context manager patching dense_bridge._transfer / _params for one variant."""
+    import contextlib
+
+    from dense_bridge import _params as params_mod
+    from dense_bridge import _transfer
+
+    @contextlib.contextmanager
+    def patched():
+        saved = {k: getattr(_transfer, k) for k in ("native_copy", "_blocked_transpose", "_cores")}
+        saved_params_copy = params_mod.native_copy
+        try:
+            copy = None
+            if name == "plain copy (np.copyto + np.isfinite)":
+                copy = _plain_native_copy
+            elif name == "one thread":
+                _transfer._cores = lambda: 1
+            elif name == "no cache-blocked transpose":
+                def strided(out, swapped, check):
+                    np.copyto(_transfer._raw(out), _transfer._raw(swapped.swapaxes(-1, -2)))
+                    return _transfer.count_nonfinite(out) if check else 0
+                _transfer._blocked_transpose = strided
+            elif name == "check after copy (not fused)":
+                def separate(src, perm=None, *, check_finite=False, fused=saved["native_copy"]):
+                    out, _ = fused(src, perm, check_finite=False)
+                    return out, (_transfer.count_nonfinite(out) if check_finite else 0)
+                copy = separate
+            if copy is not None:
+                _transfer.native_copy = copy
+                params_mod.native_copy = copy
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(_transfer, k, v)
+            params_mod.native_copy = saved_params_copy
+    return patched
+
+
+VARIANTS = ("full", "one thread", "plain copy (np.copyto + np.isfinite)",
+            "no cache-blocked transpose", "check after copy (not fused)")
+
+
+def ablation(sources: dict, pairs, layers: int, width: int, repeats: int) -> tuple[list[list[str]], list[str]]:
+    nbytes = param_bytes(layers, width)
+    rows, header = [], ["pair"] + list(VARIANTS)
+    for src, dst in pairs:
+        source = sources[src]
+        fns = {}
+        for v in VARIANTS:
+            ctx = _variant(v)
+
+            def fn(ctx=ctx):
+                with ctx():
+                    return db.convert(source, to=dst)
+            fns[v] = fn
+        for fn in fns.values():
+            timed(fn)
+        samples = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                samples[k].append(timed(fn))
+        full = statistics.median(samples["full"])
+        cells = []
+        for v in VARIANTS:
+            med = statistics.median(samples[v])
+            cells.append(f"{nbytes / med / 1e9:.2f}" + ("" if v == "full" else f" ({med / full - 1:+.0%})"))
+        rows.append([f"{src} -> {dst}"] + cells)
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return rows, header
+
+
 # ------------------------------------------------------------------ report
 def row(r: dict, layer_bytes: int) -> list[str]:
     g = r["gbps"]
@@ -307,6 +417,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", default=None, help="only these pairs, e.g. torch-keras,mlx-torch")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "convert.md"))
+    parser.add_argument("--ablation", action="store_true",
+                        help="instead: db.convert with each piece of dense_bridge._transfer replaced by the plain "
+                             "alternative or on one thread (GB/s; in brackets the variant's extra time "
+                             "over 'full': + means the piece pays)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -323,6 +437,22 @@ def main(argv=None) -> int:
         wanted = {tuple(p.split("-")) for p in args.pairs.split(",")}
         pairs = [p for p in pairs if p in wanted]
     load_before = os.getloadavg()
+    if args.ablation:
+        sources = {src: build(src, args.layers, args.width) for src in {s for s, _ in pairs}}
+        rows, header = ablation(sources, pairs, args.layers, args.width, args.repeats)
+        load_after = os.getloadavg()
+        text = table(rows, header)
+        command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        report = ["# dense_bridge._transfer ablation", "",
+                  f"db.convert of {args.layers} Dense layers {args.width}x{args.width} float32; GB/s, medians of "
+                  f"{args.repeats} runs round-robin; (+x%) = the variant's extra time over 'full' (+ means the piece of machinery pays).", "",
+                  f"Command: `{command.strip()}`", "",
+                  f"Machine: {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
+                  "", text, ""]
+        print(text)
+        with open(args.out, "w") as f:
+            f.write("\n".join(report))
+        return 0
     results = []
     sources = {}
     for src, dst in pairs:
@@ -353,11 +483,11 @@ def main(argv=None) -> int:
         "- limit: the pair's copy into preallocated memory (np.copyto for torch<->mlx, which share the (out, in) "
         "layout; torch `out.copy_(W.t())` for the transposing pairs with Keras' (in, out) kernel).",
         "- all-core limit: the same copy into preallocated memory on every core with dense_bridge's kernels "
-        "(threads over huge-page chunks; cache-blocked transpose): the stricter yardstick.",
+        "(threads over column strips; cache-blocked transpose): the stricter yardstick.",
         "- fresh-memory: the limit's copy into newly allocated memory (np.copy / torch.empty + copy_), as "
         "a new model must be written: the kernel zero-fills each fresh page first.",
         "- convert: source views are zero-copy; each layer is copied once, in the target's layout, into fresh "
-        "2 MiB-aligned huge pages on every core with the NaN/Inf check fused into the copy, then adopted by the "
+        "64-byte aligned buffers (cache-blocked transpose, one thread) with the NaN/Inf check fused into the copy, then adopted by the "
         "target (torch.from_numpy, TF DLPack); MLX copies with mx.array.",
         "- naive: a hand-written port into an already built model (`set_weights([w.T, b])`, `load_weights`, "
         "`lin.weight.data = torch.tensor(k.T)`, `load_state_dict`).",

@@ -16,7 +16,7 @@ import numpy as np
 from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
 from ._registry import array_adapter
-from ._transfer import count_nonfinite, count_nonfinite_later, native_copy
+from ._transfer import count_nonfinite, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
@@ -93,15 +93,14 @@ class ParamSource:
     a lone layer).
 
     With ``defer_finite_check`` the NaN/Inf scan of given params is not a separate pass over
-    everything up front: :meth:`native_layer` scans inside its copy, :meth:`for_layer` starts
-    a scan on a worker thread that runs while the adapter copies, and :meth:`finish` collects
-    those and scans whatever no adapter asked for. The error is the one
-    :func:`validate_params` raises, listing every offender. Only for targets that are new
-    objects (compile, convert): a half-built one is simply dropped.
+    everything up front: :meth:`native_layer` scans inside its copy, :meth:`for_layer` scans
+    what it hands out, and :meth:`finish` raises for those and scans whatever no adapter asked
+    for. The error is the one :func:`validate_params` raises, listing every offender. Only for
+    targets that are new objects (compile, convert): a half-built one is simply dropped.
     """
 
     _unchecked: frozenset | set = frozenset()  # given keys not yet known to be free of NaN/Inf
-    _pending: Mapping = MappingProxyType({})  # key -> Future of its NaN/Inf count (for_layer's scans)
+    _pending: Mapping = MappingProxyType({})  # key -> its NaN/Inf count (for_layer's scans)
     _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
@@ -149,8 +148,8 @@ class ParamSource:
         prefix = self._prefix(index)
         for key in out:
             if prefix + key in self._unchecked and prefix + key not in self._pending:
-                # scanned while the adapter copies; finish() collects the verdict
-                self._pending[prefix + key] = count_nonfinite_later(out[key])
+                # finish() gives the verdict, with every offender named at once
+                self._pending[prefix + key] = count_nonfinite(out[key])
         return out
 
     def native_layer(self, index: int, layer, perms: Mapping[str, tuple[int, ...]] | None = None
@@ -183,8 +182,8 @@ class ParamSource:
         if any holds NaN or Inf."""
         if not self._unchecked:
             return
-        for key, future in self._pending.items():
-            if future.result() == 0:
+        for key, count in self._pending.items():
+            if count == 0:
                 self._unchecked.discard(key)
         self._pending = {}
         if any(count_nonfinite(self.params[k]) for k in self._unchecked):

@@ -1,90 +1,48 @@
-"""Fast parameter copies for conversion: aligned buffers, blocked transposes, fused checks.
+"""Parameter copies for conversion: aligned fresh buffers, a cache-blocked transpose, a fused check.
 
 Adapters hand frameworks memory they no longer touch: :func:`native_copy` fills a FRESH
 buffer with the parameter in the target framework's layout, and the adapter gives it away
 through a supported zero-copy import (``torch.from_numpy``, TF DLPack). Nothing here ever
-writes into memory a framework owns. Measured on the 2-core reference machine (docs/FACTS.md):
+writes into memory a framework owns.
 
-- Alignment: numpy's buffers are only 16-byte aligned and TF aborts (``Check failed:
-  IsAligned()``) on a misaligned DLPack import, so every buffer here starts on 64 bytes.
-- Huge pages: a new model needs new memory, and the kernel zero-fills every new page. numpy
-  advises huge pages (MADV_HUGEPAGE) for its allocations of 4 MiB and more, which makes a
-  fresh 64 MB layer about 1.6x cheaper to fill than 4 KiB pages (torch.empty's).
-- Transposes: a cache-blocked numpy copy (strips of 64 source rows x 1024 columns, 256 KiB,
-  written as 64 destination columns) beats torch's ``out.copy_(W.t())`` and is 5x numpy's
-  plain ``ascontiguousarray(W.T)``; it needs no framework at all.
-- Threads: large copies run in huge-page-sized work items on every core (numpy releases the
-  GIL while copying), so the kernel's zero-filling of fresh pages runs in parallel too.
-- Finiteness: NaN/Inf checks read the block just copied, while it is in the cache, with BLAS
-  row sums, instead of a separate pass over all parameters (which cost as much as a copy).
+Only what measurably pays is here (``python benchmarks/bench_convert.py --ablation``, single
+thread and all cores in the same run; ``benchmarks/results/transfer_ablation.md``):
+
+- Alignment (correctness, not speed): numpy's buffers are only 16-byte aligned and TF aborts
+  (``Check failed: IsAligned()``) on a misaligned DLPack import, so every buffer starts on 64 bytes.
+- Transposes: a cache-blocked copy (strips of 64 source rows x 1024 columns, 256 KiB, written
+  as 64 destination columns) made the convert of every transposing pair faster than numpy's
+  strided ``np.copyto`` of the transposed view in every run (median +149% time without it).
+- Threads, for the transposing copy only: median +17% time on one thread (a noisy, shared
+  2-core machine: -48% to +178%).
+- The NaN/Inf check reads each block just transposed, while it is in the cache: median +36%
+  time for a separate pass after the copy (-52% to +209%).
+
+Removed because their median gain was under 10% where they run: threads and chunking for
+same-layout copies (numpy's own ``np.copyto`` was as fast), 2 MiB huge-page alignment (+8%),
+BLAS row sums for the finiteness test (slower than numpy's sum outside the transposes), the
+shared thread pool with its fork handling, and the deferred scans on worker threads.
 
 Copies move raw bits (through same-width unsigned views), so every dtype, bfloat16 and NaN
 payloads included, arrives bit-identical.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "count_nonfinite_later", "is_aligned"]
+__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned"]
 
 ALIGN = 64  # bytes: Eigen's (TF's) EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; torch allocates so too
-_HUGE = 2 << 20  # one x86 huge page: large buffers start on one, so every page of them can be huge
 _ROWS = 64  # source rows per transposed strip: 64 destination columns = one 256-byte run per row
-_COLS = 1024  # source columns per strip (256 KiB of float32) = destination rows per work item
-_CHUNK = _HUGE  # bytes per work item of a plain copy: one huge page, faulted by one thread only
-_SMALL = 1 << 22  # bytes: below this one copy and one check beat blocking and threads
+_COLS = 1024  # source columns per strip (256 KiB of float32)
+_SMALL = 1 << 20  # bytes: below this numpy's strided copy is as fast as blocking
+_THREADED = 1 << 22  # bytes: from here a transposing copy is split over the cores
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-_pool_pid = 0  # a forked child inherits the pool object but not its threads: it needs its own
-
-
-def _workers() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))  # memory bandwidth, not cores, bounds a copy beyond a few threads
-
-
-def _run(tasks: list[Callable[[], int]]) -> int:
-    """Run the tasks (each returns a non-finite count) on the shared pool; their total.
-
-    numpy releases the GIL inside copies and reductions, so threads fill separate huge pages
-    in parallel: the kernel's zero-filling of fresh pages then runs on every core.
-    """
-    if _workers() == 1 or len(tasks) == 1:
-        return sum(_quiet(t) for t in tasks)
-    try:
-        return sum(_executor().map(_quiet, tasks))
-    except RuntimeError:  # no new threads after interpreter shutdown (an atexit hook): serial
-        return sum(_quiet(t) for t in tasks)
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool, _pool_pid
-    with _pool_lock:  # two threads' first copies must not each start a pool
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(_workers(), thread_name_prefix="dense_bridge_copy")
-            _pool_pid = os.getpid()
-        return _pool
-
-
-def _quiet(task: Callable[[], int]) -> int:
-    """Run a task without overflow/invalid warnings: a sum of huge finite values may overflow
-    (then counted exactly), Inf + -Inf gives NaN; neither is an error. Per thread, as numpy's
-    error state is."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return task()
 
 
 def is_aligned(array: np.ndarray, align: int = ALIGN) -> bool:
@@ -93,18 +51,16 @@ def is_aligned(array: np.ndarray, align: int = ALIGN) -> bool:
 
 
 def empty(shape: Sequence[int], dtype) -> np.ndarray:
-    """A new writable C-contiguous array starting on a 64-byte boundary (huge-page boundary
-    for large ones).
+    """A new writable C-contiguous array starting on a 64-byte boundary.
 
-    Allocated by numpy (huge pages for large buffers), so whoever ends up holding it, through
-    ``torch.from_numpy`` or a DLPack capsule, keeps the memory alive and frees it.
+    Allocated by numpy, so whoever ends up holding it, through ``torch.from_numpy`` or a DLPack
+    capsule, keeps the memory alive and frees it.
     """
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    align = _HUGE if nbytes >= _SMALL else ALIGN
-    raw = np.empty(nbytes + align, np.uint8)
-    start = (-raw.ctypes.data) % align
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
@@ -114,133 +70,67 @@ def _raw(array: np.ndarray) -> np.ndarray:
     return array if bits is None or array.dtype == bits else array.view(bits)
 
 
-def _accumulator(dtype: np.dtype):
-    """Sum dtype for the finiteness test, or None for dtypes that cannot hold NaN/Inf."""
-    if dtype == bool or np.issubdtype(dtype, np.integer):
-        return None
-    return np.float64 if dtype == np.float64 else np.float32
-
-
 def count_nonfinite(value: np.ndarray) -> int:
-    """Number of NaN/Inf entries, found with one allocation-free pass in the common case.
+    """Number of NaN/Inf entries, with one allocation-free pass in the common case.
 
     A sum is finite only if every term is (NaN and Inf propagate); only when it is not do we
     pay for the elementwise check, which also tells a real NaN from an overflowing sum.
-    Large float32/64 arrays take BLAS row sums (x @ ones, on BLAS's threads, without the GIL):
-    2.5x numpy's pairwise sum here.
     """
-    acc = _accumulator(value.dtype)
-    if acc is None or value.size == 0:
+    if value.dtype == bool or np.issubdtype(value.dtype, np.integer) or value.size == 0:
         return 0
-    if value.nbytes >= _SMALL and value.dtype in _BLAS and value.ndim >= 1:
-        # finiteness does not depend on the layout: read the memory in its own order
-        rows = value if value.flags.c_contiguous else value.T if value.flags.f_contiguous else None
-        width = None if rows is None else rows.shape[-1] if rows.shape[-1] <= 16384 else \
-            _COLS if rows.size % _COLS == 0 else None  # bounded: a ones vector is kept per width
-        if width is not None:
-            return _quiet(lambda: _block_nonfinite(rows.reshape(-1, width)))
-    return _quiet(lambda: _small_nonfinite(value))
-
-
-def count_nonfinite_later(value: np.ndarray) -> Future:
-    """:func:`count_nonfinite` on a worker thread: a Future of the count.
-
-    The scan runs while the caller goes on (e.g. while MLX copies the same array into its own
-    memory, a copy that holds the GIL but leaves a core and memory bandwidth free). Small
-    arrays are scanned at once: a thread hand-off would cost more than the scan.
-    """
-    if value.nbytes < _SMALL:
-        done: Future = Future()
-        done.set_result(count_nonfinite(value))
-        return done
-    try:
-        return _executor().submit(count_nonfinite, value)
-    except RuntimeError:  # no new threads after interpreter shutdown: scan now
-        done = Future()
-        done.set_result(count_nonfinite(value))
-        return done
-
-
-def _small_nonfinite(value: np.ndarray) -> int:
-    """count_nonfinite with numpy's own sum (callers silence overflow warnings)."""
-    acc = _accumulator(value.dtype)
-    if acc is None or value.size == 0 or np.isfinite(np.sum(value, dtype=acc)):
-        return 0
-    return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
-
-
-@functools.lru_cache(maxsize=8)
-def _ones(n: int, dtype: np.dtype) -> np.ndarray:
-    out = np.ones(n, dtype)
-    out.flags.writeable = False
-    return out
-
-
-def _block_nonfinite(block: np.ndarray) -> int:
-    """count_nonfinite of a block just read (in cache), with a fast test for the common case.
-
-    float32/64 use BLAS row sums (block @ ones: NaN and Inf propagate through x*1 + acc), 4x
-    faster than numpy's pairwise sum; only a non-finite row sum (a NaN, an Inf or an
-    overflowing sum) pays for the exact elementwise count.
-    """
-    if block.dtype in _BLAS and block.ndim == 2 and block.strides[-1] == block.itemsize:
-        if np.isfinite(block @ _ones(block.shape[1], block.dtype)).all():
+    acc = np.float64 if value.dtype == np.float64 else np.float32
+    # a sum of huge finite values may overflow (then counted exactly); Inf + -Inf gives NaN
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(value, dtype=acc)):
             return 0
-        return int(block.size - np.count_nonzero(np.isfinite(block)))
-    return _small_nonfinite(block)
+        return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
 
 
-def _plain_tasks(out: np.ndarray, src: np.ndarray, check: bool) -> list[Callable[[], int]]:
-    """out = src (both C-contiguous) in huge-page work items; each 256 KiB piece is checked
-    right after it is copied, while it is in L1/L2."""
-    flat_out, flat_src = _raw(out).reshape(-1), _raw(src).reshape(-1)
-    values = src.reshape(-1)
-    step = max(1, _CHUNK // src.itemsize)
-    piece = _ROWS * _COLS
-
-    def chunk(start: int) -> int:
-        stop = min(start + step, flat_src.size)
-        if not check:
-            np.copyto(flat_out[start:stop], flat_src[start:stop])
-            return 0
-        bad = 0
-        for lo in range(start, stop, piece):
-            hi = min(lo + piece, stop)
-            np.copyto(flat_out[lo:hi], flat_src[lo:hi])
-            part = values[lo:hi]
-            # 64 x 1024 blocks: small enough that BLAS runs them on this thread (a large gemv
-            # would start BLAS's own threads on top of ours)
-            bad += _block_nonfinite(part.reshape(_ROWS, _COLS)) if part.size == piece else _small_nonfinite(part)
-        return bad
-
-    return [functools.partial(chunk, s) for s in range(0, flat_src.size, step)]
-
-
-def _transposed_tasks(out: np.ndarray, swapped: np.ndarray, check: bool) -> list[Callable[[], int]]:
-    """out (..., R, C) = swapped (..., C, R) transposed; ``swapped`` is C-contiguous.
+def _blocked_transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
+    """out (..., R, C) = swapped (..., C, R) transposed; the NaN/Inf count of what was copied
+    when ``check``. ``swapped`` is read-only; any strides whose last axis is contiguous.
 
     Strips of 64 x 1024 source elements are written as 1024 x 64 destination blocks: every
     source line is read once and every destination line written in full 256-byte runs, all
-    inside L2. A work item is 1024 destination rows, so threads fault separate pages.
+    inside L2; each block is checked right after it is read, while it is in the cache.
     """
     raw_out, raw_src = _raw(out), _raw(swapped)
-
-    def rows(index: tuple, j: int) -> int:
+    bad = 0
+    for index in np.ndindex(*swapped.shape[:-2]):
         o, s, v = raw_out[index], raw_src[index], swapped[index]
-        bad = 0
-        for i in range(0, s.shape[0], _ROWS):
-            o[j:j + _COLS, i:i + _ROWS] = s[i:i + _ROWS, j:j + _COLS].T
-            if check:
-                bad += _block_nonfinite(v[i:i + _ROWS, j:j + _COLS])
-        return bad
-
-    return [functools.partial(rows, index, j) for index in np.ndindex(*swapped.shape[:-2])
-            for j in range(0, swapped.shape[-1], _COLS)]
+        for j in range(0, s.shape[1], _COLS):
+            for i in range(0, s.shape[0], _ROWS):
+                o[j:j + _COLS, i:i + _ROWS] = s[i:i + _ROWS, j:j + _COLS].T
+                if check:
+                    bad += count_nonfinite(v[i:i + _ROWS, j:j + _COLS])
+    return bad
 
 
-def _swapped_contiguous(view: np.ndarray) -> bool:
-    """Is ``view`` a C-contiguous array with its last two axes swapped (e.g. torch's W.T)."""
-    return view.ndim >= 2 and view.swapaxes(-1, -2).flags.c_contiguous
+def _cores() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))  # memory bandwidth, not cores, bounds a copy beyond a few threads
+
+
+def _transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
+    """:func:`_blocked_transpose`, split into column strips over the cores for large arrays
+    (numpy releases the GIL while copying). A pool per call: nothing global to survive a fork."""
+    cores = _cores()
+    width = swapped.shape[-1]
+    if cores == 1 or swapped.nbytes < _THREADED or width < 2 * _COLS:
+        return _blocked_transpose(out, swapped, check)
+    step = -(-width // (cores * _COLS)) * _COLS  # whole strips per thread
+
+    def strip(j: int) -> int:
+        return _blocked_transpose(out[..., j:j + step, :], swapped[..., j:j + step], check)
+
+    try:
+        with ThreadPoolExecutor(cores, thread_name_prefix="dense_bridge_copy") as pool:
+            return sum(pool.map(strip, range(0, width, step)))
+    except RuntimeError:  # no new threads after interpreter shutdown (an atexit hook): serial
+        return _blocked_transpose(out, swapped, check)
 
 
 def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
@@ -253,12 +143,8 @@ def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
     src = np.asarray(src)
     view = src if perm is None else src.transpose(tuple(perm))
     out = empty(view.shape, view.dtype)
-    if view.nbytes < _SMALL:
-        np.copyto(_raw(out), _raw(view))
-        return out, _quiet(lambda: _small_nonfinite(view)) if check_finite else 0
-    if view.flags.c_contiguous:
-        return out, _run(_plain_tasks(out, view, check_finite))
-    if _swapped_contiguous(view):
-        return out, _run(_transposed_tasks(out, view.swapaxes(-1, -2), check_finite))
-    np.copyto(_raw(out), _raw(view))  # other strides: rare (slices of slices); numpy's general copy
+    if view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
+            and view.swapaxes(-1, -2).flags.c_contiguous:  # e.g. torch's W.T
+        return out, _transpose(out, view.swapaxes(-1, -2), check_finite)
+    np.copyto(_raw(out), _raw(view))
     return out, count_nonfinite(out) if check_finite else 0

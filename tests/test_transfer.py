@@ -1,4 +1,5 @@
-"""Fast conversion copies: bit-exact fresh buffers, fused NaN/Inf checks, deferred validation."""
+"""Conversion copies: bit-exact fresh aligned buffers, the blocked transpose, fused NaN/Inf checks,
+deferred validation."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from dense_bridge._params import ParamSource, validate_params
 
 from conftest import require_backend
 
-# 1024 x 1024 float32 = 4 MiB: large enough for the chunked, threaded paths
+# 1024 x 1024 float32 = 4 MiB: large enough for the cache-blocked transpose
 BIG = 1024
 
 
@@ -213,22 +214,3 @@ def test_torch_tensors_made_from_fresh_buffers_behave_like_torch_allocated_ones(
     fresh = db.compile(db.Sequential([db.Dense(BIG, in_features=BIG), db.Dense(4)]), "torch", seed=4)
     fresh.load_state_dict(state)
     assert torch.equal(fresh[0].weight, weight)
-
-
-# Python 3.12+ warns that forking a multi-threaded process may deadlock: exactly the case tested
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_a_forked_child_copies_with_its_own_threads():
-    import multiprocessing
-
-    if "fork" not in multiprocessing.get_all_start_methods():
-        pytest.skip("no fork on this platform")
-    src = _array((BIG, BIG))
-    _transfer.native_copy(src.T)  # the parent's pool exists now
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(1) as pool:
-        # a child reusing the parent's pool (threads do not survive fork) would hang here
-        assert pool.apply_async(_child_copy, (src,)).get(timeout=60) == _bits(np.ascontiguousarray(src.T))
-
-
-def _child_copy(src):
-    return _bits(_transfer.native_copy(src.T)[0])

@@ -56,6 +56,12 @@ class DenseLinear(nn.Linear):
     weight (units, in_features), bias (units,), mask (units, in_features) like the weight.
     The mask multiplies the weight in every forward, so its zeros hold from the first call and
     the weight's gradient is zero where the mask is (optimizers then leave those entries at 0).
+    MLX arrays are immutable: every change of a parameter (optimizers, ``update``,
+    ``load_weights``, ``db.set_params``) puts a new array in its place. So the masked weight of the
+    last call is reused while the weight and mask are the very same arrays (held by the cache,
+    so their ids cannot be reused): inference costs what an unmasked layer's does, for one extra
+    weight-sized array. Under ``nn.value_and_grad`` the parameters are new arrays at every call,
+    so the product is made afresh (and is part of the graph).
     """
 
     def __init__(self, weight: mx.array | None, bias: mx.array | None, mask: mx.array | None,
@@ -96,9 +102,19 @@ class DenseLinear(nn.Linear):
             raise SpecError(f"x must have shape (*, in_features={expected}). "
                             f"Received: x of shape {tuple(x.shape)}")
 
+    def _masked_weight(self) -> mx.array:
+        weight, mask = self["weight"], self["mask"]
+        cache = self.__dict__.get("_masked_cache")
+        if cache is not None and cache[0] is weight and cache[1] is mask:
+            return cache[2]
+        masked = weight * mask
+        # object.__setattr__: MLX's Module.__setattr__ would make a tuple of arrays a parameter
+        object.__setattr__(self, "_masked_cache", (weight, mask, masked))
+        return masked
+
     def __call__(self, x: mx.array) -> mx.array:
         self._check_input(x)
-        w = self["weight"] * self["mask"] if "mask" in self else self["weight"]
+        w = self._masked_weight() if "mask" in self else self["weight"]
         y = mx.addmm(self["bias"], x, w.T) if "bias" in self else x @ w.T
         return y if self._act is None else self._act(y)
 

@@ -38,6 +38,16 @@ class DenseLinear(nn.Linear):
     (rather than torch's ``prune``, which renames the weight and is stale after ``opt.step()``)
     gives masked weights a zero gradient, so they stay exactly 0 under SGD with momentum and
     weight decay, Adam and AdamW when they start at 0; ``load_state_dict`` re-zeroes them.
+
+    Inference (autograd off: ``torch.no_grad()``/``torch.inference_mode()``) reuses the masked
+    weight from the last call while neither the weight nor the mask has changed, so a masked
+    forward costs what an unmasked one does; it holds one extra weight-sized tensor. A change is
+    seen through the tensors' version counters (every in-place write: optimizers,
+    ``load_state_dict``, ``db.set_params``, ``copy_`` under ``no_grad``), their data pointers
+    (``weight.data = t``) and identities (``layer.weight = nn.Parameter(t)``, ``.to()``). Writes
+    through ``weight.data`` in place (``layer.weight.data.mul_(2)``) bypass torch's version
+    counter: call :meth:`clear_masked_cache` after them. With autograd on, the product is
+    computed at every call (it is part of the graph).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -58,10 +68,32 @@ class DenseLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # one read each: nn.Module.__getattr__ is a slow path (~0.3 us a read) that showed at
         # 16->16, batch 1 in benchmarks/bench_layers.py
-        mask, activation = self.mask, self.activation
-        weight = self.weight if mask is None else self.weight * mask
+        mask, activation, weight = self.mask, self.activation, self.weight
+        if mask is not None:
+            weight = weight * mask if torch.is_grad_enabled() else self._masked_weight(weight, mask)
         out = F.linear(input, weight, self.bias)
         return out if activation is None else activation(out)
+
+    def _masked_weight(self, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """weight * mask, reused while neither tensor changed (autograd off only)."""
+        key = (weight._version, weight.data_ptr(), mask._version, mask.data_ptr())
+        cache = self.__dict__.get("_masked_cache")
+        # identity (held, so an id is never reused) + version counter + data pointer
+        if cache is not None and cache[0] is weight and cache[1] is mask and cache[2] == key:
+            return cache[3]
+        masked = weight * mask
+        self.__dict__["_masked_cache"] = (weight, mask, key, masked)
+        return masked
+
+    def clear_masked_cache(self) -> None:
+        """Forget the cached masked weight (needed only after in-place writes through ``.data``)."""
+        self.__dict__.pop("_masked_cache", None)
+
+    def __getstate__(self):
+        # pickles and deep copies carry the parameters, not a cache derived from them
+        state = dict(super().__getstate__())
+        state.pop("_masked_cache", None)
+        return state
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
