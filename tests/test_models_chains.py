@@ -207,3 +207,65 @@ def test_keras_models_take_inputs_of_any_rank_features_last():
             got = np.asarray(model(x))
             assert got.shape == want.shape
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ torch.export fallback
+def test_a_forward_branching_on_the_input_rank_reads_through_torch_export():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+
+    class SimpleMLP(torch.nn.Module):  # the seed documents' MNIST model
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = torch.nn.Linear(12, 6), torch.nn.GELU(approximate="tanh"), \
+                torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = x.view(-1, 12) if x.ndim > 2 else x
+            return F.softmax(self.fc2(torch.relu(self.act(self.fc1(x)))), dim=-1)
+
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    with pytest.warns(UserWarning, match=r"torch.export on an example input of shape \(2, 12\).*branch"):
+        spec = db.to_spec(model)
+    # the example (batch, 12) takes the `else x` branch: no Flatten in the spec
+    assert spec == db.Sequential([db.Dense(6, in_features=12, kernel_init="torch_default",
+                                           bias_init="torch_default", activation="linear"),
+                                  db.Activation("gelu_tanh"), db.Activation("relu"),
+                                  db.Dense(3, kernel_init="torch_default", bias_init="torch_default"),
+                                  db.Activation("softmax", axis=-1)])
+    with pytest.warns(UserWarning, match="torch.export"):
+        assert sorted(db.get_params(model)) == ["0.bias", "0.kernel", "3.bias", "3.kernel"]
+        other = db.convert(model, "numpy")
+        assert db.testing.compare(model, other).passed
+    x = np.random.default_rng(0).standard_normal((4, 12)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(other.forward(x), model(torch.tensor(x)).numpy(), atol=1e-6)
+
+
+def test_control_flow_that_is_not_a_chain_still_fails_clearly():
+    torch = pytest.importorskip("torch")
+
+    class Skip(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x + self.fc(x) if x.ndim > 1 else x
+
+    with pytest.raises(db.ConversionError, match="(?s)not a single chain.*linear_layers"):
+        db.to_spec(Skip())
+
+
+# ------------------------------------------------------------------------ dropped regularizers
+def test_keras_regularizers_and_constraints_are_named_when_dropped():
+    torch = pytest.importorskip("torch")  # noqa: F841 - the port's target
+    require_backend("keras")
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, kernel_regularizer="l2", bias_constraint="non_neg", name="reg")])
+    with pytest.warns(UserWarning, match="'reg'.*kernel_regularizer=L2, bias_constraint=NonNeg dropped"):
+        converted = db.convert(model, "torch")
+    np.testing.assert_array_equal(converted[0].weight.detach().numpy().T, model.layers[0].kernel.numpy())

@@ -190,12 +190,28 @@ def _dtype_of(layer) -> str:
     return dtype
 
 
+_DROPPED = ("kernel_regularizer", "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint")
+
+
+def _warn_dropped(layer) -> None:
+    """Name the regularizers and constraints a spec cannot carry: a port (convert, save) drops them."""
+    import warnings
+
+    found = {a: getattr(layer, a, None) for a in _DROPPED}
+    found = {a: v for a, v in found.items() if v is not None}
+    if found:
+        listed = ", ".join(f"{a}={type(v).__name__}" for a, v in found.items())
+        warnings.warn(f"{_describe(layer)}: {listed} dropped: a dense_bridge spec carries no regularizers or "
+                      f"constraints, so a converted or saved model trains without them", UserWarning, stacklevel=4)
+
+
 def _einsum_spec(layer) -> Dense:
     """An EinsumDense whose equation is a linear map, as the Dense it computes (backends/keras/_models.py)."""
     where = _describe(layer)
     if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
         raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
     plan = plan_or_raise(layer)
+    _warn_dropped(layer)
     return Dense(plan.units, in_features=plan.in_features, use_bias=plan.bias_axes is not None,
                  activation=_activation_of_function(layer.activation, where),
                  kernel_init=_db_init(layer.kernel_initializer, "glorot_uniform"),
@@ -207,6 +223,7 @@ def _dense_spec(layer) -> Dense:
     if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
         raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
     wiring = layer.wiring() if isinstance(layer, DenseBridgeDense) else None
+    _warn_dropped(layer)
     in_features = int(layer.kernel.shape[0]) if layer.built else None
     return Dense(layer.units, in_features=in_features, use_bias=layer.use_bias,
                  activation=_activation_of_function(layer.activation, where),

@@ -21,7 +21,7 @@ from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
-from ._activations import FUNCTIONS, METHODS, ExactActivation, fn_spec, module_activation
+from ._activations import FUNCTIONS, METHODS, ExactActivation, activation_module, fn_spec, module_activation
 from ._arrays import dtype_name
 from ._layers import DenseLinear, LazyDense
 
@@ -265,9 +265,11 @@ def _traced_chain(root: nn.Module, what: str) -> list[Step]:
     try:
         graph = _Tracer().trace(root)
     except Exception as exc:  # noqa: BLE001 - any trace failure means "not a plain chain"
-        raise ConversionError(f"cannot convert {what}: torch.fx could not trace its forward "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Only a "
-                              f"chain of Linear layers and activations without Python control flow converts")
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if isinstance(exc, torch.fx.proxy.TraceError):  # Python control flow: torch.export specialises it
+            return _exported_chain(root, what, why)
+        raise ConversionError(f"cannot convert {what}: torch.fx could not trace its forward ({why}). Only a "
+                              f"chain of Linear layers and activations converts")
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1:
@@ -308,6 +310,130 @@ def _traced_chain(root: nn.Module, what: str) -> list[Step]:
         raise ConversionError(f"cannot convert {what}, {_node_name(flatten[0])}: it flattens the input to "
                               f"{flatten[1]} features but the first Linear takes in_features={first.in_features}")
     return steps
+
+
+# ------------------------------------------------------------------ torch.export fallback
+#: aten ops a forward calls directly (not through a module) that are an activation of the table.
+_ATEN_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "silu": "silu",
+                     "mish": "mish", "hardsigmoid": "hard_sigmoid", "hardswish": "hard_silu", "exp": "exponential",
+                     "selu": "selu", "softsign": "softsign"}
+_ATEN_SHAPES = {"view", "reshape", "flatten", "_unsafe_view"}
+_ATEN_NOOPS = {"clone", "contiguous", "alias", "detach", "dropout"}
+
+
+def _example_input(root: nn.Module, what: str) -> torch.Tensor:
+    """A (2, in_features) zero input from the first Linear in definition order (batch 2: no size-1 specialisation)."""
+    first = next((m for m in root.modules() if isinstance(m, (nn.Linear, nn.Bilinear)) or declared(m) is not None),
+                 None)
+    if first is None or isinstance(first, nn.Bilinear) or isinstance(first, nn.LazyLinear):
+        raise ConversionError(f"cannot convert {what}: torch.fx could not trace its forward and no Linear layer "
+                              f"gives the width of an example input for torch.export")
+    weight = first.weight if declared(first) is None else declared_tensors(first)[0]
+    width = first.in_features if declared(first) is None else int(weight.shape[0 if not declared(first).transposed else 1])
+    return torch.zeros(2, width, dtype=weight.dtype, device=weight.device)
+
+
+def _aten_name(node) -> str:
+    return str(getattr(node.target, "__name__", node.target)).split(".")[0]
+
+
+def _exported_chain(root: nn.Module, what: str, fx_error: str) -> list[Step]:
+    """The chain of a forward that branches on static properties (``x.ndim``, shapes), read with
+    ``torch.export`` on an example input: export specialises the branch that input takes, and a
+    warning says which input that was. Linear layers and activation modules are found through
+    each node's ``nn_module_stack``; direct aten calls map to activations, Flatten or nothing."""
+    import warnings
+
+    example = _example_input(root, what)
+    was_training = root.training
+    root.eval()
+    try:
+        program = torch.export.export(root, (example,), strict=False)
+    except Exception as exc:  # noqa: BLE001 - export failing too means the forward is not readable
+        raise ConversionError(f"cannot convert {what}: torch.fx could not trace its forward ({fx_error}) and "
+                              f"torch.export failed on an example input of shape {tuple(example.shape)} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    finally:
+        root.train(was_training)
+    graph = program.graph
+    params = {n for n in graph.nodes if n.op == "placeholder" and n.name in
+              {**program.graph_signature.inputs_to_parameters, **program.graph_signature.inputs_to_buffers}}
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and n not in params]
+    if len(inputs) != 1:
+        raise ConversionError(f"cannot convert {what}: its forward takes {len(inputs)} inputs; only single-input "
+                              f"chains convert")
+    steps: list[Step] = []
+    cur, current_module = inputs[0], None
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op == "output":
+            if node.args[0] not in ((cur,), [cur], cur):
+                raise ConversionError(f"cannot convert {what}: it does not return the last value of a single chain")
+            break
+        where = f"{what}, exported node {node.name!r} ({node.target})"
+        used = [n for n in node.all_input_nodes if n not in params]
+        if used != [cur] or len(cur.users) != 1:
+            raise ConversionError(f"cannot convert {where}: not a single chain (a branch, residual connection or "
+                                  f"second input)")
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        path = stack[-1][0] if stack else ""
+        module = root.get_submodule(path) if path else root
+        if module is not root and not is_container(module):
+            if module is not current_module:  # a module's first op stands for the whole module
+                spec = _leaf_spec(module, where)
+                if spec is None:
+                    raise ConversionError(f"cannot convert {where}: {describe(module)} is not a Linear layer, "
+                                          f"Identity, Dropout or activation module")
+                steps.append(Step(spec, module, module))
+                current_module = module
+            cur = node
+            continue
+        current_module = None
+        name = _aten_name(node)
+        args, kwargs = list(node.args[1:]), dict(node.kwargs)
+        if name in _ATEN_NOOPS:
+            if name == "dropout":
+                warn_dropout(where, args[0] if args else None)
+                steps.append(Step(Identity(), None, identity))
+            cur = node
+            continue
+        if name in _ATEN_SHAPES:
+            in_shape, out_shape = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
+            if in_shape == out_shape:
+                cur = node
+                continue
+            if len(out_shape) == 2 and out_shape[0] == in_shape[0]:
+                steps.append(Step(Flatten(), None, lambda x: torch.flatten(x, 1)))
+                cur = node
+                continue
+            raise ConversionError(f"cannot convert {where}: a reshape {in_shape} -> {out_shape} that is not "
+                                  f"db.Flatten()")
+        if name in _ATEN_ACTIVATIONS:
+            spec = Activation(_ATEN_ACTIVATIONS[name])
+        elif name == "gelu":
+            spec = Activation("gelu_tanh" if kwargs.get("approximate", "none") == "tanh" else "gelu")
+        elif name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+            spec = _axis_activation(name.lstrip("_"), args[0] if args else kwargs.get("dim"), where)
+        elif name == "leaky_relu":
+            spec = Activation("leaky_relu", negative_slope=float(args[0]) if args else 0.01)
+        elif name == "elu" and not args[1:] and not kwargs:
+            spec = Activation("elu", alpha=float(args[0]) if args else 1.0)
+        else:
+            raise ConversionError(f"cannot convert {where}: not a Linear layer or a known activation")
+        steps.append(Step(spec, None, activation_module(spec)))
+        cur = node
+    warnings.warn(f"{what}: torch.fx could not trace its forward ({fx_error}); read with torch.export on an example "
+                  f"input of shape {tuple(example.shape)}, which specialises its control flow: the spec is the branch "
+                  f"that input takes ({len(steps)} steps: {', '.join(type(s.spec).__name__ for s in steps)})",
+                  UserWarning, stacklevel=4)
+    return steps
+
+
+def _axis_activation(name: str, dim, where: str) -> Activation:
+    if dim not in (-1, 1):
+        raise ConversionError(f"cannot convert {where}: {name} over dim={dim}; dense_bridge's acts on the last axis")
+    return Activation(name, axis=-1) if name == "softmax" else Activation(name)
 
 
 def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> Step:
