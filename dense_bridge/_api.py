@@ -12,12 +12,18 @@ from typing import Any, Mapping
 import numpy as np
 
 from ._errors import ConversionError, SpecError, received
-from ._params import ParamSource, validate_params
+from ._memory import check_fits_in_memory
+from ._params import ParamSource, check_masks_match, validate_params
 from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
 from ._registry import available_backends as installed_backends
 from ._spec_memory import remember_spec, remembered_spec
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, Spec
+
+
+def _check_flag(argument: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False. {received(argument, value)}")
 
 
 def _check_spec(spec: object) -> None:
@@ -26,19 +32,22 @@ def _check_spec(spec: object) -> None:
                         f"{received('spec', spec)}")
 
 
-def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping | None = None):
+def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping | None = None,
+            allow_nonfinite: bool = False):
     """The framework's own layer or model for ``spec``.
 
     Dense -> torch.nn.Linear / keras.layers.Dense / mlx.nn.Linear (a thin subclass only when
     an activation or mask needs one); Sequential -> that framework's Sequential; "numpy" -> the
     reference layer. Initial parameters are drawn in numpy from ``seed`` (bit-identical on every
-    backend), or loaded from canonical ``params``.
+    backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
+    unless ``allow_nonfinite=True``).
     """
     _check_spec(spec)
+    _check_flag("allow_nonfinite", allow_nonfinite)
     backend = check_backend_name(backend)
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
-    source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True)
+    source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
     return build(backend, source)
 
 
@@ -51,7 +60,9 @@ def build(backend: str, source: ParamSource):
     deferred NaN/Inf checks are collected (``source.finish()``) and the spec is remembered on
     the object (``dense_bridge._spec_memory``).
     """
-    native = get_adapter(backend).compile(source.spec, source)
+    adapter = get_adapter(backend)
+    check_fits_in_memory(source.spec)  # a SpecError now, not a MemoryError inside the framework
+    native = adapter.compile(source.spec, source)
     source.finish()
     remember_spec(native, source.spec)
     return native
@@ -102,18 +113,21 @@ def get_params(native: Any, *, copy: bool = True) -> dict[str, np.ndarray]:
     return {k: np.array(v, copy=True) for k, v in params.items()} if copy else params
 
 
-def set_params(native: Any, params: Mapping, *, strict: bool = True) -> None:
+def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfinite: bool = False) -> None:
     """Load canonical ``params`` into ``native``.
 
     All keys, shapes and values are checked before anything is written: on any offender one
     ConversionError lists them all and ``native`` is unchanged. ``strict=False`` allows a
-    subset of the keys (unexpected ones still raise).
+    subset of the keys (unexpected ones still raise). NaN/Inf raise unless
+    ``allow_nonfinite=True``; a mask that differs from the model's raises.
     """
     adapter = adapter_for(native)
     spec = _read_spec(adapter, native)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
-    checked = validate_params(spec, params, strict=strict)
+    _check_flag("allow_nonfinite", allow_nonfinite)
+    checked = validate_params(spec, params, strict=strict, allow_nonfinite=allow_nonfinite)
+    check_masks_match(spec, checked)
     adapter.set_params(native, checked)
 
 
@@ -141,17 +155,18 @@ def _read_spec(adapter, native):
     return read if hint is None else _with_hint(read, hint)
 
 
-def convert(native: Any, to: str):
+def convert(native: Any, to: str, *, allow_nonfinite: bool = False):
     """A new native object on backend ``to`` with ``native``'s spec and parameters.
 
     float32 parameters arrive bit-identical; layouts are transposed by declaration, never by
-    shape, so square layers convert correctly and A -> B -> A gives back A's values.
+    shape, so square layers convert correctly and A -> B -> A gives back A's values. NaN/Inf
+    parameters raise a ConversionError unless ``allow_nonfinite=True``.
     """
     target = check_backend_name(to, "to")
     source = adapter_for(native)
     spec = _read_spec(source, native)
     params = source.get_params(native)
-    return compile(spec, target, params=params)
+    return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)
 
 
 def available_backends(check: bool = False) -> list[str]:

@@ -17,11 +17,15 @@ import errno
 import os
 import re
 import secrets
+import stat
+import struct
+import time
 
 from ._errors import CheckpointError
 
 __all__ = ["AtomicFiles", "check_writable", "describe_os_error", "directory_lock", "parse_size",
-           "shard_names", "new_save_id"]
+           "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
+           "RECLAIM_MIN_AGE_S"]
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -118,19 +122,28 @@ class AtomicFiles:
         self.renamed: list[str] = []
         self.synced = False
         self.committed = False
+        self._locks: list[int] = []  # descriptors holding each temporary's lock
+
+    def _release(self) -> None:
+        for fd in self._locks:
+            try:
+                os.close(fd)  # drops the lock
+            except OSError:  # pragma: no cover
+                pass
+        self._locks.clear()
 
     def temp_for(self, final: str, suffix: str = "", fresh: bool = False) -> str:
         """A fresh temporary path beside ``final``; ``suffix`` keeps an extension a writer needs.
 
-        ``fresh``: ``final`` is a new, unique name (a shard of this save), so an abort after its
-        rename removes it again instead of leaving an orphan.
+        The file is created here (exclusively) and locked (an OFD write lock) until commit or abort, so
+        a later save's ``reclaim_temporaries`` can tell a leftover of a killed save (unlocked)
+        from one a running save is still writing (locked). ``fresh``: ``final`` is a new,
+        unique name (a shard of this save), so an abort after its rename removes it again
+        instead of leaving an orphan.
         """
         check_writable(final)
-        token = secrets.token_hex(4)
-        if suffix and final.endswith(suffix):
-            tmp = f"{final[:-len(suffix)]}.tmp-{token}{suffix}"
-        else:
-            tmp = f"{final}.tmp-{token}"
+        tmp = temp_name(final, secrets.token_hex(4), suffix)
+        self._locks.append(_create_locked(tmp))
         self.pending.append((tmp, final))
         if fresh:
             self.fresh.add(final)
@@ -152,6 +165,7 @@ class AtomicFiles:
         for d in {os.path.dirname(os.path.abspath(f)) for _, f in self.pending}:
             _fsync_dir(d)
         self.committed = True
+        self._release()
 
     def abort(self) -> None:
         leftovers = [tmp for tmp, _ in self.pending] + [f for f in self.renamed if f in self.fresh]
@@ -162,6 +176,7 @@ class AtomicFiles:
                 pass
             except OSError:  # pragma: no cover - nothing more we can do; the target is intact anyway
                 pass
+        self._release()
 
     def __enter__(self) -> "AtomicFiles":
         return self
@@ -176,6 +191,121 @@ class AtomicFiles:
             raise CheckpointError(f"cannot write {self.label}: {describe_os_error(exc)} "
                                   f"(nothing was changed on disk)") from None
         return False
+
+
+# ------------------------------------------------------------------ temporaries and leftovers
+#: The random part of every temporary and shard name a save writes (secrets.token_hex(4)).
+_TOKEN = r"[0-9a-f]{8}"
+#: A temporary younger than this is never reclaimed: it covers the instant between creating a
+#: temporary and locking it (a leftover is reclaimed by a later save anyway).
+RECLAIM_MIN_AGE_S = 2.0
+
+
+def temp_name(final: str, token: str, suffix: str = "") -> str:
+    """``<final>.tmp-<token>``, or ``<stem>.tmp-<token><suffix>`` to keep an extension a writer needs."""
+    if suffix and final.endswith(suffix):
+        return f"{final[:-len(suffix)]}.tmp-{token}{suffix}"
+    return f"{final}.tmp-{token}"
+
+
+def temp_pattern(final: str, suffix: str = "") -> re.Pattern:
+    """Matches the base names of every temporary ``temp_name(final, *, suffix)`` can produce."""
+    base = os.path.basename(final)
+    names = [re.escape(base) + r"\.tmp-" + _TOKEN]
+    if suffix and base.endswith(suffix):
+        names.append(re.escape(base[:-len(suffix)]) + r"\.tmp-" + _TOKEN + re.escape(suffix))
+    return re.compile("^(?:" + "|".join(names) + ")$")
+
+
+def _record_lock(fd: int, kind: int) -> bool:
+    """Try an open-file-description lock of ``kind`` (F_WRLCK/F_RDLCK) on all of ``fd``'s file.
+
+    Why OFD locks and not flock: HDF5 (Keras .weights.h5 through h5py) flocks the files it
+    writes, and a plain POSIX record lock is dropped when the writer closes any other
+    descriptor of the file. An OFD lock conflicts with neither and lives exactly as long as
+    this descriptor. True when taken; False when another holder has a conflicting lock.
+    """
+    import fcntl
+
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks), padded to 32 bytes
+    request = struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 0, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _can_lock() -> bool:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return False
+    return hasattr(fcntl, "F_OFD_SETLK")
+
+
+def _create_locked(path: str) -> int:
+    """Create ``path`` exclusively and hold a write lock on it; the descriptor keeps the lock."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    if _can_lock():
+        import fcntl
+
+        try:
+            _record_lock(fd, fcntl.F_WRLCK)
+        except OSError:  # pragma: no cover - filesystems without locks: the age rule still protects it
+            pass
+    return fd
+
+
+def reclaim_temporaries(directory: str, pattern: re.Pattern) -> list[str]:
+    """Remove leftover temporaries in ``directory`` whose base name matches ``pattern``.
+
+    A temporary is a leftover of a killed save when no process holds its lock (a running save
+    holds it from creation to rename) and it is older than RECLAIM_MIN_AGE_S. Only regular
+    files are touched, and only names of this library's scheme (the caller's ``pattern``).
+    Returns the paths removed. Where OFD locks do not exist (not Linux) nothing is reclaimed.
+    """
+    if not _can_lock():  # pragma: no cover - no way to tell a running save's file from a leftover
+        return []
+    import fcntl
+
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    now = time.time()
+    for name in names:
+        if not pattern.match(name):
+            continue
+        full = os.path.join(directory, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < RECLAIM_MIN_AGE_S:
+                continue
+            try:
+                if not _record_lock(fd, fcntl.F_RDLCK):
+                    continue  # a save is writing it right now
+            except OSError:
+                continue
+            try:
+                same = os.stat(full, follow_symlinks=False)
+            except OSError:
+                continue
+            if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                os.remove(full)
+                removed.append(full)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -206,12 +336,11 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
     return size
 
 
-def shard_names(path: str, count: int, save_id: str | None = None) -> tuple[list[str], str]:
-    """Shard file paths and the index path for a sharded save to ``path`` (hub-like naming).
+def index_and_stem(path: str) -> tuple[str, str]:
+    """(index path, shard stem) of a sharded save to ``path``.
 
-    ``dir/model.safetensors`` -> ``dir/model-<save_id>-00001-of-00003.safetensors`` ... and
-    ``dir/model.safetensors.index.json``; a path ending in ``.index.json`` names the index.
-    Without ``save_id`` the hub's own ``model-00001-of-00003.safetensors``.
+    ``dir/model.safetensors`` -> (``dir/model.safetensors.index.json``, ``dir/model``); a path
+    ending in ``.index.json`` names the index itself.
     """
     if path.endswith(".index.json"):
         index = path
@@ -220,8 +349,26 @@ def shard_names(path: str, count: int, save_id: str | None = None) -> tuple[list
         base = path
         index = path + ".index.json"
     stem = base[: -len(".safetensors")] if base.endswith(".safetensors") else base
+    return index, stem
+
+
+def shard_names(path: str, count: int, save_id: str | None = None) -> tuple[list[str], str]:
+    """Shard file paths and the index path for a sharded save to ``path`` (hub-like naming).
+
+    ``dir/model.safetensors`` -> ``dir/model-<save_id>-00001-of-00003.safetensors`` ... and
+    ``dir/model.safetensors.index.json``; a path ending in ``.index.json`` names the index.
+    Without ``save_id`` the hub's own ``model-00001-of-00003.safetensors``.
+    """
+    index, stem = index_and_stem(path)
     width = max(5, len(str(count)))
     if save_id:
         stem = f"{stem}-{save_id}"
     shards = [f"{stem}-{i:0{width}d}-of-{count:0{width}d}.safetensors" for i in range(1, count + 1)]
     return shards, index
+
+
+def shard_pattern(path: str) -> re.Pattern:
+    """Matches the base name of a shard any dense_bridge save to ``path`` writes; group "id" is its
+    save id. The hub's own names (no save id) never match."""
+    _, stem = index_and_stem(path)
+    return re.compile("^" + re.escape(os.path.basename(stem)) + "-(?P<id>" + _TOKEN + r")-\d{5,}-of-\d{5,}\.safetensors$")

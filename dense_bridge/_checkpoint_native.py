@@ -433,18 +433,23 @@ class NativeCheckpoint:
         """Canonical parameters (in-memory copies)."""
         return {k: np.array(v) for k, v in self.param_views().items()}
 
-    def native(self, backend: str, progress=None):
-        """A native model on ``backend`` holding the file's parameters."""
+    def native(self, backend: str, progress=None, allow_nonfinite: bool = False):
+        """A native model on ``backend`` holding the file's parameters (NaN/Inf refused unless
+        ``allow_nonfinite``: the one rule of load, set_params, compile and convert)."""
         from . import _api
 
         model = self.template()
         if backend == self.framework:
+            if not allow_nonfinite:
+                from .checkpoint import check_finite_params
+
+                check_finite_params(_api.get_params(model, copy=False), self.path)
             if progress is not None:
                 progress(1, 1)
             return model
         params = _api.get_params(model, copy=False)
         try:
-            out = _api.compile(self.spec, backend, params=params)
+            out = _api.compile(self.spec, backend, params=params, allow_nonfinite=allow_nonfinite)
         except ConversionError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
         if progress is not None:
@@ -686,3 +691,4 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)} (nothing was "
                               "changed on disk)") from exc
     return [out]
+

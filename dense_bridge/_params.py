@@ -16,6 +16,7 @@ import numpy as np
 from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
 from ._registry import array_adapter
+from ._memory import check_fits_in_memory
 from ._transfer import count_nonfinite, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
@@ -41,6 +42,7 @@ def initial_layer_params(layer, seed: int, index: int = 0) -> dict[str, np.ndarr
     Drawn in float64 and rounded once to the dtype, so every backend gets the same bits.
     Masked kernel entries are exactly 0.
     """
+    check_fits_in_memory(layer, "layer")  # lazy layers learn their size only here
     if isinstance(layer, Dense):
         shapes = layer.param_shapes()
         dt = numpy_dtype(layer.dtype)
@@ -104,7 +106,7 @@ class ParamSource:
     _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
-                 defer_finite_check: bool = False,
+                 defer_finite_check: bool = False, allow_nonfinite: bool = False,
                  stream: Callable[[int, Any], dict[str, np.ndarray]] | None = None) -> None:
         self.spec = spec
         self.seed = check_seed(0 if stream is not None else seed)
@@ -118,8 +120,9 @@ class ParamSource:
                 spec = fill_lazy_from_params(spec, params)
                 self.spec = spec
             self.params, deferred = _validate(spec, params, strict=True, argument="params",
-                                              check_finite=not defer_finite_check)
-            _check_masks_match(spec, self.params)
+                                              check_finite=not defer_finite_check,
+                                              allow_nonfinite=allow_nonfinite)
+            check_masks_match(spec, self.params)
             self._unchecked = set(deferred)
             self._pending = {}
 
@@ -197,17 +200,32 @@ class ParamSource:
         raise ConversionError(f"params do not fit {_describe(self.spec)}: " + "; ".join(problems))
 
 
-def _check_masks_match(spec, params: Mapping[str, np.ndarray]) -> None:
+def check_masks_match(spec, params: Mapping[str, np.ndarray], prefix: str | None = None) -> None:
     """A mask given in params must be the spec's own wiring: the spec is what to_spec, save and
-    compare report, so a different mask would make the object lie about what it computes."""
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    prefix = (lambda i: f"{i}.") if isinstance(spec, Sequential) else (lambda i: "")
-    wrong = [prefix(i) + "mask" for i, layer in enumerate(layers)
-             if isinstance(layer, Dense) and layer.mask is not None and prefix(i) + "mask" in params
-             and not np.array_equal(np.asarray(params[prefix(i) + "mask"]) != 0, layer.mask.adjacency)]
+    compare report, so a different mask would make the object lie about what it computes.
+
+    ``spec`` may be one layer of a Sequential, with ``prefix`` its key prefix ("2."): then
+    ``params`` are that layer's own (unprefixed) keys. ConversionError naming each layer and how
+    many entries differ.
+    """
+    if prefix is not None:
+        layers, names = [spec], [prefix.rstrip(".") or "0"]
+        key_of = (lambda i: "mask")
+    else:
+        layers = list(spec.layers) if isinstance(spec, Sequential) else [spec]
+        names = [str(i) for i in range(len(layers))]
+        key_of = (lambda i: f"{i}.mask") if isinstance(spec, Sequential) else (lambda i: "mask")
+    wrong = []
+    for i, layer in enumerate(layers):
+        key = key_of(i)
+        if isinstance(layer, Dense) and layer.mask is not None and key in params:
+            differing = int(np.count_nonzero((np.asarray(params[key]) != 0) != layer.mask.adjacency))
+            if differing:
+                label = f"layer {names[i]}" + (f" ({layer.name!r})" if layer.name else "")
+                wrong.append(f"{label}: {differing} of {layer.mask.adjacency.size} mask entries differ")
     if wrong:
-        raise ConversionError(f"params {wrong} differ from the spec's mask: pass a spec with that wiring "
-                              f"(db.Dense(mask=...)) or leave the mask out of params")
+        raise ConversionError("the mask in params differs from the spec's mask (" + "; ".join(wrong) + "): pass a "
+                              "spec with that wiring (db.Dense(mask=...)) or leave the mask out of params")
 
 
 def _is_lazy(spec) -> bool:
@@ -239,15 +257,19 @@ def expected_params(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (s, spec.dtype) for k, s in spec.param_shapes().items()}
 
 
-def validate_params(spec, params: object, *, strict: bool = True,
-                    argument: str = "params") -> dict[str, np.ndarray]:
+def validate_params(spec, params: object, *, strict: bool = True, argument: str = "params",
+                    allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
     """Check ``params`` against ``spec``; return them as numpy arrays in the spec's dtypes.
 
     Every offender is collected first: missing keys (strict only), unexpected keys (strict only),
     wrong shapes, non-numeric values, NaN/Inf, masks that are not 0/1. One ConversionError then
     lists them all, so the caller can reject the whole load before touching anything.
+    ``allow_nonfinite=True`` lets NaN/Inf through (the one rule of load, set_params, compile and
+    convert). Integer arrays are accepted for float parameters only where every value is exact
+    in the target dtype.
     """
-    return _validate(spec, params, strict=strict, argument=argument, check_finite=True)[0]
+    return _validate(spec, params, strict=strict, argument=argument, check_finite=True,
+                     allow_nonfinite=allow_nonfinite)[0]
 
 
 def _deferrable(key: str, value: np.ndarray, target: np.dtype) -> bool:
@@ -257,7 +279,7 @@ def _deferrable(key: str, value: np.ndarray, target: np.dtype) -> bool:
 
 
 def _validate(spec, params: object, *, strict: bool, argument: str,
-              check_finite: bool) -> tuple[dict[str, np.ndarray], list[str]]:
+              check_finite: bool, allow_nonfinite: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
     """validate_params, plus the keys whose NaN/Inf scan was left for later (only when
     ``check_finite`` is False and nothing else is wrong: an error lists every offender)."""
     if not isinstance(params, Mapping):
@@ -292,7 +314,10 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
             # reversed views (x[::-1]) are legal numpy but DLPack importers (MLX) refuse them
             value = np.ascontiguousarray(value)
         target = numpy_dtype(dtype)
-        if not check_finite and _deferrable(key, value, target):
+        if (allow_nonfinite or not check_finite) and _deferrable(key, value, target):
+            if allow_nonfinite:
+                out[key] = value
+                continue
             deferred.append(key)
             out[key] = value
             continue
@@ -300,7 +325,14 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
         # value the layer would hold
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, by key
             cast = value if value.dtype == target else value.astype(target)
-        bad = count_nonfinite(cast)
+        if (np.issubdtype(value.dtype, np.integer) or value.dtype == bool) and value.dtype != target \
+                and not key.endswith("mask"):
+            with np.errstate(over="ignore", invalid="ignore"):  # an Inf round trip is inexact too
+                inexact = int(np.count_nonzero(cast.astype(value.dtype) != value))
+            if inexact:
+                problems.append(f"{key}: {inexact} integer value(s) of dtype {value.dtype} are not exact in {dtype}")
+                continue
+        bad = 0 if allow_nonfinite and not key.endswith("mask") else count_nonfinite(cast)
         if bad:
             overflow = "" if value.dtype == target or count_nonfinite(value) else \
                 f" after casting to {dtype} (values outside its range)"
@@ -311,7 +343,8 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
             continue
         out[key] = cast
     if problems and deferred:  # the one error must name every offender: scan now after all
-        return _validate(spec, params, strict=strict, argument=argument, check_finite=True)
+        return _validate(spec, params, strict=strict, argument=argument, check_finite=True,
+                         allow_nonfinite=allow_nonfinite)
     if problems:
         raise ConversionError(f"{argument} do not fit {_describe(spec)}: " + "; ".join(problems))
     return out, deferred
@@ -336,3 +369,13 @@ def array_to_numpy(value) -> np.ndarray | None:
 
 def _describe(spec) -> str:
     return f"{type(spec).__name__}" + (f" {spec.name!r}" if getattr(spec, "name", None) else "")
+
+
+def nonfinite_counts(params: Mapping) -> dict[str, int]:
+    """name -> number of NaN/Inf values, for every parameter that holds any."""
+    counts = {}
+    for key, value in params.items():
+        arr = array_to_numpy(value)
+        if arr is not None and (n := count_nonfinite(arr)):
+            counts[key] = n
+    return counts

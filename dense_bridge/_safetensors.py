@@ -24,6 +24,8 @@ import json
 import math
 import mmap
 import os
+import re
+import stat
 import struct
 import weakref
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ import numpy as np
 from ._errors import CheckpointError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
-           "open_readonly", "read_at", "RESERVED"]
+           "open_readonly", "read_at", "RESERVED", "MAX_HEADER", "parse_json_object", "shorten"]
 
 #: The header may not be larger than this (the reference implementation's limit).
 MAX_HEADER = 100_000_000
@@ -47,6 +49,72 @@ _NUMPY_CODES = {
     "BOOL": "bool",
 }
 _ML_CODES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+#: Deepest rank a stored tensor may have (numpy's own limit is 64).
+MAX_RANK = 32
+#: JSON nesting deeper than this is refused before parsing (Python's parser would recurse).
+MAX_JSON_DEPTH = 64
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """repr of a value from a file, cut to ``limit`` characters (files can hold anything)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_json_object(raw: bytes, error: Callable[[str], Exception], what: str) -> dict:
+    """A JSON object from ``raw`` bytes of a file; ``error(reason)`` is raised for anything else.
+
+    Refused: invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH (checked by a scan
+    before parsing, so no RecursionError), integers too long for Python to convert, duplicate
+    keys (two entries for one tensor: which one would be read is undefined), and non-objects.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"corrupted {what} (not UTF-8: {exc})") from None
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise error(f"corrupted {what} (JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} allowed)")
+
+    def no_duplicates(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen[key] = value
+        return seen
+
+    try:
+        value = json.loads(text, object_pairs_hook=no_duplicates)
+    except _DuplicateKey as exc:
+        raise error(f"corrupted {what} (key {shorten(exc.args[0])} appears twice)") from None
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: an integer literal longer than Python's int conversion limit
+        raise error(f"corrupted {what} (not valid JSON: {shorten(str(exc), 200)})") from None
+    if not isinstance(value, dict):
+        raise error(f"corrupted {what} (not a JSON object)")
+    return value
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _json_depth(text: str) -> int:
+    """Deepest bracket nesting of JSON ``text`` (brackets inside strings do not count).
+
+    Strings are removed with one regex pass and the brackets counted with numpy, so a header of
+    many megabytes is scanned in C, not character by character in Python.
+    """
+    skeleton = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    steps = (np.isin(skeleton, (ord("["), ord("{"))).astype(np.int64)
+             - np.isin(skeleton, (ord("]"), ord("}"))).astype(np.int64))
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def numpy_dtype_of(code: str) -> np.dtype:
@@ -94,8 +162,34 @@ def is_safetensors(head: bytes, size: int) -> bool:
 
 
 def open_readonly(path: str) -> int:
-    """A read-only descriptor of ``path`` (OSError as the OS raises it)."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    """A read-only descriptor of the regular file ``path``.
+
+    Opened with O_NONBLOCK so a FIFO or a device cannot block the open, then refused with a
+    CheckpointError unless ``fstat`` says it is a regular file (checked on the descriptor, not
+    the name, so a swap between the check and the read cannot slip one in). OSError as the OS
+    raises it otherwise.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"cannot read {path}: it is {_file_kind(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_kind(mode: int) -> str:
+    """Words for a non-regular file's type (FIFO, device, directory, socket)."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
 
 
 def read_at(fd: int, n: int, offset: int) -> bytes:
@@ -152,13 +246,10 @@ class SafetensorsFile:
             raw = read_at(self._fd, n, 8)
         except OSError as exc:
             raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._error(f"corrupted header (not valid JSON: {exc})") from None
-        if not isinstance(header, dict):
-            raise self._error("corrupted header (not a JSON object)")
-        meta = header.pop(RESERVED, None) or {}
+        header = parse_json_object(raw, self._error, "header")
+        meta = header.pop(RESERVED, None)
+        if meta is None:  # absent, or null as MLX writes it
+            meta = {}
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in meta.items()):
             raise self._error("corrupted header (__metadata__ must map strings to strings)")
@@ -168,6 +259,24 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             self.tensors[name] = self._parse_entry(name, entry, data_start, size - data_start)
+        self._check_layout(size - data_start)
+
+    def _check_layout(self, data_size: int) -> None:
+        """The tensors tile the data section exactly, as the format's reference requires: sorted
+        by offset each begins where the one before ends, and the last ends at the end of the
+        file. Overlapping tensors (two names reading the same bytes) and a header length that is
+        off (which shifts every tensor) are caught here; empty tensors take no bytes."""
+        pos = 0
+        for info in sorted(self.tensors.values(), key=lambda t: (t.start, t.nbytes)):
+            begin = info.start - (self.size - data_size)
+            if begin != pos:
+                what = "overlaps the tensor before it" if begin < pos else f"leaves bytes {pos}..{begin} unused"
+                raise self._error(f"tensor {info.name!r} starts at data byte {begin} and {what} "
+                                  "(the tensors must cover the data section exactly)")
+            pos += info.nbytes
+        if pos != data_size:
+            raise self._error(f"the tensors cover {pos} data bytes but the file holds {data_size} after the "
+                              "header (wrong header length, or trailing bytes)")
 
     @property
     def closed(self) -> bool:
@@ -190,21 +299,24 @@ class SafetensorsFile:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise self._error(f"corrupted header (entry {name!r} needs dtype, shape and data_offsets)")
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if code not in _NUMPY_CODES and code not in _ML_CODES:
-            raise self._error(f"tensor {name!r} has unsupported dtype {code!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise self._error(f"corrupted header (tensor {name!r} has shape {shape!r})")
+        if not isinstance(code, str) or (code not in _NUMPY_CODES and code not in _ML_CODES):
+            raise self._error(f"tensor {name!r} has unsupported dtype {shorten(code)}")
+        # JSON true/false are Python bools, and bool is an int subclass: exact type checks
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK
+                and all(type(s) is int and s >= 0 for s in shape)):
+            raise self._error(f"corrupted header (tensor {name!r} has shape {shorten(shape)})")
         if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-            raise self._error(f"corrupted header (tensor {name!r} has data_offsets {offsets!r})")
+                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise self._error(f"corrupted header (tensor {name!r} has data_offsets {shorten(offsets)})")
         begin, end = offsets
-        itemsize = numpy_dtype_of(code).itemsize
-        if end - begin != itemsize * math.prod(shape):
-            raise self._error(f"tensor {name!r}: shape {tuple(shape)} of {code} needs "
-                              f"{itemsize * math.prod(shape)} bytes but its offsets span {end - begin}")
         if end > data_size:
             raise self._error(f"truncated: tensor {name!r} ends at data byte {end} but the file "
                               f"holds only {data_size} data bytes")
+        itemsize = numpy_dtype_of(code).itemsize
+        # the product of the claimed shape is only compared, never allocated
+        if end - begin != itemsize * math.prod(shape):
+            raise self._error(f"tensor {name!r}: shape {tuple(shape)} of {code} needs "
+                              f"{itemsize * math.prod(shape)} bytes but its offsets span {end - begin}")
         return TensorInfo(name, code, tuple(shape), data_start + begin, end - begin)
 
     def keys(self) -> list[str]:

@@ -23,10 +23,15 @@ Concurrency (several processes saving and loading one path):
   uses and are complete on disk before the index is renamed over the old one, so a reader
   sees the old checkpoint or the new one, never a mix, and no save ever overwrites a file
   another save (or a reader's index) refers to;
-- cleanup removes only what the index being replaced referred to (plus a single-file save at
-  the same name, which would shadow the index), never a name-pattern match; reading that
-  index, renaming and cleaning up happen under ``directory_lock`` (an flock on the
-  directory), so concurrent saves to one path leave exactly the last one, without orphans;
+- a save removes only files it can prove an earlier dense_bridge save of the same path wrote:
+  shards named ``<stem>-<save id>-NNNNN-of-NNNNN.safetensors`` whose own metadata names the
+  same index and save id, an index whose metadata says ``format: dense_bridge``, and
+  temporaries ``<name>.tmp-<id>`` that no process holds locked (every save flocks its
+  temporaries until they are renamed). Never a file an index merely lists, never a hub's own
+  index or shards, never the files being written. Orphans of killed saves (temporaries,
+  shards renamed before their index) are reclaimed by the next save to the path; the
+  commit and the shard sweep happen under ``directory_lock`` (an flock on the directory),
+  so concurrent saves to one path leave exactly the last one;
 - readers take no lock: every safetensors file is opened once and mapped from that
   descriptor (``_safetensors.SafetensorsFile``), an index is read once, and when a save
   removes a shard (or the file) between reading the index and opening it, the read starts
@@ -42,17 +47,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 
-from ._checkpoint_io import AtomicFiles, check_writable, directory_lock, new_save_id, parse_size, shard_names
+from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
+                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern)
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
-from ._params import ParamSource, expected_params, validate_params
-from ._safetensors import (RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly, pending, read_at,
-                           st_dtype, write_safetensors)
+from ._params import ParamSource, check_masks_match, expected_params, nonfinite_counts, validate_params
+from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
+                           parse_json_object, pending, read_at, shorten, st_dtype, write_safetensors)
 from .activations import Activation
 from .specs import Dense, Sequential, Spec, from_config, layer_config, layer_param_shapes
 
@@ -89,12 +96,20 @@ def _spec_json(spec) -> str:
 
 
 def _spec_from_json(text: str, where: str):
+    """The spec stored in a file's metadata; every way it can be malformed is a CheckpointError."""
     if text in ("", "null"):
         return None
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"{where} has a spec in its metadata that cannot be read: {reason}")
+
+    config = parse_json_object(text.encode("utf-8", "surrogatepass"), bad, "spec JSON")
     try:
-        return from_config(json.loads(text))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"{where} has a spec in its metadata that cannot be read: {exc}") from None
+        return from_config(config)
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile config triggers is the file's fault
+        raise bad(f"{type(exc).__name__}: {shorten(str(exc), 300)}") from None
 
 
 # ============================================================================ saving
@@ -130,7 +145,7 @@ def check_tensor_name(name: str, path: str) -> None:
                               "the file's metadata, so a tensor of that name could not be read back; rename it")
 
 
-def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str]:
+def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any, dict[str, PendingTensor], str]:
     """(spec or None, tensors to write, source backend) for what db.save was given."""
     from . import _api
 
@@ -144,7 +159,7 @@ def _resolve(obj: object, path: str) -> tuple[Any, dict[str, PendingTensor], str
 
             spec = fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
         try:
-            checked = validate_params(spec, params)
+            checked = validate_params(spec, params, allow_nonfinite=allow_nonfinite)
         except ConversionError as exc:
             raise CheckpointError(f"cannot save {path}: {exc}") from None
         return spec, {k: pending(v) for k, v in checked.items()}, "numpy"
@@ -199,20 +214,82 @@ def _plan_shards(tensors: Mapping[str, PendingTensor], limit: int | None) -> lis
     return groups
 
 
-def _index_files(index_path: str) -> list[str]:
-    """Files beside it that an existing dense_bridge index at ``index_path`` points to (none when
-    unreadable or not ours: a hub's own shards are never removed)."""
+# ---------------------------------------------------------------------- what a save may remove
+# A save removes only files it can prove an earlier dense_bridge save of the same path wrote:
+# names of this library's scheme for that path (shard_pattern, temp_pattern) AND, for finished
+# files, this library's metadata naming the same index and save id. Never the files being
+# written, never an index or file another tool wrote, never anything an index merely lists.
+def _our_index(index_path: str) -> bool:
+    """Is ``index_path`` an index a dense_bridge save wrote (a hub's own index is not)?"""
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-        if index.get("metadata", {}).get("format") != FORMAT:
-            return []
-        d = os.path.dirname(index_path)
-        names = {v for v in index["weight_map"].values() if isinstance(v, str)}
-        # only plain file names beside the index: an edited index must not steer deletions elsewhere
-        return sorted(os.path.join(d, v) for v in names if v and os.path.basename(v) == v and v not in (".", ".."))
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        fd = open_readonly(index_path)
+    except (OSError, CheckpointError):
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER:
+            return False
+        index = parse_json_object(read_at(fd, size, 0), CheckpointError, "index")
+    except (OSError, CheckpointError):
+        return False
+    finally:
+        os.close(fd)
+    meta = index.get("metadata")
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def _our_file_meta(path: str) -> dict[str, str] | None:
+    """The metadata of ``path`` when it is a dense_bridge canonical safetensors file, else None."""
+    try:
+        with SafetensorsFile(path) as f:
+            meta = f.metadata
+    except (OSError, CheckpointError):
+        return None
+    return meta if meta.get("format") == FORMAT else None
+
+
+def _our_shard(path: str, index_name: str, save_id: str) -> bool:
+    """A shard written by a dense_bridge save for the index ``index_name`` with ``save_id``
+    (shards saved before ids were recorded in the metadata carry the id in their name only)."""
+    meta = _our_file_meta(path)
+    return (meta is not None and meta.get("index") == index_name
+            and meta.get("save_id", save_id) == save_id)
+
+
+def _temporaries_pattern(path: str):
+    """Base names of every temporary a canonical save to ``path`` creates (file, index, shards)."""
+    index, _ = index_and_stem(path)
+    shards = shard_pattern(path).pattern.rstrip("$")
+    parts = [temp_pattern(path).pattern.strip("^$"), temp_pattern(index).pattern.strip("^$"),
+             shards.lstrip("^") + r"\.tmp-[0-9a-f]{8}"]
+    return re.compile("^(?:" + "|".join(parts) + ")$")
+
+
+def reclaim_leftovers(path: str) -> list[str]:
+    """Remove what killed saves to ``path`` left behind: unlocked temporaries of this library's
+    naming scheme. Orphan shards are removed by the next successful save (under its lock)."""
+    return reclaim_temporaries(os.path.dirname(os.path.abspath(path)), _temporaries_pattern(path))
+
+
+def _sweep_shards(path: str, keep: list[str]) -> list[str]:
+    """Under the directory lock, after a commit: remove every shard of an earlier dense_bridge
+    save to ``path`` (the replaced checkpoint's, and orphans of killed saves) except ``keep``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    index, _ = index_and_stem(path)
+    pattern = shard_pattern(path)
+    kept = {os.path.abspath(k) for k in keep}
+    doomed = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
         return []
+    for name in names:
+        match = pattern.match(name)
+        full = os.path.join(directory, name)
+        if match and os.path.abspath(full) not in kept and _our_shard(full, os.path.basename(index), match["id"]):
+            doomed.append(full)
+    _remove_quietly(doomed)
+    return doomed
 
 
 def _remove_quietly(paths) -> None:
@@ -223,15 +300,12 @@ def _remove_quietly(paths) -> None:
             pass
 
 
-def _same_files(a: str, b: str) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
-
-
 def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mapping[str, str],
                     max_shard_size: int | None = None, progress: Progress | None = None) -> list[str]:
     """Write a canonical checkpoint atomically (sharded when asked); return the files written.
 
-    See the module docstring for how concurrent saves and loads of one path stay consistent.
+    See the module docstring for how concurrent saves and loads of one path stay consistent,
+    and the section above for what a save removes.
     """
     for name in tensors:
         check_tensor_name(name, path)
@@ -245,32 +319,39 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
             progress(done[0], total)
 
     directory = os.path.dirname(os.path.abspath(path))
+    reclaim_leftovers(path)
     if len(groups) == 1 and not path.endswith(".index.json"):
-        stale_index = path + ".index.json"
+        stale_index, _ = index_and_stem(path)
         with AtomicFiles(path) as tx:
             tmp = tx.temp_for(path)
             with open(tmp, "wb") as f:
                 write_safetensors(f, tensors, meta, tick)
             tx.sync()
             with directory_lock(directory):
-                # a sharded checkpoint saved earlier under this name would only confuse readers now;
-                # read under the lock: exactly what the index being dropped refers to
-                stale = _index_files(stale_index)
                 tx.commit()
-                if stale or os.path.isfile(stale_index):
-                    # the index first: a reader never finds an index whose shards are gone for good
-                    _remove_quietly([stale_index] + stale)
+                # a sharded checkpoint saved earlier under this name would only confuse readers now:
+                # its index first, so a reader never finds an index whose shards are gone for good
+                if _our_index(stale_index):
+                    _remove_quietly([stale_index])
+                _sweep_shards(path, keep=[])
         return [path]
 
-    shards, index_path = shard_names(path, len(groups), new_save_id())
+    save_id = new_save_id()
+    shards, index_path = shard_names(path, len(groups), save_id)
+    shadow = path if path != index_path and os.path.lexists(path) else None
+    if shadow is not None and _our_file_meta(path) is None:
+        raise CheckpointError(f"cannot save {path} sharded: {path} exists and is not a dense_bridge checkpoint, "
+                              f"so it would shadow the new index {index_path}; remove it or choose another path "
+                              "(nothing was changed on disk)")
     index_meta: dict[str, Any] = dict(meta)
     index_meta["total_size"] = total
+    index_meta["save_id"] = save_id
     weight_map = {}
     with AtomicFiles(path) as tx:
         for i, (names, shard) in enumerate(zip(groups, shards), start=1):
             tmp = tx.temp_for(shard, fresh=True)  # a name no other save uses
             shard_meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "shard": f"{i}/{len(groups)}",
-                          "index": os.path.basename(index_path)}
+                          "index": os.path.basename(index_path), "save_id": save_id}
             with open(tmp, "wb") as f:
                 write_safetensors(f, {n: tensors[n] for n in names}, shard_meta, tick)
             weight_map.update({n: os.path.basename(shard) for n in names})
@@ -280,26 +361,29 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
             f.write("\n")
         tx.sync()
         with directory_lock(directory):
-            stale = set(_index_files(index_path))
             tx.commit()
-            stale = {p for p in stale if not any(_same_files(p, s) for s in shards)}
-            if path != index_path and os.path.isfile(path):
-                stale.add(path)  # an earlier single-file save here would shadow the new index
-            _remove_quietly(sorted(stale))
+            if shadow is not None and _our_file_meta(path) is not None:
+                _remove_quietly([path])  # an earlier single-file save here would shadow the new index
+            _sweep_shards(path, keep=shards)
     return shards + [index_path]
 
 
-def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None = None) -> list[str]:
+def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None = None,
+         allow_nonfinite: bool = False) -> list[str]:
     """Save a native model, a (spec, params) tuple or a params dict as a canonical checkpoint.
 
     safetensors with the spec and layout in its metadata; bfloat16 kept bit for bit.
     ``max_shard_size`` (bytes, or "10MB"/"1GB") shards it hub-style with an index. Atomic: on
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
+    A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
+    ``allow_nonfinite=True``).
     """
     path = _path_arg(path)
     limit = parse_size(max_shard_size)
     check_writable(path)
-    spec, tensors, source = _resolve(obj, path)
+    if not isinstance(allow_nonfinite, bool):
+        raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    spec, tensors, source = _resolve(obj, path, allow_nonfinite)
     for name in tensors:  # before anything is written
         check_tensor_name(name, path)
     try:
@@ -323,7 +407,7 @@ def _open_sniffed(path: str) -> tuple[str, int]:
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
                               "(model.safetensors, model.safetensors.index.json, model.pt, ...)")
     try:
-        fd = open_readonly(path)
+        fd = open_readonly(path)  # refuses FIFOs and devices without blocking
     except FileNotFoundError:
         raise CheckpointError(f"cannot read {path}: no such file or directory") from None
     except OSError as exc:
@@ -361,8 +445,13 @@ def _kind(path: str, fd: int) -> str:
 
 
 def _read_all(path: str, fd: int) -> bytes:
+    """The whole (index) file; refused beyond MAX_HEADER bytes, the limit a safetensors header has."""
     try:
-        return read_at(fd, os.fstat(fd).st_size, 0)
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER:
+            raise CheckpointError(f"cannot read {path}: a JSON index of {size} bytes is larger than the "
+                                  f"{MAX_HEADER}-byte limit")
+        return read_at(fd, size, 0)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
 
@@ -439,14 +528,14 @@ class CanonicalCheckpoint:
         """Every tensor as a PendingTensor: read from the file only when written out."""
         return {n: PendingTensor(self.info(n).numpy_dtype, self.info(n).shape, _getter(self, n)) for n in self.where}
 
-    def native(self, backend: str, progress: Progress | None = None):
+    def native(self, backend: str, progress: Progress | None = None, allow_nonfinite: bool = False):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
         from . import _api
 
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
                                   "db.load (--spec SPEC.json on the command line) to build a model from it")
-        source = ParamSource(self.spec, stream=_LayerStream(self, progress))
+        source = ParamSource(self.spec, stream=_LayerStream(self, progress, allow_nonfinite))
         try:
             return _api.build(backend, source)
         except ConversionError as exc:
@@ -477,8 +566,9 @@ class _LayerStream:
     are released before the next layer is read.
     """
 
-    def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None) -> None:
+    def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None, allow_nonfinite: bool = False) -> None:
         self._ckpt = ckpt
+        self._allow_nonfinite = allow_nonfinite
         self._progress = progress
         self._done = 0
         self._total = ckpt.total_bytes
@@ -487,7 +577,9 @@ class _LayerStream:
     def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
         prefix = f"{index}." if self._sequential else ""
         raw = {k: self._ckpt.get(prefix + k) for k in layer_param_shapes(layer)}
-        checked = validate_params(layer, raw, argument=f"parameters of layer {index}")
+        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
+                                  allow_nonfinite=self._allow_nonfinite)
+        check_masks_match(layer, checked, prefix=prefix or "0.")
         self._done += sum(a.nbytes for a in raw.values())
         if self._progress is not None:
             self._progress(self._done, self._total)
@@ -524,11 +616,9 @@ def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile
 
     _Changed when a shard is missing and the index no longer reads ``raw`` (a save replaced it).
     """
-    try:
-        index = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: not a valid JSON index ({exc})") from None
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+    index = parse_json_object(raw, lambda why: CheckpointError(f"cannot read {path}: not a valid JSON index "
+                                                                f"({why})"), "index")
+    if not isinstance(index.get("weight_map"), dict):
         raise CheckpointError(f"cannot read {path}: a JSON file but not a checkpoint index (no \"weight_map\")")
     d = os.path.dirname(path)
     files: dict[str, SafetensorsFile] = {}
@@ -661,26 +751,46 @@ def _open_once(path: str, spec, like, format):
     return native.open_native(target, kind, spec=spec, like=like, format=format)
 
 
-def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None):
+def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None,
+         allow_nonfinite: bool = False):
     """A native model on ``backend`` from a checkpoint, or ``(spec, params)`` when backend is None.
 
     Reads canonical checkpoints (single or sharded), torch state dicts (.pt/.pth/.bin, read with
     weights_only=True) and torch safetensors, Keras .weights.h5/.keras, MLX .safetensors/.npz.
     Files that do not carry a spec need ``spec=`` or ``like=`` (a native model of the same
     architecture). ``params`` are in-memory numpy arrays in the canonical layout; a checkpoint
-    saved without a spec gives ``(None, params)``.
+    saved without a spec gives ``(None, params)``. NaN/Inf parameters raise a CheckpointError
+    unless ``allow_nonfinite=True``, with or without ``backend``; so does a stored mask that
+    differs from the spec's.
     """
     from ._registry import check_backend_name
 
+    if not isinstance(allow_nonfinite, bool):
+        raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
     if backend is not None:
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
     try:
         if backend is None:
-            return ckpt.spec, ckpt.params()
-        return ckpt.native(backend)
+            params = ckpt.params()
+            _check_loaded(ckpt, params, allow_nonfinite)
+            return ckpt.spec, params
+        return ckpt.native(backend, allow_nonfinite=allow_nonfinite)
     finally:
         ckpt.close()  # everything is copied out by now
+
+
+def _check_loaded(ckpt, params: dict, allow_nonfinite: bool) -> None:
+    """The rules ``compile(params=)`` applies, for params handed out as numpy arrays."""
+    try:
+        if ckpt.spec is not None:
+            validate_params(ckpt.spec, params, allow_nonfinite=allow_nonfinite)
+            check_masks_match(ckpt.spec, params)
+            return
+    except ConversionError as exc:
+        raise CheckpointError(f"{ckpt.path}: {exc}") from None
+    if not allow_nonfinite:
+        check_finite_params(params, ckpt.path)
 
 
 # ============================================================================ converting
@@ -740,3 +850,12 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
     files = native.write_native(model, target, out, spec=ckpt.spec)
     return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
             "bytes": ckpt.total_bytes}
+
+
+def check_finite_params(params: Mapping, path: str) -> None:
+    """CheckpointError naming ``path`` and each parameter that holds NaN or Inf."""
+    bad = nonfinite_counts(params)
+    if bad:
+        raise CheckpointError(f"{path} holds NaN or Inf parameters ("
+                              + "; ".join(f"{k}: {n} value(s)" for k, n in bad.items())
+                              + "); pass allow_nonfinite=True to load them anyway")

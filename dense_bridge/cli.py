@@ -452,7 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up log lines are noise here
+    # TensorFlow's C++ log lines are noise here, errors included: the GPU build of TensorFlow (which
+    # keras-hub pulls in) logs a failed cuInit at ERROR level on every CPU-only machine. Our own
+    # errors reach the user through Python exceptions, never through that log.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if not sys.warnoptions:
         warnings.simplefilter("ignore")  # frameworks' deprecation chatter would bury the one-line errors
     parser = build_parser()

@@ -433,13 +433,16 @@ def from_config(config: Any):
 
         try:
             config = json.loads(config)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"config is not valid JSON ({exc}). {received('config', config)}") from None
+        except (ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError and huge ints
+            raise SpecError(f"config is not valid JSON ({type(exc).__name__}: {str(exc)[:200]}). "
+                            f"{received('config', config)}") from None
     if isinstance(config, dict) and "class_name" not in config and "name" in config:
         return Activation.from_config(config)  # Activation.to_config() has no class envelope
     if not isinstance(config, dict) or "class_name" not in config:
         raise TypeError(f"config must be a dict made by spec.to_config(). {received('config', config)}")
     name, body = config["class_name"], config.get("config", {})
+    if not isinstance(name, str):
+        raise SpecError(f"config's class_name must be a string. {received('class_name', name)}")
     if name not in _CLASSES and name not in ("Activation", "Identity", "Flatten"):
         raise SpecError(f"config has an unknown class_name. {received('class_name', name)}")
     if not isinstance(body, dict):
@@ -452,8 +455,8 @@ def from_config(config: Any):
         if name == "Flatten":
             return Flatten(**body)
         return _CLASSES[name]._from_body(body)
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        if isinstance(exc, SpecError):
-            raise
+    except SpecError as exc:
+        raise SpecError(f"config for {name}: {exc}") from None
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError, RecursionError) as exc:
         raise SpecError(f"config for {name} is malformed ({type(exc).__name__}: {exc}). "
                         f"{received('config', config)}") from None

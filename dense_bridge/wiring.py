@@ -87,10 +87,37 @@ class Wiring:
 
     @classmethod
     def from_config(cls, config: dict) -> "Wiring":
-        shape = tuple(int(s) for s in config["shape"])
-        raw = np.frombuffer(base64.b64decode(config["packbits_base64"]), dtype=np.uint8)
-        bits = np.unpackbits(raw, count=shape[0] * shape[1]).reshape(shape).astype(bool)
-        return cls(bits, kind=config.get("kind", "custom"), allow_empty_outputs=True)
+        """Rebuild from ``to_config()``. The claimed shape is checked against the packed bytes
+        actually present before anything is allocated: a config is often read from a file, and
+        a few bytes must not be able to ask for gigabytes (``np.unpackbits`` pads with zeros)."""
+        if not isinstance(config, dict):
+            raise TypeError(f"a mask config must be a dict. {received('config', config)}")
+        shape, packed = config.get("shape"), config.get("packbits_base64")
+        if not (isinstance(shape, (list, tuple)) and len(shape) == 2
+                and all(type(s) is int and s >= 0 for s in shape)):
+            raise SpecError(f"a mask config needs shape = [in_features, units] (two non-negative integers). "
+                            f"{received('shape', shape)}")
+        if not isinstance(packed, str):
+            raise SpecError(f"a mask config needs packbits_base64, a base64 string. "
+                            f"{received('packbits_base64', packed)}")
+        count = shape[0] * shape[1]
+        needed = -(-count // 8)
+        # base64 holds 3 bytes per 4 characters: refuse a mismatch before decoding anything
+        if len(packed) != 4 * -(-needed // 3):
+            raise SpecError(f"a mask config of shape {tuple(shape)} needs {needed} packed bytes "
+                            f"({4 * -(-needed // 3)} base64 characters); received {len(packed)} characters")
+        try:
+            raw = np.frombuffer(base64.b64decode(packed, validate=True), dtype=np.uint8)
+        except ValueError as exc:
+            raise SpecError(f"a mask config's packbits_base64 is not valid base64: {exc}") from None
+        if raw.size != needed:
+            raise SpecError(f"a mask config of shape {tuple(shape)} needs {needed} packed bytes; "
+                            f"received {raw.size}")
+        bits = np.unpackbits(raw, count=count).reshape(shape).astype(bool)
+        kind = config.get("kind", "custom")
+        if not isinstance(kind, str):
+            raise SpecError(f"a mask config's kind must be a string. {received('kind', kind)}")
+        return cls(bits, kind=kind, allow_empty_outputs=True)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Wiring) and self.shape == other.shape and bool(

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import dense_bridge as db  # noqa: E402
 

@@ -52,11 +52,19 @@ def test_params_mask_must_match_the_spec(backend):
                                           "bias": np.zeros(3, np.float32), "mask": np.ones((2, 3), np.float32)})
 
 
-def test_numpy_to_spec_follows_a_replaced_mask():
-    require_backend("numpy")
-    layer = db.compile(db.Dense(3, in_features=2, mask=db.wiring.banded(2, 3, 0)), "numpy", seed=0)
-    db.set_params(layer, {"mask": np.ones((2, 3), np.float32)}, strict=False)
-    assert db.to_spec(layer).mask.adjacency.all()
+def test_set_params_refuses_a_mask_that_differs_from_the_models(backend):
+    # one rule with load, compile(params=) and convert: the mask is part of the spec, never
+    # silently replaced; the error names the layer and how many entries differ
+    spec = db.Sequential([db.Dense(3, in_features=2), db.Dense(3, mask=db.wiring.banded(3, 3, 0))])
+    model = db.compile(spec, backend, seed=0)
+    before = db.get_params(model)
+    with pytest.raises(db.ConversionError, match=r"layer 1: 6 of 9 mask entries differ"):
+        db.set_params(model, {"1.mask": np.ones((3, 3), np.float32)}, strict=False)
+    after = db.get_params(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    with pytest.raises(db.ConversionError, match=r"layer 1: 6 of 9 mask entries differ"):
+        db.compile(spec, backend, params={**before, "1.mask": np.ones((3, 3), np.float32)})
+    db.set_params(model, {"1.mask": before["1.mask"]}, strict=False)  # the same mask is fine
 
 
 @pytest.mark.parametrize("bad,error", [("no", TypeError), (1, TypeError)])

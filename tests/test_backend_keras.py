@@ -450,12 +450,16 @@ def test_set_params_rejects_bad_keys_and_changes_nothing():
     assert_same_bits({k: np.array(v) for k, v in db.get_params(model).items()}, before)
 
 
-def test_set_params_mask_only_re_masks_the_stored_kernel():
+def test_set_params_refuses_a_new_mask_and_changes_nothing():
+    # the mask is part of the spec: one rule with load/compile/convert (issue 10)
     layer = db.compile(db.Dense(3, in_features=3, mask=db.wiring.dense(3, 3)), "keras", seed=0)
+    before = db.get_params(layer)
     eye = np.eye(3, dtype=np.float32)
-    db.set_params(layer, {"mask": eye}, strict=False)
-    np.testing.assert_array_equal(db.get_params(layer)["kernel"] * (1 - eye), 0.0)
-    assert db.to_spec(layer).mask == db.wiring.from_adjacency(eye)
+    with pytest.raises(db.ConversionError, match="6 of 9 mask entries differ"):
+        db.set_params(layer, {"mask": eye}, strict=False)
+    after = db.get_params(layer)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert db.to_spec(layer).mask == db.wiring.dense(3, 3)
 
 
 # ============================================================ trace

@@ -1,0 +1,61 @@
+"""Refusing work that cannot fit: a spec's parameter bytes against the memory available.
+
+``Dense(10**12)`` or a config read from a file could otherwise ask a framework for terabytes and
+end in a ``MemoryError`` (or the OOM killer) deep inside it. Compiling checks first and raises a
+``SpecError`` naming the bytes needed and the bytes available.
+
+Available memory is Linux's ``MemAvailable`` (/proc/meminfo): what can be allocated without
+swapping. Where it cannot be read the check is skipped (the framework's own error then stands).
+"""
+from __future__ import annotations
+
+import math
+
+from ._dtypes import numpy_dtype
+from ._errors import SpecError
+from .specs import Sequential, layer_param_shapes
+
+__all__ = ["available_memory", "param_bytes", "check_fits_in_memory"]
+
+
+def available_memory() -> int | None:
+    """Bytes the system can allocate now (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def param_bytes(spec) -> int:
+    """Bytes of every parameter (and mask) ``spec`` declares; lazy layers count what is known."""
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    total = 0
+    for layer in layers:
+        if getattr(layer, "lazy", False):
+            continue
+        dtype = getattr(layer, "dtype", None)
+        itemsize = numpy_dtype(dtype).itemsize if dtype else 4
+        for shape in layer_param_shapes(layer).values():
+            total += math.prod(shape) * itemsize
+    return total
+
+
+def check_fits_in_memory(spec, what: str = "spec") -> None:
+    """SpecError when ``spec``'s parameters need more bytes than the system has available."""
+    available = available_memory()
+    if available is None:
+        return
+    needed = param_bytes(spec)
+    if needed > available:
+        raise SpecError(f"{what} needs {needed:,} bytes for its parameters but only {available:,} bytes of memory "
+                        f"are available (MemAvailable); use smaller layers or a machine with more memory. "
+                        f"Received: {what}={_describe(spec)}")
+
+
+def _describe(spec) -> str:
+    text = repr(spec)
+    return text if len(text) <= 200 else text[:200] + "..."
