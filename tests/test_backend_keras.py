@@ -1,8 +1,12 @@
-"""The Keras 3 adapter (TensorFlow backend): native classes, exact activations, masks in Keras'
-training loops, lazy layers, Bilinear, to_spec of hand-built models, params and trace.
+"""The Keras 3 adapter on the backend this process runs Keras on (KERAS_BACKEND tensorflow, jax
+or torch: tests/test_keras_backends.py runs this file under each): native classes, exact
+activations, masks in Keras' training loops, lazy layers, Bilinear, to_spec of hand-built models,
+params and trace.
 
 float64 checks use tensor constants of the right dtype: TF passes Python floats through
-float32 in places (FACTS.md "Precision"), which is exactly what these tests would catch.
+float32 in places (FACTS.md "Precision"), which is exactly what these tests would catch. On JAX
+they need jax_enable_x64 (the subprocess runner sets JAX_ENABLE_X64=1); without it float64 is a
+SpecError, which tests/test_keras_backends.py checks.
 """
 from __future__ import annotations
 
@@ -14,8 +18,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 keras = pytest.importorskip("keras")
-tf = pytest.importorskip("tensorflow")
-kb = pytest.importorskip("dense_bridge.backends.keras")  # ImportError when Keras is not on TF
+kb = pytest.importorskip("dense_bridge.backends.keras")
+BACKEND = keras.backend.backend()
+if BACKEND == "jax":
+    import jax
+
+    if not jax.config.jax_enable_x64:
+        pytest.skip("float64 checks on Keras-JAX need JAX_ENABLE_X64=1", allow_module_level=True)
 
 import dense_bridge as db  # noqa: E402
 from dense_bridge._dtypes import numpy_dtype  # noqa: E402
@@ -34,6 +43,17 @@ ACTIVATIONS = [Activation(n) for n in NAMES] + [
 
 def _id(act: Activation) -> str:
     return act.name + "".join(f"-{v}" for v in act.params.values())
+
+
+def T(x):
+    """A backend tensor of ``x`` in its own dtype (float64 stays float64)."""
+    x = np.asarray(x)
+    return keras.ops.convert_to_tensor(x, dtype=x.dtype.name)
+
+
+def N(y) -> np.ndarray:
+    """A numpy array of a backend tensor."""
+    return np.asarray(keras.ops.convert_to_numpy(y))
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -121,10 +141,10 @@ def test_activation_float64_matches_reference(act):
     x = probe_points()
     params = {"kernel": np.eye(8), "bias": np.zeros(8)}
     dense = db.compile(db.Dense(8, in_features=8, activation=act, dtype="float64"), "keras", params=params)
-    close64(dense(tf.constant(x)).numpy(), act.forward(x))
+    close64(N(dense(T(x))), act.forward(x))
     seq = db.compile(db.Sequential([db.Dense(8, in_features=8, dtype="float64"), act]), "keras",
                      params={"0." + k: v for k, v in params.items()})
-    close64(seq(tf.constant(x)).numpy(), act.forward(x))
+    close64(N(seq(T(x))), act.forward(x))
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=_id)
@@ -140,7 +160,7 @@ def test_activation_gradients_float64_match_reference(act):
 def test_low_precision_activation_rounds_once_like_the_reference(dtype):
     act = Activation("gelu")
     x = probe_points().astype(numpy_dtype(dtype))
-    y = kb.ExactActivation(act)(tf.constant(x)).numpy()
+    y = N(kb.ExactActivation(act)(T(x)))
     assert y.dtype == x.dtype
     np.testing.assert_array_equal(bits(y), bits(act.forward(x)))
 
@@ -154,11 +174,16 @@ def test_native_activation_layers_only_where_exact():
     kinds = [(type(l).__name__, getattr(l, "negative_slope", None) or getattr(l, "max_value", None))
              for l in layers[1:7]]
     assert kinds == [("ReLU", None), ("ReLU", 6.0), ("LeakyReLU", 0.5),
-                     ("Activation", None),  # 0.01 is not a float32: tf.nn.leaky_relu would round it
+                     # 0.01 is not a float32: tf.nn.leaky_relu would round it (torch/JAX take a double)
+                     ("Activation", None) if BACKEND == "tensorflow" else ("LeakyReLU", 0.01),
                      ("ELU", None), ("Softmax", None)]
-    assert layers[7].activation is keras.activations.sigmoid
+    if BACKEND == "tensorflow":
+        assert layers[7].activation is keras.activations.sigmoid
+        assert layers[9].activation is keras.activations.log_softmax
+    else:  # keras.ops rounds some float64 functions through float32 on JAX/torch: ours everywhere
+        assert isinstance(layers[7].activation, kb.ExactActivation)
+        assert isinstance(layers[9].activation, kb.ExactActivation)
     assert isinstance(layers[8].activation, kb.ExactActivation)  # tf.nn.gelu is 5e-9 off in float64
-    assert layers[9].activation is keras.activations.log_softmax
     assert isinstance(layers[10].activation, kb.ExactActivation)
 
 
@@ -177,14 +202,17 @@ KERAS_NAMES = {
 
 @pytest.mark.parametrize("name", sorted(KERAS_NAMES))
 def test_to_spec_reads_keras_activation_names_exactly(name):
-    layer = keras.layers.Dense(8, activation=name, dtype="float64")
+    # Keras' own float64 layers compute in float32 on JAX/torch (keras.ops type promotion maps
+    # float64 to float32 there): check the function read at float32 resolution on those
+    dtype, rtol = ("float64", 1e-7) if BACKEND == "tensorflow" else ("float32", 2e-6)
+    layer = keras.layers.Dense(8, activation=name, dtype=dtype)
     layer.build((None, 8))
-    layer.kernel.assign(np.eye(8))
+    layer.kernel.assign(np.eye(8, dtype=dtype))
     spec = db.to_spec(layer)
     assert spec.activation == KERAS_NAMES[name]
-    x = probe_points()
+    x = probe_points().astype(dtype)
     # what Keras computes is the function we read (1e-7: Keras' own float32 constants, see FACTS)
-    close64(layer(tf.constant(x)).numpy(), spec.activation.forward(x), rtol=1e-7)
+    close64(N(layer(T(x))), spec.activation.forward(x.astype(np.float64)), rtol=rtol)
 
 
 def test_keras_activation_defaults_read_not_assumed():
@@ -232,11 +260,14 @@ def test_masked_weights_stay_zero_through_fit(optimizer):
     model.compile(optimizer=optimizer(), loss="mse")
     x, y = _data()
     model.fit(x, y, batch_size=2, epochs=1, verbose=0)  # 20 steps
-    assert model.optimizer.iterations.numpy() == 20
+    assert int(N(model.optimizer.iterations)) == 20
     _assert_mask_held(model, adjacency, before)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.GradientTape: JAX/torch loops in test_keras_backends.py")
 def test_masked_weights_stay_zero_through_a_gradient_tape_loop():
+    import tensorflow as tf
+
     model, adjacency = _masked_model(seed=1)
     before = {k: np.array(v) for k, v in db.get_params(model).items()}
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
@@ -259,7 +290,7 @@ def test_mask_holds_from_the_first_forward_pass():
     stored = db.get_params(layer)["kernel"]
     np.testing.assert_array_equal(stored, kernel * mask.adjacency)
     x = np.ones((2, 4), np.float32)
-    np.testing.assert_allclose(layer(x).numpy(), x @ (kernel * mask.adjacency))
+    np.testing.assert_allclose(N(layer(x)), x @ (kernel * mask.adjacency))
 
 
 # ============================================================ lazy layers
@@ -294,7 +325,7 @@ def test_bilinear_matches_the_numpy_reference():
     rng = np.random.default_rng(2)
     x1, x2, g = rng.normal(size=(6, 3)), rng.normal(size=(6, 5)), rng.normal(size=(6, 4))
     kernel, bias = db.get_params(layer)["kernel"], db.get_params(layer)["bias"]
-    close64(layer(x1, x2).numpy(), np.einsum("ni,kij,nj->nk", x1, kernel, x2) + bias)
+    close64(N(layer(T(x1), T(x2))), np.einsum("ni,kij,nj->nk", x1, kernel, x2) + bias)
     assert_traces_close(spec, [x1, x2], g)
 
 
@@ -391,7 +422,7 @@ def test_hand_built_model_params_convert_and_agree():
     for model in (added, functional):
         ref = db.convert(model, to="numpy")
         assert_same_bits(db.get_params(ref), db.get_params(model))
-        np.testing.assert_allclose(ref.forward(x), model(x, training=False).numpy(), atol=1e-6)
+        np.testing.assert_allclose(ref.forward(x), N(model(x, training=False)), atol=1e-6)
 
 
 def test_unsupported_structures_name_the_layer():
@@ -437,8 +468,13 @@ def test_get_params_are_read_only_snapshots():
     first = db.get_params(layer, copy=False)
     assert not first["kernel"].flags.writeable
     kept = first["kernel"].copy()
+    snapshot = db.get_params(layer)  # copy=True: the caller's own arrays on every backend
     db.set_params(layer, {"kernel": np.ones((4, 3), np.float32), "bias": np.ones(3, np.float32)})
-    np.testing.assert_array_equal(first["kernel"], kept)  # TF copied on write: the snapshot held
+    np.testing.assert_array_equal(snapshot["kernel"], kept)
+    if BACKEND == "torch":  # a Keras variable is a torch Parameter, written in place: a live view
+        np.testing.assert_array_equal(first["kernel"], 1.0)
+    else:  # TF copies on write, JAX replaces the array: the zero-copy snapshot held
+        np.testing.assert_array_equal(first["kernel"], kept)
     np.testing.assert_array_equal(db.get_params(layer)["kernel"], 1.0)
 
 

@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import SpecError, received
@@ -31,7 +30,8 @@ from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
 from ._activations import _PACKAGE, ExactActivation, _activation_layer
-from ._arrays import _give, _read, _to_tensor
+from . import _ops
+from ._arrays import BACKEND, _give, _read, _to_tensor, check_dtype
 
 
 # ------------------------------------------------------------------ initializers, both directions
@@ -148,7 +148,7 @@ class _Draw:
         self.params: dict[str, np.ndarray] | None = None
         self._left: set[str] = set()
 
-    def take(self, key: str, shape: tuple[int, ...]) -> tf.Tensor:
+    def take(self, key: str, shape: tuple[int, ...]):
         if self.params is None:
             if isinstance(self.spec, Dense):
                 # the kernel is made first; its shape (in, units) fixes a lazy width
@@ -211,14 +211,14 @@ class DenseBridgeDense(keras.layers.Dense):
         self.mask = self.add_weight(name="mask", shape=shape, initializer=init, trainable=False)
 
     def call(self, inputs, training=None):
-        kernel = self.kernel
+        kernel = self.kernel.value
         if self.mask is not None:
             # in the forward pass, not a kernel_constraint (that runs only after an update):
             # masked entries get zero gradient, so they stay exactly 0
-            kernel = keras.ops.multiply(kernel, self.mask)
-        x = keras.ops.matmul(inputs, kernel)
+            kernel = kernel * self.mask.value
+        x = _ops.matmul(inputs, kernel)
         if self.bias is not None:
-            x = keras.ops.add(x, self.bias)
+            x = x + self.bias.value
         return self.activation(x)
 
     def save_own_variables(self, store):
@@ -272,7 +272,7 @@ class Bilinear(keras.layers.Layer):
         self.built = True
 
     def call(self, x1, x2):
-        y = tf.einsum("...i,kij,...j->...k", x1, tf.convert_to_tensor(self.kernel), x2)
+        y = _ops.einsum("...i,kij,...j->...k", x1, self.kernel.value, x2)
         return y + self.bias if self.bias is not None else y
 
     def compute_output_shape(self, x1_shape, x2_shape):
@@ -287,6 +287,8 @@ class Bilinear(keras.layers.Layer):
 
 def compile(spec, source: ParamSource):
     """The Keras layer or model for ``spec``, parameters from ``source`` (built when width known)."""
+    for layer in (spec.layers if isinstance(spec, Sequential) else (spec,)):
+        check_dtype(getattr(layer, "dtype", None), f"the spec {type(layer).__name__}")
     if isinstance(spec, Sequential):
         return _compile_sequential(spec, source)
     return _compile_layer(spec, source, 0, getattr(spec, "dtype", "float32"))
@@ -306,9 +308,14 @@ def _compile_layer(spec, source: ParamSource, index: int, dtype: str):
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
+def _inexact_float64(dtype: str) -> bool:
+    """keras.layers.Dense computes float64 in float32 on torch (keras.ops.matmul; see ``_ops``)."""
+    return dtype == "float64" and BACKEND == "torch"
+
+
 def _compile_dense(spec: Dense, source: ParamSource, index: int):
     """keras.layers.Dense (exactly, with no activation and no mask) or DenseBridgeDense."""
-    exact = spec.activation.is_identity and spec.mask is None
+    exact = spec.activation.is_identity and spec.mask is None and not _inexact_float64(spec.dtype)
     cls = keras.layers.Dense if exact else DenseBridgeDense
     layer = None
 
