@@ -217,3 +217,42 @@ def test_bad_arguments_name_themselves():
         db.testing.compare_models(src, port, None, mapping=SAME)
     with pytest.raises(TypeError, match="grads"):
         db.testing.compare_models(src, port, P.lm_inputs(0), mapping=SAME, grads="yes")
+
+
+# ---------------------------------------------------------------------------- structure
+def _twice_net(calls: int):
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            for _ in range(calls):
+                x = torch.tanh(self.lin(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_calls_compared_call_by_call_and_unmatched_layers_named():
+    _need("torch")
+    x = [np.random.default_rng(0).standard_normal((3, 4))]
+    a, b = _twice_net(2), _twice_net(2)
+    report = db.testing.compare_models(a, b, x)
+    assert report.passed, str(report)
+    assert [(pb, n) for _, pb, n in report.calls] == [("lin", 0), ("lin", 1), ("head", 0)]
+    assert report.layers[1].layer_type == "lin [call 1]"
+    # a layer called more often in a than in b: the report fails, naming it
+    once = _twice_net(1)
+    once.load_state_dict(a.state_dict())
+    report = db.testing.compare_models(a, once, x)
+    assert not report.passed and any(q.quantity == "calls" and not q.passed for q in report.rows)
+    assert report.first_divergence == "head"  # the first value that differs: what reaches the head
+    # a mapping that pairs only some layers: the others are named as not compared
+    report = db.testing.compare_models(a, b, x, mapping={"lin": "lin"})
+    assert report.passed and [pb for _, pb, _ in report.calls] == ["lin", "lin"]
+    assert any("head" in n and "not compared" in n for n in report.notes)

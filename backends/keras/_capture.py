@@ -9,7 +9,8 @@ the Keras backend's own autograd, with respect to the captured layers' trainable
 the recorded call outputs:
 
 - TensorFlow: ``tf.GradientTape`` (the wrapper watches each call output);
-- torch (``KERAS_BACKEND=torch``, Keras variables are torch parameters): ``torch.autograd.grad``;
+- torch (``KERAS_BACKEND=torch``, Keras variables are torch parameters): ``torch.autograd.grad``
+  (not exercised by the tests until the adapter itself runs on Keras' torch backend, issue 14);
 - JAX: forward only for now (``grads=False``).
 
 Everything else speaks ``keras.ops``. See ``dense_bridge.testing._captures``.

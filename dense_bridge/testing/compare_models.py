@@ -75,7 +75,9 @@ class ModelReport(Report):
         f = self.first_failure
         if f is None:
             return None
-        return "model output" if f.layer is None else self.calls[f.layer][1]
+        if f.layer is None:
+            return f.layer_type if f.quantity == "calls" else "model output"
+        return self.calls[f.layer][1]
 
     @property
     def first_divergence_a(self) -> str | None:
@@ -83,7 +85,9 @@ class ModelReport(Report):
         f = self.first_failure
         if f is None:
             return None
-        return "model output" if f.layer is None else self.calls[f.layer][0]
+        if f.layer is None:
+            return {pb: pa for pa, pb in self.pairs}.get(f.layer_type, "model output")
+        return self.calls[f.layer][0]
 
     def verdict(self) -> str:
         if not self.compared or self.passed or self.first_failure is None:
@@ -371,6 +375,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                          ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
+    for side, layers, matched in (("a", layers_a, {pa for pa, _ in pairs}), ("b", layers_b, {pb for _, pb in pairs})):
+        left = [p for p in layers if p not in matched]
+        if left:
+            report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
@@ -390,10 +398,14 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
     counts_b: dict[str, int] = {}
     for c in cap_b.calls:
         counts_b[c.path] = counts_b.get(c.path, 0) + 1
+    extra_calls = []
     for pa, pb in pairs:
         na, nb = len(by_a.get(pa, [])), counts_b.get(pb, 0)
         if na != nb:
             report.notes.append(f"{pb}: called {nb} time(s) in b but {pa} {na} time(s) in a")
+            if na > nb:  # calls b never made fail the report (fewer are failed rows below)
+                extra_calls.append(QuantityResult(None, pb, "calls", math.inf, math.inf, False, 0, (na,),
+                                                  f"{pa} called {na} time(s) in a, {pb} {nb} in b"))
         elif na == 0:
             report.notes.append(f"{pb} ({pa} in a): not called in the forward pass, nothing to compare")
     acts = {}
@@ -497,7 +509,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                 extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dzs, report.dtype, tol)
             if extra:
                 results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
-    report.layers = results + ([LayerResult(None, "model", (final,))] if final is not None else [])
+    model_rows = ([final] if final is not None else []) + extra_calls
+    report.layers = results + ([LayerResult(None, "model", tuple(model_rows))] if model_rows else [])
     report.first_failure = _first_failure(report.layers)
 
 
@@ -557,10 +570,10 @@ def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
                 return q
     for layer in layers:
         for q in layer.quantities:
-            if q.quantity == "model output" and not q.passed:
+            if q.quantity in ("model output", "calls") and not q.passed:
                 return q
     for layer in reversed(layers):
         for q in layer.quantities:
-            if q.quantity not in forward and q.quantity != "model output" and not q.passed:
+            if q.quantity not in forward and q.quantity not in ("model output", "calls") and not q.passed:
                 return q
     return None
