@@ -104,6 +104,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
+    "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
 )
 
 
