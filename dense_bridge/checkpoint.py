@@ -184,7 +184,7 @@ def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any
 
 
 def _metadata(spec, tensors: Mapping[str, PendingTensor], source: str) -> dict[str, str]:
-    from . import __version__
+    from ._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "spec": "null" if spec is None else _spec_json(spec),

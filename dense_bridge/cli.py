@@ -373,7 +373,7 @@ def cmd_demo(args) -> int:
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="dense-bridge",

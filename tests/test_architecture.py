@@ -44,9 +44,6 @@ FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {
 KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
     # checkpoint <-> _checkpoint_native (engineer "ckpt")
     ("dense_bridge._checkpoint_native", "dense_bridge.checkpoint"): "issue 10",
-    # checkpoint -> dense_bridge (``from . import __version__``; read it from ._version instead)
-    # -> checkpoint (the lazy db.save/db.load)
-    ("dense_bridge.checkpoint", "dense_bridge"): "issue 10",
 }
 
 
