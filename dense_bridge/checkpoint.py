@@ -645,20 +645,36 @@ def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile
 
 
 def _open_shard(path: str, raw: bytes, full: str, fname: str) -> SafetensorsFile:
+    """The shard ``fname`` of the index at ``path``; errors name the index and the shard."""
     try:
         fd = open_readonly(full)
     except FileNotFoundError:
-        try:
-            with open(path, "rb") as f:
-                now = f.read()
-        except OSError:
-            now = None
-        if now != raw:
+        if _read_index_again(path) != raw:
             raise _Changed() from None  # a save replaced the index (and removed its old shards)
         raise CheckpointError(f"cannot read {path}: its shard {fname} is missing (expected at {full})") from None
     except OSError as exc:
-        raise CheckpointError(f"cannot read {full}: {exc.strerror or exc}") from None
-    return SafetensorsFile(full, fd=fd)
+        raise CheckpointError(f"cannot read {path}: its shard {full}: {exc.strerror or exc}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot read {path}: its shard {exc}") from None
+    try:
+        return SafetensorsFile(full, fd=fd)
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot read {path}: its shard {exc}") from None
+
+
+def _read_index_again(path: str) -> bytes | None:
+    """The index's bytes now (None when unreadable): has a concurrent save replaced it?"""
+    try:
+        fd = open_readonly(path)
+    except (OSError, CheckpointError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        return read_at(fd, size, 0) if size <= MAX_HEADER else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _open_index(path: str, raw: bytes, spec, like, format):
