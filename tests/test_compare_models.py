@@ -197,6 +197,8 @@ def test_planted_fault_is_named_at_its_path(name, fault):
         bad = [pa for (pa, _, _), layer in zip(report.calls, report.layers) if not layer["output"].passed]
         assert bad == [expected], str(report)
     assert json.loads(report.to_json())["first_divergence_a"] == expected
+    f = report.first_failure
+    print(f"{name}-{fault}: {f.quantity} {f.units:.3g} units at {report.first_divergence_a}")
 
 
 # ---------------------------------------------------------------------------- arguments
