@@ -193,6 +193,45 @@ def test_no_module_reaches_into_another_modules_private_names():
                            "the core's API for adapters is listed in docs/ARCHITECTURE.md:\n" + "\n".join(offenders))
 
 
+# ------------------------------------------------------------------ deliberate errors
+#: ``raise ValueError/KeyError/RuntimeError/IndexError(...)`` still allowed: {(file, line text): why}.
+BARE_RAISE_ALLOWLIST: dict[str, str] = {
+    # parse_size, open_checkpoint(format=), convert_file, the safetensors dtype check (engineer "ckpt")
+    "dense_bridge/_checkpoint_io.py": "issue 10",
+    "dense_bridge/_safetensors.py": "issue 10",
+    "dense_bridge/checkpoint.py": "issue 10",
+    "dense_bridge/_checkpoint_native.py": "issue 10",
+    "dense_bridge/cli.py": "issue 10",
+    "backends/keras/*": "issue 14 (engineer kerasmb owns the keras internals)",
+}
+#: Python protocols where the builtin exception is the contract: Report[layer]["quantity"]
+BARE_RAISE_PROTOCOL = {("dense_bridge/testing/_report.py", "__getitem__", "KeyError")}
+
+
+def test_every_deliberate_error_is_a_dense_bridge_error_or_type_error():
+    root = CORE.parent
+    bare = ("ValueError", "KeyError", "RuntimeError", "IndexError", "AssertionError", "Exception")
+    offenders = []
+    for path in _core_files() + sorted(ADAPTERS.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(rel == f or (f.endswith("*") and rel.startswith(f[:-1])) for f in BARE_RAISE_ALLOWLIST):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        where: dict[int, str] = {}  # id(raise node) -> innermost enclosing function
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(fn):
+                where[id(node)] = fn.name  # inner functions come later in ast.walk: they win
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) \
+                    and getattr(node.exc.func, "id", None) in bare:
+                name = where.get(id(node), "<module>")
+                if (rel, name, node.exc.func.id) not in BARE_RAISE_PROTOCOL:
+                    offenders.append(f"{rel}:{node.lineno} raises {node.exc.func.id} (in {name})")
+    # assert_equivalent's AssertionError is its documented contract (pytest reads it)
+    offenders = [o for o in offenders if "(in assert_equivalent)" not in o]
+    assert not offenders, "raise a DenseBridgeError subclass (or TypeError):\n" + "\n".join(offenders)
+
+
 # ------------------------------------------------------------------ no import circles
 def _module_name(path: Path) -> str:
     if path.is_relative_to(ADAPTERS):
