@@ -1,13 +1,8 @@
-"""Keras 3 adapter: dense_bridge specs <-> Keras layers and models, on whichever backend Keras runs
-(``KERAS_BACKEND`` = tensorflow, jax or torch), with the same exactness on each.
+"""Keras 3 adapter: dense_bridge specs <-> Keras layers and models, on any Keras engine.
 
-Everything is ``keras.ops`` and Keras' own layer machinery except where a backend needs its own
-code: moving memory (``_arrays``: DLPack to TF, ``jnp.asarray``, ``torch.from_numpy``), autograd
-(``_trace``: ``tf.GradientTape``, ``jax.vjp`` under a ``keras.StatelessScope``,
-``torch.autograd.grad``), and two exactness rules (TF's float32 leaky-relu slope; torch's
-thresholded softplus). On JAX, float64 needs ``jax_enable_x64`` (SpecError otherwise: JAX would
-silently keep float32). On torch, Keras layers are ``torch.nn.Module`` s too; the registry asks
-this adapter first, so they are read as Keras layers.
+Keras runs on the engine ``KERAS_BACKEND`` names (tensorflow, the default; jax; torch); this
+adapter works on each with the same exactness. Engine-specific code lives in ``_engine``
+(tensors, numpy, erfc, autograd); the rest is ``keras.ops`` and Keras layers.
 
 Layouts (canonical == Keras for every parameter: this adapter never transposes):
 
@@ -51,32 +46,27 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``_layers`` (DenseBridgeDense, Bilinear, Keras <-> dense_bridge initializers with the ParamSource
 draw, and ``compile``), ``_to_spec`` (the layer chain of a Sequential/functional model, reading
 layers and models back into specs), ``_params`` (get/set params), ``_trace``
-(``trace`` through the backend's own autograd), ``_models`` (``walk``: every layer with variables inside any model,
+(``tf.GradientTape`` traces), ``_models`` (``walk``: every layer with variables inside any model,
 and EinsumDense read as the linear layer its equation makes it).
 """
 from __future__ import annotations
 
 import keras
 
-from dense_bridge._errors import BackendUnavailableError
-
-if keras.backend.backend() not in ("tensorflow", "jax", "torch"):  # pragma: no cover - KERAS_BACKEND
-    raise BackendUnavailableError(
-        f"the 'keras' backend of dense_bridge runs on Keras' TensorFlow, JAX and torch backends, but Keras "
-        f"runs on {keras.backend.backend()!r}. Set KERAS_BACKEND to tensorflow, jax or torch before importing keras."
-    )
-
+from ._engine import ENGINE  # noqa: F401 - imports the engine Keras runs on (tensorflow, jax or torch)
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
 from ._arrays import from_numpy, to_numpy  # noqa: E402
 from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
-from ._capture import capture, load_model  # noqa: E402
+from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
+from ._files import file_info, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10)
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "file_info", "read_file", "write_file"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

@@ -1,13 +1,11 @@
-"""Activations, both directions: exact functions in ``keras.ops`` (:class:`ExactActivation`, the
-same on TensorFlow, JAX and torch), native Keras
+"""Activations, both directions: exact TF functions (:class:`ExactActivation`), native Keras
 activation layers where they compute the same function, and reading Keras activations back.
 
 Keras' activation defaults are not dense_bridge's (``leaky_relu`` 0.2, ``LeakyReLU()`` 0.3),
 ``tf.nn.leaky_relu`` stores its slope as a float32 attribute and ``tf.nn.gelu`` passes
 1/sqrt(2) through float32: both are ~1e-8 off in float64. Compiled layers therefore apply
 :class:`ExactActivation` (explicit parameters, constants made in the tensor's dtype); native
-Keras activation layers are used only where they compute the same function on the backend Keras
-runs (torch's ``F.softplus`` returns x above 20, so softplus and mish are ours there). Reading, every
+Keras activation layers are used only where they compute the same function. Reading, every
 Keras default is read from Keras itself, never assumed.
 """
 from __future__ import annotations
@@ -24,72 +22,73 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.activations import NAMES as ACTIVATION_NAMES
 from dense_bridge.activations import Activation
 
-from . import _ops as nops
-from ._arrays import BACKEND
+from ._engine import ENGINE, erfc, logaddexp, minimum, tanh
+
 
 _PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
 
 
+def _dtype(x) -> str:
+    return keras.backend.standardize_dtype(x.dtype)
+
+
 def _const(value: float, x):
-    # A constant made directly in x's dtype: TF routes some Python floats through float32
-    # (docs/FACTS.md: gelu's 1/sqrt(2) is 5e-9 off in float64), and a bare Python float
-    # multiplied into a torch/JAX tensor is fine but an explicit tensor is exact everywhere.
-    return ops.convert_to_tensor(value, dtype=keras.backend.standardize_dtype(x.dtype))
+    # A constant made directly in x's dtype: some engines route Python floats through float32
+    # (docs/FACTS.md: TF's gelu 1/sqrt(2) is 5e-9 off in float64).
+    return ops.convert_to_tensor(value, dtype=_dtype(x))
 
 
 def _leaky_relu(x, negative_slope):
-    # not tf.nn.leaky_relu: its alpha is a float32 attribute (0.01 -> 2e-9 relative in float64)
-    return nops.where(x > 0, x, x * _const(negative_slope, x))
+    # not the engines' leaky_relu: TF holds its alpha as a float32 attribute (2e-9 off in float64)
+    return ops.where(x > 0, x, x * _const(negative_slope, x))
 
 
 def _elu(x, alpha):
-    return nops.where(x > 0, x, _const(alpha, x) * nops.expm1(nops.minimum(x, _const(0.0, x))))
+    return ops.where(x > 0, x, _const(alpha, x) * ops.expm1(minimum(x, _const(0.0, x))))
 
 
 def _gelu(x):
-    # erfc, not 1 + erf: accurate in the left tail where 1 + erf(x) cancels
-    return _const(0.5, x) * x * nops.erfc(-x * _const(1.0 / math.sqrt(2.0), x))
+    # erfc, not 1 + erf: no cancellation in the negative tail (erfc is the engine's own: _engine)
+    return _const(0.5, x) * x * erfc(-x * _const(1.0 / math.sqrt(2.0), x))
 
 
 def _gelu_tanh(x):
     inner = _const(math.sqrt(2.0 / math.pi), x) * (x + _const(0.044715, x) * x * x * x)
-    return _const(0.5, x) * x * (_const(1.0, x) + nops.tanh(inner))
+    return _const(0.5, x) * x * (_const(1.0, x) + tanh(inner))
 
 
 def _hard_sigmoid(x):
-    return nops.relu6(x + _const(3.0, x)) / _const(6.0, x)
+    return ops.relu6(x + _const(3.0, x)) / _const(6.0, x)
 
 
 def _softplus(x):
-    # log(1 + e^x) without a threshold: keras.nops.softplus on torch is F.softplus, which returns
-    # x above 20 (2e-9 off in float64); logaddexp is exact on every backend
-    return nops.logaddexp(x, _const(0.0, x))
+    # torch's softplus returns x above a threshold of 20 (docs/FACTS.md); logaddexp(x, 0) is exact
+    return logaddexp(x, _const(0.0, x)) if ENGINE == "torch" else ops.softplus(x)
 
 
-# canonical name -> f(x, **params), each the exact function with every parameter explicit,
-# in keras.ops (``_ops``: the backend's own where keras.ops rounds float64 to float32)
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
+# canonical name -> f(x, **params), each the exact function with every parameter explicit
+_TF_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "linear": lambda x: x,
-    "relu": nops.relu,
-    "relu6": nops.relu6,
+    "relu": ops.relu,
+    "relu6": ops.relu6,
     "leaky_relu": _leaky_relu,
     "elu": _elu,
     "selu": lambda x, alpha, scale: _const(scale, x) * _elu(x, alpha),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
-    "silu": lambda x: x * nops.sigmoid(x),
-    "sigmoid": nops.sigmoid,
+    "silu": ops.silu,
+    "sigmoid": ops.sigmoid,
     "hard_sigmoid": _hard_sigmoid,
     "hard_silu": lambda x: x * _hard_sigmoid(x),
-    "tanh": nops.tanh,
+    "tanh": tanh,  # keras.ops.tanh returns float32 for float64 on JAX (_engine)
     "softplus": _softplus,
-    "softsign": nops.softsign,
-    "mish": lambda x: x * nops.tanh(_softplus(x)),
-    "softmax": lambda x, axis: nops.softmax(x, axis=axis),
-    "log_softmax": lambda x, axis: nops.log_softmax(x, axis=axis),
-    "exponential": nops.exp,
+    "softsign": ops.softsign,
+    "mish": lambda x: x * tanh(_softplus(x)),
+    "softmax": lambda x, axis: ops.softmax(x, axis=axis),
+    "log_softmax": lambda x, axis: ops.log_softmax(x, axis=axis),
+    "exponential": ops.exp,
 }
-assert set(_FUNCTIONS) == set(ACTIVATION_NAMES)
+assert set(_TF_FUNCTIONS) == set(ACTIVATION_NAMES)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -102,12 +101,12 @@ class ExactActivation:
 
     def __init__(self, activation: Any) -> None:
         self.activation = activation if isinstance(activation, Activation) else Activation.from_config(activation)
-        self._fn = _FUNCTIONS[self.activation.name]
+        self._fn = _TF_FUNCTIONS[self.activation.name]
         self._params = dict(self.activation.params)
 
     def __call__(self, x):
         x = ops.convert_to_tensor(x)
-        dtype = keras.backend.standardize_dtype(x.dtype)
+        dtype = _dtype(x)
         if dtype in ("float16", "bfloat16"):
             return ops.cast(self._fn(ops.cast(x, "float32"), **self._params), dtype)
         return self._fn(x, **self._params)
@@ -147,6 +146,12 @@ def _keras_default(fn: Callable, parameter: str):
     return inspect.signature(fn).parameters[parameter].default
 
 
+#: Third-party activation functions that are one of the table's, by dotted name (no import):
+#: keras-hub's BERT/GPT-2 feed-forward use ``gelu_approximate`` = keras.activations.gelu(x,
+#: approximate=True) (keras_hub/src/utils/keras_utils.py).
+THIRD_PARTY_ACTIVATIONS = {"keras_hub.src.utils.keras_utils.gelu_approximate": "gelu_tanh"}
+
+
 def _activation_of_function(fn: Any, where: str) -> Activation:
     """The db Activation that a Keras activation callable computes, its defaults made explicit."""
     if fn is None:
@@ -164,6 +169,9 @@ def _activation_of_function(fn: Any, where: str) -> Activation:
         return Activation("gelu_tanh" if _keras_default(fn, "approximate") else "gelu")
     if fn in (a.softmax, a.log_softmax):
         return Activation(fn.__name__, axis=_keras_default(fn, "axis"))
+    third_party = THIRD_PARTY_ACTIVATIONS.get(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}")
+    if third_party is not None:
+        return Activation(third_party)
     readable = sorted({*_KERAS_FUNCTIONS.values(), "leaky_relu", "elu", "gelu", "softmax", "log_softmax"})
     raise ConversionError(
         f"{where} uses the activation {getattr(fn, '__name__', fn)!r}, which dense_bridge cannot "
@@ -183,16 +191,16 @@ def _activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
     if name == "softmax":
         return keras.layers.Softmax(axis=p["axis"], dtype=dtype)
     slope = p.get("negative_slope")
-    if name == "leaky_relu" and (BACKEND != "tensorflow" or dtype != "float64" or float(np.float32(slope)) == slope):
+    if name == "leaky_relu" and (ENGINE != "tensorflow" or dtype != "float64" or float(np.float32(slope)) == slope):
+        # (torch's F.leaky_relu and jax.nn.leaky_relu take the slope as a double)
         # tf.nn.leaky_relu holds its slope as float32: exact unless a float64 layer needs more
-        # (torch's F.leaky_relu and jax.nn.leaky_relu take it as a double)
         return keras.layers.LeakyReLU(negative_slope=slope, dtype=dtype)
     native = (name in _KERAS_FUNCTIONS_BY_NAME and act == Activation(name)  # selu: only its exact constants
               or name == "log_softmax" and p["axis"] == -1)
-    if BACKEND == "torch" and name in ("softplus", "mish"):
+    if ENGINE == "torch" and name in ("softplus", "mish"):
         native = False  # torch's F.softplus returns x above 20 (2e-9 off in float64)
-    if BACKEND != "tensorflow" and dtype == "float64":
-        native = False  # keras.ops rounds some float64 functions through float32 there (``_ops``)
+    if ENGINE != "tensorflow" and dtype == "float64":
+        native = False  # keras.ops rounds some float64 functions through float32 there (_engine)
     if native:
         return keras.layers.Activation(name, dtype=dtype)
     # gelu/gelu_tanh (tf.nn.gelu rounds its constants through float32), other axes and parameters

@@ -29,9 +29,9 @@ from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
+from ._engine import check_dtype, einsum, inexact_float64_dense, matmul
 from ._activations import _PACKAGE, ExactActivation, _activation_layer
-from . import _ops
-from ._arrays import BACKEND, _give, _read, _to_tensor, check_dtype
+from ._arrays import _give, _read, _to_tensor
 
 
 # ------------------------------------------------------------------ initializers, both directions
@@ -216,7 +216,9 @@ class DenseBridgeDense(keras.layers.Dense):
             # in the forward pass, not a kernel_constraint (that runs only after an update):
             # masked entries get zero gradient, so they stay exactly 0
             kernel = kernel * self.mask.value
-        x = _ops.matmul(inputs, kernel)
+        # the engine's matmul and tensor operators: keras.ops.matmul/multiply/add compute float64
+        # in float32 on torch (_engine)
+        x = matmul(inputs, kernel)
         if self.bias is not None:
             x = x + self.bias.value
         return self.activation(x)
@@ -272,7 +274,7 @@ class Bilinear(keras.layers.Layer):
         self.built = True
 
     def call(self, x1, x2):
-        y = _ops.einsum("...i,kij,...j->...k", x1, self.kernel.value, x2)
+        y = einsum("...i,kij,...j->...k", x1, self.kernel.value, x2)
         return y + self.bias if self.bias is not None else y
 
     def compute_output_shape(self, x1_shape, x2_shape):
@@ -287,8 +289,8 @@ class Bilinear(keras.layers.Layer):
 
 def compile(spec, source: ParamSource):
     """The Keras layer or model for ``spec``, parameters from ``source`` (built when width known)."""
-    for layer in (spec.layers if isinstance(spec, Sequential) else (spec,)):
-        check_dtype(getattr(layer, "dtype", None), f"the spec {type(layer).__name__}")
+    for layer in (spec.layers if isinstance(spec, Sequential) else [spec]):
+        check_dtype(getattr(layer, "dtype", "float32"))  # JAX without x64 would keep float32 silently
     if isinstance(spec, Sequential):
         return _compile_sequential(spec, source)
     return _compile_layer(spec, source, 0, getattr(spec, "dtype", "float32"))
@@ -308,14 +310,10 @@ def _compile_layer(spec, source: ParamSource, index: int, dtype: str):
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
-def _inexact_float64(dtype: str) -> bool:
-    """keras.layers.Dense computes float64 in float32 on torch (keras.ops.matmul; see ``_ops``)."""
-    return dtype == "float64" and BACKEND == "torch"
-
-
 def _compile_dense(spec: Dense, source: ParamSource, index: int):
     """keras.layers.Dense (exactly, with no activation and no mask) or DenseBridgeDense."""
-    exact = spec.activation.is_identity and spec.mask is None and not _inexact_float64(spec.dtype)
+    # float64 on torch: keras.layers.Dense would compute in float32 (keras.ops.matmul, _engine)
+    exact = spec.activation.is_identity and spec.mask is None and not inexact_float64_dense(spec.dtype)
     cls = keras.layers.Dense if exact else DenseBridgeDense
     layer = None
 
