@@ -21,6 +21,7 @@ copies, so the full size is fine for every backend.
 
 Run:  python benchmarks/bench_convert.py [--layers 8] [--width 4096] [--repeats 7]
                                          [--frameworks torch,keras,mlx] [--no-memory]
+                                         [--keras-backend tensorflow|jax|torch]
 """
 from __future__ import annotations
 
@@ -110,6 +111,12 @@ def native_weights(model, framework: str) -> list[tuple[np.ndarray, np.ndarray]]
         return [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in model]
     if framework == "mlx":
         return [(np.asarray(m.weight), np.asarray(m.bias)) for m in model.layers]
+    import keras
+
+    if keras.backend.backend() != "tensorflow":  # Keras on JAX/torch: the adapter's own numpy read
+        from dense_bridge.backends.keras import to_numpy
+
+        return [(to_numpy(l.kernel), to_numpy(l.bias)) for l in model.layers]
     import tensorflow as tf
 
     return [(np.asarray(tf.convert_to_tensor(l.kernel.value)), np.asarray(tf.convert_to_tensor(l.bias.value)))
@@ -446,7 +453,16 @@ def main(argv=None) -> int:
                              "alternative, or with the transposes split over every core (GB/s; in brackets the variant's extra time "
                              "over 'full': + means the piece pays)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
+                        help="Keras on this engine (the run is repeated in a subprocess with KERAS_BACKEND set); "
+                             "default output benchmarks/results/convert_keras_<engine>.md")
     args = parser.parse_args(argv)
+    if args.keras_backend and os.environ.get("KERAS_BACKEND") != args.keras_backend:
+        rest = list(argv if argv is not None else sys.argv[1:])
+        if "--out" not in rest:
+            rest += ["--out", os.path.join(os.path.dirname(__file__), "results", f"convert_keras_{args.keras_backend}.md")]
+        return subprocess.run([sys.executable, __file__, *rest],
+                              env={**os.environ, "KERAS_BACKEND": args.keras_backend}).returncode
 
     if args.memory_child:
         src, dst = args.memory_child.split(",")
@@ -495,7 +511,7 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])
     mb = param_bytes(args.layers, args.width) / 1e6
     report = [
-        "# db.convert speed", "",
+        "# db.convert speed" + (f" (Keras on {os.environ.get('KERAS_BACKEND')})" if args.keras_backend else ""), "",
         f"{args.layers} Dense layers {args.width}x{args.width} float32 with bias ({mb:.0f} MB), every ordered pair; "
         f"medians of {args.repeats} runs, measured round-robin in one run.", "",
         f"Command: `{command.strip()}`", "",

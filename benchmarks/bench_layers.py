@@ -8,6 +8,7 @@ For each installed framework, times (median of interleaved samples):
 at batch 1 and 64, for Linear(1024->4096) and Linear(16->16), and prints ratios to native.
 
 Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx] [--repeats 15]
+      python benchmarks/bench_layers.py --keras-backend jax|torch|tensorflow   (keras rows on that engine)
       python benchmarks/bench_layers.py --masked [--repeats 30]   (inference only: masked / unmasked,
       the masked-kernel cache of issue 18; writes benchmarks/results/masked.md)
 MLX's Linux CPU matmul is 50-70x slower than the others (docs/FACTS.md): its large shape uses fewer repeats.
@@ -63,9 +64,9 @@ def torch_cases(fan_in, units, batch):
 
 def keras_cases(fan_in, units, batch):
     import keras
-    import tensorflow as tf
 
-    x = tf.random.normal((batch, fan_in))
+    engine = keras.backend.backend()
+    x = keras.random.normal((batch, fan_in))
     mask = db.wiring.random(fan_in, units, 0.5, seed=0)
     native = keras.layers.Dense(units)
     native.build((None, fan_in))
@@ -80,16 +81,38 @@ def keras_cases(fan_in, units, batch):
     }
 
     def forward(layer):
+        if engine == "jax":  # JAX dispatches asynchronously: wait for the result
+            return lambda: layer(x).block_until_ready()
         return lambda: layer(x)
 
-    def train(layer):
+    def train(layer):  # one SGD step through the engine's own autograd
         opt = keras.optimizers.SGD(1e-3)
+        variables = layer.trainable_variables
+        if engine == "tensorflow":
+            import tensorflow as tf
 
-        def run():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(layer(x)))
-            grads = tape.gradient(loss, layer.trainable_variables)
-            opt.apply_gradients(zip(grads, layer.trainable_variables))
+            def run():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(layer(x)))
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        elif engine == "torch":
+            import torch
+
+            def run():
+                loss = torch.mean(torch.square(layer(x)))
+                grads = torch.autograd.grad(loss, [v.value for v in variables])
+                with torch.no_grad():
+                    opt.apply_gradients(zip(grads, variables))
+        else:
+            import jax
+
+            frozen = [v.value for v in layer.non_trainable_variables]
+            grad = jax.jit(jax.grad(lambda tv: jax.numpy.mean(jax.numpy.square(layer.stateless_call(tv, frozen, x)[0]))))
+
+            def run():
+                g = grad([v.value for v in variables])
+                opt.apply_gradients(zip(g, variables))
+                variables[0].value.block_until_ready()
         return run
 
     return layers, forward, train
@@ -158,13 +181,41 @@ def masked_only(args) -> int:
     return 0
 
 
+def keras_engine(args) -> int:
+    """The keras rows with Keras on ``args.keras_backend``: this script again in a subprocess
+    (Keras fixes its engine at import), its table written to results/layers_keras_<engine>.md."""
+    import subprocess
+
+    engine = args.keras_backend
+    cmd = [sys.executable, __file__, "--frameworks", "keras", "--repeats", str(args.repeats or 15)]
+    load_before = os.getloadavg()
+    done = subprocess.run(cmd, env={**os.environ, "KERAS_BACKEND": engine}, capture_output=True, text=True)
+    sys.stderr.write(done.stderr[-3000:] if done.returncode else "")
+    if done.returncode:
+        return done.returncode
+    text = done.stdout.replace("| keras ", f"| keras ({engine}) ")
+    print(text)
+    report = [f"# Compiled layers vs native, Keras on {engine}", "",
+              f"Command: `python benchmarks/bench_layers.py --keras-backend {engine} --repeats {args.repeats or 15}`", "",
+              f"Machine: {os.cpu_count()} CPUs, shared; load average {load_before[0]:.2f} before, "
+              f"{os.getloadavg()[0]:.2f} after (noisy: ratios matter, not absolute times).", "", text, ""]
+    with open(os.path.join(os.path.dirname(__file__), "results", f"layers_keras_{engine}.md"), "w") as f:
+        f.write("\n".join(report))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frameworks", default=",".join(b for b in CASES if b in db.available_backends()))
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (15; 30 with --masked)")
     parser.add_argument("--masked", action="store_true",
                         help="only inference, compiled masked vs unmasked Dense (issue 18 target <= 1.10)")
+    parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
+                        help="run the keras rows with Keras on this engine (in a subprocess with KERAS_BACKEND set); "
+                             "writes benchmarks/results/layers_keras_<engine>.md")
     args = parser.parse_args(argv)
+    if args.keras_backend:
+        return keras_engine(args)
     if args.masked:
         return masked_only(args)
     args.repeats = args.repeats or 15
