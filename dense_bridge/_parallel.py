@@ -32,6 +32,13 @@ Sharded directory (``FORMAT``), readable without any engine (issue 17 loads it f
 A replicated tensor (a row layer's bias) is written once, by rank 0. On load the slices of each
 tensor must tile it exactly (no gap, no overlap, inside the shape: else CheckpointError), and a
 rank reads only the byte ranges of the blocks its own slices overlap (``os.pread``, row runs).
+
+Optional adapter verbs (backends/<fw>/_parallel.py; torch has them, issue 17 adds MLX/JAX):
+``compile_parallel(spec, block, parallel, group)`` where ``block(position, name, index)`` returns
+this rank's canonical block (so a load never materialises a whole tensor), ``parallel_state(native)``
+(None, or {"plan", "rank", "world_size", ...}), ``get_params_parallel(native, local)``,
+``parallel_barrier(native)``; and the plain verbs (get/set_params, to_spec, trace) dispatching a
+parallel model to collective versions.
 """
 from __future__ import annotations
 
