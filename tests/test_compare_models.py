@@ -197,6 +197,8 @@ def test_planted_fault_is_named_at_its_path(name, fault):
         bad = [pa for (pa, _, _), layer in zip(report.calls, report.layers) if not layer["output"].passed]
         assert bad == [expected], str(report)
     assert json.loads(report.to_json())["first_divergence_a"] == expected
+    f = report.first_failure
+    print(f"{name}-{fault}: {f.quantity} {f.units:.3g} units at {report.first_divergence_a}")
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -256,3 +258,13 @@ def test_calls_compared_call_by_call_and_unmatched_layers_named():
     report = db.testing.compare_models(a, b, x, mapping={"lin": "lin"})
     assert report.passed and [pb for _, pb, _ in report.calls] == ["lin", "lin"]
     assert any("head" in n and "not compared" in n for n in report.notes)
+
+
+def test_float32_original_against_bfloat16_port_is_judged_at_bfloat16():
+    _need("torch", "transformers", "mlx", "mlx_lm")
+    src = P.torch_llama(0)
+    port = P.mlx_llama("bfloat16")
+    P.port_llama(src, port)
+    report = db.testing.compare_models(src, port, P.lm_inputs(0), mapping=SAME)
+    assert report.passed, str(report)
+    assert (report.a.dtype, report.b.dtype, report.dtype) == ("float32", "bfloat16", "bfloat16")

@@ -66,9 +66,11 @@ from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
+from ._files import file_info, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10)
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "file_info", "read_file", "write_file"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

@@ -133,6 +133,12 @@ def _keras_default(fn: Callable, parameter: str):
     return inspect.signature(fn).parameters[parameter].default
 
 
+#: Third-party activation functions that are one of the table's, by dotted name (no import):
+#: keras-hub's BERT/GPT-2 feed-forward use ``gelu_approximate`` = keras.activations.gelu(x,
+#: approximate=True) (keras_hub/src/utils/keras_utils.py).
+THIRD_PARTY_ACTIVATIONS = {"keras_hub.src.utils.keras_utils.gelu_approximate": "gelu_tanh"}
+
+
 def _activation_of_function(fn: Any, where: str) -> Activation:
     """The db Activation that a Keras activation callable computes, its defaults made explicit."""
     if fn is None:
@@ -150,6 +156,9 @@ def _activation_of_function(fn: Any, where: str) -> Activation:
         return Activation("gelu_tanh" if _keras_default(fn, "approximate") else "gelu")
     if fn in (a.softmax, a.log_softmax):
         return Activation(fn.__name__, axis=_keras_default(fn, "axis"))
+    third_party = THIRD_PARTY_ACTIVATIONS.get(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}")
+    if third_party is not None:
+        return Activation(third_party)
     readable = sorted({*_KERAS_FUNCTIONS.values(), "leaky_relu", "elu", "gelu", "softmax", "log_softmax"})
     raise ConversionError(
         f"{where} uses the activation {getattr(fn, '__name__', fn)!r}, which dense_bridge cannot "
