@@ -34,16 +34,11 @@ PENDING_VERBS: dict[tuple[str, str], str] = {
 }
 
 #: Core modules still allowed a framework import, each naming the issue that removes it.
-FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {
-    # native checkpoint formats move into backends/<fw>/_files.py (engineer "ckpt")
-    "_checkpoint_native.py": "issue 10",
-}
+FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {}
 
 #: Imports that still close a circle, (importer, imported), each naming the issue that removes it.
 #: The cycle test drops these edges and fails on any circle left, and on an entry whose import is gone.
 KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
-    # checkpoint <-> _checkpoint_native (engineer "ckpt")
-    ("dense_bridge._checkpoint_native", "dense_bridge.checkpoint"): "issue 10",
 }
 
 
@@ -164,7 +159,6 @@ def test_import_dense_bridge_imports_no_framework():
 PRIVATE_IMPORT_ALLOWLIST: dict[tuple[str, str], str] = {
     # pickles of LazyDense name its pre-hook dense_bridge.backends.torch._check_width
     ("backends/torch/__init__.py", "_check_width"): "pickle compatibility",
-    ("dense_bridge/_checkpoint_native.py", "*"): "issue 10 (engineer ckpt moves these files)",
     ("backends/keras/*", "*"): "issue 14 (engineer kerasmb owns the keras internals)",
 }
 
