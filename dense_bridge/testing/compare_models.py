@@ -415,9 +415,12 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                     None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
         fa, fb = acts[pb]
         if (fa is None) != (fb is None) or (fa is not None and fa != fb):
-            report.notes.append(f"{pb}: the layer applies {fb.name if fb else 'no activation'} inside itself, "
-                                f"{pa} in a {fa.name if fa else 'none'}: outputs compared each through its own, "
-                                f"gradients before the activation")
+            def what(act, path, cap):
+                if path in cap.pre_activation:
+                    return f"{path} is captured before its own activation"
+                return f"{path} applies {act.name} inside itself" if act else f"{path} applies no activation"
+            report.notes.append(f"{what(fb, pb, cap_b)}, {what(fa, pa, cap_a)} (a): each output is judged "
+                                f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
     results: list[LayerResult] = []
@@ -543,6 +546,11 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
         if va is None and vb is None:
             continue
         q = f"dL/d{name}"
+        # a layer the backward pass does not reach: torch reports no gradient, Keras and MLX zeros
+        if va is None and not np.any(np.asarray(vb, dtype=np.float64)):
+            va = np.zeros(np.shape(vb))
+        if vb is None and not np.any(np.asarray(va, dtype=np.float64)):
+            vb = np.zeros(np.shape(va))
         if va is None or vb is None:
             side = "a" if va is None else "b"
             shape = tuple(np.shape(vb if va is None else va))
