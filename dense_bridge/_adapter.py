@@ -120,6 +120,7 @@ REQUIRED_FILES: tuple[str, ...] = (
 OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
+    "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
 )
 
 

@@ -268,3 +268,26 @@ def test_float32_original_against_bfloat16_port_is_judged_at_bfloat16():
     report = db.testing.compare_models(src, port, P.lm_inputs(0), mapping=SAME)
     assert report.passed, str(report)
     assert (report.a.dtype, report.b.dtype, report.dtype) == ("float32", "bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize("pair", [("torch", "keras"), ("keras", "mlx"), ("numpy", "torch")])
+def test_mlps_with_activations_inside_their_layers(pair):
+    """Keras captures a Dense before its activation, torch's and MLX's dense_bridge layers apply it
+    inside: each output is judged through its own activation, gradients before it."""
+    from conftest import require_backend
+
+    for name in pair:
+        require_backend(name)
+    spec = db.Sequential([db.Dense(16, activation="gelu"), db.Dense(8, activation="tanh"), db.Dense(4)],
+                         in_features=6)
+    a, b = (db.compile(spec, name, seed=0) for name in pair)
+    x = [np.random.default_rng(0).standard_normal((5, 6))]
+    report = db.testing.compare_models(a, b, x)
+    assert report.passed, str(report)
+    # a wrong bias in b's middle layer is named there
+    layer = list(db.linear_layers(b).values())[1]
+    params = db.get_params(layer)
+    db.set_params(layer, {**params, "bias": params["bias"] + 0.01})
+    report = db.testing.compare_models(a, b, x)
+    assert report.first_divergence == list(db.linear_layers(b))[1]
+    assert report.first_failure.quantity == "output"
