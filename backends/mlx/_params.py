@@ -15,6 +15,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import is_dense
+from ._parallel import ShardedDense
 
 
 def positions(native) -> list[tuple[str, Any]]:
@@ -25,6 +26,8 @@ def positions(native) -> list[tuple[str, Any]]:
 
 
 def _layer_params(m) -> dict[str, np.ndarray]:
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): all-gathered, collective
+        return m.gathered()
     if is_dense(m):
         if "weight" not in m:
             raise SpecError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
@@ -57,6 +60,9 @@ def get_params(native) -> dict[str, np.ndarray]:
 def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
     if not get:
+        return
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): keep this rank's slice
+        m.set_full(get)
         return
     if type(m) is nn.Bilinear:
         dtype = dtype_name(m["weight"].dtype, "weight")

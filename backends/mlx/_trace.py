@@ -16,6 +16,7 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import is_dense
+from ._parallel import ShardedDense
 from ._params import positions
 
 
@@ -41,6 +42,8 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
 
 
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): shards all-gathered, collective
+        return m.grads_gathered(grads)
     out = {}
     if "weight" in grads:
         w = to_numpy(grads["weight"])
