@@ -123,6 +123,11 @@ def _worker(case: str, outdir: str) -> None:
     assert out_err < 1e-5 and grad_err < 1e-5, (out_err, grad_err)
     checks["forward_backward"] = True
 
+    # db.testing.compare holds the parallel model against the single-process one, layer by layer
+    # (collective: the parallel trace all-gathers sharded outputs and gradients)
+    db.testing.assert_equivalent(par, single)
+    checks["compare"] = True
+
     # set_params takes full arrays and keeps this rank's slice; masked entries stay 0
     new = {k: (v * 2 + 1).astype(v.dtype) if not k.endswith("mask") else v for k, v in ref.items()}
     db.set_params(par, new)
@@ -200,7 +205,7 @@ def test_mlp4_auto_matches_single_process(tmp_path, n):
         assert rep["plan"] == {"0": "ColumnDense", "1": "RowDense", "2": "ColumnDense", "3": "ExactActivation",
                                "4": "RowDense"}
         assert rep["checks"] == {"shard_shapes": True, "get_params_bit_exact": True, "local_shards": True,
-                                 "to_spec": True, "forward_backward": True, "set_params": True,
+                                 "to_spec": True, "forward_backward": True, "compare": True, "set_params": True,
                                  "indivisible_raises": True}
         assert rep["shard_shapes"]["0"] == [16 // n, 6] and rep["shard_shapes"]["1"] == [8, 16 // n]
         assert rep["max_abs_output_error"] < 1e-5 and rep["max_abs_grad_error"] < 1e-5

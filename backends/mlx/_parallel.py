@@ -49,7 +49,7 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 
 from ._activations import activation_fn
 from ._arrays import check_dtype, dtype_name, to_mx, to_numpy
-from ._layers import DenseLinear, _compile_layer, _FrozenKeys
+from ._layers import DenseLinear, _compile_layer, _FrozenKeys, is_dense
 
 __all__ = ["ColumnDense", "RowDense", "ShardedDense", "compile_parallel", "parallel_state",
            "get_params_parallel", "parallel_barrier", "full_grads"]
@@ -418,6 +418,52 @@ def full_grads(native, grads: dict) -> dict[str, np.ndarray]:
         for key, value in got.items():
             out[prefix + key] = value
     return out
+
+
+def _sharded_outputs(native) -> list[bool]:
+    """Per position: is the layer's output this rank's slice of the features (not yet gathered)?"""
+    from dense_bridge._parallel import elementwise
+
+    plan = native.__dict__[_STATE]["plan"]
+    layers = list(native.layers) if type(native) is nn.Sequential else [native]
+    out, sharded = [], False
+    for i, m in enumerate(layers):
+        p = plan.get(i)
+        if p is not None and p.style == "column":
+            sharded = not p.gather_output
+        elif p is not None or is_dense(m) or not _is_elementwise(m, elementwise):
+            sharded = False
+        out.append(sharded)
+    return out
+
+
+def _is_elementwise(m, elementwise) -> bool:
+    from ._to_spec import _layer_spec
+
+    try:
+        return elementwise(_layer_spec(m, "layer"))
+    except Exception:  # noqa: BLE001 - a module dense_bridge cannot read acts on whatever it gets
+        return False
+
+
+def gather_trace(native, trace):
+    """A parallel model's trace with every sharded output and input gradient all-gathered
+    (collective), so ``db.testing.compare`` holds it against a single-process model; parameter
+    gradients are gathered already (``ShardedDense.grads_gathered``)."""
+    group = native.__dict__[_STATE]["group"]
+    sharded = _sharded_outputs(native)
+
+    def whole(a: np.ndarray) -> np.ndarray:
+        full = _gather_features(to_mx(a, a.dtype.name), group)
+        mx.eval(full)
+        return np.array(to_numpy(full))
+
+    for i, rec in enumerate(trace.layers):
+        if sharded[i]:
+            rec.output = whole(rec.output)
+        if i > 0 and sharded[i - 1]:
+            rec.input_grads = tuple(whole(g) for g in rec.input_grads)
+    return trace
 
 
 def layer_spec(m) -> Dense:

@@ -16,7 +16,7 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import is_dense
-from ._parallel import ShardedDense
+from ._parallel import ShardedDense, gather_trace, parallel_state
 from ._params import positions
 
 
@@ -96,4 +96,6 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(np.array(to_numpy(y)), tuple(np.array(to_numpy(d)) for d in dxs),
                                 {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
         g = dxs[0]
+    if parallel_state(native) is not None:  # tensor-parallel (issue 17): shards gathered whole
+        return gather_trace(native, Trace(records))
     return Trace(records)
