@@ -70,6 +70,10 @@ def _stage(stage: str, src: str, dst: str) -> None:
     else:
         import jax
 
+        from test_parallel_jax import keras_adapter_or_skip_report
+
+        if not keras_adapter_or_skip_report(dst + ".rank0.json"):
+            return
         model = db.load(src, "keras", parallel="auto")
         rank = 0
         report["world"] = len(jax.devices())
@@ -137,6 +141,8 @@ def test_torch4_to_mlx2_to_jax4_to_one_process_bit_exact(tmp_path):
     _run([py, str(HERE), "jax", d2, d3], {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
                                           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     reps = _reports(Path(d1), 4) + _reports(Path(d2), 2) + _reports(Path(d3), 1)
+    if "skip" in reps[-1]:
+        pytest.skip(f"the keras adapter does not run on KERAS_BACKEND=jax here: {reps[-1]['skip']}")
     assert all(r["bit_exact"] for r in reps), reps
     assert [r["world"] for r in reps] == [4, 4, 4, 4, 2, 2, 4]
     assert all(r["local_kernel_0"] == [8, 8] for r in reps[4:6])  # 16 units over 2 MLX ranks
