@@ -71,6 +71,8 @@ def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: s
     ``"out_in"`` (stored as (units, in_features), like ``nn.Linear``). The class must compute
     ``x @ kernel + bias`` over the last axis; only its exact class is matched (a subclass may
     change the forward). Declaring a class again replaces its declaration. Returns it.
+    Declarations are read by the torch and MLX adapters (their modules keep parameters as
+    attributes); Keras layers are read by class (Dense, EinsumDense by its equation).
     """
     return register(cls, kernel=kernel, bias=bias, layout=layout)
 
@@ -632,3 +634,19 @@ def format_file_linear_layers(rows: list[dict]) -> str:
         lines.append(f"  {r['layer']:<{width}}  in={r['in_features']:<6} units={r['units']:<6} "
                      f"bias={'yes' if r['bias'] else 'no ':<3}  {r['dtype']}  layout {r['layout']} (assumed)")
     return "\n".join(lines)
+
+
+#: Attribute under which ``to_spec(model, example=x)`` leaves the example input on the model.
+EXAMPLE_ATTR = "_dense_bridge_example"
+
+
+def remember_example(native: Any, example: Any) -> None:
+    """Keep ``example`` (as numpy) on ``native`` for adapters that read a forward on an example
+    input (torch.export): every later read of the model then takes the same branch."""
+    array = np.asarray(example)
+    if array.ndim == 0 or not (np.issubdtype(array.dtype, np.number) or str(array.dtype) == "bfloat16"):
+        raise TypeError(f"example must be a numeric array with at least one axis. {received('example', example)}")
+    try:
+        object.__setattr__(native, EXAMPLE_ATTR, array)
+    except (AttributeError, TypeError):  # objects with __slots__: nothing to remember it on
+        pass

@@ -297,3 +297,30 @@ def test_inspect_lists_linear_layers_of_a_plain_state_dict_with_assumed_layouts(
                                      ("layers/embedding/vars/0", (10, 4), "float32")], "keras")
     assert [(r["layer"], r["in_features"], r["units"], r["layout"]) for r in keras_rows] == [
         ("layers/dense", 4, 8, "in_out")]
+
+
+def test_a_given_example_picks_the_other_branch_and_is_remembered():
+    torch = pytest.importorskip("torch")
+
+    class SimpleMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(12, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = x.view(-1, 12) if x.ndim > 2 else x
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    images = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"example input of shape \(2, 3, 4\)"):
+        spec = db.to_spec(model, example=images)
+    assert spec.layers[0] == db.Flatten() and spec.in_features == 12
+    with pytest.warns(UserWarning, match=r"\(2, 3, 4\)"):  # remembered: the same branch, the same keys
+        assert sorted(db.get_params(model)) == ["1.bias", "1.kernel", "3.bias", "3.kernel"]
+        numpy_model = db.convert(model, "numpy")
+    with torch.no_grad():
+        np.testing.assert_allclose(numpy_model.forward(images), model(torch.tensor(images)).numpy(), atol=1e-6)
+    with pytest.raises(TypeError, match="example"):
+        db.to_spec(model, example="images")
