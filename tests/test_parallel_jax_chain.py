@@ -123,6 +123,8 @@ def _run(cmd: list[str], env: dict, timeout: float = 240) -> None:
 
 
 def _reports(dst: Path, n: int) -> list[dict]:
+    missing = [r for r in range(n) if not Path(f"{dst}.rank{r}.json").exists()]
+    assert not missing, f"{dst}: ranks {missing} wrote no report (a launcher may exit 0 when a rank fails)"
     return [json.loads(Path(f"{dst}.rank{r}.json").read_text()) for r in range(n)]
 
 

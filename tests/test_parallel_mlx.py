@@ -192,9 +192,11 @@ def launch(case: str, n: int, outdir: Path, timeout: float = 120) -> list[dict]:
            "--starting-port", str(_free_base_port(n)), sys.executable, str(HERE), case, str(outdir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    reports = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(n)]
-    return reports
+    missing = [r for r in range(n) if not (outdir / f"rank{r}.json").exists()]
+    # mlx.launch may exit 0 when a rank fails: a missing report is a failure too
+    assert proc.returncode == 0 and not missing, \
+        f"{' '.join(cmd)}\nranks without a report: {missing}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
 @pytest.mark.parametrize("n", [2, 4])

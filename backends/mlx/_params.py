@@ -68,6 +68,7 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
         return
     if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): keep this rank's slice
         m.set_full(get)
+        return
     decl = declared_arrays(m)
     if decl is not None:
         dtype = dtype_name(m[decl[0]].dtype, decl[0])
