@@ -40,7 +40,9 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     an activation or mask needs one); Sequential -> that framework's Sequential; "numpy" -> the
     reference layer. Initial parameters are drawn in numpy from ``seed`` (bit-identical on every
     backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
-    unless ``allow_nonfinite=True``).
+    unless ``allow_nonfinite=True``). ``parallel`` ("auto", or {position: "column" | "row"})
+    with ``group`` (the framework's mesh/group) compiles onto the framework's own tensor-parallel
+    machinery: dense_bridge/_parallel.py (plan), backends/<fw>/_parallel.py.
     """
     _check_spec(spec)
     _check_flag("allow_nonfinite", allow_nonfinite)
@@ -98,11 +100,14 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False) -> dict[s
     With ``copy=True`` (the default) the arrays are snapshots the caller owns: training the
     model afterwards does not change them. ``copy=False`` returns the adapters' zero-copy,
     read-only views where the framework allows (torch, MLX): fast, but a torch view follows
-    the weights through ``opt.step()``.
+    the weights through ``opt.step()``. On a parallel model (compiled with ``parallel=``) the
+    call is collective and returns the full arrays on every rank; ``local=True`` returns this
+    rank's blocks as ``Shard(array, index)`` with ``full[index] == array`` (issue 16).
     """
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be True or False. {received('copy', copy)}")
     adapter = adapter_for(native)
+    _check_flag("local", local)
     if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
         from ._parallel import get_params_parallel  # collective on a parallel model (issue 16)
         return get_params_parallel(adapter, native, local=local, copy=copy)

@@ -32,6 +32,13 @@ Sharded directory (``FORMAT``), readable without any engine (issue 17 loads it f
 A replicated tensor (a row layer's bias) is written once, by rank 0. On load the slices of each
 tensor must tile it exactly (no gap, no overlap, inside the shape: else CheckpointError), and a
 rank reads only the byte ranges of the blocks its own slices overlap (``os.pread``, row runs).
+
+Optional adapter verbs (backends/<fw>/_parallel.py; torch has them, issue 17 adds MLX/JAX):
+``compile_parallel(spec, block, parallel, group)`` where ``block(position, name, index)`` returns
+this rank's canonical block (so a load never materialises a whole tensor), ``parallel_state(native)``
+(None, or {"plan", "rank", "world_size", ...}), ``get_params_parallel(native, local)``,
+``parallel_barrier(native)``; and the plain verbs (get/set_params, to_spec, trace) dispatching a
+parallel model to collective versions.
 """
 from __future__ import annotations
 
@@ -200,14 +207,33 @@ def atomic_write(path: str, data_writer) -> None:
             os.unlink(tmp)
 
 
-def write_rank_file(directory: str, rank: int, world_size: int, shards: Mapping[str, np.ndarray]) -> str:
-    """Write this rank's blocks (canonical layout, C-contiguous) as one safetensors file."""
-    from safetensors.numpy import save_file
+_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8",
+             "int64": "I64", "int32": "I32", "bool": "BOOL"}
 
+
+def write_rank_file(directory: str, rank: int, world_size: int, shards: Mapping[str, np.ndarray]) -> str:
+    """Write this rank's blocks (canonical layout) as one safetensors file, streamed: one block
+    at a time is made C-contiguous (a transposed view of torch's memory), so the extra memory
+    is one block, never the whole shard."""
     os.makedirs(directory, exist_ok=True)
     name = rank_file(rank, world_size)
-    arrays = {k: np.ascontiguousarray(v) for k, v in shards.items()}
-    atomic_write(os.path.join(directory, name), lambda p: save_file(arrays, p, metadata={"format": FORMAT}))
+    header, offset = {"__metadata__": {"format": FORMAT}}, 0
+    for key, a in shards.items():
+        n = a.size * a.dtype.itemsize
+        header[key] = {"dtype": _ST_NAMES[a.dtype.name], "shape": list(a.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+
+    def write(p: str) -> None:
+        with open(p, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for a in shards.values():
+                f.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(os.path.join(directory, name), write)
     return name
 
 
