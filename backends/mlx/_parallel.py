@@ -49,7 +49,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 
 from ._activations import activation_fn
 from ._arrays import check_dtype, dtype_name, to_mx, to_numpy
-from ._layers import DenseLinear, _compile_layer, _FrozenKeys, is_dense
+from ._layers import DenseLinear, is_dense
+from ._layers import compile as compile_layer
 
 __all__ = ["ColumnDense", "RowDense", "ShardedDense", "compile_parallel", "parallel_state",
            "get_params_parallel", "parallel_barrier", "full_grads"]
@@ -81,6 +82,31 @@ def _take(kind: str, spec: Dense, group, params: dict[str, np.ndarray]) -> dict[
                        spec.dtype, premasked=True)
 
 
+class _MaskStaysFrozen(set):
+    """A Module._no_grad set that keeps "mask" through every unfreeze (the mask never trains),
+    as the single-process DenseLinear's does."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.add("mask")
+
+    def difference_update(self, *others) -> None:
+        super().difference_update(*others)
+        self.add("mask")
+
+    def discard(self, key) -> None:
+        if key != "mask":
+            super().discard(key)
+
+    def remove(self, key) -> None:
+        if key != "mask":
+            super().remove(key)
+
+    def __isub__(self, other):
+        self.difference_update(other)
+        return self
+
+
 def _span(s: slice) -> str:
     return f"[{s.start}:{s.stop}]"
 
@@ -93,7 +119,7 @@ class ShardedDense:
 
     def _setup(self, spec: Dense, weight, bias, mask, group) -> None:
         nn.Module.__init__(self)  # not the MLX __init__: its random draws would be discarded
-        self._no_grad = _FrozenKeys(self._no_grad)
+        self._no_grad = _MaskStaysFrozen(self._no_grad)
         self.group = group
         self._spec = spec
         self._act = None if spec.activation.is_identity else activation_fn(spec.activation)
@@ -292,7 +318,7 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
     modules = []
     for i, layer in enumerate(layers):
         if not isinstance(layer, Dense):
-            modules.append(_compile_layer(layer, None, i))
+            modules.append(compile_layer(layer, None))  # no parameters: nothing to draw
             continue
         if layer.lazy:
             raise SpecError(f"a parallel model needs every in_features: layer {i} is lazy. Received: {layer!r}")
@@ -301,7 +327,7 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
         p = plan.get(i)
         if p is None:  # replicated: the whole layer, as the plain compile builds it
             full = {k: block(i, k, tuple(slice(0, d) for d in s)) for k, s in shapes.items()}
-            m = _compile_layer(layer, _Given(full), i)
+            m = compile_layer(layer, _Given(full))
         else:
             parts = {k: block(i, k, shard_index(p.style, k, s, r, n)) for k, s in shapes.items()}
             arrays = _mlx_arrays(parts, layer.dtype)
@@ -377,7 +403,7 @@ def get_params_parallel(native, local: bool = False) -> dict:
     """Full canonical params on every rank (all-gathered: collective), or with ``local`` this
     rank's blocks as :class:`dense_bridge._parallel.Shard` (array, index into the full tensor);
     replicated tensors come whole with full slices."""
-    from ._params import _layer_params, positions
+    from ._params import get_params, positions
 
     mx.eval(native.parameters())
     out: dict = {}
@@ -387,7 +413,7 @@ def get_params_parallel(native, local: bool = False) -> dict:
             for key, value in got.items():
                 out[prefix + key] = ShardView(value, m.slices(key)) if local else value
             continue
-        for key, value in _layer_params(m).items():
+        for key, value in (get_params(m) if isinstance(m, nn.Module) else {}).items():
             out[prefix + key] = ShardView(value, tuple(slice(0, d) for d in value.shape)) if local else value
     return out
 
@@ -438,10 +464,10 @@ def _sharded_outputs(native) -> list[bool]:
 
 
 def _is_elementwise(m, elementwise) -> bool:
-    from ._to_spec import _layer_spec
+    from ._to_spec import to_spec
 
     try:
-        return elementwise(_layer_spec(m, "layer"))
+        return elementwise(to_spec(m))
     except Exception:  # noqa: BLE001 - a module dense_bridge cannot read acts on whatever it gets
         return False
 
