@@ -316,13 +316,18 @@ class Reader:
             where = os.path.join(self.directory, name)
             try:
                 fd = os.open(where, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read shard file {where}: {exc}") from None
+            try:
                 size = os.fstat(fd).st_size
                 (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-                if n > min(size - 8, 1 << 26):
-                    raise ValueError("header length out of range")
-                header = json.loads(os.pread(fd, n, 8))
+                header = json.loads(os.pread(fd, n, 8)) if n <= min(size - 8, 1 << 26) else None
             except (OSError, ValueError, struct.error) as exc:
+                os.close(fd)
                 raise CheckpointError(f"cannot read shard file {where}: {exc}") from None
+            if not isinstance(header, dict):
+                os.close(fd)
+                raise CheckpointError(f"cannot read shard file {where}: its safetensors header is malformed")
             self._files[name] = (fd, 8 + n, header, size)
         return self._files[name]
 

@@ -546,6 +546,11 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
         if va is None and vb is None:
             continue
         q = f"dL/d{name}"
+        # a layer the backward pass does not reach: torch reports no gradient, Keras and MLX zeros
+        if va is None and not np.any(np.asarray(vb, dtype=np.float64)):
+            va = np.zeros(np.shape(vb))
+        if vb is None and not np.any(np.asarray(va, dtype=np.float64)):
+            vb = np.zeros(np.shape(va))
         if va is None or vb is None:
             side = "a" if va is None else "b"
             shape = tuple(np.shape(vb if va is None else va))
