@@ -61,9 +61,16 @@ from ._capture import capture
 from ._models import walk
 from ._files import file_info, read_file, write_file  # native checkpoint files (issue 10)
 
-from ._parallel import ColumnDense, RowDense, compile_parallel, get_params_parallel, parallel_state
+from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
 from ._parallel import full_grads as parallel_full_grads
 from ._parallel import parallel_barrier
+from . import _parallel as _par
+
+
+def get_params_parallel(native, local: bool = False) -> dict:
+    """Tensor parallelism (issue 17): full canonical params (collective) or, with ``local``, this
+    rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
+    return _par.get_params_parallel(native, local, get_params)
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_full_grads",

@@ -42,14 +42,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge._parallel import Shard as ShardView
-from dense_bridge._parallel import resolve_plan, shard_index
-from dense_bridge._spec_memory import remember_spec
+from dense_bridge._parallel import elementwise, resolve_plan, shard_index
+from dense_bridge._spec_memory import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Sequential
 
 from ._activations import activation_fn
 from ._arrays import check_dtype, dtype_name, to_mx, to_numpy
-from ._layers import DenseLinear, is_dense
+from ._layers import DenseLinear
 from ._layers import compile as compile_layer
 
 __all__ = ["ColumnDense", "RowDense", "ShardedDense", "compile_parallel", "parallel_state",
@@ -399,21 +399,28 @@ def _agree_replicated(modules: list, plan: dict, group) -> None:
         m.update(tree_unflatten([(name, first)]))
 
 
-def get_params_parallel(native, local: bool = False) -> dict:
+def _positions(native) -> list[tuple[str, Any]]:
+    """(key prefix, module) per position, as ``_params.positions`` gives them (not imported:
+    ``_params`` imports this module)."""
+    if type(native) is nn.Sequential:
+        return [(f"{i}.", m) for i, m in enumerate(native.layers)]
+    return [("", native)]
+
+
+def get_params_parallel(native, local: bool, layer_params: Callable) -> dict:
     """Full canonical params on every rank (all-gathered: collective), or with ``local`` this
     rank's blocks as :class:`dense_bridge._parallel.Shard` (array, index into the full tensor);
-    replicated tensors come whole with full slices."""
-    from ._params import get_params, positions
-
+    replicated layers (read with ``layer_params``, the adapter's get_params) come whole with
+    full slices."""
     mx.eval(native.parameters())
     out: dict = {}
-    for prefix, m in positions(native):
+    for prefix, m in _positions(native):
         if isinstance(m, ShardedDense):
             got = m.local() if local else m.gathered()
             for key, value in got.items():
                 out[prefix + key] = ShardView(value, m.slices(key)) if local else value
             continue
-        for key, value in (get_params(m) if isinstance(m, nn.Module) else {}).items():
+        for key, value in (layer_params(m) if isinstance(m, nn.Module) else {}).items():
             out[prefix + key] = ShardView(value, tuple(slice(0, d) for d in value.shape)) if local else value
     return out
 
@@ -428,11 +435,9 @@ def parallel_barrier(native) -> None:
 def full_grads(native, grads: dict) -> dict[str, np.ndarray]:
     """Canonical full gradients from ``nn.value_and_grad``'s tree for a parallel model (collective:
     sharded layers all-gather their gradient shards). The mask never has a gradient."""
-    from ._params import positions
-
     layers_grads = grads["layers"] if type(native) is nn.Sequential else [grads]
     out = {}
-    for (prefix, m), g in zip(positions(native), layers_grads):
+    for (prefix, m), g in zip(_positions(native), layers_grads):
         if not g:
             continue
         if isinstance(m, ShardedDense):
@@ -448,28 +453,18 @@ def full_grads(native, grads: dict) -> dict[str, np.ndarray]:
 
 def _sharded_outputs(native) -> list[bool]:
     """Per position: is the layer's output this rank's slice of the features (not yet gathered)?"""
-    from dense_bridge._parallel import elementwise
-
     plan = native.__dict__[_STATE]["plan"]
-    layers = list(native.layers) if type(native) is nn.Sequential else [native]
+    spec = remembered_spec(native)  # the spec compile_parallel built this model from
+    layers = spec.layers if isinstance(spec, Sequential) else (spec,)
     out, sharded = [], False
-    for i, m in enumerate(layers):
+    for i, layer in enumerate(layers):
         p = plan.get(i)
         if p is not None and p.style == "column":
             sharded = not p.gather_output
-        elif p is not None or is_dense(m) or not _is_elementwise(m, elementwise):
+        elif p is not None or isinstance(layer, Dense) or not elementwise(layer):
             sharded = False
         out.append(sharded)
     return out
-
-
-def _is_elementwise(m, elementwise) -> bool:
-    from ._to_spec import to_spec
-
-    try:
-        return elementwise(to_spec(m))
-    except Exception:  # noqa: BLE001 - a module dense_bridge cannot read acts on whatever it gets
-        return False
 
 
 def gather_trace(native, trace):
