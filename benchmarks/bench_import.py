@@ -18,6 +18,7 @@ import sys
 
 _IMPORT = ("import time; t = time.perf_counter(); import dense_bridge; "
            "print(time.perf_counter() - t)")
+_NUMPY = "import time; t = time.perf_counter(); import numpy; print(time.perf_counter() - t)"
 _FIRST = ("import time; t = time.perf_counter(); import dense_bridge as db; t1 = time.perf_counter(); "
           "db.compile(db.Dense(4, in_features=4), {b!r}, seed=0); print(t1 - t, time.perf_counter() - t1)")
 
@@ -39,8 +40,11 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     _run(_IMPORT)  # warm the file caches
     imports = [_run(_IMPORT)[0] for _ in range(args.repeats)]
+    numpy_only = [_run(_NUMPY)[0] for _ in range(args.repeats)]
     rows = [["import dense_bridge", f"{statistics.median(imports) * 1e3:.0f} ms",
-             f"{min(imports) * 1e3:.0f}-{max(imports) * 1e3:.0f} ms"]]
+             f"{min(imports) * 1e3:.0f}-{max(imports) * 1e3:.0f} ms"],
+            ["of which: import numpy alone (its only dependency)", f"{statistics.median(numpy_only) * 1e3:.0f} ms",
+             f"{min(numpy_only) * 1e3:.0f}-{max(numpy_only) * 1e3:.0f} ms"]]
     for b in db.available_backends():
         _run(_FIRST.format(b=b))
         samples = [_run(_FIRST.format(b=b))[1] for _ in range(max(3, args.repeats // 3))]

@@ -8,6 +8,8 @@ For each installed framework, times (median of interleaved samples):
 at batch 1 and 64, for Linear(1024->4096) and Linear(16->16), and prints ratios to native.
 
 Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx] [--repeats 15]
+      python benchmarks/bench_layers.py --masked [--repeats 30]   (inference only: masked / unmasked,
+      the masked-kernel cache of issue 18; writes benchmarks/results/masked.md)
 MLX's Linux CPU matmul is 50-70x slower than the others (docs/FACTS.md): its large shape uses fewer repeats.
 """
 from __future__ import annotations
@@ -127,11 +129,45 @@ def mlx_cases(fan_in, units, batch):
 CASES = {"torch": torch_cases, "keras": keras_cases, "mlx": mlx_cases}
 
 
+def masked_only(args) -> int:
+    """Inference of a compiled masked Dense vs the unmasked one, interleaved rounds, medians."""
+    repeats = max(30, args.repeats or 30)
+    load_before = os.getloadavg()
+    rows = []
+    for name in args.frameworks.split(","):
+        for fan_in, units in SHAPES:
+            for batch in BATCHES:
+                layers, forward, _ = CASES[name](fan_in, units, batch)
+                big = name == "mlx" and fan_in * units > 1e5
+                t = compare_medians({k: forward(layers[k]) for k in ("compiled", "masked")}, repeats=repeats,
+                                    target_s=0.05 if big else 0.02)
+                rows.append([name, f"{fan_in}->{units}", batch, fmt_time(t["compiled"]), fmt_time(t["masked"]),
+                             f"{t['masked'] / t['compiled']:.2f}"])
+                print(" ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    text = table(rows, ["framework", "layer", "batch", "unmasked (median)", "masked (median)", "masked / unmasked"])
+    print(text)
+    command = "python benchmarks/bench_layers.py --masked " + " ".join(
+        f"--{k} {v}" for k, v in (("frameworks", args.frameworks), ("repeats", repeats)))
+    report = ["# Masked Dense inference (the masked-kernel cache)", "",
+              f"Command: `{command}`", "",
+              f"Machine: {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+              f"medians of {repeats} interleaved rounds, forward only (torch under no_grad).", "", text, ""]
+    with open(os.path.join(os.path.dirname(__file__), "results", "masked.md"), "w") as f:
+        f.write("\n".join(report))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frameworks", default=",".join(b for b in CASES if b in db.available_backends()))
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (15; 30 with --masked)")
+    parser.add_argument("--masked", action="store_true",
+                        help="only inference, compiled masked vs unmasked Dense (issue 18 target <= 1.10)")
     args = parser.parse_args(argv)
+    if args.masked:
+        return masked_only(args)
+    args.repeats = args.repeats or 15
     rows = []
     for name in args.frameworks.split(","):
         for fan_in, units in SHAPES:

@@ -59,10 +59,25 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
   Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
 
+- ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
+  of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
+  names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
+  what the core sniffed ("torch-zip", "torch-legacy", "h5", "keras-model", "npz", "safetensors",
+  "safetensors-index"); ``files`` are the safetensors files the core already opened
+  (``dense_bridge._safetensors.SafetensorsFile``), else None (``_files.py``, issue 10).
+- ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (a model
+  of this framework the core built for the file's spec through ``_api.build``, or the user's
+  ``like``; None for files that carry their own model, ``.keras``) holding the file's tensors.
+  ``check(got, expected)`` (both ``{name: (shape, dtype)}``) raises a CheckpointError listing
+  every difference; the adapter calls it before loading. Every failure is a CheckpointError
+  naming ``path``.
+- ``write_file(model, path, kind, *, temp, metadata=None)``: write ``model`` in this framework's
+  format ``kind`` (from ``_checkpoint_native.output_kind``: "torch-pickle", "safetensors", "npz",
+  "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
+  ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
+
 Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
-contract test lists it as pending): ``read_file``/``write_file`` (native checkpoint formats,
-``_files.py``, issue 10), and
-``parallelize`` (``_parallel.py``, optional, issue 16).
+contract test lists it as pending): ``parallelize`` (``_parallel.py``, optional, issue 16).
 """
 from __future__ import annotations
 
@@ -81,6 +96,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
     "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
     "capture",  # issue 13
     "walk",  # issue 12
+    "file_info", "read_file", "write_file",  # issue 10
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
@@ -96,14 +112,15 @@ REQUIRED_FILES: tuple[str, ...] = (
     "_to_spec.py",      # to_spec: a native layer or chain -> its spec
     "_trace.py",        # trace: forward and backward with the framework's autograd
     "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
+    "_files.py",        # file_info/read_file/write_file: native checkpoint formats (issue 10)
 )
 
 #: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
 #: issue that adds them to every adapter).
 OPTIONAL_FILES: tuple[str, ...] = (
-    "_files.py",     # read_file/write_file: native checkpoint formats (issue 10)
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
+    "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
 )
 
 
@@ -121,3 +138,6 @@ class Adapter(Protocol):
     def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
                 select: Any = None, grads: bool = True) -> Any: ...
     def walk(self, model: Any) -> list[Entry]: ...
+    def file_info(self, path: str, container: str, *, files: Any = None) -> tuple[dict, dict]: ...
+    def read_file(self, path: str, container: str, template: Any, *, files: Any = None, check: Any) -> Any: ...
+    def write_file(self, model: Any, path: str, kind: str, *, temp: str, metadata: Any = None) -> None: ...

@@ -131,11 +131,22 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
     adapter.set_params(native, checked)
 
 
-def to_spec(native: Any):
-    """The backend-neutral spec of a native layer or model (activation parameters read exactly)."""
+def to_spec(native: Any, *, example: Any = None):
+    """The backend-neutral spec of a native layer or model (activation parameters read exactly).
+
+    ``example``: an input (numpy array) for torch models whose forward branches on static
+    properties (``x.ndim``, shapes): torch.export specialises the branch this input takes (by
+    default a (2, in_features) input from the first Linear). It is remembered on the model, so
+    later get_params/set_params/convert read the same branch.
+    """
     if isinstance(native, (Spec, Activation)):
         return native
-    return _read_spec(adapter_for(native), native)
+    adapter = adapter_for(native)
+    if example is not None:
+        from .models import remember_example
+
+        remember_example(native, example)
+    return _read_spec(adapter, native)
 
 
 #: Appended to every "cannot read this model" error: the verbs that work on any model.
@@ -155,7 +166,7 @@ def _read_spec(adapter, native):
     return read if hint is None else _with_hint(read, hint)
 
 
-def convert(native: Any, to: str, *, allow_nonfinite: bool = False):
+def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None):
     """A new native object on backend ``to`` with ``native``'s spec and parameters.
 
     float32 parameters arrive bit-identical; layouts are transposed by declaration, never by
@@ -164,6 +175,10 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False):
     """
     target = check_backend_name(to, "to")
     source = adapter_for(native)
+    if example is not None:  # see to_spec
+        from .models import remember_example
+
+        remember_example(native, example)
     spec = _read_spec(source, native)
     params = source.get_params(native)
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)

@@ -107,8 +107,12 @@ def get_adapter(name: object, argument: str = "backend") -> ModuleType:
 
 
 def backend_of(native: object, argument: str = "native") -> str:
-    """Name of the backend that owns ``native``; TypeError naming ``argument`` if none does."""
-    for name, info in BACKENDS.items():
+    """Name of the backend that owns ``native``; TypeError naming ``argument`` if none does.
+
+    Keras is asked first: on its torch engine a Keras layer is also a ``torch.nn.Module`` (and
+    with ``KERAS_NNX_ENABLED`` a Flax module), and it must be read as the Keras layer it is.
+    """
+    for name, info in sorted(BACKENDS.items(), key=lambda item: item[0] != "keras"):
         # only frameworks already imported can have made this object
         if name != "numpy" and info.requires[0] not in sys.modules:
             continue

@@ -13,15 +13,14 @@ thread and all cores in the same run; ``benchmarks/results/transfer_ablation.md`
 - Transposes: a cache-blocked copy (strips of 64 source rows x 1024 columns, 256 KiB, written
   as 64 destination columns) made the convert of every transposing pair faster than numpy's
   strided ``np.copyto`` of the transposed view in every run (median +149% time without it).
-- Threads, for the transposing copy only: median +17% time on one thread (a noisy, shared
-  2-core machine: -48% to +178%).
-- The NaN/Inf check reads each block just transposed, while it is in the cache: median +36%
-  time for a separate pass after the copy (-52% to +209%).
+- The NaN/Inf check reads each block just transposed, while it is in the cache (median +10%
+  time for a separate pass after the copy, on a noisy shared machine: -66% to +209%).
 
-Removed because their median gain was under 10% where they run: threads and chunking for
-same-layout copies (numpy's own ``np.copyto`` was as fast), 2 MiB huge-page alignment (+8%),
-BLAS row sums for the finiteness test (slower than numpy's sum outside the transposes), the
-shared thread pool with its fork handling, and the deferred scans on worker threads.
+Removed because their median gain was under 10% where they run (four runs): threads, for
+transposing copies (median +2%, -63% to +178%) and for plain ones (numpy's own ``np.copyto``
+was as fast), with the shared pool, its fork handling and the deferred scans on worker
+threads; 2 MiB huge-page alignment (+8%); BLAS row sums for the finiteness test (slower than
+numpy's sum outside the transposes).
 
 Copies move raw bits (through same-width unsigned views), so every dtype, bfloat16 and NaN
 payloads included, arrives bit-identical.
@@ -29,8 +28,6 @@ payloads included, arrives bit-identical.
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -41,7 +38,6 @@ ALIGN = 64  # bytes: Eigen's (TF's) EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; tor
 _ROWS = 64  # source rows per transposed strip: 64 destination columns = one 256-byte run per row
 _COLS = 1024  # source columns per strip (256 KiB of float32)
 _SMALL = 1 << 20  # bytes: below this numpy's strided copy is as fast as blocking
-_THREADED = 1 << 22  # bytes: from here a transposing copy is split over the cores
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -106,33 +102,6 @@ def _blocked_transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int
     return bad
 
 
-def _cores() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))  # memory bandwidth, not cores, bounds a copy beyond a few threads
-
-
-def _transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
-    """:func:`_blocked_transpose`, split into column strips over the cores for large arrays
-    (numpy releases the GIL while copying). A pool per call: nothing global to survive a fork."""
-    cores = _cores()
-    width = swapped.shape[-1]
-    if cores == 1 or swapped.nbytes < _THREADED or width < 2 * _COLS:
-        return _blocked_transpose(out, swapped, check)
-    step = -(-width // (cores * _COLS)) * _COLS  # whole strips per thread
-
-    def strip(j: int) -> int:
-        return _blocked_transpose(out[..., j:j + step, :], swapped[..., j:j + step], check)
-
-    try:
-        with ThreadPoolExecutor(cores, thread_name_prefix="dense_bridge_copy") as pool:
-            return sum(pool.map(strip, range(0, width, step)))
-    except RuntimeError:  # no new threads after interpreter shutdown (an atexit hook): serial
-        return _blocked_transpose(out, swapped, check)
-
-
 def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
                 check_finite: bool = False) -> tuple[np.ndarray, int]:
     """A fresh 64-byte aligned C-contiguous copy of ``src.transpose(perm)``, bit for bit,
@@ -145,6 +114,6 @@ def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
     out = empty(view.shape, view.dtype)
     if view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
             and view.swapaxes(-1, -2).flags.c_contiguous:  # e.g. torch's W.T
-        return out, _transpose(out, view.swapaxes(-1, -2), check_finite)
+        return out, _blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
     np.copyto(_raw(out), _raw(view))
     return out, count_nonfinite(out) if check_finite else 0

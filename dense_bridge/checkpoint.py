@@ -40,7 +40,8 @@ Concurrency (several processes saving and loading one path):
 Reading maps one tensor at a time, so loading onto a backend or converting a sharded
 checkpoint holds one tensor of the source in memory beyond the output. Writes are atomic
 (``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
-``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) live in ``_checkpoint_native``.
+``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) are read and written by the adapters' file verbs (``backends/<fw>/_files.py``) through
+``_checkpoint_native``.
 """
 from __future__ import annotations
 
@@ -53,15 +54,18 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import _checkpoint_native as native
+from ._checkpoint_meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
+from ._checkpoint_meta import spec_json as _spec_json
 from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
                              reclaim_temporaries, shard_names, shard_pattern, temp_pattern)
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
-from ._params import ParamSource, check_masks_match, expected_params, nonfinite_counts, validate_params
+from ._params import ParamSource, check_masks_match, expected_params, validate_params
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
-                           parse_json_object, pending, read_at, shorten, st_dtype, write_safetensors)
+                           parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from .activations import Activation
-from .specs import Dense, Sequential, Spec, from_config, layer_config, layer_param_shapes
+from .specs import Dense, Sequential, Spec, from_config, layer_param_shapes
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "FORMAT", "FORMAT_VERSION"]
 
@@ -89,27 +93,6 @@ def _spec_arg(spec: object, argument: str = "spec"):
     if isinstance(spec, (dict, str)):
         return from_config(spec)
     raise TypeError(f"{argument} must be a dense_bridge spec or its config dict. {received(argument, spec)}")
-
-
-def _spec_json(spec) -> str:
-    return json.dumps(layer_config(spec), separators=(",", ":"))
-
-
-def _spec_from_json(text: str, where: str):
-    """The spec stored in a file's metadata; every way it can be malformed is a CheckpointError."""
-    if text in ("", "null"):
-        return None
-
-    def bad(reason: str) -> CheckpointError:
-        return CheckpointError(f"{where} has a spec in its metadata that cannot be read: {reason}")
-
-    config = parse_json_object(text.encode("utf-8", "surrogatepass"), bad, "spec JSON")
-    try:
-        return from_config(config)
-    except MemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever a hostile config triggers is the file's fault
-        raise bad(f"{type(exc).__name__}: {shorten(str(exc), 300)}") from None
 
 
 # ============================================================================ saving
@@ -184,7 +167,7 @@ def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any
 
 
 def _metadata(spec, tensors: Mapping[str, PendingTensor], source: str) -> dict[str, str]:
-    from . import __version__
+    from ._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "spec": "null" if spec is None else _spec_json(spec),
@@ -586,25 +569,6 @@ class _LayerStream:
         return checked
 
 
-def _mismatches(got: Mapping[str, tuple], expected: Mapping[str, tuple], note: str = "") -> list[str]:
-    """Every difference between stored and expected (name -> (shape, dtype)), in words."""
-    problems = []
-    missing = [k for k in expected if k not in got]
-    unexpected = [k for k in got if k not in expected]
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    for k in expected:
-        if k in got:
-            (gs, gd), (es, ed) = got[k], expected[k]
-            if tuple(gs) != tuple(es):
-                problems.append(f"{k}: file has shape {tuple(gs)}, the spec expects {tuple(es)}{note}")
-            elif gd != ed:
-                problems.append(f"{k}: file has dtype {gd}, the spec expects {ed}")
-    return problems
-
-
 def _describe(spec) -> str:
     if isinstance(spec, Sequential):
         return f"Sequential of {len(spec.layers)} layers"
@@ -645,26 +609,40 @@ def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile
 
 
 def _open_shard(path: str, raw: bytes, full: str, fname: str) -> SafetensorsFile:
+    """The shard ``fname`` of the index at ``path``; errors name the index and the shard."""
     try:
         fd = open_readonly(full)
     except FileNotFoundError:
-        try:
-            with open(path, "rb") as f:
-                now = f.read()
-        except OSError:
-            now = None
-        if now != raw:
+        if _read_index_again(path) != raw:
             raise _Changed() from None  # a save replaced the index (and removed its old shards)
         raise CheckpointError(f"cannot read {path}: its shard {fname} is missing (expected at {full})") from None
     except OSError as exc:
-        raise CheckpointError(f"cannot read {full}: {exc.strerror or exc}") from None
-    return SafetensorsFile(full, fd=fd)
+        raise CheckpointError(f"cannot read {path}: its shard {full}: {exc.strerror or exc}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot read {path}: its shard {exc}") from None
+    try:
+        return SafetensorsFile(full, fd=fd)
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot read {path}: its shard {exc}") from None
+
+
+def _read_index_again(path: str) -> bytes | None:
+    """The index's bytes now (None when unreadable): has a concurrent save replaced it?"""
+    try:
+        fd = open_readonly(path)
+    except (OSError, CheckpointError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        return read_at(fd, size, 0) if size <= MAX_HEADER else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _open_index(path: str, raw: bytes, spec, like, format):
     """A sharded checkpoint from its index (read once, as ``raw``): canonical or a hub's native one."""
-    from . import _checkpoint_native as native
-
     index, files = _open_shards(path, raw)
     meta = index.get("metadata") or {}
     try:
@@ -692,8 +670,6 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
     and stay consistent while a concurrent save replaces them; ``close()`` the result (or
     let it be garbage collected) to release their descriptors.
     """
-    from . import _checkpoint_native as native
-
     path = _path_arg(path)
     spec = _spec_arg(spec)
     if like is not None:
@@ -717,8 +693,6 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
 
 
 def _open_once(path: str, spec, like, format):
-    from . import _checkpoint_native as native
-
     target = path
     if not os.path.exists(path) and os.path.isfile(path + ".index.json"):
         target = path + ".index.json"  # a sharded save to "model.safetensors" is read back by that name
@@ -827,8 +801,6 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
 
 
 def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None) -> dict:
-    from . import _checkpoint_native as native
-
     if target in CANONICAL_TARGETS:
         if isinstance(ckpt, CanonicalCheckpoint):
             tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
@@ -850,12 +822,3 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
     files = native.write_native(model, target, out, spec=ckpt.spec)
     return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
             "bytes": ckpt.total_bytes}
-
-
-def check_finite_params(params: Mapping, path: str) -> None:
-    """CheckpointError naming ``path`` and each parameter that holds NaN or Inf."""
-    bad = nonfinite_counts(params)
-    if bad:
-        raise CheckpointError(f"{path} holds NaN or Inf parameters ("
-                              + "; ".join(f"{k}: {n} value(s)" for k, n in bad.items())
-                              + "); pass allow_nonfinite=True to load them anyway")

@@ -256,6 +256,10 @@ def cmd_inspect(args) -> int:
     }
     if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
+    if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (issue 12, models.py)
+        from .models import file_linear_layers, format_file_linear_layers
+
+        doc["linear_layers"] = file_linear_layers(entries, ckpt.framework)
     if args.json:
         _emit_json(doc)
         return EXIT_OK
@@ -263,6 +267,7 @@ def cmd_inspect(args) -> int:
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
     if ckpt.spec is None:
         print("spec: none stored (pass --spec SPEC.json to see layers)")
+        print(format_file_linear_layers(doc["linear_layers"]))
     else:
         name = getattr(ckpt.spec, "name", None)
         print(f"spec: {type(ckpt.spec).__name__}" + (f" {name!r}" if name else ""))
@@ -368,7 +373,7 @@ def cmd_demo(args) -> int:
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="dense-bridge",

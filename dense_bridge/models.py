@@ -71,6 +71,8 @@ def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: s
     ``"out_in"`` (stored as (units, in_features), like ``nn.Linear``). The class must compute
     ``x @ kernel + bias`` over the last axis; only its exact class is matched (a subclass may
     change the forward). Declaring a class again replaces its declaration. Returns it.
+    Declarations are read by the torch and MLX adapters (their modules keep parameters as
+    attributes); Keras layers are read by class (Dense, EinsumDense by its equation).
     """
     return register(cls, kernel=kernel, bias=bias, layout=layout)
 
@@ -577,3 +579,74 @@ def empty_params_error(adapter: Any, native: Any) -> ConversionError | None:
         f"get_params: {what} holds no linear parameters dense_bridge can read as a layer or a chain "
         f"({why or 'not a Linear/Dense layer'}).{inside} For the linear layers inside any model use "
         f"db.linear_layers(model); to move a whole model's weights use db.transfer(src, dst, mapping=...)")
+
+
+# ----------------------------------------------------------------------------- weights files
+#: How each framework's files store a linear kernel, by parameter name: what `inspect` assumes
+#: when a plain state dict or weights file carries no spec (the file cannot say; GPT-2's Conv1D
+#: stores its "weight" as (in, out) in a torch file, for one).
+FILE_LAYOUTS = {
+    "torch": ("weight", "out_in", "torch stores Linear weight as (out, in)"),
+    "mlx": ("weight", "out_in", "MLX stores Linear weight as (out, in)"),
+    # .weights.h5 names variables by position: "layers/dense/vars/0" is a Dense kernel, "vars/1" its bias
+    "keras": ("vars/0", "in_out", "Keras stores Dense kernel as (in, out)"),
+    None: ("weight", "out_in", "a 'weight' is (out, in) by the torch/MLX convention"),
+}
+_EMBEDDING_HINTS = ("embed", "wte", "wpe", "token_type", "position_embeddings", "shared")
+
+
+def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | None) -> list[dict]:
+    """Linear layers recognised by name in a plain weights file: ``<layer>.weight`` (torch, MLX,
+    safetensors) or ``<layer>/kernel`` (Keras) of rank 2, with a rank-1 bias of the units beside it.
+
+    ``entries``: (tensor name, shape, dtype) as a checkpoint lists them. Each row has the layer
+    path, in_features, units, bias (bool), dtype and ``layout``: the framework's convention,
+    labelled "assumed from the file format", since a file stores no layout (a square kernel, or
+    GPT-2's Conv1D weight (in, out), reads either way). 2-D tensors of embedding-like names are
+    left out.
+    """
+    name, layout, why = FILE_LAYOUTS.get(framework, FILE_LAYOUTS[None])
+    shapes = {n: (tuple(s), d) for n, s, d in entries}
+    rows = []
+    sep = "/" if framework == "keras" else "."
+    bias_name = "vars/1" if framework == "keras" else "bias"
+    for tensor, (shape, dtype) in shapes.items():
+        if not tensor.endswith(sep + name) and tensor != name or len(shape) != 2:
+            continue
+        path = tensor[: -len(name) - 1] if tensor != name else ""
+        if any(h in path.lower() for h in _EMBEDDING_HINTS):
+            continue
+        units, in_features = (shape[0], shape[1]) if layout == "out_in" else (shape[1], shape[0])
+        bias = shapes.get((path + sep if path else "") + bias_name)
+        rows.append({"layer": path, "in_features": int(in_features), "units": int(units),
+                     "bias": bias is not None and bias[0] == (units,), "dtype": dtype, "layout": layout,
+                     "layout_source": f"assumed from the file format ({why})"})
+    return rows
+
+
+def format_file_linear_layers(rows: list[dict]) -> str:
+    """The `dense-bridge inspect` section for :func:`file_linear_layers` rows (plain text)."""
+    if not rows:
+        return "linear layers: none recognised by name"
+    width = max(len(r["layer"]) for r in rows)
+    lines = [f"linear layers recognised by name ({len(rows)}; layout {rows[0]['layout_source']}):"]
+    for r in rows:
+        lines.append(f"  {r['layer']:<{width}}  in={r['in_features']:<6} units={r['units']:<6} "
+                     f"bias={'yes' if r['bias'] else 'no ':<3}  {r['dtype']}  layout {r['layout']} (assumed)")
+    return "\n".join(lines)
+
+
+#: Attribute under which ``to_spec(model, example=x)`` leaves the example input on the model.
+EXAMPLE_ATTR = "_dense_bridge_example"
+
+
+def remember_example(native: Any, example: Any) -> None:
+    """Keep ``example`` (as numpy) on ``native`` for adapters that read a forward on an example
+    input (torch.export): every later read of the model then takes the same branch."""
+    array = np.asarray(example)
+    if array.ndim == 0 or not (np.issubdtype(array.dtype, np.number) or str(array.dtype) == "bfloat16"):
+        raise TypeError(f"example must be a numeric array with at least one axis. {received('example', example)}")
+    try:
+        object.__setattr__(native, EXAMPLE_ATTR, array)
+    except (AttributeError, TypeError):  # objects with __slots__: nothing to remember it on
+        pass

@@ -654,8 +654,8 @@ BLOCK_TORCH = textwrap.dedent("""
     for kwargs in ({"spec": spec}, {}):
         try:
             db.load(sys.argv[1], **kwargs)
-        except db.CheckpointError as exc:
-            print("CheckpointError:", exc)
+        except db.BackendUnavailableError as exc:  # issue 11: a missing framework, not a bad file
+            print("BackendUnavailableError:", isinstance(exc, ImportError), exc)
 """)
 
 
@@ -668,6 +668,7 @@ def test_torch_file_without_torch_names_the_extra(tmp_path):
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 2, run.stdout + run.stderr
     for line in lines:
+        assert line.startswith("BackendUnavailableError: True")
         assert "needs torch, which is not installed" in line and "pip install 'dense-bridge[torch]'" in line
         assert "m.pt" in line
 

@@ -197,6 +197,8 @@ def test_planted_fault_is_named_at_its_path(name, fault):
         bad = [pa for (pa, _, _), layer in zip(report.calls, report.layers) if not layer["output"].passed]
         assert bad == [expected], str(report)
     assert json.loads(report.to_json())["first_divergence_a"] == expected
+    f = report.first_failure
+    print(f"{name}-{fault}: {f.quantity} {f.units:.3g} units at {report.first_divergence_a}")
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -256,3 +258,36 @@ def test_calls_compared_call_by_call_and_unmatched_layers_named():
     report = db.testing.compare_models(a, b, x, mapping={"lin": "lin"})
     assert report.passed and [pb for _, pb, _ in report.calls] == ["lin", "lin"]
     assert any("head" in n and "not compared" in n for n in report.notes)
+
+
+def test_float32_original_against_bfloat16_port_is_judged_at_bfloat16():
+    _need("torch", "transformers", "mlx", "mlx_lm")
+    src = P.torch_llama(0)
+    port = P.mlx_llama("bfloat16")
+    P.port_llama(src, port)
+    report = db.testing.compare_models(src, port, P.lm_inputs(0), mapping=SAME)
+    assert report.passed, str(report)
+    assert (report.a.dtype, report.b.dtype, report.dtype) == ("float32", "bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize("pair", [("torch", "keras"), ("keras", "mlx"), ("numpy", "torch")])
+def test_mlps_with_activations_inside_their_layers(pair):
+    """Keras captures a Dense before its activation, torch's and MLX's dense_bridge layers apply it
+    inside: each output is judged through its own activation, gradients before it."""
+    from conftest import require_backend
+
+    for name in pair:
+        require_backend(name)
+    spec = db.Sequential([db.Dense(16, activation="gelu"), db.Dense(8, activation="tanh"), db.Dense(4)],
+                         in_features=6)
+    a, b = (db.compile(spec, name, seed=0) for name in pair)
+    x = [np.random.default_rng(0).standard_normal((5, 6))]
+    report = db.testing.compare_models(a, b, x)
+    assert report.passed, str(report)
+    # a wrong bias in b's middle layer is named there
+    layer = list(db.linear_layers(b).values())[1]
+    params = db.get_params(layer)
+    db.set_params(layer, {**params, "bias": params["bias"] + 0.01})
+    report = db.testing.compare_models(a, b, x)
+    assert report.first_divergence == list(db.linear_layers(b))[1]
+    assert report.first_failure.quantity == "output"

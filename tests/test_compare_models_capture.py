@@ -173,3 +173,27 @@ def test_capture_numpy_reference_chain():
     np.testing.assert_allclose(cap.calls[1].output_grad, _cot((2, 3)))
     np.testing.assert_allclose(cap.param_grads["1"]["kernel"], cap.calls[1].inputs[0].T @ _cot((2, 3)))
     assert "forward" not in vars(model.layers[0])
+
+
+def test_torch_capture_survives_in_place_ops_on_a_layer_output():
+    """``y = lin(x); y += x`` (in place on the layer's output) must not change what was recorded."""
+    adapter = require_backend("torch")
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            y += x  # in place on the layer's output
+            return y * 2
+
+    torch.manual_seed(0)
+    net = Net()
+    x = np.random.default_rng(0).standard_normal((2, 3))
+    cap = adapter.capture(net, [x], {"lin": net.lin}, cotangent=_cot)
+    p = {k: v.astype(np.float64) for k, v in __import__("dense_bridge").get_params(net.lin).items()}
+    np.testing.assert_allclose(cap.calls[0].output, x @ p["kernel"] + p["bias"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cap.calls[0].output_grad, 2 * _cot((2, 3)), rtol=1e-6)

@@ -241,3 +241,34 @@ def test_mlx_paths_in_definition_order_and_quantized_refused():
     model.q = nn.QuantizedLinear(64, 64)
     with pytest.raises(db.ConversionError, match="q \\(mlx.nn.*QuantizedLinear\\)"):
         db.linear_layers(model)
+
+
+def test_register_layout_for_an_mlx_class_in_out():
+    require_backend("mlx")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class InOut(nn.Module):  # kernel stored (in, out), as some ports of GPT-2 keep Conv1D's layout
+        def __init__(self):
+            super().__init__()
+            self.w = mx.random.normal((5, 3))
+            self.b = mx.random.normal((3,))
+
+        def __call__(self, x):
+            return x @ self.w + self.b
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = InOut()
+
+    decl = db.register_layout(InOut, kernel="w", bias="b", layout="in_out")
+    try:
+        layer = db.linear_layers(Net())["proj"]
+        np.testing.assert_array_equal(db.get_params(layer)["kernel"], np.array(layer.w))
+        assert db.to_spec(layer).in_features == 5 and db.to_spec(layer).units == 3
+        _roundtrip(layer)
+    finally:
+        from dense_bridge import _layouts
+
+        _layouts._DECLARED.pop(decl.cls)

@@ -269,3 +269,58 @@ def test_keras_regularizers_and_constraints_are_named_when_dropped():
     with pytest.warns(UserWarning, match="'reg'.*kernel_regularizer=L2, bias_constraint=NonNeg dropped"):
         converted = db.convert(model, "torch")
     np.testing.assert_array_equal(converted[0].weight.detach().numpy().T, model.layers[0].kernel.numpy())
+
+
+# ------------------------------------------------------------------------ inspect on plain weights files
+def test_inspect_lists_linear_layers_of_a_plain_state_dict_with_assumed_layouts(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from dense_bridge import cli
+    from dense_bridge.models import file_linear_layers
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 8, bias=False))
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "linear layers recognised by name (2" in out and "assumed from the file format" in out
+    assert "in=4      units=8      bias=yes" in out and "layout out_in (assumed)" in out
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)["linear_layers"]
+    assert [(r["layer"], r["in_features"], r["units"], r["bias"]) for r in rows] == [("0", 4, 8, True),
+                                                                                    ("3", 8, 8, False)]
+    assert all(r["layout_source"].startswith("assumed from the file format") for r in rows)
+    # Keras weights files store kernels (in, out) by position; embedding-like 2-D tables are left out
+    keras_rows = file_linear_layers([("layers/dense/vars/0", (4, 8), "float32"), ("layers/dense/vars/1", (8,), "float32"),
+                                     ("layers/embedding/vars/0", (10, 4), "float32")], "keras")
+    assert [(r["layer"], r["in_features"], r["units"], r["layout"]) for r in keras_rows] == [
+        ("layers/dense", 4, 8, "in_out")]
+
+
+def test_a_given_example_picks_the_other_branch_and_is_remembered():
+    torch = pytest.importorskip("torch")
+
+    class SimpleMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(12, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = x.view(-1, 12) if x.ndim > 2 else x
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    images = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"example input of shape \(2, 3, 4\)"):
+        spec = db.to_spec(model, example=images)
+    assert spec.layers[0] == db.Flatten() and spec.in_features == 12
+    with pytest.warns(UserWarning, match=r"\(2, 3, 4\)"):  # remembered: the same branch, the same keys
+        assert sorted(db.get_params(model)) == ["1.bias", "1.kernel", "3.bias", "3.kernel"]
+        numpy_model = db.convert(model, "numpy")
+    with torch.no_grad():
+        np.testing.assert_allclose(numpy_model.forward(images), model(torch.tensor(images)).numpy(), atol=1e-6)
+    with pytest.raises(TypeError, match="example"):
+        db.to_spec(model, example="images")

@@ -173,3 +173,20 @@ def test_transformers_gpt2_transfers_into_mlx_lm_gpt2_with_tied_head():
     with torch.no_grad():
         want = src(torch.tensor(ids)).logits.numpy()
     _close(want, np.asarray(dst(mx.array(ids))), "gpt2 logits")
+
+
+def test_keras_hub_feedforward_dense_reads_as_a_lone_layer():
+    from conftest import require_backend
+
+    require_backend("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=12, max_sequence_length=8, dropout=0.0)
+    layers = db.linear_layers(backbone)
+    ffn = layers["transformer_layer_0/feedforward_intermediate_dense"]
+    # keras-hub's gelu_approximate is keras.activations.gelu(x, approximate=True): the table's gelu_tanh
+    assert db.to_spec(ffn).activation == db.Activation("gelu_tanh")
+    for path in ("transformer_layer_0/self_attention_layer/key", "transformer_layer_0/feedforward_intermediate_dense",
+                 "pooled_dense"):
+        layer = layers[path]
+        assert db.testing.compare(layer, db.convert(layer, "numpy")).passed, path

@@ -1,4 +1,8 @@
-"""Keras 3 adapter (TensorFlow backend): dense_bridge specs <-> Keras layers and models.
+"""Keras 3 adapter: dense_bridge specs <-> Keras layers and models, on any Keras engine.
+
+Keras runs on the engine ``KERAS_BACKEND`` names (tensorflow, the default; jax; torch); this
+adapter works on each with the same exactness. Engine-specific code lives in ``_engine``
+(tensors, numpy, erfc, autograd); the rest is ``keras.ops`` and Keras layers.
 
 Layouts (canonical == Keras for every parameter: this adapter never transposes):
 
@@ -48,16 +52,8 @@ and EinsumDense read as the linear layer its equation makes it).
 from __future__ import annotations
 
 import keras
-import tensorflow  # noqa: F401 - the adapter runs on it: missing, this import fails first
 
-from dense_bridge._errors import BackendUnavailableError
-
-if keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on KERAS_BACKEND
-    raise BackendUnavailableError(
-        f"the 'keras' backend of dense_bridge needs Keras' TensorFlow backend, but Keras runs on "
-        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
-    )
-
+from ._engine import ENGINE  # noqa: F401 - imports the engine Keras runs on (tensorflow, jax or torch)
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
 from ._arrays import from_numpy, to_numpy  # noqa: E402
 from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
@@ -66,9 +62,11 @@ from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
+from ._files import file_info, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10)
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "file_info", "read_file", "write_file"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

@@ -16,65 +16,77 @@ from typing import Any, Callable
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from dense_bridge._errors import ConversionError
 from dense_bridge.activations import NAMES as ACTIVATION_NAMES
 from dense_bridge.activations import Activation
 
+from ._engine import ENGINE, erfc
+
 
 _PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
 
 
-def _const(value: float, x: tf.Tensor) -> tf.Tensor:
-    # A constant made directly in x's dtype: TF routes some Python floats through float32
-    # (docs/FACTS.md: gelu's 1/sqrt(2) is 5e-9 off in float64).
-    return tf.constant(value, dtype=x.dtype)
+def _dtype(x) -> str:
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def _const(value: float, x):
+    # A constant made directly in x's dtype: some engines route Python floats through float32
+    # (docs/FACTS.md: TF's gelu 1/sqrt(2) is 5e-9 off in float64).
+    return ops.convert_to_tensor(value, dtype=_dtype(x))
 
 
 def _leaky_relu(x, negative_slope):
-    # not tf.nn.leaky_relu: its alpha is a float32 attribute (0.01 -> 2e-9 relative in float64)
-    return tf.where(x > 0, x, x * _const(negative_slope, x))
+    # not the engines' leaky_relu: TF holds its alpha as a float32 attribute (2e-9 off in float64)
+    return ops.where(x > 0, x, x * _const(negative_slope, x))
 
 
 def _elu(x, alpha):
-    return tf.where(x > 0, x, _const(alpha, x) * tf.math.expm1(tf.minimum(x, _const(0.0, x))))
+    return ops.where(x > 0, x, _const(alpha, x) * ops.expm1(ops.minimum(x, _const(0.0, x))))
 
 
 def _gelu(x):
-    return _const(0.5, x) * x * tf.math.erfc(-x * _const(1.0 / math.sqrt(2.0), x))
+    # erfc, not 1 + erf: no cancellation in the negative tail (erfc is the engine's own: _engine)
+    return _const(0.5, x) * x * erfc(-x * _const(1.0 / math.sqrt(2.0), x))
 
 
 def _gelu_tanh(x):
     inner = _const(math.sqrt(2.0 / math.pi), x) * (x + _const(0.044715, x) * x * x * x)
-    return _const(0.5, x) * x * (_const(1.0, x) + tf.math.tanh(inner))
+    return _const(0.5, x) * x * (_const(1.0, x) + ops.tanh(inner))
 
 
 def _hard_sigmoid(x):
-    return tf.nn.relu6(x + _const(3.0, x)) / _const(6.0, x)
+    return ops.relu6(x + _const(3.0, x)) / _const(6.0, x)
+
+
+def _softplus(x):
+    # torch's softplus returns x above a threshold of 20 (docs/FACTS.md); logaddexp(x, 0) is exact
+    return ops.logaddexp(x, _const(0.0, x)) if ENGINE == "torch" else ops.softplus(x)
 
 
 # canonical name -> f(x, **params), each the exact function with every parameter explicit
-_TF_FUNCTIONS: dict[str, Callable[..., tf.Tensor]] = {
+_TF_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "linear": lambda x: x,
-    "relu": tf.nn.relu,
-    "relu6": tf.nn.relu6,
+    "relu": ops.relu,
+    "relu6": ops.relu6,
     "leaky_relu": _leaky_relu,
     "elu": _elu,
     "selu": lambda x, alpha, scale: _const(scale, x) * _elu(x, alpha),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
-    "silu": tf.nn.silu,
-    "sigmoid": tf.math.sigmoid,
+    "silu": ops.silu,
+    "sigmoid": ops.sigmoid,
     "hard_sigmoid": _hard_sigmoid,
     "hard_silu": lambda x: x * _hard_sigmoid(x),
-    "tanh": tf.math.tanh,
-    "softplus": tf.math.softplus,
-    "softsign": tf.nn.softsign,
-    "mish": lambda x: x * tf.math.tanh(tf.math.softplus(x)),
-    "softmax": lambda x, axis: tf.nn.softmax(x, axis=axis),
-    "log_softmax": lambda x, axis: tf.nn.log_softmax(x, axis=axis),
-    "exponential": tf.math.exp,
+    "tanh": ops.tanh,
+    "softplus": _softplus,
+    "softsign": ops.softsign,
+    "mish": lambda x: x * ops.tanh(_softplus(x)),
+    "softmax": lambda x, axis: ops.softmax(x, axis=axis),
+    "log_softmax": lambda x, axis: ops.log_softmax(x, axis=axis),
+    "exponential": ops.exp,
 }
 assert set(_TF_FUNCTIONS) == set(ACTIVATION_NAMES)
 
@@ -93,9 +105,10 @@ class ExactActivation:
         self._params = dict(self.activation.params)
 
     def __call__(self, x):
-        x = tf.convert_to_tensor(x)
-        if x.dtype in (tf.float16, tf.bfloat16):
-            return tf.cast(self._fn(tf.cast(x, tf.float32), **self._params), x.dtype)
+        x = ops.convert_to_tensor(x)
+        dtype = _dtype(x)
+        if dtype in ("float16", "bfloat16"):
+            return ops.cast(self._fn(ops.cast(x, "float32"), **self._params), dtype)
         return self._fn(x, **self._params)
 
     def get_config(self) -> dict:
@@ -133,6 +146,12 @@ def _keras_default(fn: Callable, parameter: str):
     return inspect.signature(fn).parameters[parameter].default
 
 
+#: Third-party activation functions that are one of the table's, by dotted name (no import):
+#: keras-hub's BERT/GPT-2 feed-forward use ``gelu_approximate`` = keras.activations.gelu(x,
+#: approximate=True) (keras_hub/src/utils/keras_utils.py).
+THIRD_PARTY_ACTIVATIONS = {"keras_hub.src.utils.keras_utils.gelu_approximate": "gelu_tanh"}
+
+
 def _activation_of_function(fn: Any, where: str) -> Activation:
     """The db Activation that a Keras activation callable computes, its defaults made explicit."""
     if fn is None:
@@ -150,6 +169,9 @@ def _activation_of_function(fn: Any, where: str) -> Activation:
         return Activation("gelu_tanh" if _keras_default(fn, "approximate") else "gelu")
     if fn in (a.softmax, a.log_softmax):
         return Activation(fn.__name__, axis=_keras_default(fn, "axis"))
+    third_party = THIRD_PARTY_ACTIVATIONS.get(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}")
+    if third_party is not None:
+        return Activation(third_party)
     readable = sorted({*_KERAS_FUNCTIONS.values(), "leaky_relu", "elu", "gelu", "softmax", "log_softmax"})
     raise ConversionError(
         f"{where} uses the activation {getattr(fn, '__name__', fn)!r}, which dense_bridge cannot "

@@ -1,4 +1,7 @@
-"""numpy <-> TensorFlow memory: fresh tensors TF alone owns, zero-copy snapshots, variable writes.
+"""numpy <-> the Keras engine's memory: fresh tensors it alone owns, snapshots, variable writes.
+
+On TensorFlow (below) large arrays take the DLPack hand-over; on JAX and torch the engine's own
+conversion (``_engine.to_tensor``) copies once, and snapshots are host copies.
 
 Large arrays cross into TF with one copy: dense_bridge copies them into a fresh 64-byte
 aligned buffer that TF adopts through DLPack (:func:`_give`). ``_read`` gives zero-copy,
@@ -11,29 +14,36 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._transfer import native_copy
+
+from . import _engine
+from ._engine import ENGINE
+
+if ENGINE == "tensorflow":
+    import tensorflow as tf
 
 _GIVE_MIN_BYTES = 1 << 20  # below this TF's own copy of a numpy array costs next to nothing
 _GIVEABLE = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {np.dtype(numpy_dtype("bfloat16"))}
 
 
-def _to_tensor(array: Any) -> tf.Tensor:
+def _to_tensor(array: Any):
     """A fresh TF tensor holding a copy of ``array``, in memory TF alone owns.
 
     Large arrays are copied by dense_bridge (a cache-blocked transpose for views such as
     torch's weight.T: 2-3x tf.transpose here) into a new buffer that TF then adopts (:func:`_give`).
     """
     a = np.asarray(array)
+    if ENGINE != "tensorflow":
+        return _engine.to_tensor(a)
     if a.nbytes < _GIVE_MIN_BYTES or a.dtype not in _GIVEABLE or not tf.executing_eagerly():
         return tf.convert_to_tensor(a)  # TF copies (numpy memory is not 64-byte aligned)
     fresh, _ = native_copy(a)
     return _give(fresh)
 
 
-def _give(fresh: np.ndarray) -> tf.Tensor:
+def _give(fresh: np.ndarray):
     """TF's tensor over ``fresh``, a new 64-byte aligned array that no one else references.
 
     DLPack hands the buffer to TF without a copy (``tf.convert_to_tensor`` would copy it
@@ -41,6 +51,8 @@ def _give(fresh: np.ndarray) -> tf.Tensor:
     only owner from then on. TF aborts on DLPack memory not aligned to 64 bytes (docs/FACTS.md);
     ``ParamSource.native_layer`` and ``native_copy`` buffers are.
     """
+    if ENGINE != "tensorflow":
+        return _engine.to_tensor(fresh)
     if fresh.dtype not in _GIVEABLE or not tf.executing_eagerly() or fresh.ndim == 0:
         return tf.convert_to_tensor(fresh)
     if fresh.dtype == numpy_dtype("bfloat16"):
@@ -52,6 +64,10 @@ def _give(fresh: np.ndarray) -> tf.Tensor:
 
 def _read(variable) -> np.ndarray:
     """A zero-copy, read-only numpy snapshot of a Keras variable (bfloat16 as ml_dtypes)."""
+    if ENGINE != "tensorflow":
+        out = np.array(_engine.to_numpy(variable.value))  # a copy: the engine may update in place
+        out.flags.writeable = False
+        return out
     out = np.asarray(tf.convert_to_tensor(variable.value))
     out.flags.writeable = False  # it is TF's buffer: never written through numpy
     return out
@@ -69,11 +85,11 @@ def to_numpy(array: Any) -> np.ndarray:
     """
     if isinstance(array, keras.Variable):
         return _read(array)
-    out = np.asarray(tf.convert_to_tensor(array))
+    out = _engine.to_numpy(array)
     out.flags.writeable = False
     return out
 
 
-def from_numpy(array: Any) -> tf.Tensor:
+def from_numpy(array: Any):
     """The adapter verb: a TF tensor holding ``array``'s values in its dtype (bfloat16 included)."""
     return _to_tensor(array)

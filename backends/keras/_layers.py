@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import SpecError, received
@@ -30,6 +29,7 @@ from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
+from ._engine import check_dtype
 from ._activations import _PACKAGE, ExactActivation, _activation_layer
 from ._arrays import _give, _read, _to_tensor
 
@@ -148,7 +148,7 @@ class _Draw:
         self.params: dict[str, np.ndarray] | None = None
         self._left: set[str] = set()
 
-    def take(self, key: str, shape: tuple[int, ...]) -> tf.Tensor:
+    def take(self, key: str, shape: tuple[int, ...]):
         if self.params is None:
             if isinstance(self.spec, Dense):
                 # the kernel is made first; its shape (in, units) fixes a lazy width
@@ -272,7 +272,7 @@ class Bilinear(keras.layers.Layer):
         self.built = True
 
     def call(self, x1, x2):
-        y = tf.einsum("...i,kij,...j->...k", x1, tf.convert_to_tensor(self.kernel), x2)
+        y = keras.ops.einsum("...i,kij,...j->...k", x1, self.kernel, x2)
         return y + self.bias if self.bias is not None else y
 
     def compute_output_shape(self, x1_shape, x2_shape):
@@ -287,6 +287,8 @@ class Bilinear(keras.layers.Layer):
 
 def compile(spec, source: ParamSource):
     """The Keras layer or model for ``spec``, parameters from ``source`` (built when width known)."""
+    for layer in (spec.layers if isinstance(spec, Sequential) else [spec]):
+        check_dtype(getattr(layer, "dtype", "float32"))  # JAX without x64 would keep float32 silently
     if isinstance(spec, Sequential):
         return _compile_sequential(spec, source)
     return _compile_layer(spec, source, 0, getattr(spec, "dtype", "float32"))

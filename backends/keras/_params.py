@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 from dense_bridge._errors import SpecError
 
@@ -64,9 +64,9 @@ def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
     if "mask" in params:
         _assign(variables["mask"], params["mask"])
     if "kernel" in params or "mask" in params:
-        kernel = _to_tensor(params["kernel"]) if "kernel" in params else tf.convert_to_tensor(variables["kernel"].value)
+        kernel = _to_tensor(params["kernel"]) if "kernel" in params else variables["kernel"].value
         if "mask" in variables:  # stored masked weights are exactly 0, whatever was given
-            kernel = kernel * tf.convert_to_tensor(variables["mask"].value)
+            kernel = keras.ops.multiply(kernel, variables["mask"].value)
         variables["kernel"].assign(kernel)
     if "bias" in params:
         _assign(variables["bias"], params["bias"])

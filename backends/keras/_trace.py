@@ -1,46 +1,50 @@
-"""The autograd trace: forward through each layer, then per-layer backward with tf.GradientTape."""
+"""The autograd trace: forward through each layer, then per-layer backward with the engine's own
+autograd (tf.GradientTape, jax.vjp over a stateless call, torch.autograd: ``_engine.layer_vjp``).
+
+Layers are traced back to front: each layer's call is re-run under the engine's autograd with
+the cotangent that the layer after it produced, so every layer's input, output and parameter
+gradients are that engine's own numbers.
+"""
 from __future__ import annotations
 
 from typing import Sequence
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 from dense_bridge._trace import LayerTrace, Trace
 
-from ._arrays import _to_tensor
+from ._engine import layer_vjp, to_numpy, to_tensor
 from ._models import einsum_call, einsum_canonical_grads
 from ._params import _variables
 from ._to_spec import _kind, _layers_of
 
 
+def _call(layer, *xs):
+    return einsum_call(layer, xs[0]) if _kind(layer) == "einsum" else layer(*xs, training=False)
+
+
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
-    """Forward, then per-layer backward with tf.GradientTape for L = sum(y * grad_out)."""
+    """Forward, then per-layer backward for L = sum(y * grad_out), with the engine's autograd."""
     layers, _ = _layers_of(native)
     for layer in layers:
         _kind(layer)
     dtype = layers[0].compute_dtype if layers else "float32"
-    xs = [tf.cast(_to_tensor(np.asarray(x)), dtype) for x in inputs]
+    xs = [to_tensor(np.asarray(x), dtype) for x in inputs]
     steps = []
-    for layer in layers:
-        with tf.GradientTape() as tape:
-            for x in xs:
-                tape.watch(x)
-            y = einsum_call(layer, xs[0]) if _kind(layer) == "einsum" else layer(*xs, training=False)
-        steps.append((layer, tape, xs, y))
+    for layer in layers:  # forward once, keeping each layer's inputs
+        y = _call(layer, *xs)
+        steps.append((layer, xs, y))
         xs = [y]
     records: list[LayerTrace] = [None] * len(steps)  # type: ignore[list-item]
-    g = tf.cast(_to_tensor(np.asarray(grad_out)), steps[-1][3].dtype) if steps else None
+    g = to_tensor(np.asarray(grad_out), str(keras.backend.standardize_dtype(steps[-1][2].dtype))) if steps else None
     for i in range(len(steps) - 1, -1, -1):
-        layer, tape, xs, y = steps[i]
-        trainable = {k: v for k, v in _variables(layer).items() if k != "mask"}
-        sources = list(xs) + [v.value for v in trainable.values()]
-        grads = tape.gradient(y, sources, output_gradients=g)
-        grads = [tf.zeros_like(s) if d is None else d for s, d in zip(sources, grads)]
-        dxs = tuple(d.numpy() for d in grads[:len(xs)])
-        pgrads = {k: d.numpy() for k, d in zip(trainable, grads[len(xs):])}
+        layer, xs, _ = steps[i]
+        y, dxs, by_path = layer_vjp(layer, xs, g, _call)
+        names = {v.path: k for k, v in _variables(layer).items() if k != "mask"}
+        pgrads = {names[p]: to_numpy(d) for p, d in by_path.items() if p in names}
         if _kind(layer) == "einsum":
             pgrads = einsum_canonical_grads(layer, pgrads)
-        records[i] = LayerTrace(y.numpy(), dxs, pgrads)
-        g = grads[0]
+        records[i] = LayerTrace(to_numpy(y), tuple(to_numpy(d) for d in dxs), pgrads)
+        g = dxs[0]
     return Trace(records)

@@ -58,9 +58,11 @@ from ._to_spec import to_spec
 from ._trace import trace
 from ._capture import capture
 from ._models import walk
+from ._files import file_info, read_file, write_file  # native checkpoint files (issue 10)
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "file_info", "read_file", "write_file"]
 
 
 def owns(obj) -> bool:

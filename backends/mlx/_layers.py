@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
+from dense_bridge._layouts import declared
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
 from dense_bridge.activations import Activation
@@ -244,3 +245,13 @@ def compile(spec, source: ParamSource):
 
 def is_dense(m) -> bool:
     return type(m) is nn.Linear or isinstance(m, DenseLinear)
+
+
+def declared_arrays(m) -> tuple | None:
+    """(kernel name, bias name or None, stored transposed?) of a class declared with
+    db.register_layout, or None for every other module."""
+    decl = declared(m)
+    if decl is None or not isinstance(m, nn.Module):
+        return None
+    bias = decl.bias if decl.bias and decl.bias in m else None
+    return decl.kernel, bias, decl.transposed

@@ -20,13 +20,14 @@ from mlx.utils import tree_flatten
 from dense_bridge._layouts import Entry
 
 from ._arrays import MX_DTYPES, to_mx, to_numpy
+from ._layers import declared_arrays
 from ._layers import is_dense as _is_dense
 
 
 def _kind(m) -> str:
     if type(m).__name__.startswith("Quantized"):
         return "quantized"
-    if _is_dense(m) or type(m) is nn.Bilinear:
+    if _is_dense(m) or type(m) is nn.Bilinear or declared_arrays(m) is not None:
         return "linear"
     return "other"
 

@@ -14,7 +14,7 @@ import numpy as np
 from dense_bridge._errors import SpecError
 
 from ._arrays import dtype_name, to_mx, to_numpy
-from ._layers import is_dense
+from ._layers import declared_arrays, is_dense
 
 
 def positions(native) -> list[tuple[str, Any]]:
@@ -25,6 +25,11 @@ def positions(native) -> list[tuple[str, Any]]:
 
 
 def _layer_params(m) -> dict[str, np.ndarray]:
+    decl = declared_arrays(m)
+    if decl is not None:  # a third-party class declared with db.register_layout
+        kernel = to_numpy(m[decl[0]])
+        out = {"kernel": kernel.T if decl[2] else kernel}
+        return out if decl[1] is None else {**out, "bias": to_numpy(m[decl[1]])}
     if is_dense(m):
         if "weight" not in m:
             raise SpecError("this lazy MLX layer has no parameters yet (in_features is fixed by its "
@@ -57,6 +62,16 @@ def get_params(native) -> dict[str, np.ndarray]:
 def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
     if not get:
+        return
+    decl = declared_arrays(m)
+    if decl is not None:
+        dtype = dtype_name(m[decl[0]].dtype, decl[0])
+        new = {}
+        if "kernel" in get:
+            new[decl[0]] = to_mx(np.asarray(get["kernel"]).T if decl[2] else get["kernel"], dtype)
+        if "bias" in get:
+            new[decl[1]] = to_mx(get["bias"], dtype)
+        m.update(new)
         return
     if type(m) is nn.Bilinear:
         dtype = dtype_name(m["weight"].dtype, "weight")

@@ -19,7 +19,7 @@ from dense_bridge.wiring import Wiring
 
 from ._activations import activation_of_function, activation_of_module, conversion_error
 from ._arrays import dtype_name, to_numpy
-from ._layers import DenseLinear, Flatten, LazyDenseLinear, is_dense
+from ._layers import DenseLinear, Flatten, LazyDenseLinear, declared_arrays, is_dense
 
 
 def _stored(m, cls):
@@ -58,6 +58,12 @@ def _bilinear_spec(m, where: str) -> Bilinear:
 
 
 def _layer_spec(m, where: str):
+    decl = declared_arrays(m)
+    if decl is not None:  # a third-party class declared with db.register_layout
+        kernel = m[decl[0]]
+        units, in_features = (int(s) for s in (kernel.shape if decl[2] else kernel.shape[::-1]))
+        return Dense(units, in_features=in_features, use_bias=decl[1] is not None, kernel_init="mlx_default",
+                     bias_init="mlx_default", dtype=dtype_name(kernel.dtype, f"{where}.{decl[0]}"))
     if is_dense(m):
         return _dense_spec(m, where)
     if type(m) is nn.Bilinear:

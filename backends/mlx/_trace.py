@@ -15,12 +15,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
-from ._layers import is_dense
+from ._layers import declared_arrays, is_dense
 from ._params import positions
 
 
 def _param_dtype(m) -> mx.Dtype | None:
     """The dtype of a layer's weight (None for layers without parameters)."""
+    decl = declared_arrays(m)
+    if decl is not None:
+        return m[decl[0]].dtype
     return m["weight"].dtype if isinstance(m, nn.Module) and "weight" in m else None
 
 
@@ -41,6 +44,11 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
 
 
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    decl = declared_arrays(m)
+    if decl is not None:  # a third-party class declared with db.register_layout
+        kernel = to_numpy(grads[decl[0]])
+        out = {"kernel": kernel.T if decl[2] else kernel}
+        return out if decl[1] is None else {**out, "bias": to_numpy(grads[decl[1]])}
     out = {}
     if "weight" in grads:
         w = to_numpy(grads["weight"])

@@ -85,6 +85,9 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             n = counts.get(path, 0)
             counts[path] = n + 1
             records.append([path, n, tuple(a for a in hook_args if isinstance(a, torch.Tensor)), output])
+            # the model goes on with a copy: an in-place op on it later (``x += residual``) changes
+            # neither the recorded values nor the tensor whose gradient is dL/d(output)
+            return output.clone() if isinstance(output, torch.Tensor) else None
         return hook
 
     modes = [(m, m.training) for m in model.modules()]

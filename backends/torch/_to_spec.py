@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.fx
 from torch import nn
@@ -22,7 +23,7 @@ from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
 from ._activations import FUNCTIONS, METHODS, ExactActivation, activation_module, fn_spec, module_activation
-from ._arrays import dtype_name
+from ._arrays import dtype_name, from_numpy
 from ._layers import DenseLinear, LazyDense
 
 # Modules pickled by dense_bridge 0.1 carry the remembered fields as a JSON-able dict here.
@@ -322,7 +323,13 @@ _ATEN_NOOPS = {"clone", "contiguous", "alias", "detach", "dropout"}
 
 
 def _example_input(root: nn.Module, what: str) -> torch.Tensor:
-    """A (2, in_features) zero input from the first Linear in definition order (batch 2: no size-1 specialisation)."""
+    """The input given with ``db.to_spec(model, example=x)``, else a (2, in_features) zero input from
+    the first Linear in definition order (batch 2: no specialisation on a batch of one)."""
+    given = getattr(root, "_dense_bridge_example", None)  # dense_bridge.models.EXAMPLE_ATTR
+    if given is not None:
+        first_param = next(root.parameters(), None)
+        dtype = first_param.dtype if first_param is not None else torch.float32
+        return from_numpy(np.ascontiguousarray(given)).to(dtype)
     first = next((m for m in root.modules() if isinstance(m, (nn.Linear, nn.Bilinear)) or declared(m) is not None),
                  None)
     if first is None or isinstance(first, nn.Bilinear) or isinstance(first, nn.LazyLinear):

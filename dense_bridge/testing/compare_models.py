@@ -415,9 +415,12 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                     None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
         fa, fb = acts[pb]
         if (fa is None) != (fb is None) or (fa is not None and fa != fb):
-            report.notes.append(f"{pb}: the layer applies {fb.name if fb else 'no activation'} inside itself, "
-                                f"{pa} in a {fa.name if fa else 'none'}: outputs compared each through its own, "
-                                f"gradients before the activation")
+            def what(act, path, cap):
+                if path in cap.pre_activation:
+                    return f"{path} is captured before its own activation"
+                return f"{path} applies {act.name} inside itself" if act else f"{path} applies no activation"
+            report.notes.append(f"{what(fb, pb, cap_b)}, {what(fa, pa, cap_a)} (a): each output is judged "
+                                f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
     results: list[LayerResult] = []

@@ -1,0 +1,237 @@
+"""Keras's own checkpoint files: ``.weights.h5`` (``save_weights``) and ``.keras`` (``model.save``);
+the ``file_info``/``read_file``/``write_file`` verbs.
+
+A weights file is read by Keras itself: the structure Keras writes for a model built from the
+spec (saved once into a scratch file) is compared with the file's (every difference listed in
+one CheckpointError), then ``load_weights`` fills the model, so the layout (kernel (in, units) as
+``layers/<name>/vars/0``) is Keras's own. A file whose layers differ from the template's only in
+class names (a plain ``keras.layers.Dense(activation=...)`` where the adapter builds its own
+subclass) is remapped by Keras's naming rule. The spec rides in a root attribute of the HDF5 file
+(``dense_bridge_spec``), returned by ``file_info`` as metadata. A ``.keras`` file carries its own
+model, loaded with dense_bridge's Keras classes registered.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from typing import Callable, Mapping
+
+import h5py
+import keras
+
+from dense_bridge._errors import CheckpointError
+from dense_bridge._safetensors import SafetensorsFile
+
+Entries = dict  # name -> (native shape, dtype name)
+SPEC_ATTR = "dense_bridge_spec"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _h5_structure(path: str) -> Entries:
+    """Dataset path -> (shape, dtype) of a Keras weights file (bfloat16 from its "dtype" attribute)."""
+    out: Entries = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            dtype = obj.attrs.get("dtype")
+            dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
+            out[name] = (tuple(int(d) for d in obj.shape), str(dtype) if dtype else obj.dtype.name)
+
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems(visit)
+    except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+                              "corrupted?)") from None
+    return out
+
+
+def _h5_spec_attr(path: str) -> str | None:
+    try:
+        with h5py.File(path, "r") as f:
+            raw = f.attrs.get(SPEC_ATTR)
+    except Exception as exc:  # noqa: BLE001 - see _h5_structure
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+                              "corrupted?)") from None
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{path}: its {SPEC_ATTR} attribute is not UTF-8 text") from None
+    if not isinstance(raw, str):
+        raise CheckpointError(f"{path}: its {SPEC_ATTR} attribute is not text (it is a {type(raw).__name__})")
+    return raw
+
+
+_VAR = re.compile(r"^layers/([^/]+)/vars/(\d+)$")
+_SUFFIX = re.compile(r"^(.*?)(?:_(\d+))?$")
+
+
+def _snake(name: str) -> str:
+    """Keras' own naming of saved layers: the class name in snake_case (keras.src.utils.naming)."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _var_groups(struct: Entries) -> dict[str, list[str]] | None:
+    """layer group -> its variable paths, for a flat Sequential/functional file; None otherwise."""
+    groups: dict[str, list[str]] = {}
+    for path in struct:
+        m = _VAR.match(path)
+        if m is None:
+            return None
+        groups.setdefault(m.group(1), []).append(path)
+    return groups
+
+
+def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
+    """File variable path -> template variable path when the two differ only in class names.
+
+    Keras names each saved layer snake_case(class) plus a per-class counter in layer order, so
+    within one class the counter gives the order. Remapped only when the file's layers with
+    variables are all of one class (the order is then certain) and the counts match.
+    """
+    fg, eg = _var_groups(got), _var_groups(expected)
+    if fg is None or eg is None or len(fg) != len(eg):
+        return None
+    if len({_SUFFIX.match(n).group(1) for n in fg}) != 1:
+        return None
+    file_order = sorted(fg, key=lambda n: int(_SUFFIX.match(n).group(2) or 0))
+    used: dict[str, int] = {}
+    template_order = []
+    for layer in getattr(model, "layers", [model]):
+        base = _snake(type(layer).__name__)
+        name = base if base not in used else f"{base}_{used[base] + 1}"
+        used[base] = used.get(base, -1) + 1
+        if name in eg:
+            template_order.append(name)
+    if len(template_order) != len(eg):
+        return None
+    mapping = {}
+    for f, t in zip(file_order, template_order):
+        if len(fg[f]) != len(eg[t]):
+            return None
+        for path in fg[f]:
+            mapping[path] = f"layers/{t}/vars/{path.rsplit('/', 1)[1]}"
+    return mapping
+
+
+def _copy_datasets(src_path: str, dst_path: str, mapping: dict[str, str]) -> None:
+    """Replace datasets of ``dst_path`` by those of ``src_path`` (attributes, e.g. bfloat16, kept)."""
+    with h5py.File(src_path, "r") as src, h5py.File(dst_path, "a") as dst:
+        for s_path, d_path in mapping.items():
+            if d_path in dst:
+                del dst[d_path]
+            parent, name = d_path.rsplit("/", 1)
+            src.copy(src[s_path], dst.require_group(parent), name=name)
+
+
+class _named:
+    """``path`` under a name Keras accepts (it insists on the extension): a symlink in a temp dir."""
+
+    def __init__(self, path: str, suffix: str) -> None:
+        self.path, self.suffix, self.dir = path, suffix, None
+
+    def __enter__(self) -> str:
+        if self.path.endswith(self.suffix):
+            return self.path
+        self.dir = tempfile.mkdtemp(prefix="dense_bridge-")
+        link = os.path.join(self.dir, "file" + self.suffix)
+        try:
+            os.symlink(os.path.abspath(self.path), link)
+        except OSError:  # pragma: no cover - filesystems without symlinks
+            shutil.copyfile(self.path, link)
+        return link
+
+    def __exit__(self, *exc) -> None:
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _load_model(path: str):
+    with _named(path, ".keras") as named:
+        try:
+            return keras.saving.load_model(named)
+        except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
+            raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)} (custom layers must "
+                                  "be registered with keras.saving.register_keras_serializable)") from None
+
+
+def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None = None
+              ) -> tuple[Entries, dict[str, str]]:
+    """(name -> (native shape, dtype name), string metadata) of a Keras file, without a spec.
+
+    ``.weights.h5``: dataset paths; metadata holds the spec attribute when the file has one.
+    ``.keras``: the model's weights by variable path (the model is loaded to read them).
+    """
+    if container == "keras-model":
+        model = _load_model(path)
+        return {v.path: (tuple(v.shape), str(v.dtype)) for v in model.weights}, {}
+    if container != "h5":
+        raise CheckpointError(f"cannot read {path} as a Keras file (container {container!r})")
+    spec = _h5_spec_attr(path)
+    return _h5_structure(path), ({SPEC_ATTR: spec} if spec else {})
+
+
+def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
+              check: Callable[[Entries, Entries], None]):
+    """A Keras model holding the file's weights: ``template`` (built for the spec) filled from a
+    ``.weights.h5`` (``check(got, expected)`` lists every difference first), or the model a
+    ``.keras`` file carries (``template`` None)."""
+    if container == "keras-model":
+        return _load_model(path)
+    if template is None:
+        raise CheckpointError(f"{path}: a Keras weights file needs the model's structure (spec= or like=)")
+    d = tempfile.mkdtemp(prefix="dense_bridge-")
+    try:
+        # the structure Keras itself writes for this model: save it once and read it back
+        scratch = os.path.join(d, "template.weights.h5")
+        template.save_weights(scratch)
+        expected, got = _h5_structure(scratch), _h5_structure(path)
+        source = path
+        if set(got) != set(expected):
+            mapping = _mapping(template, got, expected)
+            if mapping is not None:
+                got = {mapping[k]: v for k, v in got.items()}
+                check(got, expected)
+                _copy_datasets(path, scratch, mapping)
+                source = scratch
+        check(got, expected)
+        with _named(source, ".weights.h5") as named:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # keras only warns when some weights did not load
+                    template.load_weights(named)
+            except Exception as exc:  # noqa: BLE001 - keras raises ValueError/KeyError/UserWarning
+                raise CheckpointError(f"cannot load {path} into the Keras model: {_first_line(exc)}") from None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return template
+
+
+def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``model`` into ``temp``, the temporary the core renames to ``path``.
+
+    ``kind``: "keras-weights" (``save_weights``; ``metadata[SPEC_ATTR]`` stored as a root
+    attribute) or "keras-model" (``model.save``: the whole model).
+    """
+    if kind == "keras-weights":
+        model.save_weights(temp)
+        spec = (metadata or {}).get(SPEC_ATTR)
+        if spec:
+            with h5py.File(temp, "a") as f:
+                f.attrs[SPEC_ATTR] = spec
+    elif kind == "keras-model":
+        model.save(temp)
+    else:
+        raise CheckpointError(f"cannot write {path}: Keras writes .weights.h5 or .keras, not {kind!r}")

@@ -1,0 +1,112 @@
+"""MLX's own checkpoint files: ``.safetensors`` (MLX names and layouts) and ``.npz``
+(``mx.savez``); the ``file_info``/``read_file``/``write_file`` verbs.
+
+Safetensors files are opened and parsed by the core (``dense_bridge._safetensors``), not by
+``mx.load(path)``: the files stay the ones the core opened (a concurrent save may have replaced
+the path since), and F64 tensors that other tools write read too. The native layout (Linear
+``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: the file is loaded into an MLX
+model built for the spec with ``load_weights(strict=True)``.
+
+MLX neither writes nor reads F64 safetensors (``mx.load``: "unsupported dtype F64"), so an MLX
+``.safetensors`` holding float64 is refused before anything is written: ``.npz`` holds it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from dense_bridge._errors import CheckpointError
+from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+
+from ._arrays import to_numpy
+
+Entries = dict  # name -> (native shape, dtype name)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _to_mlx(arr: np.ndarray, name: str, path: str) -> mx.array:
+    """An MLX array copying ``arr`` in its own dtype (mx.array alone turns float64 into float32)."""
+    if arr.dtype.name == "bfloat16":
+        return mx.array(np.ascontiguousarray(arr).view(np.uint16), dtype=mx.uint16).view(mx.bfloat16)
+    dtype = getattr(mx, arr.dtype.name, None)
+    if not isinstance(dtype, mx.Dtype):
+        raise CheckpointError(f"cannot read {path}: tensor {name!r} has dtype {arr.dtype.name}, which MLX has not")
+    return mx.array(arr, dtype=dtype)
+
+
+def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array]:
+    if files:
+        return {n: _to_mlx(f.get(n), n, path) for f in files for n in f.tensors}
+    try:
+        return dict(mx.load(path))
+    except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
+        raise CheckpointError(f"cannot read {path} as MLX weights: {_first_line(exc)}") from None
+
+
+def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None = None
+              ) -> tuple[Entries, dict[str, str]]:
+    """(name -> (native shape, dtype name), string metadata) of an MLX file, without a spec."""
+    if files:
+        from dense_bridge._dtypes import dtype_name
+
+        return ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()},
+                dict(files[0].metadata))
+    return {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in _state(path, None).items()}, {}
+
+
+def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
+              check: Callable[[Entries, Entries], None]):
+    """``template`` (an MLX model built for the file's spec) holding the file's arrays;
+    ``check(got, expected)`` raises a CheckpointError listing every difference first."""
+    if template is None:
+        raise CheckpointError(f"{path}: MLX weights need the model's structure (spec= or like=)")
+    state = _state(path, files)
+    expected = {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in tree_flatten(template.parameters())}
+    check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
+    try:
+        template.load_weights(list(state.items()), strict=True)
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot load {path} into the MLX model: {_first_line(exc)}") from None
+    mx.eval(template.parameters())
+    return template
+
+
+def _pending(model) -> dict[str, PendingTensor]:
+    """The model's arrays, each turned into numpy (a zero-copy view) only when written."""
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        probe = to_numpy(v.reshape(-1)[:0])
+        out[k] = PendingTensor(probe.dtype, tuple(v.shape), (lambda a=v: to_numpy(a)))
+    return out
+
+
+def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``model``'s arrays into ``temp``, the temporary the core renames to ``path``.
+
+    ``kind``: "safetensors" (MLX names and layouts, ``metadata`` alongside, "format" = "mlx";
+    float64 refused: MLX cannot read it back) or "npz" (``mx.savez``).
+    """
+    if kind == "safetensors":
+        state = _pending(model)
+        wide = [k for k, t in state.items() if t.dtype == np.float64]
+        if wide:
+            raise CheckpointError(f"cannot write {path}: MLX cannot read float64 tensors from .safetensors "
+                                  f"(mx.load refuses dtype F64), and {wide} are float64. Write an MLX .npz "
+                                  "instead (MLX reads float64 there), or a canonical checkpoint (--to canonical)")
+        with open(temp, "wb") as f:
+            write_safetensors(f, state, {"format": "mlx", **(metadata or {})})
+    elif kind == "npz":
+        mx.savez(temp, **dict(tree_flatten(model.parameters())))
+    else:
+        raise CheckpointError(f"cannot write {path}: MLX writes .safetensors or .npz, not {kind!r}")

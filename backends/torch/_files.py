@@ -1,0 +1,113 @@
+"""torch's own checkpoint files: state dicts in ``.pt``/``.pth``/``.bin`` (zip or legacy pickle) and
+torch-layout ``.safetensors``; the ``file_info``/``read_file``/``write_file`` verbs.
+
+The core sniffs the container and opens safetensors files itself (``dense_bridge._safetensors``,
+framework-free); this module turns what it reads into torch tensors and loads them into a torch
+model built for the spec, so the native layout (``weight`` (out, in), the mask buffer stored
+like the weight) is torch's own, never guessed from a shape. Pickled files are read with
+``torch.load(weights_only=True)`` only: no arbitrary Python objects.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Mapping
+
+import torch
+
+from dense_bridge._errors import CheckpointError
+from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+
+from ._arrays import from_numpy, to_numpy
+
+Entries = dict  # name -> (native shape, dtype name)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _state(path: str, container: str, files: list[SafetensorsFile] | None) -> dict[str, torch.Tensor]:
+    """The file's tensors by their torch names; zip files are mapped (``mmap``), not read."""
+    if files:
+        # views of the mapped (copy-on-write) safetensors pages; load_state_dict copies them in
+        return {n: from_numpy(f.get(n)) for f in files for n in f.tensors}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own notes about the legacy format
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=container == "torch-zip")
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
+        text = _first_line(exc)
+        if "Weights only load failed" in str(exc):
+            text = ("it holds pickled Python objects besides tensors, which torch.load(weights_only=True) "
+                    "refuses (save model.state_dict() instead of the model)")
+        raise CheckpointError(f"cannot read {path} as a torch checkpoint: {text}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(state).__name__}, not a state dict "
+                              "(save model.state_dict())")
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"cannot read {path}: not a plain state dict; entries {bad[:6]} are not named "
+                              "tensors (a training checkpoint? save checkpoint['model'] or the model's "
+                              "state_dict() on its own)")
+    return state
+
+
+def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None = None
+              ) -> tuple[Entries, dict[str, str]]:
+    """(name -> (native shape, dtype name), string metadata) of a torch file, without a spec."""
+    if files:
+        from dense_bridge._dtypes import dtype_name
+
+        return ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()},
+                dict(files[0].metadata))
+    state = _state(path, container, None)
+    return {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, {}
+
+
+def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
+              check: Callable[[Entries, Entries], None]):
+    """``template`` (a torch model built for the file's spec) holding the file's tensors.
+
+    ``check(got, expected)`` compares the file's names/shapes/dtypes with the template's and
+    raises a CheckpointError listing every difference before anything is loaded.
+    """
+    if template is None:
+        raise CheckpointError(f"{path}: a torch state dict needs the model's structure (spec= or like=)")
+    state = _state(path, container, files)
+    expected = {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in template.state_dict().items()}
+    check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
+    try:
+        template.load_state_dict(state, strict=True)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot load {path} into the torch model: {_first_line(exc)}") from None
+    return template
+
+
+def _pending(state: Mapping[str, torch.Tensor]) -> dict[str, PendingTensor]:
+    """Each tensor turned into numpy only when written (a zero-copy view), one at a time."""
+    out = {}
+    for k, v in state.items():
+        probe = to_numpy(v.reshape(-1)[:0])  # dtype only: bf16 as ml_dtypes.bfloat16
+        out[k] = PendingTensor(probe.dtype, tuple(v.shape), (lambda t=v: to_numpy(t.contiguous())))
+    return out
+
+
+def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``model``'s state dict into ``temp``, the temporary the core renames to ``path``.
+
+    ``kind``: "torch-pickle" (``torch.save``, what ``.pt``/``.pth``/``.bin`` hold) or
+    "safetensors" (torch names and layout; ``metadata`` rides along, "format" = "pt").
+    """
+    if kind == "torch-pickle":
+        torch.save(model.state_dict(), temp)
+    elif kind == "safetensors":
+        meta = {"format": "pt", **(metadata or {})}
+        with open(temp, "wb") as f:
+            write_safetensors(f, _pending(model.state_dict()), meta)
+    else:
+        raise CheckpointError(f"cannot write {path}: torch writes .pt/.pth/.bin or .safetensors, not {kind!r}")
