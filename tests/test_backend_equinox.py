@@ -162,3 +162,25 @@ def test_walk_paths_follow_field_order():
     assert list(db.linear_layers(net)) == ["mlp.layers.0", "mlp.layers.1"]
     assert [(e.path, e.kind) for e in eqx_backend.walk(net)] == [
         ("embed", "other"), ("mlp.layers.0", "linear"), ("mlp.layers.1", "linear"), ("norm", "other")]
+
+
+def test_native_file_tree_serialise_leaves_round_trips_bit_exactly(tmp_path):
+    spec = db.Sequential([db.Dense(4, in_features=3, activation="relu", mask=db.wiring.banded(3, 4, 1)),
+                          db.Dense(2)])
+    model = db.compile(spec, "equinox", seed=3)
+    path = str(tmp_path / "m.eqx")
+    eqx_backend.write_file(model, path, "eqx", temp=path)
+    entries, _ = eqx_backend.file_info(path, "eqx")
+    assert entries["leaf.0"] == ((4, 3), "float32") and entries["leaf.2"] == ((4, 3), "bool")
+
+    def strict(got, expected):
+        if got != expected:
+            raise db.CheckpointError(f"differ: {got} vs {expected}")
+
+    loaded = eqx_backend.read_file(path, "eqx", db.compile(spec, "equinox", seed=99), check=strict)
+    assert _bits(db.get_params(loaded)) == _bits(db.get_params(model))
+    with pytest.raises(db.CheckpointError, match="differ"):
+        eqx_backend.read_file(path, "eqx", db.compile(db.Dense(2, in_features=3), "equinox"), check=strict)
+    (tmp_path / "bad.eqx").write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(db.CheckpointError, match="bad.eqx"):
+        eqx_backend.file_info(str(tmp_path / "bad.eqx"), "eqx")

@@ -215,3 +215,27 @@ def test_walk_paths_are_dotted_attributes_in_definition_order():
 def test_the_jax_adapters_share_byte_identical_array_and_activation_files():
     for name in ("_arrays.py", "_activations.py"):
         assert (BACKENDS / "flax" / name).read_bytes() == (BACKENDS / "equinox" / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------ native files
+@pytest.mark.parametrize("kind", ["msgpack", "orbax"])
+def test_native_files_msgpack_and_orbax_round_trip_bit_exactly(tmp_path, kind):
+    spec = db.Sequential([db.Dense(4, in_features=3, activation="relu", mask=db.wiring.banded(3, 4, 1)),
+                          db.Dense(2, dtype="float32")])
+    model = db.compile(spec, "flax", seed=3)
+    path = tmp_path / ("m.msgpack" if kind == "msgpack" else "ckpt")
+    flax_backend.write_file(model, str(path), kind, temp=str(path))
+    entries, _ = flax_backend.file_info(str(path), kind)
+    assert entries["layers.0.kernel"] == ((3, 4), "float32") and "layers.0.mask" in entries
+    fresh = db.compile(spec, "flax", seed=99)
+
+    def check(got, expected):
+        assert got == expected
+
+    loaded = flax_backend.read_file(str(path), kind, fresh, check=check)
+    assert _bits(db.get_params(loaded)) == _bits(db.get_params(model))
+    with pytest.raises(db.CheckpointError, match="differ|!="):
+        def strict(got, expected):
+            if got != expected:
+                raise db.CheckpointError("differ")
+        flax_backend.read_file(str(path), kind, db.compile(db.Dense(2, in_features=3), "flax"), check=strict)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import equinox as eqx
 
 from ._arrays import from_numpy, to_numpy
+from ._files import file_info, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
 from ._params import get_params, set_params
@@ -28,7 +29,7 @@ from ._to_spec import to_spec
 from ._trace import trace
 
 __all__ = ["DenseLinear", "Bilinear", "Flatten",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:
