@@ -30,7 +30,7 @@ FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "f
 #: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
 PENDING_VERBS: dict[tuple[str, str], str] = {
     # the JAX backends (issue 15) land after capture did (issue 13): they add their _capture.py
-    ("flax", "capture"): "issue 15", ("equinox", "capture"): "issue 15",
+    ("equinox", "capture"): "issue 15",
 }
 
 #: Core modules still allowed a framework import, each naming the issue that removes it.

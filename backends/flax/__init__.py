@@ -14,13 +14,15 @@ defaults (``gelu`` is the tanh approximation, ``leaky_relu`` slope 0.01) are pin
 ``_activations``. float64 needs ``jax_enable_x64`` (SpecError otherwise, ``_arrays``).
 
 The package, one job a module (the same files as every adapter): ``_arrays``, ``_activations``,
-``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp``), ``_models`` (``walk``).
+``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp``), ``_models`` (``walk``), ``_files`` (msgpack, Orbax),
+``_capture`` (per-call records inside a whole model, ``compare_models``).
 """
 from __future__ import annotations
 
 from flax import nnx
 
 from ._arrays import from_numpy, to_numpy
+from ._capture import capture
 from ._files import file_info, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile
 from ._models import walk
@@ -29,7 +31,7 @@ from ._to_spec import to_spec
 from ._trace import trace
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:

@@ -82,18 +82,22 @@ class DenseLinear(nnx.Linear):
             raise SpecError(f"x must have shape (*, in_features={self.in_features}). "
                             f"Received: x of shape {tuple(x.shape)}")
 
-    def __call__(self, x):
+    def _linear(self, x):
+        """x @ (kernel * mask) + bias, before the activation."""
         x = jnp.asarray(x)
         self._check_input(x)
         kernel = self.kernel[...]
         if self.masked:
             kernel = kernel * self.mask[...]
-        x = x.astype(kernel.dtype)
-        y = jnp.matmul(x, kernel)
-        if self.bias is not None:
-            y = y + self.bias[...]
+        y = jnp.matmul(x.astype(kernel.dtype), kernel)
+        return y if self.bias is None else y + self.bias[...]
+
+    def _activate(self, y):
         fn = activation_fn(self.activation)
         return y if fn is None else fn(y)
+
+    def __call__(self, x):
+        return self._activate(self._linear(x))
 
 
 class LazyDenseLinear(DenseLinear):
