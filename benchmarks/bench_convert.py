@@ -353,6 +353,21 @@ def _threaded_native_copy(src, perm=None, *, check_finite=False):
         return out, sum(counts)
 
 
+_BASELINE = {}
+
+
+def _load_baseline(rev: str):
+    """dense_bridge/_transfer.py as it was at git revision ``rev``, as a module of its own."""
+    import types
+
+    src = subprocess.run(["git", "show", f"{rev}:dense_bridge/_transfer.py"], capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    module = types.ModuleType(f"_transfer_{rev}")
+    exec(compile(src, f"{rev}:dense_bridge/_transfer.py", "exec"), module.__dict__)
+    _BASELINE[f"_transfer at {rev}"] = module
+    return f"_transfer at {rev}"
+
+
 def _variant(name: str):
     """A context manager patching dense_bridge._transfer / _params for one variant."""
     import contextlib
@@ -381,6 +396,8 @@ def _variant(name: str):
                     out, _ = fused(src, perm, check_finite=False)
                     return out, (_transfer.count_nonfinite(out) if check_finite else 0)
                 copy = separate
+            if name in _BASELINE:
+                copy = _BASELINE[name].native_copy
             if copy is not None:
                 _transfer.native_copy = copy
                 params_mod.native_copy = copy
@@ -396,13 +413,15 @@ VARIANTS = ("full", "all cores (threaded transpose)", "plain copy (np.copyto + n
             "no cache-blocked transpose", "check after copy (not fused)")
 
 
-def ablation(sources: dict, pairs, layers: int, width: int, repeats: int) -> tuple[list[list[str]], list[str]]:
+def ablation(sources: dict, pairs, layers: int, width: int, repeats: int,
+             baseline: str | None = None) -> tuple[list[list[str]], list[str]]:
     nbytes = param_bytes(layers, width)
-    rows, header = [], ["pair"] + list(VARIANTS)
+    variants = VARIANTS + ((_load_baseline(baseline),) if baseline else ())
+    rows, header = [], ["pair"] + list(variants)
     for src, dst in pairs:
         source = sources[src]
         fns = {}
-        for v in VARIANTS:
+        for v in variants:
             ctx = _variant(v)
 
             def fn(ctx=ctx):
@@ -417,7 +436,7 @@ def ablation(sources: dict, pairs, layers: int, width: int, repeats: int) -> tup
                 samples[k].append(timed(fn))
         full = statistics.median(samples["full"])
         cells = []
-        for v in VARIANTS:
+        for v in variants:
             med = statistics.median(samples[v])
             cells.append(f"{nbytes / med / 1e9:.2f}" + ("" if v == "full" else f" ({med / full - 1:+.0%})"))
         rows.append([f"{src} -> {dst}"] + cells)
@@ -466,6 +485,9 @@ def main(argv=None) -> int:
                         help="instead: db.convert with each piece of dense_bridge._transfer replaced by the plain "
                              "alternative, or with the transposes split over every core (GB/s; in brackets the variant's extra time "
                              "over 'full': + means the piece pays)")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="with --ablation: also time native_copy from dense_bridge/_transfer.py at this git "
+                             "revision (e.g. 9aaefc2, before issue 11), in the same run")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -484,7 +506,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     if args.ablation:
         sources = {src: build(src, args.layers, args.width) for src in {s for s, _ in pairs}}
-        rows, header = ablation(sources, pairs, args.layers, args.width, args.repeats)
+        rows, header = ablation(sources, pairs, args.layers, args.width, args.repeats, args.baseline_rev)
         load_after = os.getloadavg()
         text = table(rows, header)
         command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])

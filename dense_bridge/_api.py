@@ -33,14 +33,16 @@ def _check_spec(spec: object) -> None:
 
 
 def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping | None = None,
-            allow_nonfinite: bool = False):
+            allow_nonfinite: bool = False, parallel: Any = None, group: Any = None):
     """The framework's own layer or model for ``spec``.
 
     Dense -> torch.nn.Linear / keras.layers.Dense / mlx.nn.Linear (a thin subclass only when
     an activation or mask needs one); Sequential -> that framework's Sequential; "numpy" -> the
     reference layer. Initial parameters are drawn in numpy from ``seed`` (bit-identical on every
     backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
-    unless ``allow_nonfinite=True``).
+    unless ``allow_nonfinite=True``). ``parallel`` ("auto", or {position: "column" | "row"})
+    with ``group`` (the framework's mesh/group) compiles onto the framework's own tensor-parallel
+    machinery: dense_bridge/_parallel.py (plan), backends/<fw>/_parallel.py.
     """
     _check_spec(spec)
     _check_flag("allow_nonfinite", allow_nonfinite)
@@ -48,6 +50,9 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
+    if parallel is not None or group is not None:  # tensor parallelism (issue 16): dense_bridge/_parallel.py
+        from ._parallel import compile_parallel
+        return compile_parallel(backend, source, parallel, group)
     return build(backend, source)
 
 
@@ -88,18 +93,24 @@ def _with_hint(read: Any, hint: Any) -> Any:
     return read
 
 
-def get_params(native: Any, *, copy: bool = True) -> dict[str, np.ndarray]:
+def get_params(native: Any, *, copy: bool = True, local: bool = False) -> dict[str, np.ndarray]:
     """Canonical parameters of a native layer or model: kernel (in, units), bias (units,), mask.
 
     Sequential keys are prefixed with the layer position ("0.kernel"). bfloat16 stays bfloat16.
     With ``copy=True`` (the default) the arrays are snapshots the caller owns: training the
     model afterwards does not change them. ``copy=False`` returns the adapters' zero-copy,
     read-only views where the framework allows (torch, MLX): fast, but a torch view follows
-    the weights through ``opt.step()``.
+    the weights through ``opt.step()``. On a parallel model (compiled with ``parallel=``) the
+    call is collective and returns the full arrays on every rank; ``local=True`` returns this
+    rank's blocks as ``Shard(array, index)`` with ``full[index] == array`` (issue 16).
     """
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be True or False. {received('copy', copy)}")
     adapter = adapter_for(native)
+    _check_flag("local", local)
+    if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
+        from ._parallel import get_params_parallel  # collective on a parallel model (issue 16)
+        return get_params_parallel(adapter, native, local=local, copy=copy)
     try:
         params = adapter.get_params(native)
     except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet

@@ -352,15 +352,19 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
 
 
 def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None = None,
-         allow_nonfinite: bool = False) -> list[str]:
+         allow_nonfinite: bool = False, format: str | None = None) -> list[str]:
     """Save a native model, a (spec, params) tuple or a params dict as a canonical checkpoint.
 
     safetensors with the spec and layout in its metadata; bfloat16 kept bit for bit.
     ``max_shard_size`` (bytes, or "10MB"/"1GB") shards it hub-style with an index. Atomic: on
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
     A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
-    ``allow_nonfinite=True``).
+    ``allow_nonfinite=True``). A parallel model (every rank calls save with the same directory)
+    and ``format="dcp"`` go to dense_bridge/_parallel.py (issue 16).
     """
+    from ._parallel_io import PASS, save_hook
+    if (written := save_hook(obj, path, format)) is not PASS:
+        return written
     path = _path_arg(path)
     limit = parse_size(max_shard_size)
     check_writable(path)
@@ -726,7 +730,7 @@ def _open_once(path: str, spec, like, format):
 
 
 def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None,
-         allow_nonfinite: bool = False):
+         allow_nonfinite: bool = False, parallel=None, group=None):
     """A native model on ``backend`` from a checkpoint, or ``(spec, params)`` when backend is None.
 
     Reads canonical checkpoints (single or sharded), torch state dicts (.pt/.pth/.bin, read with
@@ -738,7 +742,10 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     differs from the spec's.
     """
     from ._registry import check_backend_name
+    from ._parallel_io import PASS, load_hook
 
+    if (loaded := load_hook(path, backend, spec, like, format, parallel, group)) is not PASS:
+        return loaded  # a sharded (parallel) or DCP directory, issue 16
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
     if backend is not None:

@@ -3,17 +3,16 @@
 Each captured layer's ``call`` is wrapped through an instance attribute (``Layer.__call__`` looks
 ``self.call`` up at every call, so nested, subclassed and functional models all go through it)
 and ALWAYS restored afterwards, also on error. The wrapper records what the layer's own ``call``
-received (after Keras' autocast to the compute dtype) and returned. One forward in inference mode
-(``training=False``: dropout is the identity), then one backward of L = sum(out * cotangent) with
-the Keras backend's own autograd, with respect to the captured layers' trainable variables and
-the recorded call outputs:
+received (after Keras' autocast to the compute dtype) and returned. Every Keras engine alike
+(TensorFlow, JAX, torch: the engine's own autograd through ``_engine.vjp``):
 
-- TensorFlow: ``tf.GradientTape`` (the wrapper watches each call output);
-- torch (``KERAS_BACKEND=torch``, Keras variables are torch parameters): ``torch.autograd.grad``
-  (not exercised by the tests until the adapter itself runs on Keras' torch backend, issue 14);
-- JAX: forward only for now (``grads=False``).
-
-Everything else speaks ``keras.ops``. See ``dense_bridge.testing._captures``.
+1. a plain forward pass in inference mode (``training=False``: dropout is the identity) records
+   each call's inputs and output, and the selected model output;
+2. one vjp of the model, under ``keras.StatelessScope`` mapping the captured layers' trainable
+   variables to the differentiated values, with a zero "probe" added to each call's output by the
+   wrapper: the gradient of a probe is dL/d(that call's output) (JAX has no gradient with respect
+   to an intermediate value; the probe gives one on every engine).
+See ``dense_bridge.testing._captures``.
 """
 from __future__ import annotations
 
@@ -26,10 +25,12 @@ import numpy as np
 from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
+from . import _engine
+
 
 def _np(x) -> np.ndarray:
-    """A numpy copy of a backend tensor (bfloat16 as ml_dtypes)."""
-    return np.array(keras.ops.convert_to_numpy(x), copy=True)
+    """A numpy copy of an engine tensor (bfloat16 as ml_dtypes)."""
+    return np.array(_engine.to_numpy(x), copy=True)
 
 
 def _is_float(x) -> bool:
@@ -54,7 +55,7 @@ def _takes_keywords(model, keys) -> bool:
 
 
 class _Wrapped:
-    """Records calls of one layer (on TensorFlow the tape watches each output).
+    """Records calls of one layer (plain pass) or adds a probe to its output (gradient pass).
 
     A layer with an activation inside (``Dense(activation=...)``, keras-hub's FFN) runs its
     linear map alone (its ``activation`` set to linear for the capture) and the wrapper applies
@@ -73,11 +74,16 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
-        xs = tuple(a for a in args if keras.ops.is_tensor(a) or hasattr(a, "shape"))
-        if self.state.get("tape") is not None:
-            self.state["tape"].watch(y)
-        self.log.append((self.path, self.count, xs, y))
-        self.count += 1
+        probes = self.state.get("probes")
+        if probes is not None:  # the gradient pass: y + 0, whose gradient is dL/dy
+            k = self.state["k"]
+            self.state["k"] = k + 1
+            if k < len(probes):
+                y = y + probes[k]
+        else:
+            xs = tuple(a for a in args if keras.ops.is_tensor(a) or hasattr(a, "shape"))
+            self.log.append((self.path, self.count, xs, y))
+            self.count += 1
         return y if self.activation is None else self.activation(y)
 
 
@@ -105,12 +111,6 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
     ``inputs``: a list of numpy arrays (positional) or a dict (keyword; a functional model gets
     the dict as its one input); floating arrays are cast to the model's compute dtype.
     """
-    backend = keras.backend.backend()
-    if grads and backend not in ("tensorflow", "torch"):
-        # JAX has no gradient with respect to an intermediate value: it would need a zero probe
-        # added to every call output under model.stateless_call (not built yet)
-        raise ConversionError(f"capture with grads=True supports Keras on TensorFlow and torch; this process "
-                              f"runs Keras on {backend!r}: pass grads=False to compare the forward pass")
     dtype = getattr(model, "compute_dtype", None) or "float32"
     if isinstance(inputs, dict):
         tensors = {k: _tensor(v, dtype) for k, v in inputs.items()}
@@ -136,10 +136,24 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
                            pre_activation=pre)
         trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
         variables = [v for vs in trainables.values() for v in vs]
-        if backend == "tensorflow":
-            out, g_out, g_vars = _backward_tf(forward, log, state, variables, cotangent)
-        else:
-            out, g_out, g_vars = _backward_torch(forward, log, variables, cotangent)
+        out = forward()
+        n = len(log)
+        cot = _engine.to_tensor(cotangent(tuple(out.shape)), keras.backend.standardize_dtype(out.dtype))
+        probes = [keras.ops.zeros_like(y) for _, _, _, y in log]
+
+        def fn(*primals):
+            values, state["probes"], state["k"] = primals[:len(variables)], primals[len(variables):], 0
+            try:
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    return select_output(model(*args, training=False, **kwargs), select, _is_float)
+            finally:
+                state["probes"] = None
+
+        _, got = _engine.vjp(fn, [v.value for v in variables] + probes, cot)
+        if state["k"] != n:
+            raise ConversionError(f"the model made {state['k']} captured calls in the gradient pass but {n} in "
+                                  f"the forward pass: its forward is not deterministic")
+        g_vars, g_out = got[:len(variables)], got[len(variables):]
         _unwrap(wrappers)  # get_params must see the layers as they are
         calls = [Call(p, n, tuple(_np(x) for x in xs), _np(y), None if g is None else _np(g))
                  for (p, n, xs, y), g in zip(log, g_out)]
@@ -166,35 +180,6 @@ def _unwrap(wrappers: list) -> None:
             del w.layer.call  # the class's own method shows again
         except AttributeError:
             w.layer.call = w.original
-
-
-def _backward_tf(forward, log, state, variables, cotangent):
-    import tensorflow as tf
-
-    with tf.GradientTape() as tape:
-        state["tape"] = tape
-        try:
-            out = forward()
-        finally:
-            state["tape"] = None
-    cot = keras.ops.convert_to_tensor(cotangent(tuple(out.shape)), dtype=out.dtype)
-    sources = [y for _, _, _, y in log] + [v.value for v in variables]
-    got = tape.gradient(out, sources, output_gradients=cot)
-    return out, got[:len(log)], got[len(log):]
-
-
-def _backward_torch(forward, log, variables, cotangent):
-    import torch
-
-    with torch.enable_grad():
-        out = forward()
-    cot = keras.ops.convert_to_tensor(cotangent(tuple(out.shape)), dtype=out.dtype)
-    ys = [y for _, _, _, y in log]
-    params = [v.value for v in variables]
-    sources = [t for t in ys + params if t.requires_grad]
-    got = torch.autograd.grad(out, sources, grad_outputs=cot, allow_unused=True) if out.requires_grad else []
-    by_id = {id(t): g for t, g in zip(sources, got)}
-    return out, [by_id.get(id(y)) for y in ys], [by_id.get(id(p)) for p in params]
 
 
 def load_model(path: str, *, trust_pickle: bool = False):

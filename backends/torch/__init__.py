@@ -69,3 +69,25 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
 for _obj in (ExactActivation, DenseLinear, LazyDense, _check_width):
     _obj.__module__ = __name__
 del _obj
+
+# Tensor parallelism (issue 16, backends/torch/_parallel.py): the verbs below dispatch a model
+# compiled with parallel= to the collective versions.
+from . import _parallel as _par  # noqa: E402
+from ._parallel import compile_parallel, parallel_state  # noqa: E402
+
+get_params_parallel = _par.get_params
+parallel_barrier = _par.barrier
+
+
+def _dispatching(plain, parallel):
+    def verb(native, *args, **kwargs):
+        return (parallel if _par.parallel_state(native) else plain)(native, *args, **kwargs)
+    verb.__name__, verb.__doc__ = plain.__name__, plain.__doc__
+    return verb
+
+
+get_params = _dispatching(get_params, _par.get_params)
+set_params = _dispatching(set_params, _par.set_params)
+to_spec = _dispatching(to_spec, _par.to_spec)
+from ._parallel import load_dcp, save_dcp  # noqa: E402
+trace = _dispatching(trace, _par.trace)

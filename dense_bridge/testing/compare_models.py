@@ -247,9 +247,10 @@ def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: 
 
 def _rounding(v: np.ndarray, terms: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
     """Allowed rounding of a sum v of k products whose absolute values sum to ``terms``: the
-    docs/FACTS.md formula plus eps_f32 * terms, which also covers a sum that cancels to about 0
-    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not)."""
-    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS["float32"] * terms
+    docs/FACTS.md formula plus eps * terms, which also covers a sum that cancels to about 0
+    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not).
+    eps is the compared dtype's: XLA (Keras on JAX) sums bfloat16 gradients in bfloat16."""
+    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS[dtype] * terms
 
 
 def _cast_term(x: np.ndarray, w: np.ndarray, x_dtype: str, w_dtype: str, c: float) -> np.ndarray | float:
@@ -546,6 +547,11 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
         if va is None and vb is None:
             continue
         q = f"dL/d{name}"
+        # a layer the backward pass does not reach: torch reports no gradient, Keras and MLX zeros
+        if va is None and not np.any(np.asarray(vb, dtype=np.float64)):
+            va = np.zeros(np.shape(vb))
+        if vb is None and not np.any(np.asarray(va, dtype=np.float64)):
+            vb = np.zeros(np.shape(va))
         if va is None or vb is None:
             side = "a" if va is None else "b"
             shape = tuple(np.shape(vb if va is None else va))

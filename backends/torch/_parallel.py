@@ -1,0 +1,361 @@
+"""Tensor parallelism on torch's own machinery: ``DeviceMesh`` + ``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel`` (DTensor). No communication of dense_bridge's own: every
+all-gather/reduce is DTensor's (``full_tensor``, ``redistribute``) or ``torch.distributed``'s.
+
+Layouts: torch weight (out, in) = canonical kernel.T, so a column layer (canonical kernel split
+along units, axis 1) is ``Shard(0)`` of the weight, a row layer (axis 0) ``Shard(1)``; the mask
+buffer is a DTensor with the weight's placement (sharded with its kernel, never replicated, so
+``weight * mask`` is a local product that holds through training); a row layer's bias is
+``Replicate()``. The plan itself (which layer gathers, which input is sharded) is
+``dense_bridge._parallel.resolve_plan``.
+
+Parameters are never materialised whole on a rank when they come from a file: each layer is
+built on the meta device and its DTensor parameters are made with ``DTensor.from_local`` from
+this rank's block (``block(position, name, index)``, canonical layout).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from dense_bridge._errors import DenseBridgeError, SpecError, received
+from dense_bridge._parallel import elementwise, LayerPlan, Shard as ShardView, params_plan, resolve_plan, shard_index, split_axis
+from dense_bridge._spec_memory import remember_spec, remembered_spec
+from dense_bridge.activations import Activation
+from dense_bridge.specs import Bilinear, Dense, Flatten, Sequential
+
+from ._activations import activation_module
+from ._arrays import TORCH_DTYPES, from_numpy, to_numpy
+from ._layers import DenseLinear
+
+_STATE = "_dense_bridge_parallel"
+
+
+def default_mesh() -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise DenseBridgeError("parallel= needs torch.distributed initialised on every rank "
+                               "(torchrun, or dist.init_process_group(...) in each process) or a DeviceMesh as group=")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _mesh(group: Any) -> DeviceMesh:
+    if group is None:
+        return default_mesh()
+    if not isinstance(group, DeviceMesh) or group.ndim != 1:
+        raise TypeError(f"group must be a 1-D torch DeviceMesh (or None for one over the world). {received('group', group)}")
+    return group
+
+
+class _Gathered(nn.Module):
+    """A whole-feature-axis activation (softmax) fused into a column layer: gather, then apply."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        if isinstance(x, DTensor):
+            x = x.redistribute(x.device_mesh, [Replicate()])
+        return self.act(x)
+
+
+def _dtensor(block: np.ndarray, mesh: DeviceMesh, placement, full_shape, transpose: bool) -> torch.Tensor:
+    t = from_numpy(block)
+    # torch's own memory in the (out, in) layout: one copy (the transposing one, or a clone)
+    t = t.t().contiguous() if transpose else t.clone()
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(t, mesh, [placement], run_check=False, shape=torch.Size(full_shape), stride=stride)
+
+
+class _Style:
+    """Mixin: partition a Linear from this rank's canonical blocks instead of a full tensor."""
+
+    def __init__(self, spec: Dense, block: Callable, **kw) -> None:
+        super().__init__(**kw)
+        self.spec, self.block = spec, block
+
+    def _partition_linear_fn(self, name, module, mesh):
+        style = "column" if isinstance(self, ColwiseParallel) else "row"
+        world, rank = mesh.size(), mesh.get_local_rank()
+        units, fan_in = self.spec.units, self.spec.in_features
+        for key in ("kernel", "bias", "mask"):
+            tensor = getattr(module, "weight" if key == "kernel" else key, None)
+            if tensor is None:
+                continue
+            canon = (fan_in, units) if key != "bias" else (units,)
+            idx = shard_index(style, key, canon, rank, world)
+            axis = split_axis(style, key)
+            place = Replicate() if axis is None else Shard(axis if key == "bias" else 1 - axis)
+            full = (units, fan_in) if key != "bias" else (units,)
+            d = _dtensor(self.block(key, idx), mesh, place, full, transpose=key != "bias")
+            if key == "mask":
+                module.register_buffer("mask", d)
+            else:
+                module.register_parameter("weight" if key == "kernel" else "bias", nn.Parameter(d))
+
+
+class _Column(_Style, ColwiseParallel):
+    pass
+
+
+class _Row(_Style, RowwiseParallel):
+    pass
+
+
+def _meta_dense(spec: Dense) -> nn.Module:
+    dtype = TORCH_DTYPES[spec.dtype]
+    act = None if spec.activation.name == "linear" else activation_module(spec.activation)
+    if act is None and spec.mask is None:
+        return nn.Linear(spec.in_features, spec.units, spec.use_bias, device="meta", dtype=dtype)
+    mask = None if spec.mask is None else torch.empty((spec.units, spec.in_features), device="meta", dtype=dtype)
+    return DenseLinear(spec.in_features, spec.units, spec.use_bias, activation=act, mask=mask, device="meta", dtype=dtype)
+
+
+def compile_parallel(spec, block: Callable, parallel: Any, group: Any) -> nn.Module:
+    """The parallelised torch module for ``spec``; ``block(position, name, index)`` gives this
+    rank's canonical block of each parameter (index: a tuple of slices)."""
+    mesh = _mesh(group)
+    layers = spec.layers if isinstance(spec, Sequential) else (spec,)
+    if any(isinstance(l, Bilinear) for l in layers):
+        raise SpecError(f"parallel= shards Dense layers; Bilinear is not supported. Received: {spec!r}")
+    plan = resolve_plan(spec, parallel, mesh.size())
+    modules, styles = [], {}
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Dense):
+            # parameterless: Identity/Flatten/Activation, as the plain compile makes them
+            m = activation_module(layer) if isinstance(layer, Activation) else \
+                nn.Flatten() if isinstance(layer, Flatten) else nn.Identity()
+            remember_spec(m, layer)
+            modules.append(m)
+            continue
+        if layer.lazy:
+            raise SpecError(f"a parallel model needs every in_features: layer {i} is lazy. Received: {layer!r}")
+        m = _meta_dense(layer)
+        p = plan.get(i)
+        get = (lambda key, idx, i=i: block(i, key, idx))
+        if p is None:  # replicated: plain tensors
+            shapes = layer.param_shapes()
+            full = {k: get(k, tuple(slice(0, n) for n in s)) for k, s in shapes.items()}
+            m.weight = nn.Parameter(from_numpy(np.ascontiguousarray(full["kernel"].T)).clone())
+            if "bias" in full:
+                m.bias = nn.Parameter(from_numpy(full["bias"]).clone())
+            if "mask" in full:
+                m.mask = from_numpy(np.ascontiguousarray(full["mask"].T)).clone()
+        elif p.style == "column":
+            if p.gather_output and getattr(m, "activation", None) is not None and layer.activation.name in ("softmax", "log_softmax"):
+                m.activation = _Gathered(m.activation)
+            styles[str(i)] = _Column(layer, get, output_layouts=Replicate() if p.gather_output else Shard(-1))
+        else:
+            styles[str(i)] = _Row(layer, get, input_layouts=Shard(-1) if p.input_sharded else Replicate())
+        remember_spec(m, layer)
+        modules.append(m)
+    model = nn.Sequential(*modules) if isinstance(spec, Sequential) else modules[0]
+    if isinstance(spec, Sequential):
+        parallelize_module(model, mesh, styles)
+    elif styles:
+        parallelize_module(model, mesh, styles["0"])
+    model.__dict__[_STATE] = {"plan": plan, "mesh": mesh}
+    remember_spec(model, spec)
+    return model
+
+
+# ------------------------------------------------------------------ verbs on a parallel model
+def parallel_state(native: Any) -> dict | None:
+    """{"plan", "mesh", "rank", "world_size"} of a parallel model, None for any other object."""
+    state = getattr(native, "__dict__", {}).get(_STATE)
+    if state is None:
+        return None
+    mesh = state["mesh"]
+    return {**state, "rank": mesh.get_local_rank(), "world_size": mesh.size()}
+
+
+def _tensors(native: nn.Module):
+    """(canonical key, tensor, transposed?) of every parameter and mask."""
+    spec = remembered_spec(native)
+    seq = isinstance(spec, Sequential)
+    modules = list(native) if seq else [native]
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Linear):
+            continue
+        prefix = f"{i}." if seq else ""
+        yield prefix + "kernel", m.weight, True
+        if m.bias is not None:
+            yield prefix + "bias", m.bias, False
+        if getattr(m, "mask", None) is not None:
+            yield prefix + "mask", m.mask, True
+
+
+def _np(t: torch.Tensor, transposed: bool) -> np.ndarray:
+    a = to_numpy(t)
+    return a.T if transposed else a
+
+
+def get_params(native: nn.Module, local: bool = False) -> dict:
+    """Full canonical params on every rank (DTensor all-gathers: collective), or with ``local``
+    this rank's blocks as :class:`dense_bridge._parallel.Shard` (array, index into the full)."""
+    out = {}
+    for key, t, tr in _tensors(native):
+        if not isinstance(t, DTensor):
+            a = _np(t, tr)
+            out[key] = ShardView(a, tuple(slice(0, n) for n in a.shape)) if local else a
+            continue
+        if not local:
+            out[key] = _np(t.full_tensor(), tr)
+            continue
+        a = _np(t.to_local(), tr)
+        out[key] = ShardView(a, _local_index(t, tr))
+    return out
+
+
+def _local_index(t: DTensor, transposed: bool) -> tuple:
+    """Where this rank's local block sits in the full canonical tensor."""
+    shape = list(t.shape)
+    index = [slice(0, n) for n in shape]
+    for p in t.placements:
+        if isinstance(p, Shard):
+            step = shape[p.dim] // t.device_mesh.size()
+            r = t.device_mesh.get_local_rank()
+            index[p.dim] = slice(r * step, (r + 1) * step)
+    return tuple(reversed(index)) if transposed else tuple(index)
+
+
+def set_params(native: nn.Module, params: dict) -> None:
+    """Scatter full canonical params by declaration: each rank copies its own block (no comm)."""
+    touched = set()
+    with torch.no_grad():
+        for key, t, tr in _tensors(native):
+            if key not in params:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            idx = _local_index(t, tr) if isinstance(t, DTensor) else tuple(slice(None) for _ in t.shape)
+            src = from_numpy(np.asarray(params[key])[idx])
+            local.copy_(src.t() if tr else src)
+            touched.add(key.rsplit(".", 1)[0] if "." in key else "")
+        spec = remembered_spec(native)
+        modules = list(native) if isinstance(spec, Sequential) else [native]
+        for i, m in enumerate(modules):
+            mask = getattr(m, "mask", None)
+            if mask is not None:
+                w = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
+                w.mul_(mask.to_local() if isinstance(mask, DTensor) else mask)
+
+
+def to_spec(native: nn.Module):
+    return remembered_spec(native)
+
+
+def barrier(native: nn.Module) -> None:
+    state = native.__dict__[_STATE]
+    dist.barrier(group=state["mesh"].get_group())
+
+
+def full_grads(native: nn.Module) -> dict[str, np.ndarray]:
+    """Canonical gradients (full, every rank) after a backward pass: DTensor all-gathers."""
+    out = {}
+    for key, t, tr in _tensors(native):
+        if key.endswith("mask") or t.grad is None:
+            continue
+        g = t.grad
+        out[key] = _np(g.full_tensor() if isinstance(g, DTensor) else g, tr)
+    return out
+
+
+# ------------------------------------------------------------------ DCP (a native format)
+def save_dcp(native: nn.Module, path: str, spec_json: str) -> list[str]:
+    """``torch.distributed.checkpoint.save`` of the state dict (collective on a parallel model:
+    each rank writes its own DTensor shards); rank 0 adds the spec as dense_bridge_spec.json."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from dense_bridge._parallel import atomic_write
+    from dense_bridge._parallel_io import DCP_SPEC
+
+    dcp.save(native.state_dict(), checkpoint_id=path)
+    state = parallel_state(native)
+    if state is None or state["rank"] == 0:
+        atomic_write(os.path.join(path, DCP_SPEC), lambda p: open(p, "w").write(spec_json))
+    if state is not None:
+        barrier(native)
+    return sorted(os.path.join(path, f) for f in os.listdir(path))
+
+
+def load_dcp(native: nn.Module, path: str) -> None:
+    """Fill ``native`` (parallel or not) from a DCP directory saved at any world size: DCP reads
+    each rank's slices itself."""
+    import torch.distributed.checkpoint as dcp
+
+    from dense_bridge._errors import CheckpointError
+
+    state = native.state_dict()
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP raises CheckpointException/RuntimeError for missing or mis-shaped keys
+        raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model ({type(exc).__name__}: "
+                              f"{str(exc)[:500]})") from None
+    native.load_state_dict(state) if parallel_state(native) is None else None
+
+
+# ------------------------------------------------------------------ trace (db.testing.compare)
+def trace(native: nn.Module, inputs, grad_out):
+    """The ``trace`` verb on a parallel model (collective): every layer's output, input gradient
+    and canonical parameter gradients, gathered whole (DTensor all-gathers) on every rank, so
+    ``db.testing.compare`` can hold a parallel model against a single-process one."""
+    from dense_bridge._trace import LayerTrace, Trace
+
+    state = native.__dict__[_STATE]
+    plan, mesh = state["plan"], state["mesh"]
+    spec = remembered_spec(native)
+    seq = isinstance(spec, Sequential)
+    layers = spec.layers if seq else (spec,)
+    modules = list(native) if seq else [native]
+    first = next(l for l in layers if isinstance(l, Dense))
+    dtype = TORCH_DTYPES[first.dtype]
+    x = from_numpy(np.asarray(inputs[0])).to(dtype).clone().requires_grad_(True)
+
+    def whole(t, sharded):
+        t = t.detach()
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+        return DTensor.from_local(t, mesh, [Shard(t.dim() - 1)], run_check=False).full_tensor() if sharded else t
+
+    record, cur, sharded = [], x, False
+    with torch.enable_grad():
+        for i, (layer, m) in enumerate(zip(layers, modules)):
+            p = plan.get(i)
+            y = m(cur) if isinstance(m, nn.Linear) else m(cur.clone())
+            in_sharded = sharded
+            if p is not None and p.style == "column":
+                sharded = not p.gather_output
+            elif isinstance(layer, Dense) or not elementwise(layer):
+                sharded = False
+            params = []
+            if isinstance(m, nn.Linear):
+                params = [("kernel", m.weight, True)] + ([("bias", m.bias, False)] if m.bias is not None else [])
+            record.append((cur, in_sharded, y, sharded, params))
+            cur = y
+        g = from_numpy(np.asarray(grad_out)).to(cur.dtype)
+        if tuple(g.shape) != tuple(cur.shape):
+            raise SpecError(f"grad_out must have the output's shape {tuple(cur.shape)}. "
+                            f"Received: grad_out of shape {tuple(g.shape)}")
+        wrt = [r[0] for r in record] + [t for r in record for _, t, _ in r[4]]
+        grads = list(torch.autograd.grad(cur, wrt, grad_outputs=g, allow_unused=True))
+    dxs, pgs = grads[:len(record)], iter(grads[len(record):])
+    out = []
+    for (xin, in_sh, y, y_sh, params), dx in zip(record, dxs):
+        dx = torch.zeros_like(xin) if dx is None else dx
+        pg = {}
+        for name, t, tr in params:
+            gt = next(pgs)
+            gt = whole(torch.zeros_like(t) if gt is None else gt, False)
+            pg[name] = to_numpy(gt.t() if tr else gt)
+        out.append(LayerTrace(to_numpy(whole(y, y_sh)), (to_numpy(whole(dx, in_sh)),), pg))
+    return Trace(out)
