@@ -16,6 +16,15 @@ Streaming means: canonical -> canonical holds about one tensor; canonical -> a f
 the output model plus about one tensor (the source is mapped one tensor at a time).
 
     python benchmarks/bench_checkpoint.py [--layers 8] [--width 1024] [--shard-size 5MB] [--dtype float32]
+
+Memory slope (issue 10): ``--slope W1,W2`` measures, for native conversions (``.pt -> keras``,
+``.weights.h5 -> torch``, canonical -> torch/keras) and ``dense-bridge check``, the peak RSS over
+start (VmHWM reset before the job) at two sizes of the same model (--layers x Dense(W x W)),
+each in a fresh process with the frameworks imported and warmed up, and reports the growth per
+checkpoint byte between them: the frameworks' fixed costs cancel. Targets: <= 1.3 for every
+conversion, <= 1.5 for check.
+
+    python benchmarks/bench_checkpoint.py --slope 1024,2048 --layers 8
 """
 from __future__ import annotations
 
@@ -119,11 +128,24 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated subset of: " + ", ".join(TARGETS))
     p.add_argument("--json", action="store_true")
+    p.add_argument("--slope", metavar="W1,W2",
+                   help="memory slope mode (issue 10): peak RSS per checkpoint byte of native conversions and "
+                        "check, between --layers x Dense(W1) and --layers x Dense(W2)")
+    p.add_argument("--slope-cases", default=",".join(SLOPE_CASES),
+                   help="comma-separated subset of: " + ", ".join(SLOPE_CASES))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.worker == "slope-make":
+        print(slope_make(args.workdir, args.layers, args.width))
+        return 0
+    if args.worker and args.worker.startswith("slope:"):
+        print(json.dumps(slope_worker(args.worker[len("slope:"):], args.workdir)))
+        return 0
+    if args.slope:
+        return slope_main(args)
     if args.worker == "make":
         import dense_bridge as db
 
@@ -179,6 +201,122 @@ def main(argv=None) -> int:
               "'output held': numpy params returned by db.load)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+# ============================================================================ memory slope (issue 10)
+SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
+    ".pt -> keras": ("t.pt", "convert keras", ("torch", "keras"), 1.3),
+    ".weights.h5 -> torch": ("k.weights.h5", "convert torch", ("torch", "keras"), 1.3),
+    "canonical -> torch": ("c.safetensors", "convert torch", ("torch",), 1.3),
+    "canonical -> keras": ("c.safetensors", "convert keras", ("keras",), 1.3),
+    "check .pt vs .weights.h5": ("t.pt", "check k.weights.h5", ("torch", "keras"), 1.5),
+}
+
+
+def slope_make(workdir: str, layers: int, width: int) -> int:
+    """The same model as canonical, torch .pt and Keras .weights.h5 files in ``workdir``; its bytes."""
+    import dense_bridge as db
+    from dense_bridge import checkpoint
+    from dense_bridge._registry import available_backends
+
+    spec = db.Sequential([db.Dense(width, in_features=width, kernel_init="normal") for _ in range(layers)])
+    src = os.path.join(workdir, "c.safetensors")
+    db.save(db.compile(spec, "numpy", seed=0), src)
+    for to, name in (("torch", "t.pt"), ("keras", "k.weights.h5")):
+        if to in available_backends():
+            checkpoint.convert_file(src, to, os.path.join(workdir, name))
+    return layers * (width * width + width) * 4
+
+
+def slope_worker(case: str, workdir: str) -> dict:
+    """Peak RSS over start of one case in this fresh process, frameworks imported and warmed up."""
+    import contextlib
+    import gc
+    import io
+
+    from dense_bridge import cli
+    from dense_bridge._registry import get_adapter
+
+    src, job, needs, _ = SLOPE_CASES[case]
+    if "keras" in needs:
+        cli.import_keras_quietly()
+    for fw in needs:
+        get_adapter(fw)
+    warm = os.path.join(workdir, "warm")
+    os.makedirs(warm, exist_ok=True)
+    slope_make(warm, 2, 4)  # first-call costs of every path, on a tiny model
+    verb, arg = job.split()
+
+    def run(d: str) -> None:
+        spec = os.path.join(d, "c.safetensors")  # .pt and .weights.h5 from elsewhere carry no spec
+        with contextlib.redirect_stdout(io.StringIO()):
+            if verb == "convert":
+                out = os.path.join(d, "out." + {"torch": "pt", "keras": "weights.h5"}[arg])
+                code = cli.main(["convert", os.path.join(d, src), "--to", arg, "-o", out, "--no-progress", "--spec", spec])
+            else:
+                code = cli.main(["check", os.path.join(d, src), os.path.join(d, arg), "--spec", spec])
+        if code not in (0, 1):
+            raise SystemExit(f"{case}: exit {code}")
+
+    run(warm)
+    gc.collect()
+    rss0 = status_bytes("VmRSS")
+    if not reset_peak():
+        raise SystemExit("the peak-RSS mark cannot be reset here (/proc/self/clear_refs)")
+    t = time.perf_counter()
+    run(workdir)
+    return {"case": case, "seconds": time.perf_counter() - t, "peak_over_start": status_bytes("VmHWM") - rss0}
+
+
+def slope_main(args) -> int:
+    """Peak-RSS growth per checkpoint byte between two sizes of the same model (imports cancel)."""
+    from dense_bridge._registry import available_backends
+
+    available = set(available_backends())
+    widths = [int(w) for w in args.slope.split(",")]
+    rows = {}
+    root = tempfile.mkdtemp(prefix="bench-slope-")
+    try:
+        sizes = []
+        for w in widths:
+            d = os.path.join(root, f"w{w}")
+            os.makedirs(d)
+            made = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "slope-make", "--workdir",
+                                   d, "--layers", str(args.layers), "--width", str(w)],
+                                  capture_output=True, text=True)
+            if made.returncode:
+                raise SystemExit(made.stderr)
+            sizes.append((d, int(made.stdout.split()[-1])))
+        for case, (_, _, needs, target) in SLOPE_CASES.items():
+            if case not in [c.strip() for c in args.slope_cases.split(",")] or not set(needs) <= available:
+                continue
+            peaks = []
+            for d, nbytes in sizes:
+                run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "slope:" + case,
+                                      "--workdir", d], capture_output=True, text=True)
+                if run.returncode:
+                    raise SystemExit(f"{case} failed:\n{run.stderr[-3000:]}")
+                peaks.append((nbytes, json.loads(run.stdout.strip().splitlines()[-1])))
+            (b0, r0), (b1, r1) = peaks[0], peaks[-1]
+            rows[case] = {"bytes": [b0, b1], "peak_over_start": [r0["peak_over_start"], r1["peak_over_start"]],
+                          "seconds": [r0["seconds"], r1["seconds"]],
+                          "slope": (r1["peak_over_start"] - r0["peak_over_start"]) / (b1 - b0), "target": target}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    mb = 1e6
+    header = f"{'case':<26} {'sizes MB':>15} {'peak RSS - start MB':>22} {'time s':>13} {'slope':>6} {'target':>7}"
+    print(header)
+    print("-" * len(header))
+    for case, r in rows.items():
+        print(f"{case:<26} {r['bytes'][0] / mb:>7.1f},{r['bytes'][1] / mb:>7.1f} "
+              f"{r['peak_over_start'][0] / mb:>10.1f},{r['peak_over_start'][1] / mb:>11.1f} "
+              f"{r['seconds'][0]:>6.2f},{r['seconds'][1]:>6.2f} {r['slope']:>6.2f} {'<= ' + str(r['target']):>7}")
+    print(f"({args.layers} x Dense(w x w) float32 for w in {widths}; slope = growth of (peak RSS - start) per "
+          "checkpoint byte between the two sizes, so the frameworks' own import and warm-up cost cancels)")
     return 0
 
 

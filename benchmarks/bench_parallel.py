@@ -9,6 +9,8 @@ world size (median over the timed steps, rank 0; ranks agree within noise):
 - local compute: the same step on this rank's shard shapes with plain ``nn.Linear`` modules in
   one process (no DTensor, no communication): what the step would cost with free communication;
 - comm share: 1 - local compute / step (communication plus DTensor bookkeeping);
+- rank CPU: rank 0's process CPU time per step (all its threads, gloo's included): the work one
+  rank does, which is what shrinks with N even when a loaded machine starves the wall clock;
 - speedup: step(1) / step(N); ideal-scaling ratio: speedup / N.
 
 The machine has 2 cores: 4 processes share 2 cores, so their ideal is a speedup of 2, not 4
@@ -41,21 +43,24 @@ def spec(width: int) -> db.Sequential:
     return db.Sequential([db.Dense(width, in_features=width)] + [db.Dense(width) for _ in range(3)])
 
 
-def _time_steps(model, x, steps: int, sync=lambda: None) -> list[float]:
+def _time_steps(model, x, steps: int, sync=lambda: None, cpu: list | None = None) -> list[float]:
     params = list(model.parameters())
     times = []
     for i in range(steps + 1):  # the first step warms up
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for p in params:
             p.grad = None
         model(x).square().sum().backward()
         with torch.no_grad():
             for p in params:
                 p.add_(p.grad, alpha=-1e-6)
+        c1 = time.process_time()
         sync()
         if i:
             times.append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.append(c1 - c0)
     return times
 
 
@@ -69,20 +74,22 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((args.batch, args.width)).astype(np.float32))
+    cpu: list[float] = []
     if world == 1:
         model = db.compile(spec(args.width), "torch", seed=0)
-        step = _time_steps(model, x, args.steps)
+        step = _time_steps(model, x, args.steps, cpu=cpu)
         local = step
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = db.compile(spec(args.width), "torch", seed=0, parallel="auto")
-        step = _time_steps(model, x, args.steps, sync=dist.barrier)
+        step = _time_steps(model, x, args.steps, sync=dist.barrier, cpu=cpu)
         del model
         local = _time_steps(_local_model(args.width, world), x, args.steps, sync=dist.barrier)
         dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step": statistics.median(step), "local": statistics.median(local)}, f)
+            json.dump({"step": statistics.median(step), "local": statistics.median(local),
+                       "cpu": statistics.median(cpu)}, f)
 
 
 def _port() -> int:
@@ -114,13 +121,13 @@ def main() -> None:
              f"4 x Dense({args.width}), batch {args.batch}, float32, one intra-op thread per process, "
              f"{os.cpu_count()} cores (4 processes share 2 cores: their ideal speedup here is 2). "
              f"Load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the machine was shared: noisy).",
-             "", "| processes | step (s) | local compute (s) | comm share | speedup | speedup / N | speedup / min(N, cores) |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| processes | step (s) | local compute (s) | comm share | rank CPU (s) | speedup | speedup / N | speedup / min(N, cores) |",
+             "|---|---|---|---|---|---|---|---|"]
     cores = os.cpu_count() or 1
     for world, r in rows.items():
         speed = base / r["step"] if base else float("nan")
         share = max(0.0, 1 - r["local"] / r["step"]) if world > 1 else 0.0
-        lines.append(f"| {world} | {r['step']:.3f} | {r['local']:.3f} | {share:.0%} | {speed:.2f} | "
+        lines.append(f"| {world} | {r['step']:.3f} | {r['local']:.3f} | {share:.0%} | {r['cpu']:.3f} | {speed:.2f} | "
                      f"{speed / world:.2f} | {speed / min(world, cores):.2f} |")
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -203,14 +203,17 @@ class NativeCheckpoint:
         return total
 
     # -- template: the framework object the file is loaded into
-    def template(self):
-        """The file loaded into a native model of its own framework (cached)."""
+    def template(self, borrow: bool = False):
+        """The file loaded into a native model of its own framework (cached). ``borrow``: the
+        model is only read from and dropped (a conversion), so the adapter may leave its tensors
+        in the file's mapping (torch zip files) instead of copying them."""
         if self._template is None:
             adapter = self._adapter()
             model = None
             if self.container != "keras-model":
                 model = self._new_template()
-            self._template = adapter.read_file(self.path, self.container, model, files=self.files, check=self._check)
+            self._template = adapter.read_file(self.path, self.container, model, files=self.files, check=self._check,
+                                               borrow=borrow)
         return self._template
 
     def _new_template(self):
@@ -262,26 +265,115 @@ class NativeCheckpoint:
 
     def native(self, backend: str, progress=None, allow_nonfinite: bool = False):
         """A native model on ``backend`` holding the file's parameters (NaN/Inf refused unless
-        ``allow_nonfinite``: the one rule of load, set_params, compile and convert)."""
+        ``allow_nonfinite``: the one rule of load, set_params, compile and convert).
+
+        To another backend the parameters stream layer by layer (``ParamSource(stream=)``, the
+        path canonical checkpoints take): each layer is validated when the target asks for it,
+        and the file pages behind the layer read before it are released (:func:`release_file_pages`),
+        so a file the adapter left mapped (torch zip) is never resident whole beside the target.
+        """
         from . import _api
         from ._params import ParamSource
 
-        model = self.template()
         if backend == self.framework:
+            model = self.template()
             if not allow_nonfinite:
                 check_finite_params(_api.get_params(model, copy=False), self.path)
             if progress is not None:
                 progress(1, 1)
             return model
-        params = _api.get_params(model, copy=False)
+        views = _api.get_params(self.template(borrow=True), copy=False)
+        self._need_spec()
+        stream = _ViewStream(self.spec, views, allow_nonfinite)
         try:
-            out = _api.build(backend, ParamSource(self.spec, params=params, defer_finite_check=True,
-                                                    allow_nonfinite=allow_nonfinite))
+            out = _api.build(backend, ParamSource(self.spec, stream=stream))
         except ConversionError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
+        finally:
+            stream.release()
         if progress is not None:
             progress(1, 1)
         return out
+
+
+class _ViewStream:
+    """Canonical views of a loaded template handed out layer by layer (a ParamSource stream)."""
+
+    def __init__(self, spec, views: dict, allow_nonfinite: bool) -> None:
+        from .specs import Sequential
+
+        self._views, self._allow_nonfinite = views, allow_nonfinite
+        self._sequential = isinstance(spec, Sequential)
+        self._read: list[np.ndarray] = []
+
+    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
+        from ._params import check_masks_match, validate_params
+        from .specs import layer_param_shapes
+
+        self.release()  # the target holds its own copy of the layers before this one by now
+        prefix = f"{index}." if self._sequential else ""
+        raw = {k: self._views[prefix + k] for k in layer_param_shapes(layer) if prefix + k in self._views}
+        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
+                                  allow_nonfinite=self._allow_nonfinite)
+        check_masks_match(layer, checked, prefix=prefix or "0.")
+        self._read.extend(raw.values())
+        return checked
+
+    def release(self) -> None:
+        release_file_pages(self._read)
+        self._read.clear()
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def release_file_pages(arrays) -> int:
+    """Drop the resident pages behind ``arrays`` where they lie in a private FILE mapping (Linux).
+
+    Clean pages of a private file mapping are a cache of the file: ``madvise(MADV_DONTNEED)``
+    frees them and a later read faults them back in from the file, so the arrays' values never
+    change; this only lowers resident memory. Anonymous memory (whose pages that call would
+    zero) and shared mappings are never touched: each page range is checked against
+    /proc/self/maps first. Returns the bytes released (0 off Linux).
+    """
+    import sys
+
+    if not sys.platform.startswith("linux") or not arrays:
+        return 0
+    import ctypes
+    import mmap
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = [line.split(maxsplit=5) for line in f]
+    except OSError:
+        return 0
+    files = []
+    for parts in maps:
+        if len(parts) == 6 and parts[5].startswith("/") and parts[1][3] == "p":
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            files.append((lo, hi))
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    released = 0
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.size == 0:
+            continue
+        lo, hi = _byte_bounds(a)
+        start, end = -(-lo // page) * page, (hi // page) * page  # whole pages inside the array only
+        if end <= start or not any(flo <= start and end <= fhi for flo, fhi in files):
+            continue
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
+            released += end - start
+    return released
+
+
+def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
+    try:
+        from numpy.lib.array_utils import byte_bounds  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        byte_bounds = np.byte_bounds
+    return byte_bounds(a)
 
 
 # ============================================================================ writing

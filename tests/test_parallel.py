@@ -127,6 +127,14 @@ def _stage_two(rank, world, port, d):
     _init(rank, world, port)
     spec = mlp()
     model, _ = _check_model(spec, rank, world)
+    # an explicit group and an explicit plan with a replicated layer (position 1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    other = db.compile(spec, "torch", seed=0, parallel={0: "column", 2: "column", 3: "row"}, group=mesh)
+    assert type(other[1].weight).__name__ == "Parameter" and type(other[0].weight).__name__ == "DTensor"
+    report = db.testing.compare(other, db.compile(spec, "torch", seed=0), seed=3)
+    assert report.passed, str(report)
     db.save(model, os.path.join(d, "tp2"))
     db.save(model, os.path.join(d, "dcp2"), format="dcp")
     dist.destroy_process_group()

@@ -184,10 +184,10 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
-              check: Callable[[Entries, Entries], None]):
+              check: Callable[[Entries, Entries], None], borrow: bool = False):
     """A Keras model holding the file's weights: ``template`` (built for the spec) filled from a
     ``.weights.h5`` (``check(got, expected)`` lists every difference first), or the model a
-    ``.keras`` file carries (``template`` None)."""
+    ``.keras`` file carries (``template`` None). ``borrow`` changes nothing here (TF copies)."""
     if container == "keras-model":
         return _load_model(path)
     if template is None:

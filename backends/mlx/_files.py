@@ -66,9 +66,10 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
-              check: Callable[[Entries, Entries], None]):
+              check: Callable[[Entries, Entries], None], borrow: bool = False):
     """``template`` (an MLX model built for the file's spec) holding the file's arrays;
-    ``check(got, expected)`` raises a CheckpointError listing every difference first."""
+    ``check(got, expected)`` raises a CheckpointError listing every difference first. ``borrow``
+    (the caller only reads the parameters out) changes nothing here: the arrays are copied."""
     if template is None:
         raise CheckpointError(f"{path}: MLX weights need the model's structure (spec= or like=)")
     state = _state(path, files)

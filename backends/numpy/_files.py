@@ -15,7 +15,8 @@ def file_info(path: str, container: str, *, files: Any = None) -> tuple[dict, di
     raise CheckpointError(f"cannot read {path} as a numpy file: {_WHY}")
 
 
-def read_file(path: str, container: str, template: Any, *, files: Any = None, check: Any = None) -> Any:
+def read_file(path: str, container: str, template: Any, *, files: Any = None, check: Any = None,
+              borrow: bool = False) -> Any:
     raise CheckpointError(f"cannot read {path} as a numpy file: {_WHY}")
 
 

@@ -70,11 +70,14 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
-              check: Callable[[Entries, Entries], None]):
+              check: Callable[[Entries, Entries], None], borrow: bool = False):
     """``template`` (a torch model built for the file's spec) holding the file's tensors.
 
     ``check(got, expected)`` compares the file's names/shapes/dtypes with the template's and
-    raises a CheckpointError listing every difference before anything is loaded.
+    raises a CheckpointError listing every difference before anything is loaded. ``borrow``:
+    the caller only reads the parameters out and drops the model, so a zip file's tensors are
+    assigned as they are (``assign=True``: they stay in the file's private mapping, no copy), and
+    the caller may release those pages layer by layer after reading them.
     """
     if template is None:
         raise CheckpointError(f"{path}: a torch state dict needs the model's structure (spec= or like=)")
@@ -82,7 +85,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     expected = {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in template.state_dict().items()}
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
     try:
-        template.load_state_dict(state, strict=True)
+        template.load_state_dict(state, strict=True, assign=borrow and container == "torch-zip")
     except (RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot load {path} into the torch model: {_first_line(exc)}") from None
     return template

@@ -247,9 +247,10 @@ def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: 
 
 def _rounding(v: np.ndarray, terms: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
     """Allowed rounding of a sum v of k products whose absolute values sum to ``terms``: the
-    docs/FACTS.md formula plus eps_f32 * terms, which also covers a sum that cancels to about 0
-    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not)."""
-    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS["float32"] * terms
+    docs/FACTS.md formula plus eps * terms, which also covers a sum that cancels to about 0
+    (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not).
+    eps is the compared dtype's: XLA (Keras on JAX) sums bfloat16 gradients in bfloat16."""
+    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS[dtype] * terms
 
 
 def _cast_term(x: np.ndarray, w: np.ndarray, x_dtype: str, w_dtype: str, c: float) -> np.ndarray | float:
