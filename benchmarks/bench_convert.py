@@ -1,6 +1,6 @@
 """db.convert speed: an 8-layer 4096x4096 float32 MLP (537 MB) between every ordered pair.
 
-For each ordered pair of installed backends (torch, keras, mlx) it measures, in one run and
+For each ordered pair of installed backends (torch, keras, mlx, flax, equinox) it measures, in one run and
 round-robin so that load on the machine hits every variant alike (median of --repeats runs):
 
   convert     db.convert(model, to=target): GB/s = parameter bytes / seconds
@@ -20,7 +20,7 @@ benchmarks/results/convert.md (--out). MLX's Linux CPU build is slow only at mat
 copies, so the full size is fine for every backend.
 
 Run:  python benchmarks/bench_convert.py [--layers 8] [--width 4096] [--repeats 7]
-                                         [--frameworks torch,keras,mlx] [--no-memory]
+                                         [--frameworks torch,keras,mlx,flax,equinox] [--no-memory]
                                          [--keras-backend tensorflow|jax|torch]
 """
 from __future__ import annotations
@@ -45,9 +45,9 @@ import dense_bridge as db  # noqa: E402
 from _memory import reset_peak, status_bytes  # noqa: E402
 from _timing import table  # noqa: E402
 
-FRAMEWORKS = ("torch", "keras", "mlx")
-# torch and MLX store Dense weights (out, in); Keras stores the canonical (in, out)
-_LAYOUT = {"torch": "out_in", "mlx": "out_in", "keras": "in_out"}
+FRAMEWORKS = ("torch", "keras", "mlx", "flax", "equinox")
+# torch, MLX and Equinox store Dense weights (out, in); Keras and Flax store the canonical (in, out)
+_LAYOUT = {"torch": "out_in", "mlx": "out_in", "keras": "in_out", "flax": "in_out", "equinox": "out_in"}
 TARGET_RATIO = 0.8
 
 # Why a pair stays under the limit on its best supported path, keyed by target: the target's
@@ -62,6 +62,8 @@ _GAP_REASONS = {
            f"besides, {_FRESH}",
     "torch": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and torch adopts "
              "them (torch.from_numpy), the fastest fresh-memory path measured",
+    "flax": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_FRESH}",
+    "equinox": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_FRESH}",
     "keras": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and each TF "
              "variable adopts its buffer through DLPack, the fastest fresh-memory path measured",
 }
@@ -111,6 +113,10 @@ def native_weights(model, framework: str) -> list[tuple[np.ndarray, np.ndarray]]
         return [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in model]
     if framework == "mlx":
         return [(np.asarray(m.weight), np.asarray(m.bias)) for m in model.layers]
+    if framework == "flax":
+        return [(np.asarray(l.kernel[...]), np.asarray(l.bias[...])) for l in model.layers]
+    if framework == "equinox":
+        return [(np.asarray(l.weight), np.asarray(l.bias)) for l in model.layers]
     import keras
 
     if keras.backend.backend() != "tensorflow":  # Keras on JAX/torch: the adapter's own numpy read
@@ -203,8 +209,23 @@ def naive_port(source, src: str, dst: str, layers: int, width: int) -> Callable[
         pairs = lambda: [(m.weight.detach().numpy().T, m.bias.detach().numpy()) for m in source]  # noqa: E731
     elif src == "keras":
         pairs = lambda: [(l.kernel.numpy(), l.bias.numpy()) for l in source.layers]  # noqa: E731
-    else:
+    elif src == "flax":
+        pairs = lambda: [(np.asarray(l.kernel[...]), np.asarray(l.bias[...])) for l in source.layers]  # noqa: E731
+    else:  # mlx, equinox: weight (out, in)
         pairs = lambda: [(np.array(m.weight).T, np.array(m.bias)) for m in source.layers]  # noqa: E731
+    if dst in ("flax", "equinox"):
+        import jax.numpy as jnp
+
+        def run():  # Flax: Variable.set_value; Equinox: eqx.tree_at into a new model
+            for layer, (k, b) in zip(target.layers, pairs()):
+                if dst == "flax":
+                    layer.kernel.set_value(jnp.asarray(k))
+                    layer.bias.set_value(jnp.asarray(b))
+                else:
+                    object.__setattr__(layer, "weight", jnp.asarray(np.ascontiguousarray(k.T)))
+                    object.__setattr__(layer, "bias", jnp.asarray(b))
+            jnp.zeros(()).block_until_ready()
+        return run
     if dst == "keras":
         def run():
             for layer, (k, b) in zip(target.layers, pairs()):

@@ -1,13 +1,14 @@
 """Compiled layers vs hand-built native ones: forward and one training step.
 
 For each installed framework, times (median of interleaved samples):
-  native      the framework's own layer built by hand (nn.Linear / keras Dense / mlx nn.Linear)
+  native      the framework's own layer built by hand (nn.Linear / keras Dense / mlx nn.Linear /
+              nnx.Linear / eqx.nn.Linear; Flax and Equinox run under nnx.jit / eqx.filter_jit)
   compiled    db.compile(Dense(units, in_features)) -- exactly the native class
   +relu       compiled with activation="relu" vs native Linear followed by the native ReLU
   masked      compiled with a 50% random mask (the kernel is multiplied by the mask each call)
 at batch 1 and 64, for Linear(1024->4096) and Linear(16->16), and prints ratios to native.
 
-Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx] [--repeats 15]
+Run:  python benchmarks/bench_layers.py [--frameworks torch,keras,mlx,flax,equinox] [--repeats 15]
       python benchmarks/bench_layers.py --keras-backend jax|torch|tensorflow   (keras rows on that engine)
       python benchmarks/bench_layers.py --masked [--repeats 30]   (inference only: masked / unmasked,
       the masked-kernel cache of issue 18; writes benchmarks/results/masked.md)
@@ -149,7 +150,86 @@ def mlx_cases(fan_in, units, batch):
     return layers, forward, train
 
 
-CASES = {"torch": torch_cases, "keras": keras_cases, "mlx": mlx_cases}
+def flax_cases(fan_in, units, batch):
+    """Flax NNX: nnx.Linear by hand vs compiled, forward and an optax SGD step, both under nnx.jit
+    (how NNX models run; eager JAX compiles each op)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (batch, fan_in))
+    mask = db.wiring.random(fan_in, units, 0.5, seed=0)
+    rngs = nnx.Rngs(0)
+    layers = {
+        "native": nnx.Linear(fan_in, units, rngs=rngs),
+        "compiled": db.compile(db.Dense(units, in_features=fan_in), "flax", seed=0),
+        "native+relu": nnx.Sequential(nnx.Linear(fan_in, units, rngs=rngs), nnx.relu),
+        "compiled+relu": db.compile(db.Dense(units, in_features=fan_in, activation="relu"), "flax", seed=0),
+        "masked": db.compile(db.Dense(units, in_features=fan_in, mask=mask), "flax", seed=0),
+    }
+    apply = nnx.jit(lambda m, v: m(v))
+
+    def forward(layer):
+        return lambda: apply(layer, x).block_until_ready()
+
+    def train(layer):
+        opt = nnx.Optimizer(layer, optax.sgd(1e-3), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(m, o):
+            loss, grads = nnx.value_and_grad(lambda mm: jnp.mean(jnp.square(mm(x))))(m)
+            o.update(m, grads)
+            return loss
+
+        return lambda: step(layer, opt).block_until_ready()
+
+    return layers, forward, train
+
+
+def equinox_cases(fan_in, units, batch):
+    """Equinox: eqx.nn.Linear by hand vs compiled, vmapped over the batch, forward and an optax SGD
+    step under eqx.filter_jit."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (batch, fan_in))
+    mask = db.wiring.random(fan_in, units, 0.5, seed=0)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    layers = {
+        "native": eqx.nn.Linear(fan_in, units, key=k1),
+        "compiled": db.compile(db.Dense(units, in_features=fan_in), "equinox", seed=0),
+        "native+relu": eqx.nn.Sequential([eqx.nn.Linear(fan_in, units, key=k2), eqx.nn.Lambda(jax.nn.relu)]),
+        "compiled+relu": db.compile(db.Dense(units, in_features=fan_in, activation="relu"), "equinox", seed=0),
+        "masked": db.compile(db.Dense(units, in_features=fan_in, mask=mask), "equinox", seed=0),
+    }
+    apply = eqx.filter_jit(lambda m, v: jax.vmap(m)(v))
+
+    def forward(layer):
+        return lambda: apply(layer, x).block_until_ready()
+
+    def train(layer):
+        opt = optax.sgd(1e-3)
+        box = [layer, opt.init(eqx.filter(layer, eqx.is_inexact_array))]
+
+        @eqx.filter_jit
+        def step(m, state):
+            loss, grads = eqx.filter_value_and_grad(lambda mm: jnp.mean(jnp.square(jax.vmap(mm)(x))))(m)
+            updates, state = opt.update(grads, state, eqx.filter(m, eqx.is_inexact_array))
+            return eqx.apply_updates(m, updates), state, loss
+
+        def run():
+            box[0], box[1], loss = step(box[0], box[1])
+            loss.block_until_ready()
+        return run
+
+    return layers, forward, train
+
+
+CASES = {"torch": torch_cases, "keras": keras_cases, "mlx": mlx_cases, "flax": flax_cases,
+         "equinox": equinox_cases}
 
 
 def masked_only(args) -> int:

@@ -58,6 +58,9 @@ BACKENDS: dict[str, BackendInfo] = {
                          "pip install 'dense-bridge[keras]'",
                          runtime_requires=lambda: (keras_backend_package(),)),
     "mlx": BackendInfo("mlx", "dense_bridge.backends.mlx", ("mlx",), "pip install 'dense-bridge[mlx]'"),
+    "flax": BackendInfo("flax", "dense_bridge.backends.flax", ("flax", "jax"), "pip install 'dense-bridge[flax]'"),
+    "equinox": BackendInfo("equinox", "dense_bridge.backends.equinox", ("equinox", "jax"),
+                           "pip install 'dense-bridge[equinox]'"),
 }
 NAMES = tuple(BACKENDS)
 

@@ -6,7 +6,7 @@ import pytest
 
 import dense_bridge as db
 
-from conftest import require_backend
+from conftest import require_backend, require_lazy
 
 
 def test_get_params_are_snapshots_by_default(backend):
@@ -77,6 +77,7 @@ def test_strict_and_copy_take_only_bools(bad, error):
 
 
 def test_unbuilt_lazy_get_params_is_a_conversion_error_everywhere(backend):
+    require_lazy(backend)
     with pytest.raises(db.ConversionError):
         db.get_params(db.compile(db.Dense(3), backend, seed=0))
 

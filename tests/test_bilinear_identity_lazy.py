@@ -8,7 +8,7 @@ import pytest
 
 import dense_bridge as db
 
-from conftest import require_backend
+from conftest import require_backend, require_lazy
 
 BACKENDS = ("numpy", "torch", "keras", "mlx")
 
@@ -46,6 +46,7 @@ def test_identity_inside_sequential_everywhere(backend):
 @pytest.mark.parametrize("backend", ("torch", "keras", "mlx"))
 def test_lazy_dense_builds_to_the_eager_params_and_converts(backend):
     adapter = require_backend(backend)
+    require_lazy(backend)
     lazy = db.compile(db.Sequential([db.Dense(6, activation="relu"), db.Dense(2)]), backend, seed=4)
     x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
     adapter.trace(lazy, [x], np.ones((3, 2), np.float32))
@@ -59,6 +60,7 @@ def test_lazy_dense_builds_to_the_eager_params_and_converts(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unbuilt_lazy_layer_says_its_parameters_do_not_exist_yet(backend, tmp_path):
     require_backend(backend)
+    require_lazy(backend)
     lazy = db.compile(db.Dense(3), backend, seed=0)
     with pytest.raises(db.DenseBridgeError, match="(?i)first input|lazy|not built|no parameters"):
         db.get_params(lazy)

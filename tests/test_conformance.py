@@ -14,7 +14,7 @@ from dense_bridge._dtypes import numpy_dtype
 from dense_bridge.activations import NAMES
 from dense_bridge.testing import error_units
 
-from conftest import require_backend
+from conftest import require_backend, require_lazy
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -182,6 +182,7 @@ def _without_inits(spec):
 
 def test_lazy_dense_same_params_as_eager(backend):
     adapter = require_backend(backend)
+    require_lazy(backend)
     eager = db.get_params(compile_or_skip(db.Dense(3, in_features=5), backend, seed=9))
     lazy = compile_or_skip(db.Dense(3), backend, seed=9)
     x = np.ones((2, 5), np.float32)

@@ -1,0 +1,73 @@
+"""Equinox's own checkpoint files: ``eqx.tree_serialise_leaves``; the ``file_info``/``read_file``/``write_file`` verbs.
+
+``eqx.tree_serialise_leaves(path, model)`` writes the model's array leaves one after another as
+``.npy`` records, in ``jax.tree_util`` leaf order, with no names (the Equinox format: the model's
+structure is the template you deserialise into). ``file_info`` therefore names the records by
+position ("leaf.0", "leaf.1", ...), read with ``np.load`` record by record; ``read_file`` checks
+them against the template's leaves the same way, then ``eqx.tree_deserialise_leaves``. The bool
+masks are leaves too and travel with the file. No metadata slot: a spec must come from the caller.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from dense_bridge._errors import CheckpointError
+
+Entries = dict  # name -> (native shape, dtype name)
+KINDS = ("eqx",)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _records(path: str) -> Entries:
+    out = {}
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            while f.tell() < size:
+                a = np.load(f, allow_pickle=False)
+                out[f"leaf.{len(out)}"] = (tuple(a.shape), a.dtype.name)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path} as an Equinox file: {_first_line(exc)}") from None
+    except (ValueError, EOFError) as exc:
+        raise CheckpointError(f"cannot read {path} as an Equinox file (eqx.tree_serialise_leaves records): "
+                              f"{_first_line(exc)}") from None
+    return out
+
+
+def _expected(template) -> Entries:
+    leaves = [l for l in jax.tree_util.tree_leaves(template) if eqx.is_array(l)]
+    return {f"leaf.{i}": (tuple(l.shape), np.dtype(l.dtype).name) for i, l in enumerate(leaves)}
+
+
+def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[str, str]]:
+    """("leaf.<i>" -> (shape, dtype name), {}) of an eqx.tree_serialise_leaves file."""
+    return _records(path), {}
+
+
+def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None]):
+    """A model like ``template`` holding the file's leaves (Equinox modules are immutable: a new one)."""
+    if template is None:
+        raise CheckpointError(f"{path}: Equinox files need the model's structure (spec= or like=)")
+    check(_records(path), _expected(template))
+    try:
+        return eqx.tree_deserialise_leaves(path, template)
+    except Exception as exc:  # noqa: BLE001 - equinox raises RuntimeError/ValueError for bad files
+        raise CheckpointError(f"cannot load {path} into the Equinox model: {_first_line(exc)}") from None
+
+
+def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
+    """``eqx.tree_serialise_leaves(temp, model)`` (renamed to ``path`` by the core)."""
+    if kind != "eqx":
+        raise CheckpointError(f"cannot write {path}: Equinox writes eqx.tree_serialise_leaves files (.eqx), "
+                              f"not {kind!r}")
+    with open(temp, "wb") as f:
+        eqx.tree_serialise_leaves(f, model)

@@ -1,0 +1,54 @@
+"""The Flax NNX adapter: specs to ``flax.nnx`` modules and back, canonical parameters, autograd traces.
+
+Layouts (canonical <-> Flax): the same, nothing is transposed.
+
+- Dense: ``nnx.Linear.kernel`` (in_features, units) = canonical ``kernel``; ``bias`` (units,);
+  a mask is a :class:`Mask` variable (in_features, units), an ``nnx.Variable`` that is not an
+  ``nnx.Param``.
+- Bilinear: dense_bridge's :class:`Bilinear` (Flax has none), kernel (units, in1, in2) as canonical.
+- Sequential: ``nnx.Sequential`` keeps its layers in ``.layers``; canonical keys are
+  "<position>.<name>" ("0.kernel"), Flax's paths "layers.0.kernel".
+
+What compile builds, lazy widths, masks under ``nnx.Optimizer``: see ``_layers``. jax.nn's
+defaults (``gelu`` is the tanh approximation, ``leaky_relu`` slope 0.01) are pinned in
+``_activations``. float64 needs ``jax_enable_x64`` (SpecError otherwise, ``_arrays``).
+
+The package, one job a module (the same files as every adapter): ``_arrays``, ``_activations``,
+``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp``), ``_models`` (``walk``), ``_files`` (msgpack, Orbax),
+``_capture`` (per-call records inside a whole model, ``compare_models``).
+"""
+from __future__ import annotations
+
+from flax import nnx
+
+from ._arrays import from_numpy, to_numpy
+from ._capture import capture
+from ._files import file_info, read_file, write_file
+from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile
+from ._models import walk
+from ._params import get_params, set_params
+from ._to_spec import to_spec
+from ._trace import trace
+
+__all__ = ["DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
+
+
+def owns(obj) -> bool:
+    """Is ``obj`` a Flax NNX module."""
+    return isinstance(obj, nnx.Module)
+
+
+# Tensor parallelism (issue 17, ``_parallel``): sharding annotations on a named mesh axis.
+# set_params on a parallel model places each written array again by its annotation.
+from . import _parallel as _par  # noqa: E402
+from ._parallel import compile_parallel, get_params_parallel, parallel_barrier, parallel_state  # noqa: E402
+
+_plain_set_params = set_params
+
+
+def set_params(native, params) -> None:  # noqa: F811 - the parallel-aware verb
+    """Write validated canonical params (on a parallel model: then re-placed by annotation)."""
+    if _par.parallel_state(native) is not None:
+        return _par.set_params_parallel(native, params, _plain_set_params)
+    return _plain_set_params(native, params)

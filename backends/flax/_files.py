@@ -1,0 +1,101 @@
+"""Flax NNX's own checkpoint files, in the formats Flax documents; the ``file_info``/``read_file``/``write_file`` verbs.
+
+- ``"msgpack"``: ``flax.serialization.msgpack_serialize`` of ``nnx.to_pure_dict(nnx.state(model))``
+  (every variable, the Mask included, under Flax's own nested names: "layers" -> 0 -> "kernel").
+  Read back with ``msgpack_restore`` and ``nnx.replace_by_pure_dict`` into the template's state.
+- ``"orbax"``: an Orbax checkpoint directory (``orbax.checkpoint.StandardCheckpointer``) of the
+  same state; Orbax is imported only for this format (it pulls in tensorstore).
+
+Names in ``file_info`` are Flax's dotted paths ("layers.0.kernel"), shapes Flax's own (kernel
+(in, out), the canonical layout). Neither format has a slot for string metadata: ``metadata`` is
+not written, and a spec must come from the caller (``spec=``/``like=``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping
+
+import numpy as np
+from flax import nnx, serialization
+
+from dense_bridge._errors import CheckpointError
+
+Entries = dict  # name -> (native shape, dtype name)
+KINDS = ("msgpack", "orbax")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _flat(tree, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat(v, name + "."))
+        else:
+            out[name] = np.asarray(v)
+    return out
+
+
+def _entries(tree) -> Entries:
+    return {n: (tuple(a.shape), a.dtype.name) for n, a in _flat(tree).items()}
+
+
+def _read_tree(path: str, container: str):
+    try:
+        if container == "orbax" or os.path.isdir(path):
+            import orbax.checkpoint as ocp
+
+            return ocp.StandardCheckpointer().restore(os.path.abspath(path))
+        with open(path, "rb") as f:
+            return serialization.msgpack_restore(f.read())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - msgpack/orbax raise many types for damaged files
+        raise CheckpointError(f"cannot read {path} as a Flax checkpoint (msgpack or Orbax): {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from None
+
+
+def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[str, str]]:
+    """(Flax dotted name -> (shape, dtype name), {}) of a msgpack file or an Orbax directory."""
+    tree = _read_tree(path, container)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
+    return _entries(tree), {}
+
+
+def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None]):
+    """``template`` (an NNX model built for the file's spec) holding the file's variables."""
+    if template is None:
+        raise CheckpointError(f"{path}: Flax state files need the model's structure (spec= or like=)")
+    tree = _read_tree(path, container)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
+    state = nnx.state(template)
+    check(_entries(tree), _entries(nnx.to_pure_dict(state)))
+    try:
+        nnx.replace_by_pure_dict(state, tree)
+        nnx.update(template, state)
+    except Exception as exc:  # noqa: BLE001 - structure errors from flax
+        raise CheckpointError(f"cannot load {path} into the Flax model: {_first_line(exc)}") from None
+    return template
+
+
+def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``model``'s state into ``temp`` (renamed to ``path`` by the core) as ``kind``."""
+    pure = nnx.to_pure_dict(nnx.state(model))
+    if kind == "msgpack":
+        with open(temp, "wb") as f:
+            f.write(serialization.msgpack_serialize(pure))
+    elif kind == "orbax":
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.abspath(temp), pure)
+            ckptr.wait_until_finished()
+    else:
+        raise CheckpointError(f"cannot write {path}: Flax writes msgpack (.msgpack) or an Orbax checkpoint "
+                              f"directory, not {kind!r}")
