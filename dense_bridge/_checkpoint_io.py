@@ -21,7 +21,7 @@ import stat
 import struct
 import time
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, SpecError
 
 __all__ = ["AtomicFiles", "check_writable", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
@@ -323,7 +323,7 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
     if isinstance(value, str):
         m = _SIZE.match(value)
         if not m or (m.group(2) or "").lower() not in _UNITS:
-            raise ValueError(f"{argument} must be a byte count such as 10000000, '10MB', '4MiB' or '1GB'. "
+            raise SpecError(f"{argument} must be a byte count such as 10000000, '10MB', '4MiB' or '1GB'. "
                              f"{received(argument, value)}")
         size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     else:
@@ -332,7 +332,7 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
         check_type(argument, value, numbers.Integral, "a byte count (int) or a string such as '10MB'")
         size = int(value)
     if size <= 0:
-        raise ValueError(f"{argument} must be positive. {received(argument, value)}")
+        raise SpecError(f"{argument} must be positive. {received(argument, value)}")
     return size
 
 

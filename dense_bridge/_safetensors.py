@@ -45,7 +45,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, SpecError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
            "open_readonly", "read_at", "RESERVED", "MAX_HEADER", "parse_json_object", "shorten"]
@@ -145,7 +145,7 @@ def st_dtype(dtype: np.dtype) -> str:
         for code, n in table.items():
             if n == name:
                 return code
-    raise ValueError(f"dtype {name} cannot be stored in safetensors")
+    raise SpecError(f"dtype {name} cannot be stored in safetensors")
 
 
 @dataclass(frozen=True)

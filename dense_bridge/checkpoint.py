@@ -686,7 +686,7 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
 
             spec = _api.to_spec(like)
     if format is not None and format not in native.FORMATS:
-        raise ValueError(f"format must be one of {', '.join(native.FORMATS)}. {received('format', format)}")
+        raise SpecError(f"format must be one of {', '.join(native.FORMATS)}. {received('format', format)}")
     for _ in range(_READ_ATTEMPTS):
         try:
             return _open_once(path, spec, like, format)
@@ -795,7 +795,7 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
         target = check_backend_name(to, "to")
     limit = parse_size(max_shard_size)
     if limit is not None and target not in CANONICAL_TARGETS:
-        raise ValueError(f"max_shard_size applies to canonical checkpoints only (--to canonical), not to "
+        raise SpecError(f"max_shard_size applies to canonical checkpoints only (--to canonical), not to "
                          f"{target} files. {received('max_shard_size', max_shard_size)}")
     if os.path.abspath(out) == os.path.abspath(src):
         raise CheckpointError(f"cannot write {out}: it is the source file; choose another output path")

@@ -329,7 +329,9 @@ def _compare_fn():
     try:
         from .testing import compare
     except ImportError as exc:
-        raise RuntimeError(f"this installation has no dense_bridge.testing.compare ({exc})") from None
+        from ._errors import DenseBridgeError
+
+        raise DenseBridgeError(f"this installation has no dense_bridge.testing.compare ({exc})") from None
     return compare
 
 

@@ -189,12 +189,6 @@ def test_no_module_reaches_into_another_modules_private_names():
 # ------------------------------------------------------------------ deliberate errors
 #: ``raise ValueError/KeyError/RuntimeError/IndexError(...)`` still allowed: {(file, line text): why}.
 BARE_RAISE_ALLOWLIST: dict[str, str] = {
-    # parse_size, open_checkpoint(format=), convert_file, the safetensors dtype check (engineer "ckpt")
-    "dense_bridge/_checkpoint_io.py": "issue 10",
-    "dense_bridge/_safetensors.py": "issue 10",
-    "dense_bridge/checkpoint.py": "issue 10",
-    "dense_bridge/_checkpoint_native.py": "issue 10",
-    "dense_bridge/cli.py": "issue 10",
     "backends/keras/*": "issue 14 (engineer kerasmb owns the keras internals)",
 }
 #: Python protocols where the builtin exception is the contract: Report[layer]["quantity"]

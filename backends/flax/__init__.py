@@ -37,3 +37,18 @@ __all__ = ["DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", 
 def owns(obj) -> bool:
     """Is ``obj`` a Flax NNX module."""
     return isinstance(obj, nnx.Module)
+
+
+# Tensor parallelism (issue 17, ``_parallel``): sharding annotations on a named mesh axis.
+# set_params on a parallel model places each written array again by its annotation.
+from . import _parallel as _par  # noqa: E402
+from ._parallel import compile_parallel, get_params_parallel, parallel_barrier, parallel_state  # noqa: E402
+
+_plain_set_params = set_params
+
+
+def set_params(native, params) -> None:  # noqa: F811 - the parallel-aware verb
+    """Write validated canonical params (on a parallel model: then re-placed by annotation)."""
+    if _par.parallel_state(native) is not None:
+        return _par.set_params_parallel(native, params, _plain_set_params)
+    return _plain_set_params(native, params)

@@ -44,7 +44,8 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``_activations`` (exact activation modules/functions and reading native ones, both directions),
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
 transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
-``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path).
+``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path),
+``_parallel`` (tensor parallelism on ``mx.distributed``: column/row-sharded Dense, issue 17).
 """
 from __future__ import annotations
 
@@ -60,7 +61,19 @@ from ._capture import capture
 from ._models import walk
 from ._files import file_info, read_file, write_file  # native checkpoint files (issue 10)
 
-__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation",
+from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
+from ._parallel import full_grads as parallel_full_grads
+from ._parallel import parallel_barrier
+from . import _parallel as _par
+
+
+def get_params_parallel(native, local: bool = False) -> dict:
+    """Tensor parallelism (issue 17): full canonical params (collective) or, with ``local``, this
+    rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
+    return _par.get_params_parallel(native, local, get_params)
+
+__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
+           "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "read_file", "write_file"]
 

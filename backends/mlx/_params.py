@@ -15,6 +15,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
+from ._parallel import ShardedDense
 
 
 def positions(native) -> list[tuple[str, Any]]:
@@ -25,6 +26,8 @@ def positions(native) -> list[tuple[str, Any]]:
 
 
 def _layer_params(m) -> dict[str, np.ndarray]:
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): all-gathered, collective
+        return m.gathered()
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = to_numpy(m[decl[0]])
@@ -62,6 +65,9 @@ def get_params(native) -> dict[str, np.ndarray]:
 def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
     if not get:
+        return
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): keep this rank's slice
+        m.set_full(get)
         return
     decl = declared_arrays(m)
     if decl is not None:

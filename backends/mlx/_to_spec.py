@@ -20,6 +20,8 @@ from dense_bridge.wiring import Wiring
 from ._activations import activation_of_function, activation_of_module, conversion_error
 from ._arrays import dtype_name, to_numpy
 from ._layers import DenseLinear, Flatten, LazyDenseLinear, declared_arrays, is_dense
+from ._parallel import ShardedDense
+from ._parallel import layer_spec as parallel_layer_spec
 
 
 def _stored(m, cls):
@@ -58,6 +60,8 @@ def _bilinear_spec(m, where: str) -> Bilinear:
 
 
 def _layer_spec(m, where: str):
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): the full layer's spec
+        return parallel_layer_spec(m)
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = m[decl[0]]

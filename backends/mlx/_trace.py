@@ -16,6 +16,7 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
+from ._parallel import ShardedDense, gather_trace, parallel_state
 from ._params import positions
 
 
@@ -44,6 +45,8 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
 
 
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): shards all-gathered, collective
+        return m.grads_gathered(grads)
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = to_numpy(grads[decl[0]])
@@ -101,4 +104,6 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(np.array(to_numpy(y)), tuple(np.array(to_numpy(d)) for d in dxs),
                                 {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
         g = dxs[0]
+    if parallel_state(native) is not None:  # tensor-parallel (issue 17): shards gathered whole
+        return gather_trace(native, Trace(records))
     return Trace(records)
