@@ -28,10 +28,7 @@ FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "f
 
 #: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
 #: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
-PENDING_VERBS: dict[tuple[str, str], str] = {
-    # the JAX backends (issue 15) land after capture did (issue 13): they add their _capture.py
-    ("equinox", "capture"): "issue 15",
-}
+PENDING_VERBS: dict[tuple[str, str], str] = {}
 
 #: Core modules still allowed a framework import, each naming the issue that removes it.
 FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {}

@@ -184,3 +184,19 @@ def test_native_file_tree_serialise_leaves_round_trips_bit_exactly(tmp_path):
     (tmp_path / "bad.eqx").write_bytes(b"\x93NUMPY garbage")
     with pytest.raises(db.CheckpointError, match="bad.eqx"):
         eqx_backend.file_info(str(tmp_path / "bad.eqx"), "eqx")
+
+
+def test_capture_vmaps_the_model_and_compare_models_matches_a_torch_port():
+    model = db.compile(db.Sequential([db.Dense(4, in_features=3, activation="tanh"), db.Dense(2)]), "equinox", seed=0)
+    layers = dict(db.linear_layers(model))
+    assert list(layers) == ["layers.0", "layers.1"]
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    cot = lambda shape: np.random.default_rng(7).standard_normal(shape)  # noqa: E731
+    cap = eqx_backend.capture(model, [x], layers, cotangent=cot)
+    assert [(c.path, c.output.shape) for c in cap.calls] == [("layers.0", (5, 4)), ("layers.1", (5, 2))]
+    assert cap.pre_activation == {"layers.0"}  # the linear map alone, the tanh after it
+    trace = eqx_backend.trace(model, [x], cot((5, 2)).astype(np.float32))
+    np.testing.assert_allclose(cap.param_grads["layers.1"]["kernel"], trace.layers[1].param_grads["kernel"], rtol=1e-6)
+    assert type(model.layers[0]) is eqx_backend.DenseLinear  # the classes are put back
+    if "torch" in db.available_backends():
+        assert db.testing.compare_models(model, db.convert(model, to="torch"), [x]).passed

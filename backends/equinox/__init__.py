@@ -14,13 +14,15 @@ leading axes"); lazy widths raise a SpecError (immutable modules); masks are boo
 pinned in ``_activations``. float64 needs ``jax_enable_x64`` (SpecError otherwise, ``_arrays``).
 
 The package, one job a module (the same files as every adapter): ``_arrays``, ``_activations``,
-``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp`` under ``jax.vmap``), ``_models``.
+``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp`` under ``jax.vmap``), ``_models``, ``_files``
+(``eqx.tree_serialise_leaves``), ``_capture`` (per-call records inside a model, vmapped).
 """
 from __future__ import annotations
 
 import equinox as eqx
 
 from ._arrays import from_numpy, to_numpy
+from ._capture import capture
 from ._files import file_info, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
@@ -29,7 +31,7 @@ from ._to_spec import to_spec
 from ._trace import trace
 
 __all__ = ["DenseLinear", "Bilinear", "Flatten",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
 
 
 def owns(obj) -> bool:

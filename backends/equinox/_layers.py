@@ -76,14 +76,19 @@ class DenseLinear(eqx.Module):
         self.use_bias = bias is not None
         self.activation = activation
 
-    def __call__(self, x, *, key=None):
+    def _linear(self, x):
+        """(weight where mask) @ x + bias, before the activation."""
         x = _one_sample(x, self.in_features)
         w = self.weight if self.mask is None else jnp.where(self.mask, self.weight, jnp.zeros((), self.weight.dtype))
         y = w @ x.astype(w.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        return y if self.bias is None else y + self.bias
+
+    def _activate(self, y):
         fn = activation_fn(self.activation)
         return y if fn is None else fn(y)
+
+    def __call__(self, x, *, key=None):
+        return self._activate(self._linear(x))
 
 
 class Bilinear(eqx.Module):
