@@ -90,6 +90,26 @@ def _age_leftovers(directory: str, keep: set[str]) -> list[str]:
     return left
 
 
+def _progress(out: str) -> tuple[list[int], list[int]]:
+    """The generations the worker started and finished saving, from its "start k"/"done k" lines.
+
+    Only complete lines (ended by a newline) are read as numbers. The kill may cut the last
+    line short: a cut "done" (any prefix of "done k" past "d") still proves that the save
+    before it returned, since the worker prints it only after ``db.save``, so it counts for the
+    generation started last; a cut "start" line proves nothing and is ignored.
+    """
+    *lines, tail = out.split("\n")
+    started: list[int] = []
+    done: list[int] = []
+    for line in lines:
+        word, _, number = line.partition(" ")
+        if word in ("start", "done"):
+            (started if word == "start" else done).append(int(number))
+    if tail and "done".startswith(tail[:4]) and started and (not done or done[-1] != started[-1]):
+        done.append(started[-1])
+    return started, done
+
+
 def _kill_loop(tmp_path, shard: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     directory = tmp_path / "ck"
@@ -109,10 +129,9 @@ def _kill_loop(tmp_path, shard: int, seed: int) -> list[int]:
         time.sleep(rng.uniform(0.0, 0.08))  # a save of this size takes 5-30 ms: kills land anywhere in one
         proc.kill()
         proc.wait(timeout=30)
-        out = proc.stdout.read().split("\n")  # not communicate(timeout=): it would skip readline's buffer
+        out = proc.stdout.read()  # not communicate(timeout=): it would skip readline's buffer
         proc.stdout.close()
-        started = [int(line.split()[1]) for line in out if line.startswith("start")]
-        done = [int(line.split()[1]) for line in out if line.startswith("done")]
+        started, done = _progress(out)
         old = done[-1] if done else current
         candidates = {old} | ({started[-1]} if started else set())
         spec, params = db.load(path)
