@@ -322,7 +322,9 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
     save_id = new_save_id()
     shards, index_path = shard_names(path, len(groups), save_id)
     shadow = path if path != index_path and os.path.lexists(path) else None
-    if shadow is not None and _our_file_meta(path) is None:
+    # a concurrent sharded save may remove our own earlier single file between the two looks:
+    # only a file still there after the metadata read failed is foreign
+    if shadow is not None and _our_file_meta(path) is None and os.path.lexists(path):
         raise CheckpointError(f"cannot save {path} sharded: {path} exists and is not a dense_bridge checkpoint, "
                               f"so it would shadow the new index {index_path}; remove it or choose another path "
                               "(nothing was changed on disk)")
