@@ -1,19 +1,34 @@
 """dense_bridge: one backend-neutral Dense spec, compiled to torch, Keras, MLX and numpy.
 
-Importing this package imports no framework; adapters load on first use.
+Importing this package imports no framework, and not even numpy: every public name below is
+loaded from its module on first use (PEP 562 ``__getattr__``), so ``import dense_bridge`` costs
+a few milliseconds and a tool that only needs, say, the error classes never pays for the rest.
+``db.Dense`` and friends import the spec modules (and numpy) the first time they are touched;
+adapters load on the first ``compile`` for their backend. ``benchmarks/bench_import.py``
+measures each step.
 """
 from __future__ import annotations
 
-from . import wiring
-from ._api import available_backends, backend, compile, convert, get_params, set_params, to_spec
+import importlib
+
 from ._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError,
                       SpecError)
-from .models import linear_layers, register_layout, transfer
 from ._version import __version__
-from .activations import Activation
-from .initializers import Init
-from .specs import Bilinear, Dense, Flatten, Identity, Sequential, from_config
 
+# public name -> (module relative to this package, attribute in it; None: the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "Dense": (".specs", "Dense"), "Bilinear": (".specs", "Bilinear"), "Identity": (".specs", "Identity"),
+    "Flatten": (".specs", "Flatten"), "Sequential": (".specs", "Sequential"),
+    "from_config": (".specs", "from_config"),
+    "Activation": (".activations", "Activation"), "Init": (".initializers", "Init"),
+    "wiring": (".wiring", None), "testing": (".testing", None),
+    "available_backends": ("._api", "available_backends"), "backend": ("._api", "backend"),
+    "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
+    "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"),
+    "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
+    "transfer": (".models", "transfer"),
+    "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
+}
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
@@ -24,13 +39,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # checkpoints and testing pull in more code (safetensors, report rendering): load on first use
-    if name in ("save", "load"):
-        from . import checkpoint
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'dense_bridge' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
 
-        return getattr(checkpoint, name)
-    if name == "testing":
-        import importlib
 
-        return importlib.import_module(".testing", __name__)
-    raise AttributeError(f"module 'dense_bridge' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,6 +20,27 @@ def test_import_dense_bridge_imports_no_framework():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_import_dense_bridge_loads_nothing_until_a_name_is_used():
+    """``import dense_bridge`` loads neither numpy nor the spec modules (issue 18: < 0.1 s); every
+    public name still resolves, to the same object its module defines, and ``dir`` lists it."""
+    code = ("import sys, dense_bridge as db; before = sorted(m for m in sys.modules "
+            "if m == 'numpy' or m.startswith('dense_bridge.')); "
+            "from dense_bridge import specs, checkpoint, testing; "
+            "assert db.Dense is specs.Dense and db.save is checkpoint.save and db.testing is testing; "
+            "assert all(hasattr(db, n) for n in db.__all__) and set(db.__all__) <= set(dir(db)); "
+            "print(before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['dense_bridge._errors', 'dense_bridge._version']", out.stdout
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import dense_bridge as db
+
+    with pytest.raises(AttributeError, match="no attribute 'Dence'"):
+        db.Dence  # noqa: B018
+
+
 def test_missing_framework_names_the_extra(monkeypatch):
     import dense_bridge as db
     from dense_bridge import _registry
