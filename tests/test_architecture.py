@@ -161,7 +161,6 @@ def test_import_dense_bridge_imports_no_framework():
 PRIVATE_IMPORT_ALLOWLIST: dict[tuple[str, str], str] = {
     # pickles of LazyDense name its pre-hook dense_bridge.backends.torch._check_width
     ("backends/torch/__init__.py", "_check_width"): "pickle compatibility",
-    ("backends/keras/*", "*"): "issue 14 (engineer kerasmb owns the keras internals)",
 }
 
 
@@ -191,9 +190,7 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 # ------------------------------------------------------------------ deliberate errors
 #: ``raise ValueError/KeyError/RuntimeError/IndexError(...)`` still allowed: {(file, line text): why}.
-BARE_RAISE_ALLOWLIST: dict[str, str] = {
-    "backends/keras/*": "issue 14 (engineer kerasmb owns the keras internals)",
-}
+BARE_RAISE_ALLOWLIST: dict[str, str] = {}
 #: Python protocols where the builtin exception is the contract: Report[layer]["quantity"]
 BARE_RAISE_PROTOCOL = {("dense_bridge/testing/_report.py", "__getitem__", "KeyError")}
 

@@ -25,7 +25,7 @@ from dense_bridge.activations import Activation
 from ._engine import ENGINE, erfc, logaddexp, minimum, tanh
 
 
-_PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
+REGISTRATION_PACKAGE = "dense_bridge"  # keras.saving registration package: saved .keras files name it
 
 
 def _dtype(x) -> str:
@@ -91,7 +91,7 @@ _TF_FUNCTIONS: dict[str, Callable[..., Any]] = {
 assert set(_TF_FUNCTIONS) == set(ACTIVATION_NAMES)
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@keras.saving.register_keras_serializable(package=REGISTRATION_PACKAGE)
 class ExactActivation:
     """A dense_bridge activation as a Keras activation callable: exact function, explicit params.
 
@@ -152,7 +152,7 @@ def _keras_default(fn: Callable, parameter: str):
 THIRD_PARTY_ACTIVATIONS = {"keras_hub.src.utils.keras_utils.gelu_approximate": "gelu_tanh"}
 
 
-def _activation_of_function(fn: Any, where: str) -> Activation:
+def activation_of_function(fn: Any, where: str) -> Activation:
     """The db Activation that a Keras activation callable computes, its defaults made explicit."""
     if fn is None:
         return Activation("linear")
@@ -179,7 +179,7 @@ def _activation_of_function(fn: Any, where: str) -> Activation:
     )
 
 
-def _activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
+def activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
     """A Keras layer computing ``act``: a native layer where it is the same function."""
     name, p = act.name, act.params
     if name == "relu":
@@ -207,12 +207,12 @@ def _activation_layer(act: Activation, dtype: str) -> keras.layers.Layer:
     return keras.layers.Activation(ExactActivation(act), dtype=dtype)
 
 
-def _activation_of_layer(layer) -> Activation | None:
+def activation_of_layer(layer) -> Activation | None:
     """The db Activation of a Keras activation layer; None when ``layer`` is not one."""
     t = type(layer)
     where = f"layer {getattr(layer, 'name', '?')!r} ({t.__module__}.{t.__qualname__})"
     if t is keras.layers.Activation:
-        return _activation_of_function(layer.activation, where)
+        return activation_of_function(layer.activation, where)
     if t is keras.layers.LeakyReLU:  # LeakyReLU() is 0.3: read the layer, never assume
         return Activation("leaky_relu", negative_slope=float(layer.negative_slope))
     if t is keras.layers.ELU:

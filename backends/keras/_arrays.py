@@ -4,7 +4,7 @@ On TensorFlow (below) large arrays take the DLPack hand-over; on JAX and torch t
 conversion (``_engine.to_tensor``) copies once, and snapshots are host copies.
 
 Large arrays cross into TF with one copy: dense_bridge copies them into a fresh 64-byte
-aligned buffer that TF adopts through DLPack (:func:`_give`). ``_read`` gives zero-copy,
+aligned buffer that TF adopts through DLPack (:func:`give_array`). ``read_array`` gives zero-copy,
 read-only snapshots of variables (TF copies a variable's buffer on write while another
 tensor still references it, so later training does not show in them).
 """
@@ -28,11 +28,11 @@ _GIVE_MIN_BYTES = 1 << 20  # below this TF's own copy of a numpy array costs nex
 _GIVEABLE = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {np.dtype(numpy_dtype("bfloat16"))}
 
 
-def _to_tensor(array: Any):
+def to_tensor(array: Any):
     """A fresh TF tensor holding a copy of ``array``, in memory TF alone owns.
 
     Large arrays are copied by dense_bridge (a cache-blocked transpose for views such as
-    torch's weight.T: 2-3x tf.transpose here) into a new buffer that TF then adopts (:func:`_give`).
+    torch's weight.T: 2-3x tf.transpose here) into a new buffer that TF then adopts (:func:`give_array`).
     """
     a = np.asarray(array)
     if ENGINE != "tensorflow":
@@ -40,10 +40,10 @@ def _to_tensor(array: Any):
     if a.nbytes < _GIVE_MIN_BYTES or a.dtype not in _GIVEABLE or not tf.executing_eagerly():
         return tf.convert_to_tensor(a)  # TF copies (numpy memory is not 64-byte aligned)
     fresh, _ = native_copy(a)
-    return _give(fresh)
+    return give_array(fresh)
 
 
-def _give(fresh: np.ndarray):
+def give_array(fresh: np.ndarray):
     """TF's tensor over ``fresh``, a new 64-byte aligned array that no one else references.
 
     DLPack hands the buffer to TF without a copy (``tf.convert_to_tensor`` would copy it
@@ -62,7 +62,7 @@ def _give(fresh: np.ndarray):
     return tf.experimental.dlpack.from_dlpack(fresh.__dlpack__())
 
 
-def _read(variable) -> np.ndarray:
+def read_array(variable) -> np.ndarray:
     """A zero-copy, read-only numpy snapshot of a Keras variable (bfloat16 as ml_dtypes)."""
     if ENGINE != "tensorflow":
         out = np.array(_engine.to_numpy(variable.value))  # a copy: the engine may update in place
@@ -73,9 +73,9 @@ def _read(variable) -> np.ndarray:
     return out
 
 
-def _assign(variable, array: Any) -> None:
+def assign_array(variable, array: Any) -> None:
     """Copy a canonical array into a variable (the variable takes over the fresh buffer)."""
-    variable.assign(_to_tensor(array))
+    variable.assign(to_tensor(array))
 
 
 def to_numpy(array: Any) -> np.ndarray:
@@ -84,7 +84,7 @@ def to_numpy(array: Any) -> np.ndarray:
     A zero-copy view where TF allows one, read-only either way (TF owns the memory).
     """
     if isinstance(array, keras.Variable):
-        return _read(array)
+        return read_array(array)
     out = _engine.to_numpy(array)
     out.flags.writeable = False
     return out
@@ -92,4 +92,4 @@ def to_numpy(array: Any) -> np.ndarray:
 
 def from_numpy(array: Any):
     """The adapter verb: a TF tensor holding ``array``'s values in its dtype (bfloat16 included)."""
-    return _to_tensor(array)
+    return to_tensor(array)

@@ -30,8 +30,8 @@ from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
 from ._engine import check_dtype, einsum, inexact_float64_dense, matmul
-from ._activations import _PACKAGE, ExactActivation, _activation_layer
-from ._arrays import _give, _read, _to_tensor
+from ._activations import REGISTRATION_PACKAGE, ExactActivation, activation_layer
+from ._arrays import give_array, read_array, to_tensor
 
 
 # ------------------------------------------------------------------ initializers, both directions
@@ -40,7 +40,7 @@ from ._arrays import _give, _read, _to_tensor
 # one where it samples the same distribution, else :class:`DenseBridgeInitializer`) is put back.
 # The arrays handed out are fresh 64-byte aligned buffers (``ParamSource.native_layer``) given to TF
 # through DLPack, so each variable adopts its buffer: one copy in all, no Keras random init.
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@keras.saving.register_keras_serializable(package=REGISTRATION_PACKAGE)
 class DenseBridgeInitializer(keras.initializers.Initializer):
     """A dense_bridge initializer (db.Init) with the layer's fans, as a Keras initializer.
 
@@ -65,7 +65,7 @@ class DenseBridgeInitializer(keras.initializers.Initializer):
         fan_out = self.fan_out if self.fan_out is not None else shape[-1]
         values = self.init.sample(tuple(shape), fan_in, fan_out, np.random.default_rng())
         # drawn in float64, rounded once to the variable dtype (as ParamSource does)
-        return _to_tensor(values.astype(numpy_dtype(keras.backend.standardize_dtype(dtype or "float32"))))
+        return to_tensor(values.astype(numpy_dtype(keras.backend.standardize_dtype(dtype or "float32"))))
 
     def get_config(self) -> dict:
         return {"init": self.init.to_config(), "fan_in": self.fan_in, "fan_out": self.fan_out}
@@ -104,7 +104,7 @@ def _keras_initializer(init: Init, role: str, fan_in: int | None, fan_out: int |
     return DenseBridgeInitializer(init, fan_in, fan_out)
 
 
-def _db_init(initializer, default: str) -> Init:
+def init_of(initializer, default: str) -> Init:
     """The db Init a Keras initializer samples; ``default`` where dense_bridge has no equal.
 
     Initializers do not change what a layer computes, so an unknown one is not an error.
@@ -166,7 +166,7 @@ class _Draw:
                             f"the layer needs {tuple(shape)} for its input. {received(key, value.shape)}")
         self._left.discard(key)
         del self.params[key]  # TF owns this buffer from here on: keep no writable alias of it
-        tensor = _give(value)
+        tensor = give_array(value)
         if not self._left and self.on_done is not None:
             self.on_done(self.spec)
             self.on_done = None
@@ -181,7 +181,7 @@ class _Draw:
 # ------------------------------------------------------------------ layers
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@keras.saving.register_keras_serializable(package=REGISTRATION_PACKAGE)
 class DenseBridgeDense(keras.layers.Dense):
     """keras.layers.Dense with an exact activation and/or a fixed 0/1 mask on the kernel.
 
@@ -206,7 +206,7 @@ class DenseBridgeDense(keras.layers.Dense):
             raise SpecError(f"the mask of layer {self.name!r} has shape {self._wiring.shape} but the input "
                             f"gives a kernel of shape {shape}. {received('input_shape', input_shape)}")
         wiring = self._wiring
-        init = self._mask_init or (lambda shape, dtype=None: _to_tensor(wiring.as_array(numpy_dtype(dtype))))
+        init = self._mask_init or (lambda shape, dtype=None: to_tensor(wiring.as_array(numpy_dtype(dtype))))
         self._mask_init = None
         self.mask = self.add_weight(name="mask", shape=shape, initializer=init, trainable=False)
 
@@ -243,13 +243,13 @@ class DenseBridgeDense(keras.layers.Dense):
         """The mask as a dense_bridge Wiring, read from the weight once built."""
         if self.mask is None or self._wiring is None:
             return self._wiring
-        current = _read(self.mask) != 0
+        current = read_array(self.mask) != 0
         if not np.array_equal(current, self._wiring.adjacency):
             self._wiring = Wiring(current, allow_empty_outputs=True)
         return self._wiring
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@keras.saving.register_keras_serializable(package=REGISTRATION_PACKAGE)
 class Bilinear(keras.layers.Layer):
     """y_k = x1 @ kernel[k] @ x2 + bias[k]; Keras has no bilinear layer.
 
@@ -306,7 +306,7 @@ def _compile_layer(spec, source: ParamSource, index: int, dtype: str):
     if isinstance(spec, Identity):
         return keras.layers.Identity(name=spec.name, dtype=dtype)
     if isinstance(spec, Activation):
-        return _activation_layer(spec, dtype)
+        return activation_layer(spec, dtype)
     raise TypeError(f"spec must be a dense_bridge spec. {received('spec', spec)}")
 
 
@@ -357,7 +357,7 @@ def _neighbour_dtypes(layers: Sequence) -> list[str]:
     return [d or following for d in out]
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
+@keras.saving.register_keras_serializable(package=REGISTRATION_PACKAGE)
 class AnyRankSequential(keras.Sequential):
     """``keras.Sequential`` that takes inputs of any rank, features last, as ``nn.Linear`` does.
 

@@ -33,7 +33,7 @@ from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
 from dense_bridge._layouts import Entry
 
-from ._arrays import _assign, _read
+from ._arrays import assign_array, read_array
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def is_einsum(layer) -> bool:
 def einsum_params(layer) -> dict[str, np.ndarray]:
     """Canonical kernel (in_features, units) and bias (units,) of a linear-map EinsumDense."""
     plan = plan_or_raise(layer)
-    kernel = _read(layer.kernel).transpose(plan.perm).reshape(plan.in_features, plan.units)
+    kernel = read_array(layer.kernel).transpose(plan.perm).reshape(plan.in_features, plan.units)
     out = {"kernel": kernel}
     if plan.bias_axes is not None:
         out["bias"] = np.broadcast_to(_bias_view(layer, plan), plan.out_shape).reshape(plan.units)
@@ -119,7 +119,7 @@ def einsum_params(layer) -> dict[str, np.ndarray]:
 
 def _bias_view(layer, plan: EinsumPlan) -> np.ndarray:
     """The Keras bias as an array broadcastable to out_shape (its shape has trailing 1s already)."""
-    b = _read(layer.bias)
+    b = read_array(layer.bias)
     return b.reshape((1,) * (len(plan.out_shape) - b.ndim) + b.shape)
 
 
@@ -142,9 +142,9 @@ def set_einsum_params(layer, params: dict[str, np.ndarray]) -> None:
     if "kernel" in params:
         inverse = tuple(np.argsort(plan.perm))
         native = np.asarray(params["kernel"]).reshape(plan.in_shape + plan.out_shape).transpose(inverse)
-        _assign(layer.kernel, np.ascontiguousarray(native))
+        assign_array(layer.kernel, np.ascontiguousarray(native))
     if bias is not None:
-        _assign(layer.bias, np.ascontiguousarray(bias))
+        assign_array(layer.bias, np.ascontiguousarray(bias))
 
 
 def einsum_call(layer, x):
@@ -234,12 +234,12 @@ def _entry(path: str, layer, kind: str, variables: list) -> Entry:
     named = {_local_name(v): v for v in variables}
 
     def read() -> dict[str, np.ndarray]:
-        return {n: _read(v) for n, v in named.items()}
+        return {n: read_array(v) for n, v in named.items()}
 
     def write(arrays: dict[str, Any]) -> None:
         for n, a in arrays.items():
             target = numpy_dtype(keras.backend.standardize_dtype(named[n].dtype))
-            _assign(named[n], np.ascontiguousarray(np.asarray(a).astype(target, copy=False)))
+            assign_array(named[n], np.ascontiguousarray(np.asarray(a).astype(target, copy=False)))
 
     note = "" if kind != "quantized" else f"quantization_mode={layer.quantization_mode!r}"
     return Entry(path, layer, kind, tuple(named), {n: id(v) for n, v in named.items()},

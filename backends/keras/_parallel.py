@@ -140,20 +140,20 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
 
 def _keras_layers(model) -> tuple[list, bool]:
     """(the layer chain, whether canonical keys carry positions), as get_params reads them."""
-    from ._to_spec import _layers_of
+    from ._to_spec import layers_of
 
-    layers, keyed = _layers_of(model)
+    layers, keyed = layers_of(model)
     return list(layers), keyed
 
 
 def shard_shapes(model) -> dict[str, list[tuple[int, ...]]]:
     """Canonical key -> the shape of each device's shard of that variable (device order)."""
-    from ._params import _variables
+    from ._params import layer_variables
 
     layers, seq = _keras_layers(model)
     out = {}
     for i, layer in enumerate(layers):
-        for key, v in _variables(layer).items():
+        for key, v in layer_variables(layer).items():
             shards = sorted(v.value.addressable_shards, key=lambda s: s.device.id)
             out[(f"{i}." if seq else "") + key] = [tuple(int(d) for d in s.data.shape) for s in shards]
     return out
@@ -200,14 +200,14 @@ def get_params_parallel(native, local: bool = False) -> dict:
     process's addressable block of each, as :class:`dense_bridge._parallel.Shard`: the bounding
     block of the shards this process addresses, checked to be tiled by them exactly (in one
     process: the whole tensor)."""
-    from ._params import _variables, get_params
+    from ._params import layer_variables, get_params
 
     if not local:
         return get_params(native)
     layers, seq = _keras_layers(native)
     out = {}
     for i, layer in enumerate(layers):
-        for key, v in _variables(layer).items():
+        for key, v in layer_variables(layer).items():
             out[(f"{i}." if seq else "") + key] = _addressable_block(v.value)
     return out
 

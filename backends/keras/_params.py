@@ -14,18 +14,18 @@ import numpy as np
 
 from dense_bridge._errors import SpecError
 
-from ._arrays import _assign, _read, _to_tensor
+from ._arrays import assign_array, read_array, to_tensor
 from ._models import einsum_params, set_einsum_params
-from ._to_spec import _describe, _kind, _layers_of
+from ._to_spec import describe_layer, layer_kind, layers_of
 
 
-def _variables(layer) -> dict[str, Any]:
+def layer_variables(layer) -> dict[str, Any]:
     """Canonical name -> Keras variable of one layer (the mask included)."""
-    kind = _kind(layer)
+    kind = layer_kind(layer)
     if kind == "free":
         return {}
     if not layer.built:
-        raise SpecError(f"{_describe(layer)} has in_features=None (lazy) and no parameters yet: run one "
+        raise SpecError(f"{describe_layer(layer)} has in_features=None (lazy) and no parameters yet: run one "
                         "input through it (or build it) first")
     out = {"kernel": layer.kernel}
     if layer.bias is not None:
@@ -37,36 +37,36 @@ def _variables(layer) -> dict[str, Any]:
 
 def get_params(native) -> dict[str, np.ndarray]:
     """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
-    layers, keyed = _layers_of(native)
+    layers, keyed = layers_of(native)
     out = {}
     for i, layer in enumerate(layers):
         # an EinsumDense kernel is reshaped (a copy) to the canonical (in_features, units)
-        read = einsum_params(layer) if _kind(layer) == "einsum" else \
-            {k: _read(v) for k, v in _variables(layer).items()}
+        read = einsum_params(layer) if layer_kind(layer) == "einsum" else \
+            {k: read_array(v) for k, v in layer_variables(layer).items()}
         out.update({(f"{i}." if keyed else "") + k: v for k, v in read.items()})
     return out
 
 
 def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Write validated canonical params (possibly a subset) into the variables."""
-    layers, keyed = _layers_of(native)
+    layers, keyed = layers_of(native)
     for i, layer in enumerate(layers):
         prefix = f"{i}." if keyed else ""
         mine = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
-        if mine and _kind(layer) == "einsum":
+        if mine and layer_kind(layer) == "einsum":
             set_einsum_params(layer, mine)
         elif mine:
             _set_layer(layer, mine)
 
 
 def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
-    variables = _variables(layer)
+    variables = layer_variables(layer)
     if "mask" in params:
-        _assign(variables["mask"], params["mask"])
+        assign_array(variables["mask"], params["mask"])
     if "kernel" in params or "mask" in params:
-        kernel = _to_tensor(params["kernel"]) if "kernel" in params else variables["kernel"].value
+        kernel = to_tensor(params["kernel"]) if "kernel" in params else variables["kernel"].value
         if "mask" in variables:  # stored masked weights are exactly 0, whatever was given
             kernel = keras.ops.multiply(kernel, variables["mask"].value)
         variables["kernel"].assign(kernel)
     if "bias" in params:
-        _assign(variables["bias"], params["bias"])
+        assign_array(variables["bias"], params["bias"])

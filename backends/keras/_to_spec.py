@@ -1,4 +1,4 @@
-"""Reading Keras objects back into specs: which layers are readable (:func:`_kind`) and their specs,
+"""Reading Keras objects back into specs: which layers are readable (:func:`layer_kind`) and their specs,
 and walking models: the layer chain of a Sequential or functional model (positions in a chain are
 the canonical parameter-key positions, "0.kernel"; InputLayers are not part of it; subclassed
 models, shared layers and branching graphs are refused).
@@ -20,14 +20,14 @@ from dense_bridge._layouts import warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 
-from ._activations import _activation_of_function, _activation_of_layer
-from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, _db_init
+from ._activations import activation_of_function, activation_of_layer
+from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, init_of
 from ._models import plan_or_raise
 
 
 
 # ------------------------------------------------------------------ walking models
-def _describe(obj) -> str:
+def describe_layer(obj) -> str:
     t = type(obj)
     return f"layer {getattr(obj, 'name', '?')!r} ({t.__module__}.{t.__qualname__})"
 
@@ -51,12 +51,12 @@ def _chain(model) -> list:
         layers = _functional_chain(model)
     else:
         raise ConversionError(
-            f"{_describe(model)} is a subclassed keras.Model; dense_bridge reads keras.Sequential and "
+            f"{describe_layer(model)} is a subclassed keras.Model; dense_bridge reads keras.Sequential and "
             "functional models whose layers form one chain")
     seen: set[int] = set()
     for layer in layers:
         if id(layer) in seen:
-            raise ConversionError(f"{_describe(layer)} is used twice in {_describe(model)}; shared layers "
+            raise ConversionError(f"{describe_layer(layer)} is used twice in {describe_layer(model)}; shared layers "
                                   "cannot be expressed as a Sequential")
         seen.add(id(layer))
     return layers
@@ -64,7 +64,7 @@ def _chain(model) -> list:
 
 def _functional_chain(model) -> list:
     if len(model.inputs) != 1 or len(model.outputs) != 1:
-        raise ConversionError(f"{_describe(model)} has {len(model.inputs)} inputs and {len(model.outputs)} "
+        raise ConversionError(f"{describe_layer(model)} has {len(model.inputs)} inputs and {len(model.outputs)} "
                               "outputs; dense_bridge reads single-input, single-output chains")
     layers, tensor = [], model.outputs[0]
     while True:
@@ -74,16 +74,16 @@ def _functional_chain(model) -> list:
         node = op._inbound_nodes[node_index]
         if len(node.input_tensors) != 1:
             raise ConversionError(
-                f"{_describe(op)} in {_describe(model)} takes {len(node.input_tensors)} tensors; dense_bridge "
+                f"{describe_layer(op)} in {describe_layer(model)} takes {len(node.input_tensors)} tensors; dense_bridge "
                 "reads models whose layers form one chain (no residual or merge connections)")
         layers.append(op)
         tensor = node.input_tensors[0]
     if tensor is not model.inputs[0]:  # pragma: no cover - Keras guarantees a connected graph
-        raise ConversionError(f"{_describe(model)}: the output does not lead back to the input")
+        raise ConversionError(f"{describe_layer(model)}: the output does not lead back to the input")
     return layers[::-1]
 
 
-def _layers_of(native) -> tuple[list, bool]:
+def layers_of(native) -> tuple[list, bool]:
     """(the layers, whether parameter keys carry their position): a model's chain, or one layer."""
     if isinstance(native, keras.Model):
         return _chain(native), True
@@ -107,7 +107,7 @@ def _spec_name(obj) -> str | None:
     return name
 
 
-def _kind(layer) -> str:
+def layer_kind(layer) -> str:
     """"dense", "bilinear" or "free" (no parameters); ConversionError for anything else."""
     t = type(layer)
     if t in (keras.layers.Dense, DenseBridgeDense):
@@ -118,13 +118,13 @@ def _kind(layer) -> str:
         plan_or_raise(layer)
         return "einsum"
     if t is keras.layers.Flatten and layer.data_format == "channels_first":
-        raise ConversionError(f"cannot convert {_describe(layer)}: Flatten(data_format='channels_first') moves the "
+        raise ConversionError(f"cannot convert {describe_layer(layer)}: Flatten(data_format='channels_first') moves the "
                               f"channels last before flattening; db.Flatten() flattens the axes in their order")
     if t in (keras.layers.Identity, keras.layers.Dropout, keras.layers.Flatten) or \
-            _activation_of_layer(layer) is not None:
+            activation_of_layer(layer) is not None:
         return "free"
     raise ConversionError(
-        f"cannot convert {_describe(layer)}: dense_bridge reads Dense, EinsumDense (a linear map), Bilinear, "
+        f"cannot convert {describe_layer(layer)}: dense_bridge reads Dense, EinsumDense (a linear map), Bilinear, "
         "Identity, Dropout, Flatten, Activation, ReLU, LeakyReLU, ELU and Softmax layers")
 
 
@@ -139,13 +139,13 @@ def _model_spec(model) -> Sequential:
     chain = _chain(model)
     specs = []
     for layer in chain:
-        if _kind(layer) == "bilinear":
-            raise ConversionError(f"{_describe(layer)} takes two inputs and cannot sit in a Sequential chain")
+        if layer_kind(layer) == "bilinear":
+            raise ConversionError(f"{describe_layer(layer)} takes two inputs and cannot sit in a Sequential chain")
         specs.append(_layer_spec(layer))
     try:
         return Sequential(specs, in_features=_input_width(model), name=_spec_name(model))
     except SpecError as exc:
-        raise ConversionError(f"{_describe(model)}: {exc}") from None
+        raise ConversionError(f"{describe_layer(model)}: {exc}") from None
 
 
 def _input_width(model) -> int | None:
@@ -163,29 +163,29 @@ def _input_width(model) -> int | None:
 
 
 def _layer_spec(layer):
-    kind = _kind(layer)
+    kind = layer_kind(layer)
     if kind == "dense":
         return _dense_spec(layer)
     if kind == "einsum":
         return _einsum_spec(layer)
     if kind == "bilinear":
         return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
-                            init=_db_init(layer.kernel_initializer, "torch_default"),
+                            init=init_of(layer.kernel_initializer, "torch_default"),
                             dtype=_dtype_of(layer), name=_spec_name(layer))
     if type(layer) is keras.layers.Flatten:
         return Flatten(name=_spec_name(layer))
     if type(layer) is keras.layers.Dropout:
-        warn_dropout(_describe(layer), layer.rate)
+        warn_dropout(describe_layer(layer), layer.rate)
     if type(layer) in (keras.layers.Identity, keras.layers.Dropout):  # Dropout: identity at inference
         return Identity(name=_spec_name(layer))
-    return _activation_of_layer(layer)
+    return activation_of_layer(layer)
 
 
 def _dtype_of(layer) -> str:
     # the variables' dtype: a mixed policy ("mixed_float16") reads as its float32 parameters
     dtype = keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype)
     if dtype not in DTYPE_NAMES:
-        raise ConversionError(f"{_describe(layer)} has dtype {dtype}; dense_bridge supports "
+        raise ConversionError(f"{describe_layer(layer)} has dtype {dtype}; dense_bridge supports "
                               f"{', '.join(DTYPE_NAMES)}")
     return dtype
 
@@ -201,32 +201,32 @@ def _warn_dropped(layer) -> None:
     found = {a: v for a, v in found.items() if v is not None}
     if found:
         listed = ", ".join(f"{a}={type(v).__name__}" for a, v in found.items())
-        warnings.warn(f"{_describe(layer)}: {listed} dropped: a dense_bridge spec carries no regularizers or "
+        warnings.warn(f"{describe_layer(layer)}: {listed} dropped: a dense_bridge spec carries no regularizers or "
                       f"constraints, so a converted or saved model trains without them", UserWarning, stacklevel=4)
 
 
 def _einsum_spec(layer) -> Dense:
     """An EinsumDense whose equation is a linear map, as the Dense it computes (backends/keras/_models.py)."""
-    where = _describe(layer)
+    where = describe_layer(layer)
     if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
         raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
     plan = plan_or_raise(layer)
     _warn_dropped(layer)
     return Dense(plan.units, in_features=plan.in_features, use_bias=plan.bias_axes is not None,
-                 activation=_activation_of_function(layer.activation, where),
-                 kernel_init=_db_init(layer.kernel_initializer, "glorot_uniform"),
-                 bias_init=_db_init(layer.bias_initializer, "zeros"), dtype=_dtype_of(layer), name=_spec_name(layer))
+                 activation=activation_of_function(layer.activation, where),
+                 kernel_init=init_of(layer.kernel_initializer, "glorot_uniform"),
+                 bias_init=init_of(layer.bias_initializer, "zeros"), dtype=_dtype_of(layer), name=_spec_name(layer))
 
 
 def _dense_spec(layer) -> Dense:
-    where = _describe(layer)
+    where = describe_layer(layer)
     if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
         raise ConversionError(f"{where} is quantized or has LoRA enabled; dense_bridge reads plain kernels")
     wiring = layer.wiring() if isinstance(layer, DenseBridgeDense) else None
     _warn_dropped(layer)
     in_features = int(layer.kernel.shape[0]) if layer.built else None
     return Dense(layer.units, in_features=in_features, use_bias=layer.use_bias,
-                 activation=_activation_of_function(layer.activation, where),
-                 kernel_init=_db_init(layer.kernel_initializer, "glorot_uniform"),
-                 bias_init=_db_init(layer.bias_initializer, "zeros"),
+                 activation=activation_of_function(layer.activation, where),
+                 kernel_init=init_of(layer.kernel_initializer, "glorot_uniform"),
+                 bias_init=init_of(layer.bias_initializer, "zeros"),
                  mask=wiring, dtype=_dtype_of(layer), name=_spec_name(layer))

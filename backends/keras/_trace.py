@@ -16,19 +16,19 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._engine import layer_vjp, to_numpy, to_tensor
 from ._models import einsum_call, einsum_canonical_grads
-from ._params import _variables
-from ._to_spec import _kind, _layers_of
+from ._params import layer_variables
+from ._to_spec import layer_kind, layers_of
 
 
 def _call(layer, *xs):
-    return einsum_call(layer, xs[0]) if _kind(layer) == "einsum" else layer(*xs, training=False)
+    return einsum_call(layer, xs[0]) if layer_kind(layer) == "einsum" else layer(*xs, training=False)
 
 
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Forward, then per-layer backward for L = sum(y * grad_out), with the engine's autograd."""
-    layers, _ = _layers_of(native)
+    layers, _ = layers_of(native)
     for layer in layers:
-        _kind(layer)
+        layer_kind(layer)
     dtype = layers[0].compute_dtype if layers else "float32"
     xs = [to_tensor(np.asarray(x), dtype) for x in inputs]
     steps = []
@@ -41,9 +41,9 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     for i in range(len(steps) - 1, -1, -1):
         layer, xs, _ = steps[i]
         y, dxs, by_path = layer_vjp(layer, xs, g, _call)
-        names = {v.path: k for k, v in _variables(layer).items() if k != "mask"}
+        names = {v.path: k for k, v in layer_variables(layer).items() if k != "mask"}
         pgrads = {names[p]: to_numpy(d) for p, d in by_path.items() if p in names}
-        if _kind(layer) == "einsum":
+        if layer_kind(layer) == "einsum":
             pgrads = einsum_canonical_grads(layer, pgrads)
         records[i] = LayerTrace(to_numpy(y), tuple(to_numpy(d) for d in dxs), pgrads)
         g = dxs[0]
