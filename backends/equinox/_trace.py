@@ -9,7 +9,6 @@ back in the canonical layout (weight.T for Dense).
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import equinox as eqx
@@ -17,8 +16,9 @@ import jax
 import numpy as np
 
 from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.backends._jax.trace import float_name, trace_layers
 
-from ._arrays import DTYPES, to_jax, x64_enabled
+from ._arrays import to_jax
 from ._layers import Bilinear, is_dense
 from ._params import positions
 
@@ -33,30 +33,6 @@ def _apply(static, dynamic, xs):
     ``dynamic`` is None)."""
     layer = static.tree if dynamic is None else eqx.combine(dynamic, static.tree)
     return jax.vmap(lambda *a: layer(*a))(*xs)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _trace_all(statics, casts, dynamics, xs, g):
-    layer_inputs, outputs = [], []
-    for static, cast, dynamic in zip(statics, casts, dynamics):
-        if cast is not None:
-            xs = tuple(x.astype(cast) for x in xs)
-        layer_inputs.append(xs)
-        xs = (_apply(static, dynamic, xs),)
-        outputs.append(xs[0])
-    g = g.astype(outputs[-1].dtype)
-    records = [None] * len(statics)
-    for i in range(len(statics) - 1, -1, -1):
-        y, vjp = jax.vjp(lambda d, *inputs: _apply(statics[i], d, inputs), dynamics[i], *layer_inputs[i])
-        grads = vjp(g.astype(y.dtype))
-        records[i] = (y, grads[1:], grads[0])
-        g = grads[1]
-    return records
-
-
-def _float_name(dtype) -> str:
-    name = np.dtype(dtype).name
-    return name if name in DTYPES and (name != "float64" or x64_enabled()) else "float32"
 
 
 def _canonical_grads(m, grads) -> dict[str, np.ndarray]:
@@ -77,14 +53,14 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     n = int(np.prod(lead)) if lead else 1
     flat = [x.reshape((n,) + x.shape[-1:]) for x in inputs]
     first = next((d for d in map(_param_dtype, layers) if d is not None), None)
-    name = _float_name(first if first is not None else inputs[0].dtype)
+    name = float_name(first if first is not None else inputs[0].dtype)
     xs = tuple(to_jax(x, name) for x in flat)
     # a layer that is a bare function (an MLP's activation) has nothing to partition
     split = [eqx.partition(m, eqx.is_inexact_array) if isinstance(m, eqx.Module) else (None, m) for m in layers]
     g = np.asarray(grad_out)
-    g = to_jax(g.reshape((n,) + g.shape[len(lead):]), _float_name(g.dtype))
-    records = _trace_all(tuple(_Static(s) for _, s in split), tuple(map(_param_dtype, layers)),
-                         tuple(d for d, _ in split), xs, g)
+    g = to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype))
+    records = trace_layers(_apply, tuple(_Static(s) for _, s in split), tuple(map(_param_dtype, layers)),
+                           tuple(d for d, _ in split), xs, g)
     out = []
     for m, (y, dxs, gparams) in zip(layers, records):
         shape = lambda a: np.array(a).reshape(lead + a.shape[1:])  # noqa: E731

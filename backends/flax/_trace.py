@@ -9,16 +9,15 @@ parameter dtype; Flax's layouts are canonical, so gradients need no transpose.
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
-import jax
 import numpy as np
 from flax import nnx
 
 from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.backends._jax.trace import float_name, trace_layers
 
-from ._arrays import DTYPES, to_jax, x64_enabled
+from ._arrays import to_jax
 from ._layers import LazyDenseLinear
 from ._params import positions
 
@@ -35,26 +34,6 @@ def _apply(static, dynamic, xs):
         params, rest = dynamic
         return nnx.merge(what, params, rest)(*xs)
     return what(*xs)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _trace_all(statics, casts, dynamics, xs, g):
-    """Every layer's output, input grads and Param grads, in one XLA computation (one compile)."""
-    layer_inputs, outputs = [], []
-    for static, cast, dynamic in zip(statics, casts, dynamics):
-        if cast is not None:
-            xs = tuple(x.astype(cast) for x in xs)
-        layer_inputs.append(xs)
-        xs = (_apply(static, dynamic, xs),)
-        outputs.append(xs[0])
-    g = g.astype(outputs[-1].dtype)
-    records = [None] * len(statics)
-    for i in range(len(statics) - 1, -1, -1):
-        y, vjp = jax.vjp(lambda d, *inputs: _apply(statics[i], d, inputs), dynamics[i], *layer_inputs[i])
-        grads = vjp(g.astype(y.dtype))
-        records[i] = (y, grads[1:], grads[0][0] if statics[i][0] == "module" else None)
-        g = grads[1]
-    return records
 
 
 def _split(m):
@@ -74,26 +53,23 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         break
     first = next((d for d in map(_param_dtype, layers) if d is not None), None)
     name = np.dtype(first).name if first is not None else np.dtype(inputs[0].dtype).name
-    xs = [to_jax(x, _float_name(name)) for x in inputs]
+    xs = [to_jax(x, float_name(name)) for x in inputs]
     casts = []
     for m in layers:
         if isinstance(m, LazyDenseLinear) and not m.built:  # later in line: one eager call builds it
             m(_forward_eager(layers[:len(casts)], xs))
         casts.append(_param_dtype(m))
     split = [_split(m) for m in layers]
-    records = _trace_all(tuple(s for s, _ in split), tuple(casts), tuple(d for _, d in split), tuple(xs),
-                         to_jax(grad_out, _float_name(np.asarray(grad_out).dtype)))
+    g = to_jax(grad_out, float_name(np.asarray(grad_out).dtype))
+    records = trace_layers(_apply, tuple(s for s, _ in split), tuple(casts), tuple(d for _, d in split),
+                           tuple(xs), g)
     out = []
-    for y, dxs, gparams in records:
+    for (y, dxs, gdynamic), (_, dynamic) in zip(records, split):
+        gparams = None if dynamic is None else gdynamic[0]  # (d params, d rest): the Params' part
         grads = {} if gparams is None else {k: np.array(v) for k, v in nnx.to_pure_dict(gparams).items()
                                             if v is not None}
         out.append(LayerTrace(np.array(y), tuple(np.array(d) for d in dxs), grads))
     return Trace(out)
-
-
-def _float_name(dtype) -> str:
-    name = np.dtype(dtype).name
-    return name if name in DTYPES and (name != "float64" or x64_enabled()) else "float32"
 
 
 def _forward_eager(layers, xs):
