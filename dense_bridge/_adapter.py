@@ -71,6 +71,14 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   ``check(got, expected)`` (both ``{name: (shape, dtype)}``) raises a CheckpointError listing
   every difference; the adapter calls it before loading. Every failure is a CheckpointError
   naming ``path``.
+- ``file_views(path, container, twin, spec, *, files=None, check) -> Mapping | None`` (optional):
+  the file's canonical parameters ({canonical name: array}, each read when first asked for)
+  without building a model of the file's framework, for a conversion to ANOTHER framework that
+  copies one layer at a time (issue 10: memory near one copy). ``twin`` is the spec's structure
+  twin (``_checkpoint_native.structure_twin``: every width 1) compiled on this framework, from
+  which the adapter learns the names its framework saves; ``check`` as for ``read_file``.
+  None where the adapter cannot serve this file so: the core falls back to ``read_file``.
+  Keras offers it for ``.weights.h5`` (torch zip files are mapped by ``read_file(borrow=True)``).
 - ``write_file(model, path, kind, *, temp, metadata=None)``: write ``model`` in this framework's
   format ``kind`` (from ``_checkpoint_native.output_kind``: "torch-pickle", "safetensors", "npz",
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
@@ -100,7 +108,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model")
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

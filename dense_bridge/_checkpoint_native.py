@@ -282,8 +282,10 @@ class NativeCheckpoint:
             if progress is not None:
                 progress(1, 1)
             return model
-        views = _api.get_params(self.template(borrow=True), copy=False)
         self._need_spec()
+        views = self._file_views()
+        if views is None:
+            views = _api.get_params(self.template(borrow=True), copy=False)
         stream = _ViewStream(self.spec, views, allow_nonfinite)
         try:
             out = _api.build(backend, ParamSource(self.spec, stream=stream))
@@ -294,6 +296,42 @@ class NativeCheckpoint:
         if progress is not None:
             progress(1, 1)
         return out
+
+
+    def _file_views(self):
+        """The file's canonical parameters straight from the file (adapter verb ``file_views``),
+        or None where the adapter offers no such path for it: no model of the file's framework
+        is built, so a conversion holds the target and one layer of the file, not two models."""
+        from . import _api
+        from ._params import ParamSource
+
+        serve = getattr(self._adapter(), "file_views", None)
+        if serve is None or self.like is not None:  # the user's own class: only its framework reads it
+            return None
+        try:
+            twin = _api.build(self.framework, ParamSource(structure_twin(self.spec), seed=0))
+        except DenseBridgeError:
+            return None  # a spec the twin cannot express: the full template path decides
+        return serve(self.path, self.container, twin, self.spec, files=self.files, check=self._check)
+
+
+def structure_twin(spec):
+    """``spec`` with every width 1 (units, in_features, Bilinear inputs; a mask becomes [[1]]):
+    the same layers, classes, activations, biases and dtypes, hence the same names in any
+    framework's files, for a few bytes of parameters (see the adapter verb ``file_views``)."""
+    from .specs import Bilinear, Dense, Sequential
+
+    def shrink(layer):
+        if isinstance(layer, Dense):
+            return layer.replace(units=1, in_features=1, mask=None if layer.mask is None else np.ones((1, 1)))
+        if isinstance(layer, Bilinear):
+            return layer.replace(in1_features=1, in2_features=1, units=1)
+        return layer
+
+    if isinstance(spec, Sequential):
+        return Sequential([shrink(l) for l in spec.layers], in_features=None if spec.in_features is None else 1,
+                          name=spec.name)
+    return shrink(spec)
 
 
 class _ViewStream:

@@ -12,18 +12,26 @@ model, loaded with dense_bridge's Keras classes registered.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
 import shutil
 import tempfile
 import warnings
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import h5py
 import keras
+import numpy as np
 
-from dense_bridge._errors import CheckpointError
-from dense_bridge._safetensors import SafetensorsFile
+from dense_bridge._dtypes import numpy_dtype
+from dense_bridge._errors import CheckpointError, DenseBridgeError
+from dense_bridge._safetensors import SafetensorsFile, open_readonly
+from dense_bridge.specs import Sequential, layer_param_shapes
+
+from ._params import layer_variables
+from ._to_spec import layers_of
 
 Entries = dict  # name -> (native shape, dtype name)
 SPEC_ATTR = "dense_bridge_spec"
@@ -37,9 +45,12 @@ def _first_line(exc: BaseException) -> str:
 def _h5_structure(path: str) -> Entries:
     """Dataset path -> (shape, dtype) of a Keras weights file (bfloat16 from its "dtype" attribute)."""
     out: Entries = {}
+    foreign: list[str] = []
 
     def visit(name, obj):
-        if isinstance(obj, h5py.Dataset):
+        if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
+            foreign.append(name)
+        elif isinstance(obj, h5py.Dataset):
             dtype = obj.attrs.get("dtype")
             dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
             out[name] = (tuple(int(d) for d in obj.shape), str(dtype) if dtype else obj.dtype.name)
@@ -50,6 +61,10 @@ def _h5_structure(path: str) -> Entries:
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
                               "corrupted?)") from None
+    if foreign:
+        # values kept in other files, named by this one (Keras itself would read them): never followed
+        raise CheckpointError(f"{path}: datasets {foreign[:5]} keep their values in other files (virtual or "
+                              "external storage), which dense_bridge does not follow")
     return out
 
 
@@ -94,6 +109,18 @@ def _var_groups(struct: Entries) -> dict[str, list[str]] | None:
     return groups
 
 
+def _saved_names(model) -> list[tuple[object, str]]:
+    """(layer, the group name Keras saves it under) for each layer of ``model`` in order:
+    snake_case(class name), then ``_1``, ``_2``... for later layers of the same class."""
+    used: dict[str, int] = {}
+    out = []
+    for layer in getattr(model, "layers", [model]):
+        base = _snake(type(layer).__name__)
+        out.append((layer, base if base not in used else f"{base}_{used[base] + 1}"))
+        used[base] = used.get(base, -1) + 1
+    return out
+
+
 def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
     """File variable path -> template variable path when the two differ only in class names.
 
@@ -107,14 +134,7 @@ def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
     if len({_SUFFIX.match(n).group(1) for n in fg}) != 1:
         return None
     file_order = sorted(fg, key=lambda n: int(_SUFFIX.match(n).group(2) or 0))
-    used: dict[str, int] = {}
-    template_order = []
-    for layer in getattr(model, "layers", [model]):
-        base = _snake(type(layer).__name__)
-        name = base if base not in used else f"{base}_{used[base] + 1}"
-        used[base] = used.get(base, -1) + 1
-        if name in eg:
-            template_order.append(name)
+    template_order = [name for _, name in _saved_names(model) if name in eg]
     if len(template_order) != len(eg):
         return None
     mapping = {}
@@ -217,6 +237,147 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return template
+
+
+# ------------------------------------------------------------------ streaming a weights file
+def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+               check: Callable[[Entries, Entries], None]) -> Mapping[str, np.ndarray] | None:
+    """The canonical parameters of a ``.weights.h5`` read straight from the file, no Keras model
+    built: what a conversion to another framework needs, which copies each layer once.
+
+    ``twin``: ``spec``'s structure twin compiled on Keras (every width 1: the same layer classes,
+    hence the same saved names, for a few bytes). Keras' own ``save_weights`` of the twin gives
+    the dataset paths the file must have; each variable's canonical name comes from its layer's
+    own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
+    shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
+    difference in one CheckpointError) before anything is read. Returns canonical name ->
+    array, each read when first asked for (:class:`_DatasetViews`); None where this path does
+    not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
+    caller then loads a full template with :func:`read_file`.
+    """
+    if container != "h5" or not isinstance(twin, keras.Model):
+        return None
+    roles = _roles(twin)
+    if roles is None:
+        return None
+    d = tempfile.mkdtemp(prefix="dense_bridge-")
+    try:
+        scratch = os.path.join(d, "twin.weights.h5")
+        twin.save_weights(scratch)
+        twin_paths = set(_h5_structure(scratch))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    if twin_paths != set(roles):
+        return None  # the twin saves something this reader does not know: let Keras load it
+    shapes = _canonical_shapes(spec)
+    expected = {p: (shapes[name][0], shapes[name][1]) for p, name in roles.items()}
+    got = _h5_structure(path)
+    source_of = {p: p for p in got}  # template path -> the file's own dataset path
+    if set(got) != set(expected):
+        mapping = _mapping(twin, got, expected)
+        if mapping is not None:
+            source_of = {mapping[p]: p for p in got}
+            got = {mapping[k]: v for k, v in got.items()}
+    check(got, expected)
+    return _DatasetViews(path, {roles[p]: (source_of[p], expected[p]) for p in roles})
+
+
+def _roles(twin) -> dict[str, str] | None:
+    """Dataset path -> canonical parameter name ("0.kernel") for a compiled Sequential; None when
+    a layer stores something that is not one of its canonical variables."""
+    layers, keyed = layers_of(twin)
+    position = {id(layer): i for i, layer in enumerate(layers)}
+    roles: dict[str, str] = {}
+    for layer, group in _saved_names(twin):
+        if id(layer) not in position:
+            continue
+        try:
+            canonical = layer_variables(layer)
+        except DenseBridgeError:
+            return None
+        if not canonical:
+            continue
+        store: dict = {}
+        layer.save_own_variables(store)
+        prefix = f"{position[id(layer)]}." if keyed else ""
+        for key, value in store.items():
+            name = next((n for n, v in canonical.items() if v is value), None)
+            if name is None:
+                return None
+            roles[f"layers/{group}/vars/{key}"] = prefix + name
+    return roles
+
+
+def _canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Canonical name -> (shape, dtype name) for every parameter of ``spec`` (Keras stores every
+    parameter in the canonical layout)."""
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    out = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        for name, shape in layer_param_shapes(layer).items():
+            out[prefix + name] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    return out
+
+
+class _DatasetViews(Mapping):
+    """Canonical name -> the dataset's values, read on first access and not kept.
+
+    A contiguous, unfiltered dataset in native byte order is mapped copy-on-write from one
+    descriptor opened once (a save that replaces the file meanwhile does not change what is
+    read); its clean pages are the file's, which the caller may drop after copying the layer.
+    Anything else (chunked, compressed, big-endian) is read by h5py from the same descriptor.
+    The byte range is checked against the file's size before mapping, so a dataset that claims
+    more than the file holds is a CheckpointError, never a SIGBUS.
+    """
+
+    def __init__(self, path: str, entries: dict[str, tuple[str, tuple[tuple[int, ...], str]]]) -> None:
+        self.path, self._entries = path, entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        dataset_path, (shape, dtype_name) = self._entries[name]
+        dtype = numpy_dtype(dtype_name)
+        fd = open_readonly(self.path)
+        try:
+            with os.fdopen(os.dup(fd), "rb") as handle:
+                try:
+                    with h5py.File(handle, "r") as f:
+                        return self._read(f[dataset_path], fd, shape, dtype, dataset_path)
+                except (DenseBridgeError, MemoryError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError
+                    raise CheckpointError(f"cannot read {dataset_path} from {self.path}: {_first_line(exc)}") \
+                        from None
+        finally:
+            os.close(fd)
+
+    def _read(self, dataset, fd: int, shape, dtype: np.dtype, where: str) -> np.ndarray:
+        nbytes = dtype.itemsize * math.prod(shape)
+        if tuple(dataset.shape) != tuple(shape) or dataset.dtype.itemsize != dtype.itemsize:
+            raise CheckpointError(f"{self.path}: dataset {where} changed while it was read")
+        if dataset.is_virtual or dataset.external:  # the file was replaced since _h5_structure looked
+            raise CheckpointError(f"{self.path}: datasets ['{where}'] keep their values in other files (virtual "
+                                  "or external storage), which dense_bridge does not follow")
+        offset = dataset.id.get_offset()
+        plain = dataset.chunks is None and dataset.compression is None and dataset.dtype.isnative \
+            and offset is not None
+        if plain and nbytes:
+            if offset + nbytes > os.fstat(fd).st_size:
+                raise CheckpointError(f"{self.path}: dataset {where} claims bytes {offset}..{offset + nbytes} "
+                                      f"but the file has {os.fstat(fd).st_size} (truncated?)")
+            skip = offset % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fd, skip + nbytes, access=mmap.ACCESS_COPY, offset=offset - skip)
+            return np.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=skip).reshape(shape)
+        raw = dataset[()]  # shape and item size were checked against the spec: the allocation is bounded
+        if raw.dtype.kind == "V" or dtype.name == "bfloat16":
+            return np.ascontiguousarray(raw).view(dtype).reshape(shape)
+        return np.asarray(raw, dtype=dtype).reshape(shape)
 
 
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
