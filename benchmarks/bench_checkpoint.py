@@ -211,6 +211,7 @@ SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
     "canonical -> torch": ("c.safetensors", "convert torch", ("torch",), 1.3),
     "canonical -> keras": ("c.safetensors", "convert keras", ("keras",), 1.3),
     "check .pt vs .weights.h5": ("t.pt", "check k.weights.h5", ("torch", "keras"), 1.5),
+    "check --no-grads": ("t.pt", "check-outputs k.weights.h5", ("torch", "keras"), 1.5),
 }
 
 
@@ -255,7 +256,8 @@ def slope_worker(case: str, workdir: str) -> dict:
                 out = os.path.join(d, "out." + {"torch": "pt", "keras": "weights.h5"}[arg])
                 code = cli.main(["convert", os.path.join(d, src), "--to", arg, "-o", out, "--no-progress", "--spec", spec])
             else:
-                code = cli.main(["check", os.path.join(d, src), os.path.join(d, arg), "--spec", spec])
+                flags = ["--no-grads"] if verb == "check-outputs" else []
+                code = cli.main(["check", os.path.join(d, src), os.path.join(d, arg), "--spec", spec, *flags])
         if code not in (0, 1):
             raise SystemExit(f"{case}: exit {code}")
 

@@ -282,11 +282,7 @@ class NativeCheckpoint:
             if progress is not None:
                 progress(1, 1)
             return model
-        self._need_spec()
-        views = self._file_views()
-        if views is None:
-            views = _api.get_params(self.template(borrow=True), copy=False)
-        stream = _ViewStream(self.spec, views, allow_nonfinite)
+        stream = self.layer_stream(allow_nonfinite)
         try:
             out = _api.build(backend, ParamSource(self.spec, stream=stream))
         except ConversionError as exc:
@@ -297,6 +293,17 @@ class NativeCheckpoint:
             progress(1, 1)
         return out
 
+    def layer_stream(self, allow_nonfinite: bool = False) -> "_ViewStream":
+        """``stream(index, layer_spec)`` -> that layer's validated canonical params: views of the
+        file where the adapter can serve them (``file_views``), else of a template loaded with
+        ``borrow`` (a torch zip stays mapped); the pages of the layer read before are dropped."""
+        from . import _api
+
+        self._need_spec()
+        views = self._file_views()
+        if views is None:
+            views = _api.get_params(self.template(borrow=True), copy=False)
+        return _ViewStream(self.spec, views, allow_nonfinite)
 
     def _file_views(self):
         """The file's canonical parameters straight from the file (adapter verb ``file_views``),

@@ -59,3 +59,28 @@ def check_fits_in_memory(spec, what: str = "spec") -> None:
 def _describe(spec) -> str:
     text = repr(spec)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def return_freed_memory() -> None:
+    """Give memory that was freed back to the operating system, between the steps of a job that
+    streams (one layer pair at a time) through frameworks that allocate on many threads.
+
+    Collects reference cycles first (a framework's model often sits in one until the collector
+    runs), then on glibc calls ``malloc_trim(0)``: the frameworks' worker threads allocate from
+    their own malloc arenas, which keep freed layers as cached free memory, so without this a
+    stream's resident memory creeps up by about a layer per step (measured: a 16-layer
+    ``dense-bridge check`` through Keras grew to 3.5x the file instead of one layer pair).
+    """
+    import ctypes
+    import gc
+    import sys
+
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+        return
+    trim(0)

@@ -517,6 +517,14 @@ class CanonicalCheckpoint:
         """Every tensor as a PendingTensor: read from the file only when written out."""
         return {n: PendingTensor(self.info(n).numpy_dtype, self.info(n).shape, _getter(self, n)) for n in self.where}
 
+    def layer_stream(self, allow_nonfinite: bool = False) -> "_LayerStream":
+        """``stream(index, layer_spec)`` -> that layer's validated canonical params, read from the
+        mapped file when asked (what a layer-by-layer comparison of two files reads)."""
+        if self.spec is None:
+            raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= "
+                                  "(--spec SPEC.json on the command line)")
+        return _LayerStream(self, None, allow_nonfinite)
+
     def native(self, backend: str, progress: Progress | None = None, allow_nonfinite: bool = False):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
         from . import _api
@@ -573,6 +581,9 @@ class _LayerStream:
         if self._progress is not None:
             self._progress(self._done, self._total)
         return checked
+
+    def release(self) -> None:
+        """Nothing to drop: each tensor is its own mapping, unmapped when its array is freed."""
 
 
 def _describe(spec) -> str:

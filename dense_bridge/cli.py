@@ -295,20 +295,19 @@ def _num_params(spec) -> int | None:
 
 
 # ============================================================================ check
-def _open_model(path: str, spec, backend: str | None, fmt: str | None):
+def _open_checkpoint(path: str, spec, backend: str | None, fmt: str | None):
+    """(the opened checkpoint, the backend its model runs on: --backend-a/b, else its own framework)."""
     from . import checkpoint
 
     ckpt = checkpoint.open_checkpoint(path, spec=spec, format=fmt)
     backend = backend or ckpt.framework or "numpy"
     if ckpt.spec is None:
         raise checkpoint.CheckpointError(f"{path} carries no spec: pass --spec SPEC.json")
-    return ckpt, backend, ckpt.native(backend)
+    return ckpt, backend
 
 
 def param_diffs(pa: dict, pb: dict) -> list[dict]:
     """Per canonical parameter: shapes, dtypes, max abs difference and whether the bits agree."""
-    import numpy as np
-
     rows = []
     for k in list(pa) + [k for k in pb if k not in pa]:
         a, b = pa.get(k), pb.get(k)
@@ -317,12 +316,28 @@ def param_diffs(pa: dict, pb: dict) -> list[dict]:
                "dtype_a": None if a is None else a.dtype.name, "dtype_b": None if b is None else b.dtype.name,
                "max_abs_diff": None, "bit_identical": False}
         if a is not None and b is not None and a.shape == b.shape:
-            diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-            row["max_abs_diff"] = float(diff.max()) if diff.size else 0.0
-            row["bit_identical"] = a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == \
-                np.ascontiguousarray(b).tobytes()
+            row["max_abs_diff"], row["bit_identical"] = _max_abs_diff(a, b)
         rows.append(row)
     return rows
+
+
+_DIFF_BLOCK = 1 << 18  # elements per step: float64 temporaries of 2 MB, whatever the tensor's size
+
+
+def _max_abs_diff(a, b) -> tuple[float, bool]:
+    """(max |a - b| in float64, whether the bytes are equal), in blocks: a check of two large
+    files holds one layer pair, not float64 copies of it (issue 10)."""
+    import numpy as np
+
+    fa, fb = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    same_bits = a.dtype == b.dtype
+    block_max = [0.0]
+    for start in range(0, fa.size, _DIFF_BLOCK):
+        ca, cb = fa[start:start + _DIFF_BLOCK], fb[start:start + _DIFF_BLOCK]
+        block_max.append(np.abs(ca.astype(np.float64) - cb.astype(np.float64)).max())
+        if same_bits:
+            same_bits = np.ascontiguousarray(ca).tobytes() == np.ascontiguousarray(cb).tobytes()
+    return float(np.max(block_max)), bool(same_bits)  # np.max keeps a NaN difference visible
 
 
 def _compare_fn():
@@ -341,13 +356,21 @@ def cmd_check(args) -> int:
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)
     compare = _compare_fn()
-    _, backend_a, a = _open_model(args.a, spec_a, args.backend_a, args.format)
-    _, backend_b, b = _open_model(args.b, spec_b, args.backend_b, args.format)
-    report = compare(a, b, grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size,
-                     strict=args.strict)
+    from .testing._compare_files import compare_checkpoints
+
+    ckpt_a, backend_a = _open_checkpoint(args.a, spec_a, args.backend_a, args.format)
+    ckpt_b, backend_b = _open_checkpoint(args.b, spec_b, args.backend_b, args.format)
+    options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
+    diffs: list[dict] = []
+    # layer by layer, one layer pair in memory (issue 10); whole models only where layers do not line up
+    report = compare_checkpoints(ckpt_a, backend_a, ckpt_b, backend_b,
+                                 params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
+    if report is None:
+        a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
+        report = compare(a, b, **options)
+        diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
-    diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
     passed = bool(report.passed)
     if args.json:
         doc = {"a": {"path": args.a, "backend": backend_a}, "b": {"path": args.b, "backend": backend_b},

@@ -57,7 +57,7 @@ _DEFAULT_BATCH = 8
 
 
 # ---------------------------------------------------------------------------- spec helpers
-def _layers(spec) -> list:
+def layers_of(spec) -> list:
     return list(spec.layers) if isinstance(spec, Sequential) else [spec]
 
 
@@ -69,14 +69,14 @@ def _layer_dtype(layer) -> str | None:
     return getattr(layer, "dtype", None) if isinstance(layer, (Dense, Bilinear)) else None
 
 
-def _model_dtype(spec) -> str:
+def model_dtype(spec) -> str:
     """The dtype the model's input is cast to: its first layer with parameters (float32 if none)."""
-    return next((d for d in map(_layer_dtype, _layers(spec)) if d), "float32")
+    return next((d for d in map(_layer_dtype, layers_of(spec)) if d), "float32")
 
 
-def _output_dtype(spec) -> str:
+def output_dtype(spec) -> str:
     """The dtype of the model's output: its last layer with parameters (float32 if none)."""
-    return next((d for d in map(_layer_dtype, reversed(_layers(spec))) if d), "float32")
+    return next((d for d in map(_layer_dtype, reversed(layers_of(spec))) if d), "float32")
 
 
 def _coarsest(dtypes) -> str:
@@ -155,7 +155,7 @@ def spec_differences(spec_a, spec_b) -> list[str]:
     out = []
     if type(spec_a) is not type(spec_b):
         out.append(f"model: {_kind(spec_a)} vs {_kind(spec_b)}")
-    la, lb = _layers(spec_a), _layers(spec_b)
+    la, lb = layers_of(spec_a), layers_of(spec_b)
     if len(la) != len(lb):
         out.append(f"number of layers: {len(la)} vs {len(lb)}")
     for i, (x, y) in enumerate(zip(la, lb)):
@@ -168,7 +168,7 @@ def _function_form(spec) -> list[tuple[int, Any]]:
     Activation layer fused into the Dense before it when that Dense has none, an all-ones mask
     dropped; so Dense(relu) and Dense + Activation("relu") have the same form."""
     out: list[tuple[int, Any]] = []
-    for i, layer in enumerate(_layers(spec)):
+    for i, layer in enumerate(layers_of(spec)):
         if isinstance(layer, Identity) or (isinstance(layer, Activation) and layer.is_identity):
             continue
         if isinstance(layer, Activation) and out and isinstance(out[-1][1], Dense) \
@@ -262,7 +262,7 @@ def check_flag(name: str, value: object) -> bool:
     return bool(value)
 
 
-def _output_width(spec, widths: list[int]) -> int:
+def output_width(spec, widths: list[int]) -> int:
     if isinstance(spec, (Dense, Bilinear, Sequential)):
         return spec.output_features(widths[0]) if not isinstance(spec, Bilinear) else spec.units
     return widths[0]
@@ -272,7 +272,7 @@ def _output_width(spec, widths: list[int]) -> int:
 _PARAM_ORDER = ("kernel", "bias")
 
 
-def _compare_layer(i: int | None, label: str, ta, tb, allowed: dict, grads: bool,
+def compare_layer(i: int | None, label: str, ta, tb, allowed: dict, grads: bool,
                    dx_names: list[str]) -> LayerResult:
     rows = [_quantity(i, label, "output", ta.output, tb.output, allowed.get("output"))]
     if grads:
@@ -307,7 +307,7 @@ def _quantity(i, label, name, a, b, allowed) -> QuantityResult:
     return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note)
 
 
-def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
+def first_failure(layers: list[LayerResult]) -> QuantityResult | None:
     """The first failing quantity in execution order: forward outputs, then backward from the end."""
     for layer in layers:
         for q in layer.quantities:
@@ -320,11 +320,11 @@ def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
     return None
 
 
-def _dx_names(spec_layer) -> list[str]:
+def dx_names(spec_layer) -> list[str]:
     return ["dL/dx1", "dL/dx2"] if isinstance(spec_layer, Bilinear) else ["dL/dx"]
 
 
-def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: list[str]):
+def feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: list[str]):
     """(inputs, grad_out) as float64 arrays both models' dtypes hold exactly, or why there are none.
 
     Inputs that fit neither model, or fit no model where one width would feed both, are the
@@ -358,9 +358,9 @@ def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: l
             return f"a takes input width(s) {widths_a}, b takes {widths_b}"
         batched = False
         xs = [rng.standard_normal((batch_size, w)) for w in (widths_a or widths_b)]
-    xs = [_round_common(x, [_model_dtype(spec_a), _model_dtype(spec_b)]) for x in xs]
+    xs = [_round_common(x, [model_dtype(spec_a), model_dtype(spec_b)]) for x in xs]
     widths = [x.shape[-1] for x in xs]
-    out_a, out_b = _output_width(spec_a, widths), _output_width(spec_b, widths)
+    out_a, out_b = output_width(spec_a, widths), output_width(spec_b, widths)
     if out_a != out_b:
         return f"a produces {out_a} output features, b {out_b}"
     out_shape = xs[0].shape[:-1] + (out_a,)
@@ -373,7 +373,19 @@ def _feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: l
         if g.shape != out_shape:
             raise SpecError(f"grad_out must have the output's shape {out_shape}. "
                             f"Received: grad_out of shape {g.shape}")
-    return xs, _round_common(g, [_output_dtype(spec_a), _output_dtype(spec_b)])
+    return xs, _round_common(g, [output_dtype(spec_a), output_dtype(spec_b)])
+
+
+def feed_report(report: Report, spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
+    """:func:`feed` for ``report``: (inputs, grad_out) with their shapes recorded, or None with
+    the report marked not compared and the reason in its notes."""
+    fed = feed(spec_a, spec_b, inputs, grad_out, seed, batch_size, report.notes)
+    if isinstance(fed, str):
+        report.compared = False
+        report.notes.append(f"numeric comparison skipped: {fed}")
+        return None
+    report.input_shapes = [tuple(x.shape) for x in fed[0]]
+    return fed
 
 
 def _identity_trace(xs: list[np.ndarray], g: np.ndarray) -> Trace:
@@ -388,6 +400,25 @@ def check_tolerance(tolerance) -> Tolerance:
         raise TypeError(f"tolerance must be a dense_bridge.testing.Tolerance or None, got "
                         f"{type(tolerance).__name__}. {received('tolerance', tolerance)}")
     return tolerance
+
+
+def new_report(spec_a, spec_b, backend_a: str, backend_b: str, tolerance: Tolerance, seed: int,
+               given_inputs: bool, strict: bool) -> Report:
+    """An empty Report for models of ``spec_a`` and ``spec_b``: their dtypes (the coarser one is
+    the comparison's), and how the specs differ (structurally and in function)."""
+    dt_a = _coarsest([d for d in map(_layer_dtype, layers_of(spec_a)) if d] or ["float32"])
+    dt_b = _coarsest([d for d in map(_layer_dtype, layers_of(spec_b)) if d] or ["float32"])
+    return Report(ModelInfo(backend_a, _kind(spec_a), dt_a), ModelInfo(backend_b, _kind(spec_b), dt_b),
+                  _coarsest([dt_a, dt_b]), tolerance, [], seed, given_inputs,
+                  spec_differences=spec_differences(spec_a, spec_b), strict=strict,
+                  strict_differences=function_differences(spec_a, spec_b))
+
+
+def layer_label(la: list, lb: list, i: int) -> str:
+    """Layer ``i``'s name in the report: its kind, or "a's|b's" where the two differ."""
+    if i < len(la) and _label(la[i]) == _label(lb[i]):
+        return _label(la[i])
+    return f"{_label(la[i]) if i < len(la) else '?'}|{_label(lb[i])}"
 
 
 def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: Tolerance | None = None,
@@ -419,14 +450,10 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     seed, batch_size = check_count("seed", seed, 0), check_count("batch_size", batch_size, 1)
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
     spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
-    la, lb = _layers(spec_a), _layers(spec_b)
-    dt_a = _coarsest([d for d in map(_layer_dtype, la) if d] or ["float32"])
-    dt_b = _coarsest([d for d in map(_layer_dtype, lb) if d] or ["float32"])
-    dtype = _coarsest([dt_a, dt_b])
-    report = Report(ModelInfo(backend_of(a, "a"), _kind(spec_a), dt_a), ModelInfo(backend_of(b, "b"),
-                    _kind(spec_b), dt_b), dtype, tolerance, [], seed, inputs is not None,
-                    spec_differences=spec_differences(spec_a, spec_b), strict=strict,
-                    strict_differences=function_differences(spec_a, spec_b))
+    la, lb = layers_of(spec_a), layers_of(spec_b)
+    report = new_report(spec_a, spec_b, backend_of(a, "a"), backend_of(b, "b"), tolerance, seed,
+                        inputs is not None, strict)
+    dtype = report.dtype
 
     empty = [side for side, layers in (("a", la), ("b", lb)) if not layers]
     if len(empty) == 2 and inputs is None and _input_widths(spec_a) is None and _input_widths(spec_b) is None:
@@ -437,15 +464,12 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
         report.notes.append(f"{side} is an empty Sequential: its output is its input (compared as one "
                             f"Identity layer)")
 
-    fed = _feed(spec_a, spec_b, inputs, grad_out, seed, batch_size, report.notes)
-    if isinstance(fed, str):
-        report.compared = False
-        report.notes.append(f"numeric comparison skipped: {fed}")
+    fed = feed_report(report, spec_a, spec_b, inputs, grad_out, seed, batch_size)
+    if fed is None:
         return report
     xs, g = fed
-    report.input_shapes = [tuple(x.shape) for x in xs]
-    in_a, in_b = _model_dtype(spec_a), _model_dtype(spec_b)
-    out_a, out_b = _output_dtype(spec_a), _output_dtype(spec_b)
+    in_a, in_b = model_dtype(spec_a), model_dtype(spec_b)
+    out_a, out_b = output_dtype(spec_a), output_dtype(spec_b)
     # an empty native Sequential is not traced (frameworks differ on what it does); it is x -> x
     trace_a = _identity_trace(xs, g) if not la else \
         adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)))
@@ -460,9 +484,8 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
                          dtype, tolerance)
     if len(trace_a.layers) == len(lb):
         for i, (ta, tb) in enumerate(zip(trace_a.layers, trace_b.layers)):
-            label = _label(la[i]) if i < len(la) and _label(la[i]) == _label(lb[i]) else \
-                f"{_label(la[i]) if i < len(la) else '?'}|{_label(lb[i])}"
-            report.layers.append(_compare_layer(i, label, ta, tb, allowed[i], grads, _dx_names(lb[i])))
+            report.layers.append(compare_layer(i, layer_label(la, lb, i), ta, tb, allowed[i], grads,
+                                               dx_names(lb[i])))
     else:
         # Layers do not line up (say Dense(relu) vs Dense + Activation): compare end to end only.
         report.notes.append(f"the layers do not line up ({len(trace_a.layers)} vs {len(trace_b.layers)}): "
@@ -470,10 +493,10 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
         ta, tb = trace_a.layers[-1], trace_b.layers[-1]
         rows = [_quantity(None, "model", "output", ta.output, tb.output, allowed[-1]["output"])]
         if grads:
-            for n, ga, gb in zip(_dx_names(lb[0]), trace_a.layers[0].input_grads, trace_b.layers[0].input_grads):
+            for n, ga, gb in zip(dx_names(lb[0]), trace_a.layers[0].input_grads, trace_b.layers[0].input_grads):
                 rows.append(_quantity(None, "model", n, ga, gb, allowed[0][n]))
         report.layers.append(LayerResult(None, "model", tuple(rows)))
-    report.first_failure = _first_failure(report.layers)
+    report.first_failure = first_failure(report.layers)
     return report
 
 

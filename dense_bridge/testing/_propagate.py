@@ -46,7 +46,7 @@ from ..activations import Activation
 from ..specs import Bilinear, Dense
 from ._tolerance import Tolerance, allowed_error
 
-__all__ = ["allowances", "activation_output_allowance", "activation_vjp"]
+__all__ = ["allowances", "Propagation", "activation_output_allowance", "activation_vjp"]
 
 _REDUCING = ("softmax", "log_softmax")
 # Activations that frameworks evaluate through intermediates larger than the result, so that
@@ -127,95 +127,130 @@ def allowances(layers: list, trace, params: dict, prefix_fmt: str, inputs: list[
 
     ``layers``: b's layer specs; ``trace``: b's Trace; ``params``: b's canonical params;
     ``prefix_fmt``: "{}." for a Sequential ("" for a lone layer); ``inputs``/``grad_out``: what
-    b was fed (float64).
+    b was fed (float64). The whole model at once; :class:`Propagation` is the same computation
+    one layer at a time (what a comparison of two checkpoints streams through).
     """
-    def local_out(v, k):
-        return allowed_error(v, dtype, k, tol.c_output, tol.atol)
+    def own(i: int) -> dict[str, np.ndarray]:
+        pre = prefix_fmt.format(i)
+        return {k: params[pre + k] for k in ("kernel", "bias", "mask") if pre + k in params}
 
-    def local_grad(v, k):
-        return allowed_error(v, dtype, k, tol.c_gradient, tol.atol)
+    steps = Propagation(inputs, dtype, tol)
+    out = [steps.forward(i, layer, own(i), trace.layers[i].output) for i, layer in enumerate(layers)]
+    steps.start_backward(grad_out)
+    for i in range(len(layers) - 1, -1, -1):
+        out[i].update(steps.backward(i, layers[i], own(i), trace.layers[i]))
+    return out
 
-    def local_dz(act, z, g, dz):
-        local = local_grad(dz, act.k(z))
+
+class Propagation:
+    """The allowances of model b's quantities, layer by layer: :meth:`forward` for layers 0..n-1
+    in order (each call returns that layer's output allowance), then :meth:`start_backward` and
+    :meth:`backward` for layers n-1..0 (each returns that layer's gradient allowances).
+
+    ``params`` given to each step are the layer's own canonical parameters (kernel, bias, mask,
+    unprefixed); they are not kept between the passes, so a caller can read each layer from a
+    file twice instead of holding the model. What is kept per layer is batch-sized: its input,
+    pre-activation and output with their allowances.
+    """
+
+    def __init__(self, inputs: list[np.ndarray], dtype: str, tol: Tolerance) -> None:
+        self.dtype, self.tol = dtype, tol
+        self._xs = [_f64(x) for x in inputs]
+        self._ax = [np.zeros_like(x) for x in self._xs]
+        self._fwd: dict[int, dict] = {}
+        self._g = self._ag = None
+
+    # -- the local rounding terms (docs/FACTS.md formula, plus the evaluation-size terms)
+    def _local_out(self, v, k):
+        return allowed_error(v, self.dtype, k, self.tol.c_output, self.tol.atol)
+
+    def _local_grad(self, v, k):
+        return allowed_error(v, self.dtype, k, self.tol.c_gradient, self.tol.atol)
+
+    def _local_dz(self, act, z, g, dz):
+        local = self._local_grad(dz, act.k(z))
         if act.act.name in _SMOOTH:
-            local = local + tol.c_gradient * EPS[dtype] * np.abs(g) * (1.0 + np.abs(z))
+            local = local + self.tol.c_gradient * EPS[self.dtype] * np.abs(g) * (1.0 + np.abs(z))
         return local
 
-    def local_act(act, z, y):
-        local = local_out(y, act.k(z))
+    def _local_act(self, act, z, y):
+        local = self._local_out(y, act.k(z))
         size = _EVAL_SIZE.get(act.act.name)
         if size is not None:
-            local = local + tol.c_output * EPS[dtype] * size(z, act.act.params)
+            local = local + self.tol.c_output * EPS[self.dtype] * size(z, act.act.params)
         return local
 
-    n = len(layers)
-    xs = [_f64(x) for x in inputs]
-    ax = [np.zeros_like(x) for x in xs]
-    fwd = []  # per layer: dict of what the backward pass needs
-    out: list[dict[str, tuple[np.ndarray, int]]] = [dict() for _ in range(n)]
-    for i, layer in enumerate(layers):
-        pre = prefix_fmt.format(i)
-        y = _f64(trace.layers[i].output)
+    @staticmethod
+    def _masked_kernel(params: dict) -> np.ndarray:
+        w = _f64(params["kernel"])
+        return w * _f64(params["mask"]) if "mask" in params else w
+
+    def forward(self, i: int, layer, params: dict, output) -> dict[str, tuple[np.ndarray, int]]:
+        """Layer ``i``'s output allowance; ``output``: b's traced output of the layer."""
+        xs, ax = self._xs, self._ax
+        y = _f64(output)
         rec = {"x": xs, "ax": ax, "y": y}
         if isinstance(layer, Dense):
-            w = _f64(params[pre + "kernel"])
-            if pre + "mask" in params:
-                w = w * _f64(params[pre + "mask"])
+            w = self._masked_kernel(params)
             x = xs[0]
-            z = x @ w + (_f64(params[pre + "bias"]) if pre + "bias" in params else 0.0)
-            az = _q(local_out(z, w.shape[0]), np.sqrt(np.square(ax[0]) @ np.square(w)))
+            z = x @ w + (_f64(params["bias"]) if "bias" in params else 0.0)
+            az = _q(self._local_out(z, w.shape[0]), np.sqrt(np.square(ax[0]) @ np.square(w)))
             act = None if layer.activation.is_identity else _Act(layer.activation)
-            ay = az if act is None else act.forward_allowance(z, az, y, local_act(act, z, y))
-            rec.update(w=w, z=z, az=az, act=act, k=w.shape[0])
+            ay = az if act is None else act.forward_allowance(z, az, y, self._local_act(act, z, y))
+            rec.update(z=z, az=az, act=act, k=w.shape[0])
         elif isinstance(layer, Activation) and not layer.is_identity:
             act = _Act(layer)
             z, az = xs[0], ax[0]
-            ay = act.forward_allowance(z, az, y, local_act(act, z, y))
+            ay = act.forward_allowance(z, az, y, self._local_act(act, z, y))
             rec.update(z=z, az=az, act=act, k=act.k(z))
         elif isinstance(layer, Bilinear):
             k = layer.in1_features * layer.in2_features
-            ay = local_out(y, k)  # a Bilinear stands alone: its inputs are exact
+            ay = self._local_out(y, k)  # a Bilinear stands alone: its inputs are exact
             rec.update(k=k)
         else:  # Identity, linear activation
             ay = ax[0]
             rec.update(k=0)
         rec["ay"] = ay
-        out[i]["output"] = (ay, rec["k"])
-        fwd.append(rec)
-        xs, ax = [y], [ay]
+        self._fwd[i] = rec
+        self._xs, self._ax = [y], [ay]
+        return {"output": (ay, rec["k"])}
 
-    g, ag = _f64(grad_out), np.zeros(np.shape(grad_out))
-    for i in range(n - 1, -1, -1):
-        layer, rec = layers[i], fwd[i]
+    def start_backward(self, grad_out) -> None:
+        """The upstream gradient of the last layer (float64), exact: its allowance is 0."""
+        self._g, self._ag = _f64(grad_out), np.zeros(np.shape(grad_out))
+
+    def backward(self, i: int, layer, params: dict, traced) -> dict[str, tuple[np.ndarray, int]]:
+        """Layer ``i``'s gradient allowances; ``traced``: b's LayerTrace of the layer."""
+        rec, out = self._fwd.pop(i), {}
+        g, ag = self._g, self._ag
         if isinstance(layer, Bilinear):  # stands alone: its inputs and upstream gradient are exact
-            t = trace.layers[i]
             units, k1, k2 = layer.units, layer.in1_features, layer.in2_features
             rows = int(np.prod(rec["y"].shape[:-1]))
-            out[i]["dL/dx1"] = (local_grad(_f64(t.input_grads[0]), units * k2), units * k2)
-            out[i]["dL/dx2"] = (local_grad(_f64(t.input_grads[1]), units * k1), units * k1)
-            for name, value in t.param_grads.items():
-                out[i][f"dL/d{name}"] = (local_grad(_f64(value), rows), rows)
-            continue
+            out["dL/dx1"] = (self._local_grad(_f64(traced.input_grads[0]), units * k2), units * k2)
+            out["dL/dx2"] = (self._local_grad(_f64(traced.input_grads[1]), units * k1), units * k1)
+            for name, value in traced.param_grads.items():
+                out[f"dL/d{name}"] = (self._local_grad(_f64(value), rows), rows)
+            return out
         act = rec.get("act")
-        dz, adz = (g, ag) if act is None else _backward(act, rec, g, ag, local_dz, tol.c_output)
+        dz, adz = (g, ag) if act is None else _backward(act, rec, g, ag, self._local_dz, self.tol.c_output)
         if isinstance(layer, Dense):
-            w, x, axx = rec["w"], rec["x"][0], rec["ax"][0]
+            w, x, axx = self._masked_kernel(params), rec["x"][0], rec["ax"][0]
             dx = dz @ w.T
-            a_dx = _q(local_grad(dx, layer.units), np.sqrt(np.square(adz) @ np.square(w.T)))
+            a_dx = _q(self._local_grad(dx, layer.units), np.sqrt(np.square(adz) @ np.square(w.T)))
             x2, dz2, ax2, adz2 = _rows(x), _rows(dz), _rows(axx), _rows(adz)
             rows = x2.shape[0]
             dw = x2.T @ dz2
-            out[i]["dL/dkernel"] = (_q(local_grad(dw, rows), np.sqrt(np.square(ax2).T @ np.square(dz2)
-                                                                    + np.square(x2).T @ np.square(adz2))), rows)
-            if prefix_fmt.format(i) + "bias" in params:
+            out["dL/dkernel"] = (_q(self._local_grad(dw, rows), np.sqrt(np.square(ax2).T @ np.square(dz2)
+                                                                       + np.square(x2).T @ np.square(adz2))), rows)
+            if "bias" in params:
                 db = dz2.sum(axis=0)
-                out[i]["dL/dbias"] = (_q(local_grad(db, rows), np.sqrt(np.sum(np.square(adz2), axis=0))), rows)
-            out[i]["dL/dx"] = (a_dx, layer.units)
-            g, ag = dx, a_dx
+                out["dL/dbias"] = (_q(self._local_grad(db, rows), np.sqrt(np.sum(np.square(adz2), axis=0))), rows)
+            out["dL/dx"] = (a_dx, layer.units)
+            self._g, self._ag = dx, a_dx
         else:  # Activation or Identity: dL/dx is dz itself
-            out[i]["dL/dx"] = (adz, act.k(rec["z"]) if act is not None else 0)
-            g, ag = dz, adz
-    return out
+            out["dL/dx"] = (adz, act.k(rec["z"]) if act is not None else 0)
+            self._g, self._ag = dz, adz
+        return out
 
 
 def _backward(act: _Act, rec: dict, g, ag, local_fn, jump_scale: float):
