@@ -42,7 +42,9 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
     unless ``allow_nonfinite=True``). ``parallel`` ("auto", or {position: "column" | "row"})
     with ``group`` (the framework's mesh/group) compiles onto the framework's own tensor-parallel
-    machinery: dense_bridge/_parallel.py (plan), backends/<fw>/_parallel.py.
+    machinery: dense_bridge/_parallel.py (plan), backends/<fw>/_parallel.py. There every rank
+    must build the same model: with ``seed=None`` rank 0 draws the seed and the group's other
+    ranks take it (one broadcast), so the shards are those of one random model.
     """
     _check_spec(spec)
     _check_flag("allow_nonfinite", allow_nonfinite)
@@ -52,7 +54,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
     if parallel is not None or group is not None:  # tensor parallelism (issue 16): dense_bridge/_parallel.py
         from ._parallel import compile_parallel
-        return compile_parallel(backend, source, parallel, group)
+        return compile_parallel(backend, source, parallel, group, agree_seed=seed is None)
     return build(backend, source)
 
 

@@ -37,7 +37,8 @@ Optional adapter verbs (backends/<fw>/_parallel.py; torch has them, issue 17 add
 ``compile_parallel(spec, block, parallel, group)`` where ``block(position, name, index)`` returns
 this rank's canonical block (so a load never materialises a whole tensor), ``parallel_state(native)``
 (None, or {"plan", "rank", "world_size", ...}), ``get_params_parallel(native, local)``,
-``parallel_barrier(native)``; and the plain verbs (get/set_params, to_spec, trace) dispatching a
+``parallel_barrier(native)``, ``parallel_agree_seed(group, seed)`` (rank 0's seed on every rank
+of ``group``: ``seed=None``); and the plain verbs (get/set_params, to_spec, trace) dispatching a
 parallel model to collective versions.
 """
 from __future__ import annotations
@@ -416,12 +417,20 @@ def parallel_adapter(backend: str):
     return adapter
 
 
-def compile_parallel(backend: str, source, parallel: Any, group: Any):
+def compile_parallel(backend: str, source, parallel: Any, group: Any, agree_seed: bool = False):
     """``db.compile(..., parallel=, group=)``: parameters drawn (or given) whole, one layer at a
-    time, each rank keeping only its blocks."""
+    time, each rank keeping only its blocks.
+
+    ``agree_seed`` (``seed=None``): each rank drew its own fresh seed, so each would keep its block
+    of a different random model; every rank takes rank 0's instead, through the adapter's
+    ``parallel_agree_seed(group, seed)`` (a broadcast over the group; JAX, single-controller,
+    needs none in one process). Collective, like the compile itself.
+    """
     adapter = parallel_adapter(backend)
     if parallel is None:
         parallel = "auto"
+    if agree_seed and source.draws:
+        source.seed = int(adapter.parallel_agree_seed(group, source.seed))
     cache: dict = {}
 
     def block(position: int, name: str, index: tuple) -> np.ndarray:

@@ -16,6 +16,7 @@ from ._errors import CheckpointError, SpecError, received
 from ._parallel import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
                         params_plan, save_parallel)
 from ._registry import get_adapter
+from ._transfer import count_nonfinite
 from .specs import Sequential, from_config
 
 
@@ -93,10 +94,41 @@ def load_hook(path: Any, backend: str | None, spec, like, format: str | None, pa
         return _load_dcp(os.fspath(path), backend, spec, like, parallel, group)
     if format in (None, "dense_bridge") and is_sharded_dir(path):
         return load_parallel(path, backend, parallel, group)
-    if parallel is not None or group is not None:
-        raise CheckpointError(f"parallel= loads a sharded directory (db.save of a parallel model) or a DCP directory. "
-                              f"{received('path', path)}")
-    return PASS
+    return PASS  # with parallel=: checkpoint.load opens the file, then load_checkpoint_parallel
+
+
+def load_checkpoint_parallel(ckpt, backend: str | None, parallel: Any, group: Any, allow_nonfinite: bool = False):
+    """``db.load(file, backend, parallel=...)`` of a checkpoint that one process saved, opened by
+    ``checkpoint.open_checkpoint`` (a single .safetensors file, or its index and shards): each
+    rank reads only the bytes of its own blocks (``SafetensorsFile.read_block``), each block
+    checked as a whole-process load checks the tensor: NaN/Inf (unless ``allow_nonfinite``), a
+    mask block against the spec's wiring. Native files (torch, Keras, MLX formats) are refused: they have no
+    canonical blocks to read."""
+    if backend is None:
+        raise SpecError("parallel= needs a backend to load onto. Received: backend=None")
+    adapter = parallel_adapter(backend)
+    if ckpt.framework is not None:
+        raise CheckpointError(f"parallel= loads dense_bridge checkpoints (a .safetensors file or index saved by "
+                              f"db.save, a sharded directory) and DCP directories; {ckpt.path} is a {ckpt.kind}: "
+                              f"load it without parallel= and db.save it first")
+    if ckpt.spec is None:
+        raise CheckpointError(f"{ckpt.path} holds parameters only (saved without a spec): pass spec= to db.load")
+    prefix = "{}." if isinstance(ckpt.spec, Sequential) else ""
+
+    layers = spec_layers(ckpt.spec)
+
+    def block(position: int, name: str, want: tuple) -> np.ndarray:
+        key = prefix.format(position) + name
+        where = ckpt.where[key].path
+        a = ckpt.where[key].read_block(key, want)
+        if not allow_nonfinite and (bad := count_nonfinite(a)):
+            raise CheckpointError(f"{where}: tensor {key!r} holds {bad} NaN/Inf values (allow_nonfinite=True loads them)")
+        if name == "mask" and ((a != 0) != layers[position].mask.adjacency[want]).any():
+            raise CheckpointError(f"{where}: tensor {key!r} differs from the spec's mask in rows {want[0].start}:"
+                                  f"{want[0].stop}, columns {want[1].start}:{want[1].stop}")
+        return a
+
+    return adapter.compile_parallel(ckpt.spec, block, "auto" if parallel is None else parallel, group)
 
 
 def _load_dcp(path: str, backend, spec, like, parallel, group):

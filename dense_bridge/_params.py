@@ -126,6 +126,11 @@ class ParamSource:
             self._unchecked = set(deferred)
             self._pending = {}
 
+    @property
+    def draws(self) -> bool:
+        """True when the parameters are drawn from :attr:`seed` (neither given nor streamed)."""
+        return self.params is None and self._stream is None
+
     def _prefix(self, index: int) -> str:
         return f"{index}." if isinstance(self.spec, Sequential) else ""
 

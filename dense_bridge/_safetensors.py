@@ -351,6 +351,36 @@ class SafetensorsFile:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: {exc}") from None
         return np.frombuffer(mapped, dtype=dtype, count=math.prod(info.shape), offset=skip).reshape(info.shape)
 
+    def read_block(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``index`` (one ``slice(start, stop)`` per axis) of tensor ``name``, read
+        with ``pread`` of its bytes only: the block is a run of contiguous bytes per index of
+        its leading axes (one run when it spans whole rows), so a rank of a tensor-parallel
+        load reads its columns of a kernel row by row, never the whole tensor."""
+        info = self.tensors[name]
+        dtype, shape = info.numpy_dtype, info.shape
+        if len(index) != len(shape) or any(not 0 <= s.start <= s.stop <= n for s, n in zip(index, shape)):
+            raise CheckpointError(f"{self.path}: block {index} lies outside tensor {name!r} of shape {shape}")
+        out = np.empty([s.stop - s.start for s in index], dtype)
+        if out.size == 0:
+            return out
+        if self.closed:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: the file was closed")
+        # axes from k on form one contiguous run: every axis after k is whole
+        k = len(shape) - 1 if shape else 0
+        while k > 0 and index[k].start == 0 and index[k].stop == shape[k]:
+            k -= 1
+        run = math.prod(out.shape[k:]) * dtype.itemsize
+        flat = out.reshape(math.prod(out.shape[:k]) if k else 1, -1)
+        for n, lead in enumerate(np.ndindex(*out.shape[:k])):
+            first = [i + s.start for i, s in zip(lead, index)] + [s.start for s in index[k:]]
+            offset = info.start + int(np.ravel_multi_index(first, shape)) * dtype.itemsize if shape else info.start
+            raw = read_at(self._fd, run, offset)
+            if len(raw) != run:
+                raise CheckpointError(f"cannot read tensor {name!r} from {self.path}: the file ends early "
+                                      "(truncated while open)")
+            flat[n] = np.frombuffer(raw, dtype=dtype)
+        return out
+
 
 # ------------------------------------------------------------------------------ writing
 #: A tensor to write: its numpy array, or (dtype, shape, producer) to fetch it when its turn comes.

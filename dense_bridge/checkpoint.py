@@ -753,6 +753,10 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     saved without a spec gives ``(None, params)``. NaN/Inf parameters raise a CheckpointError
     unless ``allow_nonfinite=True``, with or without ``backend``; so does a stored mask that
     differs from the spec's.
+
+    ``parallel``/``group`` (tensor parallelism, every rank calls it): a sharded directory saved
+    at any world size, a DCP directory, or a dense_bridge checkpoint one process saved (single
+    .safetensors or its index); each rank reads only its own blocks (dense_bridge/_parallel_io.py).
     """
     from ._registry import check_backend_name
     from ._parallel_io import PASS, load_hook
@@ -765,6 +769,9 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
     try:
+        if parallel is not None or group is not None:  # each rank reads its blocks of the file
+            from ._parallel_io import load_checkpoint_parallel
+            return load_checkpoint_parallel(ckpt, backend, parallel, group, allow_nonfinite)
         if backend is None:
             params = ckpt.params()
             _check_loaded(ckpt, params, allow_nonfinite)

@@ -22,20 +22,63 @@ HERE = Path(__file__).resolve()
 DEVICES = 4
 
 
-def _spec():
+def _spec(dtype: str = "float32"):
     import dense_bridge as db
 
     mask = np.random.default_rng(3).random((16, 8)) < 0.6
     return db.Sequential([
-        db.Dense(16, in_features=6, activation="relu"),
-        db.Dense(8, activation="tanh", mask=mask),
-        db.Dense(12),
+        db.Dense(16, in_features=6, activation="relu", dtype=dtype),
+        db.Dense(8, activation="tanh", mask=mask, dtype=dtype),
+        db.Dense(12, dtype=dtype),
         db.Activation("gelu"),
-        db.Dense(4),
+        db.Dense(4, dtype=dtype),
     ])
 
 
-def _keras_worker() -> dict:
+def _same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in b)
+
+
+def _keras_compare(par, one, seed_other: int, spec) -> dict:
+    """db.testing.compare of the parallel model against the single-device one (outputs and
+    parameter gradients, layer by layer), and against other parameters (it must fail then)."""
+    import dense_bridge as db
+    from dense_bridge.backends.keras import _parallel as kp
+
+    shapes = kp.shard_shapes(par)
+    report = db.testing.compare(par, one, seed=1)
+    other = db.testing.compare(par, db.compile(spec, "keras", seed=seed_other), seed=1)
+    assert kp.shard_shapes(par) == shapes  # compare ran the sharded variables, and left them so
+    return {"passed": report.passed, "dtype": str(report.dtype), "rows": len(report.rows),
+            "worst_units": report.worst.units, "worst_abs": report.worst.max_abs_error,
+            "other_params_fail": not other.passed, "text": str(report) if not report.passed else ""}
+
+
+def _keras_bfloat16(tmp: Path) -> dict:
+    """bfloat16 under ModelParallel: shard shapes, the dtype kept on every variable, compare at
+    bfloat16 tolerance, and save -> load (whole, and onto 4 devices) bit-exact."""
+    import dense_bridge as db
+    from dense_bridge._parallel import read_index
+    from dense_bridge.backends.keras import _parallel as kp
+
+    spec = _spec("bfloat16")
+    par = db.compile(spec, "keras", seed=7, parallel="auto")
+    one = db.compile(spec, "keras", seed=7)
+    shapes = kp.shard_shapes(par)
+    out = {"shard_shapes_ok": {k: set(v) for k, v in shapes.items()} == {k: {v} for k, v in _expected_shards(4).items()},
+           "variable_dtypes": sorted({str(v.dtype) for v in par.variables}),
+           "compare": _keras_compare(par, one, 8, spec)}
+    want = db.get_params(db.compile(spec, "numpy", seed=7))
+    out["get_params_bit_exact"] = _same(db.get_params(par), want)
+    db.save(par, str(tmp / "bf_keras4"))
+    _, whole = db.load(str(tmp / "bf_keras4"))
+    again = db.load(str(tmp / "bf_keras4"), "keras", parallel="auto")
+    out["checkpoint_bit_exact"] = _same(whole, want) and _same(db.get_params(again), want)
+    out["index_dtypes"] = sorted({t["dtype"] for t in read_index(str(tmp / "bf_keras4"))["tensors"].values()})
+    return out
+
+
+def _keras_worker(tmp: Path) -> dict:
     import jax
     import jax.numpy as jnp
     import keras
@@ -101,6 +144,7 @@ def _keras_worker() -> dict:
 
     y_par, g_par = grads(par)
     y_one, g_one = grads(one)
+    report["compare"] = _keras_compare(par, one, 8, spec)
     report["max_abs_output_error"] = float(np.max(np.abs(np.asarray(y_par) - np.asarray(y_one))))
     report["max_abs_grad_error"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                                        for a, b in zip(g_par, g_one))
@@ -119,6 +163,33 @@ def _keras_worker() -> dict:
         db.compile(db.Sequential([db.Dense(6, in_features=4), db.Dense(2)]), "keras", seed=0, parallel="auto")
     except db.SpecError as exc:
         checks["indivisible_raises"] = "divide" in str(exc)
+
+    # a single-file checkpoint saved by one process loads onto the 4 devices
+    db.save(one, str(tmp / "one.safetensors"))
+    loaded = db.load(str(tmp / "one.safetensors"), "keras", parallel="auto")
+    assert kp.shard_shapes(loaded) == shapes and _same(db.get_params(loaded), db.get_params(one))
+    checks["single_file_parallel_load"] = True
+    # ... checked block by block as a whole load checks it: NaN/Inf, and the mask against the spec
+    bad = dict(ref, **{"2.kernel": np.full_like(ref["2.kernel"], np.nan)})
+    db.save((spec, bad), str(tmp / "nan.safetensors"), allow_nonfinite=True)
+    try:
+        db.load(str(tmp / "nan.safetensors"), "keras", parallel="auto")
+    except db.CheckpointError as exc:
+        checks["single_file_nan_refused"] = "2.kernel" in str(exc) and "NaN" in str(exc)
+    kept = db.get_params(db.load(str(tmp / "nan.safetensors"), "keras", parallel="auto", allow_nonfinite=True))
+    checks["single_file_allow_nonfinite"] = bool(np.isnan(kept["2.kernel"]).all())
+    layers = list(spec.layers)
+    layers[1] = layers[1].replace(mask=~spec.layers[1].mask.adjacency)
+    try:
+        db.load(str(tmp / "one.safetensors"), "keras", parallel="auto", spec=db.Sequential(layers))
+    except db.CheckpointError as exc:
+        checks["single_file_mask_checked"] = "1.mask" in str(exc)
+
+    # seed=None: one process drives every device, so one draw; a new model per call
+    a, b = (db.get_params(db.compile(spec, "keras", parallel="auto")) for _ in range(2))
+    checks["seed_none_new_model_per_call"] = not np.array_equal(a["0.kernel"], b["0.kernel"])
+
+    report["bfloat16"] = _keras_bfloat16(tmp)
     return report
 
 
@@ -210,7 +281,7 @@ def _jax_worker(out: str) -> None:
     except db.BackendUnavailableError as exc:
         report["keras"] = {"skip": str(exc)}
     else:
-        report["keras"] = _keras_worker()
+        report["keras"] = _keras_worker(Path(out).parent)
     if "flax" in db.available_backends():
         report["flax"] = _flax_worker()
     else:
@@ -287,12 +358,37 @@ def test_keras_model_parallel_matches_single_device(jax_report):
     assert rep["checks"] == {"shard_shapes": True, "replicated_layer_detected": True,
                              "get_params_bit_exact": True, "local_is_this_process": True, "to_spec": True,
                              "forward_backward": True, "set_params_keeps_layout": True,
-                             "indivisible_raises": True}
+                             "indivisible_raises": True, "single_file_parallel_load": True,
+                             "single_file_nan_refused": True, "single_file_allow_nonfinite": True,
+                             "single_file_mask_checked": True,
+                             "seed_none_new_model_per_call": True}
     assert rep["shard_shapes"]["0.kernel"] == [[6, 4]] * DEVICES
     assert rep["shard_shapes"]["4.bias"] == [[4]] * DEVICES  # a row layer's bias is replicated
     assert rep["max_abs_output_error"] < 1e-5 and rep["max_abs_grad_error"] < 1e-5
     # every device holds less than the whole model: the Dense kernels are split 4 ways
     assert all(b < rep["param_bytes_total"] / 2 for b in rep["param_bytes_per_device"].values())
+
+
+def test_keras_parallel_compare_against_single_device(jax_report):
+    """db.testing.compare (the library's own report) of the ModelParallel model against the
+    single-device one: outputs and parameter gradients of every layer within float32 tolerance;
+    the same compare against other parameters fails (so it measures something)."""
+    _need("keras")
+    cmp = _section(jax_report, "keras")["compare"]
+    assert cmp["passed"], cmp["text"]
+    assert cmp["dtype"] == "float32" and cmp["rows"] == 18 and cmp["worst_units"] <= 1
+    assert cmp["other_params_fail"]
+
+
+def test_keras_parallel_bfloat16(jax_report):
+    """bfloat16 on 4 devices: shard shapes, every variable still bfloat16, compare within the
+    bfloat16 tolerance, and the sharded checkpoint round trip bit-exact in bfloat16."""
+    _need("keras")
+    bf = _section(jax_report, "keras")["bfloat16"]
+    assert bf["shard_shapes_ok"] and bf["variable_dtypes"] == ["bfloat16"]
+    assert bf["compare"]["passed"] and bf["compare"]["dtype"] == "bfloat16", bf["compare"]["text"]
+    assert bf["compare"]["worst_units"] <= 1 and bf["compare"]["other_params_fail"]
+    assert bf["get_params_bit_exact"] and bf["checkpoint_bit_exact"] and bf["index_dtypes"] == ["bfloat16"]
 
 
 def test_keras_parallel_on_other_backends_raises(tmp_path):

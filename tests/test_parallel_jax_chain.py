@@ -2,8 +2,9 @@
 
 torch DTensor on 4 gloo ranks saves -> MLX on 2 ring ranks loads, checks and saves -> Keras
 ModelParallel on JAX over 4 devices (one process) loads, checks and saves -> one plain process
-reads the directory whole. Every stage compares its gathered parameters with the numpy draw of
-the same seed (every backend draws the same bits), and each saved index records its world size
+reads the directory whole. The chain runs twice per stage, in float32 and in bfloat16. Every
+stage compares its gathered parameters (values and dtype) with the numpy draw of the same seed
+(every backend draws the same bits), and each saved index records its world size, its dtype
 and tiles each tensor exactly (``dense_bridge._parallel`` validates that on every load).
 
 The ``__main__`` block is the per-stage worker; each stage runs under its engine's own launcher
@@ -24,22 +25,25 @@ HERE = Path(__file__).resolve()
 SEED = 7
 
 
-def _spec():
+def _spec(dtype: str = "float32"):
     import dense_bridge as db
 
     mask = np.random.default_rng(5).random((16, 8)) < 0.5
     return db.Sequential([
-        db.Dense(16, in_features=8, activation="relu"),
-        db.Dense(8, activation="tanh", mask=mask),
-        db.Dense(12, use_bias=False),
-        db.Dense(4),
+        db.Dense(16, in_features=8, activation="relu", dtype=dtype),
+        db.Dense(8, activation="tanh", mask=mask, dtype=dtype),
+        db.Dense(12, use_bias=False, dtype=dtype),
+        db.Dense(4, dtype=dtype),
     ])
 
 
-def _reference() -> dict:
+DTYPES = {"": "float32", "_bf16": "bfloat16"}  # directory suffix -> the chain's dtype
+
+
+def _reference(dtype: str = "float32") -> dict:
     import dense_bridge as db
 
-    return db.get_params(db.compile(_spec(), "numpy", seed=SEED))
+    return db.get_params(db.compile(_spec(dtype), "numpy", seed=SEED))
 
 
 def _same(params: dict, ref: dict) -> bool:
@@ -48,25 +52,22 @@ def _same(params: dict, ref: dict) -> bool:
 
 
 def _stage(stage: str, src: str, dst: str) -> None:
+    """One engine's stage, for the float32 chain and the bfloat16 one (suffix ``_bf16``)."""
     import dense_bridge as db
 
-    ref = _reference()
     report: dict = {"stage": stage}
     if stage == "torch":
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-        model = db.compile(_spec(), "torch", seed=SEED, parallel="auto")
         rank = dist.get_rank()
         report["world"] = dist.get_world_size()
     elif stage == "mlx":
         import mlx.core as mx
 
         group = mx.distributed.init()
-        model = db.load(src, "mlx", parallel="auto", group=group)
         rank = group.rank()
         report["world"] = group.size()
-        report["local_kernel_0"] = list(db.get_params(model, local=True)["0.kernel"].array.shape)
     else:
         import jax
 
@@ -74,14 +75,23 @@ def _stage(stage: str, src: str, dst: str) -> None:
 
         if not keras_adapter_or_skip_report(dst + ".rank0.json"):
             return
-        model = db.load(src, "keras", parallel="auto")
         rank = 0
         report["world"] = len(jax.devices())
-        from dense_bridge.backends.keras._parallel import shard_shapes
+    for suffix, dtype in DTYPES.items():
+        if stage == "torch":
+            model = db.compile(_spec(dtype), "torch", seed=SEED, parallel="auto")
+        elif stage == "mlx":
+            model = db.load(src + suffix, "mlx", parallel="auto", group=group)
+            report["local_kernel_0" + suffix] = list(db.get_params(model, local=True)["0.kernel"].array.shape)
+        else:
+            from dense_bridge.backends.keras._parallel import shard_shapes
 
-        report["device_kernel_0"] = [list(s) for s in shard_shapes(model)["0.kernel"]]
-    report["bit_exact"] = _same(db.get_params(model), ref)
-    db.save(model, dst)
+            model = db.load(src + suffix, "keras", parallel="auto")
+            report["device_kernel_0" + suffix] = [list(s) for s in shard_shapes(model)["0.kernel"]]
+        params = db.get_params(model)
+        report["bit_exact" + suffix] = _same(params, _reference(dtype))
+        report["dtypes" + suffix] = sorted({str(v.dtype) for v in params.values()})
+        db.save(model, dst + suffix)
     if stage == "torch":
         dist.destroy_process_group()
     Path(dst + f".rank{rank}.json").write_text(json.dumps(report))
@@ -129,6 +139,7 @@ def _reports(dst: Path, n: int) -> list[dict]:
 
 
 def test_torch4_to_mlx2_to_jax4_to_one_process_bit_exact(tmp_path):
+    """The chain in float32 and in bfloat16 (each stage runs both)."""
     for m in ("torch.distributed", "mlx.core", "keras", "jax"):
         pytest.importorskip(m)
     import dense_bridge as db
@@ -145,13 +156,16 @@ def test_torch4_to_mlx2_to_jax4_to_one_process_bit_exact(tmp_path):
     reps = _reports(Path(d1), 4) + _reports(Path(d2), 2) + _reports(Path(d3), 1)
     if "skip" in reps[-1]:
         pytest.skip(f"the keras adapter does not run on KERAS_BACKEND=jax here: {reps[-1]['skip']}")
-    assert all(r["bit_exact"] for r in reps), reps
     assert [r["world"] for r in reps] == [4, 4, 4, 4, 2, 2, 4]
-    assert all(r["local_kernel_0"] == [8, 8] for r in reps[4:6])  # 16 units over 2 MLX ranks
-    assert reps[6]["device_kernel_0"] == [[8, 4]] * 4  # 16 units over 4 JAX devices
-    # each index records the world size that wrote it and the slices of every tensor
-    assert [read_index(d)["world_size"] for d in (d1, d2, d3)] == [4, 2, 1]
-    assert [len(read_index(d)["tensors"]["0.kernel"]["shards"]) for d in (d1, d2, d3)] == [4, 2, 1]
-    spec, params = db.load(d3)
-    assert spec == _spec()
-    assert _same(params, _reference())
+    for suffix, dtype in DTYPES.items():  # float32, and bfloat16 bit for bit through every engine
+        assert all(r["bit_exact" + suffix] and r["dtypes" + suffix] == [dtype] for r in reps), (suffix, reps)
+        assert all(r["local_kernel_0" + suffix] == [8, 8] for r in reps[4:6])  # 16 units over 2 MLX ranks
+        assert reps[6]["device_kernel_0" + suffix] == [[8, 4]] * 4  # 16 units over 4 JAX devices
+        # each index records the world size that wrote it, the slices of every tensor, the dtype
+        dirs = [d + suffix for d in (d1, d2, d3)]
+        assert [read_index(d)["world_size"] for d in dirs] == [4, 2, 1]
+        assert [len(read_index(d)["tensors"]["0.kernel"]["shards"]) for d in dirs] == [4, 2, 1]
+        assert {t["dtype"] for d in dirs for t in read_index(d)["tensors"].values()} == {dtype}
+        spec, params = db.load(dirs[-1])
+        assert spec == _spec(dtype)
+        assert _same(params, _reference(dtype))

@@ -44,6 +44,15 @@ def _spec(case: str):
     raise SystemExit(f"unknown case {case!r}")
 
 
+def _digest(params: dict) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(params):
+        h.update(k.encode() + np.ascontiguousarray(params[k]).tobytes())
+    return h.hexdigest()
+
+
 def _worker(case: str, outdir: str) -> None:
     import mlx.core as mx
     import mlx.nn as nn
@@ -138,6 +147,13 @@ def _worker(case: str, outdir: str) -> None:
     assert np.allclose(np.array(par(x)), np.array(single(x)), atol=1e-5)
     checks["set_params"] = True
 
+    # seed=None: every rank builds its block of one random model (rank 0's seed), a new one per call
+    rand = db.Sequential([db.Dense(8, in_features=4, bias_init="glorot_uniform"),
+                          db.Dense(8, bias_init="glorot_uniform"), db.Dense(4, bias_init="glorot_uniform")])
+    draws = [db.get_params(db.compile(rand, "mlx", parallel={0: "column", 1: "row"}, group=group)) for _ in range(2)]
+    report["seed_none_digest"] = _digest(draws[0])
+    checks["seed_none_new_model_per_call"] = _digest(draws[0]) != _digest(draws[1])
+
     # a width that does not divide over the group raises SpecError naming the layer
     if n > 1:
         try:
@@ -208,9 +224,11 @@ def test_mlp4_auto_matches_single_process(tmp_path, n):
                                "4": "RowDense"}
         assert rep["checks"] == {"shard_shapes": True, "get_params_bit_exact": True, "local_shards": True,
                                  "to_spec": True, "forward_backward": True, "compare": True, "set_params": True,
-                                 "indivisible_raises": True}
+                                 "seed_none_new_model_per_call": True, "indivisible_raises": True}
         assert rep["shard_shapes"]["0"] == [16 // n, 6] and rep["shard_shapes"]["1"] == [8, 16 // n]
         assert rep["max_abs_output_error"] < 1e-5 and rep["max_abs_grad_error"] < 1e-5
+    # seed=None: rank 0's seed everywhere, so the gathered model (replicated layer 2 included) is one
+    assert len({rep["seed_none_digest"] for rep in reports}) == 1, [rep["seed_none_digest"] for rep in reports]
 
 
 def test_column_tail_with_softmax_gathers(tmp_path):

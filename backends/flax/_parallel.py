@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dense_bridge._errors import SpecError, received
+from dense_bridge.backends._jax.parallel import agree_seed, barrier
 from dense_bridge._parallel import Shard as ShardView
 from dense_bridge._parallel import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
@@ -39,7 +40,7 @@ _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
 __all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "set_params_parallel",
-           "shard_shapes"]
+           "parallel_agree_seed", "shard_shapes"]
 
 
 def _mesh(group: Any) -> tuple[Mesh, int]:
@@ -216,7 +217,9 @@ def _addressable_block(array) -> ShardView:
 
 def parallel_barrier(native) -> None:
     """Every JAX process reaches this point (a no-op with one process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    barrier()
 
-        multihost_utils.sync_global_devices("dense_bridge")
+
+def parallel_agree_seed(group, seed: int) -> int:
+    """``compile(seed=None, parallel=...)``: JAX process 0's seed (in one process, ``seed``)."""
+    return agree_seed(seed)

@@ -64,7 +64,7 @@ from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
 from ._files import file_info, file_views, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10)
 # tensor parallelism (issue 17): ModelParallel + LayoutMap, Keras' JAX backend only
-from ._parallel import compile_parallel, get_params_parallel, parallel_barrier, parallel_state  # noqa: E402
+from ._parallel import compile_parallel, get_params_parallel, parallel_agree_seed, parallel_barrier, parallel_state  # noqa: E402
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",

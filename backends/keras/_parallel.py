@@ -44,7 +44,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
-__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "shard_shapes"]
+__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
+           "shard_shapes"]
 
 
 def _check_backend() -> None:
@@ -233,9 +234,14 @@ def _addressable_block(array) -> ShardView:
 
 def parallel_barrier(native) -> None:
     """Every JAX process reaches this point (a no-op with one process)."""
-    import jax
+    from dense_bridge.backends._jax.parallel import barrier
 
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    barrier()
 
-        multihost_utils.sync_global_devices("dense_bridge")
+
+def parallel_agree_seed(group, seed: int) -> int:
+    """``compile(seed=None, parallel=...)``: JAX process 0's seed (in one process, ``seed``)."""
+    _check_backend()
+    from dense_bridge.backends._jax.parallel import agree_seed
+
+    return agree_seed(seed)

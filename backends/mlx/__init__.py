@@ -63,7 +63,7 @@ from ._files import file_info, read_file, write_file  # native checkpoint files 
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
 from ._parallel import full_grads as parallel_full_grads
-from ._parallel import parallel_barrier
+from ._parallel import parallel_agree_seed, parallel_barrier
 from . import _parallel as _par
 
 
@@ -73,7 +73,8 @@ def get_params_parallel(native, local: bool = False) -> dict:
     return _par.get_params_parallel(native, local, get_params)
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
-           "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_full_grads",
+           "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
+           "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "read_file", "write_file"]
 

@@ -38,7 +38,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.nn.layers.distributed import sum_gradients
-from mlx.utils import tree_flatten, tree_unflatten
 
 from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge._parallel import Shard as ShardView
@@ -53,7 +52,7 @@ from ._layers import DenseLinear
 from ._layers import compile as compile_layer
 
 __all__ = ["ColumnDense", "RowDense", "ShardedDense", "compile_parallel", "parallel_state",
-           "get_params_parallel", "parallel_barrier", "full_grads"]
+           "get_params_parallel", "parallel_barrier", "parallel_agree_seed", "full_grads"]
 
 
 def _check_group(group):
@@ -306,8 +305,8 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
     (``index``: a tuple of slices into the full canonical tensor), so no rank ever holds a full
     sharded tensor: each column/row layer is built straight from its own slices. The plan is
     ``dense_bridge._parallel.resolve_plan`` (which layer gathers, which input arrives sharded).
-    Replicated layers are built whole; if ranks drew different ones (``seed=None``), rank 0's
-    are taken (see :func:`_agree_replicated`).
+    Replicated layers are built whole (with ``seed=None`` every rank draws them from rank 0's
+    seed: :func:`parallel_agree_seed`).
     """
     group = _check_group(group)
     n, r = int(group.size()), int(group.rank())
@@ -339,7 +338,6 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
                              split_input=not p.input_sharded)
             remember_spec(m, layer)
         modules.append(m)
-    _agree_replicated(modules, plan, group)
     model = nn.Sequential(*modules) if isinstance(spec, Sequential) else modules[0]
     model.__dict__[_STATE] = {"plan": plan, "group": group}
     remember_spec(model, spec)
@@ -367,36 +365,17 @@ def _mlx_arrays(parts: dict[str, np.ndarray], dtype: str, premasked: bool = Fals
     return out
 
 
-def _agree_replicated(modules: list, plan: dict, group) -> None:
-    """Make every rank's replicated parameters rank 0's: they differ when each rank drew its own
-    (``seed=None``). A fingerprint per array is all-gathered; only when they differ are the
-    arrays all-summed from rank 0 (the only communication, and never for a given seed or file).
-
-    Sharded parameters need no agreement: each rank holds only its own slice.
-    """
+def parallel_agree_seed(group, seed: int) -> int:
+    """``compile(seed=None, parallel=...)``: rank 0's seed on every rank of ``group``, so each
+    rank keeps its block of one random model. Rank 0's two 32-bit halves, zeros elsewhere,
+    all-summed (``mx.distributed`` has no broadcast)."""
+    group = _check_group(group)
     if group.size() == 1:
-        return
-    arrays = []
-    for i, m in enumerate(modules):
-        if not isinstance(m, nn.Module):
-            continue
-        p = plan.get(i)
-        for name, a in tree_flatten(m.parameters()):
-            if p is not None and not (p.style == "row" and name == "bias"):
-                continue
-            arrays.append((m, name, a))
-    if not arrays:
-        return
-    prints = mx.stack([mx.sum(a.astype(mx.float32) * (1.0 + mx.arange(a.size, dtype=mx.float32)
-                                                         .reshape(a.shape) / a.size)) for _, _, a in arrays])
-    table = np.array(mx.distributed.all_gather(prints[None], group=group))
-    if np.array_equal(table, np.broadcast_to(table[:1], table.shape), equal_nan=True):
-        return
-    first_rank = group.rank() == 0
-    for m, name, a in arrays:
-        first = mx.distributed.all_sum(mx.where(first_rank, a, mx.zeros_like(a)), group=group)
-        mx.eval(first)
-        m.update(tree_unflatten([(name, first)]))
+        return int(seed)
+    halves = [seed >> 32, seed & 0xFFFFFFFF] if group.rank() == 0 else [0, 0]
+    total = mx.distributed.all_sum(mx.array(halves, dtype=mx.uint32), group=group)
+    hi, lo = (int(v) for v in np.array(total))
+    return hi << 32 | lo
 
 
 def _positions(native) -> list[tuple[str, Any]]:

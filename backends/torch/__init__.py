@@ -77,6 +77,7 @@ from ._parallel import compile_parallel, parallel_state  # noqa: E402
 
 get_params_parallel = _par.get_params
 parallel_barrier = _par.barrier
+parallel_agree_seed = _par.agree_seed
 
 
 def _dispatching(plain, parallel):

@@ -252,6 +252,16 @@ def to_spec(native: nn.Module):
     return remembered_spec(native)
 
 
+def agree_seed(group: Any, seed: int) -> int:
+    """``compile(seed=None, parallel=...)``: the seed of the mesh's rank 0 on every rank of it
+    (``torch.distributed.broadcast``), so every rank keeps its block of one random model."""
+    mesh = _mesh(group)
+    pg = mesh.get_group()
+    t = torch.tensor([seed], dtype=torch.int64, device=mesh.device_type)
+    dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
+    return int(t.item())
+
+
 def barrier(native: nn.Module) -> None:
     state = native.__dict__[_STATE]
     dist.barrier(group=state["mesh"].get_group())
@@ -279,8 +289,9 @@ def save_dcp(native: nn.Module, path: str, spec_json: str) -> list[str]:
     from dense_bridge._parallel import atomic_write
     from dense_bridge._parallel_io import DCP_SPEC
 
-    dcp.save(native.state_dict(), checkpoint_id=path)
     state = parallel_state(native)
+    # the model's own group: a mesh over some of the world's ranks saves without the others
+    dcp.save(native.state_dict(), checkpoint_id=path, process_group=None if state is None else state["mesh"].get_group())
     if state is None or state["rank"] == 0:
         atomic_write(os.path.join(path, DCP_SPEC), lambda p: open(p, "w").write(spec_json))
     if state is not None:
@@ -296,8 +307,9 @@ def load_dcp(native: nn.Module, path: str) -> None:
     from dense_bridge._errors import CheckpointError
 
     state = native.state_dict()
+    par = parallel_state(native)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=None if par is None else par["mesh"].get_group())
     except Exception as exc:  # DCP raises CheckpointException/RuntimeError for missing or mis-shaped keys
         raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model ({type(exc).__name__}: "
                               f"{str(exc)[:500]})") from None
