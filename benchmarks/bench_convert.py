@@ -175,29 +175,81 @@ def _threaded_copy_jobs(out: np.ndarray, a: np.ndarray, transposing: bool, piece
 
     if transposing and a.ndim == 2:
         step = -(-a.shape[1] // pieces)
-        return [lambda j=j: _transfer._blocked_transpose(out[j:j + step], a[:, j:j + step], False)
+        return [lambda j=j: _transfer.blocked_transpose(out[j:j + step], a[:, j:j + step], False)
                 for j in range(0, a.shape[1], step)]
     fo, fa = out.reshape(-1), a.reshape(-1)
     step = -(-fa.size // pieces)
     return [lambda j=j: np.copyto(fo[j:j + step], fa[j:j + step]) for j in range(0, fa.size, step)]
 
 
-def threaded_limit(weights, transposing: bool) -> Callable[[], object]:
-    """The same copy on every core into preallocated memory, with dense_bridge's own kernel
-    (cache-blocked transpose): what this machine can do at best."""
+def fresh_limits(weights, transposing: bool) -> dict[str, Callable[[], object]]:
+    """Every known way to make the same bytes in the target's layout in NEW memory, one thread
+    each: the fastest of them (taken after the run) is the single-thread limit. Same layout: a
+    plain copy (numpy asks for transparent huge pages). Transposing: torch's
+    ``torch.empty(...).copy_(W.t())``, numpy's ``np.ascontiguousarray(W.T)`` and dense_bridge's
+    cache-blocked transpose into ``np.empty``."""
+    from dense_bridge import _transfer
+
+    srcs = [a for pair in weights for a in pair]
+    if not transposing:
+        return {"fresh:np.copy": lambda: [np.copy(a) for a in srcs]}
+    import torch
+
+    with warnings.catch_warnings():  # read-only views of the source: only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tsrcs = [torch.from_numpy(a) for a in srcs]
+
+    def blocked():
+        out = []
+        for a in srcs:
+            if a.ndim == 2:
+                o = np.empty(a.T.shape, a.dtype)
+                _transfer.blocked_transpose(o, a, False)
+            else:
+                o = np.copy(a)
+            out.append(o)
+        return out
+    return {
+        "fresh:torch copy_": lambda: [torch.empty(t.t().shape if t.ndim == 2 else t.shape, dtype=t.dtype).copy_(
+            t.t() if t.ndim == 2 else t) for t in tsrcs],
+        "fresh:np.ascontiguousarray": lambda: [np.ascontiguousarray(a.T) for a in srcs],
+        "fresh:blocked transpose": blocked,
+    }
+
+
+def fresh_threaded_limit(weights, transposing: bool) -> Callable[[], object]:
+    """The all-core limit: new memory for every array, filled on every core with dense_bridge's
+    kernels (column strips of the cache-blocked transpose, or flat chunks of a plain copy)."""
     from concurrent.futures import ThreadPoolExecutor
 
     cores = _cores()
     pool = ThreadPoolExecutor(cores)
-    jobs = []
-    for pair in weights:
-        for a in pair:
-            assert a.flags.c_contiguous, "native weights are row-major"
-            out = np.ones(a.T.shape if transposing and a.ndim == 2 else a.shape, a.dtype)
-            jobs += _threaded_copy_jobs(out, a, transposing, cores)
+    srcs = [a for pair in weights for a in pair]
 
     def run():
+        outs, jobs = [], []
+        for a in srcs:
+            out = np.empty(a.T.shape if transposing and a.ndim == 2 else a.shape, a.dtype)
+            outs.append(out)
+            jobs += _threaded_copy_jobs(out, a, transposing, cores)
         list(pool.map(lambda job: job(), jobs))
+        return outs
+    return run
+
+
+def plain_malloc_copy(weights) -> Callable[[], object]:
+    """A copy into plain malloc'ed memory WITHOUT huge pages: what ``mx.array`` gets (MLX's
+    allocator does not ask for them, and a library cannot make it)."""
+    from numpy._core.multiarray import _set_madvise_hugepage
+
+    srcs = [a for pair in weights for a in pair]
+
+    def run():
+        before = _set_madvise_hugepage(False)
+        try:
+            return [np.copy(a) for a in srcs]
+        finally:
+            _set_madvise_hugepage(before)
     return run
 
 
@@ -273,10 +325,12 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
     fns = {
         "convert": lambda: db.convert(source, to=dst),
         "limit": limit(weights, fresh=False),
-        "threads": threaded_limit(weights, transposing=not same),
-        "fresh": limit(weights, fresh=True),
         "naive": naive_port(source, src, dst, layers, width),
+        **fresh_limits(weights, transposing=not same),
+        "fresh:all cores": fresh_threaded_limit(weights, transposing=not same),
     }
+    if dst == "mlx":
+        fns["malloc"] = plain_malloc_copy(weights)
     for fn in fns.values():  # warm-up: imports, lazy tracing, first-touch of preallocated memory
         timed(fn)
     samples: dict[str, list[float]] = {k: [] for k in fns}
@@ -285,7 +339,10 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
             samples[k].append(timed(fn))
     nbytes = param_bytes(layers, width)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items()}
-    return {"pair": f"{src} -> {dst}", "src": src, "dst": dst,
+    singles = {k: v for k, v in gbps.items() if k.startswith("fresh:") and k != "fresh:all cores"}
+    best = max(singles, key=singles.get)
+    gbps["fresh1"], gbps["fresh_all"] = singles[best], gbps["fresh:all cores"]
+    return {"pair": f"{src} -> {dst}", "src": src, "dst": dst, "best_single": best[len("fresh:"):],
             "limit_kind": "memcpy" if same else "transposing copy", "gbps": gbps}
 
 
@@ -355,7 +412,7 @@ def _threaded_native_copy(src, perm=None, *, check_finite=False):
     cores = _cores()
     step = -(-swapped.shape[1] // (cores * _transfer._COLS)) * _transfer._COLS
     with ThreadPoolExecutor(cores) as pool:
-        counts = pool.map(lambda j: _transfer._blocked_transpose(out[j:j + step], swapped[:, j:j + step],
+        counts = pool.map(lambda j: _transfer.blocked_transpose(out[j:j + step], swapped[:, j:j + step],
                                                                  check_finite), range(0, swapped.shape[1], step))
         return out, sum(counts)
 
@@ -384,7 +441,7 @@ def _variant(name: str):
 
     @contextlib.contextmanager
     def patched():
-        saved = {k: getattr(_transfer, k) for k in ("native_copy", "_blocked_transpose")}
+        saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose")}
         _transfer._plain_copy_for_bench = lambda src, perm, check: saved["native_copy"](src, perm, check_finite=check)
         saved_params_copy = params_mod.native_copy
         try:
@@ -397,7 +454,7 @@ def _variant(name: str):
                 def strided(out, swapped, check):
                     np.copyto(_transfer._raw(out), _transfer._raw(swapped.swapaxes(-1, -2)))
                     return _transfer.count_nonfinite(out) if check else 0
-                _transfer._blocked_transpose = strided
+                _transfer.blocked_transpose = strided
             elif name == "check after copy (not fused)":
                 def separate(src, perm=None, *, check_finite=False, fused=saved["native_copy"]):
                     out, _ = fused(src, perm, check_finite=False)
@@ -456,26 +513,34 @@ def row(r: dict, layer_bytes: int) -> list[str]:
     g = r["gbps"]
     mem = r.get("memory")
     extra = "-" if mem is None else f"{mem['extra_bytes'] / 1e6:.0f} MB"
-    layers_worth = "-" if mem is None else f"{mem['extra_bytes'] / layer_bytes:.2f}"
-    return [r["pair"], f"{g['convert']:.2f}", r["limit_kind"], f"{g['limit']:.2f}",
-            f"**{g['convert'] / g['limit']:.2f}**", f"{g['threads']:.2f}", f"{g['convert'] / g['threads']:.2f}",
-            f"{g['fresh']:.2f}", f"{g['naive']:.2f}", f"{g['convert'] / g['naive']:.1f}x", extra, layers_worth]
+    malloc = "-" if "malloc" not in g else f"{g['malloc']:.2f}"
+    vs_malloc = "-" if "malloc" not in g else f"**{g['convert'] / g['malloc']:.2f}**"
+    return [r["pair"], f"{g['convert']:.2f}", f"{g['fresh1']:.2f} ({r['best_single']})",
+            f"{g['convert'] / g['fresh1']:.2f}", f"{g['fresh_all']:.2f}", f"**{g['convert'] / g['fresh_all']:.2f}**",
+            malloc, vs_malloc, f"{g['naive']:.2f}", f"**{g['convert'] / g['naive']:.2f}x**",
+            f"{g['limit']:.2f}", extra]
 
 
-HEADER = ["pair", "convert GB/s", "limit (prealloc)", "limit GB/s", "convert / limit", "all-core limit GB/s",
-          "convert / all-core", "fresh-memory GB/s", "naive GB/s", "convert / naive", "peak extra", "layers' worth"]
+HEADER = ["pair", "convert GB/s", "1-thread limit GB/s (fastest copy)", "convert / 1-thread",
+          "all-core limit GB/s", "convert / all-core (>= 0.8)", "plain malloc copy GB/s",
+          "convert / malloc (>= 0.9)", "naive GB/s", "convert / naive (>= 1.0)", "prealloc copy GB/s", "peak extra"]
 
 
 def gaps(results: list[dict]) -> list[str]:
+    """A line per pair under a target: convert >= 0.8 of the all-core fresh-memory limit and >=
+    1.0x naive; into MLX >= 0.9 of the plain malloc copy."""
     lines = []
     for r in results:
         g = r["gbps"]
-        ratio = g["convert"] / g["limit"]
-        if ratio < TARGET_RATIO:
-            lines.append(f"- {r['pair']}: best supported path (db.convert) {g['convert']:.2f} GB/s = {ratio:.2f} of "
-                         f"the {r['limit_kind']} limit ({g['limit']:.2f} GB/s), gap {TARGET_RATIO - ratio:.2f} to "
-                         f"{TARGET_RATIO}; the plain {r['limit_kind']} into fresh memory runs {g['fresh']:.2f} GB/s "
-                         f"(convert is {g['convert'] / g['fresh']:.1f}x that). Why: {_GAP_REASONS[r['dst']]}.")
+        misses = []
+        if g["convert"] / g["fresh_all"] < TARGET_RATIO:
+            misses.append(f"{g['convert'] / g['fresh_all']:.2f} of the all-core limit ({g['fresh_all']:.2f} GB/s)")
+        if g["convert"] / g["naive"] < 1.0:
+            misses.append(f"{g['convert'] / g['naive']:.2f}x naive")
+        if "malloc" in g and g["convert"] / g["malloc"] < 0.9:
+            misses.append(f"{g['convert'] / g['malloc']:.2f} of the plain malloc copy")
+        if misses:
+            lines.append(f"- {r['pair']}: {'; '.join(misses)}. Why: {_GAP_REASONS[r['dst']]}.")
     return lines
 
 
@@ -563,12 +628,15 @@ def main(argv=None) -> int:
         "Fresh memory is noisy here: this Firecracker VM reports free pages to its host, so a new page may "
         "cost a host fault on top of the kernel's zero-fill.", "",
         text, "",
-        "- limit: the pair's copy into preallocated memory (np.copyto for torch<->mlx, which share the (out, in) "
-        "layout; torch `out.copy_(W.t())` for the transposing pairs with Keras' (in, out) kernel).",
-        "- all-core limit: the same copy into preallocated memory on every core with dense_bridge's kernels "
-        "(threads over column strips; cache-blocked transpose): the stricter yardstick.",
-        "- fresh-memory: the limit's copy into newly allocated memory (np.copy / torch.empty + copy_), as "
-        "a new model must be written: the kernel zero-fills each fresh page first.",
+        "- 1-thread limit: the fastest way measured, in the same run, to make the same bytes in the target's "
+        "layout in NEW memory on one thread (same layout: np.copy; transposing: the best of torch "
+        "`torch.empty().copy_(W.t())`, `np.ascontiguousarray(W.T)` and dense_bridge's cache-blocked transpose).",
+        "- all-core limit: the same into new memory on every core with dense_bridge's kernels (column strips of "
+        "the blocked transpose, flat chunks of a copy): the yardstick of the issue (target convert >= 0.8 of it).",
+        "- plain malloc copy (into MLX only): np.copy with numpy's huge-page advice off, i.e. what `mx.array` "
+        "gets from MLX's allocator (target >= 0.9).",
+        "- prealloc copy: the pair's copy into memory allocated and touched before timing (no page faults): not "
+        "a limit for a conversion, which must create its output; shown for scale.",
         "- convert: source views are zero-copy; each layer is copied once, in the target's layout, into fresh "
         "64-byte aligned buffers (cache-blocked transpose, one thread) with the NaN/Inf check fused into the copy, then adopted by the "
         "target (torch.from_numpy, TF DLPack); MLX copies with mx.array.",
@@ -579,7 +647,7 @@ def main(argv=None) -> int:
     ]
     below = gaps(results)
     if below:
-        report += [f"## Pairs under {TARGET_RATIO} of the limit", ""] + below + [""]
+        report += ["## Pairs that miss a target", ""] + below + [""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(report))

@@ -82,7 +82,7 @@ def count_nonfinite(value: np.ndarray) -> int:
         return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
 
 
-def _blocked_transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
+def blocked_transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
     """out (..., R, C) = swapped (..., C, R) transposed; the NaN/Inf count of what was copied
     when ``check``. ``swapped`` is read-only; any strides whose last axis is contiguous.
 
@@ -114,6 +114,6 @@ def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
     out = empty(view.shape, view.dtype)
     if view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
             and view.swapaxes(-1, -2).flags.c_contiguous:  # e.g. torch's W.T
-        return out, _blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
+        return out, blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
     np.copyto(_raw(out), _raw(view))
     return out, count_nonfinite(out) if check_finite else 0

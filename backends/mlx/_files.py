@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
-from ._arrays import to_numpy
+from ._arrays import dtype_name, to_numpy
 
 Entries = dict  # name -> (native shape, dtype name)
 
@@ -87,8 +88,10 @@ def _pending(model) -> dict[str, PendingTensor]:
     """The model's arrays, each turned into numpy (a zero-copy view) only when written."""
     out = {}
     for k, v in tree_flatten(model.parameters()):
-        probe = to_numpy(v.reshape(-1)[:0])
-        out[k] = PendingTensor(probe.dtype, tuple(v.shape), (lambda a=v: to_numpy(a)))
+        # the dtype from the name: a reshape of a transposed view (how MLX may keep a weight)
+        # would copy the whole array just to learn it
+        dtype = numpy_dtype(dtype_name(v.dtype, k))
+        out[k] = PendingTensor(dtype, tuple(v.shape), (lambda a=v: to_numpy(a)))
     return out
 
 
