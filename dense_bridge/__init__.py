@@ -24,7 +24,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "wiring": (".wiring", None), "testing": (".testing", None),
     "available_backends": ("._api", "available_backends"), "backend": ("._api", "backend"),
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
-    "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"),
+    "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
     "transfer": (".models", "transfer"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
@@ -33,7 +33,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -55,6 +55,8 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 - ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
   probabilities (the demo: torch, and numpy's reference backward).
+- ``inference(native) -> context manager``: a scope in which masked layers may reuse kernel *
+  mask without a change signal (Keras on TensorFlow), behind ``db.inference`` (issue 18).
 - ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
   Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
@@ -108,7 +110,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views")
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "inference")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

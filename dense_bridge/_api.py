@@ -197,6 +197,20 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)
 
 
+def inference(native: Any):
+    """A context manager for inference with ``native``: masked layers reuse kernel * mask while
+    the weights do not change (issue 18). torch and MLX layers do this on their own (they see
+    changes: version counters, immutable arrays); Keras needs this scope on TensorFlow, whose
+    variables change in place with no counter (on JAX and torch engines it caches outside it
+    too). Inside, change weights only through dense_bridge (``set_params``, ``db.load``) or
+    Keras' ``load_weights``. Other backends: a no-op scope. ``with db.inference(model): ...``
+    """
+    import contextlib
+
+    verb = getattr(adapter_for(native, "native"), "inference", None)
+    return contextlib.nullcontext(native) if verb is None else verb(native)
+
+
 def available_backends(check: bool = False) -> list[str]:
     """Names of the usable backends, in canonical order.
 

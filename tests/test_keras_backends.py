@@ -29,7 +29,7 @@ from conftest import require_backend
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = "DENSE_BRIDGE_KERAS_ENGINE_CHILD"  # set in the subprocesses: they do not recurse
 SUITES = ["tests/test_conformance.py", "tests/test_convert.py", "tests/test_checkpoint.py", "tests/test_compare.py",
-          "tests/test_keras_backends.py"]
+          "tests/test_keras_backends.py", "tests/test_masked_cache_keras.py"]
 ENGINE_PACKAGES = {"jax": "jax", "torch": "torch"}
 
 

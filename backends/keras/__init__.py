@@ -56,7 +56,7 @@ import keras
 from ._engine import ENGINE  # noqa: F401 - imports the engine Keras runs on (tensorflow, jax or torch)
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
 from ._arrays import from_numpy, to_numpy  # noqa: E402
-from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile  # noqa: E402
+from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile, inference  # noqa: E402,E501
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import trace  # noqa: E402

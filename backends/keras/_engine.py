@@ -104,6 +104,39 @@ else:  # pragma: no cover - Keras' other engines (openvino) have no autograd
     raise ImportError(f"dense_bridge's keras backend supports Keras on tensorflow, jax and torch, not {ENGINE!r}")
 
 
+# What tells a variable's value changed, for the masked-kernel cache (_layers.DenseBridgeDense):
+# JAX arrays are immutable, so every assign makes a new array (identity); torch tensors count
+# their in-place writes (version counter) and may be swapped (identity, data pointer); a
+# TensorFlow variable changes in place with no counter at all (None: no cache outside
+# ``db.inference``). ``tracing(x)``: inside tf.function / jax.jit / torch.compile a cached tensor
+# would be baked into the traced graph, so the product is always computed there.
+if ENGINE == "jax":
+    def change_key(variable):
+        return (variable.value,)
+
+    def tracing(x) -> bool:
+        return isinstance(x, jax.core.Tracer)
+elif ENGINE == "torch":
+    def change_key(variable):
+        t = variable.value
+        return (t, t._version, t.data_ptr())
+
+    def tracing(x) -> bool:
+        return torch.jit.is_tracing() or torch.compiler.is_compiling()
+else:
+    def change_key(variable):
+        return None
+
+    def tracing(x) -> bool:
+        return not tf.executing_eagerly()
+
+
+def same_key(a, b) -> bool:
+    """Equal change keys: the held objects identical (``is``), counters and pointers equal."""
+    return a is not None and b is not None and len(a) == len(b) and \
+        all(x is y if i == 0 else x == y for i, (x, y) in enumerate(zip(a, b)))
+
+
 tanh, logaddexp, minimum = keras.ops.tanh, keras.ops.logaddexp, keras.ops.minimum
 matmul, einsum = keras.ops.matmul, keras.ops.einsum
 if ENGINE == "jax":

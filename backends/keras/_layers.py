@@ -15,6 +15,8 @@ is known) that takes inputs of any rank, features last.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Sequence
 
 import keras
@@ -29,7 +31,7 @@ from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
-from ._engine import check_dtype, einsum, inexact_float64_dense, matmul
+from ._engine import change_key, check_dtype, einsum, inexact_float64_dense, matmul, same_key, tracing
 from ._activations import REGISTRATION_PACKAGE, ExactActivation, activation_layer
 from ._arrays import give_array, read_array, to_tensor
 
@@ -196,6 +198,8 @@ class DenseBridgeDense(keras.layers.Dense):
         self._wiring = None if mask is None else (mask if isinstance(mask, Wiring) else Wiring.from_config(mask))
         self._mask_init: Callable | None = None  # a _Draw's initializer, set by compile
         self.mask = None
+        self._inference = False  # inside db.inference(model): the cached product is trusted
+        self._masked_cache = None  # (kernel key, mask key, kernel * mask)
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -215,13 +219,45 @@ class DenseBridgeDense(keras.layers.Dense):
         if self.mask is not None:
             # in the forward pass, not a kernel_constraint (that runs only after an update):
             # masked entries get zero gradient, so they stay exactly 0
-            kernel = kernel * self.mask.value
+            kernel = self._masked_kernel(inputs, training)
         # the engine's matmul and tensor operators: keras.ops.matmul/multiply/add compute float64
         # in float32 on torch (_engine)
         x = matmul(inputs, kernel)
         if self.bias is not None:
             x = x + self.bias.value
         return self.activation(x)
+
+    def _masked_kernel(self, inputs, training):
+        """kernel * mask, reused in inference while neither changed (issue 18).
+
+        Reused only in eager calls with ``training`` not True, and only when the engine can tell
+        that neither variable changed since (JAX: a new array per assign; torch: version counter,
+        data pointer, identity) or inside ``db.inference(model)``, which promises no writes but
+        dense_bridge's own (``set_params``/``load_weights`` drop the cache). TensorFlow variables
+        change in place without a counter, so on TensorFlow only ``db.inference`` caches.
+        Never inside tf.function/jit tracing: a cached tensor would be frozen into the graph.
+        """
+        kernel, mask = self.kernel, self.mask
+        if training or tracing(inputs):
+            return kernel.value * mask.value
+        keys = (change_key(kernel), change_key(mask))
+        cache = self._masked_cache
+        if cache is not None and (self._inference or (same_key(cache[0], keys[0]) and same_key(cache[1], keys[1]))):
+            return cache[2]
+        product = kernel.value * mask.value
+        if self._inference or keys[0] is not None:
+            # straight into __dict__: Keras (and torch's Module) would otherwise track the tensors
+            self.__dict__["_masked_cache"] = (keys[0], keys[1], product)
+        return product
+
+    def clear_masked_cache(self) -> None:
+        """Forget the cached product (dense_bridge's own writes and db.inference's exit do this)."""
+        self.__dict__["_masked_cache"] = None
+
+    def set_inference(self, on: bool) -> None:
+        """Trust the cached product until switched off (``db.inference(model)``)."""
+        self.__dict__["_inference"] = bool(on)
+        self.__dict__["_masked_cache"] = None
 
     def save_own_variables(self, store):
         # Dense saves only the variables it knows by name: without this the files drop the mask
@@ -230,6 +266,7 @@ class DenseBridgeDense(keras.layers.Dense):
             store["mask"] = self.mask
 
     def load_own_variables(self, store):
+        self.clear_masked_cache()
         super().load_own_variables(store)  # Dense checks the entry count: the mask is counted
         if self.mask is not None:
             self.mask.assign(store["mask"])
@@ -344,6 +381,38 @@ def _compile_bilinear(spec: BilinearSpec, source: ParamSource, index: int) -> Bi
     b_init = draw.initializer(bias_init, "bias", spec.in1_features, spec.units)
     return Bilinear(spec.in1_features, spec.in2_features, spec.units, use_bias=spec.use_bias,
                     kernel_initializer=k_init, bias_initializer=b_init, dtype=spec.dtype, name=spec.name)
+
+
+@contextlib.contextmanager
+def inference(native):
+    """The ``inference`` verb: inside, masked layers of ``native`` keep kernel * mask from their
+    first call and reuse it, on every engine TensorFlow included (which has no change counter);
+    weights must not change inside except through dense_bridge (``set_params``, ``db.load``,
+    ``load_weights``), which drop the cache. Calls with ``training=True`` and traced calls always
+    compute the product. On exit every cache is dropped, and so are the model's compiled
+    predict/evaluate functions, so none keeps a product traced inside."""
+    layers = [l for l in _all_layers(native) if isinstance(l, DenseBridgeDense)]
+    for layer in layers:
+        layer.set_inference(True)
+    _forget_traced_functions(native)
+    try:
+        yield native
+    finally:
+        for layer in layers:
+            layer.set_inference(False)
+        _forget_traced_functions(native)
+
+
+def _all_layers(native) -> list:
+    if isinstance(native, keras.Model):
+        return list(native._flatten_layers(include_self=False))
+    return [native]
+
+
+def _forget_traced_functions(native) -> None:
+    for name in ("predict_function", "test_function"):
+        if getattr(native, name, None) is not None:
+            setattr(native, name, None)  # Keras traces them again on the next predict/evaluate
 
 
 def _neighbour_dtypes(layers: Sequence) -> list[str]:

@@ -61,6 +61,8 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
 
 def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
     variables = layer_variables(layer)
+    if hasattr(layer, "clear_masked_cache"):
+        layer.clear_masked_cache()  # also inside db.inference, where the cache is otherwise trusted
     if "mask" in params:
         assign_array(variables["mask"], params["mask"])
     if "kernel" in params or "mask" in params:
