@@ -1,7 +1,8 @@
 """Tensor parallelism on torch (issue 16): gloo on CPU, 2 and 4 ranks, in ONE spawn of 4 processes.
 
 A spawn costs seconds here (4 interpreters importing torch on 2 cores), so every check runs in
-one process group of 4, in three stages separated by barriers; the 2-rank runs are on a
+one process group of 4, forked from a forkserver that imported torch once (``start_workers``),
+in three stages separated by barriers; the 2-rank runs are on a
 ``DeviceMesh`` of ranks 0 and 1 passed as ``group=`` (ranks 2 and 3 wait):
 
 - A, 2 ranks: compile/compare/shard shapes, an explicit plan, save (sharded and DCP);
@@ -258,11 +259,29 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+#: what every worker imports, imported once by the forkserver the workers are forked from
+PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "dense_bridge.backends.torch",
+           "dense_bridge._parallel_io", "dense_bridge.testing", __name__]
+
+
+def start_workers(fn, args, nprocs):
+    """``mp.spawn`` semantics (a worker's exception fails the call), but the processes are forked
+    from a forkserver that imported torch and dense_bridge once: 4 spawned interpreters each
+    importing torch cost ~8 s of the 2 cores, forks ~2 s. The forkserver itself is a fresh
+    process (no threads, no OpenMP pool), so forking it is safe; spawn where there is none."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.spawn(fn, args=args, nprocs=nprocs)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tp"))
     db.save(db.compile(BIG, "numpy", seed=0), os.path.join(d, "big.safetensors"))  # one process, one file
-    mp.spawn(_worker, args=(WORLD, _port(), d), nprocs=WORLD)
+    start_workers(_worker, (WORLD, _port(), d), WORLD)
     return d
 
 
