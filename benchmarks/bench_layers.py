@@ -84,6 +84,13 @@ def keras_cases(fan_in, units, batch):
     def forward(layer):
         if engine == "jax":  # JAX dispatches asynchronously: wait for the result
             return lambda: layer(x).block_until_ready()
+        if engine == "torch":  # inference as predict runs it: autograd off
+            import torch
+
+            def run():
+                with torch.no_grad():
+                    return layer(x)
+            return run
         return lambda: layer(x)
 
     def train(layer):  # one SGD step through the engine's own autograd

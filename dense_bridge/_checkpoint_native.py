@@ -29,6 +29,7 @@ import numpy as np
 
 from ._checkpoint_io import AtomicFiles, check_writable
 from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
+from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError
 from ._safetensors import SafetensorsFile
 
@@ -258,6 +259,27 @@ class NativeCheckpoint:
             except ConversionError as exc:
                 raise CheckpointError(f"{self.path} does not match the spec: {exc}") from None
         return params
+
+    def pending(self) -> dict:
+        """Canonical tensors to write (``_safetensors.PendingTensor``): each read from the file
+        when its turn comes where the adapter serves the file directly (``file_views``), else
+        views of the loaded model."""
+        from ._safetensors import PendingTensor, pending
+        from .specs import Sequential, layer_param_shapes
+
+        views = self._file_views() if self.spec is not None and self.container != "keras-model" else None
+        if views is None:
+            return {k: pending(np.asarray(v)) for k, v in self.param_views().items()}
+        layers = self.spec.layers if isinstance(self.spec, Sequential) else [self.spec]
+        out = {}
+        for i, layer in enumerate(layers):
+            prefix = f"{i}." if isinstance(self.spec, Sequential) else ""
+            dtype = np.dtype(numpy_dtype(getattr(layer, "dtype", "float32")))
+            for key, shape in layer_param_shapes(layer).items():
+                name = prefix + key
+                if name in views:  # the adapter checked the file's shapes and dtypes against these
+                    out[name] = PendingTensor(dtype, tuple(shape), lambda n=name: np.asarray(views[n]))
+        return out
 
     def params(self) -> dict[str, np.ndarray]:
         """Canonical parameters (in-memory copies)."""

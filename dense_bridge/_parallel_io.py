@@ -1,6 +1,8 @@
 """``db.save``/``db.load`` of parallel models: the sharded directory (dense_bridge/_parallel.py)
 and torch.distributed.checkpoint (DCP) directories, a native format read and written through the
-torch adapter's ``save_dcp``/``load_dcp``. Hooked from dense_bridge/checkpoint.py (issue 16).
+torch adapter's ``save_dcp``/``load_dcp``; and ``db.load(file, parallel=...)`` of a checkpoint one
+process saved, each rank reading only its blocks (``load_checkpoint_parallel``). Hooked from
+dense_bridge/checkpoint.py (issues 16, 17).
 """
 from __future__ import annotations
 

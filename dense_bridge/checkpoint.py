@@ -833,8 +833,9 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
             tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
             meta = _metadata(ckpt.spec, tensors, ckpt.meta.get("source_backend", "numpy"))
         else:
-            # views of the framework's memory: the output is written without a second copy
-            tensors = {k: pending(np.asarray(v)) for k, v in ckpt.param_views().items()}
+            # straight from the file where the adapter can (file_views), else views of the loaded
+            # model's memory: either way the output is written without a second copy
+            tensors = ckpt.pending()
             meta = _metadata(ckpt.spec, tensors, ckpt.framework)
         try:
             files = write_canonical(out, tensors, meta, limit, progress)

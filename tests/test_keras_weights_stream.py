@@ -165,3 +165,27 @@ def test_structure_twin_keeps_classes_and_shrinks_every_width():
     assert dense[0].mask is not None and dense[0].mask.shape == (1, 1)
     assert [l.use_bias for l in dense] == [l.use_bias for l in spec.layers if isinstance(l, db.Dense)]
     assert [l.activation for l in dense] == [l.activation for l in spec.layers if isinstance(l, db.Dense)]
+
+
+# ------------------------------------------------------------------ MLX .safetensors, the same way
+@pytest.mark.parametrize("target", ["numpy", "torch", "canonical"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlx_file_streams_bit_exact_without_an_mlx_model(tmp_path, monkeypatch, target, dtype):
+    require_backend("mlx")
+    if target != "canonical":
+        require_backend(target)
+    from dense_bridge import checkpoint
+
+    spec = _spec(dtype)
+    model = db.compile(spec, "mlx", seed=2)
+    path = str(tmp_path / "m.safetensors")
+    native_files.write_native(model, "mlx", path, spec=spec)
+    spy = _PathSpy(monkeypatch)
+    if target == "canonical":
+        out = str(tmp_path / "c.safetensors")
+        checkpoint.convert_file(path, "canonical", out)
+        got = db.load(out)[1]
+    else:
+        got = db.get_params(db.load(path, target))
+    assert spy.streamed == [True]
+    assert _bits(got) == _bits(db.get_params(model))

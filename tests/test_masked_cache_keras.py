@@ -33,9 +33,21 @@ def _fresh(layer) -> np.ndarray:
 
 
 def _out(layer, **kwargs) -> np.ndarray:
+    """The layer's output as inference computes it (on the torch engine with autograd off, as
+    ``predict`` runs: with autograd on the product is always computed afresh)."""
+    import contextlib
+
+    import keras
+
     from dense_bridge.backends.keras import to_numpy
 
-    return to_numpy(layer(X, **kwargs)).astype(np.float64)
+    scope = contextlib.nullcontext()
+    if keras.backend.backend() == "torch":
+        import torch
+
+        scope = torch.no_grad()
+    with scope:
+        return to_numpy(layer(X, **kwargs)).astype(np.float64)
 
 
 def _new_kernel(layer, scale: float):
@@ -123,3 +135,22 @@ def test_inference_scope_is_a_no_op_for_other_backends():
     layer = db.compile(SPEC, "torch", seed=0)
     with db.inference(layer) as same:
         assert same is layer
+
+
+def test_keras_gradients_after_inference_calls_reach_the_kernel(keras_layer):
+    """A cached product must never stand in for kernel * mask where a gradient is taken (on the
+    torch engine it would also share one autograd graph between two backward passes)."""
+    from dense_bridge.backends.keras import trace
+
+    g = np.random.default_rng(1).standard_normal((3, 6))
+    _out(keras_layer)
+    _out(keras_layer)  # cached now, where the engine caches outside db.inference
+    for _ in range(2):  # twice: a graph reused from the first pass would fail the second
+        traced = trace(keras_layer, [X], g.astype(np.float32)).layers[-1]
+        from dense_bridge.backends.keras import to_numpy
+
+        k, m, b = (to_numpy(v.value).astype(np.float64) for v in (keras_layer.kernel, keras_layer.mask,
+                                                                   keras_layer.bias))
+        y = np.tanh(X.astype(np.float64) @ (k * m) + b)
+        want = X.astype(np.float64).T @ (g * (1 - y * y)) * m
+        np.testing.assert_allclose(np.asarray(traced.param_grads["kernel"], np.float64), want, rtol=1e-4, atol=1e-5)

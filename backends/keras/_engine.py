@@ -108,26 +108,28 @@ else:  # pragma: no cover - Keras' other engines (openvino) have no autograd
 # JAX arrays are immutable, so every assign makes a new array (identity); torch tensors count
 # their in-place writes (version counter) and may be swapped (identity, data pointer); a
 # TensorFlow variable changes in place with no counter at all (None: no cache outside
-# ``db.inference``). ``tracing(x)``: inside tf.function / jax.jit / torch.compile a cached tensor
-# would be baked into the traced graph, so the product is always computed there.
+# ``db.inference``). ``recording(x)``: the product must be computed afresh because the call is
+# traced (tf.function / jax.jit / jax.grad / torch.compile would bake a cached tensor into the
+# graph) or, on torch, autograd is recording (a cached product would share one graph between
+# two backward passes and hide the kernel from the gradient).
 if ENGINE == "jax":
     def change_key(variable):
         return (variable.value,)
 
-    def tracing(x) -> bool:
+    def recording(x) -> bool:
         return isinstance(x, jax.core.Tracer)
 elif ENGINE == "torch":
     def change_key(variable):
         t = variable.value
         return (t, t._version, t.data_ptr())
 
-    def tracing(x) -> bool:
-        return torch.jit.is_tracing() or torch.compiler.is_compiling()
+    def recording(x) -> bool:
+        return torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling()
 else:
     def change_key(variable):
         return None
 
-    def tracing(x) -> bool:
+    def recording(x) -> bool:
         return not tf.executing_eagerly()
 
 

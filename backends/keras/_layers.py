@@ -31,7 +31,7 @@ from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 from dense_bridge.wiring import Wiring
 
-from ._engine import change_key, check_dtype, einsum, inexact_float64_dense, matmul, same_key, tracing
+from ._engine import change_key, check_dtype, einsum, inexact_float64_dense, matmul, recording, same_key
 from ._activations import REGISTRATION_PACKAGE, ExactActivation, activation_layer
 from ._arrays import give_array, read_array, to_tensor
 
@@ -230,15 +230,17 @@ class DenseBridgeDense(keras.layers.Dense):
     def _masked_kernel(self, inputs, training):
         """kernel * mask, reused in inference while neither changed (issue 18).
 
-        Reused only in eager calls with ``training`` not True, and only when the engine can tell
+        Reused only in eager calls with ``training`` not True (on the torch engine also only with
+        autograd off: ``torch.no_grad()``, as ``predict`` runs), and only when the engine can tell
         that neither variable changed since (JAX: a new array per assign; torch: version counter,
         data pointer, identity) or inside ``db.inference(model)``, which promises no writes but
-        dense_bridge's own (``set_params``/``load_weights`` drop the cache). TensorFlow variables
-        change in place without a counter, so on TensorFlow only ``db.inference`` caches.
-        Never inside tf.function/jit tracing: a cached tensor would be frozen into the graph.
+        dense_bridge's own (``set_params``/``load_weights`` drop the cache) and no gradients.
+        TensorFlow variables change in place without a counter, so on TensorFlow only
+        ``db.inference`` caches. Never inside tf.function/jit tracing: a cached tensor would be
+        frozen into the graph.
         """
         kernel, mask = self.kernel, self.mask
-        if training or tracing(inputs):
+        if training or recording(inputs):
             return kernel.value * mask.value
         keys = (change_key(kernel), change_key(mask))
         cache = self._masked_cache

@@ -15,14 +15,19 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
+from dense_bridge.specs import layer_param_shapes
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 from ._arrays import dtype_name, to_numpy
+from ._layers import is_dense
+from ._params import positions
 
 Entries = dict  # name -> (native shape, dtype name)
 
@@ -64,6 +69,62 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
         return ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()},
                 dict(files[0].metadata))
     return {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in _state(path, None).items()}, {}
+
+
+def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+               check: Callable[[Entries, Entries], None]):
+    """Canonical views of an MLX ``.safetensors`` straight from the mapped file, no MLX model
+    built (a conversion to another framework copies each layer once; see dense_bridge/_adapter.py).
+
+    Names and layouts come from ``twin`` (the spec's width-1 structure twin compiled on MLX):
+    each Dense ``weight`` (out, in) is the canonical kernel transposed (a view), its ``mask``
+    likewise, a Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
+    None for ``.npz`` files (read by MLX itself) or a twin whose names differ from these rules.
+    """
+    if not files:
+        return None
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}  # canonical -> (file name, axes to canonical)
+    for prefix, m in positions(twin):
+        where = f"layers.{prefix}" if prefix else ""
+        if is_dense(m):
+            plan[prefix + "kernel"] = (where + "weight", (1, 0))
+            if "bias" in m:
+                plan[prefix + "bias"] = (where + "bias", (0,))
+            if "mask" in m:
+                plan[prefix + "mask"] = (where + "mask", (1, 0))
+        elif type(m) is nn.Bilinear:
+            plan[prefix + "kernel"] = (where + "weight", (0, 2, 1))
+            if "bias" in m:
+                plan[prefix + "bias"] = (where + "bias", (0,))
+    if {name for name, _ in plan.values()} != {k for k, _ in tree_flatten(twin.parameters())}:
+        return None  # a module these rules do not describe: MLX's own loader decides
+    shapes = {}
+    for layer_prefix, layer in ([(f"{i}.", l) for i, l in enumerate(spec.layers)] if hasattr(spec, "layers")
+                                else [("", spec)]):
+        for key, shape in layer_param_shapes(layer).items():
+            shapes[layer_prefix + key] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
+    got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
+    check(got, expected)
+    return _MappedViews(plan, {n: f for f in files for n in f.tensors})
+
+
+class _MappedViews(Mapping):
+    """Canonical name -> the file's tensor, mapped (copy-on-write) and put in canonical axis order
+    (a view) when asked for; nothing is read before."""
+
+    def __init__(self, plan: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, SafetensorsFile]) -> None:
+        self._plan, self._files = plan, files
+
+    def __iter__(self):
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, canonical: str) -> np.ndarray:
+        name, axes = self._plan[canonical]
+        return self._files[name].get(name).transpose(axes)
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
