@@ -4,6 +4,12 @@ Each case starts from a valid canonical checkpoint that ``db.save`` wrote (singl
 sharded, float32 or bfloat16) and breaks it in one way an attacker or a broken disk would:
 header fields, offsets, lengths, JSON shapes, metadata specs, index entries, shard files.
 ``make_all(directory)`` writes every case and returns ``{case_id: path to load}``.
+
+``H5`` breaks a Keras ``.weights.h5`` (written by dense_bridge, spec attribute included) for the
+reader that serves its datasets without a Keras model (``backends/keras/_files.file_views``):
+truncated or corrupt storage, chunked/compressed datasets cut short, datasets that claim more
+bytes than the file holds, links and storage in other files, wrong dtypes and shapes.
+``make_h5(directory)`` writes those (it needs Keras to write the valid file first).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import json
 import os
 import struct
 
+import h5py
 import numpy as np
 
 import dense_bridge as db
@@ -325,4 +332,279 @@ def make_all(directory: str) -> dict[str, str]:
                 else:
                     f.write(json.dumps(index).replace('"__HUGE__"', "9" * 5000))
             cases[f"sharded-{dtype}-{name}"] = index_path
+    return cases
+
+
+# ------------------------------------------------------------------ Keras .weights.h5 mutations
+# each takes the path of a valid weights file (first layer "layers/dense_bridge_dense") and breaks it in place
+KERNEL = "layers/dense_bridge_dense/vars/0"
+BIAS = "layers/dense_bridge_dense/vars/1"
+
+
+def _datasets(path: str) -> dict[str, tuple[np.ndarray, dict]]:
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, (obj[()], dict(obj.attrs)))
+                     if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def _rebuild(path: str, make=None) -> None:
+    """Rewrite ``path`` with every dataset made by ``make(f, name, data, attrs)`` (None: the
+    dataset as it was, contiguous); root attributes and empty groups are kept."""
+    with h5py.File(path, "r") as f:
+        root = dict(f.attrs)
+        groups = []
+        f.visititems(lambda name, obj: groups.append(name) if isinstance(obj, h5py.Group) else None)
+    datasets = _datasets(path)
+    os.remove(path)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(root)
+        for g in groups:
+            f.require_group(g)
+        for name, (data, attrs) in datasets.items():
+            if make is None or make(f, name, data, attrs) is None:
+                f.create_dataset(name, data=data).attrs.update(attrs)
+
+
+def _offset(path: str, name: str) -> int:
+    with h5py.File(path, "r") as f:
+        return f[name].id.get_offset()
+
+
+def _chunk_offset(path: str, name: str) -> int:
+    with h5py.File(path, "r") as f:
+        return f[name].id.get_chunk_info(0).byte_offset
+
+
+def _all(how):
+    return lambda f, name, data, attrs: f.create_dataset(name, data=data, **(how if data.ndim else {})
+                                                         ).attrs.update(attrs) or True
+
+
+def _only(target: str, fn):
+    return lambda f, name, data, attrs: fn(f, name, data, attrs) or True if name == target else None
+
+
+def _truncate(path: str, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def h_empty(path):
+    _truncate(path, 0)
+
+
+def h_truncated_header(path):
+    _truncate(path, 600)
+
+
+def h_not_hdf5(path):
+    with open(path, "wb") as f:
+        f.write(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
+
+
+def h_truncated_data(path):
+    _rebuild(path)  # the datasets' bytes after the metadata, the kernel last
+    _truncate(path, max(_offset(path, KERNEL), _offset(path, BIAS)) + 2)
+
+
+def h_truncated_chunk(path):
+    _rebuild(path, _all({"chunks": True}))
+    _truncate(path, _chunk_offset(path, KERNEL) + 2)
+
+
+def h_truncated_gzip(path):
+    _rebuild(path, _all({"chunks": True, "compression": "gzip"}))
+    _truncate(path, _chunk_offset(path, KERNEL) + 4)
+
+
+def h_corrupt_gzip(path):
+    _rebuild(path, _all({"chunks": True, "compression": "gzip"}))
+    at = _chunk_offset(path, KERNEL)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff" * 8)
+
+
+def h_unallocated(path):
+    """The kernel's shape and dtype as the spec says, but no bytes stored for it at all."""
+    _rebuild(path, _only(KERNEL, lambda f, name, data, attrs:
+                         f.create_dataset(name, shape=data.shape, dtype=data.dtype).attrs.update(attrs)))
+
+
+def h_missing_chunks(path):
+    """Chunked kernel of which only the first chunk is stored (the rest would read as fill)."""
+    def make(f, name, data, attrs):
+        made = f.create_dataset(name, shape=data.shape, dtype=data.dtype, chunks=(1,) + data.shape[1:])
+        made[0] = data[0]
+        made.attrs.update(attrs)
+    _rebuild(path, _only(KERNEL, make))
+
+
+def h_huge_unallocated(path):
+    """A 2 KB file whose spec and datasets claim a 60000 x 60000 kernel (14 GB float32, never stored)."""
+    with h5py.File(path, "a") as f:
+        spec = json.loads(f.attrs["dense_bridge_spec"])
+        first = spec["config"]["layers"][0]["config"]
+        first["units"] = first["in_features"] = spec["config"]["in_features"] = 60000
+        spec["config"]["layers"][1]["config"]["in_features"] = 60000
+        f.attrs["dense_bridge_spec"] = json.dumps(spec)
+        dtype, attrs = f[KERNEL].dtype, dict(f[KERNEL].attrs)
+        for name, shape in ((KERNEL, (60000, 60000)), (BIAS, (60000,)), ("layers/dense/vars/0", (60000, 3))):
+            del f[name]
+            f.create_dataset(name, shape=shape, dtype=dtype, chunks=True).attrs.update(attrs)
+
+
+def h_external_link(path):
+    other = path + ".other.h5"
+    with h5py.File(other, "w") as f:
+        f.create_dataset("x", data=_datasets(path)[KERNEL][0])
+    with h5py.File(path, "a") as f:
+        del f[KERNEL]
+        f[KERNEL] = h5py.ExternalLink(os.path.basename(other), "x")
+
+
+def h_soft_link(path):
+    with h5py.File(path, "a") as f:
+        data, attrs = f[KERNEL][()], dict(f[KERNEL].attrs)
+        f.create_dataset("elsewhere", data=data).attrs.update(attrs)
+        del f[KERNEL]
+        f[KERNEL] = h5py.SoftLink("/elsewhere")
+
+
+def h_external_storage(path):
+    data, attrs = _datasets(path)[KERNEL]
+    raw = path + ".raw"
+    with open(raw, "wb") as f:
+        f.write(data.tobytes())
+    _rebuild(path, _only(KERNEL, lambda f, name, d, a: f.create_dataset(
+        name, shape=d.shape, dtype=d.dtype, external=[(raw, 0, d.nbytes)]).attrs.update(a)))
+
+
+def h_virtual(path):
+    data, attrs = _datasets(path)[KERNEL]
+    other = path + ".source.h5"
+    with h5py.File(other, "w") as f:
+        f.create_dataset("x", data=data)
+    layout = h5py.VirtualLayout(shape=data.shape, dtype=data.dtype)
+    layout[...] = h5py.VirtualSource(other, "x", shape=data.shape)
+    with h5py.File(path, "a") as f:
+        del f[KERNEL]
+        f.create_virtual_dataset(KERNEL, layout).attrs.update(attrs)
+
+
+def _replace(path, name, make) -> None:
+    with h5py.File(path, "a") as f:
+        data, attrs = f[name][()], dict(f[name].attrs)
+        del f[name]
+        make(f, data, attrs)
+
+
+def h_int_kernel(path):
+    _replace(path, KERNEL, lambda f, d, a: f.create_dataset(KERNEL, data=np.arange(d.size, dtype=np.int64)
+                                                            .reshape(d.shape)))
+
+
+def h_float64_kernel(path):
+    _replace(path, KERNEL, lambda f, d, a: f.create_dataset(KERNEL, data=np.ones(d.shape, np.float64)))
+
+
+def h_string_kernel(path):
+    _replace(path, KERNEL, lambda f, d, a: f.create_dataset(KERNEL, data=np.full(d.shape, b"x", dtype="S1")))
+
+
+def h_dtype_attr_lies(path):
+    """4-byte floats whose "dtype" attribute says bfloat16 (or bfloat16 saying float32)."""
+    def make(f, d, a):
+        if a.get("dtype") == "bfloat16":
+            f.create_dataset(KERNEL, data=np.ones(d.shape, np.float16)).attrs["dtype"] = "float32"
+        else:
+            f.create_dataset(KERNEL, data=d).attrs["dtype"] = "bfloat16"
+    _replace(path, KERNEL, make)
+
+
+def h_dtype_attr_list(path):
+    with h5py.File(path, "a") as f:
+        f[KERNEL].attrs["dtype"] = [1, 2, 3]
+
+
+def h_transposed_kernel(path):
+    _replace(path, KERNEL, lambda f, d, a: f.create_dataset(KERNEL, data=np.ascontiguousarray(d.T)).attrs.update(a))
+
+
+def h_scalar_kernel(path):
+    _replace(path, KERNEL, lambda f, d, a: f.create_dataset(KERNEL, data=d.reshape(-1)[0]).attrs.update(a))
+
+
+def h_missing_kernel(path):
+    with h5py.File(path, "a") as f:
+        del f[KERNEL]
+
+
+def h_group_for_kernel(path):
+    with h5py.File(path, "a") as f:
+        del f[KERNEL]
+        f.create_group(KERNEL)
+
+
+def h_extra_dataset(path):
+    with h5py.File(path, "a") as f:
+        f.create_dataset("layers/dense_bridge_dense/vars/2", data=np.zeros((4, 6), np.float32))
+
+
+def h_spec_not_json(path):
+    with h5py.File(path, "a") as f:
+        f.attrs["dense_bridge_spec"] = "{not json"
+
+
+def h_spec_deep(path):
+    with h5py.File(path, "a") as f:
+        f.attrs["dense_bridge_spec"] = "[" * 100000 + "]" * 100000
+
+
+def h_spec_not_utf8(path):
+    with h5py.File(path, "a") as f:
+        f.attrs["dense_bridge_spec"] = np.void(b"\xff\xfe{")
+
+
+def h_spec_1d_mask(path):
+    with h5py.File(path, "a") as f:
+        f.attrs["dense_bridge_spec"] = json.dumps(
+            {"class_name": "Dense", "config": {"units": 6, "in_features": 4,
+                                               "mask": {"shape": [24], "packbits_base64": "AAAA"}}})
+
+
+def h_spec_huge_units(path):
+    with h5py.File(path, "a") as f:
+        f.attrs["dense_bridge_spec"] = json.dumps({"class_name": "Dense",
+                                                   "config": {"units": 10**12, "in_features": 10**6}})
+
+
+def h_fifo(path):
+    os.remove(path)
+    os.mkfifo(path)
+
+
+def h_directory(path):
+    os.remove(path)
+    os.mkdir(path)
+
+
+H5 = {name[2:]: fn for name, fn in globals().items() if name.startswith("h_")}
+
+
+def make_h5(directory: str) -> dict[str, str]:
+    """Write every malformed ``.weights.h5`` case under ``directory`` (needs Keras); return
+    case id -> the path to load."""
+    from dense_bridge import _checkpoint_native as native
+
+    cases = {}
+    for dtype, spec in SPEC.items():
+        model = db.compile(spec, "keras", seed=0)
+        for name, mutate in H5.items():
+            path = os.path.join(directory, f"h5-{dtype}-{name}.weights.h5")
+            native.write_native(model, "keras", path, spec=spec)
+            mutate(path)
+            cases[f"h5-{dtype}-{name}"] = path
     return cases

@@ -46,6 +46,7 @@ def _h5_structure(path: str) -> Entries:
     """Dataset path -> (shape, dtype) of a Keras weights file (bfloat16 from its "dtype" attribute)."""
     out: Entries = {}
     foreign: list[str] = []
+    problems: list[str] = []
 
     def visit(name, obj):
         if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
@@ -54,18 +55,51 @@ def _h5_structure(path: str) -> Entries:
             dtype = obj.attrs.get("dtype")
             dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
             out[name] = (tuple(int(d) for d in obj.shape), str(dtype) if dtype else obj.dtype.name)
+            problem = _storage_problem(obj, size)
+            if problem:
+                problems.append(f"dataset {name} {problem}")
 
     try:
+        size = os.path.getsize(path)
         with h5py.File(path, "r") as f:
             f.visititems(visit)
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
                               "corrupted?)") from None
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + (" (truncated or corrupted?)"))
     if foreign:
         # values kept in other files, named by this one (Keras itself would read them): never followed
         raise CheckpointError(f"{path}: datasets {foreign[:5]} keep their values in other files (virtual or "
                               "external storage), which dense_bridge does not follow")
     return out
+
+
+def _storage_problem(dataset, file_size: int) -> str | None:
+    """Why ``dataset``'s stored bytes cannot be its values, or None. HDF5 reads storage that was
+    never written (an unallocated dataset, a missing chunk) as the fill value, zeros by default:
+    a weights file must store every value, inside the file, in a numeric (or bfloat16 void) type."""
+    if dataset.dtype.kind not in "fiuV" or (dataset.dtype.kind == "V" and dataset.dtype.itemsize != 2):
+        return f"has type {dataset.dtype}, not a number"
+    nbytes = math.prod(dataset.shape or ()) * dataset.dtype.itemsize
+    if nbytes == 0:
+        return None
+    if dataset.chunks is None:
+        offset, stored = dataset.id.get_offset(), dataset.id.get_storage_size()
+        if stored < nbytes:
+            return f"stores {stored} of its {nbytes} bytes (the rest would read as zeros)"
+        if offset is not None and offset + nbytes > file_size:
+            return f"claims bytes {offset}..{offset + nbytes} but the file has {file_size}"
+        return None
+    expected = math.prod(-(-n // c) for n, c in zip(dataset.shape, dataset.chunks))
+    count = dataset.id.get_num_chunks()
+    if count != expected:
+        return f"stores {count} of its {expected} chunks (the rest would read as zeros)"
+    for i in range(count):  # bounded by the file: every stored chunk has an index entry in it
+        info = dataset.id.get_chunk_info(i)
+        if info.byte_offset is None or info.byte_offset + info.size > file_size:
+            return f"has a chunk at bytes {info.byte_offset}..+{info.size} but the file has {file_size}"
+    return None
 
 
 def _h5_spec_attr(path: str) -> str | None:
