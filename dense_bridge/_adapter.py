@@ -74,7 +74,8 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   every difference; the adapter calls it before loading. Every failure is a CheckpointError
   naming ``path``.
 - ``file_views(path, container, twin, spec, *, files=None, check) -> Mapping | None`` (optional):
-  the file's canonical parameters ({canonical name: array}, each read when first asked for)
+  the file's canonical parameters (a ``_checkpoint_native.FileViews``: {canonical name: array},
+  each read when first asked for)
   without building a model of the file's framework, for a conversion to ANOTHER framework that
   copies one layer at a time (issue 10: memory near one copy). ``twin`` is the spec's structure
   twin (``_checkpoint_native.structure_twin``: every width 1) compiled on this framework, from

@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import os
 import zipfile
+from collections.abc import Mapping
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -33,7 +35,8 @@ from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError
 from ._safetensors import SafetensorsFile
 
-__all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "open_native", "file_adapter", "output_kind", "write_native"]
+__all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
+           "write_native", "structure_twin"]
 
 FORMATS = ("dense_bridge", "torch", "keras", "mlx")
 SPEC_KEY = "dense_bridge_spec"
@@ -342,6 +345,29 @@ class NativeCheckpoint:
         except DenseBridgeError:
             return None  # a spec the twin cannot express: the full template path decides
         return serve(self.path, self.container, twin, self.spec, files=self.files, check=self._check)
+
+
+class FileViews(Mapping):
+    """What an adapter's ``file_views`` returns: canonical name -> the file's tensor in canonical
+    axis order, read only when asked for (and not kept).
+
+    ``plan``: canonical name -> (the tensor's name in the file, the axes that put the file's
+    layout in canonical order: (1, 0) for an (out, in) weight, identity where the layouts agree);
+    ``read(name)`` gives the file's tensor as a numpy array, a view of a mapping where it can.
+    """
+
+    def __init__(self, plan: Mapping[str, tuple[str, tuple[int, ...]]], read: Callable[[str], np.ndarray]) -> None:
+        self._plan, self._read = dict(plan), read
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, canonical: str) -> np.ndarray:
+        name, axes = self._plan[canonical]
+        return self._read(name).transpose(axes)
 
 
 def structure_twin(spec):

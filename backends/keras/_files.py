@@ -19,12 +19,13 @@ import re
 import shutil
 import tempfile
 import warnings
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import h5py
 import keras
 import numpy as np
 
+from dense_bridge._checkpoint_native import FileViews
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError
 from dense_bridge._safetensors import SafetensorsFile, open_readonly
@@ -285,7 +286,7 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
     shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
     difference in one CheckpointError) before anything is read. Returns canonical name ->
-    array, each read when first asked for (:class:`_DatasetViews`); None where this path does
+    array, each read when first asked for (``FileViews`` over :class:`_DatasetReader`); None where this path does
     not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
     caller then loads a full template with :func:`read_file`.
     """
@@ -313,7 +314,8 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
             source_of = {mapping[p]: p for p in got}
             got = {mapping[k]: v for k, v in got.items()}
     check(got, expected)
-    return _DatasetViews(path, {roles[p]: (source_of[p], expected[p]) for p in roles})
+    reader = _DatasetReader(path, {source_of[p]: expected[p] for p in roles})
+    return FileViews({roles[p]: (source_of[p], tuple(range(len(expected[p][0])))) for p in roles}, reader.read)
 
 
 def _roles(twin) -> dict[str, str] | None:
@@ -354,8 +356,8 @@ def _canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-class _DatasetViews(Mapping):
-    """Canonical name -> the dataset's values, read on first access and not kept.
+class _DatasetReader:
+    """A dataset's values by its path in the file, read when asked for and not kept.
 
     A contiguous, unfiltered dataset in native byte order is mapped copy-on-write from one
     descriptor opened once (a save that replaces the file meanwhile does not change what is
@@ -365,17 +367,11 @@ class _DatasetViews(Mapping):
     more than the file holds is a CheckpointError, never a SIGBUS.
     """
 
-    def __init__(self, path: str, entries: dict[str, tuple[str, tuple[tuple[int, ...], str]]]) -> None:
-        self.path, self._entries = path, entries
+    def __init__(self, path: str, entries: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        self.path, self._entries = path, entries  # dataset path -> (shape, dtype) the spec expects
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        dataset_path, (shape, dtype_name) = self._entries[name]
+    def read(self, dataset_path: str) -> np.ndarray:
+        shape, dtype_name = self._entries[dataset_path]
         dtype = numpy_dtype(dtype_name)
         fd = open_readonly(self.path)
         try:

@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from dense_bridge._checkpoint_native import FileViews
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge.specs import layer_param_shapes
@@ -106,25 +107,8 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
     got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
     check(got, expected)
-    return _MappedViews(plan, {n: f for f in files for n in f.tensors})
-
-
-class _MappedViews(Mapping):
-    """Canonical name -> the file's tensor, mapped (copy-on-write) and put in canonical axis order
-    (a view) when asked for; nothing is read before."""
-
-    def __init__(self, plan: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, SafetensorsFile]) -> None:
-        self._plan, self._files = plan, files
-
-    def __iter__(self):
-        return iter(self._plan)
-
-    def __len__(self) -> int:
-        return len(self._plan)
-
-    def __getitem__(self, canonical: str) -> np.ndarray:
-        name, axes = self._plan[canonical]
-        return self._files[name].get(name).transpose(axes)
+    where = {n: f for f in files for n in f.tensors}
+    return FileViews(plan, lambda name: where[name].get(name))
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,

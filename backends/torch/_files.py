@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from dense_bridge._checkpoint_native import FileViews
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
@@ -134,27 +135,10 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
         got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
         check(got, expected)
         where = {n: f for f in files for n in f.tensors}
-        return _Views(plan, lambda name: where[name].get(name))
+        return FileViews(plan, lambda name: where[name].get(name))
     state = _state(path, container, None)  # mapped, not read
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
-    return _Views(plan, lambda name: to_numpy(state[name]))
-
-
-class _Views(Mapping):
-    """Canonical name -> the file's tensor in canonical axis order (a view), made when asked for."""
-
-    def __init__(self, plan: dict[str, tuple[str, tuple[int, ...]]], read: Callable[[str], "object"]) -> None:
-        self._plan, self._read = plan, read
-
-    def __iter__(self):
-        return iter(self._plan)
-
-    def __len__(self) -> int:
-        return len(self._plan)
-
-    def __getitem__(self, canonical: str):
-        name, axes = self._plan[canonical]
-        return self._read(name).transpose(axes)
+    return FileViews(plan, lambda name: to_numpy(state[name]))
 
 
 def _pending(state: Mapping[str, torch.Tensor]) -> dict[str, PendingTensor]:
