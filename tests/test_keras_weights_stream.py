@@ -191,6 +191,44 @@ def test_mlx_file_streams_bit_exact_without_an_mlx_model(tmp_path, monkeypatch, 
     assert _bits(got) == _bits(db.get_params(model))
 
 
+# ------------------------------------------------------------------ torch .pt (zip) and torch .safetensors
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("target", ["numpy", "keras", "canonical"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_file_streams_bit_exact_without_a_torch_model(tmp_path, monkeypatch, suffix, target, dtype):
+    require_backend("torch")
+    if target != "canonical":
+        require_backend(target)
+    from dense_bridge import checkpoint
+
+    spec = _spec(dtype)
+    model = db.compile(spec, "torch", seed=3)
+    path = str(tmp_path / f"m{suffix}")
+    native_files.write_native(model, "torch", path, spec=spec)
+    spy = _PathSpy(monkeypatch)
+    if target == "canonical":
+        out = str(tmp_path / "c.safetensors")
+        checkpoint.convert_file(path, "canonical", out, spec=spec)
+        got = db.load(out)[1]
+    else:
+        got = db.get_params(db.load(path, target, spec=spec))
+    assert spy.streamed == [True]
+    assert _bits(got) == _bits(db.get_params(model))
+
+
+def test_torch_file_with_other_names_is_refused_listing_them(tmp_path):
+    require_backend("torch")
+    import torch
+
+    spec = _spec("float32")
+    model = db.compile(spec, "torch", seed=3)
+    path = str(tmp_path / "renamed.pt")
+    torch.save({"model." + k: v for k, v in model.state_dict().items()}, path)
+    with pytest.raises(CheckpointError, match=r"renamed\.pt does not match the spec"):
+        db.load(path, "numpy", spec=spec)
+
+
+# ------------------------------------------------------------------ a .weights.h5 conversion that fails part-way
 @pytest.mark.parametrize("target", ["torch", "canonical", "mlx"])
 def test_a_conversion_that_fails_mid_stream_leaves_nothing_behind(tmp_path, monkeypatch, target):
     """The first layer reads fine, a later one's compressed chunk is corrupt: the streamed

@@ -14,10 +14,13 @@ from typing import Callable, Mapping
 
 import torch
 
+from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.specs import Sequential, layer_param_shapes
 
 from ._arrays import from_numpy, to_numpy
+from ._params import layer_modules
 
 Entries = dict  # name -> (native shape, dtype name)
 
@@ -89,6 +92,69 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     except (RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot load {path} into the torch model: {_first_line(exc)}") from None
     return template
+
+
+def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+               check: Callable[[Entries, Entries], None]):
+    """Canonical views of a torch zip checkpoint (mapped by ``torch.load(mmap=True)``) or a
+    torch-layout safetensors file (mapped by the core), with no torch model built for the spec:
+    a conversion to another framework copies each layer once (see dense_bridge/_adapter.py).
+
+    Names come from ``twin`` (the spec's width-1 structure twin compiled on torch): each of its
+    layers' tensors is found in its ``state_dict`` by identity, so the names are torch's own;
+    ``weight`` (out, in) and the ``mask`` buffer stored like it are the canonical kernel and mask
+    transposed (views), a Bilinear ``weight`` (units, in1, in2) is the kernel as it is. None for
+    legacy (non-zip) pickles, which cannot be mapped, and for any module these rules do not cover.
+    """
+    if container not in ("torch-zip", "safetensors", "safetensors-index"):
+        return None
+    names = {id(t): n for n, t in twin.state_dict(keep_vars=True).items()}
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}  # canonical -> (file name, axes to canonical)
+    for prefix, m in layer_modules(twin):
+        kernel_axes = (0, 1, 2) if type(m) is torch.nn.Bilinear else (1, 0)
+        for attr, key, axes in (("weight", "kernel", kernel_axes), ("bias", "bias", (0,)), ("mask", "mask", (1, 0))):
+            tensor = getattr(m, attr, None)
+            if tensor is None:
+                continue
+            if id(tensor) not in names:
+                return None
+            plan[prefix + key] = (names[id(tensor)], axes)
+    if {name for name, _ in plan.values()} != set(names.values()):
+        return None  # the twin holds tensors these rules do not describe: torch's loader decides
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    shapes = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        for key, shape in layer_param_shapes(layer).items():
+            shapes[prefix + key] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    if set(shapes) != set(plan):
+        return None
+    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
+    if files:
+        got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
+        check(got, expected)
+        where = {n: f for f in files for n in f.tensors}
+        return _Views(plan, lambda name: where[name].get(name))
+    state = _state(path, container, None)  # mapped, not read
+    check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
+    return _Views(plan, lambda name: to_numpy(state[name]))
+
+
+class _Views(Mapping):
+    """Canonical name -> the file's tensor in canonical axis order (a view), made when asked for."""
+
+    def __init__(self, plan: dict[str, tuple[str, tuple[int, ...]]], read: Callable[[str], "object"]) -> None:
+        self._plan, self._read = plan, read
+
+    def __iter__(self):
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, canonical: str):
+        name, axes = self._plan[canonical]
+        return self._read(name).transpose(axes)
 
 
 def _pending(state: Mapping[str, torch.Tensor]) -> dict[str, PendingTensor]:

@@ -15,7 +15,7 @@ from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors
                        is_container)
 
 
-def _layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
+def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     """(key prefix, module) for every parameterised layer, by chain position."""
     if not is_container(native):
         # a chain checks each position in _leaf_spec; a lone pruned/parametrized Linear must fail
@@ -48,12 +48,12 @@ def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
 
 def get_params(native: nn.Module) -> dict[str, np.ndarray]:
     """Canonical params as read-only zero-copy views of torch's memory (kernel = weight.T)."""
-    return {prefix + k: v for prefix, m in _layer_modules(native) for k, v in _module_params(m).items()}
+    return {prefix + k: v for prefix, m in layer_modules(native) for k, v in _module_params(m).items()}
 
 
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
-    for prefix, m in _layer_modules(native):
+    for prefix, m in layer_modules(native):
         if type(m) not in LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
             kernel, bias, transposed = declared_tensors(m)
             if prefix + "kernel" in params:
