@@ -32,7 +32,7 @@ import numpy as np
 from ._checkpoint_io import AtomicFiles, check_writable
 from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
 from ._dtypes import numpy_dtype
-from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError
+from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
 from ._safetensors import SafetensorsFile
 
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
@@ -310,7 +310,7 @@ class NativeCheckpoint:
         stream = self.layer_stream(allow_nonfinite)
         try:
             out = _api.build(backend, ParamSource(self.spec, stream=stream))
-        except ConversionError as exc:
+        except (ConversionError, SpecError) as exc:  # SpecError: the file's spec needs more memory than there is
             raise CheckpointError(f"{self.path}: {exc}") from None
         finally:
             stream.release()

@@ -608,3 +608,34 @@ def make_h5(directory: str) -> dict[str, str]:
             mutate(path)
             cases[f"h5-{dtype}-{name}"] = path
     return cases
+
+
+def make_h5_bomb(directory: str) -> str:
+    """A ~50 MB ``.weights.h5`` whose spec and gzip datasets hold a 114688^2 float32 kernel
+    (49 GiB of zeros, more than any test machine has): every chunk stored, so only the memory
+    limit can refuse it. Chunks are written pre-compressed (``write_direct_chunk``)."""
+    import zlib
+
+    from dense_bridge import _checkpoint_native as native
+
+    spec = SPEC["float32"]
+    path = os.path.join(directory, "h5-bomb.weights.h5")
+    native.write_native(db.compile(spec, "keras", seed=0), "keras", path, spec=spec)
+    n, c = 114688, 16384
+    pack = zlib.compressobj(9)
+    block = bytes(16 << 20)
+    chunk = b"".join(pack.compress(block) for _ in range(c * c * 4 // len(block))) + pack.flush()
+    with h5py.File(path, "a") as f:
+        config = json.loads(f.attrs["dense_bridge_spec"])["config"]
+        config["in_features"] = config["layers"][1]["config"]["in_features"] = n
+        config["layers"][0]["config"].update(units=n, in_features=n)
+        f.attrs["dense_bridge_spec"] = json.dumps({"class_name": "Sequential", "config": config})
+        for name in (KERNEL, BIAS, "layers/dense/vars/0"):
+            del f[name]
+        kernel = f.create_dataset(KERNEL, shape=(n, n), dtype="f4", chunks=(c, c), compression="gzip")
+        for i in range(0, n, c):
+            for j in range(0, n, c):
+                kernel.id.write_direct_chunk((i, j), chunk)
+        f.create_dataset(BIAS, data=np.zeros(n, "f4"))
+        f.create_dataset("layers/dense/vars/0", data=np.zeros((n, 3), "f4"))
+    return path

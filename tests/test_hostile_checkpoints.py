@@ -144,3 +144,22 @@ def test_every_reader_refuses_the_case_cleanly(results, case):
         else:
             assert outcome is True, key
     assert {f"load:{b}" for b in [None] + db.available_backends()} <= set(r)
+
+
+def test_a_compressed_weights_file_larger_than_memory_is_refused_before_it_is_unpacked(tmp_path):
+    """50 MB of gzip that unpacks to 49 GiB: no size in the file is wrong, so the stated limit
+    (MemAvailable) refuses it, as a CheckpointError naming the file, before any allocation
+    (the same capped subprocess as above: a 49 GiB array would fail there as MemoryError)."""
+    if "keras" not in db.available_backends():
+        pytest.skip("the .weights.h5 cases need Keras to write the valid file they break")
+    path = hostile_checkpoints.make_h5_bomb(str(tmp_path))
+    assert os.path.getsize(path) < 64 << 20
+    run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({"bomb": path}), str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])["bomb"]
+    for key, (outcome, names_file) in r.items():
+        if key.startswith("load:"):
+            assert outcome == "CheckpointError" and names_file, (key, outcome)
+        elif key != "cli:inspect":  # inspect lists the structure, reads no values
+            assert outcome in (2, True) and names_file, (key, outcome)

@@ -226,3 +226,33 @@ def test_torch_file_with_other_names_is_refused_listing_them(tmp_path):
     torch.save({"model." + k: v for k, v in model.state_dict().items()}, path)
     with pytest.raises(CheckpointError, match=r"renamed\.pt does not match the spec"):
         db.load(path, "numpy", spec=spec)
+
+
+# ------------------------------------------------------------------ a .weights.h5 conversion that fails part-way
+@pytest.mark.parametrize("target", ["torch", "canonical", "mlx"])
+def test_a_conversion_that_fails_mid_stream_leaves_nothing_behind(tmp_path, monkeypatch, target):
+    """The first layer reads fine, a later one's compressed chunk is corrupt: the streamed
+    conversion stops with a CheckpointError naming the file, and no output, shard or temporary
+    file is left where the output would have gone."""
+    if target != "canonical":
+        require_backend(target)
+    from dense_bridge import checkpoint
+
+    spec = _spec("float32")
+    _, path = _weights_file(tmp_path, spec)
+    packed = str(tmp_path / "packed.weights.h5")
+    _rewrite(path, packed, chunks=True, compression="gzip")
+    with h5py.File(packed) as f:
+        at = f["layers/dense/vars/0"].id.get_chunk_info(0).byte_offset  # layer 2 (plain Dense); layer 0 reads fine
+    with open(packed, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff" * 8)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = str(out_dir / {"torch": "m.pt", "canonical": "m.safetensors", "mlx": "m.safetensors"}[target])
+    spy = _PathSpy(monkeypatch)
+    with pytest.raises(CheckpointError, match="packed.weights.h5"):
+        checkpoint.convert_file(packed, target, out)
+    assert spy.streamed == [True]  # it failed inside the streaming reader, not before it
+    assert sorted(p.name for p in out_dir.iterdir()) == []
+

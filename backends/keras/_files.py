@@ -28,6 +28,7 @@ import numpy as np
 from dense_bridge._checkpoint_native import FileViews
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError
+from dense_bridge._memory import available_memory
 from dense_bridge._safetensors import SafetensorsFile, open_readonly
 from dense_bridge.specs import Sequential, layer_param_shapes
 
@@ -404,7 +405,11 @@ class _DatasetReader:
             skip = offset % mmap.ALLOCATIONGRANULARITY
             mapped = mmap.mmap(fd, skip + nbytes, access=mmap.ACCESS_COPY, offset=offset - skip)
             return np.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=skip).reshape(shape)
-        raw = dataset[()]  # shape and item size were checked against the spec: the allocation is bounded
+        available = available_memory()
+        if available is not None and nbytes > available:  # compressed: the file's size bounds nothing
+            raise CheckpointError(f"{self.path}: dataset {where} decompresses to {nbytes:,} bytes but only "
+                                  f"{available:,} bytes of memory are available (MemAvailable)")
+        raw = dataset[()]  # shape and item size were checked against the spec, the size against memory
         if raw.dtype.kind == "V" or dtype.name == "bfloat16":
             return np.ascontiguousarray(raw).view(dtype).reshape(shape)
         return np.asarray(raw, dtype=dtype).reshape(shape)

@@ -29,7 +29,7 @@ import numpy as np
 
 from .._api import build
 from .._dtypes import numpy_dtype
-from .._errors import CheckpointError, ConversionError
+from .._errors import CheckpointError, ConversionError, SpecError
 from .._memory import return_freed_memory
 from .._params import ParamSource
 from .._registry import get_adapter
@@ -76,7 +76,10 @@ class _Side:
     def trace(self, start: int, end: int, x: np.ndarray, g: np.ndarray):
         """Forward and backward of layers[start:end] alone, on ``x`` with upstream ``g``."""
         part = Sequential(self.layers[start:end])
-        model = build(self.backend, ParamSource(part, stream=lambda j, layer: self.params(start + j)))
+        try:
+            model = build(self.backend, ParamSource(part, stream=lambda j, layer: self.params(start + j)))
+        except SpecError as exc:  # the file's spec claims layers larger than the memory there is
+            raise CheckpointError(f"{self.path}: {exc}") from None
         try:
             return self.adapter.trace(model, [x], g)
         finally:
