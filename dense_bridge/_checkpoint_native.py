@@ -36,7 +36,7 @@ from ._errors import BackendUnavailableError, CheckpointError, ConversionError, 
 from ._safetensors import SafetensorsFile
 
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
-           "write_native", "structure_twin"]
+           "write_native", "structure_twin", "canonical_shapes"]
 
 FORMATS = ("dense_bridge", "torch", "keras", "mlx")
 SPEC_KEY = "dense_bridge_spec"
@@ -268,21 +268,13 @@ class NativeCheckpoint:
         when its turn comes where the adapter serves the file directly (``file_views``), else
         views of the loaded model."""
         from ._safetensors import PendingTensor, pending
-        from .specs import Sequential, layer_param_shapes
 
         views = self._file_views() if self.spec is not None and self.container != "keras-model" else None
         if views is None:
             return {k: pending(np.asarray(v)) for k, v in self.param_views().items()}
-        layers = self.spec.layers if isinstance(self.spec, Sequential) else [self.spec]
-        out = {}
-        for i, layer in enumerate(layers):
-            prefix = f"{i}." if isinstance(self.spec, Sequential) else ""
-            dtype = np.dtype(numpy_dtype(getattr(layer, "dtype", "float32")))
-            for key, shape in layer_param_shapes(layer).items():
-                name = prefix + key
-                if name in views:  # the adapter checked the file's shapes and dtypes against these
-                    out[name] = PendingTensor(dtype, tuple(shape), lambda n=name: np.asarray(views[n]))
-        return out
+        # the adapter checked the file's shapes and dtypes against these
+        return {name: PendingTensor(np.dtype(numpy_dtype(dtype)), shape, lambda n=name: np.asarray(views[n]))
+                for name, (shape, dtype) in canonical_shapes(self.spec).items() if name in views}
 
     def params(self) -> dict[str, np.ndarray]:
         """Canonical parameters (in-memory copies)."""
@@ -368,6 +360,20 @@ class FileViews(Mapping):
     def __getitem__(self, canonical: str) -> np.ndarray:
         name, axes = self._plan[canonical]
         return self._read(name).transpose(axes)
+
+
+def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Canonical name ("3.kernel", or "kernel" for a lone layer) -> (shape, dtype name) of every
+    parameter ``spec`` has: what a file of it must hold, in the canonical layout."""
+    from .specs import Sequential, layer_param_shapes
+
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    out = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        for key, shape in layer_param_shapes(layer).items():
+            out[prefix + key] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    return out
 
 
 def structure_twin(spec):

@@ -25,12 +25,11 @@ import h5py
 import keras
 import numpy as np
 
-from dense_bridge._checkpoint_native import FileViews
+from dense_bridge._checkpoint_native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError
 from dense_bridge._memory import available_memory
 from dense_bridge._safetensors import SafetensorsFile, open_readonly
-from dense_bridge.specs import Sequential, layer_param_shapes
 
 from ._params import layer_variables
 from ._to_spec import layers_of
@@ -305,7 +304,7 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
         shutil.rmtree(d, ignore_errors=True)
     if twin_paths != set(roles):
         return None  # the twin saves something this reader does not know: let Keras load it
-    shapes = _canonical_shapes(spec)
+    shapes = canonical_shapes(spec)
     expected = {p: (shapes[name][0], shapes[name][1]) for p, name in roles.items()}
     got = _h5_structure(path)
     source_of = {p: p for p in got}  # template path -> the file's own dataset path
@@ -343,18 +342,6 @@ def _roles(twin) -> dict[str, str] | None:
                 return None
             roles[f"layers/{group}/vars/{key}"] = prefix + name
     return roles
-
-
-def _canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Canonical name -> (shape, dtype name) for every parameter of ``spec`` (Keras stores every
-    parameter in the canonical layout)."""
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    out = {}
-    for i, layer in enumerate(layers):
-        prefix = f"{i}." if isinstance(spec, Sequential) else ""
-        for name, shape in layer_param_shapes(layer).items():
-            out[prefix + name] = (tuple(shape), getattr(layer, "dtype", "float32"))
-    return out
 
 
 class _DatasetReader:

@@ -19,10 +19,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dense_bridge._checkpoint_native import FileViews
+from dense_bridge._checkpoint_native import FileViews, canonical_shapes
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge.specs import layer_param_shapes
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
@@ -99,11 +98,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
                 plan[prefix + "bias"] = (where + "bias", (0,))
     if {name for name, _ in plan.values()} != {k for k, _ in tree_flatten(twin.parameters())}:
         return None  # a module these rules do not describe: MLX's own loader decides
-    shapes = {}
-    for layer_prefix, layer in ([(f"{i}.", l) for i, l in enumerate(spec.layers)] if hasattr(spec, "layers")
-                                else [("", spec)]):
-        for key, shape in layer_param_shapes(layer).items():
-            shapes[layer_prefix + key] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    shapes = canonical_shapes(spec)
+    if set(shapes) != set(plan):
+        return None
     expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
     got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
     check(got, expected)

@@ -14,11 +14,10 @@ from typing import Callable, Mapping
 
 import torch
 
-from dense_bridge._checkpoint_native import FileViews
+from dense_bridge._checkpoint_native import FileViews, canonical_shapes
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
-from dense_bridge.specs import Sequential, layer_param_shapes
 
 from ._arrays import from_numpy, to_numpy
 from ._params import layer_modules
@@ -122,12 +121,7 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
             plan[prefix + key] = (names[id(tensor)], axes)
     if {name for name, _ in plan.values()} != set(names.values()):
         return None  # the twin holds tensors these rules do not describe: torch's loader decides
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    shapes = {}
-    for i, layer in enumerate(layers):
-        prefix = f"{i}." if isinstance(spec, Sequential) else ""
-        for key, shape in layer_param_shapes(layer).items():
-            shapes[prefix + key] = (tuple(shape), getattr(layer, "dtype", "float32"))
+    shapes = canonical_shapes(spec)
     if set(shapes) != set(plan):
         return None
     expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
