@@ -82,6 +82,13 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   which the adapter learns the names its framework saves; ``check`` as for ``read_file``.
   None where the adapter cannot serve this file so: the core falls back to ``read_file``.
   Keras offers it for ``.weights.h5`` (torch zip files are mapped by ``read_file(borrow=True)``).
+- ``file_layout(twin, spec, path, kind, *, temp, metadata=None) -> FileLayout | None`` (optional):
+  the skeleton of a ``kind`` file (final name ``path``, for messages) for ``spec`` written into ``temp`` with the framework's own writer,
+  every tensor's bytes left to fill, and where each canonical tensor goes
+  (``_native_stream.FileLayout``: offset, axes as ``file_views``', an optional ``finish`` given
+  the CRC-32s). The core fills the bytes straight from the source file's mapped views, so a
+  file-to-file conversion builds no model (issue 18: large files near the disk's speed).
+  ``twin`` as for ``file_views``. None where the adapter cannot lay out this kind.
 - ``write_file(model, path, kind, *, temp, metadata=None)``: write ``model`` in this framework's
   format ``kind`` (from ``_checkpoint_native.output_kind``: "torch-pickle", "safetensors", "npz",
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
@@ -111,7 +118,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "inference")
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

@@ -34,6 +34,7 @@ from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, s
 from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
 from ._safetensors import SafetensorsFile
+from ._pages import release_file_pages
 
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
            "write_native", "structure_twin", "canonical_shapes"]
@@ -421,58 +422,6 @@ class _ViewStream:
     def release(self) -> None:
         release_file_pages(self._read)
         self._read.clear()
-
-
-_MADV_DONTNEED = 4  # Linux
-
-
-def release_file_pages(arrays) -> int:
-    """Drop the resident pages behind ``arrays`` where they lie in a private FILE mapping (Linux).
-
-    Clean pages of a private file mapping are a cache of the file: ``madvise(MADV_DONTNEED)``
-    frees them and a later read faults them back in from the file, so the arrays' values never
-    change; this only lowers resident memory. Anonymous memory (whose pages that call would
-    zero) and shared mappings are never touched: each page range is checked against
-    /proc/self/maps first. Returns the bytes released (0 off Linux).
-    """
-    import sys
-
-    if not sys.platform.startswith("linux") or not arrays:
-        return 0
-    import ctypes
-    import mmap
-
-    try:
-        with open("/proc/self/maps") as f:
-            maps = [line.split(maxsplit=5) for line in f]
-    except OSError:
-        return 0
-    files = []
-    for parts in maps:
-        if len(parts) == 6 and parts[5].startswith("/") and parts[1][3] == "p":
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            files.append((lo, hi))
-    page = mmap.PAGESIZE
-    libc = ctypes.CDLL(None, use_errno=True)
-    released = 0
-    for a in arrays:
-        if not isinstance(a, np.ndarray) or a.size == 0:
-            continue
-        lo, hi = _byte_bounds(a)
-        start, end = -(-lo // page) * page, (hi // page) * page  # whole pages inside the array only
-        if end <= start or not any(flo <= start and end <= fhi for flo, fhi in files):
-            continue
-        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
-            released += end - start
-    return released
-
-
-def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
-    try:
-        from numpy.lib.array_utils import byte_bounds  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        byte_bounds = np.byte_bounds
-    return byte_bounds(a)
 
 
 # ============================================================================ writing

@@ -433,52 +433,24 @@ def header_bytes(tensors: Mapping[str, PendingTensor], metadata: Mapping[str, st
 
 def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None = None,
                       on_tensor: Callable[[str, int], None] | None = None) -> int:
-    """Write ``tensors`` to the open binary file ``f``, one at a time; return the bytes written.
+    """Write ``tensors`` to ``f`` (a binary file opened for writing, at its start); return the bytes written.
 
-    Each producer is called when its tensor's turn comes and its array dropped right after,
-    so memory holds one tensor at a time. ``on_tensor(name, nbytes)`` reports progress.
+    The header goes first; each tensor's bytes follow at their offsets through
+    :func:`dense_bridge._file_fill.fill`: each producer is called when its tensor's turn comes,
+    transposed views are rearranged piece by piece while the previous piece is written, so
+    memory holds a few pieces, never a tensor. ``on_tensor(name, nbytes)`` reports progress.
     """
+    from ._file_fill import Slot, fill
+
     head, order = header_bytes(tensors, metadata)
     f.write(head)
-    total = len(head)
+    f.flush()
+    offset = len(head)
+    slots = []
     for name in order:
         t = tensors[name]
-        arr = t.produce()
-        if arr.dtype != t.dtype or tuple(arr.shape) != t.shape:
-            raise CheckpointError(f"tensor {name!r} changed while being written: expected {t.dtype} "
-                                  f"{t.shape}, got {arr.dtype} {tuple(arr.shape)}")
-        _write_array(f, arr)
-        total += t.nbytes
-        del arr
-        if on_tensor is not None:
-            on_tensor(name, t.nbytes)
-    return total
-
-
-def _write_array(f, arr: np.ndarray, chunk: int = 64 << 20) -> None:
-    """Write ``arr``'s bytes little-endian in C order, in chunks (no whole-tensor copy if contiguous)."""
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    if arr.size == 0:
-        return
-    if not arr.flags.c_contiguous:
-        # a transposed view: copy rows in blocks so the extra memory stays bounded
-        rows = max(1, chunk // max(1, arr[0].nbytes)) if arr.ndim > 1 else arr.shape[0]
-        if arr.ndim == 2 and arr.T.flags.c_contiguous:
-            # the common case (an (out, in) weight kept as a view of an (in, out) buffer, as MLX
-            # keeps them): dense_bridge's cache-blocked transpose into one reused buffer, 1.7x
-            # numpy's strided copy here
-            from ._transfer import blocked_transpose
-
-            buf = np.empty((min(rows, arr.shape[0]), arr.shape[1]), arr.dtype)
-            for i in range(0, arr.shape[0], rows):
-                part = buf[:min(rows, arr.shape[0] - i)]
-                blocked_transpose(part, arr.T[:, i:i + rows], False)
-                f.write(part.reshape(-1).view(np.uint8).data)
-            return
-        for i in range(0, arr.shape[0], rows):
-            f.write(np.ascontiguousarray(arr[i:i + rows]).reshape(-1).view(np.uint8).data)
-        return
-    flat = arr.reshape(-1).view(np.uint8)
-    for i in range(0, flat.size, chunk):
-        f.write(flat[i:i + chunk].data)
+        slots.append(Slot(name, offset, np.dtype(t.dtype), tuple(t.shape), t.produce))
+        offset += t.nbytes
+    fill(f.fileno(), slots, on_tensor=on_tensor)
+    f.seek(offset)
+    return offset

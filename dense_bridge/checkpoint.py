@@ -62,6 +62,7 @@ from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ._params import ParamSource, check_masks_match, expected_params, validate_params
+from ._native_stream import stream_native
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from .activations import Activation
@@ -846,6 +847,11 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
                 from exc
         return {"src": src, "out": files, "to": "canonical", "spec": ckpt.spec is not None,
                 "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
+    if ckpt.spec is not None:  # straight from the source's mapped views into the target's file layout
+        files = stream_native(ckpt.pending(), ckpt.spec, target, out, progress=progress)
+        if files is not None:
+            return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
+                    "bytes": ckpt.total_bytes}
     model = ckpt.native(target, progress)
     files = native.write_native(model, target, out, spec=ckpt.spec)
     return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),

@@ -696,7 +696,7 @@ def test_mlx_safetensors_refuses_float64_and_reads_f64_written_elsewhere(tmp_pat
 def test_release_file_pages_frees_only_clean_file_pages_and_keeps_values(tmp_path):
     """Streaming a native file to another backend drops the file pages of each layer once read
     (issue 10, memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
-    from dense_bridge._checkpoint_native import release_file_pages
+    from dense_bridge._pages import release_file_pages
 
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)  # 1 MiB
     path = tmp_path / "a.bin"

@@ -418,3 +418,56 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
         model.save(temp)
     else:
         raise CheckpointError(f"cannot write {path}: Keras writes .weights.h5 or .keras, not {kind!r}")
+
+
+def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+    """A ``.weights.h5`` for ``spec`` laid out in ``temp`` with every dataset's bytes left to fill,
+    and where each canonical tensor goes (``_native_stream.FileLayout``; Keras' layout is the
+    canonical one, so every ``axes`` is the identity).
+
+    Keras' own ``save_weights`` of the structure twin writes the file (groups, attributes, dataset
+    names: what ``load_weights`` expects); each variable's dataset is then replaced by one of the
+    full shape with the twin's HDF5 type and attributes, contiguous, its storage allocated at
+    creation and never filled (a sparse region), and its offset read from HDF5. None for
+    ``.keras`` files and twins whose variables :func:`_roles` cannot name.
+    """
+    from dense_bridge._native_stream import FileLayout
+
+    if kind != "keras-weights" or not isinstance(twin, keras.Model):
+        return None
+    roles = _roles(twin)
+    if roles is None:
+        return None
+    twin.save_weights(temp)
+    shapes = canonical_shapes(spec)
+    places = {}
+    with h5py.File(temp, "a") as f:
+        if set(_datasets(f)) != set(roles):
+            return None
+        for dataset_path, canonical in roles.items():
+            old = f[dataset_path]
+            attrs, htype = dict(old.attrs), old.id.get_type()
+            parent, name = dataset_path.rsplit("/", 1)
+            del f[dataset_path]
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # an offset now, the bytes come later
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # no zeros written first
+            shape = shapes[canonical][0]
+            dsid = h5py.h5d.create(f[parent].id, name.encode(), htype, h5py.h5s.create_simple(shape), dcpl=dcpl)
+            dataset = h5py.Dataset(dsid)
+            for key, value in attrs.items():
+                dataset.attrs[key] = value
+            offset = dsid.get_offset()
+            if offset is None or htype.get_size() != numpy_dtype(shapes[canonical][1]).itemsize:
+                return None
+            places[canonical] = (offset, tuple(range(len(shape))))
+        if metadata and metadata.get(SPEC_ATTR):
+            f.attrs[SPEC_ATTR] = metadata[SPEC_ATTR]
+    return FileLayout(places)
+
+
+def _datasets(f) -> list[str]:
+    found = []
+    f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return found

@@ -83,7 +83,27 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     """
     if not files:
         return None
-    plan: dict[str, tuple[str, tuple[int, ...]]] = {}  # canonical -> (file name, axes to canonical)
+    plan = _plan(twin)
+    if plan is None:
+        return None
+    shapes = canonical_shapes(spec)
+    if set(shapes) != set(plan):
+        return None
+    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
+    got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
+    check(got, expected)
+    where = {n: f for f in files for n in f.tensors}
+    return FileViews(plan, lambda name: where[name].get(name))
+
+
+def _plan(twin) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (MLX parameter name, axes: canonical = native.transpose(axes)) for the
+    structure twin; None where the twin holds a parameter these rules do not describe.
+
+    Each Dense ``weight`` (out, in) is the canonical kernel transposed, its ``mask`` likewise, a
+    Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
+    """
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for prefix, m in positions(twin):
         where = f"layers.{prefix}" if prefix else ""
         if is_dense(m):
@@ -98,14 +118,7 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
                 plan[prefix + "bias"] = (where + "bias", (0,))
     if {name for name, _ in plan.values()} != {k for k, _ in tree_flatten(twin.parameters())}:
         return None  # a module these rules do not describe: MLX's own loader decides
-    shapes = canonical_shapes(spec)
-    if set(shapes) != set(plan):
-        return None
-    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
-    got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
-    check(got, expected)
-    where = {n: f for f in files for n in f.tensors}
-    return FileViews(plan, lambda name: where[name].get(name))
+    return plan
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
@@ -137,6 +150,14 @@ def _pending(model) -> dict[str, PendingTensor]:
     return out
 
 
+def _refuse_float64(path: str, dtypes: Mapping[str, np.dtype]) -> None:
+    wide = [k for k, d in dtypes.items() if d == np.float64]
+    if wide:
+        raise CheckpointError(f"cannot write {path}: MLX cannot read float64 tensors from .safetensors "
+                              f"(mx.load refuses dtype F64), and {wide} are float64. Write an MLX .npz "
+                              "instead (MLX reads float64 there), or a canonical checkpoint (--to canonical)")
+
+
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
     """Write ``model``'s arrays into ``temp``, the temporary the core renames to ``path``.
 
@@ -145,14 +166,40 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
     """
     if kind == "safetensors":
         state = _pending(model)
-        wide = [k for k, t in state.items() if t.dtype == np.float64]
-        if wide:
-            raise CheckpointError(f"cannot write {path}: MLX cannot read float64 tensors from .safetensors "
-                                  f"(mx.load refuses dtype F64), and {wide} are float64. Write an MLX .npz "
-                                  "instead (MLX reads float64 there), or a canonical checkpoint (--to canonical)")
+        _refuse_float64(path, {k: t.dtype for k, t in state.items()})
         with open(temp, "wb") as f:
             write_safetensors(f, state, {"format": "mlx", **(metadata or {})})
     elif kind == "npz":
         mx.savez(temp, **dict(tree_flatten(model.parameters())))
     else:
         raise CheckpointError(f"cannot write {path}: MLX writes .safetensors or .npz, not {kind!r}")
+
+
+def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+    """The header of an MLX ``.safetensors`` for ``spec`` written into ``temp`` (MLX's names from
+    the structure twin, its layouts, "format" = "mlx" and ``metadata``), and where each canonical
+    tensor's bytes go (``_native_stream.FileLayout``); float64 refused as :func:`write_file`
+    refuses it. None for ``.npz`` (``mx.savez`` writes it) and for twins the rules do not cover.
+    """
+    from dense_bridge._native_stream import FileLayout
+    from dense_bridge._safetensors import header_bytes
+
+    if kind != "safetensors":
+        return None
+    plan = _plan(twin)
+    shapes = canonical_shapes(spec)
+    if plan is None or set(plan) != set(shapes):
+        return None
+    native = {}
+    for c, (name, axes) in plan.items():
+        shape, dtype = shapes[c]
+        native[name] = PendingTensor(np.dtype(numpy_dtype(dtype)), tuple(shape[a] for a in np.argsort(axes)), None)
+    _refuse_float64(path, {k: t.dtype for k, t in native.items()})
+    head, order = header_bytes(native, {"format": "mlx", **(metadata or {})})
+    with open(temp, "wb") as f:
+        f.write(head)
+    offsets, at = {}, len(head)
+    for name in order:
+        offsets[name] = at
+        at += native[name].nbytes
+    return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})

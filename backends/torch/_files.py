@@ -9,13 +9,18 @@ like the weight) is torch's own, never guessed from a shape. Pickled files are r
 """
 from __future__ import annotations
 
+import os
+import struct
 import warnings
+import zipfile
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from dense_bridge._checkpoint_native import FileViews, canonical_shapes
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
+from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
@@ -108,19 +113,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     """
     if container not in ("torch-zip", "safetensors", "safetensors-index"):
         return None
-    names = {id(t): n for n, t in twin.state_dict(keep_vars=True).items()}
-    plan: dict[str, tuple[str, tuple[int, ...]]] = {}  # canonical -> (file name, axes to canonical)
-    for prefix, m in layer_modules(twin):
-        kernel_axes = (0, 1, 2) if type(m) is torch.nn.Bilinear else (1, 0)
-        for attr, key, axes in (("weight", "kernel", kernel_axes), ("bias", "bias", (0,)), ("mask", "mask", (1, 0))):
-            tensor = getattr(m, attr, None)
-            if tensor is None:
-                continue
-            if id(tensor) not in names:
-                return None
-            plan[prefix + key] = (names[id(tensor)], axes)
-    if {name for name, _ in plan.values()} != set(names.values()):
-        return None  # the twin holds tensors these rules do not describe: torch's loader decides
+    plan = _plan(twin)
+    if plan is None:
+        return None
     shapes = canonical_shapes(spec)
     if set(shapes) != set(plan):
         return None
@@ -133,6 +128,30 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     state = _state(path, container, None)  # mapped, not read
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
     return FileViews(plan, lambda name: to_numpy(state[name]))
+
+
+def _plan(twin) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (the torch state-dict name, axes: canonical = native.permute(axes)), from
+    the structure twin's own ``state_dict`` (found by identity, so the names are torch's); None
+    where the twin holds a tensor these rules do not describe (torch's loader then decides).
+
+    ``weight`` (out, in) and the ``mask`` buffer stored like it are the canonical kernel and mask
+    transposed; a Bilinear ``weight`` (units, in1, in2) is the kernel as it is.
+    """
+    names = {id(t): n for n, t in twin.state_dict(keep_vars=True).items()}
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for prefix, m in layer_modules(twin):
+        kernel_axes = (0, 1, 2) if type(m) is torch.nn.Bilinear else (1, 0)
+        for attr, key, axes in (("weight", "kernel", kernel_axes), ("bias", "bias", (0,)), ("mask", "mask", (1, 0))):
+            tensor = getattr(m, attr, None)
+            if tensor is None:
+                continue
+            if id(tensor) not in names:
+                return None
+            plan[prefix + key] = (names[id(tensor)], axes)
+    if {name for name, _ in plan.values()} != set(names.values()):
+        return None
+    return plan
 
 
 def _pending(state: Mapping[str, torch.Tensor]) -> dict[str, PendingTensor]:
@@ -158,3 +177,74 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
             write_safetensors(f, _pending(model.state_dict()), meta)
     else:
         raise CheckpointError(f"cannot write {path}: torch writes .pt/.pth/.bin or .safetensors, not {kind!r}")
+
+
+def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+    """The skeleton of a ``.pt`` file for ``spec`` written into ``temp`` by ``torch.save`` itself,
+    every storage's bytes left to fill (``torch.serialization.skip_data`` over FakeTensors: a
+    sparse file, no memory), and where each canonical tensor goes (``_native_stream.FileLayout``).
+
+    The state dict is the structure twin's own (``twin.state_dict()``, its ``_metadata`` too) with
+    each tensor replaced by a fake one of the full size, so the file is what ``torch.save(
+    model.state_dict())`` writes for the real model once filled. Storage records are
+    ``data/0``, ``data/1``... in the state dict's order (torch's pickler numbers storages as it
+    meets them); their offsets come from torch's own archive reader, their sizes are checked.
+    ``finish`` writes each record's CRC-32 into the zip's two headers. None for safetensors
+    output (the model path writes it) and for modules the twin rules do not cover.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dense_bridge._native_stream import FileLayout
+
+    if kind != "torch-pickle":
+        return None
+    plan = _plan(twin)
+    shapes = canonical_shapes(spec)
+    if plan is None or set(plan) != set(shapes):
+        return None
+    canonical_of = {name: c for c, (name, _) in plan.items()}
+    state = twin.state_dict()
+    with FakeTensorMode():
+        for name in state:
+            c = canonical_of[name]
+            shape, dtype = shapes[c]
+            native = tuple(shape[a] for a in np.argsort(plan[c][1]))
+            state[name] = torch.empty(native, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(state, temp)
+    reader = torch._C.PyTorchFileReader(temp)
+    records = {}
+    with zipfile.ZipFile(temp) as archive:
+        sizes = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
+    for key, name in enumerate(state):
+        record = f"data/{key}"
+        if record not in sizes or sizes[record].file_size != state[name].nbytes:
+            return None  # not the archive this reading of torch's format expects: torch.save decides
+        records[canonical_of[name]] = record
+    places = {c: (reader.get_record_offset(r), plan[c][1]) for c, r in records.items()}
+    del reader
+    return FileLayout(places, finish=lambda crcs: _write_crcs(temp, {records[c]: v for c, v in crcs.items()}))
+
+
+def _write_crcs(path: str, crcs: Mapping[str, int]) -> None:
+    """Put each record's CRC-32 into its local header and its central-directory entry (the
+    fields ``skip_data`` leaves 0), so zip tools verify the filled file as torch.save's own."""
+    with zipfile.ZipFile(path) as archive:
+        entries = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
+        start_dir = archive.start_dir
+    with open(path, "r+b") as f:
+        for record, crc in crcs.items():
+            f.seek(entries[record].header_offset + 14)  # local file header: CRC-32 at byte 14
+            f.write(struct.pack("<I", crc))
+        position = start_dir
+        while True:  # central directory entries: CRC-32 at byte 16; name, extra, comment lengths at 28
+            f.seek(position)
+            head = f.read(46)
+            if len(head) < 46 or head[:4] != b"PK\x01\x02":
+                break
+            n_name, n_extra, n_comment = struct.unpack("<HHH", head[28:34])
+            name = f.read(n_name).decode("utf-8").split("/", 1)[1]
+            if name in crcs:
+                f.seek(position + 16)
+                f.write(struct.pack("<I", crcs[name]))
+            position += 46 + n_name + n_extra + n_comment
