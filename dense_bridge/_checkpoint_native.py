@@ -452,7 +452,7 @@ def output_kind(backend: str, out: str) -> str:
 
 #: The suffix a temporary needs for the framework's writer to accept it (Keras insists on its
 #: extensions; ``mx.savez`` appends ".npz" to a name without it).
-_TEMP_SUFFIX = {"torch-pickle": "", "safetensors": ".safetensors", "npz": ".npz",
+TEMP_SUFFIX = {"torch-pickle": "", "safetensors": ".safetensors", "npz": ".npz",
                 "keras-weights": ".weights.h5", "keras-model": ".keras"}
 
 
@@ -466,7 +466,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         metadata[SPEC_KEY] = spec_json(spec)
     try:
         with AtomicFiles(out) as tx:
-            adapter.write_file(model, out, kind, temp=tx.temp_for(out, _TEMP_SUFFIX[kind]), metadata=metadata)
+            adapter.write_file(model, out, kind, temp=tx.temp_for(out, TEMP_SUFFIX[kind]), metadata=metadata)
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone

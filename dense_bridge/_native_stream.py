@@ -70,7 +70,7 @@ class _LayerChecked:
         self._held: dict[int, dict[str, np.ndarray]] = {}
 
     def get(self, name: str) -> np.ndarray:
-        from ._params import _validate, check_masks_match
+        from ._params import check_masks_match, validate_params_scan_later
 
         i = self._layer_of[name]
         if i not in self._held:
@@ -78,8 +78,7 @@ class _LayerChecked:
             raw = {k[len(prefix):]: np.asarray(self._tensors[k].produce())
                    for k, j in self._layer_of.items() if j == i and k in self._tensors}
             try:
-                checked, _ = _validate(layer, raw, strict=True, argument=f"parameters of layer {i}",
-                                       check_finite=False)
+                checked = validate_params_scan_later(layer, raw, argument=f"parameters of layer {i}")
                 check_masks_match(layer, checked, prefix=prefix or "0.")
             except ConversionError as exc:
                 raise CheckpointError(str(exc)) from None
@@ -103,7 +102,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     from . import _api
     from ._checkpoint_io import AtomicFiles, check_writable
     from ._checkpoint_meta import spec_json
-    from ._checkpoint_native import _TEMP_SUFFIX, SPEC_KEY, canonical_shapes, file_adapter, output_kind, \
+    from ._checkpoint_native import SPEC_KEY, TEMP_SUFFIX, canonical_shapes, file_adapter, output_kind, \
         structure_twin
     from ._file_fill import Slot, fill
     from ._params import ParamSource
@@ -133,7 +132,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
 
     try:
         with AtomicFiles(out) as tx:
-            temp = tx.temp_for(out, _TEMP_SUFFIX[kind])
+            temp = tx.temp_for(out, TEMP_SUFFIX[kind])
             layout = lay_out(twin, spec, out, kind, temp=temp, metadata=metadata)
             if layout is None or set(layout.places) != set(shapes):
                 raise _NoLayout

@@ -277,6 +277,14 @@ def validate_params(spec, params: object, *, strict: bool = True, argument: str 
                      allow_nonfinite=allow_nonfinite)[0]
 
 
+def validate_params_scan_later(spec, params: object, *, argument: str = "params") -> dict[str, np.ndarray]:
+    """:func:`validate_params` leaving the NaN/Inf scan of values kept as they are (no cast) to a
+    caller that scans them anyway while copying them (``_file_fill.fill(check_finite=True)``),
+    so each byte is read once. Casts and masks are still checked here; an error still names
+    every offender, NaN/Inf included."""
+    return _validate(spec, params, strict=True, argument=argument, check_finite=False)[0]
+
+
 def _deferrable(key: str, value: np.ndarray, target: np.dtype) -> bool:
     """May this value's NaN/Inf scan wait for the copy? Not for masks (a NaN must read as NaN,
     not as "not 0/1") nor for values cast to the spec's dtype (the cast may overflow to Inf)."""
