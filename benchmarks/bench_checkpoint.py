@@ -210,6 +210,8 @@ SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
     ".weights.h5 -> torch": ("k.weights.h5", "convert torch", ("torch", "keras"), 1.3),
     "canonical -> torch": ("c.safetensors", "convert torch", ("torch",), 1.3),
     "canonical -> keras": ("c.safetensors", "convert keras", ("keras",), 1.3),
+    "canonical -> mlx": ("c.safetensors", "convert mlx", ("mlx",), 1.3),
+    ".pt -> canonical": ("t.pt", "convert canonical", ("torch",), 1.3),
     "check .pt vs .weights.h5": ("t.pt", "check k.weights.h5", ("torch", "keras"), 1.5),
     "check --no-grads": ("t.pt", "check-outputs k.weights.h5", ("torch", "keras"), 1.5),
 }
@@ -253,7 +255,8 @@ def slope_worker(case: str, workdir: str) -> dict:
         spec = os.path.join(d, "c.safetensors")  # .pt and .weights.h5 from elsewhere carry no spec
         with contextlib.redirect_stdout(io.StringIO()):
             if verb == "convert":
-                out = os.path.join(d, "out." + {"torch": "pt", "keras": "weights.h5"}[arg])
+                out = os.path.join(d, "out." + {"torch": "pt", "keras": "weights.h5", "mlx": "safetensors",
+                                                 "canonical": "back.safetensors"}[arg])
                 code = cli.main(["convert", os.path.join(d, src), "--to", arg, "-o", out, "--no-progress", "--spec", spec])
             else:
                 flags = ["--no-grads"] if verb == "check-outputs" else []

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ._errors import CheckpointError
-from ._pages import prefetch, release_file_pages
+from ._pages import FileMappings, prefetch, release_file_pages
 from ._transfer import blocked_transpose, count_nonfinite
 
 #: Bytes per piece written: large enough that the per-piece Python work is noise, small enough
@@ -128,6 +128,7 @@ class _Run:
         self.buffers: list[np.ndarray] = []
         self.lent: dict[int, np.ndarray] = {}  # seq -> the buffer its bytes are in
         self.arrays: dict[int, np.ndarray] = {}
+        self.mappings = FileMappings()
 
     # -- the workers' side
     def work(self) -> None:
@@ -203,7 +204,7 @@ class _Run:
             array = self.arrays.pop(piece.slot, None) if piece.last else None
             self.cond.notify_all()
         if array is not None and array.nbytes >= _RELEASE_FROM:
-            release_file_pages([array])  # written: its source pages can go
+            release_file_pages([array], self.mappings)  # written: its source pages can go
 
     def stop(self) -> None:
         with self.cond:

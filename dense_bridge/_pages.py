@@ -56,30 +56,54 @@ def prefetch(a: np.ndarray) -> None:
     advise(ctypes.c_void_p(start), ctypes.c_size_t(hi - start), _MADV_WILLNEED)
 
 
-def release_file_pages(arrays) -> int:
+def _private_file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of every private file mapping of this process (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = [line.split(maxsplit=5) for line in f]
+    except OSError:
+        return []
+    found = []
+    for parts in maps:
+        if len(parts) == 6 and parts[5].startswith("/") and parts[1][3] == "p":
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            found.append((lo, hi))
+    return found
+
+
+class FileMappings:
+    """The private file mappings, read from /proc/self/maps once and again only when a range is
+    not found in what was read (a mapping made since): a process with a large framework loaded
+    has thousands of mappings, and a conversion releases pages once per tensor."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] | None = None
+
+    def holds(self, start: int, end: int) -> bool:
+        for fresh in (False, True):
+            if self._ranges is None or fresh:
+                self._ranges = _private_file_mappings()
+            if any(lo <= start and end <= hi for lo, hi in self._ranges):
+                return True
+        return False
+
+
+def release_file_pages(arrays, mappings: FileMappings | None = None) -> int:
     """Drop the resident pages behind ``arrays`` where they lie in a private FILE mapping (Linux).
 
     Clean pages of a private file mapping are a cache of the file: ``madvise(MADV_DONTNEED)``
     frees them and a later read faults them back in from the file, so the arrays' values never
     change; this only lowers resident memory. Anonymous memory (whose pages that call would
     zero) and shared mappings are never touched: each page range is checked against
-    /proc/self/maps first. Returns the bytes released (0 off Linux).
+    /proc/self/maps first (``mappings``: a :class:`FileMappings` reused across calls). Returns
+    the bytes released (0 off Linux).
     """
     advise = _madvise()
     if advise is None or not arrays:
         return 0
     import ctypes
 
-    try:
-        with open("/proc/self/maps") as f:
-            maps = [line.split(maxsplit=5) for line in f]
-    except OSError:
-        return 0
-    files = []
-    for parts in maps:
-        if len(parts) == 6 and parts[5].startswith("/") and parts[1][3] == "p":
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            files.append((lo, hi))
+    mappings = mappings or FileMappings()
     page = mmap.PAGESIZE
     released = 0
     for a in arrays:
@@ -87,7 +111,7 @@ def release_file_pages(arrays) -> int:
             continue
         lo, hi = byte_bounds(a)
         start, end = -(-lo // page) * page, (hi // page) * page  # whole pages inside the array only
-        if end <= start or not any(flo <= start and end <= fhi for flo, fhi in files):
+        if end <= start or not mappings.holds(start, end):
             continue
         if advise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
             released += end - start

@@ -181,8 +181,9 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
 
 def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
     """The skeleton of a ``.pt`` file for ``spec`` written into ``temp`` by ``torch.save`` itself,
-    every storage's bytes left to fill (``torch.serialization.skip_data`` over FakeTensors: a
-    sparse file, no memory), and where each canonical tensor goes (``_native_stream.FileLayout``).
+    every storage's bytes left to fill (``torch.serialization.skip_data`` over ``torch.empty``
+    tensors, never touched: a sparse file, no resident memory), and where each canonical tensor
+    goes (``_native_stream.FileLayout``).
 
     The state dict is the structure twin's own (``twin.state_dict()``, its ``_metadata`` too) with
     each tensor replaced by a fake one of the full size, so the file is what ``torch.save(
@@ -192,8 +193,6 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     ``finish`` writes each record's CRC-32 into the zip's two headers. None for safetensors
     output (the model path writes it) and for modules the twin rules do not cover.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dense_bridge._native_stream import FileLayout
 
     if kind != "torch-pickle":
@@ -204,13 +203,13 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
         return None
     canonical_of = {name: c for c, (name, _) in plan.items()}
     state = twin.state_dict()
-    with FakeTensorMode():
-        for name in state:
-            c = canonical_of[name]
-            shape, dtype = shapes[c]
-            native = tuple(shape[a] for a in np.argsort(plan[c][1]))
-            state[name] = torch.empty(native, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
+    for name in state:
+        c = canonical_of[name]
+        shape, dtype = shapes[c]
+        native = tuple(shape[a] for a in np.argsort(plan[c][1]))
+        # never written nor read (skip_data), so never touched: address space, not resident memory
+        state[name] = torch.empty(native, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
+    with torch.serialization.skip_data():
         torch.save(state, temp)
     reader = torch._C.PyTorchFileReader(temp)
     records = {}
