@@ -431,6 +431,20 @@ def header_bytes(tensors: Mapping[str, PendingTensor], metadata: Mapping[str, st
     return struct.pack("<Q", len(raw)) + raw, order
 
 
+def write_header(path: str, tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None) -> dict[str, int]:
+    """Write only the header of a safetensors file for ``tensors`` (dtype and shape used, data
+    not) at ``path``; return each tensor's byte offset in the file, for the bytes to be filled
+    in later (``_native_stream``: a framework's file written with no model built)."""
+    head, order = header_bytes(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+    offsets, at = {}, len(head)
+    for name in order:
+        offsets[name] = at
+        at += tensors[name].nbytes
+    return offsets
+
+
 def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None = None,
                       on_tensor: Callable[[str, int], None] | None = None) -> int:
     """Write ``tensors`` to ``f`` (a binary file opened for writing, at its start); return the bytes written.

@@ -182,7 +182,7 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     refuses it. None for ``.npz`` (``mx.savez`` writes it) and for twins the rules do not cover.
     """
     from dense_bridge._native_stream import FileLayout
-    from dense_bridge._safetensors import header_bytes
+    from dense_bridge._safetensors import write_header
 
     if kind != "safetensors":
         return None
@@ -195,11 +195,5 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
         shape, dtype = shapes[c]
         native[name] = PendingTensor(np.dtype(numpy_dtype(dtype)), tuple(shape[a] for a in np.argsort(axes)), None)
     _refuse_float64(path, {k: t.dtype for k, t in native.items()})
-    head, order = header_bytes(native, {"format": "mlx", **(metadata or {})})
-    with open(temp, "wb") as f:
-        f.write(head)
-    offsets, at = {}, len(head)
-    for name in order:
-        offsets[name] = at
-        at += native[name].nbytes
+    offsets = write_header(temp, native, {"format": "mlx", **(metadata or {})})
     return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})

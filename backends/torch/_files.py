@@ -190,17 +190,24 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     model.state_dict())`` writes for the real model once filled. Storage records are
     ``data/0``, ``data/1``... in the state dict's order (torch's pickler numbers storages as it
     meets them); their offsets come from torch's own archive reader, their sizes are checked.
-    ``finish`` writes each record's CRC-32 into the zip's two headers. None for safetensors
-    output (the model path writes it) and for modules the twin rules do not cover.
+    ``finish`` writes each record's CRC-32 into the zip's two headers. For a torch-layout
+    ``.safetensors`` ("format" = "pt", as :func:`write_file`), the header. None for modules the
+    twin rules do not cover.
     """
     from dense_bridge._native_stream import FileLayout
+    from dense_bridge._safetensors import write_header
 
-    if kind != "torch-pickle":
-        return None
     plan = _plan(twin)
     shapes = canonical_shapes(spec)
-    if plan is None or set(plan) != set(shapes):
+    if kind not in ("torch-pickle", "safetensors") or plan is None or set(plan) != set(shapes):
         return None
+    if kind == "safetensors":
+        native = {}
+        for c, (name, axes) in plan.items():
+            shape, dtype = shapes[c]
+            native[name] = PendingTensor(np.dtype(numpy_dtype(dtype)), tuple(shape[a] for a in np.argsort(axes)), None)
+        offsets = write_header(temp, native, {"format": "pt", **(metadata or {})})
+        return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})
     canonical_of = {name: c for c, (name, _) in plan.items()}
     state = twin.state_dict()
     for name in state:
