@@ -38,9 +38,9 @@ def test_torch_inference_reuses_the_masked_weight(torch_layer):
     x = torch.randn(3, 5)
     with torch.no_grad():
         y1 = torch_layer(x)
-        first = torch_layer.__dict__["_masked_cache"][3]
+        first = torch_layer.__dict__["_masked_cache"][-1]
         y2 = torch_layer(x)
-        assert torch_layer.__dict__["_masked_cache"][3] is first  # not recomputed
+        assert torch_layer.__dict__["_masked_cache"][-1] is first  # not recomputed
     with torch.inference_mode():
         torch_layer(x)
     assert torch.equal(y1, y2) and torch.equal(y1, _torch_reference(torch_layer, x).detach())
@@ -108,6 +108,32 @@ def test_torch_writes_through_data_bypass_the_version_counter_and_clear_masked_c
         fresh = torch_layer(x)
     assert torch.equal(fresh, _torch_reference(torch_layer, x).detach())
     assert not torch.equal(fresh, before)
+
+
+def test_torch_forward_reads_parametrized_and_swapped_weights(torch_layer):
+    """The forward reads weight/bias/mask from the module's dicts (fast); a parametrized weight
+    (a property, not in _parameters) and functional_call's swapped tensors are still what it uses."""
+    import torch
+    from torch.nn.utils import parametrize
+
+    x = torch.randn(3, 5)
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    with torch.no_grad():
+        before = torch_layer(x)
+    other = {k: v * 3 for k, v in torch_layer.state_dict().items() if k != "mask"}
+    with torch.no_grad():
+        swapped = torch.func.functional_call(torch_layer, other, (x,))
+        expected = torch.tanh(torch.nn.functional.linear(x, other["weight"] * torch_layer.mask, other["bias"]))
+    assert torch.allclose(swapped, expected)
+    parametrize.register_parametrization(torch_layer, "weight", Double())
+    with torch.no_grad():
+        doubled = torch_layer(x)
+        assert torch.allclose(doubled, _torch_reference(torch_layer, x))
+    assert not torch.allclose(doubled, before)
 
 
 def test_torch_pickles_and_deep_copies_carry_no_cache(torch_layer):

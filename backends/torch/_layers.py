@@ -29,6 +29,9 @@ from ._arrays import TORCH_DTYPES, copy_in, from_numpy
 _LAZY_INIT = "_dense_bridge_init"
 
 
+_grad_enabled = torch.is_grad_enabled  # a module global: one dict lookup per call
+
+
 class DenseLinear(nn.Linear):
     """``nn.Linear`` with a fused activation and/or a fixed 0/1 connectivity mask.
 
@@ -66,23 +69,37 @@ class DenseLinear(nn.Linear):
             self.weight.mul_(self.mask)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # one read each: nn.Module.__getattr__ is a slow path (~0.3 us a read) that showed at
-        # 16->16, batch 1 in benchmarks/bench_layers.py
-        mask, activation, weight = self.mask, self.activation, self.weight
+        # straight from the module's own dicts: nn.Module.__getattr__ is a slow path (~0.6 us a
+        # read, more than the whole masked-weight check) that showed at 16->16, batch 1 in
+        # benchmarks/bench_layers.py --masked. A parametrized weight (torch.nn.utils.parametrize)
+        # is a property, not in _parameters: read it the usual way then.
+        params, buffers = self._parameters, self._buffers
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        mask = buffers["mask"] if "mask" in buffers else self.mask
+        activation = self.activation
         if mask is not None:
-            weight = weight * mask if torch.is_grad_enabled() else self._masked_weight(weight, mask)
-        out = F.linear(input, weight, self.bias)
+            if _grad_enabled():
+                weight = weight * mask  # part of the graph: computed at every call
+            else:
+                # inlined, comparisons in order and short-circuited (no key tuple built): the
+                # check is the whole cost of a cached masked forward, ~0.3 us
+                cache = self.__dict__.get("_masked_cache")
+                if cache is not None and cache[0] is weight and cache[1] is mask \
+                        and cache[2] == weight._version and cache[3] == mask._version \
+                        and cache[4] == weight.data_ptr() and cache[5] == mask.data_ptr():
+                    weight = cache[6]
+                else:
+                    weight = self._masked_weight(weight, mask)
+        out = F.linear(input, weight, bias)
         return out if activation is None else activation(out)
 
     def _masked_weight(self, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """weight * mask, reused while neither tensor changed (autograd off only)."""
-        key = (weight._version, weight.data_ptr(), mask._version, mask.data_ptr())
-        cache = self.__dict__.get("_masked_cache")
-        # identity (held, so an id is never reused) + version counter + data pointer
-        if cache is not None and cache[0] is weight and cache[1] is mask and cache[2] == key:
-            return cache[3]
+        """weight * mask, remembered with what identifies both tensors' contents (autograd off only):
+        identity (held, so an id is never reused), version counter, data pointer."""
         masked = weight * mask
-        self.__dict__["_masked_cache"] = (weight, mask, key, masked)
+        self.__dict__["_masked_cache"] = (weight, mask, weight._version, mask._version, weight.data_ptr(),
+                                          mask.data_ptr(), masked)
         return masked
 
     def clear_masked_cache(self) -> None:
