@@ -16,11 +16,15 @@ thread and all cores in the same run; ``benchmarks/results/transfer_ablation.md`
 - The NaN/Inf check reads each block just transposed, while it is in the cache (median +10%
   time for a separate pass after the copy, on a noisy shared machine: -66% to +209%).
 
-Removed because their median gain was under 10% where they run (four runs): threads, for
-transposing copies (median +2%, -63% to +178%) and for plain ones (numpy's own ``np.copyto``
-was as fast), with the shared pool, its fork handling and the deferred scans on worker
-threads; 2 MiB huge-page alignment (+8%); BLAS row sums for the finiteness test (slower than
-numpy's sum outside the transposes).
+- Threads (copies of 8 MiB and more): row strips of the output, each filled, page-faulted and
+  checked on its own core. Measured again on a quiet machine (`--ablation --baseline-rev` with the
+  single-thread code, same run, 7 rounds; `benchmarks/results/transfer_ablation.md`): +145% to
+  +193% time without them on the transposing pairs, +16% on a plain copy. An earlier decision
+  against them came from runs on a machine shared with six other test suites (+-40% noise).
+
+Removed because their median gain was under 10% where they run (four runs): a shared thread pool
+(threads are made per call: no fork handling), 2 MiB huge-page alignment (+8%); BLAS row sums
+for the finiteness test (slower than numpy's sum outside the transposes).
 
 Copies move raw bits (through same-width unsigned views), so every dtype, bfloat16 and NaN
 payloads included, arrives bit-identical.
@@ -28,6 +32,8 @@ payloads included, arrives bit-identical.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -107,13 +113,69 @@ def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
     """A fresh 64-byte aligned C-contiguous copy of ``src.transpose(perm)``, bit for bit,
     and its number of NaN/Inf entries (0 unless ``check_finite``).
 
-    ``src`` may be any view, of any framework's memory: it is only read.
+    ``src`` may be any view, of any framework's memory: it is only read. Copies of at least
+    :data:`_THREADED` bytes are split over the machine's cores (row strips of the output, each
+    filled, page-faulted and checked on its own thread: numpy releases the GIL while copying).
     """
     src = np.asarray(src)
     view = src if perm is None else src.transpose(tuple(perm))
     out = empty(view.shape, view.dtype)
-    if view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
-            and view.swapaxes(-1, -2).flags.c_contiguous:  # e.g. torch's W.T
+    transposed = view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
+        and view.swapaxes(-1, -2).flags.c_contiguous  # e.g. torch's W.T
+    cores = _cores()
+    if cores > 1 and view.nbytes >= _THREADED and view.ndim >= 1 and (transposed or view.flags.c_contiguous):
+        return out, _on_cores(out, view, transposed, check_finite, cores)
+    if transposed:
         return out, blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
     np.copyto(_raw(out), _raw(view))
     return out, count_nonfinite(out) if check_finite else 0
+
+
+#: Bytes from which a copy is split over the cores: below it the threads' start-up (~50 us
+#: each) is a visible share of the copy.
+_THREADED = 8 << 20
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _on_cores(out: np.ndarray, view: np.ndarray, transposed: bool, check_finite: bool, cores: int) -> int:
+    """Fill ``out`` from ``view`` in ``cores`` strips at once (threads made for this call, so a
+    forked child never inherits a pool); the NaN/Inf count of the whole."""
+    if transposed:  # strips of output rows: out[..., a:b, :] = swapped[..., :, a:b].T
+        swapped = view.swapaxes(-1, -2)
+        rows = out.shape[-2]
+        step = -(-rows // (cores * _ROWS)) * _ROWS
+
+        def job(a: int) -> int:
+            return blocked_transpose(out[..., a:a + step, :], swapped[..., a:a + step], check_finite)
+        starts = range(0, rows, step)
+    else:  # flat chunks of a plain copy
+        flat_out, flat_in = _raw(out).reshape(-1), _raw(view).reshape(-1)
+        step = -(-flat_out.size // (cores * 4096)) * 4096
+
+        def job(a: int) -> int:
+            np.copyto(flat_out[a:a + step], flat_in[a:a + step])
+            return count_nonfinite(out.reshape(-1)[a:a + step]) if check_finite else 0
+        starts = range(0, flat_out.size, step)
+    counts: list[int] = []
+    errors: list[BaseException] = []
+
+    def run(a: int) -> None:
+        try:
+            counts.append(job(a))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in list(starts)[1:]]
+    for t in threads:
+        t.start()
+    run(starts[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(counts)
