@@ -214,3 +214,28 @@ def test_torch_tensors_made_from_fresh_buffers_behave_like_torch_allocated_ones(
     fresh = db.compile(db.Sequential([db.Dense(BIG, in_features=BIG), db.Dense(4)]), "torch", seed=4)
     fresh.load_state_dict(state)
     assert torch.equal(fresh[0].weight, weight)
+
+
+@pytest.mark.parametrize("cores", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_copies_split_over_cores_are_bit_identical_and_count_every_nonfinite(monkeypatch, cores, dtype):
+    """native_copy's threaded path (copies of _THREADED bytes and more), forced onto small arrays and
+    an uneven number of strips: transposed views, plain copies and batched (3-D) transposes."""
+    from dense_bridge import _transfer
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    monkeypatch.setattr(_transfer, "_THREADED", 1)
+    monkeypatch.setattr(_transfer, "_SMALL", 1)
+    monkeypatch.setattr(_transfer, "_cores", lambda: cores)
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((300, 200)).astype(np_dtype)
+    base[7, 9] = np.nan
+    base[250, 3] = np.inf
+    batched = rng.standard_normal((3, 130, 70)).astype(np_dtype)
+    for src, perm in ((base, (1, 0)), (base, None), (batched, (0, 2, 1))):
+        out, bad = _transfer.native_copy(src, perm, check_finite=True)
+        expected = np.ascontiguousarray(src if perm is None else src.transpose(perm))
+        assert out.flags.c_contiguous and _transfer.is_aligned(out)
+        assert out.tobytes() == expected.tobytes()
+        assert bad == (2 if src is base else 0)
