@@ -60,11 +60,11 @@ _GAP_REASONS = {
            "zero-copy CPU import: 'Cannot import a CPU array without a copy'): one thread, holding the GIL, "
            "into malloc'd 4 KiB pages, with no API to hand it huge-page memory or to copy on more cores; "
            f"besides, {_FRESH}",
-    "torch": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and torch adopts "
+    "torch": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass split over the cores and torch adopts "
              "them (torch.from_numpy), the fastest fresh-memory path measured",
     "flax": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_FRESH}",
     "equinox": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_FRESH}",
-    "keras": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass and each TF "
+    "keras": f"{_FRESH}; dense_bridge fills 64-byte aligned fresh buffers with one cache-blocked pass split over the cores and each TF "
              "variable adopts its buffer through DLPack, the fastest fresh-memory path measured",
 }
 
@@ -638,7 +638,7 @@ def main(argv=None) -> int:
         "- prealloc copy: the pair's copy into memory allocated and touched before timing (no page faults): not "
         "a limit for a conversion, which must create its output; shown for scale.",
         "- convert: source views are zero-copy; each layer is copied once, in the target's layout, into fresh "
-        "64-byte aligned buffers (cache-blocked transpose, one thread) with the NaN/Inf check fused into the copy, then adopted by the "
+        "64-byte aligned buffers (cache-blocked transpose, row strips on every core for 8 MiB and more) with the NaN/Inf check fused into the copy, then adopted by the "
         "target (torch.from_numpy, TF DLPack); MLX copies with mx.array.",
         "- naive: a hand-written port into an already built model (`set_weights([w.T, b])`, `load_weights`, "
         "`lin.weight.data = torch.tensor(k.T)`, `load_state_dict`).",
