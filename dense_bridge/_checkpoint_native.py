@@ -22,6 +22,7 @@ and the extra to install.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import zipfile
 from collections.abc import Mapping
@@ -322,6 +323,25 @@ class NativeCheckpoint:
         if views is None:
             views = _api.get_params(self.template(borrow=True), copy=False)
         return _ViewStream(self.spec, views, allow_nonfinite)
+
+    def verify_structure(self) -> None:
+        """Compare the file's tensor names, shapes and dtypes with what a model of its spec saves,
+        reading no values (``dense-bridge inspect``): a CheckpointError listing every difference.
+
+        Done where the adapter serves the file without a model (``file_views``: torch zip,
+        safetensors, ``.weights.h5``); a ``.keras`` file carries its own model, and other files
+        (legacy torch pickles, ``.npz``) are checked when they are loaded.
+        """
+        if self.spec is None or self.container == "keras-model":
+            return
+        if self._file_views() is not None:
+            return  # the adapter compared every name, shape and dtype
+        # no per-name check here (a lone layer, a legacy pickle): at least the sizes must agree
+        wanted = sum(math.prod(shape) for shape, _ in canonical_shapes(self.spec).values())
+        stored = sum(math.prod(shape) for _, shape, _ in self.entries())
+        if wanted != stored:
+            raise CheckpointError(f"{self.path} does not match its spec: the spec has {wanted:,} parameter values, "
+                                  f"the file stores {stored:,}")
 
     def _file_views(self):
         """The file's canonical parameters straight from the file (adapter verb ``file_views``),

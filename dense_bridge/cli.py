@@ -242,6 +242,8 @@ def cmd_inspect(args) -> int:
 
     spec = read_spec(args.spec)
     ckpt = checkpoint.open_checkpoint(args.src, spec=spec, format=args.format)
+    if hasattr(ckpt, "verify_structure"):  # a native file and its spec must agree before it is shown
+        ckpt.verify_structure()
     entries = ckpt.entries()
     total_values = sum(math.prod(s) for _, s, _ in entries)
     doc: dict[str, Any] = {

@@ -114,6 +114,16 @@ def test_inspect(files):
     assert doc["layers"][0]["activation"] == "relu" and doc["layers"][1]["units"] == 4
 
 
+def test_inspect_refuses_a_native_file_that_does_not_fit_the_spec_given(files):
+    """inspect compares a native file's names, shapes and dtypes with the spec before showing it."""
+    pytest.importorskip("torch")
+    assert cli("convert", files / "m.safetensors", "--to", "torch", "-o", files / "m.pt").returncode == 0
+    assert cli("inspect", files / "m.pt", "--spec", files / "spec.json").returncode == 0
+    wider = db.Sequential([db.Dense(16, in_features=9, activation="relu"), db.Dense(4, activation="softmax")])
+    (files / "wider.json").write_text(json.dumps(wider.to_config()))
+    assert_one_line_error(cli("inspect", files / "m.pt", "--spec", files / "wider.json"), "m.pt", "(16, 9)")
+
+
 def test_check_equivalent_and_not(files):
     run = cli("check", files / "m.safetensors", files / "m.safetensors")
     assert run.returncode == 0 and "PASS" in run.stdout, run.stdout + run.stderr
