@@ -16,6 +16,7 @@ is written (:func:`dense_bridge._pages.release_file_pages`).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import zlib
@@ -34,6 +35,9 @@ PIECE = 32 << 20
 #: Pieces prepared ahead of the one being written, at most (each may hold a buffer).
 _AHEAD = 4
 _MAX_WORKERS = 4
+#: Tensors smaller than this are prepared by the writing thread itself: handing a piece to a
+#: worker and back costs ~50 us, more than copying it (a model of thousands of biases).
+_INLINE = 256 << 10
 #: Smaller sources are not worth a look at /proc/self/maps to give their pages back.
 _RELEASE_FROM = 4 << 20
 
@@ -54,7 +58,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class _Piece:
     offset: int
     index: tuple
     last: bool  # the slot's last piece
+    inline: bool = False  # small: prepared by the writer itself, a hand-over would cost more
 
 
 class _Stop(Exception):
@@ -81,18 +86,19 @@ def fill(fd: int, slots: list[Slot], *, check_finite: bool = False, checksums: b
     CRC-32 (zlib's, as zip files keep) by name, else {}. ``on_tensor(name, nbytes)`` is called
     after each slot is written, in order.
     """
-    pieces = [p for i, slot in enumerate(slots) for p in _pieces(i, slot)]
+    sizes = [slot.nbytes for slot in slots]
+    pieces = [p for i, slot in enumerate(slots) for p in _pieces(i, slot, sizes[i])]
     for seq, p in enumerate(pieces):  # numbered in file order
-        pieces[seq] = _Piece(seq, p.slot, p.offset, p.index, p.last)
+        pieces[seq] = _Piece(seq, p.slot, p.offset, p.index, p.last, p.inline)
     run = _Run(slots, pieces, check_finite)
     workers = [threading.Thread(target=run.work, name=f"dense_bridge-fill-{k}", daemon=True)
-               for k in range(max(1, min(_MAX_WORKERS, os.cpu_count() or 1, len(pieces))))]
+               for k in range(min(_MAX_WORKERS, os.cpu_count() or 1, sum(not p.inline for p in pieces)))]
     for w in workers:
         w.start()
     crcs = {slot.name: 0 for slot in slots}
     try:
         for piece in pieces:
-            data = run.take(piece.seq)
+            data = run.prepare_here(piece) if piece.inline else run.take(piece.seq)
             _pwrite_all(fd, data, piece.offset)
             name = slots[piece.slot].name
             if checksums:
@@ -100,9 +106,9 @@ def fill(fd: int, slots: list[Slot], *, check_finite: bool = False, checksums: b
             del data
             run.written(piece)
             if piece.last and on_tensor is not None:
-                on_tensor(name, slots[piece.slot].nbytes)
+                on_tensor(name, sizes[piece.slot])
         for i, slot in enumerate(slots):  # empty tensors have no pieces
-            if slot.nbytes == 0 and on_tensor is not None:
+            if sizes[i] == 0 and on_tensor is not None:
                 on_tensor(slot.name, 0)
     except BaseException:
         run.stop()
@@ -134,7 +140,11 @@ class _Run:
     def work(self) -> None:
         while True:
             with self.cond:
-                while not self.stopped and self.next < len(self.pieces) and self.next >= self.writing + _AHEAD:
+                while True:
+                    while self.next < len(self.pieces) and self.pieces[self.next].inline:
+                        self.next += 1  # the writer prepares those itself
+                    if self.stopped or self.next >= len(self.pieces) or self.next < self.writing + _AHEAD:
+                        break
                     self.cond.wait()
                 if self.stopped or self.next >= len(self.pieces):
                     return
@@ -159,7 +169,7 @@ class _Run:
         next slot's pages too, so they are read while this one is copied."""
         if i not in self.arrays:
             self.arrays[i] = _checked(self.slots[i])
-        if i + 1 < len(self.slots) and i + 1 not in self.arrays and self.slots[i + 1].nbytes:
+        if i + 1 < len(self.slots) and i + 1 not in self.arrays and self.slots[i + 1].nbytes >= _INLINE:
             self.arrays[i + 1] = _checked(self.slots[i + 1])
             prefetch(self.arrays[i + 1])
         return self.arrays[i]
@@ -186,6 +196,12 @@ class _Run:
         return memoryview(buffer[:part.nbytes])
 
     # -- the writer's side
+    def prepare_here(self, piece: _Piece) -> memoryview:
+        """A small piece, prepared on the writing thread (no hand-over)."""
+        with self.cond:
+            array = self._array(piece.slot)
+        return self._prepare(piece, array[piece.index])
+
     def take(self, seq: int) -> memoryview:
         with self.cond:
             while seq not in self.done:
@@ -229,11 +245,12 @@ def _checked(slot: Slot) -> np.ndarray:
     return array.reshape(1) if array.ndim == 0 else array
 
 
-def _pieces(i: int, slot: Slot) -> Iterator[_Piece]:
+def _pieces(i: int, slot: Slot, nbytes: int) -> Iterator[_Piece]:
     """Slot ``i``'s pieces of at most :data:`PIECE` bytes, in file order (``seq`` numbered later)."""
     found = list(_split(slot.shape if slot.shape else (1,), slot.dtype.itemsize, slot.offset, ()))
+    inline = nbytes < _INLINE
     for k, (offset, index) in enumerate(found):
-        yield _Piece(-1, i, offset, index, k == len(found) - 1)
+        yield _Piece(-1, i, offset, index, k == len(found) - 1, inline)
 
 
 def _split(shape: tuple[int, ...], itemsize: int, offset: int, prefix: tuple) -> Iterator[tuple[int, tuple]]:
@@ -241,7 +258,7 @@ def _split(shape: tuple[int, ...], itemsize: int, offset: int, prefix: tuple) ->
     :data:`PIECE` bytes: runs of whole rows, or, for a row larger than that, pieces of each row."""
     if 0 in shape:
         return
-    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    row = math.prod(shape[1:]) * itemsize
     if len(shape) > 1 and row > PIECE:
         for i in range(shape[0]):
             yield from _split(shape[1:], itemsize, offset + i * row, prefix + (i,))

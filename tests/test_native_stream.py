@@ -160,6 +160,7 @@ def test_memory_is_a_few_pieces_not_the_model(tmp_path, monkeypatch):
     import tracemalloc
 
     monkeypatch.setattr(_file_fill, "PIECE", 64 << 10)
+    monkeypatch.setattr(_file_fill, "_INLINE", 0)  # the worker threads' path, with its buffers
     spec = db.Sequential([db.Dense(256, in_features=256) for _ in range(8)])  # 8 x 262 kB kernels
     src, want = _canonical(tmp_path, spec)
     tracemalloc.start()

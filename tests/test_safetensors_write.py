@@ -15,9 +15,12 @@ from dense_bridge._file_fill import Slot, fill
 from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 
-@pytest.fixture
-def small_pieces(monkeypatch):
-    monkeypatch.setattr(_file_fill, "PIECE", 96)  # a few rows per piece: every split path runs
+@pytest.fixture(params=["workers", "writer"])
+def small_pieces(monkeypatch, request):
+    """A few rows per piece, so every split path runs; prepared by the worker threads, or (tensors
+    under _INLINE bytes) by the writing thread itself."""
+    monkeypatch.setattr(_file_fill, "PIECE", 96)
+    monkeypatch.setattr(_file_fill, "_INLINE", 0 if request.param == "workers" else 1 << 30)
 
 
 def _fill_and_read(tmp_path, arrays: dict[str, np.ndarray], **kwargs) -> tuple[bytes, list[int], dict]:
@@ -70,6 +73,7 @@ def test_nonfinite_values_are_refused_naming_the_tensor_in_both_paths(tmp_path):
         _fill_and_read(tmp_path, {"w": bad})  # allowed unless asked
 
 
+@pytest.mark.usefixtures("small_pieces")
 def test_a_failing_producer_stops_the_fill_and_its_error_arrives(tmp_path):
     def broken():
         raise OSError("the source vanished")
@@ -80,12 +84,14 @@ def test_a_failing_producer_stops_the_fill_and_its_error_arrives(tmp_path):
         fill(f.fileno(), slots)
 
 
+@pytest.mark.usefixtures("small_pieces")
 def test_a_producer_returning_the_wrong_shape_is_refused(tmp_path):
     slots = [Slot("a", 0, np.dtype(np.float32), (4,), lambda: np.ones(5, np.float32))]
     with open(tmp_path / "f", "wb") as f, pytest.raises(CheckpointError, match="'a' changed while being written"):
         fill(f.fileno(), slots)
 
 
+@pytest.mark.usefixtures("small_pieces")
 def test_a_failing_write_stops_the_worker(tmp_path):
     arrays = {f"t{i}": np.ones((64, 64), np.float32).T for i in range(6)}
     slots = [Slot(n, 0, a.dtype, a.shape, lambda a=a: a) for n, a in arrays.items()]
