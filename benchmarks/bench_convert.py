@@ -4,16 +4,24 @@ For each ordered pair of installed backends (torch, keras, mlx, flax, equinox) i
 round-robin so that load on the machine hits every variant alike (median of --repeats runs):
 
   convert     db.convert(model, to=target): GB/s = parameter bytes / seconds
-  limit       this machine's limit for the copy the pair needs, into PREALLOCATED memory:
-                same layout (torch<->mlx: both store weight (out, in)): np.copyto(dst, src)
-                transposing (torch<->keras, keras<->mlx): torch's out.copy_(W.t())
-  fresh       the same copy into FRESHLY allocated memory, which any new model must pay for
-              (the kernel zero-fills every new page): shown to explain the gap to the limit
+  limits      the same bytes made in the target's layout in NEW memory (what any conversion must
+              create), the fastest way known on this machine:
+                1-thread: same layout np.copy; transposing the best of torch's
+                  torch.empty().copy_(W.t()), np.ascontiguousarray(W.T) and dense_bridge's
+                  cache-blocked transpose
+                all-core: dense_bridge's kernels split over every core, or (transposing)
+                  torch's copy_ with its intra-op threads on every core, whichever is faster
+              (into MLX also: a plain copy into malloc'ed memory, what mx.array gets)
+  prealloc    the pair's copy into memory allocated and touched before timing: for scale only
   naive       the port a user writes by hand into an already built target model
               (set_weights / load_weights / lin.weight.data = torch.tensor(...) / load_state_dict)
   peak extra  the RSS high-water mark during convert, beyond the memory held before it and
               the output model's parameters, in a fresh subprocess per pair (VmHWM reset
               through /proc/self/clear_refs); one layer's worth is width*(width+1)*4 bytes
+
+Every sample starts from the same state of free memory (--pages, see settle_pages): on this
+Firecracker VM a page freed long enough ago has been handed back to the host and costs 5-10x
+more to touch again, which made which variant met which pages chance.
 
 Prints a markdown table and writes it, with the command and the machine load, to
 benchmarks/results/convert.md (--out). MLX's Linux CPU build is slow only at matmul, not at
@@ -21,6 +29,7 @@ copies, so the full size is fine for every backend.
 
 Run:  python benchmarks/bench_convert.py [--layers 8] [--width 4096] [--repeats 7]
                                          [--frameworks torch,keras,mlx,flax,equinox] [--no-memory]
+                                         [--pages warm|cold|as-is]
                                          [--keras-backend tensorflow|jax|torch]
 """
 from __future__ import annotations
@@ -237,6 +246,29 @@ def fresh_threaded_limit(weights, transposing: bool) -> Callable[[], object]:
     return run
 
 
+def fresh_threaded_torch_limit(weights, transposing: bool) -> Callable[[], object] | None:
+    """The other all-core candidate for transposing pairs: torch's ``copy_`` of ``W.t()`` into
+    ``torch.empty`` with torch's intra-op threads on every core (None for same-layout pairs)."""
+    if not transposing:
+        return None
+    import torch
+
+    with warnings.catch_warnings():  # read-only views of the source: only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        srcs = [torch.from_numpy(a) for pair in weights for a in pair]
+    cores = _cores()
+
+    def run():
+        before = torch.get_num_threads()
+        torch.set_num_threads(cores)
+        try:
+            return [torch.empty(t.t().shape if t.ndim == 2 else t.shape, dtype=t.dtype).copy_(
+                t.t() if t.ndim == 2 else t) for t in srcs]
+        finally:
+            torch.set_num_threads(before)
+    return run
+
+
 def plain_malloc_copy(weights) -> Callable[[], object]:
     """A copy into plain malloc'ed memory WITHOUT huge pages: what ``mx.array`` gets (MLX's
     allocator does not ask for them, and a library cannot make it)."""
@@ -307,9 +339,51 @@ def naive_port(source, src: str, dst: str, layers: int, width: int) -> Callable[
 
 
 # ------------------------------------------------------------------ timing
+#: What new memory costs in each sample (--pages): see ``settle_pages``.
+PAGES = {"mode": "warm", "bytes": 0}
+_REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
+
+
+def _reported_kib() -> int | None:
+    try:
+        with open(_REPORTED) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def settle_pages() -> None:
+    """Put the kernel's free memory in the same state before every sample of every variant.
+
+    This Firecracker VM reports freed 2 MiB blocks to its host (virtio-balloon free page
+    reporting, ``/sys/module/page_reporting``); a reported page costs a host fault when it is
+    used again, a 5-10x slower first touch (fresh np.copy of 537 MB: 9.5 GB/s right after a free,
+    0.8-1.4 GB/s 3 s later). Which variant meets which pages was chance; now:
+
+    - warm: just before the sample, touch and free 1.5x the output's bytes, so the pages it gets
+      are ones the guest just freed (a long-running process that has just freed memory);
+    - cold: wait until the host has taken back what was freed (``reported_kib`` still for 1 s,
+      at least 3 s): a process whose free memory has gone back to the host;
+    - as-is: neither (the state left by the previous sample).
+    """
+    if PAGES["mode"] == "warm":
+        scratch = np.empty(int(PAGES["bytes"] * 1.5), np.uint8)
+        scratch[::4096] = 1
+        del scratch
+    elif PAGES["mode"] == "cold":
+        time.sleep(2.0)
+        last, still = _reported_kib(), 0.0
+        while still < 1.0:
+            time.sleep(0.25)
+            now = _reported_kib()
+            still = still + 0.25 if now == last else 0.0
+            last = now
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds for one call; the result is dropped (and garbage collected) outside the timing."""
     gc.collect()
+    settle_pages()
     start = time.perf_counter()
     out = fn()
     elapsed = time.perf_counter() - start
@@ -329,6 +403,8 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
         **fresh_limits(weights, transposing=not same),
         "fresh:all cores": fresh_threaded_limit(weights, transposing=not same),
     }
+    if not same:
+        fns["fresh:all cores torch"] = fresh_threaded_torch_limit(weights, transposing=True)
     if dst == "mlx":
         fns["malloc"] = plain_malloc_copy(weights)
     for fn in fns.values():  # warm-up: imports, lazy tracing, first-touch of preallocated memory
@@ -339,10 +415,13 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
             samples[k].append(timed(fn))
     nbytes = param_bytes(layers, width)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items()}
-    singles = {k: v for k, v in gbps.items() if k.startswith("fresh:") and k != "fresh:all cores"}
+    singles = {k: v for k, v in gbps.items() if k.startswith("fresh:") and not k.startswith("fresh:all cores")}
     best = max(singles, key=singles.get)
-    gbps["fresh1"], gbps["fresh_all"] = singles[best], gbps["fresh:all cores"]
+    alls = {k: v for k, v in gbps.items() if k.startswith("fresh:all cores")}
+    best_all = max(alls, key=alls.get)
+    gbps["fresh1"], gbps["fresh_all"] = singles[best], alls[best_all]
     return {"pair": f"{src} -> {dst}", "src": src, "dst": dst, "best_single": best[len("fresh:"):],
+            "best_all": "torch copy_" if best_all.endswith("torch") else "dense_bridge kernels",
             "limit_kind": "memcpy" if same else "transposing copy", "gbps": gbps}
 
 
@@ -394,29 +473,6 @@ def _plain_native_copy(src, perm=None, *, check_finite=False):
     return out, int(out.size - np.count_nonzero(np.isfinite(out)))
 
 
-def _threaded_native_copy(src, perm=None, *, check_finite=False):
-    """native_copy with the cache-blocked transpose split over every core (column strips on a
-    thread pool; numpy releases the GIL while copying), the check fused per strip: the removed
-    threading, rebuilt here so each run shows whether it would pay."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dense_bridge import _transfer
-
-    src = np.asarray(src)
-    view = src if perm is None else src.transpose(tuple(perm))
-    if view.ndim != 2 or view.nbytes < _transfer._SMALL or view.flags.c_contiguous \
-            or not view.T.flags.c_contiguous:
-        return _transfer._plain_copy_for_bench(src, perm, check_finite)
-    out = _transfer.empty(view.shape, view.dtype)
-    swapped = view.T
-    cores = _cores()
-    step = -(-swapped.shape[1] // (cores * _transfer._COLS)) * _transfer._COLS
-    with ThreadPoolExecutor(cores) as pool:
-        counts = pool.map(lambda j: _transfer.blocked_transpose(out[j:j + step], swapped[:, j:j + step],
-                                                                 check_finite), range(0, swapped.shape[1], step))
-        return out, sum(counts)
-
-
 _BASELINE = {}
 
 
@@ -442,14 +498,11 @@ def _variant(name: str):
     @contextlib.contextmanager
     def patched():
         saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose")}
-        _transfer._plain_copy_for_bench = lambda src, perm, check: saved["native_copy"](src, perm, check_finite=check)
         saved_params_copy = params_mod.native_copy
         try:
             copy = None
             if name == "plain copy (np.copyto + np.isfinite)":
                 copy = _plain_native_copy
-            elif name == "all cores (threaded transpose)":
-                copy = _threaded_native_copy
             elif name == "no cache-blocked transpose":
                 def strided(out, swapped, check):
                     np.copyto(_transfer._raw(out), _transfer._raw(swapped.swapaxes(-1, -2)))
@@ -473,7 +526,7 @@ def _variant(name: str):
     return patched
 
 
-VARIANTS = ("full", "all cores (threaded transpose)", "plain copy (np.copyto + np.isfinite)",
+VARIANTS = ("full", "plain copy (np.copyto + np.isfinite)",
             "no cache-blocked transpose", "check after copy (not fused)")
 
 
@@ -516,13 +569,13 @@ def row(r: dict, layer_bytes: int) -> list[str]:
     malloc = "-" if "malloc" not in g else f"{g['malloc']:.2f}"
     vs_malloc = "-" if "malloc" not in g else f"**{g['convert'] / g['malloc']:.2f}**"
     return [r["pair"], f"{g['convert']:.2f}", f"{g['fresh1']:.2f} ({r['best_single']})",
-            f"{g['convert'] / g['fresh1']:.2f}", f"{g['fresh_all']:.2f}", f"**{g['convert'] / g['fresh_all']:.2f}**",
+            f"{g['convert'] / g['fresh1']:.2f}", f"{g['fresh_all']:.2f} ({r['best_all']})", f"**{g['convert'] / g['fresh_all']:.2f}**",
             malloc, vs_malloc, f"{g['naive']:.2f}", f"**{g['convert'] / g['naive']:.2f}x**",
             f"{g['limit']:.2f}", extra]
 
 
 HEADER = ["pair", "convert GB/s", "1-thread limit GB/s (fastest copy)", "convert / 1-thread",
-          "all-core limit GB/s", "convert / all-core (>= 0.8)", "plain malloc copy GB/s",
+          "all-core limit GB/s (fastest copy)", "convert / all-core (>= 0.8)", "plain malloc copy GB/s",
           "convert / malloc (>= 0.9)", "naive GB/s", "convert / naive (>= 1.0)", "prealloc copy GB/s", "peak extra"]
 
 
@@ -560,6 +613,9 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline-rev", default=None,
                         help="with --ablation: also time native_copy from dense_bridge/_transfer.py at this git "
                              "revision (e.g. 9aaefc2, before issue 11), in the same run")
+    parser.add_argument("--pages", choices=("warm", "cold", "as-is"), default="warm",
+                        help="state of free memory before every sample (see settle_pages): warm = just freed by this "
+                             "process, cold = already returned to the VM's host, as-is = whatever the last sample left")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
                         help="Keras on this engine (the run is repeated in a subprocess with KERAS_BACKEND set); "
@@ -584,6 +640,7 @@ def main(argv=None) -> int:
     if args.pairs:
         wanted = {tuple(p.split("-")) for p in args.pairs.split(",")}
         pairs = [p for p in pairs if p in wanted]
+    PAGES["mode"], PAGES["bytes"] = args.pages, param_bytes(args.layers, args.width)
     load_before = os.getloadavg()
     if args.ablation:
         sources = {src: build(src, args.layers, args.width) for src in {s for s, _ in pairs}}
@@ -625,21 +682,25 @@ def main(argv=None) -> int:
         f"Command: `{command.strip()}`", "",
         f"Machine: {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
         "(a shared machine: compare the ratios, measured side by side, rather than absolute GB/s). "
-        "Fresh memory is noisy here: this Firecracker VM reports free pages to its host, so a new page may "
-        "cost a host fault on top of the kernel's zero-fill.", "",
+        f"Free memory before every sample: **{args.pages}** (`--pages`): this Firecracker VM hands freed pages "
+        "back to its host (virtio-balloon free page reporting), and a page it has taken back costs 5-10x more "
+        "to touch again; warm = each sample first touches and frees 1.5x the output's bytes, so every variant "
+        "meets pages the guest has just freed; cold = each sample waits until the host has taken them back.", "",
         text, "",
         "- 1-thread limit: the fastest way measured, in the same run, to make the same bytes in the target's "
         "layout in NEW memory on one thread (same layout: np.copy; transposing: the best of torch "
         "`torch.empty().copy_(W.t())`, `np.ascontiguousarray(W.T)` and dense_bridge's cache-blocked transpose).",
-        "- all-core limit: the same into new memory on every core with dense_bridge's kernels (column strips of "
-        "the blocked transpose, flat chunks of a copy): the yardstick of the issue (target convert >= 0.8 of it).",
+        "- all-core limit: the same into new memory on every core, the faster of dense_bridge's kernels (column "
+        "strips of the blocked transpose, flat chunks of a copy) and, for transposing pairs, torch's `copy_` with "
+        "its intra-op threads: the yardstick of the issue (target convert >= 0.8 of it).",
         "- plain malloc copy (into MLX only): np.copy with numpy's huge-page advice off, i.e. what `mx.array` "
         "gets from MLX's allocator (target >= 0.9).",
         "- prealloc copy: the pair's copy into memory allocated and touched before timing (no page faults): not "
         "a limit for a conversion, which must create its output; shown for scale.",
         "- convert: source views are zero-copy; each layer is copied once, in the target's layout, into fresh "
-        "64-byte aligned buffers (cache-blocked transpose, row strips on every core for 8 MiB and more) with the NaN/Inf check fused into the copy, then adopted by the "
-        "target (torch.from_numpy, TF DLPack); MLX copies with mx.array.",
+        "64-byte aligned buffers (cache-blocked transpose in 16-row tiles, row strips on every core for 8 MiB and "
+        "more) with the NaN/Inf check fused into the copy, then adopted by the target (torch.from_numpy, TF "
+        "DLPack); MLX copies with mx.array while a background thread scans the source for NaN/Inf.",
         "- naive: a hand-written port into an already built model (`set_weights([w.T, b])`, `load_weights`, "
         "`lin.weight.data = torch.tensor(k.T)`, `load_state_dict`).",
         f"- peak extra: RSS high-water mark during convert beyond RSS before it and the output's {mb:.0f} MB "

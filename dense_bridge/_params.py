@@ -8,6 +8,8 @@ Arrays carry the layer's dtype; bfloat16 is ``ml_dtypes.bfloat16``.
 from __future__ import annotations
 
 import numbers
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -23,6 +25,11 @@ from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 __all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtype", "array_to_numpy",
            "fill_lazy_from_params", "expected_params", "check_seed"]
+
+
+#: Arrays from this size are scanned for NaN/Inf on a background thread by ParamSource.for_layer
+#: (below it a thread hand-over costs more than the scan: ~20 us vs 4 MiB at ~10 GB/s).
+_SCAN_AHEAD_BYTES = 4 << 20
 
 
 def layer_dtype(layer) -> str:
@@ -99,11 +106,18 @@ class ParamSource:
     what it hands out, and :meth:`finish` raises for those and scans whatever no adapter asked
     for. The error is the one :func:`validate_params` raises, listing every offender. Only for
     targets that are new objects (compile, convert): a half-built one is simply dropped.
+
+    :meth:`for_layer`'s scans of arrays of :data:`_SCAN_AHEAD_BYTES` and more run on one
+    background thread while the adapter copies the same arrays into its framework (``mx.array``,
+    ``jnp.asarray``: single-threaded copies into fresh pages, which leave a core idle); numpy
+    releases the GIL inside the scan. Measured on torch -> MLX, 8 x 4096^2: the scan was 9% of
+    the conversion's time on the calling thread.
     """
 
     _unchecked: frozenset | set = frozenset()  # given keys not yet known to be free of NaN/Inf
-    _pending: Mapping = MappingProxyType({})  # key -> its NaN/Inf count (for_layer's scans)
+    _pending: Mapping = MappingProxyType({})  # key -> its NaN/Inf count, or a Future of it (for_layer)
     _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
+    _scanner = None  # the ThreadPoolExecutor of for_layer's background scans, made on first use
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
                  defer_finite_check: bool = False, allow_nonfinite: bool = False,
@@ -153,12 +167,26 @@ class ParamSource:
         if self.params is None:
             return initial_layer_params(layer, self.seed, index)
         out = self._given(index, layer)
+        if self._scanner is None:
+            self._scan_ahead()
         prefix = self._prefix(index)
         for key in out:
             if prefix + key in self._unchecked and prefix + key not in self._pending:
                 # finish() gives the verdict, with every offender named at once
                 self._pending[prefix + key] = count_nonfinite(out[key])
         return out
+
+    def _scan_ahead(self) -> None:
+        """Queue the NaN/Inf scans of every unchecked array of :data:`_SCAN_AHEAD_BYTES` or more on
+        one background thread, in layer order (see the class docstring); their counts become
+        Futures in ``_pending``. All at once: the thread then needs the GIL only between arrays."""
+        big = [k for k in expected_params(self.spec) if k in self._unchecked and k not in self._pending
+               and np.asarray(self.params[k]).nbytes >= _SCAN_AHEAD_BYTES]
+        self._scanner = scanner = ThreadPoolExecutor(1, thread_name_prefix="dense_bridge-scan")
+        # a compile that fails half-way never reaches finish(): the thread goes with the source
+        weakref.finalize(self, scanner.shutdown, wait=False, cancel_futures=True)
+        for key in big:
+            self._pending[key] = scanner.submit(count_nonfinite, self.params[key])
 
     def native_layer(self, index: int, layer, perms: Mapping[str, tuple[int, ...]] | None = None
                      ) -> dict[str, np.ndarray]:
@@ -188,9 +216,18 @@ class ParamSource:
     def finish(self) -> None:
         """Collect the scans under way and scan the given params no adapter asked for; raise
         if any holds NaN or Inf."""
+        try:
+            self._collect()
+        finally:
+            if self._scanner is not None:
+                self._scanner.shutdown(wait=False, cancel_futures=True)
+
+    def _collect(self) -> None:
         if not self._unchecked:
             return
         for key, count in self._pending.items():
+            if isinstance(count, Future):
+                count = count.result()
             if count == 0:
                 self._unchecked.discard(key)
         self._pending = {}

@@ -80,6 +80,30 @@ def test_overflowing_sums_are_not_mistaken_for_infinities():
     assert _transfer.count_nonfinite(src) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_byte_floats_are_checked_by_their_bits(monkeypatch, dtype):
+    # the largest finite values, subnormals and signed zeros are finite; every NaN payload and
+    # both infinities are not; strided views and chunk borders count alike
+    monkeypatch.setattr(_transfer, "_BITS_CHUNK", 1000)
+    src = _array((300, 70), dtype)
+    import ml_dtypes
+
+    limits = ml_dtypes.finfo(src.dtype)  # numpy's finfo knows no bfloat16
+    src[0, :3] = [limits.max, -limits.max, -0.0]
+    src[1, 0] = limits.smallest_subnormal
+    assert _transfer.count_nonfinite(src) == 0
+    bits = src.view(np.uint16)
+    exponent = {"float16": 0x7C00, "bfloat16": 0x7F80}[dtype]
+    spots = [(2, 1), (14, 69), (15, 0), (299, 68)]  # 14/15: either side of a 1000-element chunk
+    for (r, c), pattern in zip(spots, [exponent, exponent | 0x8000, exponent | 1, exponent | 0x8003]):
+        bits[r, c] = pattern  # +Inf, -Inf, a NaN, a negative NaN with a payload
+    assert _transfer.count_nonfinite(src) == len(spots)
+    assert _transfer.count_nonfinite(src[:, ::2]) == 2  # even columns: (15, 0) and (299, 68)
+    assert _transfer.count_nonfinite(src.T) == len(spots)
+    assert _transfer.count_nonfinite(src[2, 1]) == 1  # a 0-d view
+    assert _transfer.native_copy(src.T, check_finite=True)[1] == len(spots)
+
+
 def test_integer_and_bool_arrays_have_no_nonfinite_values():
     assert _transfer.count_nonfinite(np.ones((BIG, BIG), np.int32)) == 0
     assert _transfer.native_copy(np.ones((4, 4), bool), check_finite=True)[1] == 0
@@ -124,6 +148,26 @@ def test_finish_scans_what_no_adapter_asked_for():
     source.native_layer(0, source.spec.layers[0])  # finite: no error
     with pytest.raises(db.ConversionError, match=r"1\.bias: 1 NaN or Inf"):
         source.finish()
+
+
+def test_big_arrays_are_scanned_on_a_background_thread_for_adapters_that_copy_themselves(monkeypatch):
+    # MLX, Flax and Equinox copy with their own framework (for_layer): the scans of big arrays
+    # run beside those copies and finish() still names every offender, in key order
+    from dense_bridge import _params
+
+    monkeypatch.setattr(_params, "_SCAN_AHEAD_BYTES", 64)  # 0.kernel (120 B) and 1.kernel (72 B)
+    params = _params_with_nan()
+    params["1.kernel"][0, 0] = -np.inf
+    source = ParamSource(_spec(), params=params, defer_finite_check=True)
+    for i, layer in enumerate(source.spec.layers):
+        source.for_layer(i, layer)
+    assert isinstance(source._pending["0.kernel"], _params.Future)  # scanned on the thread
+    assert not isinstance(source._pending["1.bias"], _params.Future)  # small: scanned inline
+    with pytest.raises(db.ConversionError) as info:
+        source.finish()
+    message = str(info.value)
+    assert message.index("0.kernel: 1 NaN") < message.index("1.kernel: 1 NaN") < message.index("1.bias: 1 NaN")
+    assert source._scanner._shutdown
 
 
 def test_masks_and_cast_values_are_still_checked_up_front():
