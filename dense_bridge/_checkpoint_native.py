@@ -397,6 +397,18 @@ def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def planned_file_tensors(plan, spec) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """File tensor name -> (shape in the file, dtype name) for an adapter's ``plan``
+    ({canonical name: (file tensor name, axes)}, canonical = file tensor.transpose(axes));
+    None when there is no plan or it does not cover exactly ``spec``'s parameters."""
+    shapes = canonical_shapes(spec)
+    if plan is None or set(plan) != set(shapes):
+        return None
+    # canonical.shape[i] = native.shape[axes[i]], so native.shape[j] = canonical.shape[argsort(axes)[j]]
+    return {name: (tuple(shapes[c][0][a] for a in np.argsort(axes)), shapes[c][1])
+            for c, (name, axes) in plan.items()}
+
+
 def structure_twin(spec):
     """``spec`` with every width 1 (units, in_features, Bilinear inputs; a mask becomes [[1]]):
     the same layers, classes, activations, biases and dtypes, hence the same names in any

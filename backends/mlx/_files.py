@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dense_bridge._checkpoint_native import FileViews, canonical_shapes
+from dense_bridge._checkpoint_native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
@@ -84,12 +84,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     if not files:
         return None
     plan = _plan(twin)
-    if plan is None:
+    expected = planned_file_tensors(plan, spec)
+    if expected is None:
         return None
-    shapes = canonical_shapes(spec)
-    if set(shapes) != set(plan):
-        return None
-    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
     got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
     check(got, expected)
     where = {n: f for f in files for n in f.tensors}
@@ -187,13 +184,10 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     if kind != "safetensors":
         return None
     plan = _plan(twin)
-    shapes = canonical_shapes(spec)
-    if plan is None or set(plan) != set(shapes):
+    tensors = planned_file_tensors(plan, spec)
+    if tensors is None:
         return None
-    native = {}
-    for c, (name, axes) in plan.items():
-        shape, dtype = shapes[c]
-        native[name] = PendingTensor(np.dtype(numpy_dtype(dtype)), tuple(shape[a] for a in np.argsort(axes)), None)
+    native = {name: PendingTensor(np.dtype(numpy_dtype(dtype)), shape, None) for name, (shape, dtype) in tensors.items()}
     _refuse_float64(path, {k: t.dtype for k, t in native.items()})
     offsets = write_header(temp, native, {"format": "mlx", **(metadata or {})})
     return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})

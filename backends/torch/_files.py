@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from dense_bridge._checkpoint_native import FileViews, canonical_shapes
+from dense_bridge._checkpoint_native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
@@ -114,12 +114,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     if container not in ("torch-zip", "safetensors", "safetensors-index"):
         return None
     plan = _plan(twin)
-    if plan is None:
+    expected = planned_file_tensors(plan, spec)
+    if expected is None:
         return None
-    shapes = canonical_shapes(spec)
-    if set(shapes) != set(plan):
-        return None
-    expected = {name: (tuple(shapes[c][0][a] for a in axes), shapes[c][1]) for c, (name, axes) in plan.items()}
     if files:
         got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
         check(got, expected)
@@ -198,24 +195,19 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     from dense_bridge._safetensors import write_header
 
     plan = _plan(twin)
-    shapes = canonical_shapes(spec)
-    if kind not in ("torch-pickle", "safetensors") or plan is None or set(plan) != set(shapes):
+    tensors = planned_file_tensors(plan, spec)
+    if kind not in ("torch-pickle", "safetensors") or tensors is None:
         return None
     if kind == "safetensors":
-        native = {}
-        for c, (name, axes) in plan.items():
-            shape, dtype = shapes[c]
-            native[name] = PendingTensor(np.dtype(numpy_dtype(dtype)), tuple(shape[a] for a in np.argsort(axes)), None)
+        native = {name: PendingTensor(np.dtype(numpy_dtype(dtype)), shape, None) for name, (shape, dtype) in tensors.items()}
         offsets = write_header(temp, native, {"format": "pt", **(metadata or {})})
         return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})
     canonical_of = {name: c for c, (name, _) in plan.items()}
     state = twin.state_dict()
     for name in state:
-        c = canonical_of[name]
-        shape, dtype = shapes[c]
-        native = tuple(shape[a] for a in np.argsort(plan[c][1]))
+        shape, dtype = tensors[name]
         # never written nor read (skip_data), so never touched: address space, not resident memory
-        state[name] = torch.empty(native, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
+        state[name] = torch.empty(shape, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
     with torch.serialization.skip_data():
         torch.save(state, temp)
     reader = torch._C.PyTorchFileReader(temp)
