@@ -47,6 +47,13 @@ _COLS = 2048  # source columns per transposed tile
 _CHECK_BYTES = 1 << 20  # source bytes per NaN/Inf scan inside a transpose (read back from L2)
 _SMALL = 1 << 20  # bytes: below this numpy's strided copy is as fast as blocking
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Largest row (elements after the first axis) summed into an accumulator row by count_nonfinite,
+#: and the largest array (cache-resident blocks) it does so for.
+_ROW_SUM_MAX = 1 << 16
+_ROW_SUM_BYTES = 4 << 20
+#: Exponent bits of the 2-byte floats: all set means Inf or NaN.
+_EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+_BITS_CHUNK = 1 << 20  # elements per scratch buffer of the bit test (2 MiB)
 
 
 def _tile_rows(itemsize: int) -> int:
@@ -107,15 +114,6 @@ def count_nonfinite(value: np.ndarray) -> int:
         if np.isfinite(total):
             return 0
         return int(value.size - np.count_nonzero(np.isfinite(value.astype(acc, copy=False))))
-
-
-#: Largest row (elements after the first axis) summed into an accumulator row by count_nonfinite.
-_ROW_SUM_MAX = 1 << 16
-_ROW_SUM_BYTES = 4 << 20  # and arrays up to this size (cache-resident blocks)
-
-#: Exponent bits of the 2-byte floats: all set means Inf or NaN.
-_EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80}
-_BITS_CHUNK = 1 << 20  # elements per scratch buffer of the bit test (2 MiB)
 
 
 def _count_nonfinite_bits(value: np.ndarray) -> int:
