@@ -75,7 +75,8 @@ _GAP_REASONS = {
     "flax": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_CHECK}",
     "equinox": f"JAX makes every array itself (jnp.asarray copies a numpy buffer into XLA's own allocation); {_CHECK}",
     "keras": f"{_CHECK}; building the Keras layers and TF variables (which adopt the buffers through DLPack) "
-             "costs another ~30 ms for 8 layers",
+             "takes the 'target's own work' column of the table above, about what plain keras.layers.Dense "
+             "built around adopted buffers costs ('native build')",
 }
 
 
@@ -408,6 +409,12 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
         fns["fresh:all cores torch"] = fresh_threaded_torch_limit(weights, transposing=True)
     if dst == "mlx":
         fns["malloc"] = plain_malloc_copy(weights)
+    # where convert's time goes (timed round-robin with the rest): the same convert without the
+    # NaN/Inf scan, and (targets that adopt dense_bridge's buffers) with no copy at all
+    fns["convert, no scan"] = _decomposed(lambda: db.convert(source, to=dst), "no scan")
+    if dst in _ADOPTS_BUFFERS:
+        fns["convert, no copy"] = _decomposed(lambda: db.convert(source, to=dst), "no copy")
+        fns["native build"] = native_build(dst, layers, width)
     for fn in fns.values():  # warm-up: imports, lazy tracing, first-touch of preallocated memory
         timed(fn)
     samples: dict[str, list[float]] = {k: [] for k in fns}
@@ -421,9 +428,87 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
     alls = {k: v for k, v in gbps.items() if k.startswith("fresh:all cores")}
     best_all = max(alls, key=alls.get)
     gbps["fresh1"], gbps["fresh_all"] = singles[best], alls[best_all]
+    ms = {k: statistics.median(samples[k]) * 1e3
+          for k in ("convert", "convert, no scan", "convert, no copy", "native build") if k in samples}
+    ms["all-core limit"] = nbytes / gbps["fresh_all"] / 1e6
     return {"pair": f"{src} -> {dst}", "src": src, "dst": dst, "best_single": best[len("fresh:"):],
             "best_all": "torch copy_" if best_all.endswith("torch") else "dense_bridge kernels",
-            "limit_kind": "memcpy" if same else "transposing copy", "gbps": gbps}
+            "limit_kind": "memcpy" if same else "transposing copy", "gbps": gbps, "ms": ms}
+
+
+#: Targets that adopt the buffers dense_bridge fills (torch.from_numpy, TF DLPack): for them a
+#: convert with the copies replaced by unfilled buffers times everything but the copy.
+_ADOPTS_BUFFERS = ("torch", "keras")
+
+
+def native_build(framework: str, layers: int, width: int) -> Callable[[], object]:
+    """The target framework's own floor: its plain Dense model built, with the framework's usual
+    calls, around unfilled 64-byte aligned buffers it adopts without a copy (Keras: Dense layers
+    whose initializers return the DLPack-imported buffer, then Sequential; torch: nn.Linear
+    made on the meta device, given Parameters over torch.from_numpy)."""
+    from dense_bridge import _transfer
+
+    def buffers():
+        return [(_transfer.empty((width, width), np.float32), _transfer.empty((width,), np.float32))
+                for _ in range(layers)]
+    if framework == "torch":
+        import torch
+
+        def run():
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width, device="meta") for _ in range(layers)])
+            for m, (w, b) in zip(model, buffers()):
+                m.weight = torch.nn.Parameter(torch.from_numpy(w))
+                m.bias = torch.nn.Parameter(torch.from_numpy(b))
+            return model
+        return run
+    import keras
+
+    class Adopt(keras.initializers.Initializer):
+        def __init__(self, array):
+            self.array = array
+
+        def __call__(self, shape, dtype=None):
+            if keras.backend.backend() != "tensorflow":  # JAX/torch engines: their usual import
+                return keras.ops.convert_to_tensor(self.array)
+            import tensorflow as tf
+
+            return tf.experimental.dlpack.from_dlpack(self.array.__dlpack__())
+
+    def run():
+        dense = [keras.layers.Dense(width, kernel_initializer=Adopt(w), bias_initializer=Adopt(b))
+                 for w, b in buffers()]
+        for layer in dense:
+            layer.build((None, width))
+        return keras.Sequential([keras.Input((width,))] + dense)
+    return run
+
+
+def _decomposed(convert: Callable[[], object], without: str) -> Callable[[], object]:
+    """``convert`` with one part of its work taken out, to see what that part costs:
+
+    - "no scan": every NaN/Inf count returns 0 without reading (the fused scan in the transposes,
+      the background scans of the MLX/JAX targets);
+    - "no copy": ParamSource hands out unfilled 64-byte aligned buffers instead of copies, so
+      what is left is planning, the target's own layer and variable creation and the adoption.
+    """
+    from dense_bridge import _params as params_mod
+    from dense_bridge import _transfer
+
+    def no_copy(src, perm=None, *, check_finite=False):
+        shape = np.shape(src) if perm is None else tuple(np.shape(src)[p] for p in perm)
+        return _transfer.empty(shape, np.asarray(src).dtype), 0
+
+    def run():
+        saved = _transfer.count_nonfinite, params_mod.count_nonfinite, params_mod.native_copy
+        if without == "no scan":
+            _transfer.count_nonfinite = params_mod.count_nonfinite = lambda value: 0
+        else:
+            params_mod.native_copy = no_copy
+        try:
+            return convert()
+        finally:
+            _transfer.count_nonfinite, params_mod.count_nonfinite, params_mod.native_copy = saved
+    return run
 
 
 # ------------------------------------------------------------------ peak memory (child process)
@@ -580,6 +665,23 @@ HEADER = ["pair", "convert GB/s", "1-thread limit GB/s (fastest copy)", "convert
           "convert / malloc (>= 0.9)", "naive GB/s", "convert / naive (>= 1.0)", "prealloc copy GB/s", "peak extra"]
 
 
+DECOMPOSITION_HEADER = ["pair", "convert ms", "all-core limit ms", "NaN/Inf scan ms (convert - convert without it)",
+                        "target's own work ms (convert with unfilled buffers)", "native build ms (floor)",
+                        "copy ms (the rest)", "copy / all-core limit"]
+
+
+def decomposition_row(r: dict) -> list[str]:
+    """Where one pair's convert time goes, from variants timed in the same round-robin."""
+    ms = r["ms"]
+    scan = ms["convert"] - ms["convert, no scan"]
+    if "convert, no copy" not in ms:  # the target copies with its own framework: no split
+        return [r["pair"], f"{ms['convert']:.0f}", f"{ms['all-core limit']:.0f}", f"{scan:.0f}", "-", "-", "-", "-"]
+    own = ms["convert, no copy"]
+    copy = ms["convert"] - scan - own
+    return [r["pair"], f"{ms['convert']:.0f}", f"{ms['all-core limit']:.0f}", f"{scan:.0f}", f"{own:.0f}",
+            f"{ms['native build']:.0f}", f"{copy:.0f}", f"{ms['all-core limit'] / copy:.2f}"]
+
+
 def gaps(results: list[dict]) -> list[str]:
     """A line per pair under a target: convert >= 0.8 of the all-core fresh-memory limit and >=
     1.0x naive; into MLX >= 0.9 of the plain malloc copy."""
@@ -706,6 +808,16 @@ def main(argv=None) -> int:
         "`lin.weight.data = torch.tensor(k.T)`, `load_state_dict`).",
         f"- peak extra: RSS high-water mark during convert beyond RSS before it and the output's {mb:.0f} MB "
         f"(fresh process per pair); layers' worth = / {layer_bytes / 1e6:.0f} MB.", "",
+    ]
+    report += [
+        "## Where convert's time goes", "",
+        "Medians of the same round-robin as the table above: convert, convert with every NaN/Inf count "
+        "returning 0 unread, and (torch and Keras targets, which adopt dense_bridge's buffers) convert with "
+        "the copies replaced by unfilled aligned buffers: planning plus the target framework's own layer "
+        "and variable creation. Native build: the framework's own plain Dense model made around unfilled "
+        "buffers it adopts (`native_build`), the floor of that work. Into MLX, Flax and Equinox the framework makes the copy itself, so there "
+        "is no split.", "",
+        table([decomposition_row(r) for r in results], DECOMPOSITION_HEADER), "",
     ]
     below = gaps(results)
     if below:
