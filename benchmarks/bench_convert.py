@@ -431,6 +431,10 @@ def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: i
     ms = {k: statistics.median(samples[k]) * 1e3
           for k in ("convert", "convert, no scan", "convert, no copy", "native build") if k in samples}
     ms["all-core limit"] = nbytes / gbps["fresh_all"] / 1e6
+    # the scan's cost as the median of per-round differences: both variants ran back to back in
+    # each round, so the machine's drift between rounds cancels (a difference of medians here
+    # came out negative on this VM)
+    ms["scan"] = statistics.median(c - n for c, n in zip(samples["convert"], samples["convert, no scan"])) * 1e3
     return {"pair": f"{src} -> {dst}", "src": src, "dst": dst, "best_single": best[len("fresh:"):],
             "best_all": "torch copy_" if best_all.endswith("torch") else "dense_bridge kernels",
             "limit_kind": "memcpy" if same else "transposing copy", "gbps": gbps, "ms": ms}
@@ -665,7 +669,7 @@ HEADER = ["pair", "convert GB/s", "1-thread limit GB/s (fastest copy)", "convert
           "convert / malloc (>= 0.9)", "naive GB/s", "convert / naive (>= 1.0)", "prealloc copy GB/s", "peak extra"]
 
 
-DECOMPOSITION_HEADER = ["pair", "convert ms", "all-core limit ms", "NaN/Inf scan ms (convert - convert without it)",
+DECOMPOSITION_HEADER = ["pair", "convert ms", "all-core limit ms", "NaN/Inf scan ms (median of per-round convert - convert without it)",
                         "target's own work ms (convert with unfilled buffers)", "native build ms (floor)",
                         "copy ms (the rest)", "copy / all-core limit"]
 
@@ -673,7 +677,7 @@ DECOMPOSITION_HEADER = ["pair", "convert ms", "all-core limit ms", "NaN/Inf scan
 def decomposition_row(r: dict) -> list[str]:
     """Where one pair's convert time goes, from variants timed in the same round-robin."""
     ms = r["ms"]
-    scan = ms["convert"] - ms["convert, no scan"]
+    scan = ms["scan"]
     if "convert, no copy" not in ms:  # the target copies with its own framework: no split
         return [r["pair"], f"{ms['convert']:.0f}", f"{ms['all-core limit']:.0f}", f"{scan:.0f}", "-", "-", "-", "-"]
     own = ms["convert, no copy"]
