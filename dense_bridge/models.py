@@ -71,8 +71,8 @@ def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: s
     ``"out_in"`` (stored as (units, in_features), like ``nn.Linear``). The class must compute
     ``x @ kernel + bias`` over the last axis; only its exact class is matched (a subclass may
     change the forward). Declaring a class again replaces its declaration. Returns it.
-    Declarations are read by the torch and MLX adapters (their modules keep parameters as
-    attributes); Keras layers are read by class (Dense, EinsumDense by its equation).
+    Declarations are read by the torch, MLX and Keras adapters (a Keras layer's kernel and bias
+    attributes must be its variables, e.g. from ``add_weight``, and it must be built).
     """
     return register(cls, kernel=kernel, bias=bias, layout=layout)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
-from dense_bridge._layouts import Entry
+from dense_bridge._layouts import Entry, declared
 
 from ._arrays import assign_array, read_array
 
@@ -184,6 +184,8 @@ def _kind(layer) -> str:
     if t in (keras.layers.Dense, DenseBridgeDense, Bilinear):
         return "linear"
     if t is keras.layers.EinsumDense and not isinstance(einsum_plan(layer), str):
+        return "linear"
+    if declared(layer) is not None:  # db.register_layout: read through _to_spec.declared_variables
         return "linear"
     return "other"
 

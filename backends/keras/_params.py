@@ -16,7 +16,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import assign_array, read_array, to_tensor
 from ._models import einsum_params, set_einsum_params
-from ._to_spec import describe_layer, layer_kind, layers_of
+from ._to_spec import declared_variables, describe_layer, layer_kind, layers_of
 
 
 def layer_variables(layer) -> dict[str, Any]:
@@ -24,6 +24,9 @@ def layer_variables(layer) -> dict[str, Any]:
     kind = layer_kind(layer)
     if kind == "free":
         return {}
+    if kind == "declared":  # stored as declared: see declared_layout (transposed when "out_in")
+        kernel, bias, _ = declared_variables(layer)
+        return {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
     if not layer.built:
         raise SpecError(f"{describe_layer(layer)} has in_features=None (lazy) and no parameters yet: run one "
                         "input through it (or build it) first")
@@ -35,6 +38,12 @@ def layer_variables(layer) -> dict[str, Any]:
     return out
 
 
+def stored_transposed(layer) -> bool:
+    """Is this layer's kernel variable the canonical kernel transposed, (units, in_features)? Only a
+    layer declared with db.register_layout(..., layout="out_in") stores it so."""
+    return layer_kind(layer) == "declared" and declared_variables(layer)[2]
+
+
 def get_params(native) -> dict[str, np.ndarray]:
     """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
     layers, keyed = layers_of(native)
@@ -43,6 +52,8 @@ def get_params(native) -> dict[str, np.ndarray]:
         # an EinsumDense kernel is reshaped (a copy) to the canonical (in_features, units)
         read = einsum_params(layer) if layer_kind(layer) == "einsum" else \
             {k: read_array(v) for k, v in layer_variables(layer).items()}
+        if "kernel" in read and stored_transposed(layer):
+            read["kernel"] = read["kernel"].T  # a zero-copy view in the canonical (in_features, units)
         out.update({(f"{i}." if keyed else "") + k: v for k, v in read.items()})
     return out
 
@@ -66,7 +77,10 @@ def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
     if "mask" in params:
         assign_array(variables["mask"], params["mask"])
     if "kernel" in params or "mask" in params:
-        kernel = to_tensor(params["kernel"]) if "kernel" in params else variables["kernel"].value
+        given = params.get("kernel")
+        if given is not None and stored_transposed(layer):
+            given = np.ascontiguousarray(np.asarray(given).T)
+        kernel = to_tensor(given) if given is not None else variables["kernel"].value
         if "mask" in variables:  # stored masked weights are exactly 0, whatever was given
             kernel = keras.ops.multiply(kernel, variables["mask"].value)
         variables["kernel"].assign(kernel)

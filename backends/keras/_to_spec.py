@@ -16,7 +16,7 @@ import keras
 
 from dense_bridge._dtypes import DTYPE_NAMES
 from dense_bridge._errors import ConversionError, SpecError
-from dense_bridge._layouts import warn_dropout
+from dense_bridge._layouts import declared, warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 
@@ -108,7 +108,8 @@ def _spec_name(obj) -> str | None:
 
 
 def layer_kind(layer) -> str:
-    """"dense", "bilinear" or "free" (no parameters); ConversionError for anything else."""
+    """"dense", "einsum", "declared" (db.register_layout), "bilinear" or "free" (no parameters);
+    ConversionError for anything else."""
     t = type(layer)
     if t in (keras.layers.Dense, DenseBridgeDense):
         return "dense"
@@ -117,6 +118,9 @@ def layer_kind(layer) -> str:
     if t is keras.layers.EinsumDense:  # a linear map by its equation, or refused saying why
         plan_or_raise(layer)
         return "einsum"
+    if declared(layer) is not None:  # a custom layer declared with db.register_layout
+        declared_variables(layer)  # refused here, saying why, when the declaration does not fit
+        return "declared"
     if t is keras.layers.Flatten and layer.data_format == "channels_first":
         raise ConversionError(f"cannot convert {describe_layer(layer)}: Flatten(data_format='channels_first') moves the "
                               f"channels last before flattening; db.Flatten() flattens the axes in their order")
@@ -126,6 +130,24 @@ def layer_kind(layer) -> str:
     raise ConversionError(
         f"cannot convert {describe_layer(layer)}: dense_bridge reads Dense, EinsumDense (a linear map), Bilinear, "
         "Identity, Dropout, Flatten, Activation, ReLU, LeakyReLU, ELU and Softmax layers")
+
+
+def declared_variables(layer) -> tuple[object, object | None, bool]:
+    """(kernel variable, bias variable or None, stored transposed?) of a custom Keras layer declared
+    with db.register_layout; ConversionError when it is not built or the names do not fit."""
+    decl = declared(layer)
+    if not getattr(layer, "built", False):
+        raise SpecError(f"{describe_layer(layer)} is not built yet and has no parameters: run one input through it "
+                        f"(or build it) first")
+    kernel = getattr(layer, decl.kernel, None)
+    if not isinstance(kernel, keras.Variable) or len(kernel.shape) != 2:
+        raise ConversionError(f"cannot read {describe_layer(layer)}: its layout declaration names the kernel "
+                              f"attribute {decl.kernel!r}, which is {type(kernel).__name__}, not a 2-D Keras variable")
+    bias = getattr(layer, decl.bias, None) if decl.bias else None
+    if bias is not None and (not isinstance(bias, keras.Variable) or len(bias.shape) != 1):
+        raise ConversionError(f"cannot read {describe_layer(layer)}: its layout declaration names the bias "
+                              f"attribute {decl.bias!r}, which is {type(bias).__name__}, not a 1-D Keras variable")
+    return kernel, bias, decl.transposed
 
 
 def to_spec(native):
@@ -168,6 +190,11 @@ def _layer_spec(layer):
         return _dense_spec(layer)
     if kind == "einsum":
         return _einsum_spec(layer)
+    if kind == "declared":  # the declaration says: x @ kernel + bias, no activation
+        kernel, bias, transposed = declared_variables(layer)
+        units, in_features = kernel.shape if transposed else kernel.shape[::-1]
+        return Dense(int(units), in_features=int(in_features), use_bias=bias is not None,
+                     dtype=_dtype_of(layer), name=_spec_name(layer))
     if kind == "bilinear":
         return BilinearSpec(layer.in1_features, layer.in2_features, layer.units, use_bias=layer.use_bias,
                             init=init_of(layer.kernel_initializer, "torch_default"),

@@ -16,7 +16,7 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._engine import layer_vjp, to_numpy, to_tensor
 from ._models import einsum_call, einsum_canonical_grads
-from ._params import layer_variables
+from ._params import layer_variables, stored_transposed
 from ._to_spec import layer_kind, layers_of
 
 
@@ -45,6 +45,8 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         pgrads = {names[p]: to_numpy(d) for p, d in by_path.items() if p in names}
         if layer_kind(layer) == "einsum":
             pgrads = einsum_canonical_grads(layer, pgrads)
+        elif "kernel" in pgrads and stored_transposed(layer):
+            pgrads["kernel"] = pgrads["kernel"].T
         records[i] = LayerTrace(to_numpy(y), tuple(to_numpy(d) for d in dxs), pgrads)
         g = dxs[0]
     return Trace(records)
