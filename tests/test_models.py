@@ -300,6 +300,10 @@ def test_register_layout_for_a_keras_layer(layout):
             x = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
             report = db.testing.compare_models(model, twin, (x,), mapping={v: k for k, v in mapping.items()})
             assert report.passed, report
+        # a declaration that does not fit the layer is refused, naming the attribute
+        db.register_layout(cls, kernel="units", bias="b", layout=layout)
+        with pytest.raises(db.ConversionError, match="'units'.*int, not a 2-D Keras variable"):
+            db.get_params(layer)
     finally:
         from dense_bridge import _layouts
 
