@@ -304,6 +304,10 @@ def test_register_layout_for_a_keras_layer(layout):
         db.register_layout(cls, kernel="units", bias="b", layout=layout)
         with pytest.raises(db.ConversionError, match="'units'.*int, not a 2-D Keras variable"):
             db.get_params(layer)
+        # the wrong layout on a non-square kernel: the bias does not fit its units
+        db.register_layout(cls, kernel="w", bias="b", layout="in_out" if layout == "out_in" else "out_in")
+        with pytest.raises(db.ConversionError, match="bias 'b' has 3 entries"):
+            db.to_spec(layer)
     finally:
         from dense_bridge import _layouts
 

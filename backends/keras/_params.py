@@ -24,7 +24,7 @@ def layer_variables(layer) -> dict[str, Any]:
     kind = layer_kind(layer)
     if kind == "free":
         return {}
-    if kind == "declared":  # stored as declared: see declared_layout (transposed when "out_in")
+    if kind == "declared":  # as declared: get/set_params transpose when stored_transposed
         kernel, bias, _ = declared_variables(layer)
         return {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
     if not layer.built:

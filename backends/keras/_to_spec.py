@@ -147,6 +147,11 @@ def declared_variables(layer) -> tuple[object, object | None, bool]:
     if bias is not None and (not isinstance(bias, keras.Variable) or len(bias.shape) != 1):
         raise ConversionError(f"cannot read {describe_layer(layer)}: its layout declaration names the bias "
                               f"attribute {decl.bias!r}, which is {type(bias).__name__}, not a 1-D Keras variable")
+    units = kernel.shape[0] if decl.transposed else kernel.shape[1]
+    if bias is not None and bias.shape[0] != units:
+        raise ConversionError(f"cannot read {describe_layer(layer)}: its bias {decl.bias!r} has {bias.shape[0]} entries "
+                              f"but its kernel {decl.kernel!r} {tuple(kernel.shape)} stored {decl.layout!r} has "
+                              f"{units} units")
     return kernel, bias, decl.transposed
 
 
