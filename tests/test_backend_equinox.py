@@ -200,3 +200,17 @@ def test_capture_vmaps_the_model_and_compare_models_matches_a_torch_port():
     assert type(model.layers[0]) is eqx_backend.DenseLinear  # the classes are put back
     if "torch" in db.available_backends():
         assert db.testing.compare_models(model, db.convert(model, to="torch"), [x]).passed
+
+
+def test_capture_refuses_a_layer_called_inside_the_models_own_vmap():
+    class PerToken(eqx.Module):  # a sequence model that vmaps its projection over the tokens itself
+        proj: eqx.nn.Linear
+
+        def __call__(self, tokens):  # tokens (seq, 3) for one sample
+            return jax.vmap(self.proj)(tokens)
+
+    model = PerToken(eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0)))
+    x = np.zeros((4, 5, 3), np.float32)  # batch 4, sequence 5
+    with pytest.raises(db.ConversionError, match="inside the model's own jax.vmap"):
+        eqx_backend.capture(model, [x], {"proj": model.proj}, cotangent=np.ones)
+    assert type(model.proj) is eqx.nn.Linear  # the class is put back after the error
