@@ -214,3 +214,45 @@ def test_capture_refuses_a_layer_called_inside_the_models_own_vmap():
     with pytest.raises(db.ConversionError, match="inside the model's own jax.vmap"):
         eqx_backend.capture(model, [x], {"proj": model.proj}, cotangent=np.ones)
     assert type(model.proj) is eqx.nn.Linear  # the class is put back after the error
+
+
+def _npy_record(shape, descr="<f4", data=b""):
+    import io
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": shape})
+    return header.getvalue() + data
+
+
+@pytest.mark.parametrize("case, content, error", [
+    ("claims 60000^2 in 2 KB", _npy_record((60000, 60000), data=b"\0" * 2000), "claims .*14400000000 bytes.* 2000 bytes"),
+    ("object array", _npy_record((2,), descr="|O", data=b"\0" * 16), "Python objects"),
+    ("not npy", b"PK\x03\x04 not an eqx file at all", "cannot read"),
+    ("bad version", b"\x93NUMPY\x09\x00" + b"\0" * 64, "cannot read"),
+])
+def test_hostile_eqx_files_are_refused_from_their_headers_without_allocating(tmp_path, case, content, error):
+    import tracemalloc
+
+    path = tmp_path / "model.eqx"
+    path.write_bytes(content)
+    tracemalloc.start()
+    try:
+        with pytest.raises(db.CheckpointError, match=error):
+            eqx_backend.file_info(str(path), "eqx")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{case}: {peak} bytes allocated for a {len(content)}-byte file"
+
+
+def test_a_truncated_eqx_file_is_refused_naming_the_record(tmp_path):
+    model = db.compile(db.Sequential([db.Dense(4, in_features=3), db.Dense(2)]), "equinox", seed=0)
+    path = tmp_path / "model.eqx"
+    with open(path, "wb") as f:
+        eqx.tree_serialise_leaves(f, model)
+    assert eqx_backend.file_info(str(path), "eqx")[0]["leaf.2"] == ((2, 4), "float32")
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(db.CheckpointError, match="record 3 .* only 5 bytes are left"):
+        eqx_backend.file_info(str(path), "eqx")
+    with pytest.raises(db.CheckpointError, match="record 3"):
+        eqx_backend.read_file(str(path), "eqx", model, check=lambda got, expected: None)
