@@ -40,15 +40,22 @@ from ._pages import release_file_pages
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
            "write_native", "structure_twin", "canonical_shapes"]
 
-FORMATS = ("dense_bridge", "torch", "keras", "mlx")
+FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox")
 SPEC_KEY = "dense_bridge_spec"
 TORCH_EXTS = (".pt", ".pth", ".bin")
 LAYOUT_NOTES = {
     "torch": "torch layout: Linear weight (out_features, in_features), mask like the weight",
     "mlx": "MLX layout: Linear weight (out_features, in_features), Bilinear weight (out, in2, in1)",
     "keras": "Keras layout: Dense kernel (in_features, units) as layers/<name>/vars/0",
+    "flax": "Flax layout: nnx.Linear kernel (in_features, units) under nested names (layers.0.kernel)",
+    "equinox": "Equinox layout: unnamed records in the model's leaf order, Linear weight (out_features, "
+               "in_features), the mask as a bool record",
 }
-_KINDS = {"torch": "torch state dict", "keras": "Keras weights file", "mlx": "MLX weights file"}
+_KINDS = {"torch": "torch state dict", "keras": "Keras weights file", "mlx": "MLX weights file",
+          "flax": "Flax msgpack state file", "equinox": "Equinox leaves file (.eqx)"}
+_NAMES = {"torch": "torch", "keras": "Keras", "mlx": "MLX", "flax": "Flax", "equinox": "Equinox"}
+#: Containers only one framework writes (sniffed by the core: ``checkpoint._kind``)
+_OWN_CONTAINERS = {"msgpack": "flax", "eqx": "equinox"}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -115,6 +122,11 @@ def _framework_of(path: str, container: str, format: str | None, files) -> tuple
             return "mlx", "npz"
         raise CheckpointError(f"cannot read {path} (extension {ext}): a zip archive that is not a torch, Keras "
                               f"or .npz checkpoint (it holds {names[:5]})")
+    if container in _OWN_CONTAINERS:
+        framework = _OWN_CONTAINERS[container]
+        if format not in (None, framework):
+            raise CheckpointError(f"{path} is a {_KINDS[framework]}, which holds {framework} weights, not {format}")
+        return framework, container
     if container == "hdf5":
         return "keras", "h5"
     if container == "pickle":
@@ -133,7 +145,7 @@ class NativeCheckpoint:
         self.like = like
         self._info: tuple[dict, dict] | None = None
         self._template = None
-        name = {"torch": "torch", "keras": "Keras", "mlx": "MLX"}[framework]
+        name = _NAMES[framework]
         self.kind = {"keras-model": "Keras model file (.keras)", "npz": "MLX weights file (.npz)",
                      "safetensors": f"{name} safetensors file",
                      "safetensors-index": f"{name} sharded safetensors checkpoint"}.get(container, _KINDS[framework])
@@ -179,7 +191,8 @@ class NativeCheckpoint:
 
     def _need_spec(self) -> None:
         if self.spec is None:
-            what = {"torch": "a torch model", "keras": "a Keras model", "mlx": "an MLX model"}[self.framework]
+            name = _NAMES[self.framework]
+            what = f"{'an' if name[0] in 'AEIMO' else 'a'} {name} model"
             raise CheckpointError(
                 f"{self.path} ({self.kind}) holds parameters but not the model's structure (layer types, "
                 f"activations). Pass spec= (a dense_bridge spec) or like= ({what} of the same architecture) to "
@@ -479,13 +492,21 @@ def output_kind(backend: str, out: str) -> str:
         if lower.endswith(".npz"):
             return "npz"
         raise CheckpointError(f"cannot write {out}: MLX checkpoints end in .safetensors or .npz")
+    if backend == "flax":
+        if lower.endswith(".msgpack"):
+            return "msgpack"
+        raise CheckpointError(f"cannot write {out}: Flax state files end in .msgpack (flax.serialization)")
+    if backend == "equinox":
+        if lower.endswith(".eqx"):
+            return "eqx"
+        raise CheckpointError(f"cannot write {out}: Equinox files end in .eqx (eqx.tree_serialise_leaves)")
     raise CheckpointError(f"cannot write {out}: no native file format for backend {backend!r}")
 
 
 #: The suffix a temporary needs for the framework's writer to accept it (Keras insists on its
 #: extensions; ``mx.savez`` appends ".npz" to a name without it).
 TEMP_SUFFIX = {"torch-pickle": "", "safetensors": ".safetensors", "npz": ".npz",
-                "keras-weights": ".weights.h5", "keras-model": ".keras"}
+                "keras-weights": ".weights.h5", "keras-model": ".keras", "msgpack": ".msgpack", "eqx": ".eqx"}
 
 
 def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:

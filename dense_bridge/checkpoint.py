@@ -392,7 +392,8 @@ class _Changed(Exception):
 
 def _open_sniffed(path: str) -> tuple[str, int]:
     """(kind, open descriptor) of the file at ``path``, judged by content: "safetensors",
-    "index", "zip", "hdf5", "pickle". The caller owns the descriptor."""
+    "index", "zip", "hdf5", "eqx", "msgpack" (by content and extension), "pickle". The caller
+    owns the descriptor."""
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
                               "(model.safetensors, model.safetensors.index.json, model.pt, ...)")
@@ -425,13 +426,19 @@ def _kind(path: str, fd: int) -> str:
         return "zip"
     if head.startswith(b"\x89HDF\r\n\x1a\n"):
         return "hdf5"
+    ext = os.path.splitext(path)[1] or "(none)"
+    if head.startswith(b"\x93NUMPY"):  # .npy records one after another: eqx.tree_serialise_leaves
+        return "eqx"
+    # msgpack has no magic: a map (fixmap 0x81-0x8f, map16, map32) in a file named .msgpack; checked
+    # before pickle, whose protocol byte 0x80 a fixmap of zero entries would share
+    if ext.lower() == ".msgpack" and (0x81 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
+        return "msgpack"
     if head[:1] == b"\x80" or head.startswith(b"\x8a\x0a"):  # pickle protocol 2+ (torch's legacy format)
         return "pickle"
-    ext = os.path.splitext(path)[1] or "(none)"
     reason = f"its first bytes {head[:12]!r} match no supported format"
     raise CheckpointError(
         f"cannot read {path} (extension {ext}): {reason}. Supported: dense_bridge/torch/MLX .safetensors "
-        "(+ .index.json), torch .pt/.pth/.bin, Keras .weights.h5/.keras, MLX .npz")
+        "(+ .index.json), torch .pt/.pth/.bin, Keras .weights.h5/.keras, MLX .npz, Flax .msgpack, Equinox .eqx")
 
 
 def _read_all(path: str, fd: int) -> bytes:
@@ -748,7 +755,8 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     """A native model on ``backend`` from a checkpoint, or ``(spec, params)`` when backend is None.
 
     Reads canonical checkpoints (single or sharded), torch state dicts (.pt/.pth/.bin, read with
-    weights_only=True) and torch safetensors, Keras .weights.h5/.keras, MLX .safetensors/.npz.
+    weights_only=True) and torch safetensors, Keras .weights.h5/.keras, MLX .safetensors/.npz,
+    Flax .msgpack and Equinox .eqx.
     Files that do not carry a spec need ``spec=`` or ``like=`` (a native model of the same
     architecture). ``params`` are in-memory numpy arrays in the canonical layout; a checkpoint
     saved without a spec gives ``(None, params)``. NaN/Inf parameters raise a CheckpointError

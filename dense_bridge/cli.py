@@ -19,7 +19,8 @@ from typing import Any, Sequence
 from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
 
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
-BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx")
+BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx", "flax", "equinox")
+RUN_CHOICES = ("numpy", "torch", "keras", "mlx", "flax", "equinox")
 
 
 # ============================================================================ formatting helpers
@@ -422,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a checkpoint to another framework's format",
                        description="Convert SRC (a dense_bridge checkpoint, torch .pt/.pth/.bin/.safetensors, "
-                                   "Keras .weights.h5/.keras, MLX .safetensors/.npz) to BACKEND's format at OUT. "
+                                   "Keras .weights.h5/.keras, MLX .safetensors/.npz, Flax .msgpack, Equinox .eqx) to BACKEND's "
+                                   "format at OUT. "
                                    "--to canonical (or numpy) writes a dense_bridge checkpoint, shardable with "
                                    "--max-shard-size. Files without a stored spec need --spec.")
     p.add_argument("src", metavar="SRC", help="source checkpoint")
@@ -430,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"target: {', '.join(BACKEND_CHOICES)}")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="output file: .pt/.pth/.bin/.safetensors (torch), .weights.h5/.keras (keras), "
-                        ".safetensors/.npz (mlx), any name for canonical")
+                        ".safetensors/.npz (mlx), .msgpack (flax), .eqx (equinox), any name for canonical")
     p.add_argument("--spec", metavar="SPEC", help="spec JSON file (spec.to_config()), or a checkpoint to take it from")
     p.add_argument("--format", choices=("torch", "keras", "mlx"),
                    help="how to read a native SRC when its content is ambiguous (e.g. a bare .safetensors)")
@@ -451,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none (both sides)")
     p.add_argument("--spec-a", metavar="SPEC", help="spec for A only")
     p.add_argument("--spec-b", metavar="SPEC", help="spec for B only")
-    p.add_argument("--backend-a", choices=("numpy", "torch", "keras", "mlx"), help="run A on this backend")
-    p.add_argument("--backend-b", choices=("numpy", "torch", "keras", "mlx"), help="run B on this backend")
+    p.add_argument("--backend-a", choices=RUN_CHOICES, help="run A on this backend")
+    p.add_argument("--backend-b", choices=RUN_CHOICES, help="run B on this backend")
     p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
     p.add_argument("--batch-size", type=int, default=8, help="rows of random input (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")

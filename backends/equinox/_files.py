@@ -28,6 +28,7 @@ def _first_line(exc: BaseException) -> str:
 
 #: np.save writes version 1.0 (2.0 for headers over 64 KiB); numpy's readers for each
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+_NOT_RECORDS = "cannot read {path} as an Equinox file (eqx.tree_serialise_leaves records)"
 
 
 def _records(path: str) -> Entries:
@@ -35,6 +36,7 @@ def _records(path: str) -> Entries:
     record's data must lie inside the file (a header claiming more than the file holds is refused
     before anything reads it: a 2 KB file may not cost gigabytes), and object arrays are refused."""
     out = {}
+    bad = _NOT_RECORDS.format(path=path)
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
@@ -44,21 +46,20 @@ def _records(path: str) -> Entries:
                 version = np.lib.format.read_magic(f)
                 read_header = _HEADER_READERS.get(version)
                 if read_header is None:
-                    raise ValueError(f"{where}: unsupported .npy version {version}")
+                    raise CheckpointError(f"{bad}: {where}: unsupported .npy version {version}")
                 shape, _, dtype = read_header(f)  # numpy caps the header at 10000 bytes
                 if dtype.hasobject:
-                    raise ValueError(f"{where}: holds Python objects (dtype {dtype}), not numbers")
+                    raise CheckpointError(f"{bad}: {where}: holds Python objects (dtype {dtype}), not numbers")
                 nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
                 if f.tell() + nbytes > size:
-                    raise ValueError(f"{where}: its header claims {tuple(shape)} {dtype} ({nbytes} bytes) but only "
-                                     f"{size - f.tell()} bytes are left in the file")
+                    raise CheckpointError(f"{bad}: {where}: its header claims {tuple(shape)} {dtype} ({nbytes} bytes) "
+                                          f"but only {size - f.tell()} bytes are left in the file")
                 f.seek(nbytes, 1)
                 out[f"leaf.{len(out)}"] = (tuple(int(d) for d in shape), dtype.name)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path} as an Equinox file: {_first_line(exc)}") from None
     except (ValueError, EOFError, SyntaxError, TypeError) as exc:
-        raise CheckpointError(f"cannot read {path} as an Equinox file (eqx.tree_serialise_leaves records): "
-                              f"{_first_line(exc)}") from None
+        raise CheckpointError(f"{bad}: {_first_line(exc)}") from None
     return out
 
 
@@ -72,7 +73,8 @@ def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[s
     return _records(path), {}
 
 
-def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None]):
+def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None],
+              borrow: bool = False):
     """A model like ``template`` holding the file's leaves (Equinox modules are immutable: a new one)."""
     if template is None:
         raise CheckpointError(f"{path}: Equinox files need the model's structure (spec= or like=)")

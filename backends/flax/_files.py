@@ -67,7 +67,8 @@ def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[s
     return _entries(tree), {}
 
 
-def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None]):
+def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None],
+              borrow: bool = False):
     """``template`` (an NNX model built for the file's spec) holding the file's variables."""
     if template is None:
         raise CheckpointError(f"{path}: Flax state files need the model's structure (spec= or like=)")
