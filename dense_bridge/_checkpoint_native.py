@@ -470,37 +470,30 @@ class _ViewStream:
 
 
 # ============================================================================ writing
+#: Per backend: (file name endings, kind) in the order they are tried, and what the error says
+#: the files end in when none fits.
+OUTPUT_KINDS = {
+    "torch": ([(TORCH_EXTS, "torch-pickle"), ((".safetensors",), "safetensors")],
+              "torch checkpoints end in .pt, .pth, .bin or .safetensors"),
+    "keras": ([((".weights.h5",), "keras-weights"), ((".keras",), "keras-model")],
+              "Keras checkpoints end in .weights.h5 (weights) or .keras (whole model)"),
+    "mlx": ([((".safetensors",), "safetensors"), ((".npz",), "npz")],
+            "MLX checkpoints end in .safetensors or .npz"),
+    "flax": ([((".msgpack",), "msgpack")], "Flax state files end in .msgpack (flax.serialization)"),
+    "equinox": ([((".eqx",), "eqx")], "Equinox files end in .eqx (eqx.tree_serialise_leaves)"),
+}
+
+
 def output_kind(backend: str, out: str) -> str:
     """The file kind to write for ``backend`` at ``out`` (by extension); CheckpointError if none fits."""
+    if backend not in OUTPUT_KINDS:
+        raise CheckpointError(f"cannot write {out}: no native file format for backend {backend!r}")
+    endings, expected = OUTPUT_KINDS[backend]
     lower = out.lower()
-    if backend == "torch":
-        if lower.endswith(TORCH_EXTS):
-            return "torch-pickle"
-        if lower.endswith(".safetensors"):
-            return "safetensors"
-        raise CheckpointError(f"cannot write {out}: torch checkpoints end in .pt, .pth, .bin or .safetensors")
-    if backend == "keras":
-        if lower.endswith(".weights.h5"):
-            return "keras-weights"
-        if lower.endswith(".keras"):
-            return "keras-model"
-        raise CheckpointError(f"cannot write {out}: Keras checkpoints end in .weights.h5 (weights) or .keras "
-                              "(whole model)")
-    if backend == "mlx":
-        if lower.endswith(".safetensors"):
-            return "safetensors"
-        if lower.endswith(".npz"):
-            return "npz"
-        raise CheckpointError(f"cannot write {out}: MLX checkpoints end in .safetensors or .npz")
-    if backend == "flax":
-        if lower.endswith(".msgpack"):
-            return "msgpack"
-        raise CheckpointError(f"cannot write {out}: Flax state files end in .msgpack (flax.serialization)")
-    if backend == "equinox":
-        if lower.endswith(".eqx"):
-            return "eqx"
-        raise CheckpointError(f"cannot write {out}: Equinox files end in .eqx (eqx.tree_serialise_leaves)")
-    raise CheckpointError(f"cannot write {out}: no native file format for backend {backend!r}")
+    for suffixes, kind in endings:
+        if lower.endswith(suffixes):
+            return kind
+    raise CheckpointError(f"cannot write {out}: {expected}")
 
 
 #: The suffix a temporary needs for the framework's writer to accept it (Keras insists on its
