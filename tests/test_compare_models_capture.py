@@ -197,3 +197,37 @@ def test_torch_capture_survives_in_place_ops_on_a_layer_output():
     p = {k: v.astype(np.float64) for k, v in __import__("dense_bridge").get_params(net.lin).items()}
     np.testing.assert_allclose(cap.calls[0].output, x @ p["kernel"] + p["bias"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cap.calls[0].output_grad, 2 * _cot((2, 3)), rtol=1e-6)
+
+
+def test_outputs_in_another_order_are_paired_by_shape_and_said_so():
+    require_backend("torch")
+    import torch
+
+    import dense_bridge as db
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self, as_dict: bool):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+            self.as_dict = as_dict
+
+        def forward(self, x):
+            hidden = torch.tanh(self.body(x))
+            pooled = self.head(hidden)
+            # like keras-hub's BertBackbone on the torch engine: the same outputs, the small one first
+            return {"pooled": pooled, "hidden": hidden} if self.as_dict else (hidden, pooled)
+
+    torch.manual_seed(0)
+    a, b = TwoHeads(False), TwoHeads(True)
+    b.load_state_dict(a.state_dict())
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    report = db.testing.compare_models(a, b, [x])
+    assert report.passed, report
+    assert any("compared a's floating output #0 with b's #1, both (2, 4)" in n for n in report.notes), report.notes
+    # an explicit choice is taken as given: the two firsts differ in shape and fail
+    chosen = db.testing.compare_models(a, b, [x], outputs=(0, "pooled"))
+    assert not chosen.passed and "shape (2, 4) vs (2, 3)" in str(chosen)
+    # a wrong port still fails after the re-pairing
+    with torch.no_grad():
+        b.body.weight.mul_(1.5)
+    assert db.testing.compare_models(a, b, [x]).first_divergence == "body"

@@ -72,18 +72,50 @@ def select_output(out, select, is_float):
 
 
 def _first_floating(out, is_float, depth: int = 0):
+    leaves = floating_leaves(out, is_float, first_only=True)
+    return leaves[0] if leaves else None
+
+
+def floating_leaves(out, is_float, *, first_only: bool = False, depth: int = 0) -> list:
+    """The floating tensors of ``out`` depth first, in the order :func:`select_output` searches
+    them (a dict's values in order, a tuple's items; nesting up to 8 deep)."""
     if is_float(out):
-        return out
+        return [out]
     if depth > 8:
-        return None
+        return []
     if hasattr(out, "keys") and hasattr(out, "values"):
         items = list(out.values())
     elif isinstance(out, (tuple, list)):
         items = list(out)
     else:
-        return None
+        return []
+    found = []
     for item in items:
-        found = _first_floating(item, is_float, depth + 1)
-        if found is not None:
-            return found
-    return None
+        found += floating_leaves(item, is_float, first_only=first_only, depth=depth + 1)
+        if found and first_only:
+            break
+    return found
+
+
+def looks_float(x) -> bool:
+    """Is ``x`` a floating tensor of any framework (a shape, and a dtype whose name says float)?
+    For selectors that run inside every adapter's capture (torch ``torch.float32``, TF/JAX
+    ``float32``, MLX ``mlx.core.bfloat16``)."""
+    return hasattr(x, "shape") and "float" in str(getattr(x, "dtype", ""))
+
+
+class LeafOutput:
+    """An output selector (``select`` callable): the ``index``-th floating tensor of the model's
+    output in :func:`floating_leaves` order, remembering every floating tensor's shape it saw."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, out):
+        leaves = floating_leaves(out, looks_float)
+        self.shapes = [tuple(int(d) for d in x.shape) for x in leaves]
+        if self.index >= len(leaves):
+            raise TypeError(f"the model returned {len(leaves)} floating tensors, not {self.index + 1}; pass "
+                            f"outputs=(select_a, select_b)")
+        return leaves[self.index]

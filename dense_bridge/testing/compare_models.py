@@ -46,7 +46,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
-from ._captures import Call, Capture
+from ._captures import Call, Capture, LeafOutput
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
 
@@ -336,8 +336,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     grads = check_flag("grads", grads)
     seed = check_count("seed", seed, 0)
     tol = check_tolerance(tolerance)
-    if outputs is None:
-        select_a = select_b = None
+    if outputs is None:  # each side's first floating output, re-paired by shape below if they differ
+        select_a, select_b = LeafOutput(0), LeafOutput(0)
     elif isinstance(outputs, (tuple, list)) and len(outputs) == 2:
         select_a, select_b = outputs
     else:
@@ -366,10 +366,22 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             cache[size] = _round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
         return cache[size].reshape(shape)
 
-    cap_a = adapter_a.capture(a, in_a, {pa: layers_a[pa] for pa, _ in pairs}, cotangent=cotangent,
-                              select=select_a, grads=grads)
-    cap_b = adapter_b.capture(b, in_b, {pb: layers_b[pb] for _, pb in pairs}, cotangent=cotangent,
-                              select=select_b, grads=grads)
+    def run(select_a, select_b) -> tuple[Capture, Capture]:
+        return (adapter_a.capture(a, in_a, {pa: layers_a[pa] for pa, _ in pairs}, cotangent=cotangent,
+                                  select=select_a, grads=grads),
+                adapter_b.capture(b, in_b, {pb: layers_b[pb] for _, pb in pairs}, cotangent=cotangent,
+                                  select=select_b, grads=grads))
+
+    cap_a, cap_b = run(select_a, select_b)
+    output_note = None
+    if outputs is None and cap_a.output is not None and cap_b.output is not None \
+            and cap_a.output.shape != cap_b.output.shape:
+        paired = _pair_outputs_by_shape(select_a.shapes, select_b.shapes)
+        if paired is not None:  # e.g. keras-hub's dict comes back in another order on the torch engine
+            cap_a, cap_b = run(LeafOutput(paired[0]), LeafOutput(paired[1]))
+            output_note = (f"outputs: the models' first floating outputs differ in shape ({select_a.shapes[0]} vs "
+                           f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
+                           f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
     dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
     dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
@@ -380,9 +392,25 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         left = [p for p in layers if p not in matched]
         if left:
             report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
+    if output_note:
+        report.notes.append(output_note)
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
+
+
+def _pair_outputs_by_shape(shapes_a: list, shapes_b: list) -> tuple[int, int] | None:
+    """(index in a, index in b) of the floating outputs to compare when the first ones differ in
+    shape: a's first output with b's one output of its shape, else b's first with a's one output
+    of its shape; None when neither is unambiguous (then the mismatch is reported as it is)."""
+    if shapes_a and shapes_b:
+        in_b = [j for j, s in enumerate(shapes_b) if s == shapes_a[0]]
+        if len(in_b) == 1:
+            return 0, in_b[0]
+        in_a = [i for i, s in enumerate(shapes_a) if s == shapes_b[0]]
+        if len(in_a) == 1:
+            return in_a[0], 0
+    return None
 
 
 def _input_shapes(inputs) -> list[tuple[int, ...]]:
