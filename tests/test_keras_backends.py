@@ -278,3 +278,28 @@ def test_keras_engine_reads_and_writes_keras_files_of_other_engines():
     _same_bits(db.get_params(loaded), want)
     assert db.to_spec(loaded) == FILE_SPEC
     loaded.save(str(folder / f"{keras.backend.backend()}.keras"))
+
+
+@pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="already inside an engine subprocess")
+def test_bert_port_compares_without_outputs_on_the_torch_engine():
+    """keras-hub's BertBackbone returns {pooled_output, sequence_output} in another order on the torch
+    engine than transformers' (last_hidden_state, pooler_output): compare_models pairs the outputs by
+    shape, so the port of tests/_compare_ports passes with the default outputs and says so."""
+    import importlib.util
+
+    require_backend("keras")
+    for package in ("torch", "transformers", "keras_hub"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    script = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "import torch; torch.set_num_threads(1)\n"
+        "import dense_bridge as db, _compare_ports as P\n"
+        "src = P.torch_bert(0); port = P.keras_bert('float32'); P.port_bert(src, port)\n"
+        "r = db.testing.compare_models(src, port, P.bert_inputs(0), mapping=P.BERT_RULES, seed=0)\n"
+        "assert r.passed, str(r)\n"
+        "assert any('both (2, 7, 32)' in n for n in r.notes), r.notes\n"
+        "print('BERT OK')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env("torch"), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "BERT OK" in done.stdout, (done.stdout + done.stderr)[-4000:]
