@@ -71,7 +71,7 @@ def select_output(out, select, is_float):
     return found
 
 
-def _first_floating(out, is_float, depth: int = 0):
+def _first_floating(out, is_float):
     leaves = floating_leaves(out, is_float, first_only=True)
     return leaves[0] if leaves else None
 
