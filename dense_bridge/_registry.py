@@ -29,7 +29,7 @@ from ._manifest import FileFormat, Manifest
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
            "has_capability", "available_backends", "check_backend_name", "get_adapter", "backend_of",
-           "array_adapter", "adapter_for", "formats"]
+           "array_adapter", "adapter_for", "formats", "optional_verb"]
 
 #: The built-in backends: name -> adapter package (one line per framework).
 BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
@@ -319,6 +319,18 @@ def array_adapter(value: object) -> ModuleType | None:
             except BackendUnavailableError:
                 return None
     return None
+
+
+def optional_verb(name: str, verb: str, purpose: str):
+    """Backend ``name``'s optional ``verb`` (``dense_bridge._adapter.OPTIONAL_VERBS``), or a
+    ConversionError saying that ``purpose`` needs it and this adapter does not offer it."""
+    from ._errors import ConversionError
+
+    fn = getattr(get_adapter(name), verb, None)
+    if not callable(fn):
+        raise ConversionError(f"{purpose} needs the {verb!r} verb, which the {name!r} backend's adapter "
+                              f"({backends()[name].module_name}) does not offer")
+    return fn
 
 
 def adapter_for(native: object, argument: str = "native") -> ModuleType:

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(path: str, *, trust_pickle: bool = False) -> Any:
     """A whole native model from a file, by its suffix (see the module docstring)."""
-    from .._registry import get_adapter
+    from .._registry import optional_verb
 
     readers = _model_file_backends()
     backend = next((b for ending, b in readers.items() if path.lower().endswith(ending)), None)
@@ -73,7 +73,7 @@ def load_model(path: str, *, trust_pickle: bool = False) -> Any:
         raise CheckpointError(f"{path}: not a whole-model file; the backends read whole models from {known}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
-    return get_adapter(backend).load_model(path, trust_pickle=trust_pickle)
+    return optional_verb(backend, "load_model", f"reading the whole model {path}")(path, trust_pickle=trust_pickle)
 
 
 def read_mapping(path: str | None):
