@@ -113,12 +113,9 @@ def _load_manifest(module: str | ModuleType) -> Manifest | None:
         return Manifest()
     spec = importlib.util.spec_from_file_location(full, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[full] = mod  # the package's own ``from ._manifest import ...`` finds this one
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[full]
-        raise
+    # kept out of sys.modules: a submodule there without its package would confuse a later
+    # ``import <package>._manifest``; the package's own import of it makes a second, equal copy
+    spec.loader.exec_module(mod)
     return _checked_manifest(getattr(mod, "MANIFEST", None), name)
 
 
