@@ -11,6 +11,7 @@ All three read source files with ``ast``: nothing here imports a framework.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,93 @@ def test_the_ast_check_sees_imports_inside_functions():
 
 def test_import_dense_bridge_imports_no_framework():
     code = ("import sys, dense_bridge as db; db.available_backends(); import dense_bridge.testing; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FRAMEWORKS)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------------------------------ the core names no framework
+def _builtin_extensions() -> set[str]:
+    """Every name ending a built-in manifest declares, except those of the core's own formats:
+    .safetensors (the canonical checkpoint) and numpy's .npz (the --inputs file)."""
+    from dense_bridge._registry import BUILTIN, manifest
+
+    return {e for name in BUILTIN for f in manifest(name).formats for e in f.extensions} - {".safetensors", ".npz"}
+
+
+def _forbidden_words() -> re.Pattern:
+    """Framework names (the built-in backends but the numpy reference, and the packages they run on)
+    as whole words ("torch_default", an initializer's name, is another word), and the file endings
+    the built-in manifests declare."""
+    from dense_bridge._registry import BUILTIN
+
+    names = sorted((set(BUILTIN) - {"numpy"}) | FRAMEWORKS)
+    endings = sorted(re.escape(e) for e in _builtin_extensions())
+    return re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(names) + r")(?![A-Za-z0-9_])|(" + "|".join(endings)
+                      + r")(?![A-Za-z0-9_])", re.IGNORECASE)
+
+
+#: Core string literals allowed to name a framework: {(file, literal): why}. Keep it short.
+FRAMEWORK_NAME_ALLOWLIST: dict[tuple[str, str], str] = {
+    **{("_registry.py", name): "the registry's one line per built-in backend" for name in
+       ("torch", "keras", "mlx", "flax", "equinox")},
+}
+
+
+def _string_literals(tree: ast.AST):
+    """(line, text) of every string constant that is not a docstring (f-string parts included)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            docstrings.add(id(node.body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_no_core_string_names_a_framework_or_its_file_format():
+    """Tables keyed by framework names or file endings, sniffing by framework, messages listing
+    frameworks: all of it belongs in the backends' manifests, which the core reads through the
+    registry. Docstrings and comments may explain with examples; code may not depend on them."""
+    words = _forbidden_words()
+    offenders, used = [], set()
+    for path in _core_files():
+        rel = path.relative_to(CORE).as_posix()
+        for line, text in _string_literals(ast.parse(path.read_text(), str(path))):
+            if words.search(text):
+                if (rel, text) in FRAMEWORK_NAME_ALLOWLIST:
+                    used.add((rel, text))
+                    continue
+                offenders.append(f"dense_bridge/{rel}:{line}: {text[:90]!r}")
+    assert not offenders, "declare it in backends/<fw>/_manifest.py instead:\n" + "\n".join(offenders)
+    assert not set(FRAMEWORK_NAME_ALLOWLIST) - used, f"stale: {set(FRAMEWORK_NAME_ALLOWLIST) - used}"
+
+
+def test_the_name_check_sees_tables_and_messages():
+    words = _forbidden_words()
+    src = ('FORMATS = {"torch": (".pt",)}\nSUFFIX = {".weights.h5": "k"}\nmsg = f"needs Keras {x}"\n'
+           'ok = "torch_default"\n')
+    hits = [t for _, t in _string_literals(ast.parse(src)) if words.search(t)]
+    assert hits == ["torch", ".pt", ".weights.h5", "needs Keras "], hits
+
+
+def test_backend_facts_come_from_the_manifests():
+    """What the core once kept in tables is each built-in manifest's declaration now."""
+    from dense_bridge._registry import BUILTIN, manifest
+
+    declared = {name: manifest(name) for name in BUILTIN}
+    assert {n for n, m in declared.items() if m.formats} == set(BUILTIN) - {"numpy"}
+    top = max(declared, key=lambda n: declared[n].owner_priority)
+    assert top == "keras"  # on its torch engine a Keras layer is a torch nn.Module too
+    pyproject = (CORE.parent / "pyproject.toml").read_text()
+    assert not re.search(r"^packages\s*=", pyproject, re.MULTILINE), "packages are discovered (setup.py)"
+
+
+def test_manifests_load_without_their_framework():
+    """The registry reads every manifest, sniffs a file and lists the formats, importing no framework."""
+    code = ("import sys, dense_bridge as db; from dense_bridge import _registry, _checkpoint_native as n; "
+            "[_registry.manifest(b) for b in _registry.names()]; n.supported_formats(); "
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FRAMEWORKS)!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
