@@ -244,6 +244,32 @@ def test_manifests_load_without_their_framework():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_import_with_an_entry_point_installed_imports_no_framework(tmp_path):
+    """An installed backend whose package imports a framework at the top is registered by its
+    entry point's name only: importing dense_bridge, listing backends, compiling on the reference
+    backend and sniffing a file import neither that package nor any framework."""
+    package = tmp_path / "heavy_adapter"
+    package.mkdir()
+    (package / "__init__.py").write_text("import torch  # a framework, at the top\nraise SystemExit('imported')\n")
+    (package / "_manifest.py").write_text("from dense_bridge.adapter_kit import Manifest\n"
+                                          "MANIFEST = Manifest(requires=('torch',))\n")
+    dist = tmp_path / "heavy_adapter-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: heavy-adapter\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[dense_bridge.backends]\nheavy = heavy_adapter\n")
+    (tmp_path / "x.bin").write_bytes(b"not a checkpoint")
+    code = ("import sys, dense_bridge as db; import dense_bridge.testing; names = db.available_backends(); "
+            "db.compile(db.Dense(2, in_features=2), 'numpy', seed=0)\n"
+            "try:\n    db.load(sys.argv[1])\nexcept db.CheckpointError:\n    pass\n"
+            "from dense_bridge._registry import names as registered\n"
+            f"print('heavy' in registered(), sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{sorted(FRAMEWORKS | {'heavy_adapter'})!r}))")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.bin")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.stdout.strip() == "True []", out.stdout + out.stderr
+
+
 # ------------------------------------------------------------------ private names stay private
 #: ``from module import _name`` across modules still allowed: {(importing file, name): why}.
 PRIVATE_IMPORT_ALLOWLIST: dict[tuple[str, str], str] = {
