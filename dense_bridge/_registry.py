@@ -4,7 +4,9 @@ A backend is one adapter package plus one entry here, from one of three sources,
 
 - the built-in adapters (:data:`BUILTIN`: ``dense_bridge.backends.<name>``);
 - the ``dense_bridge.backends`` entry-point group of installed packages, read by name only the
-  first time the registry is asked (``importlib.metadata``: nothing is imported until used);
+  first time the whole table is needed (listing the backends, identifying a file, finding an
+  object's owner, a name not found among the others: ``importlib.metadata``, about 0.1 s once;
+  compiling on a built-in backend by name never pays it), and nothing is imported until used;
 - :func:`register_backend` calls (a dotted module name, imported on first use, or a module).
 
 What the core may know of a backend before its framework is imported (the packages it needs,
@@ -238,6 +240,8 @@ def available_backends() -> list[str]:
 
 
 def check_backend_name(name: object, argument: str = "backend") -> str:
+    if isinstance(name, str) and name.lower() in BACKENDS:
+        return name.lower()  # a built-in or registered name: no need to read the entry points yet
     known = names()
     if not isinstance(name, str):
         raise TypeError(f"{argument} must be a backend name ({', '.join(known)}). {received(argument, name)}")
@@ -250,7 +254,7 @@ def check_backend_name(name: object, argument: str = "backend") -> str:
 
 def get_adapter(name: object, argument: str = "backend") -> ModuleType:
     """The adapter module for a backend name, imported now; BackendUnavailableError if missing."""
-    info = backends()[check_backend_name(name, argument)]
+    info = BACKENDS[check_backend_name(name, argument)]
     if isinstance(info.module, ModuleType):
         return info.module
     missing = [m for m in info.all_requires() if not _installed(m)]

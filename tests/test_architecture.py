@@ -244,6 +244,18 @@ def test_manifests_load_without_their_framework():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_adapter_kit_offers_every_name_it_lists():
+    """dense_bridge.adapter_kit, the public module outside adapters import from, resolves every
+    name of its __all__ (each loaded from its core module on first use)."""
+    from dense_bridge import adapter_kit
+
+    assert isinstance(adapter_kit.CONTRACT_VERSION, int)
+    missing = [n for n in adapter_kit.__all__ if getattr(adapter_kit, n, None) is None]
+    assert not missing, missing
+    assert adapter_kit.ParamSource.__module__ == "dense_bridge._params"
+    assert set(adapter_kit.REQUIRED_VERBS) >= {"owns", "compile", "trace", "file_info"}
+
+
 def test_import_with_an_entry_point_installed_imports_no_framework(tmp_path):
     """An installed backend whose package imports a framework at the top is registered by its
     entry point's name only: importing dense_bridge, listing backends, compiling on the reference

@@ -192,6 +192,8 @@ from dense_bridge import cli
 assert cli.main(["convert", os.path.join(out, "canonical.safetensors"), "--to", "npx",
                  "-o", os.path.join(out, "cli.npzx")]) == 0
 assert same(db.load(os.path.join(out, "cli.npzx"))[1])
+assert cli.main(["check", os.path.join(out, "cli.npzx"), os.path.join(out, "canonical.safetensors"),
+                 "--backend-a", "npx", "--backend-b", "npx"]) == 0
 print("SCENARIO OK")
 '''
 
