@@ -81,7 +81,13 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
     for order, (backend, fmt) in enumerate(formats()):
         if fmt.sniff is None or fmt.container is None or fmt.safetensors != safetensors:
             continue
-        score = int(fmt.sniff(probe))
+        try:
+            score = int(fmt.sniff(probe))
+        except DenseBridgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a backend's sniff failed: name it, never its traceback
+            raise CheckpointError(f"cannot read {probe.path}: the {backend} backend's {fmt.label!r} format failed to "
+                                  f"check it ({type(exc).__name__}: {_first_line(exc)})") from None
         if score > Match.NO:
             scored.append((score, -order, backend, fmt))
     if format is not None and format != "dense_bridge":
