@@ -31,7 +31,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
-from dense_bridge._layouts import Entry, declared
+from dense_bridge._layouts import Entry, declared, register
 
 from ._arrays import assign_array, read_array
 
@@ -170,6 +170,26 @@ def einsum_canonical_grads(layer, grads: dict[str, np.ndarray]) -> dict[str, np.
     return out
 
 
+# ----------------------------------------------------------------------------- reversible embeddings
+#: Keras' (and keras-hub's) ``ReversibleEmbedding``: an embedding table whose ``call(x, reverse=True)``
+#: is the output head, ``x @ reverse_embeddings`` (hidden, vocab) when untied: an (in, out) linear
+#: map declared like any third-party linear class; tied (``tie_weights=True``), the head is the
+#: table transposed and has no parameters of its own (a tie, not a layer).
+REVERSIBLE = getattr(keras.layers, "ReversibleEmbedding", None)
+if REVERSIBLE is not None:
+    register(REVERSIBLE, kernel="reverse_embeddings", layout="in_out")
+
+
+def untied_reversible(layer) -> bool:
+    """Is ``layer`` a ReversibleEmbedding with a float head of its own (``reverse_embeddings``)?"""
+    return REVERSIBLE is not None and isinstance(layer, REVERSIBLE) and not layer.tie_weights \
+        and layer.quantization_mode is None and isinstance(getattr(layer, "reverse_embeddings", None), keras.Variable)
+
+
+def is_reversible(layer) -> bool:
+    return REVERSIBLE is not None and isinstance(layer, REVERSIBLE)
+
+
 # ----------------------------------------------------------------------------- walk
 def _quantized(layer) -> bool:
     return getattr(layer, "quantization_mode", None) is not None
@@ -185,6 +205,8 @@ def _kind(layer) -> str:
         return "linear"
     if t is keras.layers.EinsumDense and not isinstance(einsum_plan(layer), str):
         return "linear"
+    if is_reversible(layer):  # the table is "other"; an untied head is reported apart (see walk)
+        return "other"
     if declared(layer) is not None:  # db.register_layout: read through _to_spec.declared_variables
         return "linear"
     return "other"
@@ -219,7 +241,14 @@ def walk(model) -> list[Entry]:
                 path = f"{parent}/{layer.name}" if parent else layer.name
         variables = _own_variables(layer)
         kind = _kind(layer)
-        if variables or kind != "other":
+        if untied_reversible(layer):
+            # two entries: the table (an embedding) and the untied head (a linear map, in, out)
+            head = layer.reverse_embeddings
+            out.append(_entry(path, layer, kind, [v for v in variables if v is not head]))
+            linear = _entry(f"{path}/reverse_embeddings", layer, "linear", [head])
+            linear.extra["param_paths"] = {"reverse_embeddings": f"{path}/reverse_embeddings"}
+            out.append(linear)
+        elif variables or kind != "other":
             out.append(_entry(path, layer, kind, variables))
         for child in _children(layer):
             visit(child, path)
