@@ -234,8 +234,22 @@ def build_plan(src, dst, rules: list[Rule]) -> Plan:
     else:
         _by_rules(src, dst, rules, plan)
     _ties(src, dst, plan)
+    _one_source_each(plan)
     plan.idle = [r.text for r in rules if r.kind != "callable" and not r.hits]
     return plan
+
+
+def _one_source_each(plan: Plan) -> None:
+    """A destination layer that several moves write is a problem (a concatenation is one move)."""
+    seen: dict[str, str] = {}
+    for m in plan.layers:
+        label = "+".join(e.path for e in m.src)
+        for d in m.dst:
+            if d.path in seen and seen[d.path] != label:
+                plan.problems.append(
+                    f"dst layer {d.path!r} gets both {seen[d.path]!r} and {label!r}: to concatenate src layers into "
+                    f"it, give their paths as one tuple key (dict) or a tuple of patterns (rules)")
+            seen.setdefault(d.path, label)
 
 
 def _exact(src, dst, rules: list[Rule], plan: Plan) -> None:
