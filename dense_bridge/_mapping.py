@@ -196,19 +196,25 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)  # rules that matched nothing
 
-    def rules(self) -> list:
+    def rules(self, stable: dict[str, str] | None = None) -> list:
         """The complete mapping as ``(regex, replacement)`` rules of exact (escaped) paths, in the
-        forms :func:`parse` reads back; JSON-able when no transform holds a function."""
+        forms :func:`parse` reads back; JSON-able when no transform holds a function. ``stable``:
+        path -> the form that carries across instances (Keras' automatic names renumbered)."""
+        stable = stable or {}
+
+        def st(path: str) -> str:
+            return stable.get(path, path)
+
         out: list = []
         for m in self.layers:
-            dst = [d.path for d in m.dst]
+            dst = [st(d.path) for d in m.dst]
             repl: Any = dst if len(dst) > 1 else dst[0]
             if m.heads is not None:
                 repl = {"to": repl, "heads": m.heads}
-            src = [re.escape(s.path) for s in m.src]
+            src = [re.escape(st(s.path)) for s in m.src]
             out.append((src if len(src) > 1 else src[0], repl))
         for p in self.params:
-            out.append((re.escape(p.src), p.dst if p.fn is None else (p.dst, p.fn)))
+            out.append((re.escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
         return out
 
 
@@ -226,8 +232,9 @@ def _ask(rule: Rule, path: str) -> Target | None:
 
 
 def build_plan(src, dst, rules: list[Rule]) -> Plan:
-    """Resolve ``rules`` against two models' walks (``models._Side``: ``layers``, ``params``,
-    ``entries``, ``tied_to``, ``unknown``); every problem is collected, nothing raised."""
+    """Resolve ``rules`` against two models' walks (``models._Side``: ``layer(path)``,
+    ``param(path)``, ``entries``, ``params``, ``tied_to``, ``stable``, ``unknown``); every problem
+    is collected, nothing raised."""
     plan = Plan()
     if rules and rules[0].kind == "exact":
         _exact(src, dst, rules, plan)
@@ -257,21 +264,21 @@ def _exact(src, dst, rules: list[Rule], plan: Plan) -> None:
         keys, target = rule.src, rule.target
         rule.hits = 1
         where = f"mapping[{keys[0] if len(keys) == 1 else keys!r}]"
-        if len(keys) == 1 and keys[0] in src.params and keys[0] not in src.layers:
-            _param(src, dst, keys[0], target, where, plan, rule.text)
+        if len(keys) == 1 and src.param(keys[0]) is not None and src.layer(keys[0]) is None:
+            _param(src, dst, src.param(keys[0]), target, where, plan, rule.text)
             continue
-        missing = [k for k in keys if k not in src.layers]
+        missing = [k for k in keys if src.layer(k) is None]
         if missing:
             plan.problems.append(f"mapping key {src.unknown(missing[0], 'layer or parameter')}")
             continue
-        _layers(src, dst, tuple(src.layers[k] for k in keys), target, where, plan, rule.text)
+        _layers(src, dst, tuple(src.layer(k) for k in keys), target, where, plan, rule.text)
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
     if target.split or target.heads is not None:
         plan.problems.append(f"{where}: {path!r} is a parameter; splits and heads apply to linear layers")
-    elif target.paths[0] in dst.params:
-        plan.params.append(ParamMove(path, target.paths[0], target.fn, text))
+    elif dst.param(target.paths[0]) is not None:
+        plan.params.append(ParamMove(path, dst.param(target.paths[0]), target.fn, text))
     else:
         plan.problems.append(f"{where}: {dst.unknown(target.paths[0], 'parameter')}")
 
@@ -282,17 +289,18 @@ def _layers(src, dst, entries: tuple, target: Target, where: str, plan: Plan, te
                              f"{entries[0].path!r} is a layer (map its parameter, e.g. {entries[0].param_path(entries[0].names[0])!r})"
                              if entries[0].names else f"{where}: a transform applies to a parameter path")
         return
-    unknown = [p for p in target.paths if p not in dst.layers]
+    unknown = [p for p in target.paths if dst.layer(p) is None]
     if unknown:
         if len(entries) == 1 and not target.split and _follows_tie(src, entries[0]):
             return  # a tied head whose counterpart is no module of dst (mlx-lm's as_linear): a tie
-        if len(entries) == 1 and not target.split and len(entries[0].names) == 1 and target.paths[0] in dst.params:
+        if len(entries) == 1 and not target.split and len(entries[0].names) == 1 and \
+                dst.param(target.paths[0]) is not None:
             e = entries[0]  # a one-parameter layer into a parameter
-            plan.params.append(ParamMove(e.param_path(e.names[0]), target.paths[0], None, text))
+            plan.params.append(ParamMove(e.param_path(e.names[0]), dst.param(target.paths[0]), None, text))
             return
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'layer')}")
         return
-    plan.layers.append(LayerMove(entries, tuple(dst.layers[p] for p in target.paths), target.heads, text))
+    plan.layers.append(LayerMove(entries, tuple(dst.layer(p) for p in target.paths), target.heads, text))
 
 
 def _follows_tie(side, entry) -> bool:
@@ -316,7 +324,7 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
                 break
             found = None
             for i, rx in enumerate(rule.src):
-                m = rx.fullmatch(e.path)
+                m = rx.fullmatch(e.path) or (rx.fullmatch(src.stable[e.path]) if e.path in src.stable else None)
                 if m is not None:
                     found = (i, m)
                     break
@@ -354,12 +362,12 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
             elif rule.concat:
                 continue
             else:
-                m = rule.src[0].fullmatch(p)
+                m = rule.src[0].fullmatch(p) or (rule.src[0].fullmatch(src.stable[p]) if p in src.stable else None)
                 target = None if m is None else _expand(rule.target, m)
             if target is None:
                 continue
             rule.hits += 1
-            if p in src.tied_to and target.paths[0] not in dst.params:
+            if p in src.tied_to and dst.param(target.paths[0]) is None:
                 break  # a tied parameter follows its tie
             _param(src, dst, p, target, f"mapping sends src parameter {p!r} to {target.paths[0]!r}, and", plan,
                    rule.text)

@@ -108,16 +108,40 @@ class _Side:
         self.layers = {e.path: e for e in self.entries}
         self.params: dict[str, tuple[Entry, str]] = {}
         self.tied_to: dict[str, str] = {}  # param path -> the first path of the same storage
+        # Keras: paths with automatic names renumbered per model (the walk's "stable_path"), both ways
+        self.stable: dict[str, str] = {}
+        self.alias: dict[str, str] = {}
         first: dict[Any, str] = {}
         for e in self.entries:
+            stable = e.extra.get("stable_path")
+            if stable is not None and stable != e.path:
+                self._alias(e.path, stable)
             for n in e.names:
                 p = e.param_path(n)
+                if stable is not None and stable != e.path and p.startswith(e.path):
+                    self._alias(p, stable + p[len(e.path):])
                 self.params[p] = (e, n)
                 key = e.ident[n]
                 if key in first:
                     self.tied_to[p] = first[key]
                 else:
                     first[key] = p
+
+    def _alias(self, path: str, stable: str) -> None:
+        self.stable[path] = stable
+        self.alias.setdefault(stable, path)
+
+    def layer(self, path: str) -> Entry | None:
+        """The layer at ``path``, or at the path its stable form (Keras' renumbered names) stands for."""
+        e = self.layers.get(path)
+        return e if e is not None else self.layers.get(self.alias.get(path, ""))
+
+    def param(self, path: str) -> str | None:
+        """The parameter path ``path`` names (itself, or what its stable form stands for)."""
+        if path in self.params:
+            return path
+        actual = self.alias.get(path)
+        return actual if actual in self.params else None
 
     def linear(self) -> list[Entry]:
         return [e for e in self.entries if e.kind == "linear"]
@@ -466,7 +490,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))
     _write_all(writes)
-    report.rules = plan.rules()
+    report.rules = plan.rules({**a.stable, **b.stable})
     report.narrowed = [p for p, _, _ in casts]
     report.not_moved_src = [p for p in a.params if p not in moved_src]
     report.not_moved_dst = [p for p in b.params if p not in dst_done]

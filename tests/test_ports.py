@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -525,3 +526,32 @@ def test_inspect_orients_a_gpt2_checkpoint_by_its_biases_and_convert_says_to_tra
     assert 'db.transfer(src, dst, mapping=[(r"(.*)", r"\\1")])' in err  # the two-line example
     assert "h.0.attn.c_attn (in=32, units=96, layout in_out)" in err and "wte.weight (48, 32)" in err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_rules_carry_across_keras_instances_whose_layers_are_auto_numbered_differently():
+    torch = pytest.importorskip("torch")
+    from conftest import require_backend
+
+    require_backend("keras")
+    import keras
+
+    def mlp():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.LayerNormalization(epsilon=1e-5), keras.layers.Dense(3)])
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    first, second = mlp(), mlp()
+    assert [l.name for l in first.layers] != [l.name for l in second.layers]  # "dense" vs "dense_2"
+    report = db.transfer(src, first, mapping={"0": first.layers[0].name, "2": first.layers[1].name,
+                                              "3": first.layers[2].name})
+    # the rules name the layers as every instance numbers them
+    assert [r[1] for r in report.rules] == ["dense", "layer_normalization", "dense_1"]
+    db.transfer(src, second, mapping=json.loads(json.dumps(report.rules)))
+    for a, b in zip(first.weights, second.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    with torch.no_grad():
+        _close(src(torch.tensor(x)).numpy(), np.asarray(second(x)), "second instance")
+    back = db.transfer(second, src, mapping=[(r, re.sub(r"\\(.)", r"\1", p)) for p, r in report.rules])
+    assert [m[0] for m in back.moved][:1] == [second.layers[0].name]

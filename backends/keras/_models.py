@@ -221,13 +221,35 @@ def _children(layer) -> list:
     return [l for l in layer._flatten_layers(include_self=False, recursive=False)]
 
 
+def _stable_names(children: list) -> list[str]:
+    """Each child's name with Keras' process-wide automatic numbering replaced by its ordinal among
+    its auto-named siblings of the same class ("dense_7", "dense_8" -> "dense", "dense_1"): the
+    same in every instance of a model, however many layers the process built before it."""
+    from ._to_spec import _spec_name, _snake
+
+    counts: dict[str, int] = {}
+    out = []
+    for child in children:
+        name = getattr(child, "name", "")
+        if _spec_name(child) is None and name:
+            base = _snake(type(child).__name__)
+            k = counts.get(base, 0)
+            counts[base] = k + 1
+            name = base if k == 0 else f"{base}_{k}"
+        out.append(name)
+    return out
+
+
 def walk(model) -> list[Entry]:
-    """Every layer with variables of its own (and every linear-family layer) under ``model``."""
+    """Every layer with variables of its own (and every linear-family layer) under ``model``.
+
+    Each entry's ``extra["stable_path"]`` is its path with automatic names renumbered per model
+    (:func:`_stable_names`), so that mapping rules written for one instance carry to another."""
     root = getattr(model, "path", None) or model.name
     out: list[Entry] = []
     seen: set[int] = set()
 
-    def visit(layer, parent: str | None) -> None:
+    def visit(layer, parent: str | None, stable: str) -> None:
         if id(layer) in seen:  # a shared layer is reported once, at its first path
             return
         seen.add(id(layer))
@@ -241,6 +263,7 @@ def walk(model) -> list[Entry]:
                 path = f"{parent}/{layer.name}" if parent else layer.name
         variables = _own_variables(layer)
         kind = _kind(layer)
+        first = len(out)
         if untied_reversible(layer):
             # two entries: the table (an embedding) and the untied head (a linear map, in, out)
             head = layer.reverse_embeddings
@@ -250,10 +273,13 @@ def walk(model) -> list[Entry]:
             out.append(linear)
         elif variables or kind != "other":
             out.append(_entry(path, layer, kind, variables))
-        for child in _children(layer):
-            visit(child, path)
+        for e in out[first:]:
+            e.extra["stable_path"] = stable + e.path[len(path):]
+        children = _children(layer)
+        for child, name in zip(children, _stable_names(children)):
+            visit(child, path, f"{stable}/{name}" if stable else name)
 
-    visit(model, None)
+    visit(model, None, "")
     return out
 
 
