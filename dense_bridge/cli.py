@@ -228,6 +228,8 @@ def _whole_model_advice(src: str, format: str | None, target: str) -> str | None
         entries = ckpt.entries()
     except DenseBridgeError:
         return None
+    if ckpt.spec is not None or isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+        return None  # the failure is not a missing structure; a canonical file's tensors are layers'
     rows, others = _whole_model(entries, ckpt.framework)
     if not others:
         return None
@@ -318,7 +320,8 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     nfiles = len(doc["files"])
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
-    if ckpt.spec is None and _whole_model(entries, ckpt.framework)[1]:
+    if ckpt.spec is None and not isinstance(ckpt, checkpoint.CanonicalCheckpoint) \
+            and _whole_model(entries, ckpt.framework)[1]:
         print("spec: none stored, and none fits: besides linear layers the file holds other tensors (embeddings, "
               "norms): a whole model (move it with db.transfer into a model built in the target framework)")
         print(format_file_linear_layers(doc["linear_layers"]))

@@ -221,18 +221,26 @@ def _children(layer) -> list:
     return [l for l in layer._flatten_layers(include_self=False, recursive=False)]
 
 
+def auto_name_base(layer) -> str | None:
+    """The base of Keras' automatic name for ``layer``'s class ("dense" for "dense_7") when its name
+    is one (Keras numbers them process-wide: keras.src.utils.naming), else None."""
+    name = getattr(layer, "name", None)
+    cls = re.sub(r"\W+", "", type(layer).__name__)
+    cls = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", cls)
+    base = re.sub("([a-z])([A-Z])", r"\1_\2", cls).lower()
+    return base if isinstance(name, str) and re.fullmatch(rf"{re.escape(base)}(_\d+)?", name) else None
+
+
 def _stable_names(children: list) -> list[str]:
     """Each child's name with Keras' process-wide automatic numbering replaced by its ordinal among
     its auto-named siblings of the same class ("dense_7", "dense_8" -> "dense", "dense_1"): the
     same in every instance of a model, however many layers the process built before it."""
-    from ._to_spec import _spec_name, _snake
-
     counts: dict[str, int] = {}
     out = []
     for child in children:
         name = getattr(child, "name", "")
-        if _spec_name(child) is None and name:
-            base = _snake(type(child).__name__)
+        base = auto_name_base(child)
+        if base is not None:
             k = counts.get(base, 0)
             counts[base] = k + 1
             name = base if k == 0 else f"{base}_{k}"
