@@ -431,6 +431,10 @@ def test_mistral_into_keras_hub_with_its_untied_head(tmp_path):
     hidden = dst({"token_ids": ids, "padding_mask": np.ones((2, 7), bool)})
     _close(want, np.asarray(dst.token_embedding(hidden, reverse=True)), "mistral logits")
     np.testing.assert_array_equal(db.get_params(head)["kernel"], src.lm_head.weight.detach().numpy().T)
+    # like any lone linear layer: its spec, and compare (its call is the head: reverse=True)
+    spec = db.to_spec(head)
+    assert (spec.in_features, spec.units, spec.use_bias, spec.activation.is_identity) == (H, V, False, True)
+    assert db.testing.compare(head, db.convert(head, "numpy")).passed
 
 
 # --------------------------------------------------------------------- dtypes, heads, errors
@@ -555,3 +559,20 @@ def test_rules_carry_across_keras_instances_whose_layers_are_auto_numbered_diffe
         _close(src(torch.tensor(x)).numpy(), np.asarray(second(x)), "second instance")
     back = db.transfer(second, src, mapping=[(r, re.sub(r"\\(.)", r"\1", p)) for p, r in report.rules])
     assert [m[0] for m in back.moved][:1] == [second.layers[0].name]
+
+
+def test_a_lone_reversible_embedding_reads_as_its_head_when_untied_and_as_a_tie_when_tied():
+    from conftest import require_backend
+
+    require_backend("keras")
+    import keras
+
+    untied = keras.layers.ReversibleEmbedding(10, 4, tie_weights=False)
+    untied.build((None,))
+    assert list(db.linear_layers(untied)) == ["reverse_embeddings"]
+    np.testing.assert_array_equal(db.get_params(untied)["kernel"], np.asarray(untied.reverse_embeddings))
+    tied = keras.layers.ReversibleEmbedding(10, 4)
+    tied.build((None,))
+    assert db.linear_layers(tied) == {}  # the head is the table transposed: no layer of its own
+    with pytest.raises(db.ConversionError, match="tie_weights=True.*the head follows"):
+        db.get_params(tied)

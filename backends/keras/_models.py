@@ -276,8 +276,9 @@ def walk(model) -> list[Entry]:
             # two entries: the table (an embedding) and the untied head (a linear map, in, out)
             head = layer.reverse_embeddings
             out.append(_entry(path, layer, kind, [v for v in variables if v is not head]))
-            linear = _entry(f"{path}/reverse_embeddings", layer, "linear", [head])
-            linear.extra["param_paths"] = {"reverse_embeddings": f"{path}/reverse_embeddings"}
+            where = f"{path}/reverse_embeddings" if path else "reverse_embeddings"
+            linear = _entry(where, layer, "linear", [head])
+            linear.extra["param_paths"] = {"reverse_embeddings": where}
             out.append(linear)
         elif variables or kind != "other":
             out.append(_entry(path, layer, kind, variables))
