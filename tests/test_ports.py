@@ -305,6 +305,12 @@ def test_roberta_into_keras_hub_with_a_transformed_position_table(tmp_path):
     got = dst({"token_ids": ids, "padding_mask": np.ones((2, 7), bool)})
     _close(want, np.asarray(got), "roberta sequence output")
 
+    # the report's rules hold the transform: reusable as mapping= in Python
+    again = keras_hub.models.RobertaBackbone(vocabulary_size=V, num_layers=LAYERS, num_heads=HEADS, hidden_dim=H,
+                                             intermediate_dim=FF, max_sequence_length=POS, dropout=0.0)
+    db.transfer(src, again, mapping=report.rules)
+    _same_keras_weights(again, ref)
+
     # a transform's result is checked like any other value: the wrong shape writes nothing
     before = np.asarray(dst.embeddings.position_embedding.position_embeddings).copy()
     with pytest.raises(db.ConversionError, match=r"\(18, 32\) does not fit dst parameter"):
@@ -576,3 +582,39 @@ def test_a_lone_reversible_embedding_reads_as_its_head_when_untied_and_as_a_tie_
     assert db.linear_layers(tied) == {}  # the head is the table transposed: no layer of its own
     with pytest.raises(db.ConversionError, match="tie_weights=True.*the head follows"):
         db.get_params(tied)
+
+
+def test_dict_and_callable_forms_split_and_concatenate_too():
+    torch = pytest.importorskip("torch")
+
+    class Fused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(6, 10), torch.nn.Linear(10, 6)
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.out = (torch.nn.Linear(6, 6), torch.nn.Linear(6, 2), torch.nn.Linear(6, 2),
+                                                torch.nn.Linear(10, 6))
+
+    torch.manual_seed(0)
+    fused, split = Fused(), Split()
+    report = db.transfer(fused, split, mapping={"qkv": ["q", "k", "v"], "out": "out"})
+    w, b = fused.qkv.weight.detach(), fused.qkv.bias.detach()
+    for layer, rows in ((split.q, slice(0, 6)), (split.k, slice(6, 8)), (split.v, slice(8, 10))):
+        assert torch.equal(layer.weight, w[rows]) and torch.equal(layer.bias, b[rows])
+    assert report.rules[0] == ("qkv", ["q", "k", "v"])
+    back = Fused()
+    db.transfer(split, back, mapping={("q", "k", "v"): "qkv", "out": "out"})
+    assert torch.equal(back.qkv.weight, fused.qkv.weight) and torch.equal(back.qkv.bias, fused.qkv.bias)
+    other = Split()
+    db.transfer(fused, other, mapping=lambda path: ["q", "k", "v"] if path == "qkv" else path)
+    assert torch.equal(other.v.weight, w[8:10])
+    # a split of a layer into layers with and without a bias is refused, naming them
+    nobias = Split()
+    nobias.k = torch.nn.Linear(6, 2, bias=False)
+    with pytest.raises(db.ConversionError, match="dst layers differ in parameters"):
+        db.transfer(fused, nobias, mapping={"qkv": ["q", "k", "v"], "out": "out"})
+    with pytest.raises(TypeError, match="a concatenation goes into one destination layer"):
+        db.transfer(split, back, mapping={("q", "k"): ["qkv", "out"]})
