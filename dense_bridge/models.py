@@ -401,7 +401,8 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
                             f"parameter path instead")
             continue
         if s.kind == "linear":
-            problem = _linear_move(m, writes, casts)
+            problem = _linear_move(s, d, writes, casts) if len(m.src) == len(m.dst) == 1 \
+                else _fused_move(m, writes, casts)
             if problem:
                 problems.append(problem)
                 continue
@@ -509,67 +510,78 @@ def _transformed(pm: _mapping.ParamMove, value: np.ndarray) -> tuple[Any, str | 
     return out, None
 
 
-def _linear_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
-    """Queue the canonical params of the src linear layer(s) of ``m`` for its dst layer(s); a
-    problem sentence if they do not fit.
+def _linear_move(s: Entry, d: Entry, writes: list, casts: list | None = None,
+                 params: dict | None = None) -> str | None:
+    """Queue the canonical params of linear ``s`` for linear ``d``; a problem sentence if they do not fit.
 
-    Several src layers are joined along units, and the result split along units into the dst
-    layers, each taking as many units as it has (``m.heads``: per-head interleaving on the
-    fused side). Only the parameters are compared (names, shapes; values cast to dst's dtype and
-    checked for NaN/Inf): a layer's fused activation need not be readable for its weights to move.
+    Only the parameters are compared (names, shapes; values cast to dst's dtype and checked for
+    NaN/Inf): a layer's fused activation need not be readable for its weights to move.
+    ``params``: what to move instead of ``s``'s own (one piece of a split); ``casts`` collects
+    the narrowing casts (dst path, src dtype, dst dtype).
     """
+    try:
+        params = _linear_params(s.layer) if params is None else params
+        have = _linear_params(d.layer)
+    except (ConversionError, SpecError) as exc:
+        return f"{s.path!r} -> {d.path!r}: {exc}"
+    if sorted(params) != sorted(have):
+        return (f"src {s.where()} has parameters {sorted(params)} but dst {d.where()} has {sorted(have)} "
+                f"(a bias or mask on one side only)")
+    out = {}
+    for k in params:
+        if params[k].shape != have[k].shape:
+            return (f"src {s.where()} {k} {params[k].shape} does not fit dst {d.where()} {k} {have[k].shape} "
+                    f"(canonical layout: kernel (in_features, units))")
+        if casts is not None and _mapping.narrowing(np.asarray(params[k]).dtype, have[k].dtype):
+            casts.append((f"{d.path} ({k})", np.asarray(params[k]).dtype, have[k].dtype))
+        with np.errstate(over="ignore", invalid="ignore"):
+            value = np.asarray(params[k]).astype(have[k].dtype, copy=False)
+        if not np.isfinite(np.asarray(value, dtype=np.float32)).all():
+            return f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {have[k].dtype})"
+        out[k] = value
+    writes.append((d, "linear", out))
+    return None
+
+
+def _fused_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
+    """Queue a split or a concatenation: the src layers' canonical params joined along units, then
+    split along units into the dst layers, each taking as many units as it has (``m.heads``:
+    per-head interleaving on the fused side); each piece then moves as :func:`_linear_move` moves one."""
     names = f"{'+'.join(e.path for e in m.src)!r} -> {'+'.join(e.path for e in m.dst)!r}"
+    fused = m.src[0] if len(m.src) == 1 else m.dst[0]
+    if m.heads is None and _mapping.interleaved(fused.path):
+        return (f"{names}: {fused.path!r} is a fused projection whose units interleave per head (q, k, v of each "
+                f"head in turn); a plain split would scramble the heads. Declare it: "
+                f"{{'to': [...], 'heads': n}} (heads=1 when it is q|k|v in blocks)")
     try:
         given = [_linear_params(e.layer) for e in m.src]
         haves = [_linear_params(e.layer) for e in m.dst]
     except (ConversionError, SpecError) as exc:
         return f"{names}: {exc}"
-    fused = m.src[0] if len(m.src) == 1 and len(m.dst) > 1 else m.dst[0] if len(m.src) > 1 else None
-    if fused is not None and m.heads is None and _mapping.interleaved(fused.path):
-        return (f"{names}: {fused.path!r} is a fused projection whose units interleave per head (q, k, v of each "
-                f"head in turn); a plain split would scramble the heads. Declare it: "
-                f"{{'to': [...], 'heads': n}} (heads=1 when it is q|k|v in blocks)")
-    for side, params, entries in (("src", given, m.src), ("dst", haves, m.dst)):
+    for side, params in (("src", given), ("dst", haves)):
         keys = [sorted(p) for p in params]
         if any(k != keys[0] for k in keys):
             return f"{names}: the {side} layers differ in parameters {keys} (a bias on some only)"
-        if len(entries) > 1 and any(p["kernel"].ndim != 2 for p in params):
+        if any(p["kernel"].ndim != 2 for p in params):
             return f"{names}: only 2-D kernels split or join (a Bilinear does not)"
-    if sorted(given[0]) != sorted(haves[0]):
-        return (f"src {m.src[0].where()} has parameters {sorted(given[0])} but dst {m.dst[0].where()} has "
-                f"{sorted(haves[0])} (a bias or mask on one side only)")
-    params = given[0]
     units = [p["kernel"].shape[-1] for p in (given if len(m.src) > 1 else haves)]
-    if len(m.src) > 1 or len(m.dst) > 1:
-        problem = _mapping.check_widths(units, m.heads, names)
-        if problem:
-            return problem
-    if len(m.src) > 1:
-        params, problem = _mapping.join_arrays(given, m.heads)
-        if problem:
-            return f"{names}: {problem}"
+    problem = _mapping.check_widths(units, m.heads, names)
+    if problem:
+        return problem
+    params, problem = _mapping.join_arrays(given, m.heads) if len(m.src) > 1 else (given[0], None)
+    if problem:
+        return f"{names}: {problem}"
     pieces = [params]
     if len(m.dst) > 1:
-        total, want = params["kernel"].shape[-1], sum(units)
-        if total != want:
+        total = params["kernel"].shape[-1]
+        if total != sum(units):
             return (f"{names}: src has {total} units but the dst layers {[e.path for e in m.dst]} have {units} "
-                    f"= {want} (a split gives each as many units as it has)")
+                    f"= {sum(units)} (a split gives each as many units as it has)")
         pieces = _mapping.split_arrays(params, units, m.heads)
-    for d, piece, have in zip(m.dst, pieces, haves):
-        out = {}
-        for k in piece:
-            if piece[k].shape != have[k].shape:
-                return (f"{names}: {k} {piece[k].shape} does not fit dst {d.where()} {k} {have[k].shape} "
-                        f"(canonical layout: kernel (in_features, units))")
-            src_dtype = np.asarray(piece[k]).dtype
-            if k != "lora_scale" and _mapping.narrowing(src_dtype, have[k].dtype):
-                casts.append((f"{d.path} ({k})", src_dtype, have[k].dtype))
-            with np.errstate(over="ignore", invalid="ignore"):
-                value = np.asarray(piece[k]).astype(have[k].dtype, copy=False)
-            if not np.isfinite(np.asarray(value, dtype=np.float32)).all():
-                return f"{names}: {k} holds NaN or Inf (in dst's dtype {have[k].dtype})"
-            out[k] = value
-        writes.append((d, "linear", out))
+    for d, piece in zip(m.dst, pieces):
+        problem = _linear_move(m.src[0], d, writes, casts, params=piece)
+        if problem:
+            return f"{names}: {problem}"
     return None
 
 
