@@ -189,6 +189,9 @@ class ParamMove:
 
 @dataclass
 class Plan:
+    """What a mapping comes down to: layer moves, parameter moves, the ties source heads follow,
+    every problem found (collected, not raised) and the rules that matched nothing."""
+
     layers: list[LayerMove] = field(default_factory=list)
     params: list[ParamMove] = field(default_factory=list)
     #: source parameter path -> the parameter it is tied to (a head that moves with its embedding)
@@ -285,9 +288,10 @@ def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: st
 
 def _layers(src, dst, entries: tuple, target: Target, where: str, plan: Plan, text: str) -> None:
     if target.fn is not None:
-        plan.problems.append(f"{where}: a transform (path, fn) applies to a parameter path, and "
-                             f"{entries[0].path!r} is a layer (map its parameter, e.g. {entries[0].param_path(entries[0].names[0])!r})"
-                             if entries[0].names else f"{where}: a transform applies to a parameter path")
+        e = entries[0]
+        example = f" (map its parameter, e.g. {e.param_path(e.names[0])!r})" if e.names else ""
+        plan.problems.append(f"{where}: a transform (path, fn) applies to a parameter path, and {e.path!r} is a "
+                             f"layer{example}")
         return
     unknown = [p for p in target.paths if dst.layer(p) is None]
     if unknown:

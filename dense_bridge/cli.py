@@ -240,14 +240,15 @@ def _whole_model_advice(src: str, format: str | None, target: str) -> str | None
     others = sorted(others, key=lambda e: -len(e[1]))  # tables (2-D) first: they say what the model is
     lin = ", ".join(f"{r['layer']} (in={r['in_features']}, units={r['units']}, layout {r['layout']})" for r in rows[:6])
     rest = ", ".join(f"{n} {shape(s)}" for n, s, _ in others[:6])
-    found = (f"{len(rows)} linear layers recognised by name" + (f": {lin}{', ...' if len(rows) > 6 else ''}" if rows else "")
+    more = ", ..." if len(rows) > 6 else ""
+    found = (f"{len(rows)} linear layers recognised by name" + (f": {lin}{more}" if rows else "")
              + f"; {len(others)} other tensors (embeddings, norms: no Dense layer holds them): {rest}"
              + (", ..." if len(others) > 6 else ""))
     return (f"{src} holds a whole model ({len(entries)} tensors), not a chain of Dense layers: no dense_bridge spec "
             f"describes it, so --spec cannot help and convert cannot rebuild it. Build the model in {target} with its "
             f"own library, then move the weights in Python:\n"
-            f"    src = transformers.AutoModel.from_pretrained(DIR)   # the model this file belongs to, in its framework\n"
-            f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture built in {target}\n"
+            f"    src = transformers.AutoModel.from_pretrained(DIR)  # the model this file belongs to\n"
+            f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture in {target}\n"
             f"(README \"Port a real model\": rules for differing paths, fused layers, tied heads.)\n"
             f"Found {found}")
 

@@ -679,7 +679,8 @@ def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | N
     length names the output axis: GPT-2's Conv1D weight (in, out) with its (out,) bias reads
     ``in_out`` in a torch file), else assumed from the framework's convention for a non-square
     kernel, and ``"unknown"`` for a square kernel without a bias (in_features and units are then
-    equal and only the orientation is unknown; a bias cannot orient a square kernel either). 2-D tensors of embedding-like names are left out.
+    equal and only the orientation is unknown; a bias cannot orient a square kernel either). 2-D
+    tensors of embedding-like names are left out.
     ``tensors``: the names of the tensors the row reads (kernel, and bias when present).
     """
     name, layout, why = FILE_LAYOUTS.get(framework, FILE_LAYOUTS[None])
