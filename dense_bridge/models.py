@@ -313,6 +313,8 @@ class TransferReport:
                 lines.append(f"{title}: " + ", ".join(items))
         if self.tied:
             lines.append("tied (moved once): " + ", ".join(f"{k} = {v}" for k, v in self.tied.items()))
+        if self.narrowed:
+            lines.append("rounded into a narrower dtype (allow_narrowing=True): " + ", ".join(self.narrowed))
         return "\n".join(lines)
 
 

@@ -363,6 +363,8 @@ def test_identity_rule_on_tied_qwen2_into_mlx_lm(tmp_path):
     with torch.no_grad():
         logits = src(torch.tensor(ids)).logits.numpy()
     _close(logits, np.asarray(dst(mx.array(ids))), "qwen2 logits")
+    compared = db.testing.compare_models(src, dst, [ids], mapping=[("(.*)", r"\1")])  # the tied head too
+    assert compared.passed, compared
 
     # a tied source head fills an untied destination head with the embedding's values
     untied = qwen2.Model(qwen2.ModelArgs.from_dict({**json.loads((tmp_path / "qwen2" / "config.json").read_text()),
