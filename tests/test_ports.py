@@ -620,3 +620,41 @@ def test_dict_and_callable_forms_split_and_concatenate_too():
         db.transfer(fused, nobias, mapping={"qkv": ["q", "k", "v"], "out": "out"})
     with pytest.raises(TypeError, match="a concatenation goes into one destination layer"):
         db.transfer(split, back, mapping={("q", "k"): ["qkv", "out"]})
+
+
+def test_compare_models_joins_split_layers_per_declared_head():
+    torch = pytest.importorskip("torch")
+    heads, hd = 2, 3
+
+    class Fused(torch.nn.Module):  # GPT-NeoX's reading: per head, q | k | v of hd each
+        def __init__(self):
+            super().__init__()
+            self.query_key_value, self.out = torch.nn.Linear(4, 3 * heads * hd), torch.nn.Linear(heads * hd, 4)
+
+        def forward(self, x):
+            q, k, v = self.query_key_value(x).view(*x.shape[:-1], heads, 3 * hd).chunk(3, dim=-1)
+            return self.out((torch.tanh(q * k) + v).flatten(-2))
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(4, heads * hd) for _ in range(3))
+            self.out = torch.nn.Linear(heads * hd, 4)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.q(x) * self.k(x)) + self.v(x))
+
+    torch.manual_seed(0)
+    fused, split = Fused(), Split()
+    mapping = {"query_key_value": {"to": ["q", "k", "v"], "heads": heads}, "out": "out"}
+    report = db.transfer(fused, split, mapping=mapping)
+    assert report.rules[0] == ("query_key_value", {"to": ["q", "k", "v"], "heads": heads})
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    with torch.no_grad():
+        _close(fused(torch.tensor(x)).numpy(), split(torch.tensor(x)).numpy(), "per-head split")
+    compared = db.testing.compare_models(fused, split, [x], mapping=mapping)
+    assert compared.passed, compared
+    assert ("query_key_value", "q+k+v") in compared.pairs
+    # judged as blocks (heads=1) the same weights disagree, at that layer
+    blocks = {"query_key_value": {"to": ["q", "k", "v"], "heads": 1}, "out": "out"}
+    assert db.testing.compare_models(fused, split, [x], mapping=blocks).first_divergence == "q+k+v"

@@ -324,7 +324,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     ``(inputs_a, inputs_b)`` when the models take different signatures. Integer arrays (token
     ids) stay integers; floating ones are rounded once to values both models' dtypes hold.
     ``mapping``: pairs a's linear layers with b's, as ``db.transfer`` takes it (a dict of paths,
-    ``(regex, replacement)`` rules, a callable, or None for by-order matching).
+    ``(regex, replacement)`` rules, a callable, or None for by-order matching); a split or a
+    concatenation compares the fused layer with its counterparts joined along units (per head
+    when declared), labelled "path+path+..."; a mapping that pairs no linear layer is a
+    ConversionError naming the rules that matched nothing.
     ``outputs``: ``(select_a, select_b)``, each a callable on the model's output, a key or an
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
