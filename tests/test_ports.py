@@ -439,6 +439,11 @@ def test_mistral_into_keras_hub_with_its_untied_head(tmp_path):
     hidden = dst({"token_ids": ids, "padding_mask": np.ones((2, 7), bool)})
     _close(want, np.asarray(dst.token_embedding(hidden, reverse=True)), "mistral logits")
     np.testing.assert_array_equal(db.get_params(head)["kernel"], src.lm_head.weight.detach().numpy().T)
+    # and back: keras-hub's head is read like any linear layer (the report's exact rules, inverted)
+    back = transformers.MistralForCausalLM(cfg).eval()
+    inverse = [(re.escape(r), re.sub(r"\\(.)", r"\1", p)) for p, r in report.rules]
+    assert db.transfer(dst, back, mapping=inverse).not_moved_dst == []
+    _same_torch_weights(back, src)
     # like any lone linear layer: its spec, and compare (its call is the head: reverse=True)
     spec = db.to_spec(head)
     assert (spec.in_features, spec.units, spec.use_bias, spec.activation.is_identity) == (H, V, False, True)
