@@ -23,7 +23,8 @@ from ._errors import ConversionError, SpecError, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
 
-__all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "walk", "TransferReport", "NAME_TABLE"]
+__all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "match_moves", "walk", "TransferReport",
+           "NAME_TABLE"]
 
 
 def walk(model: Any, argument: str = "model") -> list[Entry]:
