@@ -26,7 +26,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
-    "transfer": (".models", "transfer"),
+    "transfer": (".models", "transfer"), "auto": ("._auto_mapping", "auto"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
     "register_backend": ("._registry", "register_backend"),
 }
@@ -34,7 +34,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "auto", "inference", "register_backend",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _mapping
+from . import _auto_mapping, _mapping
 from ._errors import ConversionError, SpecError, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
@@ -292,6 +292,8 @@ class TransferReport:
     rules: list = field(default_factory=list)
     #: parameter paths (dst) whose values were rounded into a narrower dtype (allow_narrowing=True)
     narrowed: list[str] = field(default_factory=list)
+    #: mapping="auto": whether the inferred mapping was verified on the inputs, and what was checked
+    verification: str = ""
 
     @property
     def num_moved(self) -> int:
@@ -302,7 +304,7 @@ class TransferReport:
                 "moved": [list(m) for m in self.moved], "not_moved_src": list(self.not_moved_src),
                 "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied),
                 "rules": [[r[0], r[1] if not isinstance(r[1], tuple) else [r[1][0], repr(r[1][1])]]
-                          for r in self.rules], "narrowed": list(self.narrowed)}
+                          for r in self.rules], "narrowed": list(self.narrowed), "verification": self.verification}
 
     def __str__(self) -> str:
         lines = [f"transfer {self.src_backend} -> {self.dst_backend}: {len(self.moved)} moved, "
@@ -316,11 +318,13 @@ class TransferReport:
             lines.append("tied (moved once): " + ", ".join(f"{k} = {v}" for k, v in self.tied.items()))
         if self.narrowed:
             lines.append("rounded into a narrower dtype (allow_narrowing=True): " + ", ".join(self.narrowed))
+        if self.verification:
+            lines.append(self.verification)
         return "\n".join(lines)
 
 
 def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
-             allow_narrowing: bool = False) -> TransferReport:
+             allow_narrowing: bool = False, inputs: Any = None, verify: bool = True) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -346,7 +350,14 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     - a callable ``src path -> dst path, list of paths, or None``;
     - ``None``: linear layers paired by order; two layers of equal shape whose last path
       components say another pairing (a layer of the same name sits elsewhere) is an error
-      naming them.
+      naming them;
+    - ``"auto"`` (needs ``inputs``, in the forms ``compare_models`` takes; a pair is (src inputs,
+      dst inputs)): inferred by running each model once and pairing the calls of their linear
+      layers, norms and embeddings by kind, execution order, shape and data flow; with
+      ``verify=True`` the transfer is checked on the same inputs along the whole run before it
+      is kept (on failure dst is unchanged and a ConversionError names the first disagreeing
+      pair); ``db.auto(rules)``: explicit entries first, the rest inferred
+      (``dense_bridge._auto_mapping``). ``report.rules`` is the inferred mapping.
 
     Ties: an output head whose parameters are its embedding's follows the embedding in every
     form (an identity rule included): it moves once, with it, and needs no counterpart in
@@ -366,6 +377,11 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     if not isinstance(allow_narrowing, bool):
         raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False. {received('verify', verify)}")
+    if _auto_mapping.is_auto(mapping):
+        return _auto_mapping.transfer_auto(src, dst, mapping, inputs=inputs, verify=verify, strict=strict,
+                                           allow_narrowing=allow_narrowing)
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")

@@ -91,9 +91,13 @@ class _Wrapped:
 
 
     def lookup_only(self, kwargs) -> bool:
-        """A ReversibleEmbedding captured as its head: its table lookups (reverse=False) are not calls
-        of the linear layer."""
-        return is_reversible(self.layer) and not kwargs.get("reverse", False)
+        """Is this call not one of the captured layer's? A ReversibleEmbedding is two layers: captured
+        under its head's path (``.../reverse_embeddings``) it records its ``reverse=True`` calls only,
+        under the table's path its lookups only."""
+        if not is_reversible(self.layer):
+            return False
+        head = self.path.rsplit("/", 1)[-1] == "reverse_embeddings"
+        return head != bool(kwargs.get("reverse", False))
 
 
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
@@ -185,6 +189,9 @@ def _unwrap(wrappers: list) -> None:
         w = wrappers.pop()
         if w.activation is not None:
             w.layer.activation = w.activation
+        if isinstance(w.original, _Wrapped):  # one layer captured under two paths (a table and its head)
+            w.layer.call = w.original
+            continue
         try:
             del w.layer.call  # the class's own method shows again
         except AttributeError:

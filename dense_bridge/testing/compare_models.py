@@ -328,7 +328,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     ``(regex, replacement)`` rules, a callable, or None for by-order matching); a split or a
     concatenation compares the fused layer with its counterparts joined along units (per head
     when declared), labelled "path+path+..."; a mapping that pairs no linear layer is a
-    ConversionError naming the rules that matched nothing.
+    ConversionError naming the rules that matched nothing; ``"auto"`` or ``db.auto(rules)``
+    infers it as ``db.transfer`` does.
     ``outputs``: ``(select_a, select_b)``, each a callable on the model's output, a key or an
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
@@ -355,6 +356,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
+    from .._auto_mapping import auto_rules, is_auto
+
+    if is_auto(mapping):  # inferred from one forward pass of each model, then compared as explicit rules
+        mapping = auto_rules(a, b, inputs, mapping)
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
     pairs, groups = _pairs(a, b, mapping)
     from .._api import get_params

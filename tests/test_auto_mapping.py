@@ -1,0 +1,322 @@
+"""mapping="auto": a mapping inferred by running both models, verified before anything is kept.
+
+Every port is checked against the libraries' own converters (mlx-lm's ``load_model`` and
+keras-hub's ``from_preset`` on a local ``save_pretrained`` directory): bit for bit, with tiny
+random configs and no downloads.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import dense_bridge as db
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+V, H, HEADS, KV, FF, LAYERS, POS = 48, 32, 4, 2, 64, 2, 16
+IDS = np.random.default_rng(0).integers(0, V, (2, 7))
+
+
+def _transformers():
+    pytest.importorskip("torch")
+    return pytest.importorskip("transformers")
+
+
+def _keras_hub():
+    from conftest import require_backend
+
+    require_backend("keras")
+    return pytest.importorskip("keras_hub")
+
+
+def _mlx_lm():
+    pytest.importorskip("mlx")
+    return pytest.importorskip("mlx_lm")
+
+
+def _randomize(model, seed: int = 0, scale: float = 0.3) -> None:
+    """Every parameter at random (transformers zeroes biases and sets norm scales to 1: a dropped
+    bias or a swapped norm would go unseen)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("norm" in name.lower() or ".ln_" in name or "ln_f" in name):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_((0.2 if p.ndim == 1 else scale) * torch.randn(p.shape, generator=g))
+
+
+def _same_mlx(got, want) -> None:
+    from mlx.utils import tree_flatten
+
+    a, b = dict(tree_flatten(got.parameters())), dict(tree_flatten(want.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def _same_keras(got, want) -> None:
+    a = {w.path.split("/", 1)[1]: np.asarray(w) for w in got.weights}
+    b = {w.path.split("/", 1)[1]: np.asarray(w) for w in want.weights}
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def _same_torch(got, want) -> None:
+    import torch
+
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _mlx_port(tmp_path, name, src, module, saved=None):
+    """src saved (``saved``: the part to save), mlx-lm's own load_model as the reference, and a fresh
+    mlx-lm model to port into."""
+    from mlx_lm.utils import load_model
+
+    (src if saved is None else saved).save_pretrained(tmp_path / name)
+    ref, _ = load_model(tmp_path / name)
+    cfg = json.loads((tmp_path / name / "config.json").read_text())
+    return ref, lambda: module.Model(module.ModelArgs.from_dict(cfg))
+
+
+# --------------------------------------------------------------------- transformers -> mlx-lm
+def _llama(transformers, square: bool = False, **extra):
+    import torch
+
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=H if square else FF,
+                                   num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+                                   max_position_embeddings=POS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _randomize(model)
+    return model
+
+
+def test_gpt2_into_mlx_lm_is_inferred_verified_and_bit_exact_and_its_rules_need_no_inputs(tmp_path):
+    transformers = _transformers()
+    _mlx_lm()
+    from mlx_lm.models import gpt2
+
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=POS, n_embd=H, n_layer=LAYERS, n_head=HEADS,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                  n_ctx=POS)  # mlx-lm's GPT-2 reads n_ctx
+    src = transformers.GPT2LMHeadModel(cfg).eval()
+    _randomize(src)
+    # mlx-lm reads GPT-2 checkpoints as the hub holds them: the GPT2Model's own names (h.0..., no prefix)
+    ref, fresh = _mlx_port(tmp_path, "gpt2", src, gpt2, saved=src.transformer)
+    dst = fresh()
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    _same_mlx(dst, ref)
+    assert "verified" in report.verification and "NOT" not in report.verification
+    assert report.tied == {"lm_head.weight": "transformer.wte.weight"}
+    json.dumps(report.to_dict())  # the inferred rules are plain data
+    again = fresh()
+    db.transfer(src, again, mapping=report.rules)  # reused without inputs on a fresh destination
+    _same_mlx(again, ref)
+
+    # the way back: mlx-lm -> transformers
+    back = transformers.GPT2LMHeadModel(cfg).eval()
+    db.transfer(dst, back, mapping="auto", inputs=[IDS])
+    _same_torch(back, src)
+
+
+def test_llama_into_mlx_lm_and_back(tmp_path):
+    transformers = _transformers()
+    _mlx_lm()
+    from mlx_lm.models import llama
+
+    src = _llama(transformers)
+    ref, fresh = _mlx_port(tmp_path, "llama", src, llama)
+    dst = fresh()
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    _same_mlx(dst, ref)
+    assert report.not_moved_src == [] and report.not_moved_dst == []
+    back = _llama(transformers)
+    _randomize(back, seed=3)
+    db.transfer(dst, back, mapping="auto", inputs=[IDS])
+    _same_torch(back, src)
+
+
+def test_execution_order_beats_definition_order_with_a_square_mlp(tmp_path):
+    """mlx-lm's Llama MLP defines gate, down, up and calls gate, up, down; all three are square."""
+    transformers = _transformers()
+    _mlx_lm()
+    from mlx_lm.models import llama
+
+    src = _llama(transformers, square=True)
+    ref, fresh = _mlx_port(tmp_path, "llama_sq", src, llama)
+    dst = fresh()
+    assert [n for n, _ in dst.model.layers[0].mlp.children().items()] == ["gate_proj", "down_proj", "up_proj"]
+    with pytest.raises(db.ConversionError):  # by definition order the square up/down would swap: refused
+        db.transfer(src, fresh(), mapping=None)
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    _same_mlx(dst, ref)
+    pairs = {r[0]: r[1] for r in report.rules}
+    assert pairs[r"model\.layers\.0\.mlp\.up_proj"] == "model.layers.0.mlp.up_proj"
+    assert pairs[r"model\.layers\.0\.mlp\.down_proj"] == "model.layers.0.mlp.down_proj"
+
+
+def test_tied_qwen2_into_mlx_lm(tmp_path):
+    transformers = _transformers()
+    _mlx_lm()
+    import torch
+    from mlx_lm.models import qwen2
+
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=POS,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    src = transformers.Qwen2ForCausalLM(cfg).eval()
+    _randomize(src)
+    ref, fresh = _mlx_port(tmp_path, "qwen2", src, qwen2)
+    dst = fresh()
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    _same_mlx(dst, ref)
+    assert report.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert db.testing.compare_models(src, dst, [IDS], mapping="auto").passed
+
+
+# --------------------------------------------------------------------- transformers -> keras-hub
+def _gpt2_keras(tmp_path):
+    transformers = _transformers()
+    keras_hub = _keras_hub()
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=POS, n_embd=H, n_layer=LAYERS, n_head=HEADS,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    src = transformers.GPT2Model(cfg).eval()
+    _randomize(src)
+    src.save_pretrained(tmp_path / "gpt2")
+    ref = keras_hub.models.GPT2Backbone.from_preset(str(tmp_path / "gpt2"))
+
+    def fresh():
+        return keras_hub.models.GPT2Backbone(vocabulary_size=V, num_layers=LAYERS, num_heads=HEADS, hidden_dim=H,
+                                             intermediate_dim=4 * H, max_sequence_length=POS, dropout=0.0)
+    return transformers, cfg, src, ref, fresh
+
+
+KERAS_INPUTS = ([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+
+
+def test_gpt2_into_keras_hub_splits_the_fused_projection_and_comes_back(tmp_path):
+    transformers, cfg, src, ref, fresh = _gpt2_keras(tmp_path)
+    dst = fresh()
+    report = db.transfer(src, dst, mapping="auto", inputs=KERAS_INPUTS)
+    _same_keras(dst, ref)
+    fused = [r for r in report.rules if isinstance(r[1], list)]
+    assert len(fused) == LAYERS and fused[0][1][0].endswith("query")  # c_attn split into query/key/value
+    again = fresh()
+    db.transfer(src, again, mapping=report.rules)
+    _same_keras(again, ref)
+
+    back = transformers.GPT2Model(cfg).eval()
+    db.transfer(dst, back, mapping="auto", inputs=KERAS_INPUTS[::-1])
+    _same_torch(back, src)
+
+
+def test_bert_into_keras_hub_pairs_embeddings_looked_up_in_another_order(tmp_path):
+    transformers = _transformers()
+    keras_hub = _keras_hub()
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                  intermediate_size=FF, max_position_embeddings=POS, type_vocab_size=2,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, hidden_act="gelu")
+    src = transformers.BertModel(cfg).eval()
+    _randomize(src)
+    src.save_pretrained(tmp_path / "bert")
+    ref = keras_hub.models.BertBackbone.from_preset(str(tmp_path / "bert"))
+    dst = keras_hub.models.BertBackbone.from_config(
+        {k: v for k, v in ref.get_config().items() if k not in ("name", "trainable")})
+    seg = np.zeros_like(IDS)
+    inputs = ({"input_ids": IDS, "token_type_ids": seg},
+              {"token_ids": IDS, "segment_ids": seg, "padding_mask": np.ones_like(IDS)})
+    db.transfer(src, dst, mapping="auto", inputs=inputs)
+    _same_keras(dst, ref)
+
+
+# --------------------------------------------------------------------- refusals
+def test_mapping_auto_needs_inputs_and_refuses_models_that_differ_in_structure():
+    transformers = _transformers()
+    src = _llama(transformers)
+    with pytest.raises(TypeError, match="inputs"):
+        db.transfer(src, _llama(transformers), mapping="auto")
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV, max_position_embeddings=POS, tie_word_embeddings=False, pad_token_id=None)).eval()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(db.ConversionError, match="differ in structure") as err:
+        db.transfer(src, other, mapping="auto", inputs=[IDS])
+    assert "nothing was written" in str(err.value)
+    _same_state(other, before)
+
+
+def _same_state(model, before) -> None:
+    import torch
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _attention(k_first: bool):
+    """A one-head attention whose q and k have equal widths; ``k_first`` computes k before q."""
+    import torch
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(8, 8)
+            self.k = torch.nn.Linear(8, 8)
+            self.v = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            if k_first:
+                k = self.k(x)
+                q = self.q(x)
+            else:
+                q = self.q(x)
+                k = self.k(x)
+            scores = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + torch.triu(torch.full((5, 5), -1e9), 1), -1)
+            return self.out(scores @ self.v(x))
+
+    torch.manual_seed(0)
+    return Attention().eval()
+
+
+def test_a_destination_computing_k_before_q_is_paired_right_or_refused_never_transferred_wrong():
+    _transformers()
+    import torch
+
+    src, dst = _attention(False), _attention(True)
+    _randomize(src)
+    x = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+    report = db.transfer(src, dst, mapping="auto", inputs=[x])  # the names agree: paired by name
+    with torch.no_grad():
+        np.testing.assert_allclose(dst(torch.tensor(x)).numpy(), src(torch.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
+    assert ("q", "q") in [(r[0], r[1]) for r in report.rules]
+
+    # names that say nothing: by order k would take q's weights; verification refuses, dst unchanged
+    renamed = _attention(True)
+    renamed.a, renamed.b = renamed.k, renamed.q  # first called: a (k); then b (q)
+    del renamed.k, renamed.q
+    renamed.forward = lambda x, m=renamed: _renamed_forward(m, x)
+    before = {k: v.clone() for k, v in renamed.state_dict().items()}
+    with pytest.raises(db.ConversionError, match="upstream|model output") as err:
+        db.transfer(src, renamed, mapping="auto", inputs=[x])
+    assert "dst was left unchanged" in str(err.value)
+    _same_state(renamed, before)
+
+
+def _renamed_forward(m, x):
+    import torch
+
+    k, q = m.a(x), m.b(x)
+    scores = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + torch.triu(torch.full((5, 5), -1e9), 1), -1)
+    return m.out(scores @ m.v(x))
