@@ -227,7 +227,8 @@ def test_bert_into_keras_hub_pairs_embeddings_looked_up_in_another_order(tmp_pat
     keras_hub = _keras_hub()
     cfg = transformers.BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                   intermediate_size=FF, max_position_embeddings=POS, type_vocab_size=2,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, hidden_act="gelu")
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  hidden_act="gelu_new")  # keras-hub BERT computes the tanh gelu
     src = transformers.BertModel(cfg).eval()
     _randomize(src)
     src.save_pretrained(tmp_path / "bert")
@@ -320,3 +321,140 @@ def _renamed_forward(m, x):
     k, q = m.a(x), m.b(x)
     scores = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + torch.triu(torch.full((5, 5), -1e9), 1), -1)
     return m.out(scores @ m.v(x))
+
+
+# --------------------------------------------------------------------- more architectures
+def _decoder(transformers, arch: str, **extra):
+    """A tiny random transformers causal LM of ``arch`` (Mistral, Phi3, Gemma, Qwen2, Qwen3, Llama)."""
+    import torch
+
+    kw = dict(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+              num_key_value_heads=KV, max_position_embeddings=POS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    if arch in ("Gemma", "Qwen3"):
+        kw["head_dim"] = H // HEADS
+    if arch in ("Qwen2", "Qwen3"):  # mlx-lm's Qwen defaults to 1e6 when the config holds rope_parameters only
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    kw.update(extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**kw)).eval()
+    _randomize(model)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["Mistral", "Phi3", "Qwen3"])
+def test_decoders_into_mlx_lm(tmp_path, arch):
+    """Phi-3 fused into fused; Qwen3 calls q_proj, q_norm, k_proj, k_norm in transformers and q, k,
+    v, then the norms in mlx-lm: pairing per kind agrees."""
+    transformers = _transformers()
+    _mlx_lm()
+    from mlx_lm.utils import load_model
+
+    src = _decoder(transformers, arch)
+    src.save_pretrained(tmp_path / arch)
+    ref, _ = load_model(tmp_path / arch)
+    dst = type(ref)(ref.args)
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    _same_mlx(dst, ref)
+    assert report.not_moved_src == [] and report.not_moved_dst == []
+
+
+def test_gemma_into_mlx_lm_fails_verification_by_design_and_verify_false_keeps_it(tmp_path):
+    """mlx-lm's Gemma computes another gelu than transformers': verification names where."""
+    transformers = _transformers()
+    _mlx_lm()
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    src = _decoder(transformers, "Gemma", tie_word_embeddings=True)
+    src.save_pretrained(tmp_path / "gemma")
+    ref, _ = load_model(tmp_path / "gemma")
+    dst = type(ref)(ref.args)
+    before = {k: np.array(v) for k, v in tree_flatten(dst.parameters())}
+    try:
+        db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    except db.ConversionError as exc:  # refused: it names the first disagreeing pair, dst unchanged
+        assert "First disagreeing pair" in str(exc) and "down_proj" in str(exc)
+        for k, v in tree_flatten(dst.parameters()):
+            np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS], verify=False)
+    assert "NOT verified" in report.verification and "NOT verified" in str(report)
+    _same_mlx(dst, ref)
+
+
+def _keras_port(tmp_path, name, src, backbone, task=None):
+    """src saved; keras-hub's own from_preset as the reference; a fresh backbone (or task model)."""
+    keras_hub = _keras_hub()
+    src.save_pretrained(tmp_path / name)
+    ref = getattr(keras_hub.models, backbone).from_preset(str(tmp_path / name))
+    config = {k: v for k, v in ref.get_config().items() if k not in ("name", "trainable")}
+    dst = getattr(keras_hub.models, backbone).from_config(config)
+    if task is not None:
+        dst = getattr(keras_hub.models, task)(backbone=dst, preprocessor=None)
+    return ref, dst
+
+
+@pytest.mark.parametrize("arch", ["Qwen2", "Gemma", "Llama"])
+def test_decoders_into_keras_hub_backbones(tmp_path, arch):
+    transformers = _transformers()
+    import torch
+
+    src = _decoder(transformers, arch, tie_word_embeddings=True)
+    if arch == "Gemma":  # keras-hub's Gemma computes the tanh gelu
+        src.config.hidden_activation = "gelu_pytorch_tanh"
+    with torch.no_grad():  # keras-hub's converters round through float16 for some: start from such values
+        for p in src.parameters():
+            p.copy_(p.half().float())
+    ref, dst = _keras_port(tmp_path, arch, src, f"{arch}Backbone")
+    inputs = ([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    body = src.model
+    db.transfer(body, dst, mapping="auto", inputs=inputs)
+    _same_keras(dst, ref)
+    if arch == "Llama":  # the way back: keras-hub -> transformers
+        back = _decoder(transformers, arch, tie_word_embeddings=True).model
+        db.transfer(dst, back, mapping="auto", inputs=inputs[::-1])
+        _same_torch(back, body)
+
+
+def test_mistral_untied_head_is_paired_through_the_keras_hub_task_model(tmp_path):
+    transformers = _transformers()
+    import torch
+
+    src = _decoder(transformers, "Mistral")
+    with torch.no_grad():  # keras-hub's Mistral converter rounds through float16
+        for p in src.parameters():
+            p.copy_(p.half().float())
+    ref, dst = _keras_port(tmp_path, "mistral", src, "MistralBackbone", task="MistralCausalLM")
+    inputs = ([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    report = db.transfer(src, dst, mapping="auto", inputs=inputs)
+    _same_keras(dst.backbone, ref)
+    np.testing.assert_array_equal(np.asarray(dst.backbone.token_embedding.reverse_embeddings),
+                                  src.lm_head.weight.detach().numpy().T)
+    assert ("lm_head", "token_embedding/reverse_embeddings") in [tuple(r) for r in report.rules]
+
+
+def test_distilbert_into_keras_hub(tmp_path):
+    transformers = _transformers()
+    cfg = transformers.DistilBertConfig(vocab_size=V, dim=H, n_layers=LAYERS, n_heads=HEADS, hidden_dim=FF,
+                                        max_position_embeddings=POS, dropout=0.0, attention_dropout=0.0,
+                                        activation="gelu", pad_token_id=0)
+    src = transformers.DistilBertModel(cfg).eval()
+    _randomize(src)
+    ref, dst = _keras_port(tmp_path, "distilbert", src, "DistilBertBackbone")
+    inputs = ([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    db.transfer(src, dst, mapping="auto", inputs=inputs, verify=False)
+    _same_keras(dst, ref)
+
+
+def test_mixture_of_experts_stacks_are_refused_by_name():
+    _transformers()
+    _mlx_lm()
+    from mlx_lm.models import mixtral
+
+    dst = mixtral.Model(mixtral.ModelArgs(model_type="mixtral", vocab_size=V, hidden_size=H, intermediate_size=FF,
+                                          num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV,
+                                          num_local_experts=2, num_experts_per_tok=1))
+    src = _llama(_transformers())
+    with pytest.raises(db.ConversionError, match="Mixture-of-experts") as err:
+        db.transfer(src, dst, mapping="auto", inputs=[IDS])
+    assert "SwitchGLU" in str(err.value) or "SwitchLinear" in str(err.value)
