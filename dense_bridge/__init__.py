@@ -26,7 +26,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
-    "transfer": (".models", "transfer"), "auto": ("._auto_mapping", "auto"),
+    "transfer": ("._auto_transfer", "transfer"), "auto": ("._auto_mapping", "auto"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
     "register_backend": ("._registry", "register_backend"),
 }

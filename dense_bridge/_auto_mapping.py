@@ -28,7 +28,7 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
 The result is a :class:`~dense_bridge._mapping.Plan` (``LayerMove``s), so the transfer and
 its ``report.rules`` are the explicit mapping's. Equal-width layers read from one input (q and k)
 cannot be told apart by running the untrained pair: a wrong guess reproduces its partner layer
-by layer, which is why :func:`transfer_auto` verifies the whole run (every matched layer's input
+by layer, which is why ``db.transfer`` (``_auto_transfer``) verifies the whole run (every matched layer's input
 and output, and the model output) before it keeps anything.
 """
 from __future__ import annotations
@@ -41,9 +41,14 @@ from typing import Any
 import numpy as np
 
 from . import _mapping
-from ._errors import ConversionError, received
+from ._errors import ConversionError, SpecError, received
+from ._params import array_to_numpy
+from ._registry import adapter_for
 
-__all__ = ["Auto", "auto", "is_auto", "infer", "transfer_auto", "auto_rules"]
+__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "Inferred", "NEEDS_INPUTS"]
+
+NEEDS_INPUTS = ("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, or a pair "
+                "(src inputs, dst inputs)). Received: inputs=None")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,38 @@ def _fingerprint(x: np.ndarray) -> str:
     return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
 
 
+def _kernel_shape(e) -> tuple:
+    """A linear layer's canonical (in_features, units)."""
+    try:
+        return tuple(adapter_for(e.layer).get_params(e.layer)["kernel"].shape)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
+
+
+def _numpy_inputs(value, argument: str):
+    def one(v, where):
+        arr = array_to_numpy(v)
+        if arr is None or np.asarray(arr).dtype == object:
+            raise TypeError(f"{where} must be a numeric array. {received(where, v)}")
+        return np.asarray(arr)
+    if isinstance(value, dict):
+        return {k: one(v, f"{argument}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [one(v, f"{argument}[{i}]") for i, v in enumerate(value)]
+    return [one(value, argument)]
+
+
+def split_inputs(inputs) -> tuple[Any, Any]:
+    """(src inputs, dst inputs) as numpy lists/dicts: a pair of lists/dicts is one per model,
+    anything else (a list, a dict, one array) feeds both (the forms ``compare_models`` takes)."""
+    if inputs is None:
+        raise TypeError(NEEDS_INPUTS)
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
+        return _numpy_inputs(inputs[0], "inputs[0]"), _numpy_inputs(inputs[1], "inputs[1]")
+    same = _numpy_inputs(inputs, "inputs")
+    return same, same
+
+
 def _kind(side, e) -> str | None:
     """linear / embedding / norm, or None for a layer auto cannot pair (named in the refusal)."""
     if e.kind == "linear":
@@ -113,9 +150,6 @@ class _Run:
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
     """One forward pass of ``model`` recording every call of its parameterised layers."""
-    from ._registry import adapter_for
-    from .models import _shape
-
     adapter = adapter_for(model, side.argument)
     verb = getattr(adapter, "capture", None)
     if not callable(verb):
@@ -147,7 +181,7 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        sig = _shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        sig = _kernel_shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
         layer = _Layer(e, kind, i, tuple(sig), source)
         if kind == "linear" and side.fully_tied(e):
@@ -248,16 +282,14 @@ class Inferred:
 
 
 def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
-    """Record both models on ``inputs`` and pair their layers (``a``/``b``: ``models._Side``)."""
-    from .testing.compare_models import _split_inputs
-
+    """Record both models on ``inputs`` and pair their layers (``a``/``b``: ``models.sides``)."""
     explicit = mapping.explicit if isinstance(mapping, Auto) else None
     plan = _mapping.Plan()
     if explicit is not None:
         plan = _mapping.build_plan(a, b, _mapping.parse(explicit))
     taken_a = {e.path for m in plan.layers for e in m.src} | {a.params[p.src][0].path for p in plan.params}
     taken_b = {e.path for m in plan.layers for e in m.dst} | {b.params[p.dst][0].path for p in plan.params}
-    in_a, in_b = _split_inputs(inputs)
+    in_a, in_b = split_inputs(inputs)
     run_a = _record(src_model, a, in_a, taken_a)
     run_b = _record(dst_model, b, in_b, taken_b)
     left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
@@ -274,86 +306,14 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     return Inferred(plan, [x.path for x in left_a] + run_a.uncalled, [y.path for y in left_b] + run_b.uncalled)
 
 
-def auto_rules(src_model, dst_model, inputs, mapping) -> list:
-    """The inferred mapping as explicit rules (what ``compare_models(..., mapping="auto")`` uses)."""
-    from .models import _Side
-
+def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:
+    """The inferred mapping as explicit rules (``compare_models(..., mapping="auto")``); ``sides``:
+    ``models.sides``. ConversionError when the models cannot be paired."""
     if inputs is None:
-        raise TypeError("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, "
-                        "or a pair (src inputs, dst inputs)). Received: inputs=None")
-    a, b = _Side(src_model, "src"), _Side(dst_model, "dst")
+        raise TypeError(NEEDS_INPUTS)
+    a, b = sides(src_model, dst_model)
     found = infer(src_model, dst_model, a, b, inputs, mapping)
     if found.plan.problems:
         raise ConversionError("mapping='auto' cannot pair the models:\n  - " + "\n  - ".join(
             found.plan.problems + ([found.unpaired_text()] if found.unpaired_text() else [])))
     return found.plan.rules({**a.stable, **b.stable})
-
-
-# ----------------------------------------------------------------------------- transfer
-def _snapshot(side) -> list[tuple[Any, dict]]:
-    return [(e, {k: np.array(v, copy=True) for k, v in e.read().items()}) for e in side.entries if e.names]
-
-
-def _restore(saved: list[tuple[Any, dict]]) -> None:
-    for e, arrays in saved:
-        e.write(arrays)
-
-
-def transfer_auto(src, dst, mapping, *, inputs, verify: bool, strict: bool, allow_narrowing: bool):
-    """``db.transfer`` with ``mapping="auto"`` or ``db.auto(rules)`` (see ``models.transfer``)."""
-    from .models import _Side, transfer
-    from .testing.compare_models import compare_models
-
-    if inputs is None:
-        raise TypeError("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, "
-                        "or a pair (src inputs, dst inputs)). Received: inputs=None")
-    if src is dst:
-        raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
-                              f"{received('dst', dst)}")
-    a, b = _Side(src, "src"), _Side(dst, "dst")
-    found = infer(src, dst, a, b, inputs, mapping)
-    problems = list(found.plan.problems)
-    if strict and (found.unpaired_src or found.unpaired_dst):
-        problems.append(found.unpaired_text() + " (never called on these inputs, or without a counterpart: pass "
-                        "strict=False to leave them, or give them in db.auto({...}))")
-    if problems:
-        raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} with mapping='auto' (nothing was "
-                              f"written):\n  - " + "\n  - ".join(problems))
-    rules = found.plan.rules({**a.stable, **b.stable})
-    saved = _snapshot(b)
-    report = transfer(src, dst, mapping=rules, strict=strict, allow_narrowing=allow_narrowing)
-    if not verify:
-        report.verification = ("inferred mapping NOT verified (verify=False): check it with "
-                               "db.testing.compare_models(src, dst, inputs, mapping=report.rules)")
-        return report
-    try:
-        compared = compare_models(src, dst, inputs, mapping=rules, grads=False)
-    except BaseException:
-        _restore(saved)
-        raise
-    if not compared.passed:
-        _restore(saved)
-        raise ConversionError(_verification_error(compared, found))
-    report.verification = (f"inferred mapping verified on the inputs: {len(compared.calls)} calls of "
-                           f"{len(compared.pairs)} matched linear layers and the model output agree")
-    return report
-
-
-def _verification_error(compared, found: Inferred) -> str:
-    f = compared.first_failure
-    pa, pb = compared.first_divergence_a, compared.first_divergence
-    if f is not None and f.layer is None:
-        where = "the model output"
-        upstream = (" The matched layers all agree, so the cause lies in the code after the last of them (an "
-                    "activation, attention, the head), or in equal-width layers of one input paired the wrong way "
-                    "round (q and k: each reproduces its partner)")
-    else:
-        where = f"src {pa!r} / dst {pb!r} ({f.quantity if f else '?'})"
-        upstream = (" Its input already differs: the cause may lie upstream of it (in the code between it and the "
-                    "matched layer before it, e.g. an activation or attention, or in equal-width layers of one "
-                    "input paired the wrong way round)") if f is not None and f.quantity == "input" else ""
-    unpaired = found.unpaired_text()
-    return (f"mapping='auto': the inferred transfer does not reproduce src on the inputs (dst was left unchanged). "
-            f"First disagreeing pair: {where}: {compared.verdict()}.{upstream}."
-            + (f" Unpaired: {unpaired}." if unpaired else " No parameterised layer was left unpaired.")
-            + " verify=False keeps the inferred mapping without this check")

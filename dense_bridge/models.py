@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _auto_mapping, _mapping
+from . import _mapping
 from ._errors import ConversionError, SpecError, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
 
 __all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "match_moves", "walk", "TransferReport",
-           "NAME_TABLE"]
+           "NAME_TABLE", "sides"]
 
 
 def walk(model: Any, argument: str = "model") -> list[Entry]:
@@ -91,6 +91,12 @@ NAME_TABLE: tuple[tuple[str, ...], ...] = (
     ("running_mean", "moving_mean"),
     ("running_var", "moving_variance"),
 )
+
+
+def sides(src: Any, dst: Any) -> tuple[Any, Any]:
+    """Both models' walks indexed by layer and parameter path, ties resolved (what a mapping is
+    resolved against; ``_auto_mapping`` pairs their layers)."""
+    return _Side(src, "src"), _Side(dst, "dst")
 
 
 def _check_mapping(mapping: Any) -> list[_mapping.Rule] | None:
@@ -324,7 +330,7 @@ class TransferReport:
 
 
 def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
-             allow_narrowing: bool = False, inputs: Any = None, verify: bool = True) -> TransferReport:
+             allow_narrowing: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -350,14 +356,9 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     - a callable ``src path -> dst path, list of paths, or None``;
     - ``None``: linear layers paired by order; two layers of equal shape whose last path
       components say another pairing (a layer of the same name sits elsewhere) is an error
-      naming them;
-    - ``"auto"`` (needs ``inputs``, in the forms ``compare_models`` takes; a pair is (src inputs,
-      dst inputs)): inferred by running each model once and pairing the calls of their linear
-      layers, norms and embeddings by kind, execution order, shape and data flow; with
-      ``verify=True`` the transfer is checked on the same inputs along the whole run before it
-      is kept (on failure dst is unchanged and a ConversionError names the first disagreeing
-      pair); ``db.auto(rules)``: explicit entries first, the rest inferred
-      (``dense_bridge._auto_mapping``). ``report.rules`` is the inferred mapping.
+      naming them.
+    ``db.transfer`` also takes ``mapping="auto"`` and ``db.auto(rules)`` with ``inputs=`` and
+    ``verify=`` (``dense_bridge._auto_transfer``), which infer the mapping and come here with it.
 
     Ties: an output head whose parameters are its embedding's follows the embedding in every
     form (an identity rule included): it moves once, with it, and needs no counterpart in
@@ -377,11 +378,6 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     if not isinstance(allow_narrowing, bool):
         raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False. {received('verify', verify)}")
-    if _auto_mapping.is_auto(mapping):
-        return _auto_mapping.transfer_auto(src, dst, mapping, inputs=inputs, verify=verify, strict=strict,
-                                           allow_narrowing=allow_narrowing)
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")

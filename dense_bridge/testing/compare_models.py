@@ -356,10 +356,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
-    from .._auto_mapping import auto_rules, is_auto
+    from .. import _auto_mapping, models
 
-    if is_auto(mapping):  # inferred from one forward pass of each model, then compared as explicit rules
-        mapping = auto_rules(a, b, inputs, mapping)
+    if _auto_mapping.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
+        mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, models.sides)
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
     pairs, groups = _pairs(a, b, mapping)
     from .._api import get_params
