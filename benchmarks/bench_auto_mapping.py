@@ -8,6 +8,9 @@ interleaved runs, the ratio auto / (3 x (forward src + forward dst) + explicit t
 number of forward passes src made during one auto transfer (a forward hook on its root module).
 
 Run:  python benchmarks/bench_auto_mapping.py [--repeats 5] [--pairs gpt2-mlx,llama-mlx,gpt2-keras]
+                                             [--width 64] [--seq 16]
+At tiny widths the fixed costs (walks, hooks, copying each call's arrays to numpy, the float64
+judging) outweigh the forward passes; the count of forward passes is the size-free measure.
 """
 from __future__ import annotations
 
@@ -100,7 +103,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pairs", default="gpt2-mlx,llama-mlx,gpt2-keras")
+    parser.add_argument("--width", type=int, default=64, help="hidden size (the MLP is twice as wide)")
+    parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (batch 2)")
     args = parser.parse_args()
+    global H, FF, POS, IDS
+    H, FF, POS = args.width, 2 * args.width, max(POS, args.seq)
+    IDS = np.random.default_rng(0).integers(0, V, (2, args.seq))
     rows = []
     for name in args.pairs.split(","):
         src, make, inputs, fwd_src, fwd_dst = _pair(name)
