@@ -44,6 +44,7 @@ from . import _mapping
 from ._errors import ConversionError, SpecError, received
 from ._params import array_to_numpy
 from ._registry import adapter_for
+from .testing._captures import HEAD_CALL
 
 __all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "Inferred", "NEEDS_INPUTS"]
 
@@ -146,6 +147,8 @@ class _Run:
     layers: dict[str, list[_Layer]] = field(default_factory=dict)
     uncalled: list[str] = field(default_factory=list)
     tied_heads: list[_Layer] = field(default_factory=list)  # fully tied linear heads that were called
+    #: embedding tables called as the output head without a module of their own (HEAD_CALL)
+    table_heads: list[_Layer] = field(default_factory=list)
 
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
@@ -176,6 +179,13 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
     run = _Run()
     seen: set[str] = set()
     for i, call in enumerate(captured.calls):
+        table = call.path[:-len(HEAD_CALL)] if call.path.endswith(HEAD_CALL) else None
+        if table in wanted and call.path not in seen:
+            seen.add(call.path)
+            e = wanted[table]
+            rows, dim = e.shapes[e.names[0]]
+            run.table_heads.append(_Layer(e, "linear", i, (dim, rows), _fingerprint(call.inputs[0])))
+            continue
         if call.path in seen or call.path not in wanted:
             continue
         seen.add(call.path)
@@ -297,6 +307,16 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     if len(left_b) == 1 and not left_a and run_a.tied_heads \
             and run_a.tied_heads[-1].signature == left_b[0].signature:
         plan.layers.append(_mapping.LayerMove((run_a.tied_heads[-1].entry,), (left_b[0].entry,), rule="auto"))
+        left_b = []
+    # a table called as the head (x @ table.T) fills an untied destination head: its kernel is the
+    # table, transposed where the destination stores (in, out)
+    if len(left_b) == 1 and not left_a and run_a.table_heads \
+            and run_a.table_heads[-1].signature == left_b[0].signature and len(left_b[0].entry.names) == 1:
+        t, d = run_a.table_heads[-1].entry, left_b[0].entry
+        src_param, dst_param = t.param_path(t.names[0]), d.param_path(d.names[0])
+        same = t.shapes[t.names[0]] == d.shapes[d.names[0]]
+        plan.params.append(_mapping.ParamMove(src_param, b.param(dst_param), None if same else np.transpose,
+                                              rule="auto"))
         left_b = []
     for kind in ("embedding", "norm"):
         la, lb = _pair_by_shape(run_a.layers.get(kind, []), run_b.layers.get(kind, []), plan)

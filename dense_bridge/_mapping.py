@@ -358,9 +358,10 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
         _layers(src, dst, tuple(group[i] for i in range(len(rule.src))), Target((path,), heads=rule.target.heads),
                 f"mapping rule {rule.text} concatenates into {path!r}, and", plan, rule.text)
     for p, (e, _) in src.params.items():
-        if e.path in taken:
-            continue
         for rule in rules:
+            if e.path in taken and not (rule.kind == "regex" and not rule.concat and rule.src[0].pattern in
+                                        (re.escape(p), re.escape(src.stable.get(p, p)))):
+                continue  # a mapped layer's parameter also goes where a rule naming it exactly says
             if rule.kind == "callable":
                 target = _ask(rule, p)
             elif rule.concat:

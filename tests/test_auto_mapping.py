@@ -185,6 +185,15 @@ def test_tied_qwen2_into_mlx_lm(tmp_path):
     assert report.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     assert db.testing.compare_models(src, dst, [IDS], mapping="auto").passed
 
+    # the way back into an untied head: mlx-lm calls embed_tokens.as_linear (no module of its own),
+    # recorded as the table called as the head; the untied lm_head gets the table
+    untied = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**src.config.to_dict(),
+                                                                        "tie_word_embeddings": False})).eval()
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    db.transfer(dst, untied, mapping="auto", inputs=[IDS])
+    assert torch.equal(untied.lm_head.weight, src.lm_head.weight)
+    assert torch.equal(untied.model.layers[1].mlp.down_proj.weight, src.model.layers[1].mlp.down_proj.weight)
+
 
 # --------------------------------------------------------------------- transformers -> keras-hub
 def _gpt2_keras(tmp_path):

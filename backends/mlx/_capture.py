@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import Call, Capture, select_output
+from dense_bridge.testing._captures import HEAD_CALL, Call, Capture, select_output
 
 from ._arrays import dtype_name, to_mx as _to_mx, to_numpy as _to_numpy
 
@@ -66,8 +66,20 @@ def _recording_class(cls, path: str, state: dict):
         log.append((path, n, tuple(a for a in args if isinstance(a, mx.array)), y))
         return y
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                         "__qualname__": cls.__qualname__})
+    methods = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if callable(getattr(cls, "as_linear", None)):  # nn.Embedding called as the tied output head
+        def as_linear(self, x):
+            y = cls.as_linear(self, x)
+            if state.get("probes") is not None:  # the grad pass, as for __call__
+                y = y + state["probes"][len(state["log"])]
+            counts = state["counts"]
+            head = path + HEAD_CALL
+            n = counts.get(head, 0)
+            counts[head] = n + 1
+            state["log"].append((head, n, (x,), y))
+            return y
+        methods["as_linear"] = as_linear
+    return type(cls.__name__, (cls,), methods)
 
 
 def _canonical_grads(layer, grads: dict) -> dict[str, np.ndarray]:

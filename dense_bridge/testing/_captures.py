@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Call", "Capture"]
+__all__ = ["Call", "Capture", "HEAD_CALL"]
+
+#: Suffix of a recorded call's path for an embedding table called as the output head without a
+#: module call of its own (mlx-lm's ``embed_tokens.as_linear(h)``): ``"<table path>#head"``,
+#: input (..., dim), output (..., vocab), i.e. x @ table.T.
+HEAD_CALL = "#head"
 
 
 @dataclass
