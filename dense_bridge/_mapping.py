@@ -359,8 +359,8 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
                 f"mapping rule {rule.text} concatenates into {path!r}, and", plan, rule.text)
     for p, (e, _) in src.params.items():
         for rule in rules:
-            if e.path in taken and not (rule.kind == "regex" and not rule.concat and rule.src[0].pattern in
-                                        (re.escape(p), re.escape(src.stable.get(p, p)))):
+            if e.path in taken and (p == e.path or not (rule.kind == "regex" and not rule.concat and rule.src[0].pattern
+                                                        in (re.escape(p), re.escape(src.stable.get(p, p))))):
                 continue  # a mapped layer's parameter also goes where a rule naming it exactly says
             if rule.kind == "callable":
                 target = _ask(rule, p)
