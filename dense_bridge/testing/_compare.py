@@ -48,8 +48,9 @@ from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
 from ._report import LayerResult, ModelInfo, QuantityResult, Report
+from ._elements import coarser_dtype, element_stats, elementwise_units
 from ._propagate import allowances
-from ._tolerance import Tolerance, error_units
+from ._tolerance import Tolerance
 
 __all__ = ["compare", "assert_equivalent", "spec_differences", "function_differences"]
 
@@ -297,14 +298,17 @@ def _quantity(i, label, name, a, b, allowed) -> QuantityResult:
     if a.shape != b.shape:
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               f"shape {a.shape} vs {b.shape}")
-    err, units = error_units(a, b, "float64", k, 1.0, allowed=allowed[0])
+    diff, elementwise = elementwise_units(a, b, allowed[0])
+    err = float(diff.max()) if diff.size else 0.0
+    units = float(elementwise.max()) if diff.size else 0.0
+    stats = element_stats(a, b, elementwise, coarser_dtype(a.dtype, b.dtype))
     note = ""
     if not math.isfinite(units):
         bad_a = int((~np.isfinite(a.astype(np.float64))).sum())
         bad_b = int((~np.isfinite(b.astype(np.float64))).sum())
         if bad_a != bad_b:
             note = f"non-finite values: {bad_a} in a, {bad_b} in b"
-    return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note)
+    return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note, stats)
 
 
 def first_failure(layers: list[LayerResult]) -> QuantityResult | None:

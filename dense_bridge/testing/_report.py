@@ -12,7 +12,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ._elements import ElementStats, fmt_ulp
 from ._tolerance import Tolerance
 
 __all__ = ["QuantityResult", "LayerResult", "Report"]
@@ -25,6 +27,8 @@ class QuantityResult:
     ``units`` is the max error in tolerance units (<= 1 passes; inf for a shape mismatch, a
     missing quantity or a NaN/Inf in only one of the two); ``fan_in`` is K, the length of the
     reduction that produced it (its allowance also carries what it inherits from its inputs).
+    ``stats``: element by element (ULPs, the fraction out of tolerance, the worst element with
+    both values, NaN/Inf positions; see ``_elements``), None where no values were compared.
     """
 
     layer: int | None
@@ -36,12 +40,20 @@ class QuantityResult:
     fan_in: int = 0
     shape: tuple[int, ...] = ()
     note: str = ""
+    stats: ElementStats | None = None
+
+    @property
+    def bit_identical(self) -> bool:
+        """True when every element of the two sides matches exactly (NaN with NaN)."""
+        return self.stats is not None and self.stats.bit_identical
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "layer_type": self.layer_type, "quantity": self.quantity,
                 "max_abs_error": _json_float(self.max_abs_error), "units": _json_float(self.units),
                 "passed": self.passed, "fan_in": self.fan_in,
-                "shape": list(self.shape), "note": self.note}
+                "shape": list(self.shape), "note": self.note,
+                "bit_identical": self.bit_identical,
+                "elements": None if self.stats is None else self.stats.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,11 @@ class Report:
     first_failure: QuantityResult | None = None
     strict: bool = False
     strict_differences: list[str] = field(default_factory=list)
+    #: teacher forcing: every layer of b ran on the input and cotangent a's counterpart received
+    isolated: bool = False
+    #: parameters of either model left unmatched, tied or matched with another dtype, and both
+    #: parameter counts (``_structure.Structure``), found before anything ran; None: not looked at
+    structure: Any = None
 
     # ------------------------------------------------------------------ verdict
     @property
@@ -133,6 +150,12 @@ class Report:
         return [q for layer in self.layers for q in layer.quantities]
 
     @property
+    def bit_identical(self) -> bool:
+        """True when something was compared and every value of every quantity matches exactly."""
+        rows = self.rows
+        return self.compared and bool(rows) and all(q.bit_identical for q in rows)
+
+    @property
     def worst(self) -> QuantityResult | None:
         """The quantity with the most tolerance units (None when nothing was compared)."""
         rows = self.rows
@@ -146,6 +169,8 @@ class Report:
         strict = (f"strict: the specs differ in {len(self.strict_differences)} field(s) that change the "
                   f"function or its precision: " + "; ".join(self.strict_differences)) if self.strict_failed else ""
         worst = self.worst
+        if self.passed and self.bit_identical:
+            return f"PASS: bit-identical: every value of {len(self.rows)} quantities matches exactly (0 ULP)"
         if self.passed:
             extra = f" (specs differ in {len(self.spec_differences)} field(s))" if self.spec_differences else ""
             where = "" if worst is None else (f"; worst {fmt_units(worst.units)} tolerance units at "
@@ -170,6 +195,11 @@ class Report:
             + ("given" if self.inputs_given else f"from seed {self.seed}")
             + ("; strict (spec differences in function or precision fail)" if self.strict else ""),
         ]
+        if self.isolated:
+            lines.append("  mode: isolated (each layer of b ran on the input and output gradient its counterpart "
+                         "in a received)")
+        if self.structure is not None:
+            lines += self.structure.lines()
         if self.spec_differences:
             lines.append("spec differences (a vs b):")
             lines += [f"  {d}" for d in self.spec_differences]
@@ -179,15 +209,16 @@ class Report:
             type_w = max([10] + [len(l.layer_type) for l in self.layers])
             q_w = max([10] + [len(q.quantity) for q in self.rows])
             header = (f"{'layer':>5}  {'type':<{type_w}}  {'quantity':<{q_w}}  {'max abs err':>11}  "
-                      f"{'tol units':>9}  {'K':>6}  result")
+                      f"{'tol units':>9}  {'K':>6}  {'ULP max/med':>15}  {'out of tol':>18}  result")
             lines += [header, "-" * len(header)]
             for layer in self.layers:
                 idx = "all" if layer.index is None else str(layer.index)
                 for q in layer.quantities:
+                    ulp, frac = ulp_cells(q)
                     lines.append(f"{idx:>5}  {layer.layer_type:<{type_w}}  {q.quantity:<{q_w}}  "
                                  f"{fmt_err(q.max_abs_error):>11}  {fmt_units(q.units):>9}  {q.fan_in:>6}  "
-                                 f"{'PASS' if q.passed else 'FAIL'}"
-                                 + (f"  ({q.note})" if q.note else ""))
+                                 f"{ulp:>15}  {frac:>18}  {result_word(q):<18}"
+                                 + "".join(f"  ({x})" for x in detail_notes(q)))
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -214,6 +245,9 @@ class Report:
             "spec_differences": list(self.spec_differences),
             "strict_differences": list(self.strict_differences),
             "notes": list(self.notes),
+            "isolated": self.isolated,
+            "bit_identical": self.bit_identical,
+            "structure": None if self.structure is None else self.structure.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -243,6 +277,34 @@ def fmt_units(x: float) -> str:
     if not math.isfinite(x):
         return "inf"
     return f"{x:.3g}" if x < 1e4 else f"{x:.2e}"
+
+
+def ulp_cells(q: QuantityResult) -> tuple[str, str]:
+    """("max/median" ULPs, "n/N (x%)" out of tolerance) of a row, "-" where no values were compared."""
+    if q.stats is None:
+        return "-", "-"
+    s = q.stats
+    return f"{fmt_ulp(s.ulp_max)}/{fmt_ulp(s.ulp_median)}", s.fraction
+
+
+def result_word(q: QuantityResult) -> str:
+    """PASS, FAIL, or "PASS bit-identical" when every element matches exactly."""
+    return ("PASS bit-identical" if q.bit_identical else "PASS") if q.passed else "FAIL"
+
+
+def worst_text(q: QuantityResult) -> str:
+    """"worst [3, 17]: a 0.1234 | b 0.1301" ("" when every element matches)."""
+    s = q.stats
+    if s is None or s.worst_index is None:
+        return ""
+    return f"worst {list(s.worst_index)}: a {s.worst_a:.7g} | b {s.worst_b:.7g}"
+
+
+def detail_notes(q: QuantityResult) -> list[str]:
+    """The worst element, NaN/Inf positions and the row's note, as far as there is any."""
+    s = q.stats
+    out = [] if s is None else [x for x in (worst_text(q), s.nonfinite) if x]
+    return out + ([q.note] if q.note else [])
 
 
 def _where(q: QuantityResult) -> str:
