@@ -92,7 +92,7 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     The output is what ``capture`` records: a DenseLinear with an activation runs its linear map
     alone (``grad_out`` is then dL/d(linear map)).
     """
-    from ._capture import _canonical
+    from ._capture import canonical as _canonical
     from ._layers import DenseLinear
 
     arr = np.asarray(x)

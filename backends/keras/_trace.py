@@ -60,7 +60,7 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     The output is what ``capture`` records: a layer applying an activation inside itself
     (``Dense(activation=...)``) runs its linear map alone, and ``grad_out`` is dL/d(linear map).
     """
-    from ._capture import _canonical_grads
+    from ._capture import canonical_grads as _canonical_grads
 
     act = getattr(layer, "activation", None)
     inside = act is not None and act is not keras.activations.linear

@@ -114,7 +114,7 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter gradients)``
     as numpy; ``grad_out`` None: forward only (``(output, None, {})``). The output is what
     ``capture`` records (the module's return value); the mask is never differentiated."""
-    from ._capture import _canonical_grads as canonical
+    from ._capture import canonical_grads as canonical
 
     arr = np.asarray(x)
     xm = to_mx(arr, np.dtype(arr.dtype).name)

@@ -143,7 +143,7 @@ def run_layer(layer: nn.Module, x: np.ndarray, grad_out: np.ndarray | None):
     The output is what ``capture`` records for the layer (hooks see the module's return value);
     the layer runs in eval mode and its ``.grad`` fields are left untouched.
     """
-    from ._capture import _canonical_grads
+    from ._capture import canonical_grads as _canonical_grads
 
     grads = grad_out is not None
     xt = from_numpy(np.ascontiguousarray(x)).clone().requires_grad_(grads)

@@ -33,7 +33,11 @@ from .._dtypes import EPS
 from ._captures import Call, Capture
 from ._tolerance import Tolerance, allowed_error
 
-__all__ = ["forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced"]
+__all__ = ["forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced", "forced_layer_traces",
+           "LAYER_NOTE"]
+
+LAYER_NOTE = ("isolated: every layer of b (with the activations after it) ran alone, compiled from b's parameters "
+              "on b's backend, on the input and output gradient its counterpart in a received (teacher forcing)")
 
 ISOLATED_NOTE = ("isolated: every compared linear layer of b ran alone on the input and output gradient its "
                  "counterpart in a received (teacher forcing); output, dL/dx and parameter-gradient rows judge those "
@@ -203,3 +207,62 @@ def judge_copy(report):
     twin = copy.copy(report)
     twin.layers, twin.notes, twin.calls = [], [], []
     return twin
+
+
+# ---------------------------------------------------------------------------- compare (spec models)
+def _segments(layers: list) -> list[tuple[int, int]] | None:
+    """[start, end) ranges each holding one layer with parameters and the parameter-free layers
+    after it (those before the first join it); None when no layer has parameters."""
+    from ..specs import layer_param_shapes
+
+    starts = [i for i, layer in enumerate(layers) if layer_param_shapes(layer)]
+    if not starts:
+        return None
+    bounds = [0] + starts[1:] + [len(layers)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a, trace_b, xs: list[np.ndarray],
+                        g: np.ndarray, in_dtype_b: str, dtype: str, tol: Tolerance,
+                        grads: bool) -> tuple[list, list] | str:
+    """b's layers traced one segment at a time (a layer with parameters and the activations after
+    it, compiled alone on b's backend from b's parameters) on the input a's segment received and
+    backward from the gradient a's segment received: (b's LayerTrace per layer, the allowances per
+    layer for exact inputs), or why b's layers cannot be forced.
+
+    ``xs``/``g``: the model's input and upstream gradient (float64); ``trace_a``/``trace_b``: the
+    cascaded traces (a's values are fed; b's give the dtype each of its layers received).
+    """
+    from .._api import build
+    from .._dtypes import numpy_dtype
+    from .._params import ParamSource
+    from .._registry import get_adapter
+    from ..specs import Sequential
+    from ._propagate import allowances
+
+    parts = _segments(layers_b)
+    if parts is None or len(parts) < 2:
+        return "fewer than two layers with parameters: each already runs on exactly what the other's received"
+    traces: list = [None] * len(layers_b)
+    allowed: list = [None] * len(layers_b)
+    n = len(layers_b)
+    for start, end in parts:
+        x = [np.asarray(v) for v in xs] if start == 0 else [np.asarray(trace_a.layers[start - 1].output)]
+        x_dtype = np.asarray(trace_b.layers[start - 1].output).dtype if start else numpy_dtype(in_dtype_b)
+        up = g if end == n else np.asarray(trace_a.layers[end].input_grads[0])
+        up_dtype = np.asarray(trace_b.layers[end - 1].output).dtype
+        if not grads:
+            up = np.zeros(np.shape(trace_a.layers[end - 1].output))
+        part = Sequential(list(layers_b[start:end]))
+        own = {f"{j - start}.{k.split('.', 1)[1]}": v for j in range(start, end) for k, v in params_b.items()
+               if k.split(".", 1)[0] == str(j)}
+        try:
+            model = build(backend_b, ParamSource(part, params=own))
+            seg = get_adapter(backend_b).trace(model, [v.astype(x_dtype) for v in x], np.asarray(up).astype(up_dtype))
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run this part alone: said, not fatal
+            return f"layers {start}..{end - 1} cannot run alone on {backend_b} ({type(exc).__name__}: {exc})"
+        seg_allowed = allowances(list(part.layers), seg, own, "{}.", [np.asarray(v, np.float64) for v in x],
+                                 np.asarray(up, np.float64), dtype, tol)
+        for j in range(start, end):
+            traces[j], allowed[j] = seg.layers[j - start], seg_allowed[j - start]
+    return traces, allowed
