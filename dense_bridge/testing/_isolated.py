@@ -113,8 +113,9 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
         x = np.asarray(ca.inputs[0])
         xb = x.reshape(np.shape(cb.inputs[0])).astype(np.asarray(cb.inputs[0]).dtype)
         g = gb = None
-        if grads and ca.output_grad is not None:
-            g = np.asarray(ca.output_grad)
+        if grads:
+            # a call a's backward pass never reached had a cotangent of 0 (torch reports None)
+            g = np.zeros(np.shape(ca.output)) if ca.output_grad is None else np.asarray(ca.output_grad)
             gb = g.reshape(np.shape(cb.output)).astype(np.asarray(cb.output).dtype)
         try:
             yb, dxb, pgb = run_b(layers_b[pb], xb, gb)
@@ -257,7 +258,7 @@ def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a,
         own = {f"{j - start}.{k.split('.', 1)[1]}": v for j in range(start, end) for k, v in params_b.items()
                if k.split(".", 1)[0] == str(j)}
         try:
-            model = build(backend_b, ParamSource(part, params=own))
+            model = build(backend_b, ParamSource(part, params=own, allow_nonfinite=True))
             seg = get_adapter(backend_b).trace(model, [v.astype(x_dtype) for v in x], np.asarray(up).astype(up_dtype))
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run this part alone: said, not fatal
             return f"layers {start}..{end - 1} cannot run alone on {backend_b} ({type(exc).__name__}: {exc})"
