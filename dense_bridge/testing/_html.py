@@ -24,9 +24,11 @@ font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{b
 td.l{text-align:left}tr.fail td{background:#fde8e8}.pass{color:#17803d}.fail{color:#b91c1c}
 .verdict{font-size:1.1em;font-weight:bold;margin:0.8em 0}ul{font-family:monospace;font-size:12px}
 .first{border:2px solid #b91c1c;border-radius:6px;padding:0.5em 1em;background:#fff8f8}
-.row{display:flex;gap:1.5em;align-items:flex-start;flex-wrap:wrap}.chart{overflow-x:auto;max-width:100%}
-.hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px;min-width:320px;flex:1}
+.row{display:flex;gap:1.2em;align-items:flex-start}.chart{flex:0 1 auto;max-width:60%;overflow-x:auto}
+.hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px;flex:1 1 40%;
+max-height:360px;overflow-y:auto;align-content:start}
 .hist{border:1px solid #eee;border-radius:4px;padding:2px 4px;font-family:monospace;font-size:10px}
+.hist.bad{border:2px solid #e03131}
 details{border:1px solid #ddd;border-radius:4px;margin:3px 0;padding:2px 8px}
 summary{cursor:pointer;font-family:monospace;font-size:13px}summary .tag{font-weight:bold}
 .meta{font-size:13px}.bit{color:#1864ab;font-weight:bold}"""
@@ -38,7 +40,8 @@ _SHORT = {"output": "out", "dL/dx": "dx", "dL/dx1": "dx1", "dL/dx2": "dx2", "dL/
 
 
 def svg_chart(report) -> str:
-    """Bars of log10(tolerance units) per layer and quantity; a dashed line at 1 unit."""
+    """Bars of log10(tolerance units) per layer and quantity (over 60 quantities: one bar per layer,
+    its worst quantity); a dashed line at 1 unit."""
     rows = report.rows
     if not rows:
         return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="40"><text x="4" y="24">' \
@@ -48,8 +51,12 @@ def svg_chart(report) -> str:
     hi = max([2.0] + [math.ceil(v) for v in finite])
     top_cap = hi + 0.5  # where an infinite error is drawn
     left, right, top, bottom, height = 56, 16, 24, 64, 260
-    bar, gap, group_gap = 16, 3, 18
-    widths = [len(layer.quantities) * (bar + gap) - gap for layer in report.layers]
+    # a model of dozens of layers gets one bar per layer, its worst quantity, rather than a page-wide chart
+    compact = len(rows) > 60
+    bar, gap, group_gap = (max(4, min(14, 700 // len(report.layers))), 1, 3) if compact else (16, 3, 18)
+    shown = [[max(layer.quantities, key=lambda q: q.units)] if compact and layer.quantities else
+             list(layer.quantities) for layer in report.layers]
+    widths = [len(qs) * (bar + gap) - gap for qs in shown]
     width = max(left + 200, left + right + sum(widths) + group_gap * (len(widths) + 1))  # room for the legend
 
     def y(v: float) -> float:
@@ -63,8 +70,8 @@ def svg_chart(report) -> str:
     parts.append(f'<text x="12" y="{top + height / 2:.0f}" transform="rotate(-90 12 {top + height / 2:.0f})" '
                  f'text-anchor="middle">error / tolerance (log)</text>')
     x = left + group_gap
-    for layer, w in zip(report.layers, widths):
-        for i, q in enumerate(layer.quantities):
+    for layer, w, qs in zip(report.layers, widths, shown):
+        for i, q in enumerate(qs):
             bx = x + i * (bar + gap)
             if math.isfinite(q.units):
                 v = math.log10(q.units) if q.units > 0 else lo
@@ -75,15 +82,20 @@ def svg_chart(report) -> str:
                               f"{fmt_units(q.units)} units, max abs err {fmt_err(q.max_abs_error)}")
             parts.append(f'<rect x="{bx}" y="{y(v):.1f}" width="{bar}" height="{max(1.0, y(lo) - y(v)):.1f}" '
                          f'fill="{color}"><title>{tip}</title></rect>')
-            label = html.escape(_SHORT.get(q.quantity, q.quantity))
-            parts.append(f'<text x="{bx + bar / 2}" y="{top + height + 14}" text-anchor="middle" '
-                         f'font-size="9">{label}</text>')
-        name = "all" if layer.index is None else f"layer {layer.index}"
+            if not compact:
+                label = html.escape(_SHORT.get(q.quantity, q.quantity))
+                parts.append(f'<text x="{bx + bar / 2}" y="{top + height + 14}" text-anchor="middle" '
+                             f'font-size="9">{label}</text>')
+        name = "all" if layer.index is None else (str(layer.index) if compact else f"layer {layer.index}")
         fits = max(3, int((w + group_gap) / 5.6))  # monospace 9px: about 5.4px a character
         kind = layer.layer_type if len(layer.layer_type) <= fits else layer.layer_type[:fits - 1] + "\u2026"
-        parts.append(f'<text x="{x + w / 2}" y="{top + height + 30}" text-anchor="middle">{html.escape(name)}</text>'
-                     f'<text x="{x + w / 2}" y="{top + height + 44}" text-anchor="middle" font-size="9">'
-                     f'<title>{html.escape(layer.layer_type)}</title>{html.escape(kind)}</text>')
+        color = "" if layer.passed else ' fill="#b91c1c" font-weight="bold"'
+        if not compact or not layer.passed or layer.index is None or layer.index % 10 == 0:
+            parts.append(f'<text x="{x + w / 2}" y="{top + height + (16 if compact else 30)}" '
+                         f'text-anchor="middle"{color}>{html.escape(name)}</text>')
+        if not compact:
+            parts.append(f'<text x="{x + w / 2}" y="{top + height + 44}" text-anchor="middle" font-size="9">'
+                         f'<title>{html.escape(layer.layer_type)}</title>{html.escape(kind)}</text>')
         x += w + group_gap
     parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(0):.1f}" y2="{y(0):.1f}" stroke="#b91c1c" '
                  f'stroke-dasharray="6 3" stroke-width="1.5"/><text x="{width - right}" y="{y(0) - 4:.1f}" '
@@ -187,11 +199,13 @@ def render_html(report) -> str:
                                                                       for d in report.spec_differences) + "</ul>")
     if report.notes:
         out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in report.notes) + "</ul>")
-    out.append('<h2>Error per layer</h2><div class="row"><div class="chart">' + svg_chart(report) + "</div>")
+    out.append('<h2>Error per layer: tolerance units per quantity, and each layer\'s elements per tolerance '
+               'bin</h2><div class="row"><div class="chart">' + svg_chart(report) + "</div>")
     out.append('<div class="hists">')
-    for layer in report.layers:
+    # failing layers first (in execution order), so the divergence is in view without scrolling
+    for layer in sorted(report.layers, key=lambda layer: layer.passed):
         cls = "pass" if layer.passed else "fail"
-        out.append(f'<div class="hist"><span class="{cls}">{e(_name(layer.index))}</span> '
+        out.append(f'<div class="hist{"" if layer.passed else " bad"}"><span class="{cls}">{e(_name(layer.index))}</span> '
                    f'<span title="{e(layer.layer_type)}">{e(layer.layer_type[-22:])}</span><br>'
                    f"{_hist_svg(_layer_hist(layer.quantities))}</div>")
     out.append("</div></div>")
