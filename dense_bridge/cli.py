@@ -373,6 +373,10 @@ def cmd_check(args) -> int:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
         report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
+    if report.structure is None:  # streamed: the parameter rows read on the way say it
+        from .testing._structure import rows_structure
+
+        report.structure = rows_structure(diffs)
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
     passed = bool(report.passed)

@@ -281,6 +281,7 @@ def test_cli_check_isolated_table_and_json(tmp_path, capsys):
     assert cli.main(args) == 1  # cascaded, streamed layer by layer: downstream layers fail too
     text = capsys.readouterr().out
     assert "ULP max/med" in text and "out of tol" in text and "mode: isolated" not in text
+    assert f"structure: a has {SIX.num_params:,} parameters, b has {SIX.num_params:,}" in text
 
 
 # ---------------------------------------------------------------------------- run_layer

@@ -190,8 +190,7 @@ def merge_rows(cascaded: list, forced_layers: list, dx: dict, forced_paths_rows:
         rows = []
         for q in layer.quantities:
             if q.quantity in FORCED_ROWS:
-                if q.quantity in forced:
-                    rows.append(forced.pop(q.quantity))
+                rows.append(forced.pop(q.quantity, q))  # a row the forced calls lack stays cascaded
                 continue
             rows.append(q)
             if q.quantity == "dL/dy" and i in dx:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Structure", "model_structure", "params_structure"]
+__all__ = ["Structure", "model_structure", "params_structure", "rows_structure"]
 
 
 @dataclass
@@ -188,4 +188,20 @@ def params_structure(params_a: dict, params_b: dict) -> Structure:
     for k in params_a:
         if k in params_b and _dtype(params_a[k]) != _dtype(params_b[k]):
             out.dtype_differences.append((k, k, _dtype(params_a[k]), _dtype(params_b[k])))
+    return out
+
+
+def rows_structure(rows: list[dict]) -> Structure:
+    """The :class:`Structure` from per-parameter rows as ``dense-bridge check`` lists them while it
+    streams two checkpoints ({"name", "shape_a", "shape_b", "dtype_a", "dtype_b"}, a side's shape
+    None where it lacks the parameter)."""
+    def count(side: str) -> int:
+        return sum(int(np.prod(r[f"shape_{side}"])) for r in rows
+                   if r[f"shape_{side}"] is not None and not r["name"].endswith("mask"))
+
+    out = Structure(count("a"), count("b"))
+    out.unmatched_a = [r["name"] for r in rows if r["shape_b"] is None]
+    out.unmatched_b = [r["name"] for r in rows if r["shape_a"] is None]
+    out.dtype_differences = [(r["name"], r["name"], r["dtype_a"], r["dtype_b"]) for r in rows
+                             if r["shape_a"] is not None and r["shape_b"] is not None and r["dtype_a"] != r["dtype_b"]]
     return out
