@@ -311,3 +311,77 @@ def test_run_layer_matches_numpy(backend, activation):
     assert none is None and empty == {}
     for k, v in db.get_params(layer).items():  # the parameters are untouched
         np.testing.assert_array_equal(v.astype(np.float64), p[k])
+
+
+# ---------------------------------------------------------------------------- real ports, forced
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_bert_port_isolated_through_einsum_dense_reshapes():
+    """keras-hub's EinsumDense takes (batch, seq, heads, head_dim) where torch's Linear takes
+    (batch, seq, hidden): the forced inputs and cotangents are reshaped to b's native shapes."""
+    import _compare_ports as P
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("keras_hub")
+    src, port = P.torch_bert(0), P.keras_bert()
+    P.port_bert(src, port)
+    inputs = P.bert_inputs(0)
+    report = compare_models(src, port, inputs, mapping=P.BERT_RULES, isolated=True)
+    assert report.passed and report.isolated, str(report)
+    rows = {pb: layer for (_, pb, _), layer in zip(report.calls, report.layers)}
+    attention_output = rows["transformer_layer_0/self_attention_layer/attention_output"]
+    assert attention_output["dL/dx"].shape == (2 * 7, P.H) and attention_output["output"].passed
+    assert not [n for n in report.notes if "judged as in cascaded mode" in n], report.notes
+    # a dropped bias is named at its layer, and the layers after it keep passing their own rows
+    layer = db.linear_layers(port)["transformer_layer_0/feedforward_output_dense"]
+    p = db.get_params(layer)
+    db.set_params(layer, {**p, "bias": np.zeros_like(p["bias"])})
+    bad = compare_models(src, port, inputs, mapping=P.BERT_RULES, isolated=True)
+    assert bad.first_divergence_a == "encoder.layer.0.output.dense" and bad.first_failure.quantity == "output"
+    own = [pb for (_, pb, _), layer in zip(bad.calls, bad.layers)
+           if any(not q.passed for q in layer.quantities if q.quantity in ("output", "dL/dx", "dL/dkernel"))]
+    assert own == ["transformer_layer_0/feedforward_output_dense"], str(bad)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_float32_original_against_bfloat16_port_isolated_casts_the_forced_inputs():
+    import _compare_ports as P
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("mlx_lm")
+    src, port = P.torch_llama(0), P.mlx_llama("bfloat16")
+    P.port_llama(src, port)
+    report = compare_models(src, port, P.lm_inputs(0), mapping=[(r"(.*)", r"\1")], isolated=True)
+    assert report.passed, str(report)
+    q = report.layers[0]["output"]
+    assert q.stats.ulp_dtype == "bfloat16" and report.dtype == "bfloat16"
+    assert report.structure.dtype_differences  # every matched parameter: float32 vs bfloat16
+    assert all(da == "float32" and db_ == "bfloat16" for _, _, da, db_ in report.structure.dtype_differences)
+
+
+def test_compare_models_same_engine_pair_is_bit_identical():
+    torch = pytest.importorskip("torch")
+    a = _torch_mlp(False)
+    b = _torch_mlp(False)
+    x = [np.random.default_rng(0).standard_normal((4, 8))]
+    for isolated in (False, True):
+        report = compare_models(a, b, x, isolated=isolated)
+        assert report.bit_identical and report.verdict().startswith("PASS: bit-identical"), str(report)
+    with torch.no_grad():
+        b[0].bias[0] += 1e-7  # one ULP-scale change: within tolerance, no longer bit-identical
+    report = compare_models(a, b, x)
+    assert report.passed and not report.bit_identical and "bit-identical" not in report.verdict()
+
+
+def test_cli_check_model_files_isolated(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    torch.save(_torch_mlp(False), tmp_path / "a.pt")
+    torch.save(_torch_mlp(True), tmp_path / "b.pt")
+    np.savez(tmp_path / "x.npz", np.random.default_rng(0).standard_normal((4, 8)))
+    code = cli.main(["check", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--inputs", str(tmp_path / "x.npz"),
+                     "--trust-pickle", "--isolated", "--json"])
+    assert code == 1
+    doc = json.loads(capsys.readouterr().out)["report"]
+    assert doc["isolated"] is True and doc["first_divergence"] == "6"
+    assert doc["structure"]["params_a"] == doc["structure"]["params_b"] == 6 * (64 + 8)
+    failing = {layer["layer_type"] for layer in doc["layers"] if not layer["passed"]}
+    assert failing == {"6"}
