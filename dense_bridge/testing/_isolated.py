@@ -62,7 +62,7 @@ def _name(adapter) -> str:
     return adapter.__name__.rsplit(".", 1)[-1]
 
 
-def _same_semantics(pa: str, pb: str, cap_a: Capture, cap_b: Capture, acts: Callable[[str, str], tuple]) -> bool:
+def _same_semantics(pa: str, pb: str, acts: Callable[[str, str], tuple]) -> bool:
     """Do a's recorded output and b's run_layer output mean the same thing (both before the
     layer's own activation, or both after the same one)?"""
     fa, fb = acts(pa, pb)
@@ -75,8 +75,8 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
     """A Capture of b whose calls are b's layers run alone on a's recorded inputs and cotangents
     (a call that cannot be forced is b's own cascaded call), and what the forcing saw.
 
-    ``acts(pa, pb)``: the activations a's and b's recorded outputs are taken before (None: the
-    recorded output is the layer's return value).
+    ``acts(pa, pb)``: the activation each side's recorded output includes, a's and b's (None: the
+    recorded output is the linear map alone).
     """
     forced = Forced()
     run_b, run_a = getattr(adapter_b, "run_layer", None), getattr(adapter_a, "run_layer", None)
@@ -97,7 +97,7 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
     for pa, pb in pairs:
         if len(by_a.get(pa, [])) != counts_b.get(pb, 0):
             refused[pb] = f"called {counts_b.get(pb, 0)} time(s) in b but {len(by_a.get(pa, []))} in a"
-        elif not _same_semantics(pa, pb, cap_a, cap_b, acts):
+        elif not _same_semantics(pa, pb, acts):
             refused[pb] = "one side records its output before an activation applied inside the layer, the other after"
     calls: list[Call] = []
     sums: dict[str, dict[str, np.ndarray]] = {}
