@@ -249,20 +249,20 @@ def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a,
     for start, end in parts:
         x = [np.asarray(v) for v in xs] if start == 0 else [np.asarray(trace_a.layers[start - 1].output)]
         x_dtype = np.asarray(trace_b.layers[start - 1].output).dtype if start else numpy_dtype(in_dtype_b)
-        up = g if end == n else np.asarray(trace_a.layers[end].input_grads[0])
-        up_dtype = np.asarray(trace_b.layers[end - 1].output).dtype
-        if not grads:
-            up = np.zeros(np.shape(trace_a.layers[end - 1].output))
+        up = None  # forward only: a backend without gradients is traced with grad_out=None
+        if grads:
+            up = g if end == n else np.asarray(trace_a.layers[end].input_grads[0])
+            up = np.asarray(up).astype(np.asarray(trace_b.layers[end - 1].output).dtype)
         part = Sequential(list(layers_b[start:end]))
         own = {f"{j - start}.{k.split('.', 1)[1]}": v for j in range(start, end) for k, v in params_b.items()
                if k.split(".", 1)[0] == str(j)}
         try:
             model = build(backend_b, ParamSource(part, params=own, allow_nonfinite=True))
-            seg = get_adapter(backend_b).trace(model, [v.astype(x_dtype) for v in x], np.asarray(up).astype(up_dtype))
+            seg = get_adapter(backend_b).trace(model, [v.astype(x_dtype) for v in x], up)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run this part alone: said, not fatal
             return f"layers {start}..{end - 1} cannot run alone on {backend_b} ({type(exc).__name__}: {exc})"
         seg_allowed = allowances(list(part.layers), seg, own, "{}.", [np.asarray(v, np.float64) for v in x],
-                                 np.asarray(up, np.float64), dtype, tol)
+                                 None if up is None else np.asarray(up, np.float64), dtype, tol, grads=grads)
         for j in range(start, end):
             traces[j], allowed[j] = seg.layers[j - start], seg_allowed[j - start]
     return traces, allowed
