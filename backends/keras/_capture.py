@@ -204,3 +204,7 @@ def load_model(path: str, *, trust_pickle: bool = False):
         return keras.saving.load_model(path, compile=False)
     except Exception as exc:  # noqa: BLE001 - any deserialization failure is a bad file
         raise CheckpointError(f"{path}: cannot load a Keras model ({type(exc).__name__}: {exc})") from None
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads
