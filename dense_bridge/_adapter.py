@@ -118,7 +118,9 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference")
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
+                                   # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
+                                   "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
@@ -139,6 +141,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
+    "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
 )
 
 

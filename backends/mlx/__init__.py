@@ -59,6 +59,7 @@ from ._to_spec import to_spec
 from ._trace import trace
 from ._capture import capture
 from ._models import walk
+from ._lora import attach_lora, detach_lora, lora_base, lora_heads, read_lora, write_lora  # mlx-lm LoRA wrappers
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
@@ -72,7 +73,8 @@ def get_params_parallel(native, local: bool = False) -> dict:
     rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
     return _par.get_params_parallel(native, local, get_params)
 
-__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
+__all__ = ["lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
+           "DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
