@@ -246,8 +246,12 @@ def _last(path: str) -> str:
 
 def _linear_params(layer: Any) -> dict[str, np.ndarray]:
     """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    from .lora import read_params
+
     try:
-        return adapter_for(layer).get_params(layer)
+        adapter = adapter_for(layer)
+        with_adapter = read_params(adapter, layer)  # a LoRA-wrapped layer: its own + lora_* keys
+        return adapter.get_params(layer) if with_adapter is None else with_adapter
     except SpecError as exc:  # an unbuilt lazy layer
         raise ConversionError(str(exc)) from None
 
@@ -336,6 +340,7 @@ class TransferReport:
     not_moved_src: list[str] = field(default_factory=list)
     not_moved_dst: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)  # LoRA adapters: mode, kept, merged, rounding (path -> largest error)
 
     @property
     def num_moved(self) -> int:
@@ -359,7 +364,8 @@ class TransferReport:
         return "\n".join(lines)
 
 
-def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) -> TransferReport:
+def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, lora: str | None = None,
+             allow_rounding: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -385,7 +391,15 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
     rule must match something. All-or-nothing: names, shapes and values are checked before
     anything is written, and ``dst`` is restored if a write fails. Tied parameters move once.
     Returns a :class:`TransferReport` listing what moved and every parameter that did not.
+
+    ``lora``: how linear layers holding LoRA adapters move (``dense_bridge._lora_transfer``):
+    ``None`` (an adapter in src is an error naming it), ``"keep"`` (attached on dst with its
+    framework's adapter class) or ``"merge"`` (into dst's kernels). ``allow_rounding``: accept a
+    scale dst folds into ``lora_b`` inexactly (Flax); ``report.lora["rounding"]`` says how much.
     """
+    from ._lora_transfer import LoraMoves
+
+    adapters = LoraMoves(lora, allow_rounding, dst)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     if src is dst:
@@ -416,7 +430,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
                             f"parameter path instead")
             continue
         if s.kind == "linear":
-            problem = _linear_move(s, d, writes)
+            problem = adapters.move(s, d, writes) if adapters.takes(s, d) else _linear_move(s, d, writes)
             if problem:
                 problems.append(problem)
                 continue
@@ -481,7 +495,8 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))
-    _write_all(writes)
+    _write_all(writes, adapters)
+    report.lora = adapters.summary()
     report.not_moved_src = [p for p in a.params if p not in moved_src]
     report.not_moved_dst = [p for p in b.params if p not in dst_done]
     return report
@@ -526,14 +541,16 @@ def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str) -> str 
     return None
 
 
-def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
+def _write_all(writes: list[tuple[Entry, str, dict]], adapters: Any = None) -> None:
     """Write everything; on a failure, put back what was written (all-or-nothing)."""
     done: list[tuple[Entry, dict]] = []
     try:
         for d, how, arrays in writes:
             before = {k: np.array(v, copy=True) for k, v in d.read().items()}
             done.append((d, before))
-            if how == "linear":
+            if how == "lora":  # a LoRA layer: attached where dst has no adapter yet, then written
+                adapters.write(d, arrays)
+            elif how == "linear":
                 adapter_for(d.layer).set_params(d.layer, arrays)
             else:
                 d.write(arrays)
