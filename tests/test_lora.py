@@ -385,3 +385,76 @@ def test_cli_refuses_what_mlx_lm_cannot_hold(tmp_path):
     run = subprocess.run([sys.executable, "-m", "dense_bridge.cli", "adapter", str(tmp_path / "first"), "--to",
                           "mlx-lm", "-o", str(tmp_path / "out3")], capture_output=True, text=True)
     assert run.returncode == 2 and "--num-layers" in run.stderr
+
+
+# ----------------------------------------------------------------------------- Flax, and frameworks without adapters
+def _toy_peft(alpha):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(8, 6)
+            self.o = torch.nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.o(self.q(x))
+
+    torch.manual_seed(0)
+    return peft.get_peft_model(Toy(), peft.LoraConfig(r=4, lora_alpha=alpha, target_modules=["q"],
+                                                      init_lora_weights=False)).get_base_model().eval()
+
+
+def _toy_out(model, x):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(x)).numpy()
+
+
+def test_flax_lora_linear_holds_a_power_of_two_scale_exactly_and_rounds_others_only_when_allowed():
+    pytest.importorskip("flax")
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Toy(nnx.Module):
+        def __init__(self):
+            self.q = nnx.Linear(8, 6, rngs=nnx.Rngs(0))
+            self.o = nnx.Linear(6, 4, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.o(self.q(x))
+
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    src = _toy_peft(alpha=8)  # scale 2: folded into lora_b exactly
+    dst = Toy()
+    report = db.transfer(src, dst, mapping=SAME, lora="keep")
+    assert type(dst.q) is nnx.LoRALinear and report.lora["rounding"] == {}
+    theirs, ours = db.get_params(db.linear_layers(src)["q"]), db.get_params(dst.q)
+    np.testing.assert_array_equal(ours["lora_a"], theirs["lora_a"])
+    np.testing.assert_array_equal(ours["lora_b"], theirs["lora_b"] * 2)
+    assert float(ours["lora_scale"]) == 1.0
+    np.testing.assert_allclose(np.asarray(dst(jnp.asarray(x))), _toy_out(src, x), atol=1e-6)
+    # alpha 6 / r 4 = 1.5: folding rounds; refused, then accepted and reported
+    src = _toy_peft(alpha=6)
+    dst = Toy()
+    with pytest.raises(db.ConversionError, match="allow_rounding=True"):
+        db.transfer(src, dst, mapping=SAME, lora="keep")
+    assert type(dst.q) is nnx.Linear  # nothing was attached
+    report = db.transfer(src, dst, mapping=SAME, lora="keep", allow_rounding=True)
+    assert 0 < report.lora["rounding"]["q"] < 1e-6
+    np.testing.assert_allclose(np.asarray(dst(jnp.asarray(x))), _toy_out(src, x), atol=1e-6)
+    db.merge_lora(dst)
+    assert type(dst.q) is nnx.Linear
+    np.testing.assert_allclose(np.asarray(dst(jnp.asarray(x))), _toy_out(src, x), atol=1e-6)
+
+
+def test_a_framework_without_adapter_classes_takes_merge_only():
+    src = _toy_peft(alpha=8)
+    dst = db.compile(db.Sequential([db.Dense(6, in_features=8), db.Dense(4)]), "numpy", seed=0)
+    with pytest.raises(db.ConversionError, match="lora='merge'"):
+        db.transfer(src, dst, lora="keep")
+    db.transfer(src, dst, lora="merge")
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(dst.forward(x), _toy_out(src, x), atol=1e-5)
