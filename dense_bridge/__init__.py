@@ -28,7 +28,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
     "transfer": (".models", "transfer"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
-    "lora": (".lora", None), "merge_lora": (".lora", "merge_lora"),
+    "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
     "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),
 }
 

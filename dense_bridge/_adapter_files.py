@@ -375,9 +375,7 @@ def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: 
             problems.append(f"{file_path!r} -> {target!r}: no such linear layer in model")
             continue
         e = entries[target]
-        from ._api import get_params
-
-        own, have = _lora.split(get_params(e.layer, copy=False))
+        own, have = _lora.split(_lora.params_of(e.layer))
         heads = adapter.lora_heads(e.layer) if _lora.has_lora_verbs(adapter) else None
         problems += _lora.check(entry, tuple(np.shape(own["kernel"])), f"{file_path!r}")
         moved = _lora.to_form(entry, heads)

@@ -19,14 +19,15 @@ from typing import Any
 import numpy as np
 
 from . import lora as _lora
-from ._errors import ConversionError
+from ._errors import ConversionError, SpecError
 from ._registry import adapter_for
 
 
 def _params(layer: Any) -> dict:
-    from ._api import get_params
-
-    return get_params(layer, copy=False)
+    try:
+        return _lora.params_of(layer)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
 
 
 class LoraMoves:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,8 +44,8 @@ import numpy as np
 from ._errors import ConversionError, received
 
 __all__ = ["LORA_KEYS", "split", "update", "effective_kernel", "merged_kernel", "per_head_to_plain",
-           "plain_to_per_head", "to_form", "check", "fold_scale", "rounding_allowed", "merge_lora",
-           "MergeReport", "lora_of", "has_lora_verbs"]
+           "plain_to_per_head", "to_form", "check", "fold_scale", "rounding_allowed", "lora_of", "params_of",
+           "has_lora_verbs"]
 
 LORA_KEYS = ("lora_a", "lora_b", "lora_scale", "lora_magnitude")
 
@@ -212,6 +211,15 @@ def has_lora_verbs(adapter: Any) -> bool:
     return hasattr(adapter, "lora_base")
 
 
+def params_of(layer: Any) -> dict:
+    """Canonical params of one native linear layer, adapter keys included where it holds one."""
+    from ._registry import adapter_for
+
+    adapter = adapter_for(layer)
+    found = read_params(adapter, layer)
+    return adapter.get_params(layer) if found is None else found
+
+
 def lora_of(layer: Any) -> dict | None:
     """The canonical adapter params of one native layer (None: it holds no adapter)."""
     from ._registry import adapter_for
@@ -223,55 +231,6 @@ def lora_of(layer: Any) -> dict | None:
         if base is None:
             return None
     return adapter.read_lora(layer)
-
-
-@dataclass
-class MergeReport:
-    """What :func:`merge_lora` merged: per layer path, rank, scale, and the largest change of the kernel."""
-
-    merged: list[tuple[str, int, float, float]] = field(default_factory=list)  # path, rank, scale, max |delta|
-
-    def __str__(self) -> str:
-        if not self.merged:
-            return "merge_lora: no adapters found"
-        lines = [f"merge_lora: {len(self.merged)} adapter(s) merged (float64 update, one rounding to the kernel dtype)"]
-        lines += [f"  {p}: rank {r}, scale {s:g}, largest kernel change {d:.3g}" for p, r, s, d in self.merged]
-        return "\n".join(lines)
-
-
-def merge_lora(model: Any) -> MergeReport:
-    """Merge every adapter of ``model`` into its kernel, in place, and remove the adapter.
-
-    The merged kernel is ``kernel + lora_scale * lora_a @ lora_b`` computed in float64 from the
-    factors and rounded once to the kernel's dtype (DoRA: ``lora_magnitude * (kernel + update) /
-    norm``, likewise). Returns a :class:`MergeReport`. All adapters are read and their merged
-    kernels computed before the first one is written.
-    """
-    from ._registry import adapter_for
-    from .models import walk
-
-    entries = walk(model)
-    adapter = adapter_for(model, "model")
-    if not has_lora_verbs(adapter):
-        return MergeReport()
-    plans = []
-    for e in entries:
-        if e.kind != "linear":
-            continue
-        lora = lora_of(e.layer)
-        if lora is None:
-            continue
-        with adapter.lora_base(e.layer) as base:
-            kernel = np.array(adapter.get_params(base)["kernel"], copy=True)
-        merged = merged_kernel(kernel, lora)
-        delta = float(np.max(np.abs(merged.astype(np.float64) - kernel.astype(np.float64)))) if kernel.size else 0.0
-        plans.append((e, merged, rank_of(lora), float(np.asarray(lora["lora_scale"])), delta))
-    report = MergeReport()
-    for e, merged, rank, scale, delta in plans:
-        base = adapter.detach_lora(model, e.path, e.layer)
-        adapter.set_params(base, {"kernel": merged})
-        report.merged.append((e.path, rank, scale, delta))
-    return report
 
 
 def refuse_unhandled(found: list[str], argument: str = "src") -> ConversionError:

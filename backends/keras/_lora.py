@@ -21,16 +21,21 @@ from __future__ import annotations
 import contextlib
 import math
 
+import keras
 import numpy as np
 
 from dense_bridge._errors import CheckpointError, ConversionError
 
 from ._arrays import assign_array, read_array
-from ._models import _kind, einsum_plan
+from ._models import einsum_plan
+
+
+def _lora_capable(layer) -> bool:
+    return isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
 
 
 def is_lora(layer) -> bool:
-    return bool(getattr(layer, "lora_enabled", False)) and _kind(layer) == "linear"
+    return bool(getattr(layer, "lora_enabled", False)) and _lora_capable(layer)
 
 
 @contextlib.contextmanager
@@ -160,7 +165,7 @@ def load_lora_h5(model, path: str) -> dict:
         raise CheckpointError(f"cannot read keras-hub adapter file {path}: {exc}") from None
     problems = []
     for i, (a, b) in data.items():
-        if i >= len(layers) or _kind(layers[i]) != "linear":
+        if i >= len(layers) or not _lora_capable(layers[i]):
             problems.append(f"layer index {i} is not a linear layer of the model")
             continue
         lyr = layers[i]
