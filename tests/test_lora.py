@@ -458,3 +458,51 @@ def test_a_framework_without_adapter_classes_takes_merge_only():
     db.transfer(src, dst, lora="merge")
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     np.testing.assert_allclose(dst.forward(x), _toy_out(src, x), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- quantized bases
+def _quantized_lora_block(update_size):
+    """A 4-bit MLX QuantizedLinear (group 32) under an mlx-lm LoRALinear whose update has ``update_size``."""
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    import mlx.nn as nn
+    from mlx_lm.tuner.lora import LoRALinear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 32)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    mx.random.seed(0)
+    block = Block()
+    block.proj = LoRALinear.from_base(nn.QuantizedLinear.from_linear(block.proj, group_size=32, bits=4), r=4, scale=1.0)
+    rng = np.random.default_rng(0)
+    block.proj.lora_a = mx.array(rng.standard_normal((64, 4)).astype(np.float32) / 8)
+    block.proj.lora_b = mx.array(rng.standard_normal((4, 32)).astype(np.float32) * update_size)
+    return block
+
+
+def test_merge_lora_into_a_4_bit_mlx_base_reports_what_survived():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    x = mx.array(np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32))
+    large = _quantized_lora_block(0.5)
+    want = np.asarray(large(x))
+    from dense_bridge.models import walk
+
+    assert [e.kind for e in walk(large) if e.path == "proj"] == ["quantized"]
+    report = db.merge_lora(large)
+    large_survival = report.survival["proj"]
+    assert type(large.proj) is nn.QuantizedLinear and large.proj.bits == 4 and large.proj.group_size == 32
+    assert report.survival["proj"] > 0.8
+    got = np.asarray(large(x))
+    assert np.max(np.abs(got - want)) < 0.25 * np.max(np.abs(want))  # 4-bit rounding, but the fine-tune is there
+    tiny = _quantized_lora_block(1e-4)
+    with pytest.warns(UserWarning, match=r"erased most.*proj"):
+        report = db.merge_lora(tiny)
+    assert report.survival["proj"] < 0.5
+    print(f"survived: large update {large_survival:.4f}, tiny update {report.survival['proj']:.4f}")

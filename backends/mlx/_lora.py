@@ -113,3 +113,40 @@ def attach_lora(model, path: str, layer, *, rank: int, dora: bool):
 def detach_lora(model, path: str, m):
     _put(model, path, m.linear)
     return m.linear
+
+
+# ----------------------------------------------------------------------------- quantized bases
+# The three functions below are the whole of what merging into a quantized base needs from MLX;
+# a general quantize/dequantize layer (backends/mlx/_quant.py) can take their place.
+def lora_quantized(base) -> bool:
+    """Is the wrapped layer quantized (``nn.QuantizedLinear``: packed codes, scales, biases)?"""
+    return type(base).__name__ == "QuantizedLinear"
+
+
+def lora_dequantize(base) -> np.ndarray:
+    """The float kernel (in, units) MLX computes from a QuantizedLinear's codes (its own dequantize)."""
+    w = mx.dequantize(base.weight, base.scales, base.get("biases"), group_size=base.group_size, bits=base.bits,
+                      mode=base.mode)
+    mx.eval(w)
+    return np.array(to_numpy(w)).T
+
+
+def lora_requantize(base, kernel: np.ndarray):
+    """(a QuantizedLinear like ``base`` holding ``kernel`` (in, units) quantized by MLX in the same format,
+    the float kernel (in, units) it dequantizes to)."""
+    import mlx.nn as nn
+
+    out_dims, in_dims = int(base.scales.shape[0]), int(kernel.shape[0])
+    plain = nn.Linear(in_dims, out_dims, bias="bias" in base)
+    dtype = base.scales.dtype
+    plain.update({"weight": mx.array(np.ascontiguousarray(kernel.T)).astype(dtype)})
+    if "bias" in base:
+        plain.update({"bias": base.bias})
+    new = nn.QuantizedLinear.from_linear(plain, group_size=base.group_size, bits=base.bits, mode=base.mode)
+    return new, lora_dequantize(new)
+
+
+def replace_lora(model, path: str, m, layer):
+    """Put ``layer`` in the place of the wrapper ``m`` (the merged, requantized base)."""
+    _put(model, path, layer)
+    return layer

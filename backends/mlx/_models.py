@@ -64,7 +64,8 @@ def walk(model) -> list[Entry]:
         if id(m) in done:  # a module reachable under two paths is reported once
             continue
         done.add(id(m))
-        out.append(_entry(path, m, "linear" if is_lora(m) else _kind(m)))
+        kind = (_kind(m.linear) if _kind(m.linear) == "quantized" else "linear") if is_lora(m) else _kind(m)
+        out.append(_entry(path, m, kind))
     return out
 
 
