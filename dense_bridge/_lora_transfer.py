@@ -125,6 +125,18 @@ class LoraMoves:
         with _lora.rounding_allowed(self.allow_rounding):
             _lora.write_params(adapter, d.layer, own, lora)
 
+    def leftovers(self, src_model: Any, moved_src: set) -> list[str]:
+        """Problems for adapter parts of ``src_model`` that are not LoRA linear layers (PEFT embedding
+        adapters, ``modules_to_save`` copies) whose trained parameters did not move."""
+        verb = getattr(adapter_for(src_model, "src"), "lora_leftovers", None)
+        problems = []
+        for path, what, trained in (verb(src_model) if verb is not None else []):
+            left = [p for p in trained if p not in moved_src]
+            if left:
+                problems.append(f"src {path!r} is {what}; its parameters {left[:4]}{' ...' if len(left) > 4 else ''} "
+                                f"did not move: map them by parameter path, or merge_and_unload() first")
+        return problems
+
     def summary(self) -> dict:
         return {"mode": self.mode, "kept": list(self.kept), "merged": list(self.merged),
                 "rounding": dict(self.rounding)}

@@ -492,6 +492,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, lo
             idle = [rules[i][0].pattern for i in range(len(rules)) if i not in plan.rule_hits]
             if idle:
                 problems.append(f"strict: mapping rules that matched nothing: {idle}")
+    problems += adapters.leftovers(src, moved_src)  # PEFT embedding adapters, modules_to_save: named
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))

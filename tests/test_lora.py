@@ -506,3 +506,15 @@ def test_merge_lora_into_a_4_bit_mlx_base_reports_what_survived():
         report = db.merge_lora(tiny)
     assert report.survival["proj"] < 0.5
     print(f"survived: large update {large_survival:.4f}, tiny update {report.survival['proj']:.4f}")
+
+
+def test_peft_parts_that_are_not_lora_linear_layers_are_named_not_dropped():
+    src = _peft_llama("lora", targets=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
+    rules = [(r"(.*)\.base_layer", r"\1"), (r"lm_head\.original_module", "lm_head"), (r"(model\.layers\..*)", r"\1"),
+             (r"model\.norm", "model.norm")]
+    with pytest.raises(db.ConversionError) as info:
+        db.transfer(src, _mlx_llama(), mapping=rules, lora="keep", strict=False)
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 2, str(info.value)
+    assert "'model.embed_tokens' is a PEFT" in problems[0] and "lora_embedding_A.default" in problems[0]
+    assert "'lm_head' is a PEFT ModulesToSaveWrapper" in problems[1] and "modules_to_save.default.weight" in problems[1]

@@ -124,3 +124,22 @@ def detach_lora(model, path: str, m):
 def wrapper_params(m) -> dict[str, torch.Tensor]:
     """Every parameter of a wrapper under its path inside it ("base_layer.weight", "lora_A.default.weight")."""
     return dict(m.named_parameters())
+
+
+def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
+    """PEFT parts that are not a LoRA linear layer: (wrapper path, what it is, the parameter paths
+    holding its trained values). A transfer that leaves those parameters behind names them."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base_tuner = getattr(tuners, "BaseTunerLayer", None)
+    out = []
+    for path, m in model.named_modules():
+        prefix = f"{path}." if path else ""
+        name = type(m).__name__
+        if name in ("ModulesToSaveWrapper", "TrainableTokensWrapper") or "AuxiliaryTraining" in name:
+            trained = [prefix + n for n, _ in m.named_parameters() if not n.startswith("original_module.")]
+            out.append((path, f"a PEFT {name} (its trained copy)", trained))
+        elif base_tuner is not None and isinstance(m, base_tuner) and not is_lora(m) \
+                and not any(path.startswith(p + ".") for p, _, _ in out):
+            trained = [prefix + n for n, _ in m.named_parameters() if not n.startswith("base_layer.")]
+            out.append((path, f"a PEFT {type(m).__module__}.{name} adapter (not a LoRA linear layer)", trained))
+    return out
