@@ -34,21 +34,23 @@ def _llama_config(transformers):
                                     rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def _peft_llama(variant: str, seed: int = 0, targets=TARGETS, **extra):
-    """A tiny transformers Llama with a trained-looking PEFT adapter (random factors and magnitude)."""
+def _peft_llama(variant: str, seed: int = 0, targets=TARGETS, peft_model=False, **extra):
+    """A tiny transformers Llama with a trained-looking PEFT adapter (random factors and magnitude):
+    the transformers model with PEFT's layers injected, or (``peft_model``) the PeftModel around it."""
     torch, transformers, peft = _torch_stack()
     torch.manual_seed(seed)
     base = transformers.LlamaForCausalLM(_llama_config(transformers)).eval()
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
                              **VARIANTS[variant], **extra)
-    model = peft.get_peft_model(base, config).get_base_model().eval()
+    wrapped = peft.get_peft_model(base, config)
+    model = wrapped.get_base_model().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for m in model.modules():
             if hasattr(m, "lora_magnitude_vector") and "default" in m.lora_magnitude_vector:
                 w = m.lora_magnitude_vector["default"].weight
                 w.mul_(1 + 0.2 * torch.rand(w.shape, generator=gen))
-    return model
+    return wrapped if peft_model else model
 
 
 def _plain_llama(seed: int = 0):
@@ -294,11 +296,7 @@ def test_merge_lora_is_the_float64_reference_rounded_once(variant):
     model = _peft_llama(variant)
     before = {p: db.get_params(l) for p, l in db.linear_layers(model).items()}
     want = _torch_logits(model)
-    # PEFT's own merge, on a twin
-    twin = _peft_llama(variant)
-    for m in twin.modules():
-        if hasattr(m, "merge") and hasattr(m, "lora_A"):
-            m.merge()
+    twin = _peft_llama(variant, peft_model=True).merge_and_unload()  # PEFT's own merge, on a twin
     report = db.merge_lora(model)
     assert len(report.merged) == LAYERS * len(TARGETS)
     after = db.linear_layers(model)
@@ -313,7 +311,7 @@ def test_merge_lora_is_the_float64_reference_rounded_once(variant):
         else:
             np.testing.assert_array_equal(got, ref, err_msg=p)
         # PEFT's merge rounds a float32 update first (measured: up to 1.62 eps of |W| + s|A||B|, 1.92 for DoRA)
-        peft_w = dict(twin.named_modules())[p].base_layer.weight.detach().numpy().T
+        peft_w = dict(twin.named_modules())[p].weight.detach().numpy().T
         assert np.all(np.abs(peft_w.astype(np.float64) - got) <= _merge_bound(params, variant == "dora")), p
     _close(want, _torch_logits(model), "merged model")
     assert str(report).startswith("merge_lora: ")

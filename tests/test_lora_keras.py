@@ -75,7 +75,7 @@ def test_peft_bert_moves_into_keras_hub_and_back_exactly():
     np.testing.assert_array_equal(db.lora.update(q_k), db.lora.update(q_t))
     # and back into plain transformers: PEFT attached, rank 8 again, factors bit for bit
     back = torch_bert(3)
-    db.transfer(dst, back, mapping=[(v, k) for k, v in _reverse(rules)], lora="keep", strict=False)
+    db.transfer(dst, back, mapping=_keras_to_torch(rules), lora="keep", strict=False)
     port_bert_back = db.linear_layers(back)
     q_b = db.get_params(port_bert_back["encoder.layer.0.attention.self.query"])
     for key in ("lora_a", "lora_b", "lora_scale"):
@@ -83,13 +83,14 @@ def test_peft_bert_moves_into_keras_hub_and_back_exactly():
     assert type(port_bert_back["encoder.layer.0.attention.self.query"]) is peft.tuners.lora.layer.Linear
 
 
-def _reverse(rules):
-    """BERT_RULES turned around: keras path pattern -> torch path (each rule is a fixed name pattern)."""
+def _keras_to_torch(rules):
+    """BERT_RULES turned around: (keras path pattern, torch path replacement) per rule (the rules'
+    only groups are the block index and query|key|value)."""
     out = []
     for pattern, repl in rules:
-        torch_side = pattern.replace(r"(\d+)", r"\1").replace("\\.", ".").replace("(query|key|value)", r"\2")
-        keras_side = repl.replace(r"\1", r"(\d+)").replace(r"\2", "(query|key|value)")
-        out.append((torch_side, keras_side))
+        keras_pattern = repl.replace(r"\1", r"(\d+)").replace(r"\2", "(query|key|value)")
+        torch_repl = pattern.replace(r"(\d+)", r"\1").replace("\\.", ".").replace("(query|key|value)", r"\2")
+        out.append((keras_pattern, torch_repl))
     return out
 
 
