@@ -73,6 +73,15 @@ def test_peft_bert_moves_into_keras_hub_and_back_exactly():
     heads = q_k["lora_a"].shape[1]
     assert q_k["lora_a"].ndim == 3 and q_k["lora_a"].shape[2] == 8 * heads and q_k["lora_b"].shape == (8 * heads, 32 // heads)
     np.testing.assert_array_equal(db.lora.update(q_k), db.lora.update(q_t))
+    # compare_models: the port passes (gradients of the factors and the frozen kernel included), and a
+    # mis-set scale is named
+    _, _, bert_inputs, _, _, _ = _ports()
+    report = db.testing.compare_models(src, dst, bert_inputs(0), mapping=rules)
+    assert report.passed, str(report)
+    ffn = ours["transformer_layer_1/feedforward_intermediate_dense"]
+    db.set_params(ffn, {**db.get_params(ffn), "lora_scale": np.array(1.0)})
+    report = db.testing.compare_models(src, dst, bert_inputs(0), mapping=rules)
+    assert report.first_divergence == "transformer_layer_1/feedforward_intermediate_dense", str(report)
     # and back into plain transformers: PEFT attached, rank 8 again, factors bit for bit
     back = torch_bert(3)
     db.transfer(dst, back, mapping=_keras_to_torch(rules), lora="keep", strict=False)
