@@ -122,7 +122,7 @@ OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "fil
                                    # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
                                    "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
                                    "lora_folds_scale", "save_lora_h5", "load_lora_h5",
-                                   "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers")
+                                   "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

@@ -378,6 +378,8 @@ def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: 
         own, have = _lora.split(_lora.params_of(e.layer))
         heads = adapter.lora_heads(e.layer) if _lora.has_lora_verbs(adapter) else None
         problems += _lora.check(entry, tuple(np.shape(own["kernel"])), f"{file_path!r}")
+        if "lora_magnitude" in entry and _lora.has_lora_verbs(adapter) and not adapter.lora_dora():
+            problems.append(f"{file_path!r}: a DoRA adapter, and the model's framework has no DoRA adapter class")
         moved = _lora.to_form(entry, heads)
         if have and any(np.shape(have.get(k)) != np.shape(v) for k, v in moved.items()):
             problems.append(f"{target!r}: the model's adapter {({k: np.shape(v) for k, v in have.items()})} does not "

@@ -39,6 +39,7 @@ class LoraMoves:
         self.allow_rounding = allow_rounding
         self.dst_model = dst_model
         self.attach: dict[int, tuple[int, bool]] = {}  # id(dst entry) -> (rank, dora)
+        self.attached: list[tuple[Any, Any]] = []  # (adapter, dst entry) attached by this transfer
         self.rounding: dict[str, float] = {}  # dst path -> largest abs rounding of lora_b
         self.merged: list[str] = []
         self.kept: list[str] = []
@@ -79,6 +80,8 @@ class LoraMoves:
         adapter = adapter_for(d.layer)
         if not _lora.has_lora_verbs(adapter) or not hasattr(adapter, "attach_lora"):
             return (f"dst {d.where()}: its framework has no adapter class dense_bridge can attach; use lora='merge'")
+        if "lora_magnitude" in lora_s and not adapter.lora_dora():
+            return f"dst {d.where()}: its framework has no DoRA adapter class; use lora='merge'"
         heads = adapter.lora_heads(d.layer)
         moved = _lora.to_form(lora_s, heads)
         problems = _lora.check(lora_s, tuple(np.shape(own["kernel"])), f"src {s.where()}")
@@ -121,9 +124,19 @@ class LoraMoves:
         if id(d) in self.attach:
             rank, dora = self.attach.pop(id(d))
             d.layer = adapter.attach_lora(self.dst_model, d.path, d.layer, rank=rank, dora=dora)
+            self.attached.append((adapter, d))
         own, lora = _lora.split(arrays)
         with _lora.rounding_allowed(self.allow_rounding):
             _lora.write_params(adapter, d.layer, own, lora)
+
+    def undo(self) -> None:
+        """Remove the adapters this transfer attached (a later write failed: all-or-nothing)."""
+        while self.attached:
+            adapter, d = self.attached.pop()
+            try:
+                d.layer = adapter.detach_lora(self.dst_model, d.path, d.layer)
+            except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
+                pass
 
     def leftovers(self, src_model: Any, moved_src: set) -> list[str]:
         """Problems for adapter parts of ``src_model`` that are not LoRA linear layers (PEFT embedding

@@ -556,6 +556,8 @@ def _write_all(writes: list[tuple[Entry, str, dict]], adapters: Any = None) -> N
             else:
                 d.write(arrays)
     except BaseException:
+        if adapters is not None:
+            adapters.undo()
         for d, before in reversed(done):
             try:
                 d.write(before)

@@ -274,7 +274,13 @@ def test_bad_lora_arguments():
 
 # ----------------------------------------------------------------------------- merge_lora
 def _float64_merged(params):
-    return db.lora.effective_kernel(params["kernel"], params).astype(params["kernel"].dtype)
+    """The reference, written out here (not dense_bridge's code): W + s * A @ B in float64, DoRA's
+    m * V / ||V|| per unit column, rounded once to the kernel's dtype."""
+    f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    v = f64["kernel"] + float(f64["lora_scale"]) * (f64["lora_a"] @ f64["lora_b"])
+    if "lora_magnitude" in f64:
+        v = v * (f64["lora_magnitude"] / np.sqrt(np.sum(v * v, axis=0)))[None, :]
+    return v.astype(params["kernel"].dtype)
 
 
 def _merge_bound(params, dora):
@@ -516,3 +522,21 @@ def test_peft_parts_that_are_not_lora_linear_layers_are_named_not_dropped():
     assert len(problems) == 2, str(info.value)
     assert "'model.embed_tokens' is a PEFT" in problems[0] and "lora_embedding_A.default" in problems[0]
     assert "'lm_head' is a PEFT ModulesToSaveWrapper" in problems[1] and "modules_to_save.default.weight" in problems[1]
+
+
+def test_dora_into_a_framework_without_dora_is_refused_before_anything_is_written():
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    src = _peft_llama("dora", targets=["q_proj"])
+
+    class Toy(nnx.Module):
+        def __init__(self):
+            self.q = nnx.Linear(H, H, use_bias=False, rngs=nnx.Rngs(0))
+
+    dst = Toy()
+    before = np.array(dst.q.kernel.get_value())
+    with pytest.raises(db.ConversionError, match="no DoRA adapter class"):
+        db.transfer(src, dst, mapping={"model.layers.0.self_attn.q_proj": "q"}, lora="keep", strict=False)
+    assert type(dst.q) is nnx.Linear
+    np.testing.assert_array_equal(np.asarray(dst.q.kernel.get_value()), before)

@@ -41,6 +41,11 @@ def lora_folds_scale() -> bool:
     return True
 
 
+def lora_dora() -> bool:
+    """Does this framework have a DoRA adapter class (a magnitude vector)?"""
+    return False
+
+
 def lora_heads(m):
     return None
 

@@ -65,6 +65,11 @@ def _axes(layer) -> tuple[int, int | None]:
     return plan.in_features, heads
 
 
+def lora_dora() -> bool:
+    """Does this framework have a DoRA adapter class (a magnitude vector)?"""
+    return False
+
+
 def lora_heads(layer):
     return _axes(layer)[1]
 

@@ -70,6 +70,11 @@ def write_lora(m, lora: dict) -> None:
         m.scale = float(np.asarray(lora["lora_scale"]))
 
 
+def lora_dora() -> bool:
+    """Does this framework have a DoRA adapter class (a magnitude vector)?"""
+    return True
+
+
 def lora_heads(m):
     return None
 

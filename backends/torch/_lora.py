@@ -81,6 +81,11 @@ def write_lora(m, lora: dict) -> None:
         copy_in(m.lora_magnitude_vector[name].weight, lora["lora_magnitude"])
 
 
+def lora_dora() -> bool:
+    """Does this framework have a DoRA adapter class (a magnitude vector)?"""
+    return True
+
+
 def lora_heads(m):
     return None
 
