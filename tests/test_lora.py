@@ -540,3 +540,32 @@ def test_dora_into_a_framework_without_dora_is_refused_before_anything_is_writte
         db.transfer(src, dst, mapping={"model.layers.0.self_attn.q_proj": "q"}, lora="keep", strict=False)
     assert type(dst.q) is nnx.Linear
     np.testing.assert_array_equal(np.asarray(dst.q.kernel.get_value()), before)
+
+
+def test_cli_round_trip_peft_mlx_lm_peft_with_base_config_and_load_adapter_into_torch(tmp_path):
+    peft = pytest.importorskip("peft")
+    src = _peft_llama("rslora")
+    want = _torch_logits(src)
+    _save_peft(src, tmp_path / "peft")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS, "model_type": "llama"}))
+    cli = [sys.executable, "-m", "dense_bridge.cli", "adapter"]
+    run = subprocess.run(cli + [str(tmp_path / "peft"), "--to", "mlx-lm", "-o", str(tmp_path / "mlx"),
+                                "--base-config", str(tmp_path / "config.json")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run(cli + [str(tmp_path / "mlx"), "--to", "peft", "-o", str(tmp_path / "back"), "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["layers"] == LAYERS * len(TARGETS)
+    loaded = peft.PeftModel.from_pretrained(_plain_llama(), str(tmp_path / "back")).eval()
+    _close(want, _torch_logits(loaded), "PEFT -> mlx-lm -> PEFT through the CLI")
+    # db.load_adapter of the mlx-lm directory into a plain transformers model: PEFT's class attached
+    plain = _plain_llama()
+    ranks = db.load_adapter(tmp_path / "mlx", plain)
+    assert len(ranks) == LAYERS * len(TARGETS)
+    assert type(plain.model.layers[1].mlp.down_proj) is peft.tuners.lora.layer.Linear
+    _close(want, _torch_logits(plain), "load_adapter(mlx-lm dir, transformers model)")
+    # a mapping that sends a file layer nowhere is refused, nothing attached
+    fresh = _plain_llama()
+    with pytest.raises(db.ConversionError, match="no such linear layer"):
+        db.load_adapter(tmp_path / "mlx", fresh, mapping={"model.layers.0.self_attn.q_proj": "nowhere"})
+    assert not db.lora.lora_of(fresh.model.layers[0].self_attn.v_proj)
