@@ -50,7 +50,7 @@ def _quantized_plan(adapter: Any, base: Any, lora: dict) -> tuple[Any, float, fl
     w = adapter.lora_dequantize(base)
     exact = effective_kernel(w, lora)
     merged = exact.astype(w.dtype)
-    new, deq_new = adapter.lora_requantize(base, merged)
+    layer, deq_new = adapter.lora_requantize(base, merged)
     _, deq_base = adapter.lora_requantize(base, w)
     update = exact - w.astype(np.float64)
     change = deq_new.astype(np.float64) - deq_base.astype(np.float64)
@@ -59,7 +59,7 @@ def _quantized_plan(adapter: Any, base: Any, lora: dict) -> tuple[Any, float, fl
     # ||change|| / ||update|| alone reads requantization noise as survival (a 1e-4 update on 4-bit
     # MLX weights measured 11.96), and so does the projection of change on the update
     survived = max(0.0, 1.0 - float(np.linalg.norm(change - update)) / size) if size else 1.0
-    return new, survived, float(np.max(np.abs(deq_new.astype(np.float64) - w))) if w.size else 0.0
+    return layer, survived, float(np.max(np.abs(deq_new.astype(np.float64) - w))) if w.size else 0.0
 
 
 def merge_lora(model: Any) -> MergeReport:
@@ -88,8 +88,8 @@ def merge_lora(model: Any) -> MergeReport:
         scale = float(np.asarray(lora["lora_scale"]))
         with adapter.lora_base(e.layer) as base:
             if getattr(adapter, "lora_quantized", None) is not None and adapter.lora_quantized(base):
-                new, survived, delta = _quantized_plan(adapter, base, lora)
-                plans.append((e, "quantized", new, rank_of(lora), scale, delta, survived))
+                layer, survived, delta = _quantized_plan(adapter, base, lora)
+                plans.append((e, "quantized", layer, rank_of(lora), scale, delta, survived))
                 continue
             kernel = np.array(adapter.get_params(base)["kernel"], copy=True)
         merged = merged_kernel(kernel, lora)

@@ -28,7 +28,7 @@ Adapters reach the frameworks through each adapter package's ``_lora.py`` verbs:
   or None when ``layer`` holds no adapter;
 - ``read_lora(layer)`` / ``write_lora(layer, lora)``: the adapter keys above, canonical;
 - ``lora_heads(layer)``: heads of a per-head factorisation (None: plain);
-- ``attach_lora(model, path, layer, *, rank, dora)`` -> the layer, now holding the framework's own
+- ``attach_lora(model, path, layer, *, rank, dora)`` -> the layer, holding the framework's own
   adapter class (zero update) in ``model``; ``detach_lora(model, path, layer)`` -> the wrapped
   layer, the adapter removed from ``model``.
 """

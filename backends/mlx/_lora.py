@@ -57,15 +57,15 @@ def _like(value, current):
 
 
 def write_lora(m, lora: dict) -> None:
-    new = {}
+    arrays = {}
     if "lora_a" in lora:
-        new["lora_a"] = _like(lora["lora_a"], m.lora_a)
+        arrays["lora_a"] = _like(lora["lora_a"], m.lora_a)
     if "lora_b" in lora:
-        new["lora_b"] = _like(lora["lora_b"], m.lora_b)
+        arrays["lora_b"] = _like(lora["lora_b"], m.lora_b)
     if "lora_magnitude" in lora:
-        new["m"] = _like(lora["lora_magnitude"], m.m)
-    if new:
-        m.update(new)
+        arrays["m"] = _like(lora["lora_magnitude"], m.m)
+    if arrays:
+        m.update(arrays)
     if "lora_scale" in lora:
         m.scale = float(np.asarray(lora["lora_scale"]))
 
@@ -147,8 +147,8 @@ def lora_requantize(base, kernel: np.ndarray):
     plain.update({"weight": mx.array(np.ascontiguousarray(kernel.T)).astype(dtype)})
     if "bias" in base:
         plain.update({"bias": base.bias})
-    new = nn.QuantizedLinear.from_linear(plain, group_size=base.group_size, bits=base.bits, mode=base.mode)
-    return new, lora_dequantize(new)
+    requantized = nn.QuantizedLinear.from_linear(plain, group_size=base.group_size, bits=base.bits, mode=base.mode)
+    return requantized, lora_dequantize(requantized)
 
 
 def replace_lora(model, path: str, m, layer):
