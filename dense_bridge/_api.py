@@ -151,7 +151,7 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
     wrapped = lora.spec_of(adapter, native) is not None
     if adapter_keys or wrapped:  # a LoRA-wrapped layer: its own params and the adapter's
         kernel = checked.get("kernel", np.zeros(0))
-        extra = lora.check_for_set(adapter, native, adapter_keys, kernel.shape) if adapter_keys else {}
+        extra = lora.check_for_set(adapter, native, adapter_keys, kernel.shape, strict=strict)
         lora.write_params(adapter, native, checked, extra)
         return
     adapter.set_params(native, checked)

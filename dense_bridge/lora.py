@@ -279,18 +279,23 @@ def spec_of(adapter: Any, native: Any) -> Any:
         return None if base is None else adapter.to_spec(base)
 
 
-def check_for_set(adapter: Any, native: Any, lora: dict, kernel_shape: tuple) -> dict:
+def check_for_set(adapter: Any, native: Any, lora: dict, kernel_shape: tuple, *, strict: bool = True) -> dict:
     """Adapter keys given to set_params, checked against the adapter ``native`` holds (shapes and
-    form must match: set_params never attaches or resizes one); returns them as float arrays."""
+    form must match: set_params never attaches or resizes one; ``strict``: all of its keys are
+    given); returns them as float arrays."""
     have = None
     with base_of(adapter, native) as base:
         if base is not None:
             have = adapter.read_lora(native)
+    if have is None and not lora:
+        return {}
     if have is None:
         raise ConversionError(f"params hold adapter keys {sorted(lora)} but the layer has no adapter: attach one "
                               f"with the framework's adapter class, or use db.transfer(..., lora='keep'). "
                               f"Received: native={type(native).__name__}")
     problems = [f"unexpected adapter key {k!r} (the layer's adapter has {sorted(have)})" for k in lora if k not in have]
+    if strict and any(k not in lora for k in have):
+        problems.append(f"missing keys: {[k for k in have if k not in lora]} (the layer holds a LoRA adapter)")
     out = {}
     for k, v in lora.items():
         if k not in have:
