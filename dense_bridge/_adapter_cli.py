@@ -20,17 +20,18 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("adapter", help="convert a LoRA adapter directory between PEFT and mlx-lm",
-                       description="Convert the LoRA adapter directory SRC_DIR (PEFT: adapter_model.safetensors + "
-                                   "adapter_config.json; mlx-lm: adapters.safetensors + adapter_config.json) to "
-                                   "FORMAT in OUT_DIR. Nothing in the files runs. What FORMAT cannot hold exactly is "
-                                   "refused (exit 2).")
+    from ._adapter_files import MLX_FILES, MLX_LM, PEFT, PEFT_FILES
+
+    p = sub.add_parser("adapter", help=f"convert a LoRA adapter directory between {PEFT} and {MLX_LM}",
+                       description=f"Convert the LoRA adapter directory SRC_DIR ({PEFT}: {' + '.join(PEFT_FILES)}; "
+                                   f"{MLX_LM}: {' + '.join(MLX_FILES)}) to FORMAT in OUT_DIR. Nothing in the files "
+                                   f"runs. What FORMAT cannot hold exactly is refused (exit 2).")
     p.add_argument("src", metavar="SRC_DIR", help="adapter directory")
-    p.add_argument("--to", required=True, choices=("peft", "mlx-lm"), metavar="FORMAT", help="peft or mlx-lm")
+    p.add_argument("--to", required=True, choices=(PEFT, MLX_LM), metavar="FORMAT", help=f"{PEFT} or {MLX_LM}")
     p.add_argument("-o", "--output", required=True, metavar="OUT_DIR", help="output directory (created; must not exist)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--base-config", metavar="CONFIG", help="the base model's config.json (its layer count: mlx-lm's "
-                                                           "num_layers counts from the end of the stack)")
+    g.add_argument("--base-config", metavar="CONFIG", help=f"the base model's config.json (its layer count: {MLX_LM}'s "
+                                                           f"num_layers counts from the end of the stack)")
     g.add_argument("--num-layers", type=int, metavar="N", help="the base model's number of transformer blocks")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=cmd_adapter)

@@ -33,7 +33,9 @@ from ._errors import CheckpointError, ConversionError, SpecError, received
 
 __all__ = ["load_adapter", "save_adapter", "read_adapter_dir", "write_adapter_dir", "FORMATS", "AdapterRefused"]
 
+#: API.md's format names, the one place the core spells them (allowlisted in tests/test_architecture.py)
 FORMATS = ("peft", "mlx-lm", "keras-hub")
+PEFT, MLX_LM, KERAS_HUB = FORMATS
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 MLX_FILES = ("adapters.safetensors", "adapter_config.json")
 PEFT_PREFIX = "base_model.model."
@@ -68,19 +70,20 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 def detect(path: str) -> str:
     """"peft", "mlx-lm" or "keras-hub" for an adapter directory or file."""
     p = os.fspath(path)
-    if p.endswith(".lora.h5"):
-        return "keras-hub"
+    if os.path.isfile(p):
+        return KERAS_HUB  # the one single-file format (a .lora.h5 file, read by the model's adapter)
     if os.path.isdir(p):
         names = set(os.listdir(p))
-        if "adapter_model.safetensors" in names:
-            return "peft"
-        if "adapters.safetensors" in names:
-            return "mlx-lm"
-        if "adapter_model.bin" in names:
-            raise CheckpointError(f"{p} holds a pickled PEFT adapter (adapter_model.bin), which dense_bridge does not "
-                                  f"unpickle: save it with safe_serialization=True")
-    raise CheckpointError(f"{p} is not an adapter directory (PEFT: {list(PEFT_FILES)}; mlx-lm: {list(MLX_FILES)}) "
-                          f"nor a keras-hub .lora.h5 file")
+        if PEFT_FILES[0] in names:
+            return PEFT
+        if MLX_FILES[0] in names:
+            return MLX_LM
+        pickled = sorted(n for n in names if n.startswith("adapter_model.") and n != PEFT_FILES[0])
+        if pickled:
+            raise CheckpointError(f"{p} holds {pickled}, a pickled adapter, which dense_bridge does not unpickle: "
+                                  f"save it as safetensors (safe_serialization=True)")
+    raise CheckpointError(f"{p} is not an adapter directory ({PEFT}: {list(PEFT_FILES)}; {MLX_LM}: {list(MLX_FILES)}) "
+                          f"nor a {KERAS_HUB} adapter file")
 
 
 def _pattern_value(patterns: dict, path: str, default: Any) -> Any:
@@ -131,7 +134,7 @@ def _read_mlx(path: str) -> tuple[dict, dict]:
         raise CheckpointError(f"{path}: fine_tune_type {kind!r} is not an adapter (lora or dora)")
     params = config.get("lora_parameters") or {}
     if "scale" not in params:
-        raise CheckpointError(f"{path}: lora_parameters has no 'scale' (mlx-lm's LoRA needs it)")
+        raise CheckpointError(f"{path}: lora_parameters has no 'scale' ({MLX_LM}'s LoRA needs it)")
     layers: dict[str, dict] = {}
     for key, value in tensors.items():
         m = re.match(r"^(?P<path>.+)\.(?P<part>lora_a|lora_b|m)$", key)
@@ -150,10 +153,10 @@ def _read_mlx(path: str) -> tuple[dict, dict]:
 def read_adapter_dir(path: str) -> tuple[str, dict, dict]:
     """(format, {layer path: canonical adapter}, extras such as dropout) of a PEFT or mlx-lm directory."""
     fmt = detect(path)
-    if fmt == "keras-hub":
-        raise CheckpointError(f"{path}: a keras-hub .lora.h5 file names layers by index; it is read into a model "
-                              f"(db.load_adapter(path, keras_model))")
-    layers, extra = _read_peft(path) if fmt == "peft" else _read_mlx(path)
+    if fmt == KERAS_HUB:
+        raise CheckpointError(f"{path}: a {KERAS_HUB} file names layers by index; it is read into a model "
+                              f"(db.load_adapter(path, model))")
+    layers, extra = _read_peft(path) if fmt == PEFT else _read_mlx(path)
     return fmt, layers, extra
 
 
@@ -223,22 +226,22 @@ def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | Non
     scales = {float(e["lora_scale"]) for e in layers.values()}
     if len(scales) > 1:
         by = {p: float(e["lora_scale"]) for p, e in layers.items()}
-        raise AdapterRefused(f"mlx-lm's adapter_config holds one scale for every module; these layers differ: {by}")
+        raise AdapterRefused(f"{MLX_LM}'s adapter_config holds one scale for every module; these layers differ: {by}")
     dora = {("lora_magnitude" in e) for e in layers.values()}
     if len(dora) > 1:
-        raise AdapterRefused("mlx-lm's fine_tune_type is lora or dora for every module: DoRA on some layers only "
-                             "cannot be written")
+        raise AdapterRefused(f"{MLX_LM}'s fine_tune_type is lora or dora for every module: DoRA on some layers "
+                             f"only cannot be written")
     blocks, keys = set(), set()
     for p in layers:
         m = _BLOCK.match(p)
         if m is None:
-            raise AdapterRefused(f"{p}: mlx-lm places adapters only inside the blocks of model.layers; this layer "
+            raise AdapterRefused(f"{p}: {MLX_LM} places adapters only inside the blocks of model.layers; this layer "
                                  f"is outside them")
         blocks.add(int(m["index"]))
         keys.add(m["inner"])
     if num_layers_total is None:
-        raise AdapterRefused("mlx-lm's num_layers counts blocks from the END of the stack: give the base model's "
-                             "layer count (--base-config config.json or --num-layers)")
+        raise AdapterRefused(f"{MLX_LM}'s num_layers counts blocks from the END of the stack: give the base model's "
+                             f"layer count (--base-config config.json or --num-layers)")
     first = min(blocks)
     num_layers = num_layers_total - first
     expected = {f"{stack}.{i}.{k}" for i in range(first, num_layers_total) for k in keys
@@ -247,7 +250,7 @@ def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | Non
     if max(blocks) >= num_layers_total:
         raise AdapterRefused(f"adapters on block {max(blocks)} but the base model has {num_layers_total} blocks")
     if absent:
-        raise AdapterRefused(f"mlx-lm puts an adapter on every key {sorted(keys)} of each of the last {num_layers} "
+        raise AdapterRefused(f"{MLX_LM} puts an adapter on every key {sorted(keys)} of each of the last {num_layers} "
                              f"blocks; these have none: {absent[:8]}{' ...' if len(absent) > 8 else ''}")
     rank = max(int(_lora.plain_factors(e)[0].shape[1]) for e in layers.values())
     tensors = {}
@@ -261,7 +264,7 @@ def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | Non
               "lora_parameters": {"rank": rank, "scale": scales.pop(), "dropout": float(extra.get("dropout", 0.0)),
                                   "keys": sorted(keys)}}
     os.makedirs(path, exist_ok=True)
-    _save_tensors(tensors, os.path.join(path, "adapters.safetensors"), {"format": "mlx"})
+    _save_tensors(tensors, os.path.join(path, MLX_FILES[0]))
     with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
 
@@ -270,13 +273,13 @@ def write_adapter_dir(layers: dict, path: str, fmt: str, *, extra: dict | None =
                       num_layers: int | None = None) -> None:
     """Write canonical adapters ``{layer path: adapter}`` as a ``fmt`` ("peft"/"mlx-lm") directory."""
     extra = extra or {}
-    if fmt == "peft":
+    if fmt == PEFT:
         _write_peft(layers, os.fspath(path), extra)
-    elif fmt == "mlx-lm":
+    elif fmt == MLX_LM:
         _write_mlx(layers, os.fspath(path), extra, num_layers)
     else:
-        raise AdapterRefused(f"format {fmt!r}: a directory conversion writes 'peft' or 'mlx-lm' (keras-hub's "
-                             f".lora.h5 names layers by their index in a model: db.save_adapter(keras_model, ...))")
+        raise AdapterRefused(f"format {fmt!r}: a directory conversion writes {PEFT!r} or {MLX_LM!r} ({KERAS_HUB} "
+                             f"files name layers by their index in a model: db.save_adapter(model, ...))")
 
 
 # ----------------------------------------------------------------------------- models
@@ -316,12 +319,13 @@ def save_adapter(model: Any, path: Any, *, format: str) -> str:
     fmt = _check_format(format)
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a path. {received('path', path)}")
-    if fmt == "keras-hub":
+    if fmt == KERAS_HUB:
         from ._registry import adapter_for
 
         verb = getattr(adapter_for(model, "model"), "save_lora_h5", None)
         if verb is None:
-            raise ConversionError(f"format 'keras-hub' writes a Keras model's adapters; {type(model).__name__} is not one")
+            raise ConversionError(f"format {KERAS_HUB!r} is written by the adapter of the framework that reads it; "
+                                  f"{type(model).__name__}'s has no save_lora_h5 verb")
         verb(model, os.fspath(path))
         return os.fspath(path)
     layers = model_adapters(model)
@@ -361,10 +365,11 @@ def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: 
     p = os.fspath(path)
     fmt = detect(p)
     adapter = adapter_for(model, "model")
-    if fmt == "keras-hub":
+    if fmt == KERAS_HUB:
         verb = getattr(adapter, "load_lora_h5", None)
         if verb is None:
-            raise ConversionError(f"{p}: a keras-hub .lora.h5 loads into a Keras model; {type(model).__name__} is not one")
+            raise ConversionError(f"{p}: a {KERAS_HUB} file loads through the adapter of the framework that reads it; "
+                                  f"{type(model).__name__}'s has no load_lora_h5 verb")
         return verb(model, p)
     _, layers, _ = read_adapter_dir(p)
     entries = {e.path: e for e in walk(model) if e.kind == "linear"}
