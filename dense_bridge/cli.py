@@ -217,6 +217,7 @@ def _show_progress(args) -> bool:
 # ============================================================================ convert
 def cmd_convert(args) -> int:
     from . import checkpoint
+    from ._errors import CheckpointError
 
     spec = read_spec(args.spec)
     bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
@@ -224,6 +225,12 @@ def cmd_convert(args) -> int:
     try:
         summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
                                           max_shard_size=args.max_shard_size, progress=bar)
+    except CheckpointError:
+        advice = None if spec is not None else _whole_model_advice(args.src, args.format, args.to)
+        if advice is None:
+            raise
+        print(f"dense-bridge convert: error: {advice}", file=sys.stderr)  # several lines: the example stays readable
+        return EXIT_BAD_INPUT
     finally:
         bar.close()
     seconds = time.perf_counter() - start
@@ -237,6 +244,52 @@ def cmd_convert(args) -> int:
     print(f"converted {args.src} -> {where} ({summary['to']}): {summary['tensors']} tensors, "
           f"{human_bytes(summary['bytes'])} in {seconds:.2f} s ({human_bytes(summary['bytes_per_second'])}/s)")
     return EXIT_OK
+
+
+def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple, str]]]:
+    """(linear layers recognised by name, the other tensors) of a file without a spec: other
+    tensors (embedding tables, norms) say it holds a whole model, which no spec describes."""
+    from .models import file_linear_layers
+
+    rows = file_linear_layers(entries, framework)
+    taken = {t for r in rows for t in r["tensors"]}
+    return rows, [e for e in entries if e[0] not in taken]
+
+
+def _whole_model_advice(src: str, format: str | None, target: str) -> str | None:
+    """What to do with a whole model's checkpoint, and what it holds (None when the file is a plain
+    chain of linear layers: then --spec is the answer, as the original error says)."""
+    from . import checkpoint
+    from ._errors import DenseBridgeError
+
+    try:
+        ckpt = checkpoint.open_checkpoint(src, format=format)
+        entries = ckpt.entries()
+    except DenseBridgeError:
+        return None
+    if ckpt.spec is not None or isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+        return None  # the failure is not a missing structure; a canonical file's tensors are layers'
+    rows, others = _whole_model(entries, ckpt.framework)
+    if not others:
+        return None
+
+    def shape(s) -> str:
+        return "(" + ", ".join(str(x) for x in s) + ("," if len(s) == 1 else "") + ")"
+
+    others = sorted(others, key=lambda e: -len(e[1]))  # tables (2-D) first: they say what the model is
+    lin = ", ".join(f"{r['layer']} (in={r['in_features']}, units={r['units']}, layout {r['layout']})" for r in rows[:6])
+    rest = ", ".join(f"{n} {shape(s)}" for n, s, _ in others[:6])
+    more = ", ..." if len(rows) > 6 else ""
+    found = (f"{len(rows)} linear layers recognised by name" + (f": {lin}{more}" if rows else "")
+             + f"; {len(others)} other tensors (embeddings, norms: no Dense layer holds them): {rest}"
+             + (", ..." if len(others) > 6 else ""))
+    return (f"{src} holds a whole model ({len(entries)} tensors), not a chain of Dense layers: no dense_bridge spec "
+            f"describes it, so --spec cannot help and convert cannot rebuild it. Build the model in {target} with its "
+            f"own library, then move the weights in Python:\n"
+            f"    src = transformers.AutoModel.from_pretrained(DIR)  # the model this file belongs to\n"
+            f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture in {target}\n"
+            f"(README \"Port a real model\": rules for differing paths, fused layers, tied heads.)\n"
+            f"Found {found}")
 
 
 # ============================================================================ inspect
@@ -307,7 +360,12 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     nfiles = len(doc["files"])
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
-    if ckpt.spec is None:
+    if ckpt.spec is None and not isinstance(ckpt, checkpoint.CanonicalCheckpoint) \
+            and _whole_model(entries, ckpt.framework)[1]:
+        print("spec: none stored, and none fits: besides linear layers the file holds other tensors (embeddings, "
+              "norms): a whole model (move it with db.transfer into a model built in the target framework)")
+        print(format_file_linear_layers(doc["linear_layers"]))
+    elif ckpt.spec is None:
         print("spec: none stored (pass --spec SPEC.json to see layers)")
         print(format_file_linear_layers(doc["linear_layers"]))
     else:
@@ -453,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
                     "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect,adapter}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
@@ -520,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
+    from ._adapter_cli import add_parser as add_adapter  # LoRA adapter directories
+
+    add_adapter(sub)
     return parser
 
 

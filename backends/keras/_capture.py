@@ -26,6 +26,7 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
 from . import _engine
+from ._models import is_reversible
 
 
 def _np(x) -> np.ndarray:
@@ -74,6 +75,8 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
+        if self.lookup_only(kwargs):
+            return y
         probes = self.state.get("probes")
         if probes is not None:  # the gradient pass: y + 0, whose gradient is dL/dy
             k = self.state["k"]
@@ -87,6 +90,12 @@ class _Wrapped:
         return y if self.activation is None else self.activation(y)
 
 
+    def lookup_only(self, kwargs) -> bool:
+        """A ReversibleEmbedding captured as its head: its table lookups (reverse=False) are not calls
+        of the linear layer."""
+        return is_reversible(self.layer) and not kwargs.get("reverse", False)
+
+
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
     """Native variable gradients -> canonical names and layout, read by ``get_params`` itself: each
     gradient is assigned into its variable for one ``get_params`` call and the value assigned back,
@@ -98,10 +107,21 @@ def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarra
         for var, g in grads:
             saved.append((var, keras.ops.convert_to_tensor(keras.ops.copy(var.value))))
             var.assign(keras.ops.cast(g, var.dtype))
-        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        return {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         for var, value in saved:
             var.assign(value)
+
+
+def _grad_variables(layer) -> list:
+    """The variables whose gradients are compared: the trainable ones, and the base kernel that
+    ``enable_lora`` froze (the other frameworks' captures differentiate a frozen base too)."""
+    out = list(layer.trainable_variables)
+    kernel = getattr(layer, "_kernel", None) if getattr(layer, "lora_enabled", False) else None
+    if kernel is not None and all(v is not kernel for v in out):
+        out.append(kernel)
+    return out
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
@@ -134,7 +154,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             out = forward()
             return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out),
                            pre_activation=pre)
-        trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
+        trainables = {path: _grad_variables(layer) for path, layer in layers.items()}
         variables = [v for vs in trainables.values() for v in vs]
         out = forward()
         n = len(log)

@@ -95,7 +95,11 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
         counts_b[c.path] = counts_b.get(c.path, 0) + 1
     refused: dict[str, str] = {}
     for pa, pb in pairs:
-        if len(by_a.get(pa, [])) != counts_b.get(pb, 0):
+        if pa not in layers_a or pb not in layers_b or layers_a[pa] is None or layers_b[pb] is None:
+            # a split or fused side is several layers joined into one virtual call: no one native
+            # layer to run alone
+            refused[pb] = "a split/fused group of layers, joined from the cascaded pass, is not run alone"
+        elif len(by_a.get(pa, [])) != counts_b.get(pb, 0):
             refused[pb] = f"called {counts_b.get(pb, 0)} time(s) in b but {len(by_a.get(pa, []))} in a"
         elif not _same_semantics(pa, pb, acts):
             refused[pb] = "one side records its output before an activation applied inside the layer, the other after"

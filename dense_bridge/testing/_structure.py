@@ -124,8 +124,13 @@ def _signature(side: _Params, e) -> tuple:
     return tuple(side.info[p][0] for p in side.paths(e))
 
 
-def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]]) -> Structure:
-    """The :class:`Structure` of two whole models whose linear layers ``pairs`` matches."""
+def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]],
+                    groups: dict[str, Any] | None = None) -> Structure:
+    """The :class:`Structure` of two whole models whose linear layers ``pairs`` matches.
+
+    ``groups``: split or fused sides by label ("q+k+v", with ``.paths``): every member's
+    parameters count as matched with the other side's (their joined arrays are compared)."""
+    groups = groups or {}
     from .._api import get_params
 
     sa, sb = _Params(a, "a"), _Params(b, "b")
@@ -135,6 +140,12 @@ def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]]) -> Structure:
     by_path_a = {e.path: e for e in sa.entries}
     by_path_b = {e.path: e for e in sb.entries}
     for pa, pb in pairs:
+        if pa in groups or pb in groups:
+            for side, label, by_path, matched in ((sa, pa, by_path_a, matched_a), (sb, pb, by_path_b, matched_b)):
+                for path in (groups[label].paths if label in groups else (label,)):
+                    if path in by_path:
+                        matched.update(side.paths(by_path[path]))
+            continue
         ea, eb = by_path_a.get(pa), by_path_b.get(pb)
         if ea is None or eb is None:
             continue
@@ -154,8 +165,8 @@ def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]]) -> Structure:
             out.unmatched_b += [f"{pb} ({k})" for k in sorted(extra_b)]
             matched_a.update(names_a)
             matched_b.update(names_b)
-    linear_a = {pa for pa, _ in pairs}
-    linear_b = {pb for _, pb in pairs}
+    linear_a = {p for pa, _ in pairs for p in (groups[pa].paths if pa in groups else (pa,))}
+    linear_b = {p for _, pb in pairs for p in (groups[pb].paths if pb in groups else (pb,))}
     other_a = [e for e in sa.entries if e.path not in linear_a and e.kind != "linear"]
     other_b = [e for e in sb.entries if e.path not in linear_b and e.kind != "linear"]
     groups: dict[tuple, tuple[list, list]] = {}
