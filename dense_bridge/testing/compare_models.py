@@ -47,6 +47,7 @@ from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from . import _fused
+from ._gradients import NOT_COMPARED, computes_gradients
 from ._captures import Call, Capture, LeafOutput
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
@@ -348,6 +349,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     else:
         raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    computes_gradients({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
@@ -406,6 +408,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    if not grads:
+        report.notes.append(NOT_COMPARED)
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
 
