@@ -61,6 +61,10 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
   Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
 
+- ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
+  framework's own dequantization and quantizer), None for a layer that is not quantized;
+  a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
+
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
@@ -118,7 +122,8 @@ REQUIRED_VERBS: tuple[str, ...] = (
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference")
+OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
+                                   "quant_layer")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
@@ -139,6 +144,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
+    "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )
 
 

@@ -36,8 +36,14 @@ def walk(model: Any, argument: str = "model") -> list[Entry]:
     return verb(model)
 
 
+#: Entry kinds that are linear layers: "quantized" ones read and write through dense_bridge/quant.py.
+LINEAR_KINDS = ("linear", "quantized")
+
+
 def _refuse_quantized(entries: list[Entry], argument: str) -> None:
-    bad = [e for e in entries if e.kind == "quantized"]
+    from .quant import unreadable
+
+    bad = unreadable(entries)
     if bad:
         listed = "; ".join(f"{e.where()}{': ' + e.note if e.note else ''}" for e in bad)
         raise ConversionError(
@@ -54,12 +60,14 @@ def linear_layers(model: Any) -> dict[str, Any]:
     declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
     native layer itself and works with ``to_spec``, ``get_params`` (canonical kernel
     (in_features, units)), ``set_params``, ``convert`` and ``testing.compare`` like a lone layer.
-    Quantized linear layers raise ConversionError naming them (no exact float kernel exists).
-    A model that is itself a linear layer comes back under the path "".
+    Quantized linear layers (MLX ``QuantizedLinear``, Keras int8/int4, torchao weight-only) are
+    listed too (``get_params`` gives the float kernel they stand for, ``get_params(layer,
+    quantized=True)`` their codes: dense_bridge/quant.py); quantized layers of other kinds raise
+    ConversionError naming them. A model that is itself a linear layer comes back under the path "".
     """
     entries = walk(model)
     _refuse_quantized(entries, "model")
-    return {e.path: e.layer for e in entries if e.kind == "linear"}
+    return {e.path: e.layer for e in entries if e.kind in LINEAR_KINDS}
 
 
 def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: str) -> Layout:
@@ -139,7 +147,7 @@ class _Side:
                     first[key] = p
 
     def linear(self) -> list[Entry]:
-        return [e for e in self.entries if e.kind == "linear"]
+        return [e for e in self.entries if e.kind in LINEAR_KINDS]
 
     def fully_tied(self, e: Entry) -> bool:
         """A layer all of whose parameters are another layer's (GPT-2's lm_head is wte's weight)."""
@@ -317,7 +325,7 @@ def match_layers(a: Any, b: Any, mapping: Any = None) -> dict[str, str]:
     plan = _plan(src, dst, mapping)
     if plan.problems:
         raise ConversionError("cannot match the layers of a and b:\n  - " + "\n  - ".join(plan.problems))
-    return {s.path: d.path for s, d in plan.layer_pairs if s.kind == d.kind == "linear"}
+    return {s.path: d.path for s, d in plan.layer_pairs if s.kind in LINEAR_KINDS and d.kind in LINEAR_KINDS}
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -328,6 +336,8 @@ class TransferReport:
     ``moved``: (src path, dst path, what) per move: a linear layer's canonical kernel/bias, or one
     parameter. ``not_moved_src``/``not_moved_dst``: parameter paths left alone (native names).
     ``tied``: parameter path -> the path it shares storage with (moved once, with it).
+    ``quant_errors``: dst layer path -> the largest |dequantized - source kernel| where the
+    destination's quantizer made the codes (0.0 never appears: exact moves are not listed).
     """
 
     src_backend: str
@@ -336,6 +346,7 @@ class TransferReport:
     not_moved_src: list[str] = field(default_factory=list)
     not_moved_dst: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    quant_errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_moved(self) -> int:
@@ -344,7 +355,8 @@ class TransferReport:
     def to_dict(self) -> dict:
         return {"src_backend": self.src_backend, "dst_backend": self.dst_backend,
                 "moved": [list(m) for m in self.moved], "not_moved_src": list(self.not_moved_src),
-                "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied)}
+                "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied),
+                "quant_errors": dict(self.quant_errors)}
 
     def __str__(self) -> str:
         lines = [f"transfer {self.src_backend} -> {self.dst_backend}: {len(self.moved)} moved, "
@@ -359,7 +371,8 @@ class TransferReport:
         return "\n".join(lines)
 
 
-def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) -> TransferReport:
+def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
+             requantize: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -384,10 +397,17 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
     parameters are all tied to another's, like GPT-2's ``lm_head``, moves with it) and every
     rule must match something. All-or-nothing: names, shapes and values are checked before
     anything is written, and ``dst`` is restored if a write fails. Tied parameters move once.
+    Quantized linear layers (dense_bridge/quant.py): a quantized src into a float dst moves its
+    exact dequantization; into a quantized dst its codes move when dst's arithmetic dequantizes
+    them to the same floats bit for bit (decided per layer), else a ConversionError names the
+    layer and why, unless ``requantize=True``: dst's own quantizer then quantizes src's floats,
+    as it always does for a float src, and ``report.quant_errors`` gives the largest error per layer.
     Returns a :class:`TransferReport` listing what moved and every parameter that did not.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
+    if not isinstance(requantize, bool):
+        raise TypeError(f"requantize must be True or False. {received('requantize', requantize)}")
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")
@@ -410,20 +430,27 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
         return True
 
     for s, d in plan.layer_pairs:
-        if (s.kind == "linear") != (d.kind == "linear"):
-            lin, other = (s, d) if s.kind == "linear" else (d, s)
+        if (s.kind in LINEAR_KINDS) != (d.kind in LINEAR_KINDS):
+            lin, other = (s, d) if s.kind in LINEAR_KINDS else (d, s)
             problems.append(f"{lin.where()} is a linear layer but {other.where()} is not: map its parameters by "
                             f"parameter path instead")
             continue
-        if s.kind == "linear":
-            problem = _linear_move(s, d, writes)
+        if s.kind in LINEAR_KINDS:
+            if d.kind == "quantized":  # codes or the destination's quantizer (dense_bridge/quant.py)
+                from .quant import into_quantized
+
+                problem, what = into_quantized(s, d, writes, report, requantize)
+            else:
+                problem = _linear_move(s, d, writes)
+                what = ", ".join(sorted(writes[-1][2])) + " (canonical" + \
+                    (", dequantized exactly)" if s.kind == "quantized" else ")") if not problem else ""
             if problem:
                 problems.append(problem)
                 continue
             for n in d.names:
                 claim(d, n, s.path)
             moved_src.update(s.param_path(n) for n in s.names)
-            report.moved.append((s.path, d.path, ", ".join(sorted(writes[-1][2])) + " (canonical)"))
+            report.moved.append((s.path, d.path, what))
             continue
         pairs, left_s, left_d = _name_pairs(s, d)
         if left_s and strict:
@@ -531,6 +558,9 @@ def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
     done: list[tuple[Entry, dict]] = []
     try:
         for d, how, arrays in writes:
+            if how == "quantized":  # a dense_bridge.quant.Candidate: writing returns its own undo
+                done.append((d, arrays.write()))
+                continue
             before = {k: np.array(v, copy=True) for k, v in d.read().items()}
             done.append((d, before))
             if how == "linear":
@@ -540,7 +570,7 @@ def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
     except BaseException:
         for d, before in reversed(done):
             try:
-                d.write(before)
+                before() if callable(before) else d.write(before)
             except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
                 pass
         raise

@@ -16,6 +16,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import assign_array, read_array, to_tensor
 from ._models import einsum_params, set_einsum_params
+from ._quant import quant_layer
 from ._to_spec import declared_variables, describe_layer, layer_kind, layers_of
 
 
@@ -46,6 +47,9 @@ def stored_transposed(layer) -> bool:
 
 def get_params(native) -> dict[str, np.ndarray]:
     """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # Keras' own dequantization arithmetic (_quant.py)
+        return quantized.dequantized()
     layers, keyed = layers_of(native)
     out = {}
     for i, layer in enumerate(layers):
@@ -60,6 +64,11 @@ def get_params(native) -> dict[str, np.ndarray]:
 
 def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Write validated canonical params (possibly a subset) into the variables."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # float weights into codes: Keras' own quantize (_quant.py)
+        full = {**quantized.dequantized(), **params}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
+        return
     layers, keyed = layers_of(native)
     for i, layer in enumerate(layers):
         prefix = f"{i}." if keyed else ""

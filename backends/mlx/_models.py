@@ -3,8 +3,9 @@
 Paths are MLX's dotted attribute paths ("model.layers.0.mlp.up_proj"; "" is the root), ordered
 by ``tree_flatten(module.parameters())``, which is definition order (``named_modules()`` is in
 reverse definition order: docs/FACTS.md). Kinds: ``nn.Linear`` and dense_bridge's Dense modules
-and ``nn.Bilinear`` are "linear"; ``QuantizedLinear`` and every other ``Quantized*`` module
-are "quantized" (packed integer weights with scales: no exact float kernel); anything else
+and ``nn.Bilinear`` are "linear"; ``QuantizedLinear`` is "quantized" (codes, read and written
+through ``_quant.py``); a ``QuantizedEmbedding`` is "other", its table read as MLX dequantizes
+it and written through ``mx.quantize`` (mlx-lm quantizes embeddings too); anything else
 with arrays of its own (norms, embeddings) is "other", read and written under MLX's names.
 Frozen arrays count too: ``parameters()`` lists them, and a port must carry them.
 """
@@ -21,10 +22,13 @@ from dense_bridge._layouts import Entry
 
 from ._arrays import MX_DTYPES, to_mx, to_numpy
 from ._layers import declared_arrays
+from ._quant import embedding_table, set_embedding_table
 from ._layers import is_dense as _is_dense
 
 
 def _kind(m) -> str:
+    if isinstance(m, nn.QuantizedEmbedding):  # a table, moved as MLX dequantizes it (_quant.py)
+        return "other"
     if type(m).__name__.startswith("Quantized"):
         return "quantized"
     if _is_dense(m) or type(m) is nn.Bilinear or declared_arrays(m) is not None:
@@ -61,7 +65,18 @@ def walk(model) -> list[Entry]:
     return out
 
 
+def _quantized_table(path: str, m) -> Entry:
+    """A QuantizedEmbedding as the float (vocab, dims) ``weight`` table it stands for: read as
+    mx.dequantize computes it, written through mx.quantize with the layer's own bits and groups."""
+    shape = (int(m["weight"].shape[0]), int(m.dims))
+    return Entry(path, m, "other", ("weight",), {"weight": id(m["weight"])}, {"weight": shape},
+                 lambda: {"weight": embedding_table(m)}, lambda arrays: set_embedding_table(m, arrays["weight"]),
+                 f"a QuantizedEmbedding ({m.bits}-bit {m.mode}, group {m.group_size}): its table moves dequantized")
+
+
 def _entry(path: str, m, kind: str) -> Entry:
+    if isinstance(m, nn.QuantizedEmbedding):
+        return _quantized_table(path, m)
     names = tuple(_own_arrays(m))
 
     def read() -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
+from ._quant import quant_layer
 from ._activations import FUNCTIONS, METHODS, ExactActivation, activation_module, fn_spec, module_activation
 from ._arrays import dtype_name, from_numpy
 from ._layers import DenseLinear, LazyDense
@@ -563,6 +564,9 @@ def _check_one_dtype(what: str, layers: list) -> None:
 def to_spec(native: nn.Module):
     """The spec of a torch module: a layer, an nn.Sequential, or an nn.Module chain (see module doc)."""
     what = describe(native)
+    quantized = quant_layer(native)
+    if quantized is not None:  # the float Dense a torchao-quantized Linear stands for
+        return quantized.spec()
     if not is_container(native):
         spec = _leaf_spec(native, what)
         if spec is None:
