@@ -248,8 +248,8 @@ def check_exact(want: np.ndarray, got: np.ndarray) -> str | None:
     bad = np.argwhere(~same)
     i, j = (int(v) for v in bad[0])
     return (f"the destination's dequantization of the same codes differs from the source's in {len(bad)} of "
-            f"{a.size} values ({100 * len(bad) / a.size:.1f}%), first at kernel[{i}, {j}]: {a[i, j]!r} vs "
-            f"{b[i, j]!r}")
+            f"{a.size} values ({100 * len(bad) / a.size:.1f}%), first at kernel[{i}, {j}]: {float(a[i, j])!r} vs "
+            f"{float(b[i, j])!r}")
 
 
 def max_error(want: np.ndarray, got: np.ndarray) -> float:

@@ -114,7 +114,7 @@ class TorchaoQuantLayer:
             kernel = np.array(_np(tensor.dequantize()).T)
         new_bias = None
         if self.has_bias:
-            new_bias = torch.as_tensor(np.asarray(bias)).to(self.m.bias.dtype).clone()
+            new_bias = _fresh(np.asarray(bias)).to(self.m.bias.dtype)
 
         def write():
             before_w, before_b = self.m.weight, self.m.bias
