@@ -65,7 +65,26 @@ def torchao_intx(bits=4, group=32, asymmetric=False):
         mapping_type=MappingType.ASYMMETRIC if asymmetric else MappingType.SYMMETRIC))
 
 
+_KERAS_POOL: dict = {}
+
+
 def keras_layer(mode, block=None, seed=0):
+    """A quantized Keras Dense in its initial state. Keras' quantize() runs gc.collect (0.4 s a
+    call), so each configuration is made twice per session and later calls put the first
+    values back into one of the two (alternating: a pair of the same format gets two objects)."""
+    key = (mode, block, seed)
+    if key not in _KERAS_POOL:
+        layers = [_new_keras_layer(mode, block, seed) for _ in range(2)]
+        _KERAS_POOL[key] = [layers, [[v.numpy() for v in layers[0].weights]], 0]
+        return layers[0]
+    layers, (values,), turn = _KERAS_POOL[key]
+    _KERAS_POOL[key][2] = turn = 1 - turn
+    for variable, value in zip(layers[turn].weights, values):
+        variable.assign(value)
+    return layers[turn]
+
+
+def _new_keras_layer(mode, block, seed):
     keras, Int4QuantizationConfig = _keras()
     keras.utils.set_random_seed(seed)
     layer = keras.layers.Dense(OUT)
