@@ -402,3 +402,90 @@ def test_mlx_lm_4bit_model_into_torchao_intx_requantizes_with_errors_per_layer(m
         got = modules[path].weight.dequantize().numpy()
         want = db.get_params(db.linear_layers(src)[path])["kernel"].T
         assert err == np.abs(got - want).max() and 0 < err < 0.2, path
+
+
+# ----------------------------------------------------------------------------- compare_models, float vs quantized
+def _float_mlp():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, IN), torch.nn.ReLU(), torch.nn.Linear(IN, OUT))
+
+
+def _mlx_quantized_mlp(float_model):
+    mx, nn = _mx()
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.QuantizedLinear(IN, IN, group_size=32, bits=4), nn.ReLU(),
+                           nn.QuantizedLinear(IN, OUT, group_size=32, bits=4)]
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = MLP()
+    report = db.transfer(float_model, model)  # float into quantized: MLX's own quantizer
+    assert set(report.quant_errors) == {"layers.0", "layers.2"}
+    return model
+
+
+def _inputs():
+    return [np.random.default_rng(1).standard_normal((4, IN)).astype(np.float32)]
+
+
+def test_compare_models_float_vs_quantized_passes_and_reports_the_predicted_error():
+    from dense_bridge.testing import compare_models
+
+    ref = _float_mlp()
+    report = compare_models(_mlx_quantized_mlp(ref), ref, _inputs())
+    assert report.passed, str(report)
+    rows = [q for layer in report.layers for q in layer.quantities if q.quantity == "quantization"]
+    assert len(rows) == 2 and all("predicted output error" in q.note for q in rows)
+    assert any("quantized (a: 4-bit affine, group 32)" in n for n in report.notes)
+    # both ways: the quantized model as the reference
+    back = compare_models(ref, _mlx_quantized_mlp(ref), _inputs())
+    assert back.passed, str(back)
+
+
+@pytest.mark.parametrize("damage", ["swapped group scales", "zero point off by one"])
+def test_compare_models_names_the_layer_whose_codes_moved_wrong(damage):
+    mx, _ = _mx()
+    from dense_bridge.testing import compare_models
+
+    ref = _float_mlp()
+    model = _mlx_quantized_mlp(ref)
+    layer = model.layers[2]
+    scales, biases = np.array(layer.scales), np.array(layer.biases)
+    if damage == "swapped group scales":  # one unit's group-0 scale moved into group 1 and back
+        scales[3, [0, 1]] = scales[3, [1, 0]]
+    else:  # group 0 of unit 3 reads its codes one step off
+        biases[3, 0] += scales[3, 0]
+    layer.update({"scales": mx.array(scales), "biases": mx.array(biases)})
+    report = compare_models(model, ref, _inputs())
+    assert not report.passed
+    assert report.first_divergence == "2"
+    assert report.first_failure.quantity == "quantization"
+    assert "group 0 of unit 3" in report.first_failure.note or "kernel[" in report.first_failure.note
+
+
+@pytest.mark.parametrize("make_dst", ["keras-int8", "torchao-int4"])
+def test_compare_models_keras_int8_and_torchao_ports_pass(make_dst):
+    from dense_bridge.testing import compare_models
+
+    ref = _float_mlp()
+    if make_dst == "keras-int8":
+        keras = _keras()[0]
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(IN), keras.layers.ReLU(),
+                                  keras.layers.Dense(OUT)])
+        db.transfer(ref, model)
+        for layer in (model.layers[0], model.layers[2]):  # inputs are quantized too: judged with the
+            layer.quantize("int8")                         # input each layer multiplies
+    else:
+        torch, tq, _, PerGroup, _ = _torchao()
+        model = _float_mlp()
+        tq.quantize_(model, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    report = compare_models(model, ref, _inputs())
+    assert report.passed, str(report)
+    assert sum(q.quantity == "quantization" for layer in report.layers for q in layer.quantities) == 2

@@ -84,8 +84,20 @@ class KerasQuantLayer:
             self.quant = Quant(8 if mode == "int8" else 4, None, "divide")
         self.signed = True
         self.has_bias = layer.bias is not None
+        # int8 layers quantize their inputs by default: the forward multiplies round(x * s) / s
+        self.quantizes_inputs = bool(getattr(layer, "inputs_quantizer", None))
         self.float_name = keras.backend.standardize_dtype(layer.variable_dtype)
         self.scale_dtype = numpy_dtype(keras.backend.standardize_dtype(layer.kernel_scale.dtype))
+
+    def effective_input(self, x: np.ndarray) -> np.ndarray:
+        """(rows, in_features) -> the input the layer's forward actually multiplies: Keras'
+        ``inputs_quantizer`` codes divided by their per-row scale (float64)."""
+        if not self.quantizes_inputs:
+            return np.asarray(x, dtype=np.float64)
+        x32 = np.asarray(x, dtype=numpy_dtype(self.layer.compute_dtype))
+        q, s = self.layer.inputs_quantizer(ops.convert_to_tensor(x32), axis=-1)
+        return np.asarray(ops.convert_to_numpy(q), dtype=np.float64) / np.asarray(ops.convert_to_numpy(s),
+                                                                                    dtype=np.float64)
 
     def spec(self) -> Dense:
         return Dense(self.units, in_features=self.in_features, use_bias=self.has_bias, kernel_init="glorot_uniform",
