@@ -39,10 +39,7 @@ def declaration(m: nn.Module) -> Layout | None:
 
 
 def _quantized(m: nn.Module) -> bool:
-    """torch.ao quantized Linear modules, bitsandbytes' Linear8bitLt/Linear4bit and the like, and
-    nn.Linear holding a torchao tensor (``_quant.py``)."""
-    if is_torchao(m):
-        return True
+    """torch.ao quantized Linear modules, bitsandbytes' Linear8bitLt/Linear4bit and the like."""
     mod, name = type(m).__module__, type(m).__name__
     if "Linear" not in name:
         return False
@@ -53,7 +50,8 @@ def walk(model: nn.Module) -> list[Entry]:
     """Every module with parameters of its own (and every linear-family module), in definition order."""
     out = []
     for path, m in model.named_modules():
-        kind = "quantized" if _quantized(m) else "linear" if linear_kind(m) else None
+        # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
+        kind = "quantized" if is_torchao(m) else "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
         params = {n: p for n, p in m._parameters.items() if p is not None}
         # persistent floating buffers are state a port carries too (BatchNorm's running stats);
         # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
