@@ -64,6 +64,9 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
 - ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
   framework's own dequantization and quantizer), None for a layer that is not quantized;
   a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
+- ``quant_build(layer, quant) -> native``: the float linear ``layer`` quantized by the framework's
+  own quantizer with ``quant``'s bits, groups and scheme (in place or a new object, returned);
+  a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
 
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
@@ -123,7 +126,7 @@ REQUIRED_VERBS: tuple[str, ...] = (
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
 OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
-                                   "quant_layer")
+                                   "quant_layer", "quant_build")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (

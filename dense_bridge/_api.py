@@ -195,13 +195,22 @@ def _read_spec(adapter, native):
     return read if hint is None else _with_hint(read, hint)
 
 
-def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None):
+def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None, quant: Any = None,
+            requantize: bool = False):
     """A new native object on backend ``to`` with ``native``'s spec and parameters.
 
     float32 parameters arrive bit-identical; layouts are transposed by declaration, never by
     shape, so square layers convert correctly and A -> B -> A gives back A's values. NaN/Inf
-    parameters raise a ConversionError unless ``allow_nonfinite=True``.
+    parameters raise a ConversionError unless ``allow_nonfinite=True``. A quantized layer
+    converts to the float layer it stands for (its exact dequantization); with ``quant`` (a
+    ``db.Quant`` the target offers) to the target's quantized layer, its codes moved exactly
+    or a ConversionError, unless ``requantize=True`` (dense_bridge/quant.py).
     """
+    if quant is not None:
+        from .quant import convert_quantized
+
+        _check_flag("requantize", requantize)
+        return convert_quantized(native, check_backend_name(to, "to"), quant, requantize)
     target = check_backend_name(to, "to")
     source = adapter_for(native)
     if example is not None:  # see to_spec

@@ -437,3 +437,30 @@ def reference_dequantize(qp: dict) -> np.ndarray:
     else:
         values = _FP4[q.astype(np.int64) & 15]
     return values * s.astype(np.float32)
+
+
+def convert_quantized(native: Any, to: str, quant: Any, requantize: bool) -> Any:
+    """``db.convert(native, to, quant=...)``: a lone linear layer as ``to``'s quantized layer."""
+    from ._api import compile, get_params, to_spec
+    from ._registry import get_adapter
+    from .specs import Dense
+
+    if not isinstance(quant, Quant):
+        raise TypeError(f"quant must be a dense_bridge Quant or None. {received('quant', quant)}")
+    spec = to_spec(native)
+    if not isinstance(spec, Dense) or spec.mask is not None:
+        raise ConversionError(f"convert(quant=...) converts one unmasked linear layer; native reads as {spec!r}"[:400])
+    adapter = get_adapter(to)
+    build = getattr(adapter, "quant_build", None)
+    if build is None:
+        raise ConversionError(f"the {to!r} backend has no quantized layers (no quant_build verb). "
+                              f"{received('to', to)}")
+    src = handle_of(native)
+    params = src.dequantized() if src is not None else get_params(native)
+    params = {k: v for k, v in params.items() if k in ("kernel", "bias")}
+    plain = spec.replace(activation="linear", name=None)
+    target = build(compile(plain, to, params=params), quant)
+    cand, _ = move(quant_layer(adapter, target), params, None if src is None else src.codes(),
+                   requantize=requantize, where="convert")
+    cand.write()
+    return target

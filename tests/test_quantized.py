@@ -489,3 +489,43 @@ def test_compare_models_keras_int8_and_torchao_ports_pass(make_dst):
     report = compare_models(model, ref, _inputs())
     assert report.passed, str(report)
     assert sum(q.quantity == "quantization" for layer in report.layers for q in layer.quantities) == 2
+
+
+def test_convert_with_quant_builds_the_targets_quantized_layer_and_moves_codes():
+    torch = _torchao()[0]
+    src = keras_layer("int4", 32)
+    out = db.convert(src, "torch", quant=db.Quant(4, 32, "zero_point"))  # same arithmetic: exact
+    assert type(out.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    np.testing.assert_array_equal(_float(out), _float(src))
+    m = mlx_layer(4, 32)
+    with pytest.raises(db.ConversionError, match="convert: the codes .* cannot move exactly"):
+        db.convert(m, "torch", quant=db.Quant(4, 32, "zero_point"))
+    back = db.convert(m, "mlx", quant=db.Quant(4, 32, "affine"))
+    np.testing.assert_array_equal(_float(back), _float(m))
+    requantized = db.convert(m, "keras", quant=db.Quant(4, 32, "zero_point"), requantize=True)
+    assert requantized.quantization_mode == "int4"
+    assert np.abs(_float(requantized) - _float(m)).max() <= np.abs(db.get_params(m, quantized=True)["scale"]).max()
+    with pytest.raises(db.ConversionError, match="Keras quantizes as int8"):
+        db.convert(m, "keras", quant=db.Quant(3, 32, "zero_point"), requantize=True)
+    with pytest.raises(TypeError, match="quant must be"):
+        db.convert(m, "torch", quant="int4")
+    plain = db.convert(m, "torch")  # without quant: the float layer the codes stand for
+    assert isinstance(plain.weight, torch.nn.Parameter) and np.array_equal(_float(plain), _float(m))
+
+
+def test_compare_models_without_keras_input_quantization_would_fail(monkeypatch):
+    """The accounting for Keras int8's input quantization is what makes the port pass."""
+    from dense_bridge.backends.keras._quant import KerasQuantLayer
+    from dense_bridge.testing import compare_models
+
+    keras = _keras()[0]
+    ref = _float_mlp()
+    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(IN), keras.layers.ReLU(), keras.layers.Dense(OUT)])
+    db.transfer(ref, model)
+    for layer in (model.layers[0], model.layers[2]):
+        layer.quantize("int8")
+    assert compare_models(model, ref, _inputs()).passed
+    monkeypatch.setattr(KerasQuantLayer, "quantizes_inputs", False, raising=False)
+    monkeypatch.setattr(KerasQuantLayer, "effective_input", lambda self, x: np.asarray(x, np.float64))
+    report = compare_models(model, ref, _inputs())
+    assert not report.passed and report.first_failure.quantity == "output"

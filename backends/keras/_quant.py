@@ -214,3 +214,19 @@ class KerasQuantLayer:
 def quant_layer(layer: Any) -> KerasQuantLayer | None:
     """The handle on a quantized Dense/EinsumDense; None for anything else."""
     return KerasQuantLayer(layer) if is_quantized(layer) else None
+
+
+def quant_build(layer: Any, quant: Quant) -> Any:
+    """``layer`` (a float Dense) quantized in place by Keras' own ``quantize``: "divide" 8-bit is
+    int8, "divide" 4-bit is int4 per-channel, "zero_point" 4-bit is int4 in groups."""
+    from keras.src.quantizers.quantization_config import Int4QuantizationConfig
+
+    if (quant.scheme, quant.bits, quant.group_size) == ("divide", 8, None):
+        layer.quantize("int8")
+    elif quant.bits == 4 and (quant.scheme == "divide" and quant.group_size is None or quant.scheme == "zero_point"):
+        block = -1 if quant.scheme == "divide" else (quant.group_size or int(layer.kernel.shape[0]))
+        layer.quantize("int4", config=Int4QuantizationConfig(block_size=block))
+    else:
+        raise ConversionError(f"Keras quantizes as int8 (8-bit 'divide', per-channel) or int4 (4-bit 'divide' "
+                              f"per-channel, or 4-bit 'zero_point' in groups), not {quant!r}")
+    return layer

@@ -59,7 +59,7 @@ from ._to_spec import to_spec
 from ._trace import trace
 from ._capture import capture
 from ._models import walk
-from ._quant import quant_layer  # quantized layers: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
@@ -77,7 +77,7 @@ __all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "Colu
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file", "quant_layer"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "quant_layer", "quant_build"]
 
 
 def owns(obj) -> bool:

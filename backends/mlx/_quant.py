@@ -170,3 +170,18 @@ def embedding_table(m: Any) -> np.ndarray:
 def set_embedding_table(m: Any, table: Any) -> None:
     """Quantize a float (vocab, dims) table into a ``QuantizedEmbedding`` with its own settings."""
     MlxQuantLayer(m).quantize(np.asarray(table).T).write()
+
+
+def quant_build(layer: Any, quant: Quant) -> Any:
+    """A ``QuantizedLinear`` made from the float ``nn.Linear`` ``layer`` by MLX's own quantizer
+    with ``quant``'s bits and groups ("affine" or a microscaling mode)."""
+    from dense_bridge._errors import ConversionError
+
+    if quant.scheme not in ("affine",) + tuple(MICROSCALING):
+        raise ConversionError(f"MLX has no {quant.scheme!r} quantization (it offers affine, mxfp4, mxfp8, nvfp4). "
+                              f"Received: quant={quant!r}")
+    try:
+        return nn.QuantizedLinear.from_linear(layer, group_size=quant.group_size, bits=quant.bits,
+                                              mode=quant.scheme)
+    except (ValueError, RuntimeError) as exc:
+        raise ConversionError(f"MLX cannot quantize this layer as {quant!r}: {exc}") from None

@@ -166,3 +166,22 @@ def quant_layer(m: Any) -> TorchaoQuantLayer | None:
     if "torchao" not in sys.modules or not is_quantized(m):
         return None
     return TorchaoQuantLayer(m)
+
+
+def quant_build(layer: nn.Module, quant: Quant) -> nn.Module:
+    """``layer`` (a float nn.Linear) quantized in place by torchao's ``quantize_`` as a
+    weight-only intx tensor with ``quant``'s bits and groups (asymmetric: zero points free)."""
+    if quant.scheme != "zero_point":
+        raise ConversionError(f"torchao weight-only layers dequantize as (q - zero) * scale (scheme 'zero_point'), "
+                              f"not {quant.scheme!r}. Received: quant={quant!r}")
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    granularity = PerAxis(0) if quant.group_size is None else PerGroup(quant.group_size)
+    try:
+        quantize_(layer, IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{quant.bits}"), granularity=granularity,
+                                              mapping_type=MappingType.ASYMMETRIC))
+    except (ValueError, AssertionError, RuntimeError) as exc:
+        raise ConversionError(f"torchao cannot quantize this layer as {quant!r}: {exc}") from None
+    return layer
