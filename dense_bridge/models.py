@@ -262,6 +262,11 @@ def _linear_params(layer: Any) -> dict[str, np.ndarray]:
 
 def _shape(e: Entry) -> tuple:
     """The canonical kernel shape: (in_features, units), or (units, in1, in2) for a Bilinear."""
+    if e.kind == "quantized":  # from the codes' shape: dequantizing only to count would cost a pass
+        from .quant import handle_of
+
+        h = handle_of(e.layer)
+        return (h.in_features, h.units)
     return tuple(_linear_params(e.layer)["kernel"].shape)
 
 
