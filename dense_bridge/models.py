@@ -457,6 +457,16 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
             moved_src.update(s.param_path(n) for n in s.names)
             report.moved.append((s.path, d.path, what))
             continue
+        from .quant import same_quantized_tables
+
+        codes = same_quantized_tables(s, d)  # two quantized tables of one format: their codes, exactly
+        if codes is not None:
+            writes.append((d, "quantized", codes))
+            for n in d.names:
+                claim(d, n, s.param_path(n))
+            moved_src.update(s.param_path(n) for n in s.names)
+            report.moved.append((s.path, d.path, "codes moved exactly (quantized table)"))
+            continue
         pairs, left_s, left_d = _name_pairs(s, d)
         if left_s and strict:
             problems.append(f"src {s.where()} has parameters {left_s} with no counterpart in dst {d.where()} "

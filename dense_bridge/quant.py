@@ -464,3 +464,20 @@ def convert_quantized(native: Any, to: str, quant: Any, requantize: bool) -> Any
                    requantize=requantize, where="convert")
     cand.write()
     return target
+
+
+def same_quantized_tables(s: Any, d: Any) -> Candidate | None:
+    """A :class:`Candidate` moving the native codes of walk entry ``s`` into ``d`` when both are
+    quantized tables (embeddings) of one format (the adapters' ``extra["quantized_table"]``:
+    ``format``, ``read()`` -> native arrays, ``write(arrays)``); None otherwise."""
+    a, b = s.extra.get("quantized_table"), d.extra.get("quantized_table")
+    if a is None or b is None or a["format"] != b["format"]:
+        return None
+    arrays = a["read"]()
+
+    def write():
+        before = b["read"]()
+        b["write"](arrays)
+        return lambda: b["write"](before)
+
+    return Candidate(np.zeros((0, 0)), write)

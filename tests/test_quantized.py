@@ -529,3 +529,29 @@ def test_compare_models_without_keras_input_quantization_would_fail(monkeypatch)
     monkeypatch.setattr(KerasQuantLayer, "effective_input", lambda self, x: np.asarray(x, np.float64))
     report = compare_models(model, ref, _inputs())
     assert not report.passed and report.first_failure.quantity == "output"
+
+
+def test_quantized_tables_of_one_format_move_as_codes_and_into_float_tables_dequantized():
+    mx, nn = _mx()
+    torch = pytest.importorskip("torch")
+
+    class Tok(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            mx.random.seed(seed)
+            self.embed = nn.QuantizedEmbedding(16, IN, group_size=32, bits=4)
+
+    src, dst = Tok(0), Tok(1)
+    report = db.transfer(src, dst, mapping={"embed": "embed"})
+    assert report.moved == [("embed", "embed", "codes moved exactly (quantized table)")]
+    for k in ("weight", "scales", "biases"):
+        np.testing.assert_array_equal(np.asarray(dst.embed[k]), np.asarray(src.embed[k]))
+    table = torch.nn.Sequential()
+    table.add_module("embed", torch.nn.Embedding(16, IN))
+    db.transfer(src, table, mapping={"embed": "embed"})
+    want = mx.dequantize(src.embed.weight, src.embed.scales, src.embed.biases, group_size=32, bits=4)
+    np.testing.assert_array_equal(table.embed.weight.detach().numpy(), np.asarray(want))
+    back = Tok(2)  # a float table into a quantized one: MLX's own quantizer, within one step
+    db.transfer(table, back, mapping={"embed": "embed"})
+    got = mx.dequantize(back.embed.weight, back.embed.scales, back.embed.biases, group_size=32, bits=4)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= np.abs(np.asarray(back.embed.scales)).max()

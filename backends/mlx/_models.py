@@ -69,9 +69,19 @@ def _quantized_table(path: str, m) -> Entry:
     """A QuantizedEmbedding as the float (vocab, dims) ``weight`` table it stands for: read as
     mx.dequantize computes it, written through mx.quantize with the layer's own bits and groups."""
     shape = (int(m["weight"].shape[0]), int(m.dims))
+    arrays = ("weight", "scales", "biases")
+
+    def native() -> dict:
+        return {k: m[k] for k in arrays if k in m and m[k] is not None}
+
+    # another table of the same format takes the codes themselves: requantizing a dequantized
+    # table is not idempotent in MLX (docs/FACTS.md), so through floats it would change values
+    codes = {"format": ("mlx", m.mode, int(m.bits), int(m.group_size), shape, str(m["scales"].dtype)),
+             "read": native, "write": m.update}
     return Entry(path, m, "other", ("weight",), {"weight": id(m["weight"])}, {"weight": shape},
                  lambda: {"weight": embedding_table(m)}, lambda arrays: set_embedding_table(m, arrays["weight"]),
-                 f"a QuantizedEmbedding ({m.bits}-bit {m.mode}, group {m.group_size}): its table moves dequantized")
+                 f"a QuantizedEmbedding ({m.bits}-bit {m.mode}, group {m.group_size}): its table moves dequantized",
+                 extra={"quantized_table": codes})
 
 
 def _entry(path: str, m, kind: str) -> Entry:
