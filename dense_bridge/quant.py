@@ -34,13 +34,22 @@ Adapters offer the optional verb ``quant_layer(layer) -> QuantLayer | None`` (``
 quantized layer; a ``ConversionError`` naming the mode for a quantized layer dense_bridge cannot
 read). Its methods, all in the canonical layout:
 
-- ``quant`` (a :class:`Quant`), ``signed`` (are its codes signed), ``in_features``, ``units``;
+- ``quant`` (a :class:`Quant`), ``signed`` (are its codes signed), ``in_features``, ``units``,
+  ``has_bias``, ``scale_dtype`` (numpy dtype its scales are stored in);
 - ``spec()``: the float ``Dense`` it stands for;
 - ``dequantized()`` -> {"kernel" (in, units), "bias"}: the framework's own dequantization;
 - ``codes()`` -> the canonical quantized params above;
 - ``encode(qparams)`` -> :class:`Candidate` holding codes already in this layer's scheme;
 - ``quantize(kernel, bias)`` -> :class:`Candidate` from a float kernel, with the framework's own
-  quantizer and this layer's bits and groups.
+  quantizer and this layer's bits and groups;
+- optionally ``quantizes_inputs`` and ``effective_input(x)`` (Keras int8 rounds its inputs too:
+  ``testing/_quantized.py`` predicts its forward with them).
+
+``dequantized``/``quantize`` + ``Candidate.write`` are the per-framework dequantize/requantize
+other features build on (merging an update into a quantized kernel: dequantize, add, quantize).
+Adapters also offer ``quant_build(layer, quant)`` (a float layer quantized by the framework, for
+``db.convert(..., quant=)``), and a walk entry of a quantized table (MLX ``QuantizedEmbedding``)
+carries ``extra["quantized_table"]`` so that two tables of one format move as codes.
 """
 from __future__ import annotations
 

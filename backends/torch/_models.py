@@ -3,8 +3,9 @@
 Paths are torch's own module paths (``named_modules``: "encoder.layer.0.output.dense"), in
 definition order; "" is the root itself. Linear-family layers (``nn.Linear`` and its lazy and
 dense_bridge variants, ``nn.Bilinear``, classes declared with ``db.register_layout`` such as
-transformers' ``Conv1D``) are kind "linear"; quantized linear classes are "quantized" (their
-weights are packed integers: no exact float kernel to read); everything else with parameters
+transformers' ``Conv1D``) are kind "linear"; quantized linear classes are "quantized" (an
+``nn.Linear`` holding a torchao weight-only tensor reads through ``_quant.py``; torch.ao and
+bitsandbytes modules are refused by name); everything else with parameters
 (norms, embeddings, attention's packed ``in_proj_weight``) is "other", its parameters read and
 written in torch's own layout under their own names.
 """
