@@ -206,11 +206,13 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
     ``db.Quant`` the target offers) to the target's quantized layer, its codes moved exactly
     or a ConversionError, unless ``requantize=True`` (dense_bridge/quant.py).
     """
-    if quant is not None:
-        from .quant import convert_quantized
+    if quant is not None:  # the float conversion, then the target framework's quantized layer
+        from .quant import check_quant, quantize_converted
 
         _check_flag("requantize", requantize)
-        return convert_quantized(native, check_backend_name(to, "to"), quant, requantize)
+        check_quant(quant)
+        return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
+                                  quant, requantize)
     target = check_backend_name(to, "to")
     source = adapter_for(native)
     if example is not None:  # see to_spec

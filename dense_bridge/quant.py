@@ -448,27 +448,30 @@ def reference_dequantize(qp: dict) -> np.ndarray:
     return values * s.astype(np.float32)
 
 
-def convert_quantized(native: Any, to: str, quant: Any, requantize: bool) -> Any:
-    """``db.convert(native, to, quant=...)``: a lone linear layer as ``to``'s quantized layer."""
-    from ._api import compile, get_params, to_spec
-    from ._registry import get_adapter
-    from .specs import Dense
-
+def check_quant(quant: Any) -> None:
     if not isinstance(quant, Quant):
         raise TypeError(f"quant must be a dense_bridge Quant or None. {received('quant', quant)}")
-    spec = to_spec(native)
-    if not isinstance(spec, Dense) or spec.mask is not None:
-        raise ConversionError(f"convert(quant=...) converts one unmasked linear layer; native reads as {spec!r}"[:400])
-    adapter = get_adapter(to)
+
+
+def quantize_converted(native: Any, target: Any, quant: Quant, requantize: bool) -> Any:
+    """``db.convert(native, to, quant=...)``'s second half: ``target`` (native converted to a float
+    layer, its exact dequantization) quantized by its framework as ``quant``, then ``native``'s
+    codes moved in exactly, or its floats requantized (``requantize=True``), or a ConversionError."""
+    from ._registry import adapter_for
+    from .specs import Dense
+
+    adapter = adapter_for(target, "to")
+    spec = adapter.to_spec(target)
+    if not isinstance(spec, Dense) or spec.mask is not None or not spec.activation.is_identity:
+        raise ConversionError(f"convert(quant=...) converts one linear layer without activation or mask; native "
+                              f"reads as {spec!r}"[:400])
     build = getattr(adapter, "quant_build", None)
     if build is None:
-        raise ConversionError(f"the {to!r} backend has no quantized layers (no quant_build verb). "
-                              f"{received('to', to)}")
+        raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend has no quantized layers "
+                              f"(no quant_build verb)")
     src = handle_of(native)
-    params = src.dequantized() if src is not None else get_params(native)
-    params = {k: v for k, v in params.items() if k in ("kernel", "bias")}
-    plain = spec.replace(activation="linear", name=None)
-    target = build(compile(plain, to, params=params), quant)
+    params = {k: v for k, v in adapter.get_params(target).items() if k in ("kernel", "bias")}
+    target = build(target, quant)
     cand, _ = move(quant_layer(adapter, target), params, None if src is None else src.codes(),
                    requantize=requantize, where="convert")
     cand.write()
