@@ -47,7 +47,7 @@ def _refuse_quantized(entries: list[Entry], argument: str) -> None:
     if bad:
         listed = "; ".join(f"{e.where()}{': ' + e.note if e.note else ''}" for e in bad)
         raise ConversionError(
-            f"{argument} holds quantized linear layers, which have no exact float kernel to read or write: "
+            f"{argument} holds quantized linear layers dense_bridge cannot read: "
             f"{listed}. Dequantize the model first (load it in float16/float32, or mlx_lm's dequantize), "
             f"then list or transfer its layers")
 

@@ -238,6 +238,29 @@ def test_unreadable_quantized_modes_are_refused_by_name():
         db.get_params(keras_layer("int8").__class__(3), quantized=True)
 
 
+def test_torchao_with_activation_quantization_is_refused_by_name():
+    torch, tq, *_ = _torchao()
+    model = torch.nn.Sequential(torch.nn.Linear(IN, OUT))
+    tq.quantize_(model, tq.Int8DynamicActivationInt8WeightConfig())
+    with pytest.raises(db.ConversionError, match="0 .*Int8Tensor with activation quantization"):
+        db.linear_layers(model)
+
+
+def test_bad_arguments_name_themselves():
+    src, dst = mlx_layer(4, 32), mlx_layer(4, 32, seed=1)
+    with pytest.raises(TypeError, match="requantize.*Received: requantize='yes'"):
+        db.transfer(src, dst, requantize="yes")
+    with pytest.raises(TypeError, match="quantized.*Received: quantized=1"):
+        db.get_params(src, quantized=1)
+    codes = db.get_params(src, quantized=True)
+    with pytest.raises(TypeError, match="quant"):
+        db.set_params(dst, {**codes, "quant": "4-bit"})
+    with pytest.raises(db.ConversionError, match="unexpected keys \\['zero'\\]"):
+        db.set_params(dst, {**codes, "zero": codes["offset"]})
+    with pytest.raises(db.ConversionError, match="qkernel must hold integers"):
+        db.set_params(dst, {**codes, "qkernel": codes["qkernel"].astype(np.float32)})
+
+
 # ----------------------------------------------------------------------------- every pair of formats
 @pytest.mark.parametrize("dst_name", list(FORMATS))
 @pytest.mark.parametrize("src_name", list(FORMATS))
