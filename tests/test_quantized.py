@@ -227,6 +227,28 @@ def test_keras_einsum_int8_reads_through_its_equation():
     np.testing.assert_array_equal(kernel, reference_dequantize(codes))
 
 
+@pytest.mark.parametrize("equation,out,shape", [("abc,cde->abde", (None, 2, 4), (None, 3, IN)),
+                                                 ("abcd,cde->abe", (None, 8), (None, 3, 2, 32))])
+@pytest.mark.parametrize("block", [-1, 32])
+def test_keras_einsum_int4_is_keras_own_dequantization(equation, out, shape, block):
+    tf = pytest.importorskip("tensorflow")
+    keras, Int4QuantizationConfig = _keras()
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("reads Keras' gradient with tf.GradientTape")
+    layer = keras.layers.EinsumDense(equation, output_shape=out)
+    layer.build(shape)
+    layer.quantize("int4", config=Int4QuantizationConfig(block_size=block))
+    kernel = db.get_params(layer)["kernel"]
+    n_in, units = kernel.shape
+    x = tf.zeros((units,) + tuple(shape[1:]))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)
+    grad = tape.gradient(y, x, output_gradients=tf.reshape(tf.eye(units), tuple(y.shape)))
+    np.testing.assert_array_equal(grad.numpy().reshape(units, n_in).T, kernel)  # Keras' own float kernel
+    np.testing.assert_array_equal(reference_dequantize(db.get_params(layer, quantized=True)), kernel)
+
+
 def test_unreadable_quantized_modes_are_refused_by_name():
     keras = _keras()[0]
     layer = keras.layers.Dense(4)

@@ -7,12 +7,14 @@ Keras 3.15 stores, for a Dense (kernel (in, units)):
   division: scheme "divide"). EinsumDense keeps its kernel's einsum shape and a scale in the
   output's shape, read through the layer's einsum plan (``_models.einsum_plan``).
 - ``"int4"``: ``kernel`` int8 (in, ceil(units / 2)), two signed 4-bit codes per byte along
-  units (``quantizers.pack_int4``). Per-channel (block_size -1): ``kernel_scale`` (units,),
+  units (``quantizers.pack_int4``); an EinsumDense's kernel reshaped (not transposed) to
+  (contracted, free) in kernel axis order first, read where that order is (in..., out...). Per-channel (block_size -1): ``kernel_scale`` (units,),
   w = q / scale. Grouped (block_size B, default 128): ``kernel_scale`` and ``kernel_zero``
   (G, units), ``g_idx`` (in,) mapping each input row to its group; w = (q - zero) * scale
   (``dequantize_with_sz_map``: scheme "zero_point", the arithmetic torchao uses).
 
-Keras' other modes (float8, gptq, awq) and int4 EinsumDense are refused by name. Keras int8 also
+Keras' other modes (float8, gptq, awq) are refused by name, and so is an int4 EinsumDense whose
+kernel axes are not contracted-first. Keras int8 also
 quantizes its inputs by default (``inputs_quantizer``): its forward differs from
 x @ dequantized kernel by that rounding, which ``compare_models`` accounts for.
 """
@@ -59,12 +61,15 @@ class KerasQuantLayer:
         self.mode = mode
         self.einsum = type(layer) is keras.layers.EinsumDense
         if self.einsum:
-            if mode != "int8":
-                raise ConversionError(f"{where}: int4 EinsumDense (kernel packed flat) is not read by dense_bridge; "
-                                      f"int8 EinsumDense and int4 Dense are")
             plan = einsum_plan(layer)
             if isinstance(plan, str):
                 raise ConversionError(f"{where} is not a linear map: {plan}")
+            # int4 keeps the kernel reshaped, not transposed, to (contracted, free) in kernel axis
+            # order: the canonical (in, units) only where that order is already (in..., out...)
+            if mode == "int4" and plan.perm != tuple(range(len(plan.perm))):
+                raise ConversionError(f"{where}: its int4 kernel is flattened in kernel axis order, which for "
+                                      f"equation {layer.equation!r} is not (in_features, units); dense_bridge "
+                                      f"reads int4 EinsumDense whose kernel axes are contracted first")
             self.plan = plan
             self.in_features, self.units = plan.in_features, plan.units
         else:
@@ -106,7 +111,7 @@ class KerasQuantLayer:
     # -- canonical <-> Keras storage
     def _codes(self) -> np.ndarray:
         raw = read_array(self.layer._kernel)
-        if self.einsum:
+        if self.einsum and self.mode == "int8":
             return raw.transpose(self.plan.perm).reshape(self.in_features, self.units)
         if self.mode == "int4":
             unpacked = _quantizers().unpack_int4(ops.convert_to_tensor(raw), self.units, axis=-1)
@@ -154,7 +159,7 @@ class KerasQuantLayer:
         layer = self.layer
         q = np.asarray(q).astype(np.int8)
         kernel = self._dequantize(q, scale, zero)
-        if self.einsum:
+        if self.einsum and self.mode == "int8":
             native_q = q.reshape(self.plan.in_shape + self.plan.out_shape).transpose(np.argsort(self.plan.perm))
         elif self.mode == "int4":
             packed = _quantizers().pack_int4(ops.convert_to_tensor(q), axis=-1)[0]
