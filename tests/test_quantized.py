@@ -240,7 +240,7 @@ def test_keras_einsum_int4_is_keras_own_dequantization(equation, out, shape, blo
     layer.quantize("int4", config=Int4QuantizationConfig(block_size=block))
     kernel = db.get_params(layer)["kernel"]
     n_in, units = kernel.shape
-    x = tf.zeros((units,) + tuple(shape[1:]))
+    x = tf.zeros((units, 1) + tuple(shape[2:]))  # one row per unit, its second batch axis 1
     with tf.GradientTape() as tape:
         tape.watch(x)
         y = layer(x)
