@@ -600,3 +600,50 @@ def test_quantized_tables_of_one_format_move_as_codes_and_into_float_tables_dequ
     db.transfer(table, back, mapping={"embed": "embed"})
     got = mx.dequantize(back.embed.weight, back.embed.scales, back.embed.biases, group_size=32, bits=4)
     assert np.abs(np.asarray(got) - np.asarray(want)).max() <= np.abs(np.asarray(back.embed.scales)).max()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("fw", ["mlx", "keras", "torchao"])
+def test_save_writes_a_quantized_chains_exact_dequantization(fw, tmp_path):
+    """db.save of a chain holding quantized layers writes the float kernels they stand for, bit
+    for bit (the spec is the float chain; codes are not in canonical checkpoints)."""
+    if fw == "mlx":
+        _, nn = _mx()
+        model = nn.Sequential(nn.QuantizedLinear(IN, IN, group_size=32, bits=4), nn.ReLU(),
+                              nn.QuantizedLinear(IN, OUT, group_size=64, bits=8))
+        layers = [model.layers[0], model.layers[2]]
+    elif fw == "keras":
+        keras = _keras()[0]
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(IN), keras.layers.ReLU(),
+                                  keras.layers.Dense(OUT)])
+        model.layers[0].quantize("int8")
+        model.layers[2].quantize("int4")
+        layers = [model.layers[0], model.layers[2]]
+    else:
+        torch, tq, _, PerGroup, _ = _torchao()
+        model = torch.nn.Sequential(torch.nn.Linear(IN, IN), torch.nn.ReLU(), torch.nn.Linear(IN, OUT))
+        tq.quantize_(model, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+        layers = [model[0], model[2]]
+    spec = db.to_spec(model)
+    assert [type(l).__name__ for l in spec.layers] == ["Dense", "Activation", "Dense"]
+    db.save(model, tmp_path / "q.safetensors")
+    loaded_spec, params = db.load(tmp_path / "q.safetensors")
+    for position, layer in zip((0, 2), layers):
+        np.testing.assert_array_equal(params[f"{position}.kernel"], _float(layer))
+    torch_model = db.load(tmp_path / "q.safetensors", "numpy")
+    assert torch_model is not None and loaded_spec.layers[0].units == IN
+
+
+def test_mlx_quantized_safetensors_load_into_a_quantized_model_as_codes(tmp_path):
+    mx, nn = _mx()
+    from mlx.utils import tree_flatten
+
+    src = nn.Sequential(mlx_layer(4, 32))
+    path = str(tmp_path / "model.safetensors")
+    mx.save_safetensors(path, dict(tree_flatten(src.parameters())))  # what mlx-lm writes: weight/scales/biases
+    like = nn.Sequential(mlx_layer(4, 32, seed=7))
+    loaded = db.load(path, "mlx", like=like)
+    for k in ("weight", "scales", "biases", "bias"):
+        np.testing.assert_array_equal(np.asarray(loaded.layers[0][k]), np.asarray(src.layers[0][k]))
+    with pytest.raises(db.CheckpointError, match="spec=|like="):
+        db.load(path)

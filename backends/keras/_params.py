@@ -53,9 +53,10 @@ def get_params(native) -> dict[str, np.ndarray]:
     layers, keyed = layers_of(native)
     out = {}
     for i, layer in enumerate(layers):
+        quantized = quant_layer(layer)
         # an EinsumDense kernel is reshaped (a copy) to the canonical (in_features, units)
-        read = einsum_params(layer) if layer_kind(layer) == "einsum" else \
-            {k: read_array(v) for k, v in layer_variables(layer).items()}
+        read = quantized.dequantized() if quantized is not None else einsum_params(layer) \
+            if layer_kind(layer) == "einsum" else {k: read_array(v) for k, v in layer_variables(layer).items()}
         if "kernel" in read and stored_transposed(layer):
             read["kernel"] = read["kernel"].T  # a zero-copy view in the canonical (in_features, units)
         out.update({(f"{i}." if keyed else "") + k: v for k, v in read.items()})
@@ -73,13 +74,18 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
     for i, layer in enumerate(layers):
         prefix = f"{i}." if keyed else ""
         mine = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
-        if mine and layer_kind(layer) == "einsum":
+        if mine and layer_kind(layer) == "einsum" and quant_layer(layer) is None:
             set_einsum_params(layer, mine)
         elif mine:
             _set_layer(layer, mine)
 
 
 def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
+    quantized = quant_layer(layer)
+    if quantized is not None:  # a quantized layer in a chain: Keras' own quantizer (_quant.py)
+        full = {**quantized.dequantized(), **params}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
+        return
     variables = layer_variables(layer)
     if hasattr(layer, "clear_masked_cache"):
         layer.clear_masked_cache()  # also inside db.inference, where the cache is otherwise trusted

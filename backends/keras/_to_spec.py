@@ -194,6 +194,9 @@ def _input_width(model) -> int | None:
 
 
 def _layer_spec(layer):
+    quantized = quant_layer(layer)
+    if quantized is not None:  # a quantized Dense/EinsumDense in a chain: the float Dense it stands for
+        return quantized.spec()
     kind = layer_kind(layer)
     if kind == "dense":
         return _dense_spec(layer)

@@ -27,6 +27,9 @@ def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
+    quantized = quant_layer(m)
+    if quantized is not None:  # a torchao Linear in a chain: torchao's own dequantize() (_quant.py)
+        return quantized.dequantized()
     if type(m) is nn.Bilinear:
         out = {"kernel": to_numpy(m.weight)}
     elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
@@ -63,6 +66,13 @@ def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
         quantized.quantize(full["kernel"], full.get("bias")).write()
         return
     for prefix, m in layer_modules(native):
+        quantized = quant_layer(m)
+        if quantized is not None:  # a torchao Linear in a chain: torchao's quantize_ (_quant.py)
+            mine = {k: params[prefix + k] for k in ("kernel", "bias") if prefix + k in params}
+            if mine:
+                full = {**quantized.dequantized(), **mine}
+                quantized.quantize(full["kernel"], full.get("bias")).write()
+            continue
         if type(m) not in LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
             kernel, bias, transposed = declared_tensors(m)
             if prefix + "kernel" in params:
