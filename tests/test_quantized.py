@@ -409,13 +409,13 @@ def mlx_lm_llama(tmp_path_factory):
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(root / "hf")
     mlx_lm.convert(hf_path=str(root / "hf"), mlx_path=str(root / "mlx"), quantize=True, q_group_size=32, q_bits=4)
     model, _ = load_model(root / "mlx")
-    return model, config
+    return model, config, root / "hf"
 
 
 def test_mlx_lm_4bit_model_into_its_transformers_twin_dequantizes_exactly(mlx_lm_llama):
     mx, nn = _mx()
     transformers = pytest.importorskip("transformers")
-    src, config = mlx_lm_llama
+    src, config, _ = mlx_lm_llama
     layers = db.linear_layers(src)
     assert all(type(l) is nn.QuantizedLinear for l in layers.values()) and len(layers) == 8
     assert type(src.model.embed_tokens) is nn.QuantizedEmbedding
@@ -434,7 +434,7 @@ def test_mlx_lm_4bit_model_into_its_transformers_twin_dequantizes_exactly(mlx_lm
 def test_mlx_lm_4bit_model_into_torchao_intx_requantizes_with_errors_per_layer(mlx_lm_llama):
     torch, tq, _, PerGroup, MappingType = _torchao()
     transformers = pytest.importorskip("transformers")
-    src, config = mlx_lm_llama
+    src, config, _ = mlx_lm_llama
     twin = transformers.LlamaForCausalLM(config).eval()
     tq.quantize_(twin, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
                                                mapping_type=MappingType.ASYMMETRIC))
@@ -647,3 +647,18 @@ def test_mlx_quantized_safetensors_load_into_a_quantized_model_as_codes(tmp_path
         np.testing.assert_array_equal(np.asarray(loaded.layers[0][k]), np.asarray(src.layers[0][k]))
     with pytest.raises(db.CheckpointError, match="spec=|like="):
         db.load(path)
+
+
+def test_compare_models_mlx_lm_4bit_model_against_its_float_original(mlx_lm_llama):
+    """The float transformers model mlx_lm.convert quantized, against the quantized MLX model:
+    every quantized layer within its own quantization, the predicted error reported."""
+    transformers = pytest.importorskip("transformers")
+    from dense_bridge.testing import compare_models
+
+    src, _, hf_dir = mlx_lm_llama
+    original = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    ids = np.random.default_rng(0).integers(0, 64, (2, 5))
+    report = compare_models(src, original, [ids], mapping=[(r"(.*)", r"\1")])
+    assert report.passed, str(report)
+    rows = [q for layer in report.layers for q in layer.quantities if q.quantity == "quantization"]
+    assert len(rows) == 8 and all("predicted output error" in q.note for q in rows)

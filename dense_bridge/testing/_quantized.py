@@ -125,3 +125,39 @@ def backward_spread(pair: QuantPair, g_b: np.ndarray, kernel_b: np.ndarray) -> f
     if not da.size:
         return 0.0
     return float(np.max(np.abs(da - db_) / (np.abs(db_) + rms(db_) + 1e-300)))
+
+
+def table_spread(a: Any, b: Any) -> tuple[float, list[str]]:
+    """What quantized tables (embeddings) put into a comparison before its first linear layer.
+
+    A quantized embedding is not a linear layer: its rows reach the first layer through code
+    dense_bridge does not describe (norms, attention). For every walk entry of either model
+    carrying ``extra["quantized_table"]`` (MLX ``QuantizedEmbedding``), its table is paired with
+    the other model's table at the same path, else with its one table of the same shape, and the
+    largest relative difference (|a - b| / (|b| + rms b)) is returned with a note per pair: the
+    comparison then lets the code after it carry that much, as it does after a linear layer.
+    """
+    from ..models import walk
+
+    sides = (walk(a, "a"), walk(b, "b"))
+    spread, notes = 0.0, []
+    for k, entries in enumerate(sides):
+        other = {e.path: e for e in sides[1 - k]}
+        for e in entries:
+            if "quantized_table" not in e.extra:
+                continue
+            table = np.asarray(e.read()["weight"], dtype=np.float64)
+            twin = other.get(e.path)
+            if twin is None or not any(tuple(s) == table.shape for s in twin.shapes.values()):
+                same = [t for t in other.values() if any(tuple(s) == table.shape for s in t.shapes.values())]
+                twin = same[0] if len(same) == 1 else None
+            if twin is None or "quantized_table" in twin.extra and k == 1:
+                continue  # no partner, or the pair was measured from a's side already
+            name = next(n for n, s in twin.shapes.items() if tuple(s) == table.shape)
+            ref = np.asarray(twin.read()[name], dtype=np.float64)
+            a_t, b_t = (table, ref) if k == 0 else (ref, table)
+            rel = float(np.max(np.abs(a_t - b_t) / (np.abs(b_t) + rms(b_t) + 1e-300)))
+            spread = max(spread, rel)
+            notes.append(f"{e.path}: a quantized table (vs {twin.path or '<root>'}), largest relative difference "
+                         f"{rel:.3g}, carried into the code after it")
+    return spread, notes

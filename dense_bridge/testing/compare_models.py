@@ -399,7 +399,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol,
-           quant=quantized_pairs(pairs, layers_a, layers_b, params_a))
+           quant=quantized_pairs(pairs, layers_a, layers_b, params_a), models=(a, b))
     return report
 
 
@@ -423,8 +423,8 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
 
 
 def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
-           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None) -> None:
-    from ._quantized import backward_spread, quantization_row
+           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None) -> None:
+    from ._quantized import backward_spread, quantization_row, table_spread
 
     quant = quant or {}
     for pb in quant:
@@ -463,6 +463,9 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                                 f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
+    if models is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
+        fwd_prev, table_notes = table_spread(*models)
+        report.notes += table_notes
     results: list[LayerResult] = []
     rec: list = []  # per row: what the backward pass needs, or None
     for idx, cb in enumerate(cap_b.calls):
