@@ -65,7 +65,7 @@ Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where pre
   framework's own dequantization and quantizer), None for a layer that is not quantized;
   a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
 - ``quant_build(layer, quant) -> native``: the float linear ``layer`` quantized by the framework's
-  own quantizer with ``quant``'s bits, groups and scheme (in place or a new object, returned);
+  own quantizer with ``quant``'s bits, groups and scheme (in place or as another object, returned);
   a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
 
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file

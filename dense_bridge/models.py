@@ -342,7 +342,7 @@ class TransferReport:
     parameter. ``not_moved_src``/``not_moved_dst``: parameter paths left alone (native names).
     ``tied``: parameter path -> the path it shares storage with (moved once, with it).
     ``quant_errors``: dst layer path -> the largest |dequantized - source kernel| where the
-    destination's quantizer made the codes (0.0 never appears: exact moves are not listed).
+    destination's quantizer made the codes (exact code moves are not listed).
     """
 
     src_backend: str

@@ -166,27 +166,23 @@ class KerasQuantLayer:
             native_q = np.asarray(ops.convert_to_numpy(packed))
         else:
             native_q = q
-        new = [(layer._kernel, native_q),
-               (layer.kernel_scale, np.asarray(scale).reshape(tuple(layer.kernel_scale.shape)))]
+        targets = [(layer._kernel, native_q),
+                   (layer.kernel_scale, np.asarray(scale).reshape(tuple(layer.kernel_scale.shape)))]
         if zero is not None:
-            new.append((layer.kernel_zero, np.asarray(zero).reshape(tuple(layer.kernel_zero.shape))))
-        if self.has_bias:
-            if self.einsum:
-                new_bias = ("einsum", bias)
-            else:
-                new.append((layer.bias, np.asarray(bias)))
-                new_bias = None
-        else:
-            new_bias = None
+            targets.append((layer.kernel_zero, np.asarray(zero).reshape(tuple(layer.kernel_zero.shape))))
+        # an EinsumDense bias may span only some output axes: written through its einsum plan
+        einsum_bias = bias if self.has_bias and self.einsum else None
+        if self.has_bias and not self.einsum:
+            targets.append((layer.bias, np.asarray(bias)))
 
         def write():
-            before = [(v, np.array(read_array(v))) for v, _ in new]
-            before_bias = self._bias() if new_bias is not None else None
-            for v, a in new:
+            before = [(v, np.array(read_array(v))) for v, _ in targets]
+            before_bias = self._bias() if einsum_bias is not None else None
+            for v, a in targets:
                 assign_array(v, np.ascontiguousarray(np.asarray(a).astype(numpy_dtype(
                     keras.backend.standardize_dtype(v.dtype)), copy=False)))
-            if new_bias is not None:
-                set_einsum_params(layer, {"bias": new_bias[1]})
+            if einsum_bias is not None:
+                set_einsum_params(layer, {"bias": einsum_bias})
 
             def undo():
                 for v, a in before:

@@ -125,14 +125,14 @@ class MlxQuantLayer:
         return out
 
     # -- writing
-    def _candidate(self, new: dict[str, mx.array], bias: Any) -> Candidate:
+    def _candidate(self, storage: dict[str, mx.array], bias: Any) -> Candidate:
         if self.has_bias:
-            new["bias"] = to_mx(bias, dtype_name(self.m["bias"].dtype, "bias"))
-        kernel = self._dequantize(new)
+            storage["bias"] = to_mx(bias, dtype_name(self.m["bias"].dtype, "bias"))
+        kernel = self._dequantize(storage)
 
         def write():
             before = self._arrays()
-            self.m.update(new)
+            self.m.update(storage)
             return lambda: self.m.update(before)
 
         return Candidate(kernel, write)
@@ -140,19 +140,19 @@ class MlxQuantLayer:
     def encode(self, qp: dict) -> Candidate:
         words = mx.array(pack(np.asarray(qp["qkernel"]).T, self.quant.bits))
         if self.mode == "affine":
-            new = {"weight": words, "scales": to_mx(np.asarray(qp["scale"]).T, self.float_name),
+            storage = {"weight": words, "scales": to_mx(np.asarray(qp["scale"]).T, self.float_name),
                    "biases": to_mx(np.asarray(qp["offset"]).T, self.float_name)}
         else:
-            new = {"weight": words, "scales": mx.array(_encode_scales(np.asarray(qp["scale"]).T, self.mode))}
-        return self._candidate(new, qp.get("bias"))
+            storage = {"weight": words, "scales": mx.array(_encode_scales(np.asarray(qp["scale"]).T, self.mode))}
+        return self._candidate(storage, qp.get("bias"))
 
     def quantize(self, kernel: np.ndarray, bias: Any = None) -> Candidate:
         w = to_mx(np.ascontiguousarray(np.asarray(kernel).T), self.float_name)
         parts = mx.quantize(w, self.quant.group_size, self.quant.bits, mode=self.mode)
-        new = {"weight": parts[0], "scales": parts[1]}
+        storage = {"weight": parts[0], "scales": parts[1]}
         if self.mode == "affine":
-            new["biases"] = parts[2]
-        return self._candidate(new, bias)
+            storage["biases"] = parts[2]
+        return self._candidate(storage, bias)
 
 
 def quant_layer(m: Any) -> MlxQuantLayer | None:
