@@ -26,6 +26,7 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
 from . import _engine
+from ._models import is_reversible
 
 
 def _np(x) -> np.ndarray:
@@ -76,6 +77,8 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
+        if self.lookup_only(kwargs):
+            return y
         probes = self.state.get("probes")
         if probes is not None:  # the gradient pass: y + 0, whose gradient is dL/dy
             k = self.state["k"]
@@ -87,6 +90,12 @@ class _Wrapped:
             self.log.append((self.path, self.count, xs, y))
             self.count += 1
         return y if self.activation is None else self.activation(y)
+
+
+    def lookup_only(self, kwargs) -> bool:
+        """A ReversibleEmbedding captured as its head: its table lookups (reverse=False) are not calls
+        of the linear layer."""
+        return is_reversible(self.layer) and not kwargs.get("reverse", False)
 
 
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:

@@ -15,12 +15,14 @@ import numpy as np
 from dense_bridge._trace import LayerTrace, Trace
 
 from ._engine import layer_vjp, to_numpy, to_tensor
-from ._models import einsum_call, einsum_canonical_grads
+from ._models import einsum_call, einsum_canonical_grads, is_reversible
 from ._params import layer_variables, stored_transposed
 from ._to_spec import layer_kind, layers_of
 
 
 def _call(layer, *xs):
+    if is_reversible(layer):  # a ReversibleEmbedding read as a linear layer is its head: reverse=True
+        return layer(*xs, reverse=True)
     return einsum_call(layer, xs[0]) if layer_kind(layer) == "einsum" else layer(*xs, training=False)
 
 

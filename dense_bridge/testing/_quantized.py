@@ -73,6 +73,8 @@ def quantized_pairs(pairs, layers_a: dict, layers_b: dict, params_a: dict) -> di
 
     out = {}
     for pa, pb in pairs:
+        if pa not in layers_a or pb not in layers_b:  # a split/concatenated group ("p+q"): float layers only
+            continue
         ha, hb = handle_of(layers_a[pa], "a"), handle_of(layers_b[pb], "b")
         if ha is None and hb is None:
             continue

@@ -46,6 +46,8 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
+from ._gradients import NOT_COMPARED, computes_gradients
+from . import _fused
 from ._captures import Call, Capture, LeafOutput
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
@@ -186,11 +188,12 @@ def _linear_layers(model, argument: str) -> dict[str, Any]:
         raise ConversionError(f"{argument}: {exc}") from None
 
 
-def _pairs(a, b, mapping) -> list[tuple[str, str]]:
-    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``."""
+def _pairs(a, b, mapping) -> tuple[list[tuple[str, str]], dict]:
+    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``,
+    a split or concatenated side as one group labelled "path+path+..." (``_fused``), and the groups."""
     from .. import models
 
-    return list(models.match_layers(a, b, mapping).items())
+    return _fused.pairs_of(models.match_moves(a, b, mapping))
 
 
 # ---------------------------------------------------------------------------- judging
@@ -323,7 +326,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     ``(inputs_a, inputs_b)`` when the models take different signatures. Integer arrays (token
     ids) stay integers; floating ones are rounded once to values both models' dtypes hold.
     ``mapping``: pairs a's linear layers with b's, as ``db.transfer`` takes it (a dict of paths,
-    ``(regex, replacement)`` rules, a callable, or None for by-order matching).
+    ``(regex, replacement)`` rules, a callable, or None for by-order matching); a split or a
+    concatenation compares the fused layer with its counterparts joined along units (per head
+    when declared), labelled "path+path+..."; a mapping that pairs no linear layer is a
+    ConversionError naming the rules that matched nothing.
     ``outputs``: ``(select_a, select_b)``, each a callable on the model's output, a key or an
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
@@ -344,17 +350,20 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     else:
         raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    computes_gradients({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
-    pairs = _pairs(a, b, mapping)
+    pairs, groups = _pairs(a, b, mapping)
     from .._api import get_params
 
-    params_a = {pa: get_params(layers_a[pa], copy=False) for pa, _ in pairs}
-    params_b = {pb: get_params(layers_b[pb], copy=False) for _, pb in pairs}
+    params_a = {pa: _fused.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
+    params_b = {pb: _fused.group_params(pb, groups, layers_b, get_params) for _, pb in pairs}
+    widths = {p: get_params(layers[p], copy=False)["kernel"].shape[-1] for layers in (layers_a, layers_b)
+              for p in _fused.members(groups, groups) if p in layers}
     dtypes = sorted({_dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
                      if "kernel" in p} or {"float32"})
     in_a, in_b = _round_inputs(in_a, dtypes), _round_inputs(in_b, dtypes)
@@ -368,10 +377,11 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         return cache[size].reshape(shape)
 
     def run(select_a, select_b) -> tuple[Capture, Capture]:
-        return (adapter_a.capture(a, in_a, {pa: layers_a[pa] for pa, _ in pairs}, cotangent=cotangent,
-                                  select=select_a, grads=grads),
-                adapter_b.capture(b, in_b, {pb: layers_b[pb] for _, pb in pairs}, cotangent=cotangent,
-                                  select=select_b, grads=grads))
+        cap_a = adapter_a.capture(a, in_a, {p: layers_a[p] for p in _fused.members([pa for pa, _ in pairs], groups)},
+                                  cotangent=cotangent, select=select_a, grads=grads)
+        cap_b = adapter_b.capture(b, in_b, {p: layers_b[p] for p in _fused.members([pb for _, pb in pairs], groups)},
+                                  cotangent=cotangent, select=select_b, grads=grads)
+        return _fused.merge(cap_a, groups, widths), _fused.merge(cap_b, groups, widths)
 
     cap_a, cap_b = run(select_a, select_b)
     output_note = None
@@ -389,13 +399,18 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                          ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
-    for side, layers, matched in (("a", layers_a, {pa for pa, _ in pairs}), ("b", layers_b, {pb for _, pb in pairs})):
+    for side, layers, matched in (("a", layers_a, set(_fused.members([pa for pa, _ in pairs], groups))),
+                                  ("b", layers_b, set(_fused.members([pb for _, pb in pairs], groups)))):
         left = [p for p in layers if p not in matched]
         if left:
             report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
     if output_note:
         report.notes.append(output_note)
+    layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
+    layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    if not grads:
+        report.notes.append(NOT_COMPARED)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol,
