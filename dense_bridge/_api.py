@@ -95,7 +95,8 @@ def _with_hint(read: Any, hint: Any) -> Any:
     return read
 
 
-def get_params(native: Any, *, copy: bool = True, local: bool = False, quantized: bool = False) -> dict[str, np.ndarray]:
+def get_params(native: Any, *, copy: bool = True, local: bool = False,
+               quantized: bool = False) -> dict[str, np.ndarray]:
     """Canonical parameters of a native layer or model: kernel (in, units), bias (units,), mask.
 
     Sequential keys are prefixed with the layer position ("0.kernel"). bfloat16 stays bfloat16.

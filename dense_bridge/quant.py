@@ -333,7 +333,8 @@ def move(handle: Any, params: dict, qparams: dict | None, *, requantize: bool, w
     bias = params.get("bias")
     if qparams is None:
         cand = handle.quantize(kernel, bias)
-        return cand, f"quantized by the destination ({describe(handle.quant)}), max error {max_error(kernel, cand.kernel):.3g}"
+        error = max_error(kernel, cand.kernel)
+        return cand, f"quantized by the destination ({describe(handle.quant)}), max error {error:.3g}"
     reason = recode(qparams, handle.quant, handle.signed, handle.scale_dtype)
     if not isinstance(reason, str):
         cand = handle.encode(reason)
@@ -399,8 +400,9 @@ def get_quantized(native: Any) -> dict:
     if handle is None:
         t = type(native)
         raise ConversionError(f"get_params(quantized=True): {t.__module__}.{t.__qualname__} is not a quantized linear "
-                              f"layer dense_bridge reads (MLX QuantizedLinear, Keras int8/int4 Dense, torch Linear "
-                              f"with a torchao weight-only tensor). {received('native', native)}"[:600])
+                              f"layer its backend reads (no quant_layer handle for it: see the README's "
+                              f"quantized layers). "
+                              f"{received('native', native)}"[:600])
     return {k: v if isinstance(v, Quant) else np.array(v, copy=True) for k, v in handle.codes().items()}
 
 

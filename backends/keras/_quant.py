@@ -8,15 +8,16 @@ Keras 3.15 stores, for a Dense (kernel (in, units)):
   output's shape, read through the layer's einsum plan (``_models.einsum_plan``).
 - ``"int4"``: ``kernel`` int8 (in, ceil(units / 2)), two signed 4-bit codes per byte along
   units (``quantizers.pack_int4``); an EinsumDense's kernel reshaped (not transposed) to
-  (contracted, free) in kernel axis order first, read where that order is (in..., out...). Per-channel (block_size -1): ``kernel_scale`` (units,),
-  w = q / scale. Grouped (block_size B, default 128): ``kernel_scale`` and ``kernel_zero``
-  (G, units), ``g_idx`` (in,) mapping each input row to its group; w = (q - zero) * scale
-  (``dequantize_with_sz_map``: scheme "zero_point", the arithmetic torchao uses).
+  (contracted, free) in kernel axis order first, read where that order is (in..., out...).
+  Per-channel (block_size -1): ``kernel_scale`` (units,), w = q / scale. Grouped (block_size B,
+  default 128): ``kernel_scale`` and ``kernel_zero`` (G, units), ``g_idx`` (in,) mapping each
+  input row to its group; w = (q - zero) * scale (``dequantize_with_sz_map``: scheme
+  "zero_point", the arithmetic torchao uses).
 
 Keras' other modes (float8, gptq, awq) are refused by name, and so is an int4 EinsumDense whose
-kernel axes are not contracted-first. Keras int8 also
-quantizes its inputs by default (``inputs_quantizer``): its forward differs from
-x @ dequantized kernel by that rounding, which ``compare_models`` accounts for.
+kernel axes are not contracted-first. Keras int8 also quantizes its inputs by default
+(``inputs_quantizer``): its forward differs from x @ dequantized kernel by that rounding, which
+``compare_models`` accounts for.
 """
 from __future__ import annotations
 
