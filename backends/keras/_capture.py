@@ -66,7 +66,9 @@ class _Wrapped:
 
     def __init__(self, path: str, layer, log: list, state: dict):
         self.path, self.layer, self.log, self.state = path, layer, log, state
-        self.original = layer.call
+        # a quantized layer's __call__ runs quantized_call, not call (Keras 3 Layer.__call__)
+        self.method = "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
+        self.original = getattr(layer, self.method)
         self.count = 0
         act = getattr(layer, "activation", None)
         self.activation = act if act is not None and act is not keras.activations.linear else None
@@ -143,7 +145,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
     try:
         for path, layer in layers.items():
             w = _Wrapped(path, layer, log, state)
-            layer.call = w
+            setattr(layer, w.method, w)
             wrappers.append(w)
 
         def forward():
@@ -197,9 +199,9 @@ def _unwrap(wrappers: list) -> None:
         if w.activation is not None:
             w.layer.activation = w.activation
         try:
-            del w.layer.call  # the class's own method shows again
+            delattr(w.layer, w.method)  # the class's own method shows again
         except AttributeError:
-            w.layer.call = w.original
+            setattr(w.layer, w.method, w.original)
 
 
 def load_model(path: str, *, trust_pickle: bool = False):

@@ -61,6 +61,7 @@ from ._capture import capture
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
                     lora_requantize, read_lora, replace_lora, write_lora)
+from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
@@ -80,7 +81,7 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build"]
 
 
 def owns(obj) -> bool:

@@ -3,8 +3,9 @@
 Paths are MLX's dotted attribute paths ("model.layers.0.mlp.up_proj"; "" is the root), ordered
 by ``tree_flatten(module.parameters())``, which is definition order (``named_modules()`` is in
 reverse definition order: docs/FACTS.md). Kinds: ``nn.Linear`` and dense_bridge's Dense modules
-and ``nn.Bilinear`` are "linear"; ``QuantizedLinear`` and every other ``Quantized*`` module
-are "quantized" (packed integer weights with scales: no exact float kernel); anything else
+and ``nn.Bilinear`` are "linear"; ``QuantizedLinear`` is "quantized" (codes, read and written
+through ``_quant.py``); a ``QuantizedEmbedding`` is "other", its table read as MLX dequantizes
+it and written through ``mx.quantize`` (mlx-lm quantizes embeddings too); anything else
 with arrays of its own (norms, embeddings) is "other", read and written under MLX's names.
 Frozen arrays count too: ``parameters()`` lists them, and a port must carry them.
 """
@@ -21,11 +22,14 @@ from dense_bridge._layouts import Entry
 
 from ._arrays import MX_DTYPES, to_mx, to_numpy
 from ._layers import declared_arrays
+from ._quant import embedding_table, set_embedding_table
 from ._layers import is_dense as _is_dense
 from ._lora import is_lora
 
 
 def _kind(m) -> str:
+    if isinstance(m, nn.QuantizedEmbedding):  # a table, moved as MLX dequantizes it (_quant.py)
+        return "other"
     if type(m).__name__.startswith("Quantized"):
         return "quantized"
     if _is_dense(m) or type(m) is nn.Bilinear or declared_arrays(m) is not None:
@@ -69,7 +73,28 @@ def walk(model) -> list[Entry]:
     return out
 
 
+def _quantized_table(path: str, m) -> Entry:
+    """A QuantizedEmbedding as the float (vocab, dims) ``weight`` table it stands for: read as
+    mx.dequantize computes it, written through mx.quantize with the layer's own bits and groups."""
+    shape = (int(m["weight"].shape[0]), int(m.dims))
+    arrays = ("weight", "scales", "biases")
+
+    def native() -> dict:
+        return {k: m[k] for k in arrays if k in m and m[k] is not None}
+
+    # another table of the same format takes the codes themselves: requantizing a dequantized
+    # table is not idempotent in MLX (docs/FACTS.md), so through floats it would change values
+    codes = {"format": ("mlx", m.mode, int(m.bits), int(m.group_size), shape, str(m["scales"].dtype)),
+             "read": native, "write": m.update}
+    return Entry(path, m, "other", ("weight",), {"weight": id(m["weight"])}, {"weight": shape},
+                 lambda: {"weight": embedding_table(m)}, lambda arrays: set_embedding_table(m, arrays["weight"]),
+                 f"a QuantizedEmbedding ({m.bits}-bit {m.mode}, group {m.group_size}): its table moves dequantized",
+                 extra={"quantized_table": codes})
+
+
 def _entry(path: str, m, kind: str) -> Entry:
+    if isinstance(m, nn.QuantizedEmbedding):
+        return _quantized_table(path, m)
     names = tuple(_own_arrays(m))
 
     def read() -> dict[str, np.ndarray]:
