@@ -169,12 +169,12 @@ def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]],
     linear_b = {p for _, pb in pairs for p in (groups[pb].paths if pb in groups else (pb,))}
     other_a = [e for e in sa.entries if e.path not in linear_a and e.kind != "linear"]
     other_b = [e for e in sb.entries if e.path not in linear_b and e.kind != "linear"]
-    groups: dict[tuple, tuple[list, list]] = {}
+    by_signature: dict[tuple, tuple[list, list]] = {}  # other layers of one kind, a's and b's
     for e in other_a:
-        groups.setdefault(_signature(sa, e), ([], []))[0].append(e)
+        by_signature.setdefault(_signature(sa, e), ([], []))[0].append(e)
     for e in other_b:
-        groups.setdefault(_signature(sb, e), ([], []))[1].append(e)
-    for ga, gb in groups.values():
+        by_signature.setdefault(_signature(sb, e), ([], []))[1].append(e)
+    for ga, gb in by_signature.values():
         for ea, eb in _align(ga, gb):
             for p, q in zip(sa.paths(ea), sb.paths(eb)):
                 matched_a.add(p)
