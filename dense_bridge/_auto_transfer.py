@@ -22,9 +22,11 @@ __all__ = ["transfer"]
 
 
 def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, allow_narrowing: bool = False,
+             lora: str | None = None, allow_rounding: bool = False, requantize: bool = False,
              inputs: Any = None, verify: bool = True) -> models.TransferReport:
     """Move the parameters of ``src`` into ``dst``: :func:`dense_bridge.models.transfer` (every
-    explicit ``mapping`` form, ties, dtypes, all-or-nothing), and also
+    explicit ``mapping`` form, ties, dtypes, adapters (``lora``), quantized layers
+    (``requantize``), all-or-nothing; its keywords mean the same here), and also
 
     - ``mapping="auto"`` (needs ``inputs``, in the forms ``compare_models`` takes; a pair is
       (src inputs, dst inputs)): each model runs forward once on ``inputs`` and the calls of
@@ -39,8 +41,10 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
     ``verify=False`` keeps the inferred mapping unchecked; ``report.verification`` says which.
     ``report.rules`` is the inferred mapping in explicit form, reusable without ``inputs``.
     """
+    kwargs = dict(strict=strict, allow_narrowing=allow_narrowing, lora=lora, allow_rounding=allow_rounding,
+                  requantize=requantize)
     if not _auto_mapping.is_auto(mapping):
-        return models.transfer(src, dst, mapping=mapping, strict=strict, allow_narrowing=allow_narrowing)
+        return models.transfer(src, dst, mapping=mapping, **kwargs)
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False. {received('verify', verify)}")
     if not isinstance(strict, bool):
@@ -61,7 +65,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
                               f"written):\n  - " + "\n  - ".join(problems))
     rules = found.plan.rules({**a.stable, **b.stable})
     saved = [(e, {k: np.array(v, copy=True) for k, v in e.read().items()}) for e in b.entries if e.names]
-    report = models.transfer(src, dst, mapping=rules, strict=strict, allow_narrowing=allow_narrowing)
+    report = models.transfer(src, dst, mapping=rules, **kwargs)
     if not verify:
         report.verification = ("inferred mapping NOT verified (verify=False): check it with "
                                "db.testing.compare_models(src, dst, inputs, mapping=report.rules)")
