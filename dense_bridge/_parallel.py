@@ -199,13 +199,22 @@ def rank_file(rank: int, world_size: int) -> str:
 
 
 def atomic_write(path: str, data_writer) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        data_writer(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """``data_writer(temporary)`` writes the file, which then replaces ``path`` atomically
+    (``_checkpoint_io.AtomicFiles``: fsynced, renamed, the temporary removed on any error)."""
+    from ._checkpoint_io import AtomicFiles
+
+    with AtomicFiles(path) as files:
+        data_writer(files.temp_for(path))
+
+
+def write_text(path: str, text: str) -> None:
+    """``text`` as the file ``path``, written atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
 
 
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8",
@@ -253,12 +262,12 @@ def build_index(spec, plan: Mapping[int, LayerPlan], world_size: int, dtypes: Ma
 
 
 def write_index(directory: str, index: dict) -> None:
-    text = json.dumps(index, indent=1)
-    atomic_write(os.path.join(directory, INDEX_NAME), lambda p: open(p, "w").write(text))
+    write_text(os.path.join(directory, INDEX_NAME), json.dumps(index, indent=1))
 
 
 def is_sharded_dir(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, INDEX_NAME))
+    # lexists: an index that is a FIFO or a dangling link still makes a sharded directory (refused by read_index)
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX_NAME))
 
 
 def read_index(directory: str) -> dict:

@@ -18,6 +18,7 @@ from ._errors import CheckpointError, SpecError, received
 from ._parallel import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
                         params_plan, save_parallel)
 from ._registry import get_adapter
+from ._safetensors import read_json_file, shorten
 from ._transfer import count_nonfinite
 from .specs import Sequential, from_config
 
@@ -70,7 +71,8 @@ def _adapter_of(obj):
 
 
 def is_dcp_dir(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, ".metadata"))
+    # lexists: a .metadata that is a FIFO or a dangling link still makes a DCP directory (refused by its reader)
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and os.path.lexists(os.path.join(path, ".metadata"))
 
 
 def save_hook(obj: Any, path: Any, format: str | None):
@@ -137,13 +139,14 @@ def _load_dcp(path: str, backend, spec, like, parallel, group):
     if spec is None and like is not None:
         spec = _to_spec(like)
     if spec is None:
+        where = os.path.join(path, DCP_SPEC)
+        if not os.path.lexists(where):
+            raise CheckpointError(f"{path} is a DCP directory without dense_bridge's {DCP_SPEC}: pass spec= or like=")
+        config = read_json_file(where, "spec file")
         try:
-            with open(os.path.join(path, DCP_SPEC), "rb") as f:
-                spec = from_config(json.loads(f.read(1 << 24)))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is a DCP directory without dense_bridge's {DCP_SPEC}: pass spec= or like=") from None
-        except (OSError, ValueError, TypeError, SpecError) as exc:
-            raise CheckpointError(f"{path}/{DCP_SPEC} cannot be read: {exc}") from None
+            spec = from_config(config)
+        except Exception as exc:  # a malformed spec config is a bad file
+            raise CheckpointError(f"{where} cannot be read: {shorten(str(exc), 300)}") from None
     torch_adapter = get_adapter("torch")
     if parallel is not None or group is not None:
         if backend not in (None, "torch"):

@@ -48,7 +48,7 @@ import numpy as np
 from ._errors import CheckpointError, SpecError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
-           "open_readonly", "read_at", "RESERVED", "MAX_HEADER", "parse_json_object", "shorten"]
+           "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "parse_json_object", "shorten"]
 
 #: The header may not be larger than this (the reference implementation's limit).
 MAX_HEADER = 100_000_000
@@ -192,6 +192,29 @@ def open_readonly(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: The largest JSON file (an index, a spec file) read whole.
+MAX_JSON_FILE = 1 << 26
+
+
+def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE) -> dict:
+    """The JSON object in the small file ``path`` (an index, a spec file), opened the safe way
+    (``open_readonly``: a FIFO or device refused, never waited on) and parsed by
+    ``parse_json_object`` (deep nesting, duplicate keys refused). CheckpointError naming it."""
+    try:
+        fd = open_readonly(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    try:
+        raw = read_at(fd, limit + 1, 0)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise CheckpointError(f"the {what} {path} is larger than {limit} bytes: refused")
+    return parse_json_object(raw, lambda reason: CheckpointError(f"{path} is not a readable {what}: {reason}"), what)
 
 
 def _file_kind(mode: int) -> str:

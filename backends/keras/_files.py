@@ -60,13 +60,25 @@ def _h5_structure(path: str) -> Entries:
             if problem:
                 problems.append(f"dataset {name} {problem}")
 
+    def visit_link(name, link):
+        # HDF5 resolves an external link by opening the file it names, a soft link by aliasing
+        # another path; Keras never writes either, and neither is followed here
+        if isinstance(link, (h5py.ExternalLink, h5py.SoftLink)):
+            linked.append(f"{name} -> {getattr(link, 'filename', '')}:{link.path}")
+
+    linked: list[str] = []
     try:
         size = os.path.getsize(path)
         with h5py.File(path, "r") as f:
-            f.visititems(visit)
+            f.visititems_links(visit_link)
+            if not linked:
+                f.visititems(visit)
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
                               "corrupted?)") from None
+    if linked:
+        raise CheckpointError(f"{path}: links {linked[:5]} point elsewhere (HDF5 external or soft links, which "
+                              "could read other files); dense_bridge does not follow them")
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + (" (truncated or corrupted?)"))
     if foreign:
