@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ._checkpoint_io import AtomicFiles, check_writable
+from ._checkpoint_io import AtomicFiles, check_writable, write_limit_cause
 from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
 from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
@@ -516,6 +516,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)} (nothing was "
-                              "changed on disk)") from exc
+        cause = write_limit_cause(out)
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)}"
+                              f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]

@@ -58,11 +58,13 @@ from . import _checkpoint_native as native
 from ._checkpoint_meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
 from ._checkpoint_meta import spec_json as _spec_json
 from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
-                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern)
+                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern,
+                             write_limit_cause)
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ._params import ParamSource, check_masks_match, expected_params, validate_params
 from ._native_stream import stream_native
+from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from .activations import Activation
@@ -826,11 +828,12 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
     if limit is not None and target not in CANONICAL_TARGETS:
         raise SpecError(f"max_shard_size applies to canonical checkpoints only (--to canonical), not to "
                          f"{target} files. {received('max_shard_size', max_shard_size)}")
-    if os.path.abspath(out) == os.path.abspath(src):
-        raise CheckpointError(f"cannot write {out}: it is the source file; choose another output path")
+    outputs = {"out": canonical_outputs(out) if target in CANONICAL_TARGETS else [out]}
+    refuse_overwrite(outputs, {"src": input_files(src)})
     check_writable(out)
     ckpt = open_checkpoint(src, spec=spec, like=like, format=format)
-    try:
+    try:  # the files the source turned out to stand for (an index's shards), before anything is written
+        refuse_overwrite(outputs, {"src": [f.path for f in getattr(ckpt, "files", None) or []]})
         return _convert(ckpt, src, target, out, limit, progress)
     finally:
         ckpt.close()
@@ -851,8 +854,9 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
         except DenseBridgeError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
-                from exc
+            cause = write_limit_cause(out)
+            raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {exc}{f' ({cause})' if cause else ''} "
+                                  "(nothing was changed on disk)") from exc
         return {"src": src, "out": files, "to": "canonical", "spec": ckpt.spec is not None,
                 "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
     if ckpt.spec is not None:  # straight from the source's mapped views into the target's file layout

@@ -399,6 +399,30 @@ def cmd_demo(args) -> int:
     return _demo.run(json_output=args.json, steps=args.steps, seed=args.seed, keep=args.keep)
 
 
+# ============================================================================ outputs never overwrite inputs
+def refuse_writing_inputs(args) -> None:
+    """CheckpointError (exit 2) before anything runs when an output path (``convert -o``,
+    ``check --html``) is, or resolves to, one of the command's input files."""
+    from ._path_guard import canonical_outputs, input_files, refuse_overwrite
+    from .checkpoint import CANONICAL_TARGETS
+
+    def given(*options: str) -> dict[str, list[str]]:
+        found = {}
+        for option in options:
+            value = getattr(args, option.lstrip("-").replace("-", "_"), None)
+            if isinstance(value, str) and not value.lstrip().startswith("{"):  # inline JSON is no file
+                found[option] = input_files(value)
+        return found
+
+    if args.command == "convert":
+        out = canonical_outputs(args.output) if args.to in CANONICAL_TARGETS else [args.output]
+        refuse_overwrite({"-o": out}, {"SRC": input_files(args.src), **given("--spec")})
+    elif args.command == "check" and args.html:
+        inputs = {"A": input_files(args.a), "B": input_files(args.b),
+                  **given("--spec", "--spec-a", "--spec-b", "--mapping", "--inputs", "--inputs-b")}
+        refuse_overwrite({"--html": [args.html]}, inputs)
+
+
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
@@ -495,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import DenseBridgeError
 
     try:
+        refuse_writing_inputs(args)
         if _needs_keras(args):
             import_keras_quietly()
         return args.func(args)

@@ -225,7 +225,38 @@ class _named:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: A ``.keras`` member may expand at most this much over its stored size (Keras stores members
+#: uncompressed; DEFLATE itself tops out near 1032:1) once it is larger than the floor below.
+_ZIP_MAX_EXPANSION = 100
+_ZIP_EXPANSION_FLOOR = 1 << 24
+
+
+def _check_archive(path: str) -> None:
+    """Refuse a ``.keras`` archive whose members would expand beyond reason before Keras reads
+    them: Keras's own guard starts at 4 GiB per member, so a 3.9 GiB member deflated into a few
+    megabytes would still be read into memory whole. Each member may expand at most
+    _ZIP_MAX_EXPANSION times over _ZIP_EXPANSION_FLOOR, and all of them together must fit the
+    memory available (MemAvailable)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)}") from None
+    for info in members:
+        if info.file_size > _ZIP_EXPANSION_FLOOR and info.file_size > _ZIP_MAX_EXPANSION * max(info.compress_size, 1):
+            raise CheckpointError(f"{path}: archive member {info.filename!r} claims {info.file_size:,} bytes from "
+                                  f"{info.compress_size:,} stored (a decompression bomb?): refused")
+    total = sum(i.file_size for i in members if i.compress_type != zipfile.ZIP_STORED)
+    available = available_memory()
+    if available is not None and total > available:
+        raise CheckpointError(f"{path}: its compressed members expand to {total:,} bytes but only {available:,} "
+                              "bytes of memory are available (MemAvailable): refused")
+
+
 def _load_model(path: str):
+    _check_archive(path)
     with _named(path, ".keras") as named:
         try:
             return keras.saving.load_model(named)
