@@ -772,10 +772,10 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     from ._registry import check_backend_name
     from ._parallel_io import PASS, load_hook
 
-    if (loaded := load_hook(path, backend, spec, like, format, parallel, group)) is not PASS:
-        return loaded  # a sharded (parallel) or DCP directory, issue 16
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    if (loaded := load_hook(path, backend, spec, like, format, parallel, group, allow_nonfinite)) is not PASS:
+        return loaded  # a sharded (parallel) or DCP directory
     if backend is not None:
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)

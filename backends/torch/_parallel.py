@@ -395,14 +395,12 @@ def read_dcp_metadata(path: str):
     return meta
 
 
-def _dcp_reader(path: str):
-    """DCP's own filesystem reader, handing DCP the ``.metadata`` read (and checked) here first by
+def _dcp_reader(path: str, checked):
+    """DCP's own filesystem reader, handing DCP the ``.metadata`` read (and checked) first by
     :func:`read_dcp_metadata`, so a hostile one fails before DCP starts (DCP would log each
     rank's traceback)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
-
-    checked = read_dcp_metadata(path)
 
     class AllowListReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -440,7 +438,9 @@ def load_dcp(native: nn.Module, path: str) -> None:
 
     state = native.state_dict()
     par = parallel_state(native)
-    reader = _dcp_reader(path)
+    meta = read_dcp_metadata(path)
+    _check_dcp_dtypes(path, meta, state)
+    reader = _dcp_reader(path, meta)
     try:
         dcp.load(state, storage_reader=reader, planner=_tensor_only_planner(),
                  process_group=None if par is None else par["mesh"].get_group())
@@ -456,6 +456,20 @@ def load_dcp(native: nn.Module, path: str) -> None:
         raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model or cannot be read "
                               f"({type(inner).__name__}: {text})") from None
     native.load_state_dict(state) if parallel_state(native) is None else None
+
+
+def _check_dcp_dtypes(path: str, meta, state: dict) -> None:
+    """Each stored tensor's dtype is the model's: DCP itself would cast silently (``copy_``)."""
+    from dense_bridge._errors import CheckpointError
+
+    problems = []
+    for fqn, target in state.items():
+        stored = getattr(getattr(meta.state_dict_metadata.get(fqn), "properties", None), "dtype", None)
+        if stored is not None and stored != target.dtype:
+            problems.append(f"{fqn}: {str(stored).replace('torch.', '')} stored, "
+                            f"{str(target.dtype).replace('torch.', '')} expected")
+    if problems:
+        raise CheckpointError(f"{path}: the DCP checkpoint's dtypes differ from the spec's ({'; '.join(problems[:8])})")
 
 
 def _dcp_cause(exc: BaseException) -> BaseException:
