@@ -266,3 +266,58 @@ def test_fifo_index_or_rank_file_is_refused_at_once(tmp_path, victim, via_symlin
     run = subprocess.run([sys.executable, "-c", _RUNNER, path], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("REFUSED") and "FIFO" in run.stdout, run.stdout
+
+
+def test_tiling_check_agrees_with_counting_every_element():
+    """The corner-sum test against its definition, on random small block sets (1-D to 3-D)."""
+    import itertools
+    import math
+    import random
+
+    from dense_bridge._parallel import _tiles_exactly
+
+    rng = random.Random(0)
+    valid = 0
+    for _ in range(3000):
+        shape = [rng.randint(1, 4) for _ in range(rng.choice([1, 2, 3]))]
+        boxes = []
+        for _ in range(rng.randint(1, 5)):
+            a = [rng.randint(0, s - 1) for s in shape]
+            boxes.append((a, [rng.randint(x + 1, s) for x, s in zip(a, shape)]))
+        if rng.random() < 0.4:  # a real split of the whole tensor, sometimes
+            axis = rng.randrange(len(shape))
+            if shape[axis] > 1:
+                cut = rng.randint(1, shape[axis] - 1)
+                b1, a2 = list(shape), [0] * len(shape)
+                b1[axis], a2[axis] = cut, cut
+                boxes = [([0] * len(shape), b1), (a2, list(shape))]
+        counts: dict = {}
+        for a, b in boxes:
+            for element in itertools.product(*[range(x, y) for x, y in zip(a, b)]):
+                counts[element] = counts.get(element, 0) + 1
+        exact = len(counts) == math.prod(shape) and all(c == 1 for c in counts.values())
+        valid += exact
+        assert _tiles_exactly(shape, boxes) == exact, (shape, boxes)
+    assert valid > 500  # both outcomes exercised
+
+
+_MANY = r"""
+import json, sys
+from dense_bridge._parallel import validate_tiling
+n = int(sys.argv[1])
+tensor = {"dtype": "float32", "shape": [4, n],
+          "shards": [{"file": f"rank-{i}.safetensors", "start": [0, i], "stop": [4, i + 1]} for i in range(n)]}
+validate_tiling("t", tensor)
+tensor["shards"][-1]["start"][1] -= 1  # the last block overlapping its neighbour
+try:
+    validate_tiling("t", tensor)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_index_of_20000_blocks_is_validated_without_hanging():
+    # an all-pairs check took minutes here; a generous timeout catches a regression, no timed assertion
+    run = subprocess.run([sys.executable, "-c", _MANY, "20000"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("CheckpointError") and "overlap" in run.stdout, run.stdout
