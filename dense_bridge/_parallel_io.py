@@ -15,6 +15,7 @@ import numpy as np
 from ._api import compile as _compile, get_params as _get_params, to_spec as _to_spec
 from ._dtypes import numpy_dtype
 from ._errors import CheckpointError, SpecError, received
+from ._memory import check_load_fits
 from ._parallel import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
                         params_plan, save_parallel)
 from ._registry import get_adapter
@@ -43,6 +44,7 @@ def load_parallel(path, backend: str | None, parallel: Any, group: Any, allow_no
     if problems:
         raise CheckpointError(f"{directory}: the index's tensors do not match its spec: " + "; ".join(problems))
     if parallel is None and group is None:
+        check_load_fits(spec, directory)  # read_all allocates every tensor whole
         spec, params = read_all(directory, index)
         _check_params(directory, spec, params, allow_nonfinite)
         if backend is None:
@@ -178,6 +180,7 @@ def _load_dcp(path: str, backend, spec, like, parallel, group, allow_nonfinite: 
             spec = from_config(config)
         except Exception as exc:  # a malformed spec config is a bad file
             raise CheckpointError(f"{where} cannot be read: {shorten(str(exc), 300)}") from None
+    check_load_fits(spec, path)
     torch_adapter = get_adapter("torch")
     if parallel is not None or group is not None:
         if backend not in (None, "torch"):

@@ -63,6 +63,7 @@ from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ._params import ParamSource, check_masks_match, expected_params, validate_params
+from ._memory import check_load_fits
 from ._native_stream import stream_native
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
@@ -784,6 +785,8 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
             from ._parallel_io import load_checkpoint_parallel
             return load_checkpoint_parallel(ckpt, backend, parallel, group, allow_nonfinite)
         if backend is None:
+            if ckpt.spec is not None:
+                check_load_fits(ckpt.spec, ckpt.path)
             params = ckpt.params()
             _check_loaded(ckpt, params, allow_nonfinite)
             return ckpt.spec, params

@@ -11,6 +11,7 @@ Directories written by dense_bridge and by torch's own ``dcp.save`` still load b
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -236,4 +237,13 @@ def test_deep_json_spec_file_is_a_checkpoint_error(tmp_path):
     with open(os.path.join(path, "dense_bridge_spec.json"), "w") as f:
         f.write("[" * 100_000 + "]" * 100_000)
     with pytest.raises(db.CheckpointError, match="nested"):
+        db.load(path)
+
+
+def test_spec_file_claiming_more_than_available_memory_is_refused(tmp_path):
+    _, path = _saved(tmp_path)
+    huge = db.Dense(200_000, in_features=200_000, dtype="float64")  # 320 GB of parameters
+    with open(os.path.join(path, "dense_bridge_spec.json"), "w") as f:
+        json.dump(huge.to_config(), f)
+    with pytest.raises(db.CheckpointError, match="MemAvailable"):
         db.load(path)

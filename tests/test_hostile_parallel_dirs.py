@@ -321,3 +321,35 @@ def test_index_of_20000_blocks_is_validated_without_hanging():
     run = subprocess.run([sys.executable, "-c", _MANY, "20000"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("CheckpointError") and "overlap" in run.stdout, run.stdout
+
+
+_HUGE = r"""
+import json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # an allocation attempt fails here, never swaps
+import dense_bridge as db
+from dense_bridge._parallel import INDEX_NAME
+path = sys.argv[1]
+spec = db.Dense(200_000, in_features=200_000, dtype="float64")  # 320 GB of parameters
+with open(os.path.join(path, INDEX_NAME), "w") as f:
+    json.dump({"format": "dense_bridge.parallel", "version": 1, "world_size": 1, "spec": spec.to_config(),
+               "plan": {}, "tensors": {
+                   "kernel": {"dtype": "float64", "shape": [200_000, 200_000], "shards": [
+                       {"file": "rank-00000-of-00001.safetensors", "start": [0, 0], "stop": [200_000, 200_000]}]},
+                   "bias": {"dtype": "float64", "shape": [200_000], "shards": [
+                       {"file": "rank-00000-of-00001.safetensors", "start": [0], "stop": [200_000]}]}}}, f)
+for backend in (None, "numpy"):
+    try:
+        db.load(path, backend)
+        print("LOADED")
+    except db.CheckpointError as exc:
+        print("REFUSED", exc)
+"""
+
+
+def test_spec_claiming_more_than_available_memory_is_refused_before_allocating(tmp_path):
+    os.mkdir(tmp_path / "d")
+    run = subprocess.run([sys.executable, "-c", _HUGE, str(tmp_path / "d")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(l.startswith("REFUSED") and "MemAvailable" in l for l in lines), run.stdout
