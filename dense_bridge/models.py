@@ -111,9 +111,25 @@ def _check_mapping(mapping: Any) -> Any:
             except re.error as exc:
                 raise SpecError(f"mapping rule {rule[0]!r} is not a valid regular expression ({exc}). "
                                 f"{received('mapping', mapping)}") from None
+            _check_replacement(rules[-1][0], rule[1], mapping)
         return rules
     raise TypeError(f"mapping must be None, a dict of paths, a list of (regex, replacement) rules or a callable. "
                     f"{received('mapping', mapping)}")
+
+
+def _check_replacement(rx: re.Pattern, replacement: str, mapping: Any) -> None:
+    """SpecError now, before any work, when ``replacement`` cannot expand a match of ``rx``
+    (a group it does not have, ``\\9`` or ``\\g<name>``; a bad escape). Checked on a pattern
+    with the same groups that matches the empty string (``rx|``)."""
+    try:
+        probe = re.compile(f"(?:{rx.pattern})|", rx.flags & ~re.UNICODE).match("")
+    except re.error:  # inline flags that must lead the pattern: left to the expansion itself
+        return
+    try:
+        probe.expand(replacement)
+    except (re.error, IndexError) as exc:
+        raise SpecError(f"mapping replacement {replacement!r} does not fit the rule {rx.pattern!r} ({exc}). "
+                        f"{received('mapping', mapping)}") from None
 
 
 class _Side:
@@ -199,7 +215,10 @@ def _target(mapping: Any, path: str, plan: _Plan) -> str | None:
         m = rx.fullmatch(path)
         if m is not None:
             plan.rule_hits[i] = plan.rule_hits.get(i, 0) + 1
-            return m.expand(repl)
+            try:
+                return m.expand(repl)
+            except (re.error, IndexError) as exc:
+                raise SpecError(f"mapping replacement {repl!r} does not fit the rule {rx.pattern!r} ({exc})") from None
     return None
 
 

@@ -54,6 +54,10 @@ def _to_mlx(arr: np.ndarray, name: str, path: str) -> mx.array:
 def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array]:
     if files:
         return {n: _to_mlx(f.get(n), n, path) for f in files for n in f.tensors}
+    from dense_bridge._npz import npz_records
+
+    # an .npz (safetensors came as files): headers checked before MLX allocates what they claim
+    npz_records(path, lambda reason: CheckpointError(f"cannot read {path} as MLX weights: {reason}"))
     try:
         return dict(mx.load(path))
     except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
