@@ -252,7 +252,8 @@ class NativeCheckpoint:
         if problems:
             src = "the given model" if self.like is not None else "the spec"
             raise CheckpointError(f"{self.path} does not match {src} ({LAYOUT_NOTES[self.framework]}): "
-                                  + "; ".join(p.replace("the spec expects", "expected") for p in problems))
+                                  + "; ".join(p.replace("the spec expects", "expected") for p in problems)
+                                  + (_by_name_hint(got, expected) if self.like is None else ""))
 
     def _spec_from_model(self):
         from . import _api
@@ -394,6 +395,16 @@ class FileViews(Mapping):
     def __getitem__(self, canonical: str) -> np.ndarray:
         name, axes = self._plan[canonical]
         return self._read(name).transpose(axes)
+
+
+def _by_name_hint(got: dict, expected: dict) -> str:
+    """When the file names its layers (``enc.weight``) where a spec's positions are expected
+    (``0.weight``): how to match them by name instead."""
+    if not got or set(got) & set(expected):
+        return ""
+    names = sorted({k.rsplit(".", 1)[0] for k in got})[:4]
+    return (f". The file names its layers ({', '.join(names)}), a spec matches them by position (0, 1, ...): "
+            "pass like= (a model of the same architecture) to match them by name")
 
 
 def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
