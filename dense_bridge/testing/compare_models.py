@@ -47,6 +47,7 @@ from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from ._captures import Call, Capture, LeafOutput
+from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
 
@@ -348,6 +349,9 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
+    for side, given in (("inputs", in_a), ("inputs_b", in_b)):
+        refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
+                                ((f"{side}[{i}]", x) for i, x in enumerate(given)))
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
     pairs = _pairs(a, b, mapping)
     from .._api import get_params
@@ -382,6 +386,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             output_note = (f"outputs: the models' first floating outputs differ in shape ({select_a.shapes[0]} vs "
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
+    refuse_nonfinite_outputs(cap_a.output, cap_b.output)
     dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
     dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
