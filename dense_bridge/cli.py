@@ -95,16 +95,15 @@ def read_spec(text: str | None):
                                  "or inline JSON)")
     if os.path.isdir(text):
         raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
-    with open(text, "rb") as f:
-        head = f.read(1)
-    if head == b"{":
-        from ._safetensors import parse_json, read_at, open_readonly
+    from ._safetensors import open_readonly, parse_json, read_at
 
-        fd = open_readonly(text)  # a FIFO or device is refused, never waited on
-        try:
-            raw = read_at(fd, os.fstat(fd).st_size, 0)
-        finally:
-            os.close(fd)
+    fd = open_readonly(text)  # a FIFO or device is refused, never waited on
+    try:
+        head = read_at(fd, 1, 0)
+        raw = read_at(fd, os.fstat(fd).st_size, 0) if head == b"{" else b""
+    finally:
+        os.close(fd)
+    if head == b"{":
         config = parse_json(raw, lambda reason: db.SpecError(f"--spec {text}: not a spec JSON file ({reason})"),
                             "JSON")
         if isinstance(config, dict) and "weight_map" in config:  # an index: take the checkpoint's spec

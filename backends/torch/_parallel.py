@@ -346,7 +346,6 @@ def read_dcp_metadata(path: str):
     import os
     import pickle
 
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
     from dense_bridge._errors import CheckpointError
@@ -378,7 +377,8 @@ def read_dcp_metadata(path: str):
             raise CheckpointError(f"{where}: entry {str(fqn)[:80]!r} is a {type(md).__name__}, not DCP storage metadata")
     for info in meta.storage_data.values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
+        # DCP's storage record (filesystem._StorageInfo), the one class the unpickler admits for it
+        if type(info).__name__ != "_StorageInfo" or not isinstance(name, str) or os.path.basename(name) != name \
                 or name in ("", ".", "..") or "\\" in name:
             raise CheckpointError(f"{where} points at a data file outside its directory: {str(name)[:200]!r}")
         if any(type(v) is not int or v < 0 for v in (info.offset, info.length)):

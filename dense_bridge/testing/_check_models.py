@@ -66,6 +66,9 @@ def load_model(path: str, *, trust_pickle: bool = False) -> Any:
                               f".keras file (MLX saves weights only)")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
+    from .._safetensors import open_readonly
+
+    os.close(open_readonly(path))  # a FIFO or device is refused here, never waited on by the framework
     return get_adapter(backend).load_model(path, trust_pickle=trust_pickle)
 
 
