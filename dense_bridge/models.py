@@ -118,7 +118,7 @@ def _check_mapping(mapping: Any) -> Any:
 
 
 def _check_replacement(rx: re.Pattern, replacement: str, mapping: Any) -> None:
-    """SpecError now, before any work, when ``replacement`` cannot expand a match of ``rx``
+    """SpecError before any work when ``replacement`` cannot expand a match of ``rx``
     (a group it does not have, ``\\9`` or ``\\g<name>``; a bad escape). Checked on a pattern
     with the same groups that matches the empty string (``rx|``)."""
     try:

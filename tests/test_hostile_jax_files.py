@@ -3,7 +3,7 @@
 - msgpack keys that collide once flattened (``0`` and ``"0"``, ``"a.b"`` beside ``{"a": {"b"}}``)
   are refused as ambiguous: which value would load otherwise depends on dictionary order.
 - an .eqx record header with a negative or overflowing shape is refused at once (a negative
-  dimension used to make the reader seek backwards and loop forever while memory grew): run in
+  dimension would make a reader seek backwards and loop forever while memory grows): run in
   a subprocess under a memory limit (RLIMIT_AS) and a generous timeout.
 - FIFOs (and symlinks to them) in place of either file are refused without blocking.
 """

@@ -1,5 +1,5 @@
 """Nothing is lost: outputs never overwrite inputs; killed or failing writes of every output kind
-leave the old output intact (or the new one complete) and no temporaries behind.
+leave the old output intact (or the converted one complete) and no temporaries behind.
 
 - ``convert -o`` onto its source (by name, through a symlink, a hard link, onto an index's shard
   or the index a canonical save would write) and ``check --html`` onto any input: exit 2 with one
@@ -9,7 +9,7 @@ leave the old output intact (or the new one complete) and no temporaries behind.
   limit (RLIMIT_FSIZE in a subprocess): exit 2, one line naming the output and the limit, no
   traceback, no "Exception ignored", the previous output byte-identical, no temporaries.
 - A convert loop to each output kind SIGKILLed at a random moment: the output loads as the old
-  or the new conversion exactly, and the next run reclaims the killed run's temporaries.
+  or the converted one exactly, and the next run reclaims the killed run's temporaries.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_convert_refuses_an_output_that_is_an_input(files, case):
     before = snapshot(files)
     line = one_line_error(cli("convert", src, "--to", to, "-o", out, *extra), "would overwrite the input")
     assert str(out) in line
-    assert snapshot(files) == before  # byte-identical, nothing new, no temporaries
+    assert snapshot(files) == before  # byte-identical, nothing added, no temporaries
 
 
 def test_convert_library_refuses_an_output_that_is_an_input(files):
@@ -233,7 +233,7 @@ def test_killed_convert_leaves_old_or_new_output_and_reclaims_temporaries(tmp_pa
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
-        assert _loaded_bits(out, target) in expected  # old or new, complete: never a mix or a partial file
+        assert _loaded_bits(out, target) in expected  # old or converted, complete: never a mix or a partial file
     # what the killed runs left (temporaries, a sharded run's renamed shards) is reclaimed by the
     # next run once no process holds it; the test ages it past the reclaim guard instead of sleeping
     old = time.time() - RECLAIM_MIN_AGE_S - 60

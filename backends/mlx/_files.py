@@ -193,7 +193,7 @@ def _savez_closed(temp: str, arrays: dict) -> None:
         try:
             mx.savez(temp, **arrays)
         except Exception as exc:  # noqa: BLE001 - re-raised below, once its writer is closed
-            # the traceback's frames hold the writer: drop them so it can be collected now
+            # the traceback's frames hold the writer: drop them so it is collected below
             failure = exc.with_traceback(None)
             failure.__context__ = failure.__cause__ = None
         gc.collect()  # the abandoned writer closes here, under the hook above
