@@ -170,8 +170,8 @@ class AtomicFiles:
         instead of leaving an orphan.
         """
         check_writable(final)
-        # a killed earlier write of this target left its temporary behind (unlocked): reclaim it
-        reclaim_temporaries(os.path.dirname(os.path.abspath(final)), temp_pattern(final, suffix))
+        if not fresh:  # a killed earlier write of this target left its temporary behind (unlocked): reclaim it
+            reclaim_temporaries(os.path.dirname(os.path.abspath(final)), temp_pattern(final, suffix))
         tmp = temp_name(final, secrets.token_hex(4), suffix)
         self._locks.append(_create_locked(tmp))
         self.pending.append((tmp, final))
