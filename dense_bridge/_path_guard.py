@@ -41,7 +41,7 @@ def _index_shards(path: str) -> list[str]:
     except (OSError, CheckpointError):
         return []
     try:
-        raw = read_at(fd, _INDEX_LIMIT + 1, 0)
+        raw = read_at(fd, min(_INDEX_LIMIT, os.fstat(fd).st_size) + 1, 0)  # pread allocates what it is asked
     except OSError:
         return []
     finally:

@@ -48,7 +48,7 @@ import numpy as np
 from ._errors import CheckpointError, SpecError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
-           "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "parse_json", "parse_json_object",
+           "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "MAX_JSON_FILE", "parse_json", "parse_json_object",
            "shorten"]
 
 #: The header may not be larger than this (the reference implementation's limit).
@@ -217,8 +217,8 @@ def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: 
         fd = open_readonly(path)
     except OSError as exc:
         raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    try:
-        raw = read_at(fd, limit + 1, 0)
+    try:  # no more than the file holds: pread allocates the size asked for before it reads
+        raw = read_at(fd, min(limit, os.fstat(fd).st_size) + 1, 0)
     except OSError as exc:
         raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
     finally:

@@ -95,12 +95,16 @@ def read_spec(text: str | None):
                                  "or inline JSON)")
     if os.path.isdir(text):
         raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
-    from ._safetensors import open_readonly, parse_json, read_at
+    from ._safetensors import MAX_JSON_FILE, open_readonly, parse_json, read_at
 
     fd = open_readonly(text)  # a FIFO or device is refused, never waited on
     try:
         head = read_at(fd, 1, 0)
-        raw = read_at(fd, os.fstat(fd).st_size, 0) if head == b"{" else b""
+        size = os.fstat(fd).st_size
+        if head == b"{" and size > MAX_JSON_FILE:
+            raise db.SpecError(f"--spec {text}: {size:,} bytes is too large for a spec JSON file "
+                               f"(at most {MAX_JSON_FILE:,})")
+        raw = read_at(fd, size, 0) if head == b"{" else b""
     finally:
         os.close(fd)
     if head == b"{":

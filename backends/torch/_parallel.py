@@ -357,7 +357,7 @@ def read_dcp_metadata(path: str):
     except OSError as exc:
         raise CheckpointError(f"cannot read {where}: {exc.strerror or exc}") from None
     try:
-        raw = read_at(fd, _DCP_METADATA_MAX + 1, 0)
+        raw = read_at(fd, min(_DCP_METADATA_MAX, os.fstat(fd).st_size) + 1, 0)  # pread allocates what it is asked
     finally:
         os.close(fd)
     if len(raw) > _DCP_METADATA_MAX:
