@@ -192,6 +192,12 @@ def _load_dcp(path: str, backend, spec, like, parallel, group, allow_nonfinite: 
 
         native = torch_adapter.compile_parallel(spec, zeros, "auto" if parallel is None else parallel, group)
         torch_adapter.load_dcp(native, path)
+        # each rank checks the blocks DCP filled in, as a whole-process load checks the tensors
+        check = checked_block(path, spec_layers(spec), allow_nonfinite)
+        seq = isinstance(spec, Sequential)
+        for key, shard in torch_adapter.get_params_parallel(native, local=True).items():
+            position, name = key.split(".", 1) if seq else ("0", key)
+            check(int(position), name, key, tuple(shard.index), np.asarray(shard.array))
         return native
     native = _compile(spec, "torch", seed=0)
     torch_adapter.load_dcp(native, path)
