@@ -17,7 +17,7 @@ from ._dtypes import numpy_dtype
 from ._errors import CheckpointError, SpecError, received
 from ._memory import check_load_fits
 from ._parallel import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
-                        params_plan, save_parallel)
+                        save_parallel)
 from ._registry import get_adapter
 from ._safetensors import read_json_file, shorten
 from ._transfer import count_nonfinite
