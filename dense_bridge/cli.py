@@ -19,8 +19,37 @@ from typing import Any, Sequence
 from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
 
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
-BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx", "flax", "equinox")
-RUN_CHOICES = ("numpy", "torch", "keras", "mlx", "flax", "equinox")
+
+
+def run_choices() -> tuple[str, ...]:
+    """What --backend-a/-b accept: every registered backend (read from the registry at run time)."""
+    from ._registry import names
+
+    return names()
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What --to accepts: the canonical format and every registered backend."""
+    return ("canonical",) + run_choices()
+
+
+def format_choices() -> tuple[str, ...]:
+    """What --format accepts: every backend that declares a file format."""
+    from ._checkpoint_native import format_names
+
+    return tuple(n for n in format_names() if n != "dense_bridge")
+
+
+def _output_help() -> str:
+    """The endings each backend writes, from the registry: ".pt/.pth/.bin/.safetensors (torch), ..."."""
+    from ._registry import backends
+
+    parts = []
+    for name, info in backends().items():
+        endings = [e for f in info.manifest.formats if f.write_kind for e in f.extensions]
+        if endings:
+            parts.append(f"{'/'.join(dict.fromkeys(endings))} ({name})")
+    return "output file: " + ", ".join(parts + ["any name for canonical"])
 
 
 # ============================================================================ formatting helpers
@@ -128,40 +157,49 @@ def _spec_of_checkpoint(path: str):
         return ckpt.spec
 
 
-def _is_keras_file(path: str | None) -> bool:
-    """Whether ``path`` holds Keras data (HDF5 weights or a .keras zip), judged by its first bytes."""
+def _file_backend(path: str | None) -> str | None:
+    """The backend whose declared format holds the file at ``path``, judged by its first bytes
+    (None when it is no native file, or cannot be read: the command reports that itself)."""
     if not path or not os.path.isfile(path):
-        return False
+        return None
+    from . import _checkpoint_native, _errors
+    from ._manifest import Probe
+
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return False
-    return head.startswith(b"\x89HDF") or (head.startswith(b"PK") and path.lower().endswith(".keras"))
+            head = f.read(64)
+        return _checkpoint_native.identify(Probe(path, head, os.path.getsize(path)))[0]
+    except (OSError, _errors.DenseBridgeError):
+        return None
 
 
-def _needs_keras(args) -> bool:
-    if args.command == "demo":
-        return True
-    if args.command == "convert":
-        return args.to == "keras" or _is_keras_file(args.src)
-    if args.command == "check":
-        return "keras" in (args.backend_a, args.backend_b) or _is_keras_file(args.a) or _is_keras_file(args.b)
-    return args.command == "inspect" and _is_keras_file(args.src) and args.src.lower().endswith(".keras")
+def _quiet_backends(args) -> list[str]:
+    """Installed backends declaring ``quiet_import`` that this command will use: named by
+    --to/--backend-a/-b, owning one of its files, or all of them for the demo."""
+    from ._registry import available_backends, backends
+
+    quiet = [n for n in available_backends() if backends()[n].manifest.quiet_import]
+    if not quiet or args.command == "demo":
+        return quiet
+    wanted = {getattr(args, k, None) for k in ("to", "backend_a", "backend_b")}
+    wanted |= {_file_backend(getattr(args, k, None)) for k in ("src", "a", "b")}
+    return [n for n in quiet if n in wanted]
 
 
-def import_keras_quietly() -> None:
-    """Import Keras (and TensorFlow) and dense_bridge's Keras adapter with file descriptor 2 silenced.
+def import_quietly(names: Sequence[str] | None = None) -> None:
+    """Import these backends' adapters (default: every installed one declaring ``quiet_import``)
+    with file descriptor 2 silenced.
 
     TensorFlow's C++ start-up lines (absl "All log messages before absl::InitializeLog()",
     oneDNN notices) bypass TF_CPP_MIN_LOG_LEVEL and Python; they would bury our one-line errors.
-    Importing the adapter registers dense_bridge's Keras classes (DenseBridgeDense, Bilinear,
-    ExactActivation, ...) with keras.saving, which a ``.keras`` file using them needs before any
-    ``keras.saving.load_model`` in this fresh process.
+    Importing an adapter also registers its own classes with its framework (Keras'
+    ``keras.saving`` needs dense_bridge's layer classes before it loads a file using them).
     """
-    from ._registry import available_backends, get_adapter
+    from ._registry import available_backends, backends, get_adapter
 
-    if "keras" not in available_backends():
+    if names is None:
+        names = [n for n in available_backends() if backends()[n].manifest.quiet_import]
+    if not names:
         return
     sys.stderr.flush()
     saved = os.dup(2)
@@ -169,7 +207,8 @@ def import_keras_quietly() -> None:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
             try:
-                get_adapter("keras")  # imports keras (and its backend) with the adapter
+                for name in names:
+                    get_adapter(name)  # imports the framework with the adapter
             finally:
                 os.dup2(saved, 2)
     finally:
@@ -185,6 +224,7 @@ def _show_progress(args) -> bool:
 # ============================================================================ convert
 def cmd_convert(args) -> int:
     from . import checkpoint
+    from ._errors import CheckpointError
 
     spec = read_spec(args.spec)
     bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
@@ -193,6 +233,12 @@ def cmd_convert(args) -> int:
         summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
                                           max_shard_size=args.max_shard_size, progress=bar,
                                           allow_nonfinite=args.allow_nonfinite)
+    except CheckpointError:
+        advice = None if spec is not None else _whole_model_advice(args.src, args.format, args.to)
+        if advice is None:
+            raise
+        print(f"dense-bridge convert: error: {advice}", file=sys.stderr)  # several lines: the example stays readable
+        return EXIT_BAD_INPUT
     finally:
         bar.close()
     seconds = time.perf_counter() - start
@@ -206,6 +252,52 @@ def cmd_convert(args) -> int:
     print(f"converted {args.src} -> {where} ({summary['to']}): {summary['tensors']} tensors, "
           f"{human_bytes(summary['bytes'])} in {seconds:.2f} s ({human_bytes(summary['bytes_per_second'])}/s)")
     return EXIT_OK
+
+
+def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple, str]]]:
+    """(linear layers recognised by name, the other tensors) of a file without a spec: other
+    tensors (embedding tables, norms) say it holds a whole model, which no spec describes."""
+    from .models import file_linear_layers
+
+    rows = file_linear_layers(entries, framework)
+    taken = {t for r in rows for t in r["tensors"]}
+    return rows, [e for e in entries if e[0] not in taken]
+
+
+def _whole_model_advice(src: str, format: str | None, target: str) -> str | None:
+    """What to do with a whole model's checkpoint, and what it holds (None when the file is a plain
+    chain of linear layers: then --spec is the answer, as the original error says)."""
+    from . import checkpoint
+    from ._errors import DenseBridgeError
+
+    try:
+        ckpt = checkpoint.open_checkpoint(src, format=format)
+        entries = ckpt.entries()
+    except DenseBridgeError:
+        return None
+    if ckpt.spec is not None or isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+        return None  # the failure is not a missing structure; a canonical file's tensors are layers'
+    rows, others = _whole_model(entries, ckpt.framework)
+    if not others:
+        return None
+
+    def shape(s) -> str:
+        return "(" + ", ".join(str(x) for x in s) + ("," if len(s) == 1 else "") + ")"
+
+    others = sorted(others, key=lambda e: -len(e[1]))  # tables (2-D) first: they say what the model is
+    lin = ", ".join(f"{r['layer']} (in={r['in_features']}, units={r['units']}, layout {r['layout']})" for r in rows[:6])
+    rest = ", ".join(f"{n} {shape(s)}" for n, s, _ in others[:6])
+    more = ", ..." if len(rows) > 6 else ""
+    found = (f"{len(rows)} linear layers recognised by name" + (f": {lin}{more}" if rows else "")
+             + f"; {len(others)} other tensors (embeddings, norms: no Dense layer holds them): {rest}"
+             + (", ..." if len(others) > 6 else ""))
+    return (f"{src} holds a whole model ({len(entries)} tensors), not a chain of Dense layers: no dense_bridge spec "
+            f"describes it, so --spec cannot help and convert cannot rebuild it. Build the model in {target} with its "
+            f"own library, then move the weights in Python:\n"
+            f"    src = transformers.AutoModel.from_pretrained(DIR)  # the model this file belongs to\n"
+            f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture in {target}\n"
+            f"(README \"Port a real model\": rules for differing paths, fused layers, tied heads.)\n"
+            f"Found {found}")
 
 
 # ============================================================================ inspect
@@ -277,7 +369,12 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     nfiles = len(doc["files"])
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
-    if ckpt.spec is None:
+    if ckpt.spec is None and not isinstance(ckpt, checkpoint.CanonicalCheckpoint) \
+            and _whole_model(entries, ckpt.framework)[1]:
+        print("spec: none stored, and none fits: besides linear layers the file holds other tensors (embeddings, "
+              "norms): a whole model (move it with db.transfer into a model built in the target framework)")
+        print(format_file_linear_layers(doc["linear_layers"]))
+    elif ckpt.spec is None:
         print("spec: none stored (pass --spec SPEC.json to see layers)")
         print(format_file_linear_layers(doc["linear_layers"]))
     else:
@@ -400,12 +497,17 @@ def cmd_check(args) -> int:
     options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
     diffs: list[dict] = []
     # layer by layer, one layer pair in memory (issue 10); whole models only where layers do not line up
-    report = compare_checkpoints(ckpt_a, backend_a, ckpt_b, backend_b,
-                                 params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
+    # or when each layer of B runs on what A's received (--isolated)
+    report = None if args.isolated else compare_checkpoints(
+        ckpt_a, backend_a, ckpt_b, backend_b, params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
     if report is None:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
-        report = compare(a, b, **options)
+        report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
+    if report.structure is None:  # streamed: the parameter rows read on the way say it
+        from .testing._structure import rows_structure
+
+        report.structure = rows_structure(diffs)
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
     passed = bool(report.passed)
@@ -459,18 +561,19 @@ def refuse_writing_inputs(args) -> None:
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
+    from ._checkpoint_native import supported_formats
     from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="dense-bridge",
-        description="Port Dense/MLP models between torch, Keras, MLX and numpy: convert checkpoints, check "
-                    "equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
+        description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
+                    "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
-                       description="Build an MLP, train it briefly (torch when installed, else numpy), port it "
+                       description="Build an MLP, train it briefly (on the first installed backend whose adapter trains), port it "
                                    "to every installed framework, check outputs and gradients, save and reload "
                                    "it, and print what happened.")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -480,19 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="convert a checkpoint to another framework's format",
-                       description="Convert SRC (a dense_bridge checkpoint, torch .pt/.pth/.bin/.safetensors, "
-                                   "Keras .weights.h5/.keras, MLX .safetensors/.npz, Flax .msgpack, Equinox .eqx) to BACKEND's "
-                                   "format at OUT. "
+                       description=f"Convert SRC (a {supported_formats()} file) to BACKEND's format at OUT. "
                                    "--to canonical (or numpy) writes a dense_bridge checkpoint, shardable with "
                                    "--max-shard-size. Files without a stored spec need --spec.")
     p.add_argument("src", metavar="SRC", help="source checkpoint")
-    p.add_argument("--to", required=True, choices=BACKEND_CHOICES, metavar="BACKEND",
-                   help=f"target: {', '.join(BACKEND_CHOICES)}")
-    p.add_argument("-o", "--output", required=True, metavar="OUT",
-                   help="output file: .pt/.pth/.bin/.safetensors (torch), .weights.h5/.keras (keras), "
-                        ".safetensors/.npz (mlx), .msgpack (flax), .eqx (equinox), any name for canonical")
+    p.add_argument("--to", required=True, choices=backend_choices(), metavar="BACKEND",
+                   help=f"target: {', '.join(backend_choices())}")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help=_output_help())
     p.add_argument("--spec", metavar="SPEC", help="spec JSON file (spec.to_config()), or a checkpoint to take it from")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"),
+    p.add_argument("--format", choices=format_choices(),
                    help="how to read a native SRC when its content is ambiguous (e.g. a bare .safetensors)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="shard a canonical output: bytes or e.g. 10MB, 4MiB, 1GB")
     p.add_argument("--allow-nonfinite", action="store_true",
@@ -508,19 +607,22 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load A and B (each on its own framework; canonical checkpoints on numpy), run "
                                    "both on the same inputs and compare outputs and gradients layer by layer. "
                                    "Exit 0 equivalent, 1 not equivalent, 2 bad input.")
-    p.add_argument("a", metavar="A", help="first checkpoint or .keras model")
-    p.add_argument("b", metavar="B", help="second checkpoint or .keras model (the reference)")
+    p.add_argument("a", metavar="A", help="first checkpoint or whole-model file")
+    p.add_argument("b", metavar="B", help="second checkpoint or whole-model file (the reference)")
     p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none (both sides)")
     p.add_argument("--spec-a", metavar="SPEC", help="spec for A only")
     p.add_argument("--spec-b", metavar="SPEC", help="spec for B only")
-    p.add_argument("--backend-a", choices=RUN_CHOICES, help="run A on this backend")
-    p.add_argument("--backend-b", choices=RUN_CHOICES, help="run B on this backend")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--backend-a", choices=run_choices(), help="run A on this backend")
+    p.add_argument("--backend-b", choices=run_choices(), help="run B on this backend")
+    p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--batch-size", type=int, default=8, help="rows of random input (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--no-grads", action="store_true", help="compare outputs only")
     p.add_argument("--strict", action="store_true",
                    help="also fail when the specs differ in dtype, activation, mask or bias, not only on numbers")
+    p.add_argument("--isolated", action="store_true",
+                   help="teacher forcing: run each layer of B on the input and output gradient its counterpart in A "
+                        "received, so each layer's own error is judged with nothing carried from before it")
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
@@ -533,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "parameter counts) and every stored tensor.")
     p.add_argument("src", metavar="SRC", help="checkpoint or model file")
     p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
     return parser
@@ -556,8 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         refuse_writing_inputs(args)
-        if _needs_keras(args):
-            import_keras_quietly()
+        import_quietly(_quiet_backends(args))
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - every failure is one line and exit 2 (1 is "not equivalent")
         if os.environ.get("DENSE_BRIDGE_DEBUG"):
