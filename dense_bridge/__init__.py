@@ -29,12 +29,15 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "transfer": (".models", "transfer"), "Quant": (".quant", "Quant"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
     "register_backend": ("._registry", "register_backend"),
+    "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
+    "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),
 }
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend", "Quant",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend",
+    "merge_lora", "load_adapter", "save_adapter", "Quant",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

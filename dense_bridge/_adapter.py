@@ -136,6 +136,11 @@ REQUIRED_VERBS: tuple[str, ...] = (
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
 OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
+                                   "run_layer",  # one layer alone on given x, grad_out: (y, dL/dx, canonical grads)
+                                   # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
+                                   "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
+                                   "lora_folds_scale", "save_lora_h5", "load_lora_h5",
+                                   "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
                                    "quant_layer", "quant_build")
 
 #: Files every adapter package has, one role each (the same names in every package).
@@ -158,6 +163,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
+    "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )
 

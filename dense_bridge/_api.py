@@ -122,8 +122,12 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
         from ._parallel import get_params_parallel  # collective on a parallel model (issue 16)
         return get_params_parallel(adapter, native, local=local, copy=copy)
+    from . import lora
+
     try:
-        params = adapter.get_params(native)
+        params = lora.read_params(adapter, native)  # an adapter-wrapped layer: its own + lora_* keys
+        if params is None:
+            params = adapter.get_params(native)
     except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
         raise ConversionError(str(exc)) from None
     if not params:  # never an empty answer for an object that has, or hides, parameters (issue 12)
@@ -156,8 +160,17 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     _check_flag("allow_nonfinite", allow_nonfinite)
-    checked = validate_params(spec, params, strict=strict, allow_nonfinite=allow_nonfinite)
+    from . import lora
+
+    own, adapter_keys = lora.split(params) if isinstance(params, Mapping) else (params, {})
+    checked = validate_params(spec, own, strict=strict, allow_nonfinite=allow_nonfinite)
     check_masks_match(spec, checked)
+    wrapped = lora.spec_of(adapter, native) is not None
+    if adapter_keys or wrapped:  # a LoRA-wrapped layer: its own params and the adapter's
+        kernel = checked.get("kernel", np.zeros(0))
+        extra = lora.check_for_set(adapter, native, adapter_keys, kernel.shape, strict=strict)
+        lora.write_params(adapter, native, checked, extra)
+        return
     adapter.set_params(native, checked)
 
 
@@ -186,8 +199,12 @@ WHOLE_MODEL_HINT = ("dense_bridge reads chains of linear layers and activations 
 
 
 def _read_spec(adapter, native):
+    from .lora import spec_of
+
     try:
-        read = adapter.to_spec(native)
+        read = spec_of(adapter, native)  # an adapter-wrapped layer: the wrapped layer's spec
+        if read is None:
+            read = adapter.to_spec(native)
     except ConversionError as exc:
         if "db.linear_layers(" in str(exc):
             raise
@@ -220,6 +237,9 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
         from .models import remember_example
 
         remember_example(native, example)
+    from .lora import refuse_convert
+
+    refuse_convert(source, native)
     spec = _read_spec(source, native)
     params = source.get_params(native)
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)

@@ -463,12 +463,17 @@ def cmd_check(args) -> int:
     options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
     diffs: list[dict] = []
     # layer by layer, one layer pair in memory (issue 10); whole models only where layers do not line up
-    report = compare_checkpoints(ckpt_a, backend_a, ckpt_b, backend_b,
-                                 params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
+    # or when each layer of B runs on what A's received (--isolated)
+    report = None if args.isolated else compare_checkpoints(
+        ckpt_a, backend_a, ckpt_b, backend_b, params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
     if report is None:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
-        report = compare(a, b, **options)
+        report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
+    if report.structure is None:  # streamed: the parameter rows read on the way say it
+        from .testing._structure import rows_structure
+
+        report.structure = rows_structure(diffs)
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
     passed = bool(report.passed)
@@ -506,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
                     "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect,adapter}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
@@ -555,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-grads", action="store_true", help="compare outputs only")
     p.add_argument("--strict", action="store_true",
                    help="also fail when the specs differ in dtype, activation, mask or bias, not only on numbers")
+    p.add_argument("--isolated", action="store_true",
+                   help="teacher forcing: run each layer of B on the input and output gradient its counterpart in A "
+                        "received, so each layer's own error is judged with nothing carried from before it")
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
@@ -570,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
+    from ._adapter_cli import add_parser as add_adapter  # LoRA adapter directories
+
+    add_adapter(sub)
     return parser
 
 

@@ -232,8 +232,12 @@ def _last(path: str) -> str:
 
 def _linear_params(layer: Any) -> dict[str, np.ndarray]:
     """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    from .lora import read_params
+
     try:
-        return adapter_for(layer).get_params(layer)
+        adapter = adapter_for(layer)
+        with_adapter = read_params(adapter, layer)  # a LoRA-wrapped layer: its own + lora_* keys
+        return adapter.get_params(layer) if with_adapter is None else with_adapter
     except SpecError as exc:  # an unbuilt lazy layer
         raise ConversionError(str(exc)) from None
 
@@ -308,6 +312,7 @@ class TransferReport:
     rules: list = field(default_factory=list)
     #: parameter paths (dst) whose values were rounded into a narrower dtype (allow_narrowing=True)
     narrowed: list[str] = field(default_factory=list)
+    lora: dict = field(default_factory=dict)  # LoRA adapters: mode, kept, merged, rounding (path -> largest error)
 
     @property
     def num_moved(self) -> int:
@@ -337,7 +342,8 @@ class TransferReport:
 
 
 def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
-             allow_narrowing: bool = False, requantize: bool = False) -> TransferReport:
+             allow_narrowing: bool = False, lora: str | None = None,
+             allow_rounding: bool = False, requantize: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -383,7 +389,15 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     as it always does for a float src, and ``report.quant_errors`` gives the largest error per layer.
     Returns a :class:`TransferReport` listing what moved and every parameter that did not, and
     in ``rules`` the complete mapping used (reusable as ``mapping=``).
+
+    ``lora``: how linear layers holding LoRA adapters move (``dense_bridge._lora_transfer``):
+    ``None`` (an adapter in src is an error naming it), ``"keep"`` (attached on dst with its
+    framework's adapter class) or ``"merge"`` (into dst's kernels). ``allow_rounding``: accept a
+    scale dst folds into ``lora_b`` inexactly (Flax); ``report.lora["rounding"]`` says how much.
     """
+    from ._lora_transfer import LoraMoves
+
+    adapters = LoraMoves(lora, allow_rounding, dst)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     if not isinstance(allow_narrowing, bool):
@@ -440,8 +454,10 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
             report.moved.append((s.path, d.path, what))
             continue
         if s.kind == "linear":
-            problem = _linear_move(s, d, writes, casts) if len(m.src) == len(m.dst) == 1 \
-                else _fused_move(m, writes, casts)
+            if len(m.src) == len(m.dst) == 1:
+                problem = adapters.move(s, d, writes) if adapters.takes(s, d) else _linear_move(s, d, writes, casts)
+            else:
+                problem = _fused_move(m, writes, casts)
             if problem:
                 problems.append(problem)
                 continue
@@ -536,12 +552,14 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
         problems.append(f"narrowing casts round values: {listed}{more}. Pass allow_narrowing=True to round them "
                         f"into dst's dtypes")
+    problems += adapters.leftovers(src, moved_src)  # PEFT embedding adapters, modules_to_save: named
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))
-    _write_all(writes)
+    _write_all(writes, adapters)
     report.rules = plan.rules({**a.stable, **b.stable})
     report.narrowed = [p for p, _, _ in casts]
+    report.lora = adapters.summary()
     report.not_moved_src = [p for p in a.params if p not in moved_src]
     report.not_moved_dst = [p for p in b.params if p not in dst_done]
     return report
@@ -649,7 +667,7 @@ def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str, casts: 
     return None
 
 
-def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
+def _write_all(writes: list[tuple[Entry, str, dict]], adapters: Any = None) -> None:
     """Write everything; on a failure, put back what was written (all-or-nothing)."""
     done: list[tuple[Entry, dict]] = []
     try:
@@ -659,11 +677,15 @@ def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
                 continue
             before = {k: np.array(v, copy=True) for k, v in d.read().items()}
             done.append((d, before))
-            if how == "linear":
+            if how == "lora":  # a LoRA layer: attached where dst has no adapter yet, then written
+                adapters.write(d, arrays)
+            elif how == "linear":
                 adapter_for(d.layer).set_params(d.layer, arrays)
             else:
                 d.write(arrays)
     except BaseException:
+        if adapters is not None:
+            adapters.undo()
         for d, before in reversed(done):
             try:
                 before() if callable(before) else d.write(before)

@@ -663,3 +663,16 @@ def test_compare_models_joins_split_layers_per_declared_head():
     # judged as blocks (heads=1) the same weights disagree, at that layer
     blocks = {"query_key_value": {"to": ["q", "k", "v"], "heads": 1}, "out": "out"}
     assert db.testing.compare_models(fused, split, [x], mapping=blocks).first_divergence == "q+k+v"
+
+
+def test_split_layers_count_as_matched_in_the_structure_and_are_named_in_isolated_mode():
+    transformers, kw, phi3 = _phi3_pair()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    db.transfer(phi3, llama, mapping=PHI3_TO_LLAMA)
+    ids = np.random.default_rng(0).integers(0, V, (2, 7))
+    report = db.testing.compare_models(llama, phi3, [ids], mapping=LLAMA_TO_PHI3, isolated=True)
+    assert report.passed
+    assert report.structure.clean, report.structure.lines()
+    assert any("qkv_proj" in n and "split/fused group" in n for n in report.notes)
+    # the one-to-one layers were still run alone: no note sends them back to cascaded mode
+    assert not any("o_proj" in n and "cascaded mode" in n for n in report.notes)

@@ -109,10 +109,21 @@ def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarra
         for var, g in grads:
             saved.append((var, keras.ops.convert_to_tensor(keras.ops.copy(var.value))))
             var.assign(keras.ops.cast(g, var.dtype))
-        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        return {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         for var, value in saved:
             var.assign(value)
+
+
+def _grad_variables(layer) -> list:
+    """The variables whose gradients are compared: the trainable ones, and the base kernel that
+    ``enable_lora`` froze (the other frameworks' captures differentiate a frozen base too)."""
+    out = list(layer.trainable_variables)
+    kernel = getattr(layer, "_kernel", None) if getattr(layer, "lora_enabled", False) else None
+    if kernel is not None and all(v is not kernel for v in out):
+        out.append(kernel)
+    return out
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
@@ -145,7 +156,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             out = forward()
             return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out),
                            pre_activation=pre)
-        trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
+        trainables = {path: _grad_variables(layer) for path, layer in layers.items()}
         variables = [v for vs in trainables.values() for v in vs]
         out = forward()
         n = len(log)
@@ -206,3 +217,7 @@ def load_model(path: str, *, trust_pickle: bool = False):
         return keras.saving.load_model(path, compile=False)
     except Exception as exc:  # noqa: BLE001 - any deserialization failure is a bad file
         raise CheckpointError(f"{path}: cannot load a Keras model ({type(exc).__name__}: {exc})") from None
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads

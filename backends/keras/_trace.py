@@ -52,3 +52,31 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(to_numpy(y), tuple(to_numpy(d) for d in dxs), pgrads)
         g = dxs[0]
     return Trace(records)
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and the engine's
+    autograd backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter
+    gradients)`` as numpy; ``grad_out`` None: forward only (``(output, None, {})``).
+
+    The output is what ``capture`` records: a layer applying an activation inside itself
+    (``Dense(activation=...)``) runs its linear map alone, and ``grad_out`` is dL/d(linear map).
+    """
+    from ._capture import canonical_grads as _canonical_grads
+
+    act = getattr(layer, "activation", None)
+    inside = act is not None and act is not keras.activations.linear
+    if inside:
+        layer.activation = keras.activations.linear
+    try:
+        xt = to_tensor(np.asarray(x), str(keras.backend.standardize_dtype(np.asarray(x).dtype)))
+        if grad_out is None:
+            y = layer(xt, training=False)
+            return np.array(to_numpy(y), copy=True), None, {}
+        y, dxs, by_path = layer_vjp(layer, [xt], to_tensor(np.asarray(grad_out)))  # in the output's dtype
+    finally:
+        if inside:
+            layer.activation = act
+    by_var = [(v, by_path[v.path]) for v in layer.trainable_variables if v.path in by_path]
+    pgrads = _canonical_grads(layer, by_var) if by_var else {}
+    return np.array(to_numpy(y), copy=True), np.array(to_numpy(dxs[0]), copy=True), pgrads

@@ -78,7 +78,8 @@ def _canonical_grads(layer, grads: dict) -> dict[str, np.ndarray]:
     saved = layer.trainable_parameters()
     try:
         layer.update(grads)
-        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        return {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         layer.update(saved)
 
@@ -151,3 +152,7 @@ def _restore(swapped: list, modes: list) -> None:
         layer.__class__ = cls
     for m, training in modes:
         m._training = training
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads

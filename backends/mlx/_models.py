@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from dense_bridge._layouts import Entry
 
@@ -24,6 +24,7 @@ from ._arrays import MX_DTYPES, to_mx, to_numpy
 from ._layers import declared_arrays
 from ._quant import embedding_table, set_embedding_table
 from ._layers import is_dense as _is_dense
+from ._lora import is_lora
 
 
 def _kind(m) -> str:
@@ -37,21 +38,27 @@ def _kind(m) -> str:
 
 
 def _own_arrays(m) -> dict[str, mx.array]:
+    if is_lora(m):  # a LoRA wrapper's arrays are the wrapped layer's and its adapter's
+        return dict(tree_flatten(m.parameters()))
     return {k: v for k, v in m.items() if isinstance(v, mx.array) and not k.startswith("_")}
 
 
 def walk(model) -> list[Entry]:
     """Every module with arrays of its own (and every linear one), in ``tree_flatten`` order."""
     modules = dict(model.named_modules())
+    wrappers = [p for p, m in modules.items() if is_lora(m)]  # mlx-lm LoRA: one linear layer each
     order: list[str] = []
     seen: set[str] = set()
     for key, _ in tree_flatten(model.parameters()):
         path = key.rsplit(".", 1)[0] if "." in key else ""
+        path = next((w for w in wrappers if key.startswith(w + ".") or not w), path)
         if path not in seen and path in modules:
             seen.add(path)
             order.append(path)
     # linear modules without arrays yet (a lazy Dense before its first call) still belong to the list
     for path, m in reversed(list(modules.items())):
+        if any(path.startswith(w + ".") for w in wrappers if w) or (wrappers == [""] and path):
+            continue
         if path not in seen and _kind(m) != "other":
             seen.add(path)
             order.append(path)
@@ -61,7 +68,8 @@ def walk(model) -> list[Entry]:
         if id(m) in done:  # a module reachable under two paths is reported once
             continue
         done.add(id(m))
-        out.append(_entry(path, m, _kind(m)))
+        kind = (_kind(m.linear) if _kind(m.linear) == "quantized" else "linear") if is_lora(m) else _kind(m)
+        out.append(_entry(path, m, kind))
     return out
 
 
@@ -100,7 +108,7 @@ def _entry(path: str, m, kind: str) -> Entry:
         for n, a in arrays.items():
             dtype = next((k for k, v in MX_DTYPES.items() if v == current[n].dtype), None)
             new[n] = to_mx(a, dtype) if dtype is not None else mx.array(np.asarray(a), dtype=current[n].dtype)
-        m.update(new)
+        m.update(tree_unflatten(list(new.items())) if is_lora(m) else new)
 
     arrays = _own_arrays(m)
     note = "" if kind != "quantized" else "its weights are packed integers with scales (mlx.nn.quantize)"

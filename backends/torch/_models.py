@@ -17,6 +17,7 @@ from torch import nn
 from dense_bridge._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
+from ._lora import is_lora, wrapper_params
 from ._quant import is_quantized as is_torchao
 from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
 
@@ -50,7 +51,14 @@ def _quantized(m: nn.Module) -> bool:
 def walk(model: nn.Module) -> list[Entry]:
     """Every module with parameters of its own (and every linear-family module), in definition order."""
     out = []
+    inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     for path, m in model.named_modules():
+        if any(path.startswith(w + ".") for w in inside):
+            continue
+        if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
+            inside.append(path)
+            out.append(_entry(path, m, "linear", wrapper_params(m)))
+            continue
         # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
         kind = "quantized" if is_torchao(m) else "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
         params = {n: p for n, p in m._parameters.items() if p is not None}

@@ -49,6 +49,8 @@ from .._registry import adapter_for, backend_of
 from ._gradients import NOT_COMPARED, computes_gradients
 from . import _fused
 from ._captures import Call, Capture, LeafOutput
+from ._elements import element_stats, elementwise_units
+from ._structure import model_structure
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
 
@@ -221,24 +223,23 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return d / scale if scale > 0 else 0.0
 
 
-def _row(i, label, name, a, b, allowed, k, note="") -> QuantityResult:
+def _row(i, label, name, a, b, allowed, k, note="", *, values=None, dtype: str = "float32") -> QuantityResult:
+    """One judged row: ``a - b`` against ``allowed`` elementwise. ``values``: the two sides' values
+    the element statistics (ULPs in ``dtype``, worst element) are read from when what is judged
+    is not the values themselves (a layer's own contribution); default ``(a, b)``."""
     if a.shape != b.shape:
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               f"shape {a.shape} vs {b.shape}")
     if not a.size:
         return QuantityResult(i, label, name, 0.0, 0.0, True, k, tuple(a.shape), note)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a - b)
-    if not np.isfinite(diff).all():
-        same = (a == b) | (np.isnan(a) & np.isnan(b))
-        diff = np.where(same, 0.0, diff)
+    diff, units = elementwise_units(a, b, allowed)
+    va, vb = (a, b) if values is None or np.shape(values[0]) != a.shape else values
+    stats = element_stats(va, vb, units, dtype)
     if not np.isfinite(diff).all():
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
-                              note or "non-finite values in one model only")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        units = np.where(diff == 0, 0.0, diff / np.broadcast_to(allowed, diff.shape))
+                              note or "non-finite values in one model only", stats)
     err, u = float(diff.max()), float(units.max())
-    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note)
+    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note, stats)
 
 
 def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: float) -> np.ndarray:
@@ -318,7 +319,7 @@ def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, 
 
 
 def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
-                   tolerance: Tolerance | None = None) -> ModelReport:
+                   tolerance: Tolerance | None = None, isolated: bool = False) -> ModelReport:
     """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
 
     ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
@@ -334,13 +335,18 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
     ``seed``) on both sides. ``grads=False``: forward only. ``tolerance``: a :class:`Tolerance`.
+    ``isolated=True``: every matched layer of b also runs alone on the input and output gradient
+    its counterpart in a received (teacher forcing, ``_isolated``), so its output and gradient
+    rows hold its own error with nothing carried from before it.
+    Before anything runs, ``report.structure`` lists the parameters of either model left
+    unmatched, tied or matched with another dtype, and both parameter counts.
 
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
     from ._compare import check_count, check_flag, check_tolerance
 
-    grads = check_flag("grads", grads)
+    grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
     seed = check_count("seed", seed, 0)
     tol = check_tolerance(tolerance)
     if outputs is None:  # each side's first floating output, re-paired by shape below if they differ
@@ -409,13 +415,37 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    report.structure = model_structure(a, b, pairs, groups)
     if not grads:
         report.notes.append(NOT_COMPARED)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol,
            quant=quantized_pairs(pairs, layers_a, layers_b, params_a), models=(a, b))
+    if isolated:
+        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol)
     return report
+
+
+def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
+                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance) -> None:
+    """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
+    their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
+    from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
+
+    def acts(pa: str, pb: str):
+        return (None if pa in cap_a.pre_activation else _activation(layers_a[pa]),
+                None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
+
+    report.isolated = True
+    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
+    twin = judge_copy(report)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol)
+    rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
+    dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
+    report.layers = merge_rows(report.layers, twin.layers, dx, rows)
+    report.notes += [ISOLATED_NOTE] + forced.notes
+    report.first_failure = _first_failure(report.layers)
 
 
 def _pair_outputs_by_shape(shapes_a: list, shapes_b: list) -> tuple[int, int] | None:
@@ -502,7 +532,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         if kb is None or kb.ndim != 2 or len(cb.inputs) != 1 or len(ca.inputs) != 1:
             ya, yb = np.asarray(ca.output, np.float64), np.asarray(cb.output, np.float64)
             results.append(LayerResult(idx, label, (_row(idx, label, "output", ya, yb, allowed_error(
-                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
+                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values",
+                dtype=report.dtype),)))
             rec.append(None)
             continue
         n_in, n_out = kb.shape
@@ -516,16 +547,17 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                    w_dtype, tol, pa, None if q is None else q.input_a)
         sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb, None if q is None else q.input_b)
         rows = [_row(idx, label, "input", sa.x, sb.x, _carried(sb.x, dtype, n_in, tol.c_output, tol, fwd_prev)
-                     if sa.x.shape == sb.x.shape else 0.0, n_in)]
+                     if sa.x.shape == sb.x.shape else 0.0, n_in, dtype=dtype)]
         if sa.x.shape == sb.x.shape and sa.y.shape == sb.y.shape:
             # the layer's own contribution: each side's output minus what b's parameters make of its input
             rows.append(_row(idx, label, "output", sa.y - sa.pred, sb.y - sb.pred,
-                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in))
+                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in,
+                             values=(sa.y, sb.y), dtype=dtype))
             fwd_prev = max(fwd_prev, _rel(sa.x, sb.x))
             if (fa is None) == (fb is None) and (fa is None or fa == fb):
                 fwd_prev = max(fwd_prev, _rel(sa.y, sb.y))
         else:
-            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in))
+            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in, dtype=dtype))
         if q is not None and sa.x.shape == sb.x.shape:
             rows.append(quantization_row(idx, label, q, kb, sb.x))
         results.append(LayerResult(idx, label, tuple(rows)))
@@ -539,7 +571,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         width = ob.shape[-1] if ob.ndim else 1
         final = _row(None, "model", "model output", oa, ob,
                      _carried(ob, report.dtype, width, tol.c_output, tol, fwd_prev) if oa.shape == ob.shape else 0.0,
-                     width)
+                     width, dtype=report.dtype)
         fwd_prev = max(fwd_prev, _rel(oa, ob))
 
     if grads:
@@ -568,7 +600,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                     qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", np.sqrt(aga ** 2 + agb ** 2)
                 extra.append(_row(i, results[i].layer_type, "dL/dy", qa, qb,
                                   _carried(qb, report.dtype, n_out, tol.c_gradient, tol, bwd_prev) + extra_allowed,
-                                  n_out, note))
+                                  n_out, note, dtype=report.dtype))
                 bwd_prev = max(bwd_prev, _rel(qa, qb))
                 if pb in quant:  # dL/dx leaves through two different kernels: the quantization's own share
                     bwd_prev = max(bwd_prev, backward_spread(quant[pb], gb, params_b[pb]["kernel"]))
@@ -628,7 +660,7 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
             continue
         allowed = np.sqrt(np.square(_rounding(va, ta, dtype, n_rows, tol.c_gradient, tol) + xa)
                           + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
-        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows))
+        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows, values=(va, vb), dtype=dtype))
     return out
 
 
