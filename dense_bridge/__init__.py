@@ -36,8 +36,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend",
-    "merge_lora", "load_adapter", "save_adapter", "Quant",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend", "Quant",
+    "merge_lora", "load_adapter", "save_adapter",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -73,7 +73,7 @@ def quantized_pairs(pairs, layers_a: dict, layers_b: dict, params_a: dict) -> di
 
     out = {}
     for pa, pb in pairs:
-        if layers_a.get(pa) is None or layers_b.get(pb) is None:  # a split/concatenated group ("p+q")
+        if layers_a.get(pa) is None or layers_b.get(pb) is None:  # a split/concatenated group ("p+q"): float layers only
             continue
         ha, hb = handle_of(layers_a[pa], "a"), handle_of(layers_b[pb], "b")
         if ha is None and hb is None:

@@ -420,15 +420,17 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         report.notes.append(NOT_COMPARED)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
-    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol,
-           quant=quantized_pairs(pairs, layers_a, layers_b, params_a), models=(a, b))
+    quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b))
     if isolated:
-        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol)
+        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
+                        quant=quant, models=(a, b))
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
-                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance) -> None:
+                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
+                    models=None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
     their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
     from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
@@ -440,7 +442,7 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     report.isolated = True
     forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
     twin = judge_copy(report)
-    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
     dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
