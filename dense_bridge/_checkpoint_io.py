@@ -23,7 +23,7 @@ import time
 
 from ._errors import CheckpointError, SpecError
 
-__all__ = ["AtomicFiles", "check_writable", "describe_os_error", "directory_lock", "parse_size",
+__all__ = ["AtomicFiles", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
            "RECLAIM_MIN_AGE_S"]
 
@@ -36,6 +36,34 @@ def describe_os_error(exc: OSError) -> str:
     elif exc.errno == errno.ENOSPC:
         reason = "no space left on device"
     return reason
+
+
+#: Free space below this on an output's filesystem is named as a likely cause of a failed write.
+LOW_SPACE = 64 << 20
+
+
+def write_limit_cause(path: str) -> str:
+    """Words for what may have stopped a write to ``path``, or "": the process's file-size limit
+    (RLIMIT_FSIZE) when it has one, free space on the filesystem when it is low. The frameworks'
+    writers lose the errno on the way (torch says "unexpected pos", HDF5 "file write failed"),
+    so a failed native write asks the system instead."""
+    causes = []
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY:
+            causes.append(f"this process may write files of at most {soft:,} bytes (RLIMIT_FSIZE)")
+    except (ImportError, OSError, ValueError):  # pragma: no cover - platforms without rlimits
+        pass
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+        free = st.f_bavail * st.f_frsize
+        if free < LOW_SPACE:
+            causes.append(f"its filesystem has {free:,} bytes free")
+    except (AttributeError, OSError):  # pragma: no cover - no statvfs (Windows)
+        pass
+    return "; ".join(causes)
 
 
 def check_writable(path: str) -> None:
@@ -142,6 +170,8 @@ class AtomicFiles:
         instead of leaving an orphan.
         """
         check_writable(final)
+        if not fresh:  # a killed earlier write of this target left its temporary behind (unlocked): reclaim it
+            reclaim_temporaries(os.path.dirname(os.path.abspath(final)), temp_pattern(final, suffix))
         tmp = temp_name(final, secrets.token_hex(4), suffix)
         self._locks.append(_create_locked(tmp))
         self.pending.append((tmp, final))
@@ -188,8 +218,9 @@ class AtomicFiles:
             return False
         self.abort()
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"cannot write {self.label}: {describe_os_error(exc)} "
-                                  f"(nothing was changed on disk)") from None
+            cause = write_limit_cause(self.label)
+            raise CheckpointError(f"cannot write {self.label}: {describe_os_error(exc)}"
+                                  f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from None
         return False
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ._checkpoint_io import AtomicFiles, check_writable
+from ._checkpoint_io import AtomicFiles, check_writable, write_limit_cause
 from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
 from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
@@ -256,7 +256,8 @@ class NativeCheckpoint:
             src = "the given model" if self.like is not None else "the spec"
             note = _backends()[self.framework].manifest.layout_note or f"{self.framework} layout"
             raise CheckpointError(f"{self.path} does not match {src} ({note}): "
-                                  + "; ".join(p.replace("the spec expects", "expected") for p in problems))
+                                  + "; ".join(p.replace("the spec expects", "expected") for p in problems)
+                                  + (_by_name_hint(got, expected) if self.like is None else ""))
 
     def _spec_from_model(self):
         from . import _api
@@ -401,6 +402,16 @@ class FileViews(Mapping):
         return self._read(name).transpose(axes)
 
 
+def _by_name_hint(got: dict, expected: dict) -> str:
+    """When the file names its layers (``enc.weight``) where a spec's positions are expected
+    (``0.weight``): how to match them by name instead."""
+    if not got or set(got) & set(expected):
+        return ""
+    names = sorted({k.rsplit(".", 1)[0] for k in got})[:4]
+    return (f". The file names its layers ({', '.join(names)}), a spec matches them by position (0, 1, ...): "
+            "pass like= (a model of the same architecture) to match them by name")
+
+
 def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical name ("3.kernel", or "kernel" for a lone layer) -> (shape, dtype name) of every
     parameter ``spec`` has: what a file of it must hold, in the canonical layout."""
@@ -514,6 +525,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)} (nothing was "
-                              "changed on disk)") from exc
+        cause = write_limit_cause(out)
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)}"
+                              f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]

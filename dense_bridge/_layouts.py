@@ -60,6 +60,9 @@ def register(cls: Any, *, kernel: str, bias: str | None = None, layout: str) -> 
         check_type("bias", bias, str, "an attribute name (str) or None")
         if not bias.isidentifier():
             raise SpecError(f"bias must be an attribute name such as 'bias', or None. {received('bias', bias)}")
+    if bias == kernel:  # one tensor read as both: the bias would be the kernel's bytes
+        raise SpecError(f"kernel and bias must name two different attributes. Received: kernel={kernel!r}, "
+                        f"bias={bias!r}")
     if layout not in LAYOUTS:
         raise SpecError(f"layout must be 'in_out' (kernel stored as (in_features, units)) or 'out_in' "
                         f"(stored as (units, in_features)). {received('layout', layout)}")

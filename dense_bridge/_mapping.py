@@ -119,6 +119,21 @@ def _compile(pattern: str, mapping: Any):
                         f"{received('mapping', mapping)}") from None
 
 
+def _check_replacement(rx: re.Pattern, replacement: str, mapping: Any) -> None:
+    """SpecError before any work when ``replacement`` cannot expand a match of ``rx`` (a group
+    it does not have: ``\\9``, ``\\g<name>``; a bad escape). Checked on a pattern with the same
+    groups that matches the empty string (``rx|``)."""
+    try:
+        probe = re.compile(f"(?:{rx.pattern})|", rx.flags & ~re.UNICODE).match("")
+    except re.error:  # inline flags that must lead the pattern: left to the expansion itself
+        return
+    try:
+        probe.expand(replacement)
+    except (re.error, IndexError) as exc:
+        raise SpecError(f"mapping replacement {replacement!r} does not fit the rule {rx.pattern!r} ({exc}). "
+                        f"{received('mapping', mapping)}") from None
+
+
 def parse(mapping: Any) -> list[Rule] | None:
     """Check ``mapping`` and turn every form into rules; None stays None (pairing by order)."""
     if mapping is None:
@@ -155,7 +170,11 @@ def parse(mapping: Any) -> list[Rule] | None:
                 raise TypeError(f"mapping rule {pattern!r}: a concatenation goes into one destination layer; got "
                                 f"{repl!r}. {received('mapping', mapping)}")
             text = pattern if isinstance(pattern, str) else repr(tuple(pattern))
-            rules.append(Rule("regex", tuple(_compile(p, mapping) for p in patterns), target, text))
+            compiled = tuple(_compile(p, mapping) for p in patterns)
+            for rx in compiled:
+                for path in target.paths:
+                    _check_replacement(rx, path, mapping)
+            rules.append(Rule("regex", compiled, target, text))
         return rules
     raise TypeError("mapping must be None, a dict of paths, a list of (regex, replacement) rules or a callable. "
                     f"{received('mapping', mapping)}")
@@ -224,7 +243,12 @@ class Plan:
 def _expand(target: Target, match: re.Match | None) -> Target:
     if match is None:
         return target
-    return Target(tuple(match.expand(p) for p in target.paths), target.split, target.fn, target.heads)
+    try:
+        paths = tuple(match.expand(p) for p in target.paths)
+    except (re.error, IndexError) as exc:
+        raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
+                        f"({exc})") from None
+    return Target(paths, target.split, target.fn, target.heads)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 from ._dtypes import numpy_dtype
-from ._errors import SpecError
+from ._errors import CheckpointError, SpecError
 from .specs import Sequential, layer_param_shapes
 
-__all__ = ["available_memory", "param_bytes", "check_fits_in_memory"]
+__all__ = ["available_memory", "param_bytes", "check_fits_in_memory", "check_load_fits"]
 
 
 def available_memory() -> int | None:
@@ -54,6 +54,15 @@ def check_fits_in_memory(spec, what: str = "spec") -> None:
         raise SpecError(f"{what} needs {needed:,} bytes for its parameters but only {available:,} bytes of memory "
                         f"are available (MemAvailable); use smaller layers or a machine with more memory. "
                         f"Received: {what}={_describe(spec)}")
+
+
+def check_load_fits(spec, path: str) -> None:
+    """:func:`check_fits_in_memory` for a spec read from the checkpoint ``path``, before a load
+    allocates its parameters: a CheckpointError naming the file (the file is what is wrong)."""
+    try:
+        check_fits_in_memory(spec, "the checkpoint's spec")
+    except SpecError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def _describe(spec) -> str:

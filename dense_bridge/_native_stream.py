@@ -153,9 +153,12 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's skeleton writer failed; nothing was left
+        from ._checkpoint_io import write_limit_cause
+
         text = str(exc).strip().splitlines()
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {text[0] if text else ''} (nothing "
-                              "was changed on disk)") from exc
+        cause = write_limit_cause(out)
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {text[0] if text else ''}"
+                              f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]
 
 

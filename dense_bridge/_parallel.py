@@ -43,7 +43,9 @@ parallel model to collective versions.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import struct
 from typing import Any, Mapping, NamedTuple
@@ -52,6 +54,7 @@ import numpy as np
 
 from ._dtypes import numpy_dtype
 from ._errors import CheckpointError, SpecError, received
+from ._safetensors import MAX_RANK, SafetensorsFile, read_json_file, shorten
 from .activations import Activation
 from .specs import Dense, Flatten, Identity, Sequential, from_config
 
@@ -199,13 +202,22 @@ def rank_file(rank: int, world_size: int) -> str:
 
 
 def atomic_write(path: str, data_writer) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        data_writer(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """``data_writer(temporary)`` writes the file, which then replaces ``path`` atomically
+    (``_checkpoint_io.AtomicFiles``: fsynced, renamed, the temporary removed on any error)."""
+    from ._checkpoint_io import AtomicFiles
+
+    with AtomicFiles(path) as files:
+        data_writer(files.temp_for(path))
+
+
+def write_text(path: str, text: str) -> None:
+    """``text`` as the file ``path``, written atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
 
 
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8",
@@ -253,52 +265,121 @@ def build_index(spec, plan: Mapping[int, LayerPlan], world_size: int, dtypes: Ma
 
 
 def write_index(directory: str, index: dict) -> None:
-    text = json.dumps(index, indent=1)
-    atomic_write(os.path.join(directory, INDEX_NAME), lambda p: open(p, "w").write(text))
+    write_text(os.path.join(directory, INDEX_NAME), json.dumps(index, indent=1))
 
 
 def is_sharded_dir(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, INDEX_NAME))
+    # lexists: an index that is a FIFO or a dangling link still makes a sharded directory (refused by read_index)
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX_NAME))
+
+
+#: The index versions this reader knows (the writer's ``build_index``).
+INDEX_VERSIONS = (1,)
 
 
 def read_index(directory: str) -> dict:
-    """The index, checked: format, every tensor's slices tile it exactly, files inside the directory."""
+    """The index, checked: format and version, every tensor's slices tile it exactly, each in its
+    own file inside the directory. Read the safe way (``read_json_file``: a FIFO refused, deep
+    nesting and duplicate keys refused)."""
     where = os.path.join(directory, INDEX_NAME)
-    try:
-        with open(where, "rb") as f:
-            index = json.loads(f.read(1 << 26))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read the sharded checkpoint index {where}: {exc}") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("tensors"), dict):
+    index = read_json_file(where, "sharded checkpoint index")
+    if index.get("format") != FORMAT or not isinstance(index.get("tensors"), dict):
         raise CheckpointError(f"{where} is not a dense_bridge sharded checkpoint index (format {FORMAT!r})")
+    version = index.get("version")
+    if type(version) is not int or version not in INDEX_VERSIONS:
+        raise CheckpointError(f"{where} is index version {shorten(version)}; this dense_bridge reads version "
+                              f"{', '.join(map(str, INDEX_VERSIONS))} (a newer dense_bridge wrote it?)")
     for key, t in index["tensors"].items():
-        validate_tiling(key, t)
+        validate_tiling(key, t, where)
     return index
 
 
-def validate_tiling(key: str, tensor: Any) -> None:
-    """The shards of one tensor cover it exactly once: every block inside the shape, no overlap,
-    and their volumes add up to the tensor's (so no gap). CheckpointError naming the tensor."""
+def _blocks(key: str, tensor: Any, where: str) -> tuple[list[int], list[tuple[list[int], list[int], str]]]:
+    """(shape, [(start, stop, file)]) of one index entry; CheckpointError for any malformed field."""
+    def ints(value, what: str) -> list[int]:
+        if not isinstance(value, list) or not all(type(n) is int for n in value):
+            raise CheckpointError(f"{where}: tensor {shorten(key)}: {what} must be a list of integers. "
+                                  f"Received: {shorten(value)}")
+        return value
+
+    if not isinstance(tensor, dict) or not isinstance(tensor.get("shards"), list) or not tensor["shards"]:
+        raise CheckpointError(f"{where}: tensor {shorten(key)} is malformed (it needs dtype, shape and a list of "
+                              f"shards). Received: {shorten(tensor)}")
     try:
-        shape = [int(n) for n in tensor["shape"]]
-        blocks = [([int(a) for a in s["start"]], [int(b) for b in s["stop"]], str(s["file"])) for s in tensor["shards"]]
-        numpy_dtype(tensor["dtype"])
-    except (KeyError, TypeError, ValueError, SpecError) as exc:
-        raise CheckpointError(f"tensor {key!r} in the sharded index is malformed ({exc!r})") from None
-    total = 0
+        numpy_dtype(tensor.get("dtype"))
+    except (SpecError, TypeError, ValueError):
+        raise CheckpointError(f"{where}: tensor {shorten(key)} has dtype {shorten(tensor.get('dtype'))}, "
+                              "which dense_bridge does not store") from None
+    shape = ints(tensor.get("shape"), "shape")
+    if any(n < 0 for n in shape) or len(shape) > MAX_RANK:
+        raise CheckpointError(f"{where}: tensor {shorten(key)} has shape {shorten(shape)}")
+    blocks = []
+    for n, s in enumerate(tensor["shards"]):
+        if not isinstance(s, dict) or not isinstance(s.get("file"), str):
+            raise CheckpointError(f"{where}: tensor {shorten(key)}: shard {n} is malformed. Received: {shorten(s)}")
+        blocks.append((ints(s.get("start"), f"shard {n}'s start"), ints(s.get("stop"), f"shard {n}'s stop"), s["file"]))
+    return shape, blocks
+
+
+def validate_tiling(key: str, tensor: Any, where: str = INDEX_NAME) -> None:
+    """The shards of one tensor cover it exactly once, each read from its own file: every block
+    inside the shape and non-empty, no two blocks in one file (a rank file holds one block per
+    tensor, under the tensor's name: two blocks there would read the same bytes), no overlap and
+    no gap. CheckpointError naming the tensor otherwise.
+
+    Linear in the number of blocks (``_tiles_exactly``), where comparing every pair of blocks
+    took more than 30 s for 20,000 blocks (benchmarks/bench_index_validation.py)."""
+    shape, blocks = _blocks(key, tensor, where)
+    total, files = 0, set()
     for n, (a, b, f) in enumerate(blocks):
         if len(a) != len(shape) or len(b) != len(shape) or any(not 0 <= x < y <= s for x, y, s in zip(a, b, shape)):
-            raise CheckpointError(f"tensor {key!r}: shard {n} [{a}, {b}) lies outside its shape {shape}")
-        if os.path.basename(f) != f or not f.endswith(".safetensors"):
+            raise CheckpointError(f"tensor {key!r}: shard {n} [{a}, {b}) lies outside its shape {shape} (or is empty)")
+        if os.path.basename(f) != f or not f.endswith(".safetensors") or f in (".", ".."):
             raise CheckpointError(f"tensor {key!r}: shard {n} names a file outside the directory: {f!r}")
-        total += int(np.prod([y - x for x, y in zip(a, b)]))
-        for m in range(n):
-            a2, b2, _ = blocks[m]
-            if all(x < y2 and x2 < y for x, y, x2, y2 in zip(a, b, a2, b2)):
-                raise CheckpointError(f"tensor {key!r}: shards {m} and {n} overlap ([{a2}, {b2}) and [{a}, {b}))")
-    if total != int(np.prod(shape)):
-        raise CheckpointError(f"tensor {key!r}: its shards cover {total} of {int(np.prod(shape))} elements "
+        if f in files:
+            raise CheckpointError(f"tensor {key!r}: two shards name the same file {f!r} (they would read the same "
+                                  "bytes): each rank file holds one block of a tensor")
+        files.add(f)
+        total += math.prod(y - x for x, y in zip(a, b))
+    if total < math.prod(shape):
+        raise CheckpointError(f"tensor {key!r}: its shards cover {total} of {math.prod(shape)} elements "
                               f"(a gap): the slices must tile the tensor exactly")
+    if total > math.prod(shape) or not _tiles_exactly(shape, [(a, b) for a, b, _ in blocks]):
+        raise CheckpointError(f"tensor {key!r}: its shards overlap ({total} elements in blocks for a tensor of "
+                              f"{math.prod(shape)}, some counted twice): the slices must tile the tensor exactly")
+
+
+#: Above this rank a block has too many corners for the corner sum: blocks are compared pairwise,
+#: at most this many of them.
+_CORNER_RANK = 4
+_PAIRWISE_MAX = 256
+
+
+def _tiles_exactly(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether ``boxes`` ([start, stop) per axis, inside ``shape``) cover every element exactly once.
+
+    The indicator of a box is the prefix sum (along every axis) of +-1 at its 2^d corners, the
+    sign being (-1)^(number of stop coordinates). So the boxes' indicators add up to exactly the
+    whole tensor's, which is the same as tiling it exactly, iff their signed corners add up to the
+    whole tensor's corners: one dictionary pass, linear in the number of boxes."""
+    d = len(shape)
+    if d > _CORNER_RANK:
+        if len(boxes) > _PAIRWISE_MAX:
+            return False
+        return not any(all(x < y2 and x2 < y for x, y, x2, y2 in zip(a, b, a2, b2))
+                       for n, (a, b) in enumerate(boxes) for a2, b2 in boxes[:n])
+    picks = [(pick, 1 if sum(pick) % 2 == 0 else -1) for pick in itertools.product((0, 1), repeat=d)]
+    weight: dict[tuple, int] = {}
+
+    def add(a, b, sign: int) -> None:
+        for pick, parity in picks:
+            corner = tuple([b[i] if p else a[i] for i, p in enumerate(pick)])
+            weight[corner] = weight.get(corner, 0) + sign * parity
+
+    for a, b in boxes:
+        add(a, b, 1)
+    add([0] * d, shape, -1)  # the whole tensor's corners: everything must cancel
+    return not any(weight.values())
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8",
@@ -306,73 +387,41 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
 
 
 class Reader:
-    """Byte-range reads from a directory's safetensors files (header parsed once per file)."""
+    """Byte-range reads from a directory's rank files, each opened once through the hardened
+    safetensors reader every other file goes through (``SafetensorsFile``: the file opened the
+    safe way, the header length exact, every tensor's offsets inside the data, no two tensors
+    sharing bytes, the data covered exactly)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._files: dict[str, tuple[int, int, dict]] = {}
+        self._files: dict[str, SafetensorsFile] = {}
 
-    def _header(self, name: str) -> tuple[int, int, dict]:
+    def _file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
-            where = os.path.join(self.directory, name)
-            try:
-                fd = os.open(where, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"cannot read shard file {where}: {exc}") from None
-            try:
-                size = os.fstat(fd).st_size
-                (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-                header = json.loads(os.pread(fd, n, 8)) if n <= min(size - 8, 1 << 26) else None
-            except (OSError, ValueError, struct.error) as exc:
-                os.close(fd)
-                raise CheckpointError(f"cannot read shard file {where}: {exc}") from None
-            if not isinstance(header, dict):
-                os.close(fd)
-                raise CheckpointError(f"cannot read shard file {where}: its safetensors header is malformed")
-            self._files[name] = (fd, 8 + n, header, size)
+            self._files[name] = SafetensorsFile(os.path.join(self.directory, name))
         return self._files[name]
 
     def read_into(self, out: np.ndarray, key: str, shard: dict, want: tuple) -> None:
         """Copy the part of ``shard`` (a block of tensor ``key``) inside ``want`` into ``out``
         (which holds the block ``want``), reading only those bytes."""
-        fd, base, header, size = self._header(shard["file"])
-        info = header.get(key)
         start, stop = shard["start"], shard["stop"]
-        shape = [b - a for a, b in zip(start, stop)]
-        if not isinstance(info, dict) or list(info.get("shape", [])) != shape or \
-                _ST_DTYPES.get(info.get("dtype")) != out.dtype.name:
-            raise CheckpointError(f"shard file {shard['file']}: tensor {key!r} is missing or does not match the index "
-                                  f"(expected {out.dtype.name} {shape}, found {info!r})")
         lo = [max(a, w.start) for a, w in zip(start, want)]
         hi = [min(b, w.stop) for b, w in zip(stop, want)]
+        f = self._file(shard["file"])
+        info = f.tensors.get(key)
+        shape = tuple(b - a for a, b in zip(start, stop))
+        if info is None or info.shape != shape or _ST_DTYPES.get(info.dtype) != out.dtype.name:
+            found = "nothing" if info is None else f"{info.dtype} {list(info.shape)}"
+            raise CheckpointError(f"{f.path}: tensor {key!r} is missing or does not match the index "
+                                  f"(expected {out.dtype.name} {list(shape)}, found {found})")
         if any(l >= h for l, h in zip(lo, hi)):
             return
-        item = out.dtype.itemsize
-        b0, b1 = (int(x) for x in info["data_offsets"])
-        if b1 - b0 != int(np.prod(shape)) * item or base + b1 > size:
-            raise CheckpointError(f"shard file {shard['file']}: tensor {key!r} has a bad data range")
-        dst = out[tuple(slice(l - w.start, h - w.start) for l, h, w in zip(lo, hi, want))]
-        if len(shape) == 1:
-            rows, row_len, col0 = [0], hi[0] - lo[0], lo[0] - start[0]
-            dst2 = dst.reshape(1, -1)
-        else:  # 2-D: one contiguous run per row, or one run for whole rows
-            ncol = shape[1]
-            col0 = lo[1] - start[1]
-            row_len = hi[1] - lo[1]
-            rows = range(lo[0] - start[0], hi[0] - start[0])
-            dst2 = dst
-            if row_len == ncol:
-                raw = os.pread(fd, len(rows) * ncol * item, base + b0 + rows[0] * ncol * item)
-                dst2[...] = np.frombuffer(raw, dtype=out.dtype).reshape(len(rows), ncol)
-                return
-        ncol = shape[-1]
-        for n, r in enumerate(rows):
-            raw = os.pread(fd, row_len * item, base + b0 + (r * ncol + col0) * item)
-            dst2[n] = np.frombuffer(raw, dtype=out.dtype)
+        block = f.read_block(key, tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, start)))
+        out[tuple(slice(l - w.start, h - w.start) for l, h, w in zip(lo, hi, want))] = block
 
     def close(self) -> None:
-        for fd, *_ in self._files.values():
-            os.close(fd)
+        for f in self._files.values():
+            f.close()
         self._files.clear()
 
 

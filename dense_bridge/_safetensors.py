@@ -48,7 +48,8 @@ import numpy as np
 from ._errors import CheckpointError, SpecError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
-           "open_readonly", "read_at", "RESERVED", "MAX_HEADER", "parse_json_object", "shorten"]
+           "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "MAX_JSON_FILE", "parse_json", "parse_json_object",
+           "shorten"]
 
 #: The header may not be larger than this (the reference implementation's limit).
 MAX_HEADER = 100_000_000
@@ -78,9 +79,20 @@ def shorten(value: object, limit: int = 80) -> str:
 def parse_json_object(raw: bytes, error: Callable[[str], Exception], what: str) -> dict:
     """A JSON object from ``raw`` bytes of a file; ``error(reason)`` is raised for anything else.
 
+    Refused: everything :func:`parse_json` refuses, and non-objects.
+    """
+    value = parse_json(raw, error, what)
+    if not isinstance(value, dict):
+        raise error(f"corrupted {what} (not a JSON object)")
+    return value
+
+
+def parse_json(raw: bytes, error: Callable[[str], Exception], what: str):
+    """A JSON value from ``raw`` bytes of a file; ``error(reason)`` is raised for anything else.
+
     Refused: invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH (checked by a scan
     before parsing, so no RecursionError), integers too long for Python to convert, duplicate
-    keys (two entries for one tensor: which one would be read is undefined), and non-objects.
+    keys (two entries for one tensor: which one would be read is undefined).
     """
     try:
         text = raw.decode("utf-8")
@@ -105,8 +117,6 @@ def parse_json_object(raw: bytes, error: Callable[[str], Exception], what: str) 
     except (json.JSONDecodeError, ValueError, RecursionError) as exc:
         # ValueError: an integer literal longer than Python's int conversion limit
         raise error(f"corrupted {what} (not valid JSON: {shorten(str(exc), 200)})") from None
-    if not isinstance(value, dict):
-        raise error(f"corrupted {what} (not a JSON object)")
     return value
 
 
@@ -192,6 +202,31 @@ def open_readonly(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: The largest JSON file (an index, a spec file) read whole.
+MAX_JSON_FILE = 1 << 26
+
+
+def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: type | None = dict):
+    """The JSON object in the small file ``path`` (an index, a spec file), opened the safe way
+    (``open_readonly``: a FIFO or device refused, never waited on) and parsed by
+    ``parse_json`` (deep nesting, duplicate keys refused); ``top_level=None`` takes any JSON
+    value, not only an object. CheckpointError naming it."""
+    try:
+        fd = open_readonly(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    try:  # no more than the file holds: pread allocates the size asked for before it reads
+        raw = read_at(fd, min(limit, os.fstat(fd).st_size) + 1, 0)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise CheckpointError(f"the {what} {path} is larger than {limit} bytes: refused")
+    error = (lambda reason: CheckpointError(f"{path} is not a readable {what}: {reason}"))
+    return parse_json(raw, error, what) if top_level is None else parse_json_object(raw, error, what)
 
 
 def _file_kind(mode: int) -> str:
@@ -446,13 +481,14 @@ def write_header(path: str, tensors: Mapping[str, PendingTensor], metadata: Mapp
 
 
 def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping[str, str] | None = None,
-                      on_tensor: Callable[[str, int], None] | None = None) -> int:
+                      on_tensor: Callable[[str, int], None] | None = None, check_finite: bool = False) -> int:
     """Write ``tensors`` to ``f`` (a binary file opened for writing, at its start); return the bytes written.
 
     The header goes first; each tensor's bytes follow at their offsets through
     :func:`dense_bridge._file_fill.fill`: each producer is called when its tensor's turn comes,
     transposed views are rearranged piece by piece while the previous piece is written, so
     memory holds a few pieces, never a tensor. ``on_tensor(name, nbytes)`` reports progress.
+    ``check_finite``: a tensor holding NaN/Inf is a CheckpointError (scanned while it is copied).
     """
     from ._file_fill import Slot, fill
 
@@ -465,6 +501,6 @@ def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping
         t = tensors[name]
         slots.append(Slot(name, offset, np.dtype(t.dtype), tuple(t.shape), t.produce))
         offset += t.nbytes
-    fill(f.fileno(), slots, on_tensor=on_tensor)
+    fill(f.fileno(), slots, on_tensor=on_tensor, check_finite=check_finite)
     f.seek(offset)
     return offset

@@ -58,11 +58,14 @@ from . import _checkpoint_native as native
 from ._checkpoint_meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
 from ._checkpoint_meta import spec_json as _spec_json
 from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
-                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern)
+                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern,
+                             write_limit_cause)
 from ._dtypes import dtype_name
 from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ._params import ParamSource, check_masks_match, expected_params, validate_params
+from ._memory import check_load_fits
 from ._native_stream import stream_native
+from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from .activations import Activation
@@ -285,7 +288,8 @@ def _remove_quietly(paths) -> None:
 
 
 def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mapping[str, str],
-                    max_shard_size: int | None = None, progress: Progress | None = None) -> list[str]:
+                    max_shard_size: int | None = None, progress: Progress | None = None,
+                    check_finite: bool = False) -> list[str]:
     """Write a canonical checkpoint atomically (sharded when asked); return the files written.
 
     See the module docstring for how concurrent saves and loads of one path stay consistent,
@@ -309,7 +313,7 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
         with AtomicFiles(path) as tx:
             tmp = tx.temp_for(path)
             with open(tmp, "wb") as f:
-                write_safetensors(f, tensors, meta, tick)
+                write_safetensors(f, tensors, meta, tick, check_finite)
             tx.sync()
             with directory_lock(directory):
                 tx.commit()
@@ -339,7 +343,7 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
             shard_meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "shard": f"{i}/{len(groups)}",
                           "index": os.path.basename(index_path), "save_id": save_id}
             with open(tmp, "wb") as f:
-                write_safetensors(f, {n: tensors[n] for n in names}, shard_meta, tick)
+                write_safetensors(f, {n: tensors[n] for n in names}, shard_meta, tick, check_finite)
             weight_map.update({n: os.path.basename(shard) for n in names})
         tmp = tx.temp_for(index_path)  # renamed last: the single commit point
         with open(tmp, "w", encoding="utf-8") as f:
@@ -774,10 +778,10 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     from ._registry import check_backend_name
     from ._parallel_io import PASS, load_hook
 
-    if (loaded := load_hook(path, backend, spec, like, format, parallel, group)) is not PASS:
-        return loaded  # a sharded (parallel) or DCP directory, issue 16
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    if (loaded := load_hook(path, backend, spec, like, format, parallel, group, allow_nonfinite)) is not PASS:
+        return loaded  # a sharded (parallel) or DCP directory
     if backend is not None:
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
@@ -786,6 +790,8 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
             from ._parallel_io import load_checkpoint_parallel
             return load_checkpoint_parallel(ckpt, backend, parallel, group, allow_nonfinite)
         if backend is None:
+            if ckpt.spec is not None:
+                check_load_fits(ckpt.spec, ckpt.path)
             params = ckpt.params()
             _check_loaded(ckpt, params, allow_nonfinite)
             return ckpt.spec, params
@@ -812,12 +818,15 @@ CANONICAL_TARGETS = ("canonical", "dense_bridge", "numpy")
 
 
 def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: str | None = None,
-                 max_shard_size: int | str | None = None, progress: Progress | None = None) -> dict:
+                 max_shard_size: int | str | None = None, progress: Progress | None = None,
+                 allow_nonfinite: bool = False) -> dict:
     """Convert checkpoint ``src`` to backend ``to``'s file format at ``out``; return a summary.
 
     ``to`` is a backend ("torch", "keras", "mlx") or "canonical" (also "numpy": the reference
     backend's format is the canonical checkpoint). Canonical -> canonical streams tensor by
-    tensor; canonical -> native builds the native model one mapped tensor at a time.
+    tensor; canonical -> native builds the native model one mapped tensor at a time. NaN/Inf
+    parameters are refused (CheckpointError, nothing written) unless ``allow_nonfinite=True``.
+    An ``out`` that is (or resolves to) one of the source's files is refused before anything is written.
     """
     from ._registry import check_backend_name
 
@@ -830,17 +839,27 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
     if limit is not None and target not in CANONICAL_TARGETS:
         raise SpecError(f"max_shard_size applies to canonical checkpoints only (--to canonical), not to "
                          f"{target} files. {received('max_shard_size', max_shard_size)}")
-    if os.path.abspath(out) == os.path.abspath(src):
-        raise CheckpointError(f"cannot write {out}: it is the source file; choose another output path")
+    if not isinstance(allow_nonfinite, bool):
+        raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    outputs = {"out": canonical_outputs(out) if target in CANONICAL_TARGETS else [out]}
+    refuse_overwrite(outputs, {"src": input_files(src)})
     check_writable(out)
     ckpt = open_checkpoint(src, spec=spec, like=like, format=format)
-    try:
-        return _convert(ckpt, src, target, out, limit, progress)
+    try:  # the files the source turned out to stand for (an index's shards), before anything is written
+        refuse_overwrite(outputs, {"src": [f.path for f in getattr(ckpt, "files", None) or []]})
+        return _convert(ckpt, src, target, out, limit, progress, allow_nonfinite)
+    except CheckpointError as exc:
+        if "NaN/Inf" in str(exc) and src not in str(exc):  # the writer's scan knows the tensor, not the file
+            what = str(exc).split(" (pass allow_nonfinite")[0]
+            raise CheckpointError(f"cannot convert {src}: {what} (allow_nonfinite=True, on the command line "
+                                  "--allow-nonfinite, writes them)") from None
+        raise
     finally:
         ckpt.close()
 
 
-def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None) -> dict:
+def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None,
+             allow_nonfinite: bool = False) -> dict:
     if target in CANONICAL_TARGETS:
         if isinstance(ckpt, CanonicalCheckpoint):
             tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
@@ -851,20 +870,22 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
             tensors = ckpt.pending()
             meta = _metadata(ckpt.spec, tensors, ckpt.framework)
         try:
-            files = write_canonical(out, tensors, meta, limit, progress)
+            files = write_canonical(out, tensors, meta, limit, progress, check_finite=not allow_nonfinite)
         except DenseBridgeError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
-                from exc
+            cause = write_limit_cause(out)
+            raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {exc}{f' ({cause})' if cause else ''} "
+                                  "(nothing was changed on disk)") from exc
         return {"src": src, "out": files, "to": "canonical", "spec": ckpt.spec is not None,
                 "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
     if ckpt.spec is not None:  # straight from the source's mapped views into the target's file layout
-        files = stream_native(ckpt.pending(), ckpt.spec, target, out, progress=progress)
+        files = stream_native(ckpt.pending(), ckpt.spec, target, out, progress=progress,
+                              allow_nonfinite=allow_nonfinite)
         if files is not None:
             return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
                     "bytes": ckpt.total_bytes}
-    model = ckpt.native(target, progress)
+    model = ckpt.native(target, progress, allow_nonfinite=allow_nonfinite)
     files = native.write_native(model, target, out, spec=ckpt.spec)
     return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
             "bytes": ckpt.total_bytes}

@@ -124,14 +124,21 @@ def read_spec(text: str | None):
                                  "or inline JSON)")
     if os.path.isdir(text):
         raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
-    with open(text, "rb") as f:
-        head = f.read(1)
+    from ._safetensors import MAX_JSON_FILE, open_readonly, parse_json, read_at
+
+    fd = open_readonly(text)  # a FIFO or device is refused, never waited on
+    try:
+        head = read_at(fd, 1, 0)
+        size = os.fstat(fd).st_size
+        if head == b"{" and size > MAX_JSON_FILE:
+            raise db.SpecError(f"--spec {text}: {size:,} bytes is too large for a spec JSON file "
+                               f"(at most {MAX_JSON_FILE:,})")
+        raw = read_at(fd, size, 0) if head == b"{" else b""
+    finally:
+        os.close(fd)
     if head == b"{":
-        with open(text, encoding="utf-8") as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise db.SpecError(f"--spec {text}: not valid JSON ({exc})") from None
+        config = parse_json(raw, lambda reason: db.SpecError(f"--spec {text}: not a spec JSON file ({reason})"),
+                            "JSON")
         if isinstance(config, dict) and "weight_map" in config:  # an index: take the checkpoint's spec
             return _spec_of_checkpoint(text)
         if isinstance(config, dict) and "spec" in config and "class_name" not in config:
@@ -224,7 +231,8 @@ def cmd_convert(args) -> int:
     start = time.perf_counter()
     try:
         summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
-                                          max_shard_size=args.max_shard_size, progress=bar)
+                                          max_shard_size=args.max_shard_size, progress=bar,
+                                          allow_nonfinite=args.allow_nonfinite)
     except CheckpointError:
         advice = None if spec is not None else _whole_model_advice(args.src, args.format, args.to)
         if advice is None:
@@ -348,6 +356,7 @@ def cmd_inspect(args) -> int:
         "num_params": None if ckpt.spec is None else _num_params(ckpt.spec),
         "tensors": [{"name": n, "shape": list(s), "dtype": d, "count": math.prod(s)} for n, s, d in entries],
         "stored_values": total_values,
+        "nonfinite": _nonfinite_counts(ckpt),
     }
     if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
@@ -384,7 +393,32 @@ def cmd_inspect(args) -> int:
         print(f"total: {doc['num_params']:,} parameters ({len(entries)} tensors, {total_values:,} stored values)")
     else:
         print(f"total: {len(entries)} tensors, {total_values:,} stored values")
+    bad = doc["nonfinite"]
+    if bad is None:
+        print("NaN/Inf: not counted (this file's tensors read with a spec: pass --spec SPEC.json)")
+    elif bad:
+        print("NaN/Inf: " + "; ".join(f"{name}: {count:,} value{'s' if count != 1 else ''}" for name, count in bad.items())
+              + " (loads and conversions refuse them unless allow_nonfinite / --allow-nonfinite)")
+    else:
+        print("NaN/Inf: none")
     return EXIT_OK
+
+
+def _nonfinite_counts(ckpt) -> dict[str, int] | None:
+    """Canonical tensor name -> how many NaN/Inf values it holds (only those holding some), read
+    one tensor at a time; None where the tensors cannot be read without a spec (native files)."""
+    import numpy as np
+
+    from ._transfer import count_nonfinite
+
+    if ckpt.framework is not None and ckpt.spec is None:
+        return None
+    out = {}
+    for name, tensor in ckpt.pending().items():
+        count = count_nonfinite(np.asarray(tensor.produce()))
+        if count:
+            out[name] = int(count)
+    return out
 
 
 def _num_params(spec) -> int | None:
@@ -501,6 +535,30 @@ def cmd_demo(args) -> int:
     return _demo.run(json_output=args.json, steps=args.steps, seed=args.seed, keep=args.keep)
 
 
+# ============================================================================ outputs never overwrite inputs
+def refuse_writing_inputs(args) -> None:
+    """CheckpointError (exit 2) before anything runs when an output path (``convert -o``,
+    ``check --html``) is, or resolves to, one of the command's input files."""
+    from ._path_guard import canonical_outputs, input_files, refuse_overwrite
+    from .checkpoint import CANONICAL_TARGETS
+
+    def given(*options: str) -> dict[str, list[str]]:
+        found = {}
+        for option in options:
+            value = getattr(args, option.lstrip("-").replace("-", "_"), None)
+            if isinstance(value, str) and not value.lstrip().startswith("{"):  # inline JSON is no file
+                found[option] = input_files(value)
+        return found
+
+    if args.command == "convert":
+        out = canonical_outputs(args.output) if args.to in CANONICAL_TARGETS else [args.output]
+        refuse_overwrite({"-o": out}, {"SRC": input_files(args.src), **given("--spec")})
+    elif args.command == "check" and args.html:
+        inputs = {"A": input_files(args.a), "B": input_files(args.b),
+                  **given("--spec", "--spec-a", "--spec-b", "--mapping", "--inputs", "--inputs-b")}
+        refuse_overwrite({"--html": [args.html]}, inputs)
+
+
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
     from ._checkpoint_native import supported_formats
@@ -536,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(),
                    help="how to read a native SRC when its content is ambiguous (e.g. a bare .safetensors)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="shard a canonical output: bytes or e.g. 10MB, 4MiB, 1GB")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="write NaN/Inf parameters too (refused by default, as every load and save refuses them)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show a progress bar on stderr (default: only on a terminal)")
@@ -600,12 +660,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import DenseBridgeError
 
     try:
+        refuse_writing_inputs(args)
         import_quietly(_quiet_backends(args))
         return args.func(args)
-    except (DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure is one line and exit 2 (1 is "not equivalent")
         if os.environ.get("DENSE_BRIDGE_DEBUG"):
             raise  # developers: the full traceback
-        print(f"dense-bridge {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        known = isinstance(exc, (DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError))
+        text = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
+        print(f"dense-bridge {args.command}: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"dense-bridge {args.command}: interrupted", file=sys.stderr)

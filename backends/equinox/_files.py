@@ -9,6 +9,7 @@ masks are leaves too and travel with the file. No metadata slot: a spec must com
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Mapping
 
 import equinox as eqx
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from dense_bridge._errors import CheckpointError
+from dense_bridge._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("eqx",)
@@ -38,7 +40,7 @@ def _records(path: str) -> Entries:
     out = {}
     bad = _NOT_RECORDS.format(path=path)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_readonly(path), "rb") as f:  # a FIFO or a device is refused, never waited on
             size = f.seek(0, 2)
             f.seek(0)
             while f.tell() < size:
@@ -48,6 +50,11 @@ def _records(path: str) -> Entries:
                 if read_header is None:
                     raise CheckpointError(f"{bad}: {where}: unsupported .npy version {version}")
                 shape, _, dtype = read_header(f)  # numpy caps the header at 10000 bytes
+                # a negative dimension would make the byte count negative and the seek below go
+                # back, reading the same records forever
+                if not all(type(d) is int and 0 <= d for d in shape) or len(shape) > 32:
+                    raise CheckpointError(f"{bad}: {where}: its header claims the shape {shape!r:.80}, not a list of "
+                                          "non-negative integers")
                 if dtype.hasobject:
                     raise CheckpointError(f"{bad}: {where}: holds Python objects (dtype {dtype}), not numbers")
                 nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize

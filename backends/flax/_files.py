@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from dense_bridge._errors import CheckpointError
+from dense_bridge._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("msgpack", "orbax")
@@ -29,19 +30,42 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _flat(tree, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flat(v, name + "."))
-        else:
-            out[name] = np.asarray(v)
+#: Deepest nesting of a state tree (an NNX state of nested modules is a few levels deep).
+MAX_DEPTH = 64
+
+
+def _flat(tree, path: str = "") -> dict[str, np.ndarray]:
+    """Dotted name -> array of a nested state dict, walked without recursion. A name reached
+    twice (msgpack keys ``0`` and ``"0"``, or a key ``"a.b"`` beside ``{"a": {"b": ...}}``) is
+    refused as ambiguous: which value would load is otherwise decided by dictionary order."""
+    out: dict[str, np.ndarray] = {}
+    stack = [("", tree, 0)]
+    while stack:
+        prefix, node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{path}: its state nests more than {MAX_DEPTH} levels deep")
+        for k, v in node.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, Mapping):
+                stack.append((name + ".", v, depth + 1))
+                continue
+            if name in out:
+                raise CheckpointError(f"{path}: two entries flatten to the name {name!r} (keys such as 0 and \"0\", "
+                                      "or \"a.b\" beside a.b): ambiguous, refused")
+            try:
+                out[name] = np.asarray(v)
+            except Exception as exc:  # noqa: BLE001 - a value numpy cannot hold as an array
+                raise CheckpointError(f"{path}: entry {name!r} is not an array ({_first_line(exc)})") from None
+            if out[name].dtype.kind not in "fiub" and out[name].dtype.name != "bfloat16":
+                raise CheckpointError(f"{path}: entry {name!r} holds {out[name].dtype}, not numbers")
+    prefixes = {n.rsplit(".", 1)[0] for n in out if "." in n}
+    if clash := sorted(prefixes & set(out))[:3]:
+        raise CheckpointError(f"{path}: {clash} name both a value and a group of values: ambiguous, refused")
     return out
 
 
-def _entries(tree) -> Entries:
-    return {n: (tuple(a.shape), a.dtype.name) for n, a in _flat(tree).items()}
+def _entries(tree, path: str = "") -> Entries:
+    return {n: (tuple(a.shape), a.dtype.name) for n, a in _flat(tree, path).items()}
 
 
 def _read_tree(path: str, container: str):
@@ -50,8 +74,11 @@ def _read_tree(path: str, container: str):
             import orbax.checkpoint as ocp
 
             return ocp.StandardCheckpointer().restore(os.path.abspath(path))
-        with open(path, "rb") as f:
+        fd = open_readonly(path)  # a FIFO or a device is refused, never waited on
+        with os.fdopen(fd, "rb") as f:
             return serialization.msgpack_restore(f.read())
+    except CheckpointError:
+        raise
     except OSError as exc:
         raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - msgpack/orbax raise many types for damaged files
@@ -64,7 +91,7 @@ def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[s
     tree = _read_tree(path, container)
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
-    return _entries(tree), {}
+    return _entries(tree, path), {}
 
 
 def read_file(path: str, container: str, template, *, files=None, check: Callable[[Entries, Entries], None],
@@ -76,7 +103,7 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
     state = nnx.state(template)
-    check(_entries(tree), _entries(nnx.to_pure_dict(state)))
+    check(_entries(tree, path), _entries(nnx.to_pure_dict(state)))
     try:
         nnx.replace_by_pure_dict(state, tree)
         nnx.update(template, state)

@@ -60,13 +60,25 @@ def _h5_structure(path: str) -> Entries:
             if problem:
                 problems.append(f"dataset {name} {problem}")
 
+    def visit_link(name, link):
+        # HDF5 resolves an external link by opening the file it names, a soft link by aliasing
+        # another path; Keras never writes either, and neither is followed here
+        if isinstance(link, (h5py.ExternalLink, h5py.SoftLink)):
+            linked.append(f"{name} -> {getattr(link, 'filename', '')}:{link.path}")
+
+    linked: list[str] = []
     try:
         size = os.path.getsize(path)
         with h5py.File(path, "r") as f:
-            f.visititems(visit)
+            f.visititems_links(visit_link)
+            if not linked:
+                f.visititems(visit)
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
                               "corrupted?)") from None
+    if linked:
+        raise CheckpointError(f"{path}: links {linked[:5]} point elsewhere (HDF5 external or soft links, which "
+                              "could read other files); dense_bridge does not follow them")
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + (" (truncated or corrupted?)"))
     if foreign:
@@ -213,7 +225,38 @@ class _named:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: A ``.keras`` member may expand at most this much over its stored size (Keras stores members
+#: uncompressed; DEFLATE itself tops out near 1032:1) once it is larger than the floor below.
+_ZIP_MAX_EXPANSION = 100
+_ZIP_EXPANSION_FLOOR = 1 << 24
+
+
+def _check_archive(path: str) -> None:
+    """Refuse a ``.keras`` archive whose members would expand beyond reason before Keras reads
+    them: Keras's own guard starts at 4 GiB per member, so a 3.9 GiB member deflated into a few
+    megabytes would still be read into memory whole. Each member may expand at most
+    _ZIP_MAX_EXPANSION times over _ZIP_EXPANSION_FLOOR, and all of them together must fit the
+    memory available (MemAvailable)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)}") from None
+    for info in members:
+        if info.file_size > _ZIP_EXPANSION_FLOOR and info.file_size > _ZIP_MAX_EXPANSION * max(info.compress_size, 1):
+            raise CheckpointError(f"{path}: archive member {info.filename!r} claims {info.file_size:,} bytes from "
+                                  f"{info.compress_size:,} stored (a decompression bomb?): refused")
+    total = sum(i.file_size for i in members if i.compress_type != zipfile.ZIP_STORED)
+    available = available_memory()
+    if available is not None and total > available:
+        raise CheckpointError(f"{path}: its compressed members expand to {total:,} bytes but only {available:,} "
+                              "bytes of memory are available (MemAvailable): refused")
+
+
 def _load_model(path: str):
+    _check_archive(path)
     with _named(path, ".keras") as named:
         try:
             return keras.saving.load_model(named)

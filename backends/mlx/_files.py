@@ -54,6 +54,10 @@ def _to_mlx(arr: np.ndarray, name: str, path: str) -> mx.array:
 def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array]:
     if files:
         return {n: _to_mlx(f.get(n), n, path) for f in files for n in f.tensors}
+    from dense_bridge._npz import npz_records
+
+    # an .npz (safetensors came as files): headers checked before MLX allocates what they claim
+    npz_records(path, lambda reason: CheckpointError(f"cannot read {path} as MLX weights: {reason}"))
     try:
         return dict(mx.load(path))
     except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
@@ -167,9 +171,38 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
         with open(temp, "wb") as f:
             write_safetensors(f, state, {"format": "mlx", **(metadata or {})})
     elif kind == "npz":
-        mx.savez(temp, **dict(tree_flatten(model.parameters())))
+        _savez_closed(temp, dict(tree_flatten(model.parameters())))
     else:
         raise CheckpointError(f"cannot write {path}: MLX writes .safetensors or .npz, not {kind!r}")
+
+
+def _savez_closed(temp: str, arrays: dict) -> None:
+    """``mx.savez(temp, **arrays)``, its zip writer's fate included: ``mx.savez`` leaves its
+    ``zipfile.ZipFile`` to the garbage collector, whose ``close`` (the central directory written
+    last) then fails only as "Exception ignored in ZipFile.__del__" on stderr, where a full disk
+    or a file-size limit would be lost and a truncated archive kept. Here that collection happens
+    inside the call, and its error is raised like the writer's own."""
+    import gc
+    import sys
+
+    lost: list[BaseException] = []
+    failure = None
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: lost.append(unraisable.exc_value)
+    try:
+        try:
+            mx.savez(temp, **arrays)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once its writer is closed
+            # the traceback's frames hold the writer: drop them so it is collected below
+            failure = exc.with_traceback(None)
+            failure.__context__ = failure.__cause__ = None
+        gc.collect()  # the abandoned writer closes here, under the hook above
+    finally:
+        sys.unraisablehook = hook
+    if failure is not None:
+        raise failure
+    if lost:
+        raise lost[0].with_traceback(None)
 
 
 def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):

@@ -70,6 +70,10 @@ def _layer_spec(m, where: str):
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = m[decl[0]]
         units, in_features = (int(s) for s in (kernel.shape if decl[2] else kernel.shape[::-1]))
+        if decl[1] is not None and tuple(m[decl[1]].shape) != (units,):
+            raise SpecError(f"{where}: its layout declaration names the bias {decl[1]!r} of shape "
+                            f"{tuple(m[decl[1]].shape)}, but the kernel {decl[0]!r} of shape {tuple(kernel.shape)} "
+                            f"has {units} units")
         return Dense(units, in_features=in_features, use_bias=decl[1] is not None, kernel_init="mlx_default",
                      bias_init="mlx_default", dtype=dtype_name(kernel.dtype, f"{where}.{decl[0]}"))
     if is_dense(m):

@@ -19,6 +19,7 @@ from dense_bridge._layouts import Entry, Layout, declared
 from ._arrays import copy_in, to_numpy
 from ._lora import is_lora, wrapper_params
 from ._quant import is_quantized as is_torchao
+from ._quant import quant_layer
 from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
 
 
@@ -81,10 +82,21 @@ def _shape(p) -> tuple[int, ...]:
 
 
 def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
+    torchao = is_torchao(m)
+
     def read() -> dict[str, np.ndarray]:
+        if torchao:  # the weight torchao dequantizes to, in torch's (out, in) layout (_quant.py)
+            floats = quant_layer(m).dequantized()
+            return {"weight": floats["kernel"].T, **({"bias": floats["bias"]} if "bias" in floats else {})}
         return {n: to_numpy(p) for n, p in params.items()}
 
     def write(arrays: dict[str, np.ndarray]) -> None:
+        if torchao:  # float values into the codes: torchao's own quantize_
+            handle = quant_layer(m)
+            floats = handle.dequantized()
+            kernel = np.asarray(arrays["weight"]).T if "weight" in arrays else floats["kernel"]
+            handle.quantize(kernel, arrays.get("bias", floats.get("bias"))).write()
+            return
         for n, a in arrays.items():
             copy_in(params[n], a)
 

@@ -286,34 +286,202 @@ def save_dcp(native: nn.Module, path: str, spec_json: str) -> list[str]:
 
     import torch.distributed.checkpoint as dcp
 
-    from dense_bridge._parallel import atomic_write
+    from dense_bridge._parallel import write_text
     from dense_bridge._parallel_io import DCP_SPEC
 
     state = parallel_state(native)
     # the model's own group: a mesh over some of the world's ranks saves without the others
     dcp.save(native.state_dict(), checkpoint_id=path, process_group=None if state is None else state["mesh"].get_group())
     if state is None or state["rank"] == 0:
-        atomic_write(os.path.join(path, DCP_SPEC), lambda p: open(p, "w").write(spec_json))
+        write_text(os.path.join(path, DCP_SPEC), spec_json)
     if state is not None:
         barrier(native)
     return sorted(os.path.join(path, f) for f in os.listdir(path))
 
 
+#: What a DCP ``.metadata`` pickle may name: DCP's own metadata dataclasses and storage info,
+#: ``torch.Size``, the layout/memory-format decoders DCP pickles, paths, plain containers. Any
+#: other global (``os.system``, ``builtins.eval``, a class with a hostile ``__reduce__``) is
+#: refused before it is looked up, so unpickling a downloaded directory runs none of its code.
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "slice", "int", "float", "str", "bytes", "bool"},
+    "collections": {"OrderedDict"},
+}
+#: The biggest ``.metadata`` read (a real one is a few hundred bytes per tensor shard).
+_DCP_METADATA_MAX = 1 << 28
+
+
+def _dcp_unpickler(stream, where: str):
+    import pickle
+
+    from dense_bridge._errors import CheckpointError
+
+    class AllowListUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if name in _DCP_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)  # the dtype globals (torch.float32, torch.bfloat16, ...)
+            raise CheckpointError(f"{where} names {module}.{name}, which a DCP .metadata never holds: refused "
+                                  "unread (unpickling it could run code from the file)")
+
+        def persistent_load(self, pid):
+            raise CheckpointError(f"{where} holds a persistent id, which a DCP .metadata never holds: refused unread")
+
+    return AllowListUnpickler(stream)
+
+
+def read_dcp_metadata(path: str):
+    """The ``.metadata`` of the DCP directory ``path``, unpickled through the allow-list above and
+    checked: every tensor it describes is stored in a regular file directly inside ``path``
+    (no ``..``, no separator) at a non-negative offset. CheckpointError naming the file otherwise."""
+    import io
+    import os
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    from dense_bridge._errors import CheckpointError
+    from dense_bridge._safetensors import open_readonly, read_at
+
+    where = os.path.join(path, ".metadata")
+    try:
+        fd = open_readonly(where)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {where}: {exc.strerror or exc}") from None
+    try:
+        raw = read_at(fd, min(_DCP_METADATA_MAX, os.fstat(fd).st_size) + 1, 0)  # pread allocates what it is asked
+    finally:
+        os.close(fd)
+    if len(raw) > _DCP_METADATA_MAX:
+        raise CheckpointError(f"{where} is larger than {_DCP_METADATA_MAX} bytes: not a DCP .metadata")
+    try:
+        meta = _dcp_unpickler(io.BytesIO(raw), where).load()
+    except CheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+            RecursionError, MemoryError, ImportError) as exc:
+        raise CheckpointError(f"{where} is not a readable DCP .metadata ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict) \
+            or not isinstance(meta.storage_data, dict):
+        raise CheckpointError(f"{where} is not a DCP .metadata (it holds a {type(meta).__name__})")
+    for fqn, md in meta.state_dict_metadata.items():
+        if not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise CheckpointError(f"{where}: entry {str(fqn)[:80]!r} is a {type(md).__name__}, not DCP storage metadata")
+    for info in meta.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        # DCP's storage record (filesystem._StorageInfo), the one class the unpickler admits for it
+        if type(info).__name__ != "_StorageInfo" or not isinstance(name, str) or os.path.basename(name) != name \
+                or name in ("", ".", "..") or "\\" in name:
+            raise CheckpointError(f"{where} points at a data file outside its directory: {str(name)[:200]!r}")
+        if any(type(v) is not int or v < 0 for v in (info.offset, info.length)):
+            raise CheckpointError(f"{where}: data file {name!r} has a bad byte range "
+                                  f"(offset {info.offset!r}, length {info.length!r})")
+        if info.transform_descriptors:
+            raise CheckpointError(f"{where}: data file {name!r} is stored through transforms "
+                                  f"{list(info.transform_descriptors)[:4]!r}; only plain DCP data is read")
+    for name in {info.relative_path for info in meta.storage_data.values()}:
+        try:
+            os.close(open_readonly(os.path.join(path, name)))  # a FIFO or device is refused, never opened blocking
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {os.path.join(path, name)}: {exc.strerror or exc}") from None
+    return meta
+
+
+def _dcp_reader(path: str, checked):
+    """DCP's own filesystem reader, handing DCP the ``.metadata`` read (and checked) first by
+    :func:`read_dcp_metadata`, so a hostile one fails before DCP starts (DCP would log each
+    rank's traceback)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class AllowListReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            meta = checked
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return AllowListReader(path)
+
+
+def _tensor_only_planner():
+    """DCP's default load planner, refusing non-tensor entries: DCP reads those with
+    ``torch.load(weights_only=False)``, which would run code stored in the data file."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from dense_bridge._errors import CheckpointError
+
+    class TensorOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise CheckpointError(f"the DCP checkpoint stores {read_item.dest_index.fqn!r} as pickled bytes, not a "
+                                  "tensor: refused unread (unpickling it could run code from the file)")
+
+    return TensorOnlyPlanner()
+
+
 def load_dcp(native: nn.Module, path: str) -> None:
     """Fill ``native`` (parallel or not) from a DCP directory saved at any world size: DCP reads
-    each rank's slices itself."""
+    each rank's slices itself. Its ``.metadata`` goes through an allow-list unpickler and its
+    non-tensor entries are refused (see ``read_dcp_metadata``): no code from the directory runs."""
     import torch.distributed.checkpoint as dcp
 
     from dense_bridge._errors import CheckpointError
 
     state = native.state_dict()
     par = parallel_state(native)
+    meta = read_dcp_metadata(path)
+    _check_dcp_dtypes(path, meta, state)
+    reader = _dcp_reader(path, meta)
     try:
-        dcp.load(state, checkpoint_id=path, process_group=None if par is None else par["mesh"].get_group())
-    except Exception as exc:  # DCP raises CheckpointException/RuntimeError for missing or mis-shaped keys
-        raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model ({type(exc).__name__}: "
-                              f"{str(exc)[:500]})") from None
+        dcp.load(state, storage_reader=reader, planner=_tensor_only_planner(),
+                 process_group=None if par is None else par["mesh"].get_group())
+    except CheckpointError:
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException, wrapping each rank's error
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        inner = _dcp_cause(exc)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        text = " ".join(str(inner).split())[:500]
+        raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model or cannot be read "
+                              f"({type(inner).__name__}: {text})") from None
     native.load_state_dict(state) if parallel_state(native) is None else None
+
+
+def _check_dcp_dtypes(path: str, meta, state: dict) -> None:
+    """Each stored tensor's dtype is the model's: DCP itself would cast silently (``copy_``)."""
+    from dense_bridge._errors import CheckpointError
+
+    problems = []
+    for fqn, target in state.items():
+        stored = getattr(getattr(meta.state_dict_metadata.get(fqn), "properties", None), "dtype", None)
+        if stored is not None and stored != target.dtype:
+            problems.append(f"{fqn}: {str(stored).replace('torch.', '')} stored, "
+                            f"{str(target.dtype).replace('torch.', '')} expected")
+    if problems:
+        raise CheckpointError(f"{path}: the DCP checkpoint's dtypes differ from the spec's ({'; '.join(problems[:8])})")
+
+
+def _dcp_cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException`` (``failures``: rank ->
+    (exception, traceback)), else ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
 
 
 # ------------------------------------------------------------------ trace (db.testing.compare)

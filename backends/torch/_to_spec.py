@@ -94,6 +94,11 @@ def declared_tensors(m: nn.Module) -> tuple[object, object | None, bool]:
         raise ConversionError(f"cannot read {describe(m)}: its layout declaration names the kernel "
                               f"attribute {decl.kernel!r}, which is {type(kernel).__name__}, not a 2-D tensor")
     bias = getattr(m, decl.bias, None) if decl.bias else None
+    units = int(kernel.shape[0 if decl.transposed else 1])
+    if bias is not None and tuple(getattr(bias, "shape", ())) != (units,):
+        raise ConversionError(f"cannot read {describe(m)}: its layout declaration names the bias attribute "
+                              f"{decl.bias!r} of shape {tuple(getattr(bias, 'shape', ()))}, but the kernel "
+                              f"{decl.kernel!r} of shape {tuple(kernel.shape)} has {units} units")
     return kernel, bias, decl.transposed
 
 

@@ -73,6 +73,9 @@ def load_model(path: str, *, trust_pickle: bool = False) -> Any:
         raise CheckpointError(f"{path}: not a whole-model file; the backends read whole models from {known}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
+    from .._safetensors import open_readonly
+
+    os.close(open_readonly(path))  # a FIFO or device is refused here, never waited on by the framework
     return optional_verb(backend, "load_model", f"reading the whole model {path}")(path, trust_pickle=trust_pickle)
 
 
@@ -80,13 +83,11 @@ def read_mapping(path: str | None):
     """A mapping from a JSON file: a dict of paths or a list of [regex, replacement] rules."""
     if path is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"--mapping {path}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"--mapping {path}: not JSON ({exc})") from None
+    from .._safetensors import read_json_file
+
+    if not os.path.lexists(path):
+        raise CheckpointError(f"--mapping {path}: no such file")
+    doc = read_json_file(path, "--mapping file", top_level=None)
     if isinstance(doc, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
         return doc
     if isinstance(doc, list) and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)
@@ -105,13 +106,11 @@ def read_inputs(path: str | None, option: str = "--inputs"):
     """An .npz as a list (arr_0, arr_1, ... positional) or a dict (named: keyword arguments)."""
     if path is None:
         return None
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"{option} {path}: no such file") from None
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{option} {path}: not an .npz of arrays ({exc})") from None
+    from .._npz import read_npz
+
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{option} {path}: no such file")
+    arrays = read_npz(path, lambda reason: CheckpointError(f"{option} {path}: {reason}"))
     if arrays and all(re.fullmatch(r"arr_\d+", k) for k in arrays):
         return [arrays[f"arr_{i}"] for i in range(len(arrays))]
     return arrays

@@ -49,6 +49,7 @@ from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
 from ._report import LayerResult, ModelInfo, QuantityResult, Report
+from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import coarser_dtype, element_stats, elementwise_units
 from ._isolated import LAYER_NOTE, forced_layer_traces
 from ._structure import params_structure
@@ -481,6 +482,7 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     if fed is None:
         return report
     xs, g = fed
+    refuse_nonfinite_inputs(zip(["inputs"] if len(xs) == 1 else ["inputs[0]", "inputs[1]"], xs))
     in_a, in_b = model_dtype(spec_a), model_dtype(spec_b)
     out_a, out_b = output_dtype(spec_a), output_dtype(spec_b)
     # an empty native Sequential is not traced (frameworks differ on what it does); it is x -> x
@@ -489,6 +491,7 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     trace_b = _identity_trace(xs, g) if not lb else \
         adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)) if able["b"] else None)
     la, lb = la or [Identity()], lb or [Identity()]
+    refuse_nonfinite_outputs(trace_a.layers[-1].output, trace_b.layers[-1].output)
 
     if len(trace_b.layers) != len(lb):
         raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")

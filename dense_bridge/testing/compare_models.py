@@ -49,6 +49,7 @@ from .._registry import adapter_for, backend_of
 from ._gradients import NOT_COMPARED, computes_gradients
 from . import _fused
 from ._captures import Call, Capture, LeafOutput
+from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import element_stats, elementwise_units
 from ._structure import model_structure
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
@@ -363,6 +364,9 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
+    for side, given in (("inputs", in_a), ("inputs_b", in_b)):
+        refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
+                                ((f"{side}[{i}]", x) for i, x in enumerate(given)))
     from .. import _auto_mapping, models
 
     if _auto_mapping.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
@@ -404,6 +408,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             output_note = (f"outputs: the models' first floating outputs differ in shape ({select_a.shapes[0]} vs "
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
+    refuse_nonfinite_outputs(cap_a.output, cap_b.output)
     dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
     dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
