@@ -495,3 +495,23 @@ def test_explicit_entries_take_precedence_and_the_rest_is_inferred():
     assert sorted((r[0], r[1]) for r in report.rules) == [("k", "a"), ("out", "out"), ("q", "b"), ("v", "v")]
     with pytest.raises(TypeError, match="mapping"):
         db.auto(42)
+
+
+def test_a_keras_hub_tied_head_called_with_reverse_fills_an_untied_transformers_head(tmp_path):
+    """keras-hub calls its tied table as the head (token_embedding(x, reverse=True)), no module of
+    its own: recorded as the table called as the head, it fills transformers' untied lm_head."""
+    transformers = _transformers()
+    keras_hub = _keras_hub()
+    import torch
+
+    src = _decoder(transformers, "Qwen2", tie_word_embeddings=True)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(p.half().float())
+    ref, _ = _keras_port(tmp_path, "qwen2", src, "Qwen2Backbone")
+    task = keras_hub.models.Qwen2CausalLM(backbone=ref, preprocessor=None)
+    untied = _decoder(transformers, "Qwen2", tie_word_embeddings=False)
+    inputs = ({"token_ids": IDS, "padding_mask": np.ones_like(IDS)}, [IDS])
+    db.transfer(task, untied, mapping="auto", inputs=inputs)
+    assert torch.equal(untied.lm_head.weight, src.model.embed_tokens.weight)
+    assert torch.equal(untied.model.layers[1].self_attn.k_proj.weight, src.model.layers[1].self_attn.k_proj.weight)

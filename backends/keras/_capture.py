@@ -23,10 +23,10 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import Call, Capture, select_output
+from dense_bridge.testing._captures import HEAD_CALL, Call, Capture, select_output
 
 from . import _engine
-from ._models import is_reversible
+from ._models import is_reversible, untied_reversible
 
 
 def _np(x) -> np.ndarray:
@@ -69,7 +69,7 @@ class _Wrapped:
         # a quantized layer's __call__ runs quantized_call, not call (Keras 3 Layer.__call__)
         self.method = "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
         self.original = getattr(layer, self.method)
-        self.count = 0
+        self.counts: dict[str, int] = {}
         act = getattr(layer, "activation", None)
         self.activation = act if act is not None and act is not keras.activations.linear else None
         if self.activation is not None:
@@ -77,7 +77,8 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
-        if self.lookup_only(kwargs):
+        path = self.recorded_as(kwargs)
+        if path is None:
             return y
         probes = self.state.get("probes")
         if probes is not None:  # the gradient pass: y + 0, whose gradient is dL/dy
@@ -87,19 +88,24 @@ class _Wrapped:
                 y = y + probes[k]
         else:
             xs = tuple(a for a in args if keras.ops.is_tensor(a) or hasattr(a, "shape"))
-            self.log.append((self.path, self.count, xs, y))
-            self.count += 1
+            n = self.counts.get(path, 0)
+            self.counts[path] = n + 1
+            self.log.append((path, n, xs, y))
         return y if self.activation is None else self.activation(y)
 
-
-    def lookup_only(self, kwargs) -> bool:
-        """Is this call not one of the captured layer's? A ReversibleEmbedding is two layers: captured
-        under its head's path (``.../reverse_embeddings``) it records its ``reverse=True`` calls only,
-        under the table's path its lookups only."""
+    def recorded_as(self, kwargs) -> str | None:
+        """The path this call is recorded under, None when it is not one of the captured layer's.
+        A ReversibleEmbedding is two layers: captured under its head's path (``.../reverse_embeddings``)
+        it records its ``reverse=True`` calls only, under the table's path its lookups, and a tied
+        one's ``reverse=True`` calls as the table called as the head (``<table path>#head``)."""
         if not is_reversible(self.layer):
-            return False
-        head = self.path.rsplit("/", 1)[-1] == "reverse_embeddings"
-        return head != bool(kwargs.get("reverse", False))
+            return self.path
+        reverse = bool(kwargs.get("reverse", False))
+        if self.path.rsplit("/", 1)[-1] == "reverse_embeddings":
+            return self.path if reverse else None
+        if not reverse:
+            return self.path
+        return None if untied_reversible(self.layer) else self.path + HEAD_CALL
 
 
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
