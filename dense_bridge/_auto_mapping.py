@@ -63,7 +63,7 @@ class Auto:
 def auto(rules: Any = None) -> Auto:
     """A mapping that takes ``rules`` (a dict, a rule list or a callable, as ``mapping=`` takes
     them) for the layers they name and infers the rest from execution (needs ``inputs=``)."""
-    _mapping.parse(rules)  # bad rules are refused now, by name
+    _mapping.parse(rules)  # bad rules are refused here, by name, before any model runs
     return Auto(rules)
 
 
