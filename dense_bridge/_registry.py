@@ -61,6 +61,7 @@ BACKENDS: dict[str, BackendInfo] = {
     "flax": BackendInfo("flax", "dense_bridge.backends.flax", ("flax", "jax"), "pip install 'dense-bridge[flax]'"),
     "equinox": BackendInfo("equinox", "dense_bridge.backends.equinox", ("equinox", "jax"),
                            "pip install 'dense-bridge[equinox]'"),
+    "onnx": BackendInfo("onnx", "dense_bridge.backends.onnx", ("onnx", "onnxruntime"), "pip install 'dense-bridge[onnx]'"),
 }
 NAMES = tuple(BACKENDS)
 
