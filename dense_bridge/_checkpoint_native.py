@@ -40,7 +40,7 @@ from ._pages import release_file_pages
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
            "write_native", "structure_twin", "canonical_shapes"]
 
-FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox")
+FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox", "onnx")
 SPEC_KEY = "dense_bridge_spec"
 TORCH_EXTS = (".pt", ".pth", ".bin")
 LAYOUT_NOTES = {
@@ -50,12 +50,16 @@ LAYOUT_NOTES = {
     "flax": "Flax layout: nnx.Linear kernel (in_features, units) under nested names (layers.0.kernel)",
     "equinox": "Equinox layout: unnamed records in the model's leaf order, Linear weight (out_features, "
                "in_features), the mask as a bool record",
+    "onnx": "ONNX layout: MatMul on (in_features, units) initializers, Gemm transB=1 on (units, in_features)",
 }
 _KINDS = {"torch": "torch state dict", "keras": "Keras weights file", "mlx": "MLX weights file",
-          "flax": "Flax msgpack state file", "equinox": "Equinox leaves file (.eqx)"}
-_NAMES = {"torch": "torch", "keras": "Keras", "mlx": "MLX", "flax": "Flax", "equinox": "Equinox"}
+          "flax": "Flax msgpack state file", "equinox": "Equinox leaves file (.eqx)",
+          "onnx": "ONNX model file (.onnx)"}
+_NAMES = {"torch": "torch", "keras": "Keras", "mlx": "MLX", "flax": "Flax", "equinox": "Equinox", "onnx": "ONNX"}
 #: Containers only one framework writes (sniffed by the core: ``checkpoint._kind``)
-_OWN_CONTAINERS = {"msgpack": "flax", "eqx": "equinox"}
+_OWN_CONTAINERS = {"msgpack": "flax", "eqx": "equinox", "onnx": "onnx"}
+#: Containers that hold a whole model, structure included: read without a template
+_CARRIES_MODEL = ("keras-model", "onnx")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -152,6 +156,12 @@ class NativeCheckpoint:
         self.spec = spec if spec is not None else self._embedded_spec()
         if self.spec is None and container == "keras-model":
             self.spec = self._spec_from_model()
+        elif self.spec is None and container in _CARRIES_MODEL:
+            # an exported graph (a whole transformer) has no spec, yet loads as the model it is
+            try:
+                self.spec = self._spec_from_model()
+            except CheckpointError:
+                self.spec = None
 
     def close(self) -> None:
         """Close the safetensors files' descriptors (a loaded template stays valid)."""
@@ -202,7 +212,7 @@ class NativeCheckpoint:
     def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, native shape, dtype) of every stored tensor, in the file's own names (a
         ``.keras`` file: its model's canonical parameters, the model being loaded anyway)."""
-        if self.container == "keras-model":
+        if self.container in _CARRIES_MODEL:
             from . import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
@@ -229,7 +239,7 @@ class NativeCheckpoint:
         if self._template is None:
             adapter = self._adapter()
             model = None
-            if self.container != "keras-model":
+            if self.container not in _CARRIES_MODEL:
                 model = self._new_template()
             self._template = adapter.read_file(self.path, self.container, model, files=self.files, check=self._check,
                                                borrow=borrow)
@@ -260,8 +270,8 @@ class NativeCheckpoint:
         try:
             return _api.to_spec(self.template())
         except (DenseBridgeError, TypeError) as exc:
-            raise CheckpointError(f"{self.path}: the Keras model cannot be described as a dense_bridge spec: "
-                                  f"{exc}") from None
+            raise CheckpointError(f"{self.path}: the {_NAMES[self.framework]} model cannot be described as a "
+                                  f"dense_bridge spec: {exc}") from None
 
     # -- the common surface with CanonicalCheckpoint
     def param_views(self) -> dict[str, np.ndarray]:
@@ -269,7 +279,7 @@ class NativeCheckpoint:
         from . import _api
 
         params = _api.get_params(self.template(), copy=False)
-        if self.spec is not None and self.container == "keras-model":
+        if self.spec is not None and self.container in _CARRIES_MODEL:
             from ._params import validate_params
 
             try:  # a .keras file carries its own architecture: it must fit the spec given
@@ -284,7 +294,7 @@ class NativeCheckpoint:
         views of the loaded model."""
         from ._safetensors import PendingTensor, pending
 
-        views = self._file_views() if self.spec is not None and self.container != "keras-model" else None
+        views = self._file_views() if self.spec is not None and self.container not in _CARRIES_MODEL else None
         if views is None:
             return {k: pending(np.asarray(v)) for k, v in self.param_views().items()}
         # the adapter checked the file's shapes and dtypes against these
@@ -309,7 +319,11 @@ class NativeCheckpoint:
 
         if backend == self.framework:
             model = self.template()
-            if not allow_nonfinite:
+            if not allow_nonfinite and self.spec is None:  # a whole exported graph: every parameter it holds
+                from .models import walk
+
+                check_finite_params({e.param_path(n): v for e in walk(model) for n, v in e.read().items()}, self.path)
+            elif not allow_nonfinite:
                 check_finite_params(_api.get_params(model, copy=False), self.path)
             if progress is not None:
                 progress(1, 1)
@@ -345,7 +359,7 @@ class NativeCheckpoint:
         safetensors, ``.weights.h5``); a ``.keras`` file carries its own model, and other files
         (legacy torch pickles, ``.npz``) are checked when they are loaded.
         """
-        if self.spec is None or self.container == "keras-model":
+        if self.spec is None or self.container in _CARRIES_MODEL:
             return
         if self._file_views() is not None:
             return  # the adapter compared every name, shape and dtype
@@ -481,6 +495,7 @@ OUTPUT_KINDS = {
             "MLX checkpoints end in .safetensors or .npz"),
     "flax": ([((".msgpack",), "msgpack")], "Flax state files end in .msgpack (flax.serialization)"),
     "equinox": ([((".eqx",), "eqx")], "Equinox files end in .eqx (eqx.tree_serialise_leaves)"),
+    "onnx": ([((".onnx",), "onnx")], "ONNX models end in .onnx"),
 }
 
 
@@ -499,7 +514,8 @@ def output_kind(backend: str, out: str) -> str:
 #: The suffix a temporary needs for the framework's writer to accept it (Keras insists on its
 #: extensions; ``mx.savez`` appends ".npz" to a name without it).
 TEMP_SUFFIX = {"torch-pickle": "", "safetensors": ".safetensors", "npz": ".npz",
-                "keras-weights": ".weights.h5", "keras-model": ".keras", "msgpack": ".msgpack", "eqx": ".eqx"}
+                "keras-weights": ".weights.h5", "keras-model": ".keras", "msgpack": ".msgpack", "eqx": ".eqx",
+               "onnx": ".onnx"}
 
 
 def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:

@@ -373,6 +373,8 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     check_writable(path)
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    if path.lower().endswith(".onnx"):
+        return _save_onnx(obj, path, allow_nonfinite)
     spec, tensors, source = _resolve(obj, path, allow_nonfinite)
     for name in tensors:  # before anything is written
         check_tensor_name(name, path)
@@ -383,6 +385,25 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     except Exception as exc:  # a producer failed mid-write: the temporaries are gone already
         raise CheckpointError(f"cannot save {path}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
             from exc
+
+
+def _save_onnx(obj: Any, path: str, allow_nonfinite: bool) -> list[str]:
+    """A ``.onnx`` path: an ONNX model is written as it is, anything else compiled to ONNX first."""
+    from . import _api
+    from ._checkpoint_native import write_native
+    from ._registry import backend_of
+
+    try:
+        native = backend_of(obj, "obj") == "onnx"
+    except TypeError:
+        native = False
+    if not native:
+        spec, tensors, _ = _resolve(obj, path, allow_nonfinite)
+        if spec is None:
+            raise CheckpointError(f"cannot save {path} as ONNX: the object carries no spec to compile")
+        params = {k: np.asarray(t.produce()) for k, t in tensors.items()}
+        obj = _api.compile(spec, "onnx", params=params, allow_nonfinite=allow_nonfinite)
+    return write_native(obj, "onnx", path)
 
 
 # ============================================================================ reading
@@ -435,6 +456,8 @@ def _kind(path: str, fd: int) -> str:
         return "msgpack"
     if head[:1] == b"\x80" or head.startswith(b"\x8a\x0a"):  # pickle protocol 2+ (torch's legacy format)
         return "pickle"
+    if ext.lower() == ".onnx":  # a protobuf has no magic: the extension, then the parser decides
+        return "onnx"
     reason = f"its first bytes {head[:12]!r} match no supported format"
     raise CheckpointError(
         f"cannot read {path} (extension {ext}): {reason}. Supported: dense_bridge/torch/MLX .safetensors "

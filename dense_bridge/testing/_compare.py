@@ -476,12 +476,13 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     trace_b = _identity_trace(xs, g) if not lb else \
         adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)))
     la, lb = la or [Identity()], lb or [Identity()]
+    grads = grads and not forward_only(report, (("a", trace_a), ("b", trace_b)))
 
     if len(trace_b.layers) != len(lb):
         raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")
     params_b = adapter_b.get_params(b) if "b" not in empty else {}
     allowed = allowances(lb, trace_b, params_b, "{}." if isinstance(spec_b, Sequential) else "", xs, g,
-                         dtype, tolerance)
+                         dtype, tolerance, backward=grads)
     if len(trace_a.layers) == len(lb):
         for i, (ta, tb) in enumerate(zip(trace_a.layers, trace_b.layers)):
             report.layers.append(compare_layer(i, layer_label(la, lb, i), ta, tb, allowed[i], grads,
@@ -498,6 +499,19 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
         report.layers.append(LayerResult(None, "model", tuple(rows)))
     report.first_failure = first_failure(report.layers)
     return report
+
+
+def forward_only(report: Report, sides) -> bool:
+    """Whether a side's trace or capture (``sides``: (name, record with ``gradients``)) came from a
+    forward-only backend; if so, the report says that gradients were not compared (never that they
+    passed)."""
+    without = [name for name, record in sides if not getattr(record, "gradients", True)]
+    if without:
+        why = (f"gradients were not compared: {' and '.join(without)} ran forward only "
+               f"({', '.join(getattr(report, s).backend for s in without)} has no autograd)")
+        report.gradients_note = why
+        report.notes.append(why)
+    return bool(without)
 
 
 def assert_equivalent(a, b, **kwargs) -> Report:

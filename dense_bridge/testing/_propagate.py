@@ -122,12 +122,13 @@ class _Act:
 
 
 def allowances(layers: list, trace, params: dict, prefix_fmt: str, inputs: list[np.ndarray],
-               grad_out: np.ndarray, dtype: str, tol: Tolerance) -> list[dict[str, tuple[np.ndarray, int]]]:
+               grad_out: np.ndarray, dtype: str, tol: Tolerance, *, backward: bool = True
+               ) -> list[dict[str, tuple[np.ndarray, int]]]:
     """Per layer: quantity -> (elementwise allowed error, own reduction length K) for model b.
 
     ``layers``: b's layer specs; ``trace``: b's Trace; ``params``: b's canonical params;
     ``prefix_fmt``: "{}." for a Sequential ("" for a lone layer); ``inputs``/``grad_out``: what
-    b was fed (float64). The whole model at once; :class:`Propagation` is the same computation
+    b was fed (float64); ``backward`` False: outputs only (a forward-only trace). The whole model at once; :class:`Propagation` is the same computation
     one layer at a time (what a comparison of two checkpoints streams through).
     """
     def own(i: int) -> dict[str, np.ndarray]:
@@ -136,6 +137,8 @@ def allowances(layers: list, trace, params: dict, prefix_fmt: str, inputs: list[
 
     steps = Propagation(inputs, dtype, tol)
     out = [steps.forward(i, layer, own(i), trace.layers[i].output) for i, layer in enumerate(layers)]
+    if not backward:
+        return out
     steps.start_backward(grad_out)
     for i in range(len(layers) - 1, -1, -1):
         out[i].update(steps.backward(i, layers[i], own(i), trace.layers[i]))

@@ -331,7 +331,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
-    from ._compare import check_count, check_flag, check_tolerance
+    from ._compare import check_count, check_flag, check_tolerance, forward_only
 
     grads = check_flag("grads", grads)
     seed = check_count("seed", seed, 0)
@@ -395,6 +395,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     if output_note:
         report.notes.append(output_note)
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    grads = grads and not forward_only(report, (("a", cap_a), ("b", cap_b)))
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
 
