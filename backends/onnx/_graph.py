@@ -11,7 +11,8 @@ weight initializer. The patterns exporters write for ``y = x @ kernel + bias``:
 - ``MatMul(x, Transpose(W))`` on an (units, in) initializer (perm [1, 0]);
 - ``MatMul(x, Mul(W, M))``: dense_bridge's own masked layers (M the 0/1 mask initializer);
 - a bias as ``Add(y, b)`` or ``Add(b, y)`` with b a (units,) initializer, the MatMul's only consumer;
-- a ``Cast`` between an initializer and its use (dense_bridge's float16 layers compute in float32).
+- a ``Cast`` (dense_bridge's float16 layers compute in float32) or an ``Identity`` (the legacy
+  exporter's merged initializers) between an initializer and its use.
 """
 from __future__ import annotations
 
@@ -166,10 +167,16 @@ def _unique(index: Index, name: str) -> str:
     return out
 
 
+#: nodes between an initializer and its use that keep its values: dense_bridge's float16 layers
+#: cast to float32; the legacy exporter reads an initializer it merged with an equal one through
+#: an Identity
+_PASS_THROUGH = ("Cast", "Identity")
+
+
 def _through_cast(index: Index, name: str, nodes: list) -> tuple[str, NodeProto | None, int]:
     """(the tensor before an optional Cast of an initializer, the node reading it, the input pos)."""
     node = index.producer.get(name)
-    if node is not None and node.op_type == "Cast" and node.input[0] in index.inits:
+    if node is not None and node.op_type in _PASS_THROUGH and node.input[0] in index.inits:
         nodes.append(node)
         return node.input[0], node, 0
     return name, None, -1
@@ -182,7 +189,7 @@ def _weight(index: Index, name: str, reader: NodeProto, pos: int, nodes: list) -
     node = index.producer.get(name)
     if node is None:
         return None
-    if node.op_type == "Cast" and index.float_init(node.input[0]) is not None:
+    if node.op_type in _PASS_THROUGH and index.float_init(node.input[0]) is not None:
         nodes.append(node)
         return {"kernel": Slot(node, 0)}, ""
     if node.op_type == "Transpose" and list(attrs(node).get("perm", [1, 0])) == [1, 0] \

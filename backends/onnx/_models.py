@@ -150,9 +150,9 @@ def walk(model) -> list[Entry]:
     out += [_entry(h, "other") for h in _others(model, index, taken)]
     order = {id(n): i for i, n in enumerate(model.graph.node)}
 
-    def first(e: Entry) -> int:
+    def first(e: Entry) -> int:  # where the layer computes (the legacy exporter puts Identity nodes first)
         h = e.layer
-        nodes = h.nodes if isinstance(h, OnnxLinear) else [s.node for s in h.slots.values()]
+        nodes = [h.matmul] if isinstance(h, OnnxLinear) else [s.node for s in h.slots.values()]
         return min(order.get(id(n), 0) for n in nodes)
 
     return sorted(out, key=first)
