@@ -212,7 +212,7 @@ class NativeCheckpoint:
     def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, native shape, dtype) of every stored tensor, in the file's own names (a
         ``.keras`` file: its model's canonical parameters, the model being loaded anyway)."""
-        if self.container in _CARRIES_MODEL:
+        if self.container in _CARRIES_MODEL and self.spec is not None:
             from . import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
 
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
-BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx", "flax", "equinox")
-RUN_CHOICES = ("numpy", "torch", "keras", "mlx", "flax", "equinox")
+BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")
+RUN_CHOICES = ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")
 
 
 # ============================================================================ formatting helpers

@@ -25,5 +25,8 @@ from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
 
-__all__ = ["OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
+#: onnxruntime has no autograd: traces and captures hold outputs only (reports say gradients were not compared)
+GRADIENTS = False
+
+__all__ = ["GRADIENTS", "OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
            "walk", "to_numpy", "from_numpy", "file_info", "read_file", "write_file", "read_model", "write_model"]

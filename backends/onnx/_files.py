@@ -159,7 +159,7 @@ def file_info(path: str, container: str, *, files: Any = None) -> tuple[dict, di
     model = read_model(path)
     from ._arrays import dtype_name_of
 
-    entries = {t.name: (tuple(int(d) for d in t.dims), dtype_name_of(t.data_type) or str(t.data_type))
+    entries = {t.name: (tuple(int(d) for d in t.dims), dtype_name_of(t.data_type) or to_numpy_dtype(t.data_type).name)
                for t in model.graph.initializer}
     return entries, {p.key: p.value for p in model.metadata_props}
 

@@ -502,10 +502,11 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
 
 
 def forward_only(report: Report, sides) -> bool:
-    """Whether a side's trace or capture (``sides``: (name, record with ``gradients``)) came from a
-    forward-only backend; if so, the report says that gradients were not compared (never that they
+    """Whether a side's trace or capture (``sides``: (name, record with ``gradients``), or adapter
+    (``GRADIENTS``)) came from a forward-only backend; if so, the report says that gradients were not compared (never that they
     passed)."""
-    without = [name for name, record in sides if not getattr(record, "gradients", True)]
+    without = [name for name, record in sides
+               if not getattr(record, "gradients", getattr(record, "GRADIENTS", True))]
     if without:
         why = (f"gradients were not compared: {' and '.join(without)} ran forward only "
                f"({', '.join(getattr(report, s).backend for s in without)} has no autograd)")

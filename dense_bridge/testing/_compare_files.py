@@ -34,7 +34,8 @@ from .._memory import return_freed_memory
 from .._params import ParamSource
 from .._registry import get_adapter
 from ..specs import Dense, Sequential, layer_param_shapes
-from ._compare import (compare_layer, dx_names, feed_report, first_failure, layer_label, layers_of, model_dtype,
+from ._compare import (compare_layer, dx_names, feed_report, first_failure, forward_only, layer_label, layers_of,
+                       model_dtype,
                        new_report, output_dtype, output_width)
 from ._propagate import Propagation
 from ._report import Report
@@ -111,6 +112,7 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
         return report
     xs, g = fed
     a, b = _Side(ckpt_a, backend_a, spec_a), _Side(ckpt_b, backend_b, spec_b)
+    grads = grads and not forward_only(report, (("a", a.adapter), ("b", b.adapter)))
     propagation = Propagation(xs, report.dtype, tolerance)
     try:
         inputs, allowed = _forward(a, b, parts, xs[0], propagation, report, grads, params_seen)
