@@ -58,7 +58,7 @@ def run(model: onnx.ModelProto, feeds: dict, extra: Sequence[str] = ()) -> dict[
 
 
 def layer_graph(layer: OnnxLinear) -> onnx.ModelProto:
-    """A model of just ``layer``'s nodes and initializers: input ``x`` in the kernel's dtype, output ``y``."""
+    """A model of just ``layer``'s nodes and initializers: one input and one output in the kernel's dtype."""
     index = Index(layer.model)
     kernel = layer.initializer("kernel")
     nodes = [onnx.NodeProto() for _ in layer.nodes]
@@ -66,20 +66,17 @@ def layer_graph(layer: OnnxLinear) -> onnx.ModelProto:
         new.CopyFrom(old)
     used = {n for node in nodes for n in node.input}
     inits = [index.inits[n] for n in used if n in index.inits]
-    x = layer.input
-    pre = []
     kslot = layer.slots["kernel"]
     compute = kernel.data_type
     if kslot.node.op_type == "Cast":
         compute = helper.get_attribute_value(kslot.node.attribute[0])
+    x, y = layer.input, layer.output
     if compute != kernel.data_type:  # dense_bridge's float16 layers take float16 and compute in float32
-        pre = [helper.make_node("Cast", ["x"], [x], to=compute)]
-        nodes.append(helper.make_node("Cast", [layer.output], ["y"], to=kernel.data_type))
-    else:
-        nodes.append(helper.make_node("Identity", [layer.output], ["y"]))
-        pre = [helper.make_node("Identity", ["x"], [x])]
-    graph = helper.make_graph(pre + nodes, "layer", [helper.make_tensor_value_info("x", kernel.data_type, None)],
-                              [helper.make_tensor_value_info("y", kernel.data_type, None)], inits)
+        x, y = f"{layer.input}.in", f"{layer.output}.out"
+        nodes = [helper.make_node("Cast", [x], [layer.input], to=compute)] + nodes \
+            + [helper.make_node("Cast", [layer.output], [y], to=kernel.data_type)]
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info(x, kernel.data_type, None)],
+                              [helper.make_tensor_value_info(y, kernel.data_type, None)], inits)
     m = helper.make_model(graph, opset_imports=list(layer.model.opset_import))
     m.ir_version = layer.model.ir_version
     return m
@@ -90,7 +87,12 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray | None = No
     if isinstance(native, OnnxLinear):
         model = layer_graph(native)
         dtype = to_numpy_dtype(native.initializer("kernel").data_type)
-        out = run(model, {"x": np.asarray(inputs[0]).astype(dtype, copy=False)})["y"]
+        x = np.asarray(inputs[0]).astype(dtype, copy=False)
+        lead = x.shape[:-1]
+        if native.matmul.op_type == "Gemm":  # Gemm is rank-2 only: leading axes flattened, then restored
+            x = x.reshape(-1, x.shape[-1])
+        out = run(model, {model.graph.input[0].name: x})[model.graph.output[0].name]
+        out = out.reshape(lead + out.shape[-1:])
         return Trace([LayerTrace(out, ())], gradients=False)
     specs, _ = read_chain(native)
     g = native.graph
