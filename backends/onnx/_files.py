@@ -33,7 +33,7 @@ def _available_memory() -> int:
         return 1 << 62
 
 
-def _tensor_bytes(t: TensorProto) -> int:
+def _tensor_bytes(t: TensorProto, path: str) -> int:
     try:
         item = np.dtype(to_numpy_dtype(t.data_type)).itemsize
     except Exception:  # noqa: BLE001 - an unknown element type
@@ -41,7 +41,7 @@ def _tensor_bytes(t: TensorProto) -> int:
     n = 1
     for d in t.dims:
         if d < 0:
-            raise ValueError(f"negative dimension {d}")
+            raise CheckpointError(f"{path}: tensor {t.name!r} has a negative dimension {d}: corrupted")
         n *= int(d)
     return n * item
 
@@ -80,7 +80,7 @@ def _read_external(path: str, model: onnx.ModelProto) -> None:
             raise CheckpointError(f"{path}: tensor {t.name!r}'s external data {loc!r} is not a regular file "
                                   f"(a FIFO, device or directory): refused")
         try:
-            offset, need = int(info.get("offset", 0)), _tensor_bytes(t)
+            offset, need = int(info.get("offset", 0)), _tensor_bytes(t, path)
             length = int(info.get("length", need))
         except ValueError as exc:
             raise CheckpointError(f"{path}: tensor {t.name!r} has a malformed external-data entry ({exc})") from None
@@ -121,10 +121,7 @@ def read_model(path: str) -> onnx.ModelProto:
         raise CheckpointError(f"{path} holds no ONNX graph (an empty or foreign protobuf)")
     for t in model.graph.initializer:
         if not uses_external_data(t):
-            try:
-                need = _tensor_bytes(t)
-            except ValueError as exc:
-                raise CheckpointError(f"{path}: initializer {t.name!r}: {exc}") from None
+            need = _tensor_bytes(t, path)
             if t.raw_data and len(t.raw_data) != need:
                 raise CheckpointError(f"{path}: initializer {t.name!r} holds {len(t.raw_data)} bytes for a tensor of "
                                       f"{need}: corrupted")

@@ -61,7 +61,7 @@ def _cast(b: Builder, x: str, to: np.dtype) -> str:
     return b.op("Cast", [x], to=helper.np_dtype_to_tensor_dtype(np.dtype(to)))
 
 
-class _Emitter:
+class Emitter:
     """Writes the layers of a spec one after the other, tracking the running tensor's dtype."""
 
     def __init__(self, source: ParamSource, seq: bool) -> None:
@@ -159,7 +159,7 @@ def compile(spec, source: ParamSource) -> onnx.ModelProto:
             _compute(layer.dtype)
     first = next((l for l in layers if isinstance(l, (Dense, Bilinear))), None)
     in_dtype = numpy_dtype(first.dtype) if first is not None else np.dtype(np.float32)
-    em = _Emitter(source, isinstance(spec, Sequential))
+    em = Emitter(source, isinstance(spec, Sequential))
     bilinear_first = bool(layers) and isinstance(layers[0], Bilinear)
     inputs = ["x1", "x2"] if bilinear_first else ["x"]
     x, dt = inputs[0], in_dtype

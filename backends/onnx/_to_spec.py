@@ -21,7 +21,7 @@ from dense_bridge.wiring import Wiring
 from . import _activations
 from ._arrays import dtype_name_of, to_numpy
 from ._graph import Index, OnnxLinear, ParamSlots, Slot, attrs, const_values, find_linear, shape_of
-from ._layers import CHAIN_KEY, SPEC_KEY, _Emitter
+from ._layers import CHAIN_KEY, SPEC_KEY, Emitter
 
 
 def linear_spec(layer: OnnxLinear) -> Dense:
@@ -61,7 +61,7 @@ def _groups(model: onnx.ModelProto, seq: bool) -> list[list]:
 
 
 def _written(i: int, spec, params: dict, seq: bool, x: list[str], x_dtype: np.dtype):
-    em = _Emitter(_Given(params), seq)
+    em = Emitter(_Given(params), seq)
     if isinstance(spec, Dense):
         y, dt = em.dense(i, spec, x[0], x_dtype)
     elif isinstance(spec, Bilinear):
