@@ -40,7 +40,7 @@ from ._pages import release_file_pages
 __all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
            "write_native", "structure_twin", "canonical_shapes"]
 
-FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox", "onnx")
+FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox")
 SPEC_KEY = "dense_bridge_spec"
 TORCH_EXTS = (".pt", ".pth", ".bin")
 LAYOUT_NOTES = {

@@ -140,6 +140,8 @@ def test_canonical_round_trip_every_backend(tmp_path, backend, dtype):
     assert bits(db.get_params(again)) == want
     assert db.to_spec(again) == db.to_spec(model)
     for other in db.available_backends():  # and onto every other framework
+        if other == "onnx" and dtype == "bfloat16":
+            continue  # refused at compile: onnxruntime's CPU provider has no bfloat16 MatMul (test_backend_onnx)
         assert bits(db.get_params(db.load(path, other))) == want, other
 
 
