@@ -130,3 +130,37 @@ def test_transfer_into_the_export_in_place_then_onnxruntime_matches_torch(bert):
         want = other(torch.from_numpy(ids)).numpy()
     got = require_backend("onnx").capture(graph, [ids], {}).output
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding, a body and an output head tied to the embedding (``head.weight = emb.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.body = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_a_tied_head_exported_as_a_folded_copy_is_written_with_its_embedding(tmp_path, dynamo):
+    adapter = require_backend("onnx")
+    torch.manual_seed(0)
+    ids = np.random.default_rng(0).integers(0, 11, size=(2, 5))
+    export(_TiedLM().eval(), (torch.from_numpy(ids),), tmp_path / "lm.onnx", dynamo=dynamo)
+    graph = db.load(str(tmp_path / "lm.onnx"), "onnx")
+    entries = {e.path: e for e in adapter.walk(graph)}
+    head_init = db.linear_layers(graph)["head"].initializer("kernel").name
+    assert head_init not in [t.name for t in graph.graph.initializer if tuple(t.dims) == (11, 6)]  # a copy
+    assert entries["head"].ident["kernel"] == entries["emb"].ident["weight"]  # read as tied
+    torch.manual_seed(5)
+    tuned = _TiedLM().eval()
+    report = db.transfer(tuned, graph, mapping={"emb": "emb", "body": "body"})
+    assert report.tied.get("head.kernel") == "emb.weight"
+    with torch.no_grad():
+        want = tuned(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(adapter.capture(graph, [ids], {}).output, want, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,9 @@ Linear layers are found by pattern (``_graph.find_linear``). Their paths, best s
    path says nothing, so pairing by order never reads a name into it.
 
 Other nodes reading float initializers (norms, embedding tables) are kind "other", grouped by
-the same path rules, their parameters named by the initializers' last name component.
+the same path rules, their parameters named by the initializers' last name component. An output
+head exported as a folded copy of a tied embedding table shares the table's identity, and
+writing the table writes the copy (``_tied_heads``).
 """
 from __future__ import annotations
 
@@ -122,18 +124,52 @@ def _others(model: onnx.ModelProto, index: Index, taken: set[int]) -> list[Param
     return list(groups.values())
 
 
-def _entry(holder: ParamSlots, kind: str) -> Entry:
+def _tied_heads(linears: list[OnnxLinear], others: list[ParamSlots]) -> dict[int, tuple[ParamSlots, str]]:
+    """Output heads tied to an embedding table: id(head) -> (embedding holder, table name).
+
+    Exporters write a tied head (``lm_head.weight = embed.weight``) as a MatMul on a folded copy
+    of the table's transpose (``onnx::MatMul_12``, ``val_2``); a head with no bias or mask whose
+    kernel equals a Gather table transposed (values with at least two distinct numbers) is read
+    as tied to it, so a write of the table also writes the copy.
+    """
+    tables = []
+    for h in others:
+        for name, slot in h.slots.items():
+            if slot.node.op_type == "Gather" and slot.pos == 0:
+                table = h.native(name)
+                if table.ndim == 2 and np.unique(table[: min(len(table), 64)]).size > 1:
+                    tables.append((h, name, table))
+    out = {}
+    for layer in linears:
+        if set(layer.slots) != {"kernel"} or not tables:
+            continue
+        kernel = layer.canonical("kernel")
+        for h, name, table in tables:
+            if kernel.shape == table.T.shape and kernel.dtype == table.dtype \
+                    and np.ascontiguousarray(kernel.T).tobytes() == np.ascontiguousarray(table).tobytes():
+                out[id(layer)] = (h, name)
+                break
+    return out
+
+
+def _entry(holder: ParamSlots, kind: str, tied: dict | None = None, copies: list | None = None) -> Entry:
+    """``tied``: name -> the identity of the parameter it is a copy of; ``copies``: tied heads whose
+    kernel is this table transposed (written with it)."""
     def read() -> dict[str, np.ndarray]:
         return {n: holder.native(n) for n in holder.slots}
 
     def write(arrays: dict[str, np.ndarray]) -> None:
         holder.write(arrays, canonical=False)
+        for head, name in copies or ():
+            if name in arrays:
+                head.write({"kernel": np.asarray(arrays[name]).T})
 
     names = tuple(holder.slots)
     shapes = {n: tuple(int(d) for d in holder.initializer(n).dims) for n in names}
     # identities per layer and name: an initializer several nodes share (an exporter merging equal
     # tensors) is no tie; a write that would change it for the others splits it instead
     ident = {n: (id(holder.model), holder.path, n) for n in names}
+    ident.update(tied or {})
     return Entry(holder.path, holder, kind, names, ident, shapes, read, write)
 
 
@@ -146,8 +182,21 @@ def walk(model) -> list[Entry]:
     index = Index(model)
     linears = find_linears(model, index)
     taken = {id(n) for layer in linears for n in layer.nodes}
-    out = [_entry(layer, "linear") for layer in linears]
-    out += [_entry(h, "other") for h in _others(model, index, taken)]
+    others = _others(model, index, taken)
+    heads = _tied_heads(linears, others)
+    copies: dict[int, list] = {}
+    for layer in linears:
+        if id(layer) in heads:
+            h, name = heads[id(layer)]
+            copies.setdefault(id(h), []).append((layer, name))
+    out = []
+    for layer in linears:
+        tied = None
+        if id(layer) in heads:
+            h, name = heads[id(layer)]
+            tied = {"kernel": (id(model), h.path, name)}
+        out.append(_entry(layer, "linear", tied))
+    out += [_entry(h, "other", copies=copies.get(id(h))) for h in others]
     order = {id(n): i for i, n in enumerate(model.graph.node)}
 
     def first(e: Entry) -> int:  # where the layer computes (the legacy exporter puts Identity nodes first)
