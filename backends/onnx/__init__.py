@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ._arrays import from_numpy, to_numpy
 from ._capture import capture
-from ._files import file_info, read_file, read_model, write_file, write_model
+from ._files import file_info, load_model, read_file, read_model, write_file, write_model
 from ._graph import OnnxLinear
 from ._layers import OPSET, compile, owns
 from ._models import walk
@@ -29,4 +29,5 @@ from ._trace import trace
 GRADIENTS = False
 
 __all__ = ["GRADIENTS", "OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
-           "walk", "to_numpy", "from_numpy", "file_info", "read_file", "write_file", "read_model", "write_model"]
+           "walk", "to_numpy", "from_numpy", "file_info", "read_file", "write_file", "read_model", "write_model",
+           "load_model"]

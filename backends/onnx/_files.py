@@ -183,3 +183,9 @@ def _with_props(model: onnx.ModelProto, metadata: Mapping[str, str]) -> onnx.Mod
     props.update({k: v for k, v in metadata.items() if k not in props})
     onnx.helper.set_model_props(copy, props)
     return copy
+
+
+def load_model(path: str, *, trust_pickle: bool = False) -> onnx.ModelProto:
+    """A whole ONNX model from ``path`` (``dense-bridge check A B --mapping``); nothing in it runs
+    code, so ``trust_pickle`` is not needed."""
+    return read_model(path)
