@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import SpecError, received
@@ -193,4 +193,4 @@ def compile(spec, source: ParamSource) -> onnx.ModelProto:
     return model
 
 
-__all__ = ["owns", "compile", "OnnxLinear", "OPSET", "IR_VERSION", "TensorProto"]
+__all__ = ["owns", "compile", "Emitter", "OnnxLinear", "OPSET", "IR_VERSION", "SPEC_KEY", "CHAIN_KEY"]

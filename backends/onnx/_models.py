@@ -27,7 +27,7 @@ import onnx
 
 from dense_bridge._layouts import Entry
 
-from ._arrays import FLOAT_TYPES, to_numpy
+from ._arrays import FLOAT_TYPES
 from ._graph import Index, OnnxLinear, ParamSlots, Slot, find_linear, is_generated
 
 _PARAM_TAIL = re.compile(r"\.(weight|kernel|bias|mask)$")
@@ -207,4 +207,4 @@ def walk(model) -> list[Entry]:
     return sorted(out, key=first)
 
 
-__all__ = ["walk", "find_linears", "linear_path", "to_numpy"]
+__all__ = ["walk", "find_linears", "linear_path"]

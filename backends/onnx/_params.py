@@ -16,16 +16,17 @@ import numpy as np
 
 from dense_bridge._errors import ConversionError
 
-from ._graph import OnnxLinear, ParamSlots
+from ._graph import ParamSlots
+from ._layers import CHAIN_KEY
 from ._to_spec import read_chain
 
 
 def _holders(native) -> list[tuple[str, ParamSlots]]:
+    """(canonical key prefix, parameters) of each layer holding some: "0.", "2."... in a chain."""
     if isinstance(native, ParamSlots):
         return [("", native)]
-    specs, holders = read_chain(native)
-    seq = len(specs) != 1 or any(p.key == "dense_bridge_chain" and p.value == "sequential"
-                                 for p in native.metadata_props)
+    _, holders = read_chain(native)
+    seq = any(p.key == CHAIN_KEY and p.value == "sequential" for p in native.metadata_props)
     return [(f"{i}." if seq else "", h) for i, h in enumerate(holders) if h is not None]
 
 
@@ -34,8 +35,7 @@ def get_params(native) -> dict[str, np.ndarray]:
     out = {}
     for prefix, holder in _holders(native):
         for name in holder.slots:
-            value = holder.canonical(name) if isinstance(holder, OnnxLinear) else holder.native(name)
-            out[prefix + name] = value
+            out[prefix + name] = holder.canonical(name)
     return out
 
 
@@ -51,9 +51,9 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
             plan.append((holder, arrays))
     for holder, arrays in plan:
         for name, value in arrays.items():
-            have = holder.canonical(name) if isinstance(holder, OnnxLinear) else holder.native(name)
+            have = holder.canonical(name)
             if tuple(value.shape) != tuple(have.shape):
                 raise ConversionError(f"{holder.path or 'layer'} {name}: expected shape {have.shape}, "
                                       f"received {value.shape}")
     for holder, arrays in plan:
-        holder.write(arrays, canonical=isinstance(holder, OnnxLinear))
+        holder.write(arrays)
