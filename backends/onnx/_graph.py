@@ -94,7 +94,8 @@ class ParamSlots:
 
     def initializer(self, name: str) -> TensorProto:
         slot = self.slots[name]
-        tensor = Index(self.model).inits.get(slot.node.input[slot.pos])
+        wanted = slot.node.input[slot.pos]
+        tensor = next((t for t in self.model.graph.initializer if t.name == wanted), None)
         if tensor is None:
             raise ConversionError(f"{self.path or 'the layer'}: its {name} initializer "
                                   f"{slot.node.input[slot.pos]!r} is no longer in the graph")
