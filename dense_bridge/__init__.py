@@ -28,12 +28,13 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
     "transfer": (".models", "transfer"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
+    "register_backend": ("._registry", "register_backend"),
 }
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -28,9 +28,12 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
   finiteness) against ``to_spec(native)``; write them all. Partial dicts (strict=False) write
   only the keys present.
 - ``to_spec(native) -> spec``: the backend-neutral spec, activation parameters read exactly.
-- ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace``: run forward and
+- ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray | None) -> Trace``: run forward and
   backward with the framework's own autograd for L = sum(y * grad_out); report every layer
-  (``dense_bridge._trace``).
+  (``dense_bridge._trace``). An adapter whose manifest does not declare the ``gradients``
+  capability (an engine without autograd) is called with ``grad_out=None`` and returns the
+  outputs only (empty ``input_grads`` and ``param_grads``); ``compare``/``compare_models`` then
+  run with ``grads=False`` only, and their reports say gradients were not compared.
 - ``walk(model) -> list[dense_bridge._layouts.Entry]``: every layer inside any model tree that
   holds parameters of its own (and every linear-family layer), in definition order, with its
   path in the framework's naming, its kind ("linear": works with get/set_params, to_spec and
@@ -50,7 +53,14 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
 - ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
   (bfloat16 included); may share memory with ``array`` where the framework allows it (torch).
 
-Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where present):
+The manifest (``_manifest.py``, framework-free, ``MANIFEST = dense_bridge.adapter_kit.Manifest(...)``)
+declares what the core may know before the framework is imported: packages required and the
+install hint, owner priority, capabilities (``gradients``), and the file formats with their
+sniffing, extensions, labels and temporary suffixes (``dense_bridge._manifest``).
+
+Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where present; whatever
+needs one asks ``dense_bridge._registry.optional_verb``, which names the backend and the verb in
+its error when the adapter lacks it):
 
 - ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
@@ -103,9 +113,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._layouts import Entry
-from ._params import ParamSource
-from ._trace import Trace
+# The Protocol below names ParamSource (``_params``), Trace (``_trace``) and Entry (``_layouts``)
+# in its annotations only, as strings: importing them here would close a circle through the
+# registry, which reads the verbs listed here.
 
 __all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
 
@@ -131,6 +141,7 @@ REQUIRED_FILES: tuple[str, ...] = (
     "_trace.py",        # trace: forward and backward with the framework's autograd
     "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
     "_files.py",        # file_info/read_file/write_file: native checkpoint formats (issue 10)
+    "_manifest.py",     # MANIFEST: what the core knows without importing the framework (formats, needs)
 )
 
 #: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
@@ -147,16 +158,16 @@ class Adapter(Protocol):
     """The verbs of :data:`REQUIRED_VERBS` as a typing Protocol (adapters are modules)."""
 
     def owns(self, obj: Any) -> bool: ...
-    def compile(self, spec: Any, source: ParamSource) -> Any: ...
+    def compile(self, spec: Any, source: "ParamSource") -> Any: ...  # noqa: F821
     def get_params(self, native: Any) -> dict[str, np.ndarray]: ...
     def set_params(self, native: Any, params: dict[str, np.ndarray]) -> None: ...
     def to_spec(self, native: Any) -> Any: ...
-    def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray) -> Trace: ...
+    def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray | None) -> "Trace": ...  # noqa: F821
     def to_numpy(self, array: Any) -> np.ndarray: ...
     def from_numpy(self, array: np.ndarray) -> Any: ...
     def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
                 select: Any = None, grads: bool = True) -> Any: ...
-    def walk(self, model: Any) -> list[Entry]: ...
+    def walk(self, model: Any) -> "list[Entry]": ...  # noqa: F821
     def file_info(self, path: str, container: str, *, files: Any = None) -> tuple[dict, dict]: ...
     def read_file(self, path: str, container: str, template: Any, *, files: Any = None, check: Any) -> Any: ...
     def write_file(self, model: Any, path: str, kind: str, *, temp: str, metadata: Any = None) -> None: ...

@@ -1,30 +1,27 @@
-"""Native checkpoint files (torch state dicts, Keras weights/models, MLX arrays), framework-free.
+"""Native checkpoint files (each backend's own formats), framework-free and framework-blind.
 
-This module decides which framework a file belongs to (from the container the core sniffed,
-the safetensors metadata and names, the members of a zip archive) and leaves every framework
-detail to that adapter's file verbs (``backends/<fw>/_files.py``):
+Which backend a file belongs to is decided by the formats the backends declare in their
+manifests (``backends/<fw>/_manifest.py``: content sniffing, extensions, labels, temporary
+suffixes; see ``dense_bridge._manifest``), through the registry: :func:`identify`. Every
+framework detail is left to that adapter's file verbs (``backends/<fw>/_files.py``):
 
 - ``file_info(path, container, *, files)`` -> (name -> (native shape, dtype), metadata), no spec needed;
 - ``read_file(path, container, template, *, files, check)`` -> ``template`` (a model of that
   framework compiled from the spec through the one compile path, ``_api.build``) holding the
   file's tensors, after ``check(got, expected)`` compared names, native shapes and dtypes (every
-  difference listed in one CheckpointError); a ``.keras`` file brings its own model;
+  difference listed in one CheckpointError); a format that ``carries_model`` brings its own model;
 - ``write_file(model, path, kind, *, temp, metadata)`` writes ``model`` into ``temp``, which the
   core renames to ``path`` atomically (``_checkpoint_io.AtomicFiles``).
 
-So every native layout detail (torch weight (out, in), the mask buffer stored like the weight,
-MLX Bilinear (out, in2, in1), Keras per-layer ``vars/0``...) stays in the adapter that defines it
-and is never guessed from a shape. Safetensors files (torch's and MLX's) are opened by the core
-once (consistent against a concurrent save; see ``_safetensors``) and handed to the adapter.
-A native file whose framework is not installed raises ``BackendUnavailableError`` naming the file
-and the extra to install.
+So every native layout detail stays in the adapter that defines it and is never guessed from a
+shape. Safetensors files are opened by the core once (consistent against a concurrent save;
+see ``_safetensors``) and handed to the adapter. A native file whose framework is not installed
+raises ``BackendUnavailableError`` naming the file and the extra to install.
 """
 from __future__ import annotations
 
 import copy
 import math
-import os
-import zipfile
 from collections.abc import Mapping
 from typing import Callable, Iterator
 
@@ -34,32 +31,15 @@ from ._checkpoint_io import AtomicFiles, check_writable
 from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
 from ._dtypes import numpy_dtype
 from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
+from ._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
 from ._pages import release_file_pages
 
-__all__ = ["FORMATS", "SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "file_adapter", "output_kind",
-           "write_native", "structure_twin", "canonical_shapes"]
+__all__ = ["SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "identify", "supported_formats",
+           "format_names", "file_adapter", "output_kind", "temp_suffix", "write_native", "structure_twin",
+           "canonical_shapes"]
 
-FORMATS = ("dense_bridge", "torch", "keras", "mlx", "flax", "equinox")
 SPEC_KEY = "dense_bridge_spec"
-TORCH_EXTS = (".pt", ".pth", ".bin")
-LAYOUT_NOTES = {
-    "torch": "torch layout: Linear weight (out_features, in_features), mask like the weight",
-    "mlx": "MLX layout: Linear weight (out_features, in_features), Bilinear weight (out, in2, in1)",
-    "keras": "Keras layout: Dense kernel (in_features, units) as layers/<name>/vars/0",
-    "flax": "Flax layout: nnx.Linear kernel (in_features, units) under nested names (layers.0.kernel)",
-    "equinox": "Equinox layout: unnamed records in the model's leaf order, Linear weight (out_features, "
-               "in_features), the mask as a bool record",
-    "onnx": "ONNX layout: MatMul on (in_features, units) initializers, Gemm transB=1 on (units, in_features)",
-}
-_KINDS = {"torch": "torch state dict", "keras": "Keras weights file", "mlx": "MLX weights file",
-          "flax": "Flax msgpack state file", "equinox": "Equinox leaves file (.eqx)",
-          "onnx": "ONNX model file (.onnx)"}
-_NAMES = {"torch": "torch", "keras": "Keras", "mlx": "MLX", "flax": "Flax", "equinox": "Equinox", "onnx": "ONNX"}
-#: Containers only one framework writes (sniffed by the core: ``checkpoint._kind``)
-_OWN_CONTAINERS = {"msgpack": "flax", "eqx": "equinox", "onnx": "onnx"}
-#: Containers that hold a whole model, structure included: read without a template
-_CARRIES_MODEL = ("keras-model", "onnx")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -67,101 +47,118 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _backends():
+    from ._registry import backends
+
+    return backends()
+
+
+def format_names() -> tuple[str, ...]:
+    """What ``format=`` accepts: "dense_bridge" and every backend that declares a file format."""
+    return ("dense_bridge",) + tuple(n for n, info in _backends().items() if info.manifest.formats)
+
+
+def supported_formats() -> str:
+    """Every readable format in words, per backend, from the registry's declarations."""
+    parts = ["dense_bridge .safetensors (+ .index.json)"]
+    for name, info in _backends().items():
+        endings = [e for f in info.manifest.formats if f.container for e in f.extensions]
+        if endings:
+            parts.append(f"{info.display} {'/'.join(dict.fromkeys(endings))}")
+    return ", ".join(parts)
+
+
+def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
+    """(backend, its FileFormat) holding the file ``probe`` describes: every registered format's
+    ``sniff`` is asked (safetensors formats for safetensors files, the others for the rest); the
+    highest ``Match`` wins, a tie goes to the backend registered first. ``format`` (a backend
+    name) takes that backend's best format that fits at all; CheckpointError when none does or
+    no format knows the file."""
+    safetensors = probe.metadata is not None
+    from ._registry import formats
+
+    scored = []
+    for order, (backend, fmt) in enumerate(formats()):
+        if fmt.sniff is None or fmt.container is None or fmt.safetensors != safetensors:
+            continue
+        try:
+            score = int(fmt.sniff(probe))
+        except DenseBridgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a backend's sniff failed: name it, never its traceback
+            raise CheckpointError(f"cannot read {probe.path}: the {backend} backend's {fmt.label!r} format failed to "
+                                  f"check it ({type(exc).__name__}: {_first_line(exc)})") from None
+        if score > Match.NO:
+            scored.append((score, -order, backend, fmt))
+    if format is not None and format != "dense_bridge":
+        mine = [s for s in scored if s[2] == format]
+        if mine:
+            _, _, backend, fmt = max(mine, key=lambda s: s[:2])
+            return backend, fmt
+        if scored:
+            label = max(scored, key=lambda s: s[:2])[3].label
+            owners = " or ".join(dict.fromkeys(s[2] for s in scored))
+            raise CheckpointError(f"{probe.path} is a {label}, which holds {owners} weights, not {format}")
+    if not scored:
+        what = f"its first bytes {probe.head[:12]!r}"
+        if safetensors:
+            what = "a safetensors file whose metadata and names"
+        elif probe.zip_names() is not None:
+            what = f"a zip archive holding {probe.zip_names()[:5]}, which"
+        raise CheckpointError(f"cannot read {probe.path} (extension {probe.ext}): {what} match no supported format. "
+                              f"Supported: {supported_formats()}")
+    _, _, backend, fmt = max(scored, key=lambda s: s[:2])
+    return backend, fmt
+
+
 def file_adapter(framework: str, what: str):
     """The adapter whose file verbs handle ``framework``'s files; BackendUnavailableError naming
     ``what`` (the file and the job) and the extra to install when the framework is missing or broken."""
-    from ._registry import BACKENDS, get_adapter
+    from ._registry import get_adapter
 
     try:
         return get_adapter(framework)
     except BackendUnavailableError as exc:
         raise BackendUnavailableError(f"{what} needs {framework}, which is not installed. Install it with: "
-                                      f"{BACKENDS[framework].install}") from exc
+                                      f"{_backends()[framework].install}") from exc
     except ImportError as exc:  # installed but broken (a missing shared library, a version clash)
         raise BackendUnavailableError(f"{what} needs {framework}, which cannot be imported ({_first_line(exc)}). "
-                                      f"Reinstall it with: {BACKENDS[framework].install}") from None
+                                      f"Reinstall it with: {_backends()[framework].install}") from None
 
 
 # ============================================================================ reading
-def open_native(path: str, container: str, *, spec=None, like=None, format: str | None = None,
+def open_native(path: str, probe: Probe, *, index: bool = False, spec=None, like=None, format: str | None = None,
                 files: list[SafetensorsFile] | None = None) -> "NativeCheckpoint":
-    """The native checkpoint at ``path`` whose container was sniffed as ``container``.
+    """The native checkpoint at ``path``, recognised from ``probe`` (:func:`identify`).
 
-    Safetensors containers come with their ``files`` already opened (a sharded one: every
-    shard of the index, read once by the caller).
+    Safetensors containers come with their ``files`` already opened (``index``: every shard
+    of a sharded checkpoint's index, read once by the caller).
     """
-    framework, container = _framework_of(path, container, format, files)
-    return NativeCheckpoint(path, framework, container, spec=spec, like=like, files=files)
-
-
-def _framework_of(path: str, container: str, format: str | None, files) -> tuple[str, str]:
-    ext = os.path.splitext(path)[1] or "(none)"
-    if container in ("safetensors", "safetensors-index"):
-        if format in ("torch", "mlx"):
-            return format, container
-        if format is not None and format != "dense_bridge":
-            raise CheckpointError(f"{path} is a safetensors file, which holds torch or MLX weights, not {format}")
-        meta = files[0].metadata if files else {}
-        tag = meta.get("dense_bridge_backend") or meta.get("format", "")
-        if tag in ("mlx",):
-            return "mlx", container
-        if tag in ("pt", "torch"):
-            return "torch", container
-        names = [n for f in (files or []) for n in f.tensors]
-        if names and all(n.startswith("layers.") for n in names):
-            return "mlx", container  # mlx.nn.Sequential keeps its modules in .layers
-        return "torch", container
-    if container == "zip":
-        try:
-            with zipfile.ZipFile(path) as z:
-                names = z.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
-            raise CheckpointError(f"cannot read {path} (extension {ext}): a zip archive that is truncated or "
-                                  f"corrupted ({_first_line(exc)})") from None
-        if any(n.endswith("data.pkl") for n in names):
-            return "torch", "torch-zip"
-        if "config.json" in names and any(n.endswith(".weights.h5") for n in names):
-            return "keras", "keras-model"
-        if names and all(n.endswith(".npy") for n in names):
-            return "mlx", "npz"
-        raise CheckpointError(f"cannot read {path} (extension {ext}): a zip archive that is not a torch, Keras "
-                              f"or .npz checkpoint (it holds {names[:5]})")
-    if container in _OWN_CONTAINERS:
-        framework = _OWN_CONTAINERS[container]
-        if format not in (None, framework):
-            raise CheckpointError(f"{path} is a {_KINDS[framework]}, which holds {framework} weights, not {format}")
-        return framework, container
-    if container == "hdf5":
-        return "keras", "h5"
-    if container == "pickle":
-        return "torch", "torch-legacy"
-    raise CheckpointError(f"cannot read {path}: unknown container {container}")  # pragma: no cover
+    framework, fmt = identify(probe, format)
+    return NativeCheckpoint(path, framework, fmt, index=index, spec=spec, like=like, files=files)
 
 
 class NativeCheckpoint:
     """A framework's own checkpoint file. Names, shapes and dtypes are read without a spec;
     parameters need one (``spec``/``like``) unless the file carries it (``.keras``, files we wrote)."""
 
-    def __init__(self, path: str, framework: str, container: str, *, spec=None, like=None,
-                 files: list[SafetensorsFile] | None = None) -> None:
-        self.path, self.framework, self.container = path, framework, container
+    def __init__(self, path: str, framework: str, file_format: FileFormat, *, index: bool = False, spec=None,
+                 like=None, files: list[SafetensorsFile] | None = None) -> None:
+        self.path, self.framework, self.format = path, framework, file_format
+        # what the adapter's file verbs receive: the declared container ("safetensors-index": sharded)
+        self.container = file_format.container + ("-index" if index else "")
         self.files = files
         self.like = like
         self._info: tuple[dict, dict] | None = None
         self._template = None
-        name = _NAMES[framework]
-        self.kind = {"keras-model": "Keras model file (.keras)", "npz": "MLX weights file (.npz)",
-                     "safetensors": f"{name} safetensors file",
-                     "safetensors-index": f"{name} sharded safetensors checkpoint"}.get(container, _KINDS[framework])
+        self.kind = file_format.label + (", sharded with an index" if index else "")
         self.spec = spec if spec is not None else self._embedded_spec()
-        if self.spec is None and container == "keras-model":
-            self.spec = self._spec_from_model()
-        elif self.spec is None and container in _CARRIES_MODEL:
-            # an exported graph (a whole transformer) has no spec, yet loads as the model it is
+        if self.spec is None and file_format.carries_model:
             try:
                 self.spec = self._spec_from_model()
             except CheckpointError:
-                self.spec = None
+                if not self._loads_without_spec():
+                    raise
 
     def close(self) -> None:
         """Close the safetensors files' descriptors (a loaded template stays valid)."""
@@ -193,7 +190,7 @@ class NativeCheckpoint:
     def _embedded_spec(self):
         if self.files:
             text = self.files[0].metadata.get(SPEC_KEY)
-        elif self.container == "h5":
+        elif self.format.stores_metadata:
             text = self._file_info()[1].get(SPEC_KEY)
         else:
             text = None
@@ -201,7 +198,7 @@ class NativeCheckpoint:
 
     def _need_spec(self) -> None:
         if self.spec is None:
-            name = _NAMES[self.framework]
+            name = _backends()[self.framework].display
             what = f"{'an' if name[0] in 'AEIMO' else 'a'} {name} model"
             raise CheckpointError(
                 f"{self.path} ({self.kind}) holds parameters but not the model's structure (layer types, "
@@ -212,7 +209,7 @@ class NativeCheckpoint:
     def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, native shape, dtype) of every stored tensor, in the file's own names (a
         ``.keras`` file: its model's canonical parameters, the model being loaded anyway)."""
-        if self.container in _CARRIES_MODEL and self.spec is not None:
+        if self.format.carries_model and self.spec is not None:
             from . import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
@@ -239,7 +236,7 @@ class NativeCheckpoint:
         if self._template is None:
             adapter = self._adapter()
             model = None
-            if self.container not in _CARRIES_MODEL:
+            if not self.format.carries_model:
                 model = self._new_template()
             self._template = adapter.read_file(self.path, self.container, model, files=self.files, check=self._check,
                                                borrow=borrow)
@@ -261,8 +258,20 @@ class NativeCheckpoint:
         problems = mismatches(got, expected)
         if problems:
             src = "the given model" if self.like is not None else "the spec"
-            raise CheckpointError(f"{self.path} does not match {src} ({LAYOUT_NOTES[self.framework]}): "
+            note = _backends()[self.framework].manifest.layout_note or f"{self.framework} layout"
+            raise CheckpointError(f"{self.path} does not match {src} ({note}): "
                                   + "; ".join(p.replace("the spec expects", "expected") for p in problems))
+
+    def _loads_without_spec(self) -> bool:
+        """A graph no spec describes (an exported transformer in an ``.onnx`` file) is still a model:
+        it loads on its own backend and its linear layers are found by ``db.linear_layers``; only a
+        conversion needs a spec. Decided by the adapter reading its layers (``walk``) without error."""
+        from .models import walk
+
+        try:
+            return bool(walk(self.template()))
+        except (DenseBridgeError, TypeError):
+            return False
 
     def _spec_from_model(self):
         from . import _api
@@ -270,8 +279,9 @@ class NativeCheckpoint:
         try:
             return _api.to_spec(self.template())
         except (DenseBridgeError, TypeError) as exc:
-            raise CheckpointError(f"{self.path}: the {_NAMES[self.framework]} model cannot be described as a "
-                                  f"dense_bridge spec: {exc}") from None
+            raise CheckpointError(f"{self.path}: the {_backends()[self.framework].display} model cannot be described "
+                                  "as a dense_bridge spec: "
+                                  f"{exc}") from None
 
     # -- the common surface with CanonicalCheckpoint
     def param_views(self) -> dict[str, np.ndarray]:
@@ -279,7 +289,7 @@ class NativeCheckpoint:
         from . import _api
 
         params = _api.get_params(self.template(), copy=False)
-        if self.spec is not None and self.container in _CARRIES_MODEL:
+        if self.spec is not None and self.format.carries_model:
             from ._params import validate_params
 
             try:  # a .keras file carries its own architecture: it must fit the spec given
@@ -294,7 +304,7 @@ class NativeCheckpoint:
         views of the loaded model."""
         from ._safetensors import PendingTensor, pending
 
-        views = self._file_views() if self.spec is not None and self.container not in _CARRIES_MODEL else None
+        views = self._file_views() if self.spec is not None and not self.format.carries_model else None
         if views is None:
             return {k: pending(np.asarray(v)) for k, v in self.param_views().items()}
         # the adapter checked the file's shapes and dtypes against these
@@ -319,12 +329,14 @@ class NativeCheckpoint:
 
         if backend == self.framework:
             model = self.template()
-            if not allow_nonfinite and self.spec is None:  # a whole exported graph: every parameter it holds
-                from .models import walk
+            if not allow_nonfinite:
+                if self.spec is None:  # a whole graph without a spec: every parameter it holds
+                    from .models import walk
 
-                check_finite_params({e.param_path(n): v for e in walk(model) for n, v in e.read().items()}, self.path)
-            elif not allow_nonfinite:
-                check_finite_params(_api.get_params(model, copy=False), self.path)
+                    check_finite_params({e.param_path(n): v for e in walk(model) for n, v in e.read().items()},
+                                        self.path)
+                else:
+                    check_finite_params(_api.get_params(model, copy=False), self.path)
             if progress is not None:
                 progress(1, 1)
             return model
@@ -359,7 +371,7 @@ class NativeCheckpoint:
         safetensors, ``.weights.h5``); a ``.keras`` file carries its own model, and other files
         (legacy torch pickles, ``.npz``) are checked when they are loaded.
         """
-        if self.spec is None or self.container in _CARRIES_MODEL:
+        if self.spec is None or self.format.carries_model:
             return
         if self._file_views() is not None:
             return  # the adapter compared every name, shape and dtype
@@ -484,38 +496,29 @@ class _ViewStream:
 
 
 # ============================================================================ writing
-#: Per backend: (file name endings, kind) in the order they are tried, and what the error says
-#: the files end in when none fits.
-OUTPUT_KINDS = {
-    "torch": ([(TORCH_EXTS, "torch-pickle"), ((".safetensors",), "safetensors")],
-              "torch checkpoints end in .pt, .pth, .bin or .safetensors"),
-    "keras": ([((".weights.h5",), "keras-weights"), ((".keras",), "keras-model")],
-              "Keras checkpoints end in .weights.h5 (weights) or .keras (whole model)"),
-    "mlx": ([((".safetensors",), "safetensors"), ((".npz",), "npz")],
-            "MLX checkpoints end in .safetensors or .npz"),
-    "flax": ([((".msgpack",), "msgpack")], "Flax state files end in .msgpack (flax.serialization)"),
-    "equinox": ([((".eqx",), "eqx")], "Equinox files end in .eqx (eqx.tree_serialise_leaves)"),
-    "onnx": ([((".onnx",), "onnx")], "ONNX models end in .onnx"),
-}
+def _writable(backend: str) -> list[FileFormat]:
+    return [f for f in _backends()[backend].manifest.formats if f.write_kind and f.extensions]
 
 
 def output_kind(backend: str, out: str) -> str:
-    """The file kind to write for ``backend`` at ``out`` (by extension); CheckpointError if none fits."""
-    if backend not in OUTPUT_KINDS:
+    """The file kind to write for ``backend`` at ``out``: the first of its declared formats whose
+    extensions end the name; CheckpointError if none does."""
+    writable = _writable(backend)
+    if not writable:
         raise CheckpointError(f"cannot write {out}: no native file format for backend {backend!r}")
-    endings, expected = OUTPUT_KINDS[backend]
     lower = out.lower()
-    for suffixes, kind in endings:
-        if lower.endswith(suffixes):
-            return kind
-    raise CheckpointError(f"cannot write {out}: {expected}")
+    for fmt in writable:
+        if lower.endswith(fmt.extensions):
+            return fmt.write_kind
+    endings = list(dict.fromkeys(e for f in writable for e in f.extensions))
+    listed = ", ".join(endings[:-1]) + " or " + endings[-1] if len(endings) > 1 else endings[0]
+    raise CheckpointError(f"cannot write {out}: {_backends()[backend].display} files end in {listed}")
 
 
-#: The suffix a temporary needs for the framework's writer to accept it (Keras insists on its
-#: extensions; ``mx.savez`` appends ".npz" to a name without it).
-TEMP_SUFFIX = {"torch-pickle": "", "safetensors": ".safetensors", "npz": ".npz",
-                "keras-weights": ".weights.h5", "keras-model": ".keras", "msgpack": ".msgpack", "eqx": ".eqx",
-               "onnx": ".onnx"}
+def temp_suffix(backend: str, kind: str) -> str:
+    """The suffix a temporary of ``kind`` needs for the framework's writer to accept it (Keras
+    insists on its extensions; ``mx.savez`` appends ".npz" to a name without it)."""
+    return next((f.temp_suffix for f in _writable(backend) if f.write_kind == kind), "")
 
 
 def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
@@ -528,7 +531,7 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         metadata[SPEC_KEY] = spec_json(spec)
     try:
         with AtomicFiles(out) as tx:
-            adapter.write_file(model, out, kind, temp=tx.temp_for(out, TEMP_SUFFIX[kind]), metadata=metadata)
+            adapter.write_file(model, out, kind, temp=tx.temp_for(out, temp_suffix(backend, kind)), metadata=metadata)
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone

@@ -1,7 +1,8 @@
 """``dense-bridge demo``: the whole job on built-in defaults, in a few seconds.
 
 An MLP 32 -> 64 -> 64 -> 10 (relu, relu, softmax) is trained briefly on synthetic data (in
-torch when installed, else in numpy with the reference backward), ported with ``db.convert``
+the first installed framework whose adapter trains, else in numpy with the reference backward),
+ported with ``db.convert``
 to every installed framework, checked layer by layer (outputs and gradients, in tolerance
 units) with ``db.testing.compare``, saved as a canonical checkpoint (single and sharded) and
 as each framework's own file, and reloaded bit for bit. Sizes stay small: MLX's Linux CPU
@@ -20,7 +21,18 @@ from typing import Any
 import numpy as np
 
 IN, HIDDEN, OUT, N = 32, 64, 10, 256
-NATIVE_FILES = {"torch": "demo_torch.pt", "keras": "demo_keras.weights.h5", "mlx": "demo_mlx.safetensors"}
+
+
+def native_files(backends: list[str]) -> dict[str, str]:
+    """backend -> the demo's file name in its first declared writable format (from the registry)."""
+    from ._registry import manifest
+
+    out = {}
+    for b in backends:
+        ending = next((f.extensions[0] for f in manifest(b).formats if f.write_kind and f.extensions), None)
+        if ending is not None:
+            out[b] = f"demo_{b}{ending}"
+    return out
 
 
 def demo_spec():
@@ -71,13 +83,17 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
     from ._registry import get_adapter
     from ._text import table
     from .testing import compare
+    from ._manifest import GRADIENTS
+    from ._registry import has_capability
 
     check_type("steps", steps, numbers.Integral, "a non-negative integer")
     if steps < 0:
         raise SpecError(f"steps must be a non-negative integer. {received('steps', steps)}")
     backends = db.available_backends()
-    # the first installed backend whose adapter trains (the train_sgd verb): torch, else numpy
-    trainer = next(b for b in ("torch", "numpy") if b in backends and hasattr(get_adapter(b), "train_sgd"))
+    # the first installed framework whose adapter trains (the train_sgd verb), else the reference
+    reference = "numpy"
+    trainer = next(b for b in [b for b in backends if b != reference] + [reference]
+                   if hasattr(get_adapter(b), "train_sgd"))
     spec = demo_spec()
     x, y = synthetic_data(seed)
     rows = _Rows()
@@ -88,7 +104,7 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
         model = db.compile(spec, trainer, seed=seed)
         probs_before, probs_after = get_adapter(trainer).train_sgd(model, x, y, steps=steps, lr=0.5)
         before, after = _loss_acc(probs_before, y), _loss_acc(probs_after, y)
-        how = "SGD, torch autograd" if trainer == "torch" else "SGD, reference backward"
+        how = "SGD, reference backward" if trainer == reference else f"SGD, {trainer} autograd"
         rows.add(f"train {steps} steps ({how})", trainer,
                  after[0] < before[0] or steps == 0, time.perf_counter() - t,
                  f"loss {before[0]:.2f} -> {after[0]:.2f}, accuracy {before[1]:.0%} -> {after[1]:.0%}")
@@ -107,10 +123,10 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
             if b == trainer:
                 continue
             t = time.perf_counter()
-            report = compare(other, model, seed=seed)
+            grads = has_capability(b, GRADIENTS)  # an inference engine (onnxruntime) runs forward only
+            report = compare(other, model, seed=seed, grads=grads)
             worst = report.worst
-            step = "outputs (forward only)" if report.gradients_note else "outputs + gradients"
-            rows.add(step, f"{b} vs {trainer}", bool(report.passed), time.perf_counter() - t,
+            rows.add("outputs + gradients" if grads else "outputs (forward only)", f"{b} vs {trainer}", bool(report.passed), time.perf_counter() - t,
                      f"{len(report.rows)} quantities" if report.passed else report.verdict(),
                      None if worst is None else worst.max_abs_error, None if worst is None else worst.units)
 
@@ -131,9 +147,7 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
         rows.add("save + load sharded", "numpy", same, time.perf_counter() - t,
                  f"{len(files) - 1} shards + index, bit-identical" if same else "reloaded parameters differ", 0.0)
 
-        for b, name in NATIVE_FILES.items():
-            if b not in backends:
-                continue
+        for b, name in native_files(backends).items():
             out = os.path.join(workdir, name)
             t = time.perf_counter()
             checkpoint.convert_file(path, b, out)

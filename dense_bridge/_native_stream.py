@@ -102,7 +102,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     from . import _api
     from ._checkpoint_io import AtomicFiles, check_writable
     from ._checkpoint_meta import spec_json
-    from ._checkpoint_native import SPEC_KEY, TEMP_SUFFIX, canonical_shapes, file_adapter, output_kind, \
+    from ._checkpoint_native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
         structure_twin
     from ._file_fill import Slot, fill
     from ._params import ParamSource
@@ -132,7 +132,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
 
     try:
         with AtomicFiles(out) as tx:
-            temp = tx.temp_for(out, TEMP_SUFFIX[kind])
+            temp = tx.temp_for(out, temp_suffix(backend, kind))
             layout = lay_out(twin, spec, out, kind, temp=temp, metadata=metadata)
             if layout is None or set(layout.places) != set(shapes):
                 raise _NoLayout

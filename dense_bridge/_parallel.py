@@ -412,8 +412,8 @@ def parallel_adapter(backend: str):
 
     adapter = get_adapter(backend)
     if not hasattr(adapter, "compile_parallel"):
-        raise SpecError(f"parallel= is not supported on the {backend!r} backend yet (torch: issue 16; MLX, Keras "
-                        f"on JAX, Flax: issue 17). {received('backend', backend)}")
+        raise SpecError(f"parallel= is not supported on the {backend!r} backend (its adapter has no "
+                        f"compile_parallel verb). {received('backend', backend)}")
     return adapter
 
 

@@ -82,8 +82,8 @@ def save_hook(obj: Any, path: Any, format: str | None):
     state = adapter.parallel_state(obj) if adapter is not None and hasattr(adapter, "parallel_state") else None
     if format == "dcp":
         if adapter is None or not hasattr(adapter, "save_dcp"):
-            raise CheckpointError(f'format="dcp" is torch.distributed.checkpoint: it saves torch modules. '
-                                  f"Received: obj of type {type(obj).__name__}")
+            raise CheckpointError(f'format="dcp" (a distributed checkpoint directory) saves models of a backend '
+                                  f"whose adapter writes them (a save_dcp verb). Received: obj of type {type(obj).__name__}")
         return adapter.save_dcp(obj, os.fspath(path), json.dumps(adapter.to_spec(obj).to_config()))
     if state is None:
         return PASS
@@ -133,6 +133,16 @@ def load_checkpoint_parallel(ckpt, backend: str | None, parallel: Any, group: An
     return adapter.compile_parallel(ckpt.spec, block, "auto" if parallel is None else parallel, group)
 
 
+def _dcp_backend(path: str) -> str:
+    """The backend whose manifest declares the "dcp" capability (it reads DCP directories)."""
+    from ._registry import has_capability, names
+
+    found = [n for n in names() if has_capability(n, "dcp")]
+    if not found:
+        raise CheckpointError(f"{path} is a DCP directory, which no registered backend reads")
+    return found[0]
+
+
 def _load_dcp(path: str, backend, spec, like, parallel, group):
     if spec is None and like is not None:
         spec = _to_spec(like)
@@ -144,21 +154,23 @@ def _load_dcp(path: str, backend, spec, like, parallel, group):
             raise CheckpointError(f"{path} is a DCP directory without dense_bridge's {DCP_SPEC}: pass spec= or like=") from None
         except (OSError, ValueError, TypeError, SpecError) as exc:
             raise CheckpointError(f"{path}/{DCP_SPEC} cannot be read: {exc}") from None
-    torch_adapter = get_adapter("torch")
+    dcp_backend = _dcp_backend(path)
+    dcp_adapter = get_adapter(dcp_backend)
     if parallel is not None or group is not None:
-        if backend not in (None, "torch"):
-            raise CheckpointError(f"a DCP directory loads in parallel onto torch only. {received('backend', backend)}")
+        if backend not in (None, dcp_backend):
+            raise CheckpointError(f"a DCP directory loads in parallel onto {dcp_backend} only. "
+                                  f"{received('backend', backend)}")
 
         def zeros(position, name, index):  # DCP fills the tensors: no init draw needed
             layer = spec_layers(spec)[position]
             return np.zeros(tuple(s.stop - s.start for s in index), dtype=numpy_dtype(layer.dtype))
 
-        native = torch_adapter.compile_parallel(spec, zeros, "auto" if parallel is None else parallel, group)
-        torch_adapter.load_dcp(native, path)
+        native = dcp_adapter.compile_parallel(spec, zeros, "auto" if parallel is None else parallel, group)
+        dcp_adapter.load_dcp(native, path)
         return native
-    native = _compile(spec, "torch", seed=0)
-    torch_adapter.load_dcp(native, path)
-    if backend == "torch":
+    native = _compile(spec, dcp_backend, seed=0)
+    dcp_adapter.load_dcp(native, path)
+    if backend == dcp_backend:
         return native
     params = _get_params(native)
     return (spec, params) if backend is None else _compile(spec, backend, params=params)

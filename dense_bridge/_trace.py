@@ -26,7 +26,4 @@ class LayerTrace:
 
 @dataclass
 class Trace:
-    """``gradients`` False: a forward-only backend (onnxruntime) recorded outputs and no gradients."""
-
     layers: list[LayerTrace]
-    gradients: bool = True

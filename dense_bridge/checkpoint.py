@@ -373,8 +373,8 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     check_writable(path)
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
-    if path.lower().endswith(".onnx"):
-        return _save_onnx(obj, path, allow_nonfinite)
+    if (backend := _model_file_backend(path)) is not None:
+        return _save_model_file(obj, path, backend, allow_nonfinite)
     spec, tensors, source = _resolve(obj, path, allow_nonfinite)
     for name in tensors:  # before anything is written
         check_tensor_name(name, path)
@@ -387,23 +387,36 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
             from exc
 
 
-def _save_onnx(obj: Any, path: str, allow_nonfinite: bool) -> list[str]:
-    """A ``.onnx`` path: an ONNX model is written as it is, anything else compiled to ONNX first."""
+def _model_file_backend(path: str) -> str | None:
+    """The backend whose declared whole-model format (``carries_model``) the name of ``path`` ends in."""
+    from ._registry import formats
+
+    lower = path.lower()
+    return next((name for name, fmt in formats()
+                 if fmt.carries_model and fmt.write_kind and fmt.extensions and lower.endswith(fmt.extensions)), None)
+
+
+def _save_model_file(obj: Any, path: str, backend: str, allow_nonfinite: bool) -> list[str]:
+    """``obj`` as ``backend``'s whole-model file: written as it is when it is that backend's model,
+    else its spec and parameters compiled there first."""
     from . import _api
     from ._checkpoint_native import write_native
-    from ._registry import backend_of
 
     try:
-        native = backend_of(obj, "obj") == "onnx"
+        own = _api.backend(obj) == backend
     except TypeError:
-        native = False
-    if not native:
+        own = False
+    if not own:
         spec, tensors, _ = _resolve(obj, path, allow_nonfinite)
         if spec is None:
-            raise CheckpointError(f"cannot save {path} as ONNX: the object carries no spec to compile")
-        params = {k: np.asarray(t.produce()) for k, t in tensors.items()}
-        obj = _api.compile(spec, "onnx", params=params, allow_nonfinite=allow_nonfinite)
-    return write_native(obj, "onnx", path)
+            raise CheckpointError(f"cannot save {path}: a whole-model file needs the model's spec, and the params "
+                                  f"given carry none: pass (spec, params) or a model")
+        try:
+            obj = _api.compile(spec, backend, params={k: np.asarray(t.produce()) for k, t in tensors.items()},
+                               allow_nonfinite=allow_nonfinite)
+        except DenseBridgeError as exc:
+            raise CheckpointError(f"cannot save {path}: {exc}") from None
+    return write_native(obj, backend, path)
 
 
 # ============================================================================ reading
@@ -413,11 +426,11 @@ class _Changed(Exception):
 
 def _open_sniffed(path: str) -> tuple[str, int]:
     """(kind, open descriptor) of the file at ``path``, judged by content: "safetensors",
-    "index", "zip", "hdf5", "eqx", "msgpack" (by content and extension), "pickle". The caller
-    owns the descriptor."""
+    "index" (a JSON index), or "native" (for the backends' declared formats to recognise:
+    ``_checkpoint_native.identify``). The caller owns the descriptor."""
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
-                              "(model.safetensors, model.safetensors.index.json, model.pt, ...)")
+                              "(model.safetensors, model.safetensors.index.json, ...)")
     try:
         fd = open_readonly(path)  # refuses FIFOs and devices without blocking
     except FileNotFoundError:
@@ -431,37 +444,35 @@ def _open_sniffed(path: str) -> tuple[str, int]:
         raise
 
 
-def _kind(path: str, fd: int) -> str:
+def _head(path: str, fd: int) -> tuple[bytes, int]:
+    """(the first 64 bytes, the size) of the open file."""
     try:
-        size = os.fstat(fd).st_size
-        head = read_at(fd, 64, 0)
+        return read_at(fd, 64, 0), os.fstat(fd).st_size
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _kind(path: str, fd: int) -> str:
+    head, size = _head(path, fd)
     if size == 0:
         raise CheckpointError(f"cannot read {path}: the file is empty (0 bytes)")
     if is_safetensors(head, size):
         return "safetensors"
     if head.lstrip()[:1] == b"{":
         return "index"
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return "zip"
-    if head.startswith(b"\x89HDF\r\n\x1a\n"):
-        return "hdf5"
-    ext = os.path.splitext(path)[1] or "(none)"
-    if head.startswith(b"\x93NUMPY"):  # .npy records one after another: eqx.tree_serialise_leaves
-        return "eqx"
-    # msgpack has no magic: a map (fixmap 0x81-0x8f, map16, map32) in a file named .msgpack; checked
-    # before pickle, whose protocol byte 0x80 a fixmap of zero entries would share
-    if ext.lower() == ".msgpack" and (0x81 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
-        return "msgpack"
-    if head[:1] == b"\x80" or head.startswith(b"\x8a\x0a"):  # pickle protocol 2+ (torch's legacy format)
-        return "pickle"
-    if ext.lower() == ".onnx":  # a protobuf has no magic: the extension, then the parser decides
-        return "onnx"
-    reason = f"its first bytes {head[:12]!r} match no supported format"
-    raise CheckpointError(
-        f"cannot read {path} (extension {ext}): {reason}. Supported: dense_bridge/torch/MLX .safetensors "
-        "(+ .index.json), torch .pt/.pth/.bin, Keras .weights.h5/.keras, MLX .npz, Flax .msgpack, Equinox .eqx")
+    return "native"
+
+
+def _probe(path: str, files: list[SafetensorsFile], fd: int | None = None):
+    """What the backends' declared formats sniff (``_manifest.Probe``): the head of the file, or
+    the opened safetensors files' metadata and tensor names."""
+    from ._manifest import Probe
+
+    if fd is not None:
+        head, size = _head(path, fd)
+        return Probe(path, head, size)
+    return Probe(path, b"", 0, metadata=dict(files[0].metadata) if files else {},
+                 tensor_names=[n for f in files for n in f.tensors])
 
 
 def _read_all(path: str, fd: int) -> bytes:
@@ -697,8 +708,9 @@ def _open_index(path: str, raw: bytes, spec, like, format):
         if isinstance(meta, dict) and meta.get("format") == FORMAT and format in (None, "dense_bridge"):
             return CanonicalCheckpoint(path, list(files.values()), dict(meta), spec, index_path=path)
         # a hub index of native shards
-        return native.open_native(path, "safetensors-index", spec=spec, like=like, format=format,
-                                  files=list(files.values()))
+        shards = list(files.values())
+        return native.open_native(path, _probe(path, shards), index=True, spec=spec, like=like, format=format,
+                                  files=shards)
     except BaseException:
         for f in files.values():
             f.close()
@@ -722,15 +734,17 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
     spec = _spec_arg(spec)
     if like is not None:
         if not _is_native(like):
-            raise TypeError("like must be a native model or layer of the checkpoint's architecture (torch "
-                            "nn.Module, keras Layer/Model, mlx nn.Module, dense_bridge numpy layer); pass a "
-                            f"dense_bridge spec as spec= instead. {received('like', like)}")
+            from ._registry import names
+
+            raise TypeError("like must be a native model or layer of the checkpoint's architecture (of a registered "
+                            f"backend: {', '.join(names())}); pass a dense_bridge spec as spec= instead. "
+                            f"{received('like', like)}")
         if spec is None:
             from . import _api
 
             spec = _api.to_spec(like)
-    if format is not None and format not in native.FORMATS:
-        raise SpecError(f"format must be one of {', '.join(native.FORMATS)}. {received('format', format)}")
+    if format is not None and format not in native.format_names():
+        raise SpecError(f"format must be one of {', '.join(native.format_names())}. {received('format', format)}")
     for _ in range(_READ_ATTEMPTS):
         try:
             return _open_once(path, spec, like, format)
@@ -760,17 +774,18 @@ def _open_once(path: str, spec, like, format):
                     raise CheckpointError(f"{target} is shard {st.metadata['shard']} of a sharded checkpoint: load "
                                           f"its index {index} instead")
                 return CanonicalCheckpoint(target, [st], st.metadata, spec)
-            return native.open_native(target, "safetensors", spec=spec, like=like, format=format, files=[st])
+            return native.open_native(target, _probe(target, [st]), spec=spec, like=like, format=format, files=[st])
         except BaseException:
             st.close()
             raise
     try:
         raw = _read_all(target, fd) if kind == "index" else None
+        probe = _probe(target, [], fd) if kind == "native" else None
     finally:
         os.close(fd)  # other kinds are read by their framework, from the path
     if kind == "index":
         return _open_index(target, raw, spec, like, format)
-    return native.open_native(target, kind, spec=spec, like=like, format=format)
+    return native.open_native(target, probe, spec=spec, like=like, format=format)
 
 
 def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None,

@@ -19,8 +19,37 @@ from typing import Any, Sequence
 from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
 
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
-BACKEND_CHOICES = ("canonical", "numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")
-RUN_CHOICES = ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")
+
+
+def run_choices() -> tuple[str, ...]:
+    """What --backend-a/-b accept: every registered backend (read from the registry at run time)."""
+    from ._registry import names
+
+    return names()
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What --to accepts: the canonical format and every registered backend."""
+    return ("canonical",) + run_choices()
+
+
+def format_choices() -> tuple[str, ...]:
+    """What --format accepts: every backend that declares a file format."""
+    from ._checkpoint_native import format_names
+
+    return tuple(n for n in format_names() if n != "dense_bridge")
+
+
+def _output_help() -> str:
+    """The endings each backend writes, from the registry: ".pt/.pth/.bin/.safetensors (torch), ..."."""
+    from ._registry import backends
+
+    parts = []
+    for name, info in backends().items():
+        endings = [e for f in info.manifest.formats if f.write_kind for e in f.extensions]
+        if endings:
+            parts.append(f"{'/'.join(dict.fromkeys(endings))} ({name})")
+    return "output file: " + ", ".join(parts + ["any name for canonical"])
 
 
 # ============================================================================ formatting helpers
@@ -121,40 +150,49 @@ def _spec_of_checkpoint(path: str):
         return ckpt.spec
 
 
-def _is_keras_file(path: str | None) -> bool:
-    """Whether ``path`` holds Keras data (HDF5 weights or a .keras zip), judged by its first bytes."""
+def _file_backend(path: str | None) -> str | None:
+    """The backend whose declared format holds the file at ``path``, judged by its first bytes
+    (None when it is no native file, or cannot be read: the command reports that itself)."""
     if not path or not os.path.isfile(path):
-        return False
+        return None
+    from . import _checkpoint_native, _errors
+    from ._manifest import Probe
+
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return False
-    return head.startswith(b"\x89HDF") or (head.startswith(b"PK") and path.lower().endswith(".keras"))
+            head = f.read(64)
+        return _checkpoint_native.identify(Probe(path, head, os.path.getsize(path)))[0]
+    except (OSError, _errors.DenseBridgeError):
+        return None
 
 
-def _needs_keras(args) -> bool:
-    if args.command == "demo":
-        return True
-    if args.command == "convert":
-        return args.to == "keras" or _is_keras_file(args.src)
-    if args.command == "check":
-        return "keras" in (args.backend_a, args.backend_b) or _is_keras_file(args.a) or _is_keras_file(args.b)
-    return args.command == "inspect" and _is_keras_file(args.src) and args.src.lower().endswith(".keras")
+def _quiet_backends(args) -> list[str]:
+    """Installed backends declaring ``quiet_import`` that this command will use: named by
+    --to/--backend-a/-b, owning one of its files, or all of them for the demo."""
+    from ._registry import available_backends, backends
+
+    quiet = [n for n in available_backends() if backends()[n].manifest.quiet_import]
+    if not quiet or args.command == "demo":
+        return quiet
+    wanted = {getattr(args, k, None) for k in ("to", "backend_a", "backend_b")}
+    wanted |= {_file_backend(getattr(args, k, None)) for k in ("src", "a", "b")}
+    return [n for n in quiet if n in wanted]
 
 
-def import_keras_quietly() -> None:
-    """Import Keras (and TensorFlow) and dense_bridge's Keras adapter with file descriptor 2 silenced.
+def import_quietly(names: Sequence[str] | None = None) -> None:
+    """Import these backends' adapters (default: every installed one declaring ``quiet_import``)
+    with file descriptor 2 silenced.
 
     TensorFlow's C++ start-up lines (absl "All log messages before absl::InitializeLog()",
     oneDNN notices) bypass TF_CPP_MIN_LOG_LEVEL and Python; they would bury our one-line errors.
-    Importing the adapter registers dense_bridge's Keras classes (DenseBridgeDense, Bilinear,
-    ExactActivation, ...) with keras.saving, which a ``.keras`` file using them needs before any
-    ``keras.saving.load_model`` in this fresh process.
+    Importing an adapter also registers its own classes with its framework (Keras'
+    ``keras.saving`` needs dense_bridge's layer classes before it loads a file using them).
     """
-    from ._registry import available_backends, get_adapter
+    from ._registry import available_backends, backends, get_adapter
 
-    if "keras" not in available_backends():
+    if names is None:
+        names = [n for n in available_backends() if backends()[n].manifest.quiet_import]
+    if not names:
         return
     sys.stderr.flush()
     saved = os.dup(2)
@@ -162,7 +200,8 @@ def import_keras_quietly() -> None:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
             try:
-                get_adapter("keras")  # imports keras (and its backend) with the adapter
+                for name in names:
+                    get_adapter(name)  # imports the framework with the adapter
             finally:
                 os.dup2(saved, 2)
     finally:
@@ -401,18 +440,19 @@ def cmd_demo(args) -> int:
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
+    from ._checkpoint_native import supported_formats
     from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="dense-bridge",
-        description="Port Dense/MLP models between torch, Keras, MLX and numpy: convert checkpoints, check "
-                    "equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
+        description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
+                    "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
-                       description="Build an MLP, train it briefly (torch when installed, else numpy), port it "
+                       description="Build an MLP, train it briefly (on the first installed backend whose adapter trains), port it "
                                    "to every installed framework, check outputs and gradients, save and reload "
                                    "it, and print what happened.")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -422,19 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="convert a checkpoint to another framework's format",
-                       description="Convert SRC (a dense_bridge checkpoint, torch .pt/.pth/.bin/.safetensors, "
-                                   "Keras .weights.h5/.keras, MLX .safetensors/.npz, Flax .msgpack, Equinox .eqx) to BACKEND's "
-                                   "format at OUT. "
+                       description=f"Convert SRC (a {supported_formats()} file) to BACKEND's format at OUT. "
                                    "--to canonical (or numpy) writes a dense_bridge checkpoint, shardable with "
                                    "--max-shard-size. Files without a stored spec need --spec.")
     p.add_argument("src", metavar="SRC", help="source checkpoint")
-    p.add_argument("--to", required=True, choices=BACKEND_CHOICES, metavar="BACKEND",
-                   help=f"target: {', '.join(BACKEND_CHOICES)}")
-    p.add_argument("-o", "--output", required=True, metavar="OUT",
-                   help="output file: .pt/.pth/.bin/.safetensors (torch), .weights.h5/.keras (keras), "
-                        ".safetensors/.npz (mlx), .msgpack (flax), .eqx (equinox), any name for canonical")
+    p.add_argument("--to", required=True, choices=backend_choices(), metavar="BACKEND",
+                   help=f"target: {', '.join(backend_choices())}")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help=_output_help())
     p.add_argument("--spec", metavar="SPEC", help="spec JSON file (spec.to_config()), or a checkpoint to take it from")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"),
+    p.add_argument("--format", choices=format_choices(),
                    help="how to read a native SRC when its content is ambiguous (e.g. a bare .safetensors)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="shard a canonical output: bytes or e.g. 10MB, 4MiB, 1GB")
     g = p.add_mutually_exclusive_group()
@@ -448,14 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load A and B (each on its own framework; canonical checkpoints on numpy), run "
                                    "both on the same inputs and compare outputs and gradients layer by layer. "
                                    "Exit 0 equivalent, 1 not equivalent, 2 bad input.")
-    p.add_argument("a", metavar="A", help="first checkpoint or .keras model")
-    p.add_argument("b", metavar="B", help="second checkpoint or .keras model (the reference)")
+    p.add_argument("a", metavar="A", help="first checkpoint or whole-model file")
+    p.add_argument("b", metavar="B", help="second checkpoint or whole-model file (the reference)")
     p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none (both sides)")
     p.add_argument("--spec-a", metavar="SPEC", help="spec for A only")
     p.add_argument("--spec-b", metavar="SPEC", help="spec for B only")
-    p.add_argument("--backend-a", choices=RUN_CHOICES, help="run A on this backend")
-    p.add_argument("--backend-b", choices=RUN_CHOICES, help="run B on this backend")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--backend-a", choices=run_choices(), help="run A on this backend")
+    p.add_argument("--backend-b", choices=run_choices(), help="run B on this backend")
+    p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--batch-size", type=int, default=8, help="rows of random input (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--no-grads", action="store_true", help="compare outputs only")
@@ -473,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "parameter counts) and every stored tensor.")
     p.add_argument("src", metavar="SRC", help="checkpoint or model file")
     p.add_argument("--spec", metavar="SPEC", help="spec for files that carry none")
-    p.add_argument("--format", choices=("torch", "keras", "mlx"), help="how to read ambiguous native files")
+    p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
     return parser
@@ -495,8 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import DenseBridgeError
 
     try:
-        if _needs_keras(args):
-            import_keras_quietly()
+        import_quietly(_quiet_backends(args))
         return args.func(args)
     except (DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         if os.environ.get("DENSE_BRIDGE_DEBUG"):

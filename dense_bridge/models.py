@@ -582,22 +582,25 @@ def empty_params_error(adapter: Any, native: Any) -> ConversionError | None:
 
 
 # ----------------------------------------------------------------------------- weights files
-#: How each framework's files store a linear kernel, by parameter name: what `inspect` assumes
-#: when a plain state dict or weights file carries no spec (the file cannot say; GPT-2's Conv1D
-#: stores its "weight" as (in, out) in a torch file, for one).
-FILE_LAYOUTS = {
-    "torch": ("weight", "out_in", "torch stores Linear weight as (out, in)"),
-    "mlx": ("weight", "out_in", "MLX stores Linear weight as (out, in)"),
-    # .weights.h5 names variables by position: "layers/dense/vars/0" is a Dense kernel, "vars/1" its bias
-    "keras": ("vars/0", "in_out", "Keras stores Dense kernel as (in, out)"),
-    None: ("weight", "out_in", "a 'weight' is (out, in) by the torch/MLX convention"),
-}
+def _file_names(framework: str | None):
+    """How ``framework``'s plain weights files name a linear kernel (its manifest's ``file_names``:
+    what ``inspect`` assumes when a file carries no spec; the file cannot say, GPT-2's Conv1D stores
+    its "weight" as (in, out) in a torch file, for one), else the common (out, in) "weight"."""
+    from ._manifest import FileNames
+    from ._registry import backends
+
+    info = backends().get(framework) if framework else None
+    names = info.manifest.file_names if info is not None else None
+    return names if names is not None else FileNames()
+
+
 _EMBEDDING_HINTS = ("embed", "wte", "wpe", "token_type", "position_embeddings", "shared")
 
 
 def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | None) -> list[dict]:
-    """Linear layers recognised by name in a plain weights file: ``<layer>.weight`` (torch, MLX,
-    safetensors) or ``<layer>/kernel`` (Keras) of rank 2, with a rank-1 bias of the units beside it.
+    """Linear layers recognised by name in a plain weights file: ``<layer><sep><kernel>`` as the
+    framework's manifest declares (``FileNames``: ``<layer>.weight`` by default) of rank 2, with a
+    rank-1 bias of the units beside it.
 
     ``entries``: (tensor name, shape, dtype) as a checkpoint lists them. Each row has the layer
     path, in_features, units, bias (bool), dtype and ``layout``: the framework's convention,
@@ -605,11 +608,11 @@ def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | N
     GPT-2's Conv1D weight (in, out), reads either way). 2-D tensors of embedding-like names are
     left out.
     """
-    name, layout, why = FILE_LAYOUTS.get(framework, FILE_LAYOUTS[None])
+    convention = _file_names(framework)
+    name, layout, why = convention.kernel, convention.layout, convention.why
     shapes = {n: (tuple(s), d) for n, s, d in entries}
     rows = []
-    sep = "/" if framework == "keras" else "."
-    bias_name = "vars/1" if framework == "keras" else "bias"
+    sep, bias_name = convention.sep, convention.bias
     for tensor, (shape, dtype) in shapes.items():
         if not tensor.endswith(sep + name) and tensor != name or len(shape) != 2:
             continue

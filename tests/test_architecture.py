@@ -11,6 +11,7 @@ All three read source files with ``ast``: nothing here imports a framework.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from dense_bridge._registry import BACKENDS, available_backends, get_adapter
 CORE = Path(dense_bridge.__file__).parent
 ADAPTERS = CORE.parent / "backends"  # installed as dense_bridge.backends (pyproject package-dir)
 
-FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox"}
+FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox", "onnx", "onnxruntime"}
 
 #: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
 #: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
@@ -154,6 +155,131 @@ def test_import_dense_bridge_imports_no_framework():
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FRAMEWORKS)!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------------------------------ the core names no framework
+def _builtin_extensions() -> set[str]:
+    """Every name ending a built-in manifest declares, except those of the core's own formats:
+    .safetensors (the canonical checkpoint) and numpy's .npz (the --inputs file)."""
+    from dense_bridge._registry import BUILTIN, manifest
+
+    return {e for name in BUILTIN for f in manifest(name).formats for e in f.extensions} - {".safetensors", ".npz"}
+
+
+def _forbidden_words() -> re.Pattern:
+    """Framework names (the built-in backends but the numpy reference, and the packages they run on)
+    as whole words ("torch_default", an initializer's name, is another word), and the file endings
+    the built-in manifests declare."""
+    from dense_bridge._registry import BUILTIN
+
+    names = sorted((set(BUILTIN) - {"numpy"}) | FRAMEWORKS)
+    endings = sorted(re.escape(e) for e in _builtin_extensions())
+    return re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(names) + r")(?![A-Za-z0-9_])|(" + "|".join(endings)
+                      + r")(?![A-Za-z0-9_])", re.IGNORECASE)
+
+
+#: Core string literals allowed to name a framework: {(file, literal): why}. Keep it short.
+FRAMEWORK_NAME_ALLOWLIST: dict[tuple[str, str], str] = {
+    **{("_registry.py", name): "the registry's one line per built-in backend" for name in
+       ("torch", "keras", "mlx", "flax", "equinox", "onnx")},
+}
+
+
+def _string_literals(tree: ast.AST):
+    """(line, text) of every string constant that is not a docstring (f-string parts included)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            docstrings.add(id(node.body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_no_core_string_names_a_framework_or_its_file_format():
+    """Tables keyed by framework names or file endings, sniffing by framework, messages listing
+    frameworks: all of it belongs in the backends' manifests, which the core reads through the
+    registry. Docstrings and comments may explain with examples; code may not depend on them."""
+    words = _forbidden_words()
+    offenders, used = [], set()
+    for path in _core_files():
+        rel = path.relative_to(CORE).as_posix()
+        for line, text in _string_literals(ast.parse(path.read_text(), str(path))):
+            if words.search(text):
+                if (rel, text) in FRAMEWORK_NAME_ALLOWLIST:
+                    used.add((rel, text))
+                    continue
+                offenders.append(f"dense_bridge/{rel}:{line}: {text[:90]!r}")
+    assert not offenders, "declare it in backends/<fw>/_manifest.py instead:\n" + "\n".join(offenders)
+    assert not set(FRAMEWORK_NAME_ALLOWLIST) - used, f"stale: {set(FRAMEWORK_NAME_ALLOWLIST) - used}"
+
+
+def test_the_name_check_sees_tables_and_messages():
+    words = _forbidden_words()
+    src = ('FORMATS = {"torch": (".pt",)}\nSUFFIX = {".weights.h5": "k"}\nmsg = f"needs Keras {x}"\n'
+           'ok = "torch_default"\n')
+    hits = [t for _, t in _string_literals(ast.parse(src)) if words.search(t)]
+    assert sorted(hits) == sorted(["torch", ".pt", ".weights.h5", "needs Keras "]), hits
+
+
+def test_backend_facts_come_from_the_manifests():
+    """What the core once kept in tables is each built-in manifest's declaration now."""
+    from dense_bridge._registry import BUILTIN, manifest
+
+    declared = {name: manifest(name) for name in BUILTIN}
+    assert {n for n, m in declared.items() if m.formats} == set(BUILTIN) - {"numpy"}
+    top = max(declared, key=lambda n: declared[n].owner_priority)
+    assert top == "keras"  # on its torch engine a Keras layer is a torch nn.Module too
+    pyproject = (CORE.parent / "pyproject.toml").read_text()
+    assert not re.search(r"^packages\s*=", pyproject, re.MULTILINE), "packages are discovered (setup.py)"
+
+
+def test_manifests_load_without_their_framework():
+    """The registry reads every manifest, sniffs a file and lists the formats, importing no framework."""
+    code = ("import sys, dense_bridge as db; from dense_bridge import _registry, _checkpoint_native as n; "
+            "[_registry.manifest(b) for b in _registry.names()]; n.supported_formats(); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FRAMEWORKS)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_adapter_kit_offers_every_name_it_lists():
+    """dense_bridge.adapter_kit, the public module outside adapters import from, resolves every
+    name of its __all__ (each loaded from its core module on first use)."""
+    from dense_bridge import adapter_kit
+
+    assert isinstance(adapter_kit.CONTRACT_VERSION, int)
+    missing = [n for n in adapter_kit.__all__ if getattr(adapter_kit, n, None) is None]
+    assert not missing, missing
+    assert adapter_kit.ParamSource.__module__ == "dense_bridge._params"
+    assert set(adapter_kit.REQUIRED_VERBS) >= {"owns", "compile", "trace", "file_info"}
+
+
+def test_import_with_an_entry_point_installed_imports_no_framework(tmp_path):
+    """An installed backend whose package imports a framework at the top is registered by its
+    entry point's name only: importing dense_bridge, listing backends, compiling on the reference
+    backend and sniffing a file import neither that package nor any framework."""
+    package = tmp_path / "heavy_adapter"
+    package.mkdir()
+    (package / "__init__.py").write_text("import torch  # a framework, at the top\nraise SystemExit('imported')\n")
+    (package / "_manifest.py").write_text("from dense_bridge.adapter_kit import Manifest\n"
+                                          "MANIFEST = Manifest(requires=('torch',))\n")
+    dist = tmp_path / "heavy_adapter-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: heavy-adapter\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[dense_bridge.backends]\nheavy = heavy_adapter\n")
+    (tmp_path / "x.bin").write_bytes(b"not a checkpoint")
+    code = ("import sys, dense_bridge as db; import dense_bridge.testing; names = db.available_backends(); "
+            "db.compile(db.Dense(2, in_features=2), 'numpy', seed=0)\n"
+            "try:\n    db.load(sys.argv[1])\nexcept db.CheckpointError:\n    pass\n"
+            "from dense_bridge._registry import names as registered\n"
+            f"print('heavy' in registered(), sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{sorted(FRAMEWORKS | {'heavy_adapter'})!r}))")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.bin")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.stdout.strip() == "True []", out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------ private names stay private

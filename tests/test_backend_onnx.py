@@ -129,8 +129,8 @@ def test_every_exporter_layout_reads_and_writes_canonically(name):
     assert db.to_spec(layer) == db.Dense(5, in_features=3, kernel_init="zeros")
     x = RNG.normal(size=(4, 3)).astype(np.float32)
     report = db.testing.compare(layer, db.compile(db.Dense(5, in_features=3), "numpy", params=got),
-                                inputs=x[None])  # (1, 4, 3): rank 3, which Gemm runs flattened
-    assert report.passed and "gradients were not compared" in report.verdict()
+                                inputs=x[None], grads=False)  # (1, 4, 3): rank 3, which Gemm runs flattened
+    assert report.passed and any("gradients were not compared" in n.lower() for n in report.notes)
     w2 = RNG.normal(size=w.shape).astype(np.float32)
     db.set_params(layer, {"kernel": w2, "bias": b})
     np.testing.assert_allclose(_run(model, x), x @ w2 + b, rtol=1e-5, atol=1e-6)
@@ -271,5 +271,7 @@ def test_cli_converts_checks_and_inspects_onnx(tmp_path):
     out = cli("inspect", str(tmp_path / "m.onnx"))
     assert out.returncode == 0 and "ONNX model file" in out.stdout and "silu" in out.stdout, out.stdout + out.stderr
     out = cli("check", str(tmp_path / "m.onnx"), str(src))
+    assert out.returncode != 0 and "forward only" in out.stdout + out.stderr  # onnxruntime has no gradients
+    out = cli("check", str(tmp_path / "m.onnx"), str(src), "--no-grads")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "gradients were not compared" in out.stdout and "PASS" in out.stdout
+    assert "gradients were not compared" in out.stdout.lower() and "PASS" in out.stdout

@@ -77,11 +77,12 @@ def test_linear_layers_finds_every_projection_by_its_torch_path(bert):
 
 def test_compare_models_torch_vs_onnxruntime_passes_forward_only(bert):
     model, graph, ids, _ = bert
-    report = db.testing.compare_models(model, graph, [ids])
+    with pytest.raises(db.SpecError, match="forward only"):  # onnxruntime has no autograd: asked, it says so
+        db.testing.compare_models(model, graph, [ids])
+    report = db.testing.compare_models(model, graph, [ids], grads=False)
     assert report.passed, str(report)
     assert {q.quantity for q in report.rows} == {"input", "output", "model output"}
-    assert "gradients were not compared" in report.verdict()
-    assert "gradients were not compared" in report.to_dict()["gradients_note"]
+    assert any("gradients were not compared" in n.lower() for n in report.to_dict()["notes"])
 
 
 def test_a_transposed_square_projection_is_named(bert):
@@ -93,7 +94,7 @@ def test_a_transposed_square_projection_is_named(bert):
     assert tuple(tensor.dims) == (16, 16)
     stored = onnx.numpy_helper.to_array(tensor)
     tensor.CopyFrom(onnx.numpy_helper.from_array(np.ascontiguousarray(stored.T), tensor.name))
-    report = db.testing.compare_models(model, graph, [ids])
+    report = db.testing.compare_models(model, graph, [ids], grads=False)
     assert not report.passed
     assert report.first_divergence == target, str(report)
 

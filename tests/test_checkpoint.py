@@ -486,7 +486,7 @@ def test_load_rejects_bad_arguments(tmp_path):
     with pytest.raises(db.SpecError, match="backend"):
         db.load(path, "tensorflw")
     with pytest.raises(ValueError, match="format"):
-        db.load(path, format="onnx")
+        db.load(path, format="caffe")
 
 
 def test_hub_style_sharded_torch_safetensors(tmp_path):

@@ -63,4 +63,6 @@ def test_wheel_contains_dense_bridge_backends_and_no_top_level_backends(tmp_path
     assert "dense_bridge/backends/__init__.py" in names and "dense_bridge/backends/numpy/__init__.py" in names
     for fw in ("numpy", "torch", "keras", "mlx"):
         assert f"dense_bridge/backends/{fw}/_arrays.py" in names, fw
+        assert f"dense_bridge/backends/{fw}/_manifest.py" in names, fw  # discovered, never listed
     assert not any(n.startswith("backends/") for n in names)
+    assert "dense_bridge/testing/conformance.py" in names and "dense_bridge/adapter_kit.py" in names

@@ -400,7 +400,7 @@ def test_keras_parallel_on_other_backends_raises(tmp_path):
 
 
 def test_keras_parallel_on_tensorflow_raises():
-    from dense_bridge._registry import keras_backend_package
+    from dense_bridge.backends.keras._manifest import keras_backend_package
 
     if keras_backend_package() != "tensorflow":
         pytest.skip("this process's Keras does not run on TensorFlow")

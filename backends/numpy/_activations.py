@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dense_bridge._errors import StateError
+from dense_bridge.adapter_kit import StateError
 from dense_bridge.activations import Activation
 
 from ._arrays import as_input

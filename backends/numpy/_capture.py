@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dense_bridge._errors import SpecError
-from dense_bridge.testing._captures import Call, Capture, select_output
+from dense_bridge.adapter_kit import SpecError
+from dense_bridge.adapter_kit import Call, Capture, select_output
 
 
 def _is_float(x) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dense_bridge._errors import CheckpointError
+from dense_bridge.adapter_kit import CheckpointError
 
 _WHY = ("the numpy reference backend has no native file format: its checkpoints are canonical "
         "dense_bridge safetensors files (db.save / --to canonical)")

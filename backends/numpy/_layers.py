@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dense_bridge._dtypes import compute_dtype, numpy_dtype
-from dense_bridge._errors import SpecError, received
-from dense_bridge._params import ParamSource
+from dense_bridge.adapter_kit import compute_dtype, numpy_dtype
+from dense_bridge.adapter_kit import SpecError, received
+from dense_bridge.adapter_kit import ParamSource
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dense_bridge._layouts import Entry
+from dense_bridge.adapter_kit import Entry
 
 from ._layers import BilinearLayer, DenseLayer, SequentialModel
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.adapter_kit import LayerTrace, Trace
 
 from ._layers import sublayers
 from ._params import get_params, set_params

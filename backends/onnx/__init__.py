@@ -10,8 +10,8 @@
 ``compile`` writes a spec as such a graph (``_layers``, opset :data:`OPSET`); ``db.linear_layers``
 finds linear layers in any graph, exported ones included (``_models``), each an
 :class:`OnnxLinear` that works as a lone layer; writes go to initializers in place (``_graph``).
-onnxruntime has no autograd: ``trace``/``capture`` return outputs only, and comparisons say that
-gradients were not compared. ``.onnx`` files: ``_files``.
+onnxruntime has no autograd: the manifest (``_manifest.py``) declares no ``gradients`` capability,
+``trace``/``capture`` return outputs only, and comparisons run with ``grads=False`` and say so. ``.onnx`` files: ``_files``.
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ from ._params import get_params, set_params
 from ._to_spec import to_spec
 from ._trace import trace
 
-#: onnxruntime has no autograd: traces and captures hold outputs only (reports say gradients were not compared)
-GRADIENTS = False
-
-__all__ = ["GRADIENTS", "OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
+__all__ = ["OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
            "walk", "to_numpy", "from_numpy", "file_info", "read_file", "write_file", "read_model", "write_model",
            "load_model"]

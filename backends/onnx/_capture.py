@@ -1,8 +1,8 @@
 """The ``capture`` verb on ONNX: per-call inputs and outputs of linear layers, forward only.
 
 One onnxruntime run of a copy of the model whose graph also outputs every captured layer's input
-and output tensor. onnxruntime has no autograd: no dL/d(output), no parameter gradients, and
-``Capture.gradients`` is False whatever ``grads`` asks, so reports say gradients were not compared.
+and output tensor. onnxruntime has no autograd (its manifest declares no ``gradients`` capability): no dL/d(output), no parameter
+gradients; comparisons run with ``grads=False`` and say gradients were not compared.
 Inputs: a list (the graph inputs in order) or a dict (by graph input name); floating arrays are
 cast to each graph input's element type, integer ones to its integer type.
 """
@@ -62,4 +62,4 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
              for path, layer in layers.items()]
     order = {id(n): i for i, n in enumerate(model.graph.node)}
     calls.sort(key=lambda c: order.get(id(layers[c.path].matmul), 0))
-    return Capture(calls, {}, np.array(out), gradients=False)
+    return Capture(calls, {}, np.array(out))

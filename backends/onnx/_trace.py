@@ -1,7 +1,7 @@
 """The ``trace`` verb: the forward pass through onnxruntime, every layer's output recorded.
 
-onnxruntime runs inference only: the trace holds outputs and no gradients (``Trace.gradients``
-is False), and comparisons say gradients were not compared. Intermediate tensors are read by
+onnxruntime runs inference only: the manifest declares no ``gradients`` capability, the trace
+holds outputs and no gradients, and comparisons run with ``grads=False`` and say so. Intermediate tensors are read by
 running a copy of the model with them added as graph outputs; a linear layer inside a bigger
 graph runs as a graph of its own nodes and initializers.
 """
@@ -93,7 +93,7 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray | None = No
             x = x.reshape(-1, x.shape[-1])
         out = run(model, {model.graph.input[0].name: x})[model.graph.output[0].name]
         out = out.reshape(lead + out.shape[-1:])
-        return Trace([LayerTrace(out, ())], gradients=False)
+        return Trace([LayerTrace(out, ())])
     specs, _ = read_chain(native)
     g = native.graph
     feeds = {}
@@ -102,7 +102,7 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray | None = No
         feeds[spec_in.name] = np.asarray(x).astype(dtype, copy=False)
     ends = _layer_outputs(native, len(specs))
     values = run(native, feeds, [e for e in ends if e not in feeds])
-    return Trace([LayerTrace(values[e] if e not in feeds else feeds[e], ()) for e in ends], gradients=False)
+    return Trace([LayerTrace(values[e] if e not in feeds else feeds[e], ()) for e in ends])
 
 
 def _layer_outputs(model: onnx.ModelProto, n: int) -> list[str]:

@@ -48,8 +48,6 @@ class Capture:
     #: paths whose recorded outputs (and dL/d(output)) are taken BEFORE the activation the layer
     #: applies inside itself (Keras ``Dense(activation=...)``): the linear map alone
     pre_activation: set[str] = field(default_factory=set)
-    #: False for a forward-only backend (onnxruntime): no gradients were computed, whatever was asked
-    gradients: bool = True
 
 
 def select_output(out, select, is_float):

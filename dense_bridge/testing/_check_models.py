@@ -32,19 +32,26 @@ from .._errors import CheckpointError, SpecError
 
 __all__ = ["add_arguments", "load_model", "read_mapping", "read_inputs", "check_models"]
 
-_SUFFIXES = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".keras": "keras"}
+
+
+def _model_file_backends() -> dict[str, str]:
+    """Name ending -> backend, for whole-model files (each manifest's ``model_files``)."""
+    from .._registry import backends
+
+    return {ending: name for name, info in backends().items() for ending in info.manifest.model_files}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the whole-model options to ``check``'s parser and route to :func:`check_models` when given."""
     parser.add_argument("--mapping", metavar="MAP.json",
                         help="whole models: JSON {path in A: path in B} or [[regex, replacement], ...] pairing "
-                             "their linear layers (A and B are a torch .pt of a pickled nn.Module or a .keras model)")
+                             "their linear layers (A and B are whole-model files: "
+                             + ", ".join(f"{e} ({b})" for e, b in _model_file_backends().items()) + ")")
     parser.add_argument("--inputs", metavar="X.npz", help="whole models: the inputs, an .npz (named arrays are "
                                                           "keyword arguments, arr_0, arr_1... positional)")
     parser.add_argument("--inputs-b", metavar="X.npz", help="whole models: B's inputs when they differ from A's")
     parser.add_argument("--trust-pickle", action="store_true",
-                        help="whole models: allow unpickling torch .pt model files (runs code from the file)")
+                        help="whole models: allow unpickling model files that are pickles (runs code from the file)")
     checkpoints = parser.get_default("func")
 
     def route(args) -> int:
@@ -57,16 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(path: str, *, trust_pickle: bool = False) -> Any:
     """A whole native model from a file, by its suffix (see the module docstring)."""
-    from .._registry import get_adapter
+    from .._registry import optional_verb
 
-    suffix = os.path.splitext(path)[1].lower()
-    backend = _SUFFIXES.get(suffix)
+    readers = _model_file_backends()
+    backend = next((b for ending, b in readers.items() if path.lower().endswith(ending)), None)
     if backend is None:
-        raise CheckpointError(f"{path}: a whole model is a torch .pt/.pth/.bin of a pickled nn.Module or a "
-                              f".keras file (MLX saves weights only)")
+        known = ", ".join(f"{ending} ({b})" for ending, b in readers.items())
+        raise CheckpointError(f"{path}: not a whole-model file; the backends read whole models from {known}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
-    return get_adapter(backend).load_model(path, trust_pickle=trust_pickle)
+    return optional_verb(backend, "load_model", f"reading the whole model {path}")(path, trust_pickle=trust_pickle)
 
 
 def read_mapping(path: str | None):

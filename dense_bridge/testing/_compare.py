@@ -44,6 +44,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy
 from .._registry import adapter_for, backend_of
+from ._gradients import NOT_COMPARED, computes_gradients
 from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
@@ -454,6 +455,7 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     report = new_report(spec_a, spec_b, backend_of(a, "a"), backend_of(b, "b"), tolerance, seed,
                         inputs is not None, strict)
     dtype = report.dtype
+    able = computes_gradients({"a": report.a.backend, "b": report.b.backend}, grads)
 
     empty = [side for side, layers in (("a", la), ("b", lb)) if not layers]
     if len(empty) == 2 and inputs is None and _input_widths(spec_a) is None and _input_widths(spec_b) is None:
@@ -472,17 +474,16 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     out_a, out_b = output_dtype(spec_a), output_dtype(spec_b)
     # an empty native Sequential is not traced (frameworks differ on what it does); it is x -> x
     trace_a = _identity_trace(xs, g) if not la else \
-        adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)))
+        adapter_a.trace(a, [x.astype(numpy_dtype(in_a)) for x in xs], g.astype(numpy_dtype(out_a)) if able["a"] else None)
     trace_b = _identity_trace(xs, g) if not lb else \
-        adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)))
+        adapter_b.trace(b, [x.astype(numpy_dtype(in_b)) for x in xs], g.astype(numpy_dtype(out_b)) if able["b"] else None)
     la, lb = la or [Identity()], lb or [Identity()]
-    grads = grads and not forward_only(report, (("a", trace_a), ("b", trace_b)))
 
     if len(trace_b.layers) != len(lb):
         raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")
     params_b = adapter_b.get_params(b) if "b" not in empty else {}
     allowed = allowances(lb, trace_b, params_b, "{}." if isinstance(spec_b, Sequential) else "", xs, g,
-                         dtype, tolerance, backward=grads)
+                         dtype, tolerance, grads=grads)
     if len(trace_a.layers) == len(lb):
         for i, (ta, tb) in enumerate(zip(trace_a.layers, trace_b.layers)):
             report.layers.append(compare_layer(i, layer_label(la, lb, i), ta, tb, allowed[i], grads,
@@ -497,22 +498,10 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
             for n, ga, gb in zip(dx_names(lb[0]), trace_a.layers[0].input_grads, trace_b.layers[0].input_grads):
                 rows.append(_quantity(None, "model", n, ga, gb, allowed[0][n]))
         report.layers.append(LayerResult(None, "model", tuple(rows)))
+    if not grads:
+        report.notes.append(NOT_COMPARED)
     report.first_failure = first_failure(report.layers)
     return report
-
-
-def forward_only(report: Report, sides) -> bool:
-    """Whether a side's trace or capture (``sides``: (name, record with ``gradients``), or adapter
-    (``GRADIENTS``)) came from a forward-only backend; if so, the report says that gradients were not compared (never that they
-    passed)."""
-    without = [name for name, record in sides
-               if not getattr(record, "gradients", getattr(record, "GRADIENTS", True))]
-    if without:
-        why = (f"gradients were not compared: {' and '.join(without)} ran forward only "
-               f"({', '.join(getattr(report, s).backend for s in without)} has no autograd)")
-        report.gradients_note = why
-        report.notes.append(why)
-    return bool(without)
 
 
 def assert_equivalent(a, b, **kwargs) -> Report:

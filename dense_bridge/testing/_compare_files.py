@@ -32,10 +32,11 @@ from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, ConversionError, SpecError
 from .._memory import return_freed_memory
 from .._params import ParamSource
-from .._registry import get_adapter
+from .._manifest import GRADIENTS
+from .._registry import get_adapter, has_capability
+from ._gradients import NOT_COMPARED, computes_gradients
 from ..specs import Dense, Sequential, layer_param_shapes
-from ._compare import (compare_layer, dx_names, feed_report, first_failure, forward_only, layer_label, layers_of,
-                       model_dtype,
+from ._compare import (compare_layer, dx_names, feed_report, first_failure, layer_label, layers_of, model_dtype,
                        new_report, output_dtype, output_width)
 from ._propagate import Propagation
 from ._report import Report
@@ -65,6 +66,7 @@ class _Side:
         self.layers = layers_of(spec)
         self.stream = checkpoint.layer_stream()
         self.adapter = get_adapter(backend)
+        self.gradients = has_capability(backend, GRADIENTS)  # else traced forward only (grad_out=None)
 
     def params(self, i: int) -> dict[str, np.ndarray]:
         if not layer_param_shapes(self.layers[i]):
@@ -82,7 +84,7 @@ class _Side:
         except SpecError as exc:  # the file's spec claims layers larger than the memory there is
             raise CheckpointError(f"{self.path}: {exc}") from None
         try:
-            return self.adapter.trace(model, [x], g)
+            return self.adapter.trace(model, [x], g if self.gradients else None)
         finally:
             del model
             self.stream.release()
@@ -106,13 +108,13 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     if parts is None or len(la) != len(lb) or segments(la) != parts:
         return None
     tolerance = tolerance or Tolerance()
+    computes_gradients({"a": backend_a, "b": backend_b}, grads)
     report = new_report(spec_a, spec_b, backend_a, backend_b, tolerance, seed, False, strict)
     fed = feed_report(report, spec_a, spec_b, None, None, seed, batch_size)
     if fed is None:
         return report
     xs, g = fed
     a, b = _Side(ckpt_a, backend_a, spec_a), _Side(ckpt_b, backend_b, spec_b)
-    grads = grads and not forward_only(report, (("a", a.adapter), ("b", b.adapter)))
     propagation = Propagation(xs, report.dtype, tolerance)
     try:
         inputs, allowed = _forward(a, b, parts, xs[0], propagation, report, grads, params_seen)
@@ -121,6 +123,8 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     finally:
         a.stream.release()
         b.stream.release()
+    if not grads:
+        report.notes.append(NOT_COMPARED)
     report.first_failure = first_failure(report.layers)
     return report
 

@@ -122,13 +122,14 @@ class _Act:
 
 
 def allowances(layers: list, trace, params: dict, prefix_fmt: str, inputs: list[np.ndarray],
-               grad_out: np.ndarray, dtype: str, tol: Tolerance, *, backward: bool = True
+               grad_out: np.ndarray, dtype: str, tol: Tolerance, grads: bool = True
                ) -> list[dict[str, tuple[np.ndarray, int]]]:
     """Per layer: quantity -> (elementwise allowed error, own reduction length K) for model b.
 
     ``layers``: b's layer specs; ``trace``: b's Trace; ``params``: b's canonical params;
     ``prefix_fmt``: "{}." for a Sequential ("" for a lone layer); ``inputs``/``grad_out``: what
-    b was fed (float64); ``backward`` False: outputs only (a forward-only trace). The whole model at once; :class:`Propagation` is the same computation
+    b was fed (float64); ``grads=False``: the forward allowances only (b may have been traced
+    forward only). The whole model at once; :class:`Propagation` is the same computation
     one layer at a time (what a comparison of two checkpoints streams through).
     """
     def own(i: int) -> dict[str, np.ndarray]:
@@ -137,7 +138,7 @@ def allowances(layers: list, trace, params: dict, prefix_fmt: str, inputs: list[
 
     steps = Propagation(inputs, dtype, tol)
     out = [steps.forward(i, layer, own(i), trace.layers[i].output) for i, layer in enumerate(layers)]
-    if not backward:
+    if not grads:
         return out
     steps.start_backward(grad_out)
     for i in range(len(layers) - 1, -1, -1):

@@ -106,8 +106,6 @@ class Report:
     first_failure: QuantityResult | None = None
     strict: bool = False
     strict_differences: list[str] = field(default_factory=list)
-    #: why gradients were not compared although asked for (a forward-only backend), else ""
-    gradients_note: str = ""
 
     # ------------------------------------------------------------------ verdict
     @property
@@ -152,8 +150,7 @@ class Report:
             extra = f" (specs differ in {len(self.spec_differences)} field(s))" if self.spec_differences else ""
             where = "" if worst is None else (f"; worst {fmt_units(worst.units)} tolerance units at "
                                               f"{_where(worst)} {worst.quantity}")
-            grads = f"; {self.gradients_note}" if self.gradients_note else ""
-            return f"PASS: {len(self.rows)} quantities within tolerance{where}{extra}{grads}"
+            return f"PASS: {len(self.rows)} quantities within tolerance{where}{extra}"
         f = self.first_failure
         if f is None:  # the numbers agree: only strict mode failed it
             return f"FAIL ({strict}); numerically {len(self.rows)} quantities within tolerance"
@@ -213,7 +210,6 @@ class Report:
             "inputs": {"shapes": [list(s) for s in self.input_shapes], "seed": self.seed,
                        "given": self.inputs_given},
             "compared": self.compared,
-            "gradients_note": self.gradients_note,
             "strict": self.strict,
             "spec_differences": list(self.spec_differences),
             "strict_differences": list(self.strict_differences),

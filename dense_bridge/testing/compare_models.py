@@ -46,6 +46,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
+from ._gradients import NOT_COMPARED, computes_gradients
 from ._captures import Call, Capture, LeafOutput
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
@@ -331,7 +332,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
-    from ._compare import check_count, check_flag, check_tolerance, forward_only
+    from ._compare import check_count, check_flag, check_tolerance
 
     grads = check_flag("grads", grads)
     seed = check_count("seed", seed, 0)
@@ -343,6 +344,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     else:
         raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    computes_gradients({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
@@ -395,7 +397,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     if output_note:
         report.notes.append(output_note)
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
-    grads = grads and not forward_only(report, (("a", cap_a), ("b", cap_b)))
+    if not grads:
+        report.notes.append(NOT_COMPARED)
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
     return report
 

@@ -1,0 +1,49 @@
+"""What the core knows of the torch backend without importing torch (see
+``dense_bridge.adapter_kit.Manifest``): its state-dict files (zip, legacy pickle, safetensors)
+and how each is recognised by content."""
+from dense_bridge.adapter_kit import GRADIENTS, FileFormat, FileNames, Manifest, Match, Probe
+
+#: ``torch.save``'s legacy (non-zip) format begins with this number, pickled as a LONG1 of 10 bytes
+#: (little-endian) after the protocol marker, so an ordinary pickle (a PaddlePaddle ``.pdparams``,
+#: say) is never taken for a torch file.
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _zip_state_dict(probe: Probe) -> Match:
+    names = probe.zip_names()
+    return Match.CERTAIN if names and any(n.endswith("data.pkl") for n in names) else Match.NO
+
+
+def _legacy_pickle(probe: Probe) -> Match:
+    head = probe.head
+    if head[:1] == b"\x80":  # PROTO n, then a FRAME (protocol 4+) of 9 bytes
+        head = head[2:]
+        if head[:1] == b"\x95":
+            head = head[9:]
+    return Match.CERTAIN if head.startswith(_LEGACY_MAGIC) or head.startswith(b"L1195470371460388013") \
+        else Match.NO
+
+
+def _safetensors(probe: Probe) -> Match:
+    meta = probe.metadata or {}
+    tag = meta.get("dense_bridge_backend") or meta.get("format", "")
+    return Match.CERTAIN if tag in ("pt", "torch") else Match.DEFAULT  # torch is the usual reading
+
+
+_PICKLE_ENDINGS = (".pt", ".pth", ".bin")
+
+MANIFEST = Manifest(
+    requires=("torch",), install="pip install 'dense-bridge[torch]'", display="torch",
+    # "dcp": its adapter reads and writes torch.distributed.checkpoint directories (load_dcp/save_dcp)
+    capabilities=frozenset({GRADIENTS, "dcp"}),
+    formats=(
+        FileFormat("torch state dict", container="torch-zip", sniff=_zip_state_dict, extensions=_PICKLE_ENDINGS,
+                   write_kind="torch-pickle"),
+        FileFormat("torch state dict", container="torch-legacy", sniff=_legacy_pickle),
+        FileFormat("torch safetensors file", container="safetensors", sniff=_safetensors, safetensors=True,
+                   extensions=(".safetensors",), write_kind="safetensors", temp_suffix=".safetensors"),
+    ),
+    layout_note="torch layout: Linear weight (out_features, in_features), mask like the weight",
+    file_names=FileNames("weight", "bias", ".", "out_in", "torch stores Linear weight as (out, in)"),
+    model_files=_PICKLE_ENDINGS,
+)

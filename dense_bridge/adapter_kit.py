@@ -1,0 +1,73 @@
+"""The public adapter kit: everything an adapter package needs from dense_bridge, in the tree or
+outside it.
+
+An adapter is a package (say ``my_adapter``) whose ``__init__`` exposes the verbs of
+:data:`REQUIRED_VERBS` (and any of :data:`OPTIONAL_VERBS`) as module-level functions, and whose
+``_manifest.py`` imports no framework and defines ``MANIFEST = Manifest(...)`` (what the core
+may know before the framework is imported: packages needed, install hint, capabilities, file
+formats with their sniffing, owner priority). Register it with
+``dense_bridge.register_backend("mine", "my_adapter")`` or, from an installed distribution, an
+entry point ``[project.entry-points."dense_bridge.backends"] mine = "my_adapter"``. Check it with
+the conformance suite, :mod:`dense_bridge.testing.conformance`.
+
+Names, by role (loaded on first use, so importing this module costs nothing):
+
+- the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``OPTIONAL_VERBS``, ``Adapter``;
+- declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``;
+- building: ``ParamSource`` (``for_layer``/``native_layer``: a layer's canonical parameters),
+  ``initial_layer_params``, ``remember_spec``/``remembered_spec``, ``native_copy``;
+- tracing: ``Trace``/``LayerTrace`` (the ``trace`` verb), ``Capture``/``Call``/``select_output``
+  (the ``capture`` verb);
+- layouts: ``Entry`` (the ``walk`` verb's record), ``Layout``, ``declared``, ``warn_dropout``;
+- files: ``FileViews``, ``FileLayout``, ``canonical_shapes``, ``planned_file_tensors``,
+  ``structure_twin``, ``SafetensorsFile``, ``PendingTensor``, ``write_safetensors``;
+- dtypes: ``DTYPE_NAMES``, ``numpy_dtype``, ``compute_dtype``, ``dtype_name``;
+- errors: ``DenseBridgeError``, ``SpecError``, ``ConversionError``, ``CheckpointError``,
+  ``StateError``, ``BackendUnavailableError``, ``received``.
+
+``CONTRACT_VERSION`` is raised when a verb's signature or meaning changes in a way an adapter
+written for the earlier version would get wrong; an adapter may compare it with the version it
+was written for.
+"""
+from __future__ import annotations
+
+import importlib
+
+#: The version of the adapter contract these names and ``dense_bridge._adapter`` describe.
+CONTRACT_VERSION = 1
+
+_LAZY: dict[str, str] = {
+    "REQUIRED_VERBS": "._adapter", "OPTIONAL_VERBS": "._adapter", "Adapter": "._adapter",
+    "Manifest": "._manifest", "FileFormat": "._manifest", "FileNames": "._manifest", "Probe": "._manifest",
+    "Match": "._manifest", "GRADIENTS": "._manifest",
+    "ParamSource": "._params", "initial_layer_params": "._params",
+    "remember_spec": "._spec_memory", "remembered_spec": "._spec_memory",
+    "native_copy": "._transfer",
+    "Trace": "._trace", "LayerTrace": "._trace",
+    "Capture": ".testing._captures", "Call": ".testing._captures", "select_output": ".testing._captures",
+    "Entry": "._layouts", "Layout": "._layouts", "declared": "._layouts", "warn_dropout": "._layouts",
+    "FileViews": "._checkpoint_native", "canonical_shapes": "._checkpoint_native",
+    "planned_file_tensors": "._checkpoint_native", "structure_twin": "._checkpoint_native",
+    "FileLayout": "._native_stream",
+    "SafetensorsFile": "._safetensors", "PendingTensor": "._safetensors", "write_safetensors": "._safetensors",
+    "DTYPE_NAMES": "._dtypes", "numpy_dtype": "._dtypes", "compute_dtype": "._dtypes", "dtype_name": "._dtypes",
+    "DenseBridgeError": "._errors", "SpecError": "._errors", "ConversionError": "._errors",
+    "CheckpointError": "._errors", "StateError": "._errors", "BackendUnavailableError": "._errors",
+    "received": "._errors",
+}
+
+__all__ = ["CONTRACT_VERSION", *_LAZY]
+
+
+def __getattr__(name: str):
+    try:
+        module_name = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'dense_bridge.adapter_kit' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module_name, "dense_bridge"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
