@@ -78,9 +78,9 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
 
         get_adapter(NEEDS[target])  # import the framework before the baseline
     if to == "keras":
-        from dense_bridge.cli import import_keras_quietly
+        from dense_bridge.cli import import_quietly
 
-        import_keras_quietly()
+        import_quietly(["keras"])
     _warm_up(to, workdir)
     ckpt = checkpoint.open_checkpoint(src)
     nbytes = ckpt.total_bytes
@@ -243,7 +243,7 @@ def slope_worker(case: str, workdir: str) -> dict:
 
     src, job, needs, _ = SLOPE_CASES[case]
     if "keras" in needs:
-        cli.import_keras_quietly()
+        cli.import_quietly(["keras"])
     for fw in needs:
         get_adapter(fw)
     warm = os.path.join(workdir, "warm")

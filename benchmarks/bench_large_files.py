@@ -135,9 +135,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from dense_bridge import checkpoint
     from dense_bridge._registry import available_backends
-    from dense_bridge.cli import import_keras_quietly
+    from dense_bridge.cli import import_quietly
 
-    import_keras_quietly()
+    import_quietly()
     root = tempfile.mkdtemp(prefix="bench-large-", dir=args.dir)
     load_before = os.getloadavg()
     try:

@@ -114,7 +114,12 @@ class Entry:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def param_path(self, name: str) -> str:
-        """The path of one of this layer's parameters ("encoder.dense.weight", "dense/kernel")."""
+        """The path of one of this layer's parameters ("encoder.dense.weight", "dense/kernel");
+        ``extra["param_paths"]`` overrides it (a head reported apart from its layer keeps its
+        variable's own path)."""
+        given = self.extra.get("param_paths", {}).get(name)
+        if given is not None:
+            return given
         return f"{self.path}{self.sep}{name}" if self.path else name
 
     def where(self) -> str:

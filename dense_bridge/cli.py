@@ -217,6 +217,7 @@ def _show_progress(args) -> bool:
 # ============================================================================ convert
 def cmd_convert(args) -> int:
     from . import checkpoint
+    from ._errors import CheckpointError
 
     spec = read_spec(args.spec)
     bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
@@ -224,6 +225,12 @@ def cmd_convert(args) -> int:
     try:
         summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
                                           max_shard_size=args.max_shard_size, progress=bar)
+    except CheckpointError:
+        advice = None if spec is not None else _whole_model_advice(args.src, args.format, args.to)
+        if advice is None:
+            raise
+        print(f"dense-bridge convert: error: {advice}", file=sys.stderr)  # several lines: the example stays readable
+        return EXIT_BAD_INPUT
     finally:
         bar.close()
     seconds = time.perf_counter() - start
@@ -237,6 +244,52 @@ def cmd_convert(args) -> int:
     print(f"converted {args.src} -> {where} ({summary['to']}): {summary['tensors']} tensors, "
           f"{human_bytes(summary['bytes'])} in {seconds:.2f} s ({human_bytes(summary['bytes_per_second'])}/s)")
     return EXIT_OK
+
+
+def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple, str]]]:
+    """(linear layers recognised by name, the other tensors) of a file without a spec: other
+    tensors (embedding tables, norms) say it holds a whole model, which no spec describes."""
+    from .models import file_linear_layers
+
+    rows = file_linear_layers(entries, framework)
+    taken = {t for r in rows for t in r["tensors"]}
+    return rows, [e for e in entries if e[0] not in taken]
+
+
+def _whole_model_advice(src: str, format: str | None, target: str) -> str | None:
+    """What to do with a whole model's checkpoint, and what it holds (None when the file is a plain
+    chain of linear layers: then --spec is the answer, as the original error says)."""
+    from . import checkpoint
+    from ._errors import DenseBridgeError
+
+    try:
+        ckpt = checkpoint.open_checkpoint(src, format=format)
+        entries = ckpt.entries()
+    except DenseBridgeError:
+        return None
+    if ckpt.spec is not None or isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+        return None  # the failure is not a missing structure; a canonical file's tensors are layers'
+    rows, others = _whole_model(entries, ckpt.framework)
+    if not others:
+        return None
+
+    def shape(s) -> str:
+        return "(" + ", ".join(str(x) for x in s) + ("," if len(s) == 1 else "") + ")"
+
+    others = sorted(others, key=lambda e: -len(e[1]))  # tables (2-D) first: they say what the model is
+    lin = ", ".join(f"{r['layer']} (in={r['in_features']}, units={r['units']}, layout {r['layout']})" for r in rows[:6])
+    rest = ", ".join(f"{n} {shape(s)}" for n, s, _ in others[:6])
+    more = ", ..." if len(rows) > 6 else ""
+    found = (f"{len(rows)} linear layers recognised by name" + (f": {lin}{more}" if rows else "")
+             + f"; {len(others)} other tensors (embeddings, norms: no Dense layer holds them): {rest}"
+             + (", ..." if len(others) > 6 else ""))
+    return (f"{src} holds a whole model ({len(entries)} tensors), not a chain of Dense layers: no dense_bridge spec "
+            f"describes it, so --spec cannot help and convert cannot rebuild it. Build the model in {target} with its "
+            f"own library, then move the weights in Python:\n"
+            f"    src = transformers.AutoModel.from_pretrained(DIR)  # the model this file belongs to\n"
+            f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture in {target}\n"
+            f"(README \"Port a real model\": rules for differing paths, fused layers, tied heads.)\n"
+            f"Found {found}")
 
 
 # ============================================================================ inspect
@@ -307,7 +360,12 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     nfiles = len(doc["files"])
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
-    if ckpt.spec is None:
+    if ckpt.spec is None and not isinstance(ckpt, checkpoint.CanonicalCheckpoint) \
+            and _whole_model(entries, ckpt.framework)[1]:
+        print("spec: none stored, and none fits: besides linear layers the file holds other tensors (embeddings, "
+              "norms): a whole model (move it with db.transfer into a model built in the target framework)")
+        print(format_file_linear_layers(doc["linear_layers"]))
+    elif ckpt.spec is None:
         print("spec: none stored (pass --spec SPEC.json to see layers)")
         print(format_file_linear_layers(doc["linear_layers"]))
     else:
@@ -405,12 +463,17 @@ def cmd_check(args) -> int:
     options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
     diffs: list[dict] = []
     # layer by layer, one layer pair in memory (issue 10); whole models only where layers do not line up
-    report = compare_checkpoints(ckpt_a, backend_a, ckpt_b, backend_b,
-                                 params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
+    # or when each layer of B runs on what A's received (--isolated)
+    report = None if args.isolated else compare_checkpoints(
+        ckpt_a, backend_a, ckpt_b, backend_b, params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
     if report is None:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
-        report = compare(a, b, **options)
+        report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
+    if report.structure is None:  # streamed: the parameter rows read on the way say it
+        from .testing._structure import rows_structure
+
+        report.structure = rows_structure(diffs)
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
     passed = bool(report.passed)
@@ -497,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-grads", action="store_true", help="compare outputs only")
     p.add_argument("--strict", action="store_true",
                    help="also fail when the specs differ in dtype, activation, mask or bias, not only on numbers")
+    p.add_argument("--isolated", action="store_true",
+                   help="teacher forcing: run each layer of B on the input and output gradient its counterpart in A "
+                        "received, so each layer's own error is judged with nothing carried from before it")
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)

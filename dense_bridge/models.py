@@ -18,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from . import _mapping
 from ._errors import ConversionError, SpecError, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
 
-__all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "walk", "TransferReport", "NAME_TABLE"]
+__all__ = ["linear_layers", "register_layout", "transfer", "match_layers", "match_moves", "walk", "TransferReport",
+           "NAME_TABLE"]
 
 
 def walk(model: Any, argument: str = "model") -> list[Entry]:
@@ -91,29 +93,9 @@ NAME_TABLE: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _check_mapping(mapping: Any) -> Any:
-    if mapping is None or callable(mapping):
-        return mapping
-    if isinstance(mapping, dict):
-        bad = [k for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, str)]
-        if bad:
-            raise TypeError(f"mapping must map path strings to path strings; {bad[0]!r} -> "
-                            f"{mapping[bad[0]]!r} is not. {received('mapping', mapping)}")
-        return dict(mapping)
-    if isinstance(mapping, (list, tuple)):
-        rules = []
-        for rule in mapping:
-            if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(r, str) for r in rule)):
-                raise TypeError(f"mapping rules must be (regex, replacement) pairs of strings; got {rule!r}. "
-                                f"{received('mapping', mapping)}")
-            try:
-                rules.append((re.compile(rule[0]), rule[1]))
-            except re.error as exc:
-                raise SpecError(f"mapping rule {rule[0]!r} is not a valid regular expression ({exc}). "
-                                f"{received('mapping', mapping)}") from None
-        return rules
-    raise TypeError(f"mapping must be None, a dict of paths, a list of (regex, replacement) rules or a callable. "
-                    f"{received('mapping', mapping)}")
+def _check_mapping(mapping: Any) -> list[_mapping.Rule] | None:
+    """Every mapping form as rules (``_mapping.parse``); None: pairing by order."""
+    return _mapping.parse(mapping)
 
 
 class _Side:
@@ -127,16 +109,40 @@ class _Side:
         self.layers = {e.path: e for e in self.entries}
         self.params: dict[str, tuple[Entry, str]] = {}
         self.tied_to: dict[str, str] = {}  # param path -> the first path of the same storage
+        # Keras: paths with automatic names renumbered per model (the walk's "stable_path"), both ways
+        self.stable: dict[str, str] = {}
+        self.alias: dict[str, str] = {}
         first: dict[Any, str] = {}
         for e in self.entries:
+            stable = e.extra.get("stable_path")
+            if stable is not None and stable != e.path:
+                self._alias(e.path, stable)
             for n in e.names:
                 p = e.param_path(n)
+                if stable is not None and stable != e.path and p.startswith(e.path):
+                    self._alias(p, stable + p[len(e.path):])
                 self.params[p] = (e, n)
                 key = e.ident[n]
                 if key in first:
                     self.tied_to[p] = first[key]
                 else:
                     first[key] = p
+
+    def _alias(self, path: str, stable: str) -> None:
+        self.stable[path] = stable
+        self.alias.setdefault(stable, path)
+
+    def layer(self, path: str) -> Entry | None:
+        """The layer at ``path``, or at the path its stable form (Keras' renumbered names) stands for."""
+        e = self.layers.get(path)
+        return e if e is not None else self.layers.get(self.alias.get(path, ""))
+
+    def param(self, path: str) -> str | None:
+        """The parameter path ``path`` names (itself, or what its stable form stands for)."""
+        if path in self.params:
+            return path
+        actual = self.alias.get(path)
+        return actual if actual in self.params else None
 
     def linear(self) -> list[Entry]:
         return [e for e in self.entries if e.kind == "linear"]
@@ -175,35 +181,7 @@ def _name_pairs(s: Entry, d: Entry) -> tuple[list[tuple[str, str]], list[str], l
     return pairs, [n for n in s.names if n not in moved_src], [n for n in d.names if n not in used]
 
 
-class _Plan:
-    """What maps to what: layer pairs, direct parameter pairs, and every problem found."""
-
-    def __init__(self) -> None:
-        self.layer_pairs: list[tuple[Entry, Entry]] = []
-        self.param_pairs: list[tuple[str, str]] = []
-        self.problems: list[str] = []
-        self.rule_hits: dict[int, int] = {}
-
-
-def _target(mapping: Any, path: str, plan: _Plan) -> str | None:
-    """Where ``mapping`` sends one source path (None: nowhere)."""
-    if isinstance(mapping, dict):
-        return mapping.get(path)
-    if callable(mapping):
-        out = mapping(path)
-        if out is not None and not isinstance(out, str):
-            raise TypeError(f"mapping (a callable) must return a path string or None; for {path!r} it returned "
-                            f"{out!r}")
-        return out
-    for i, (rx, repl) in enumerate(mapping):
-        m = rx.fullmatch(path)
-        if m is not None:
-            plan.rule_hits[i] = plan.rule_hits.get(i, 0) + 1
-            return m.expand(repl)
-    return None
-
-
-def _by_order(src: _Side, dst: _Side, plan: _Plan) -> None:
+def _by_order(src: _Side, dst: _Side, plan: _mapping.Plan) -> None:
     """Linear layers paired by order; an error where equal shapes and names say otherwise."""
     a = [e for e in src.linear() if not src.fully_tied(e)]
     b = [e for e in dst.linear() if not dst.fully_tied(e)]
@@ -221,7 +199,7 @@ def _by_order(src: _Side, dst: _Side, plan: _Plan) -> None:
             continue
         ns, nd = _last(s.path), _last(d.path)
         if ns == nd:
-            plan.layer_pairs.append((s, d))
+            plan.layers.append(_mapping.LayerMove((s,), (d,), rule="by order"))
             continue
         # names disagree: an error when another layer of the same shape carries the other's name
         # (mlx-lm's Llama MLP defines gate, down, up; transformers' gate, up, down: by order with
@@ -237,7 +215,7 @@ def _by_order(src: _Side, dst: _Side, plan: _Plan) -> None:
                 f"defined in another order would swap silently. Give a mapping (e.g. "
                 f"[(r'(.*)', r'\\1')] when the paths agree)")
             continue
-        plan.layer_pairs.append((s, d))
+        plan.layers.append(_mapping.LayerMove((s,), (d,), rule="by order"))
 
 
 def _last(path: str) -> str:
@@ -257,53 +235,13 @@ def _shape(e: Entry) -> tuple:
     return tuple(_linear_params(e.layer)["kernel"].shape)
 
 
-def _plan(src: _Side, dst: _Side, mapping: Any) -> _Plan:
-    plan = _Plan()
-    if mapping is None:
+def _plan(src: _Side, dst: _Side, rules: list[_mapping.Rule] | None) -> _mapping.Plan:
+    if rules is None:
+        plan = _mapping.Plan()
         _by_order(src, dst, plan)
+        _mapping.record_ties(src, plan)
         return plan
-    if isinstance(mapping, dict):
-        for key, value in mapping.items():
-            if key in src.layers:
-                if value in dst.layers:
-                    plan.layer_pairs.append((src.layers[key], dst.layers[value]))
-                else:
-                    plan.problems.append(f"mapping[{key!r}]: {dst.unknown(value, 'layer')}")
-            elif key in src.params:
-                if value in dst.params:
-                    plan.param_pairs.append((key, value))
-                else:
-                    plan.problems.append(f"mapping[{key!r}]: {dst.unknown(value, 'parameter')}")
-            else:
-                plan.problems.append(f"mapping key {src.unknown(key, 'layer or parameter')}")
-        return plan
-    mapped: set[str] = set()
-    for e in src.entries:
-        target = _target(mapping, e.path, plan)
-        if target is None:
-            continue
-        if target in dst.layers:
-            plan.layer_pairs.append((e, dst.layers[target]))
-            mapped.add(e.path)
-        elif target in dst.params and len(e.names) == 1:  # a one-parameter layer to a parameter
-            plan.param_pairs.append((e.param_path(e.names[0]), target))
-            mapped.add(e.path)
-        else:
-            plan.problems.append(f"mapping sends src layer {e.path!r} to {target!r}, and "
-                                 f"{dst.unknown(target, 'layer')}")
-            mapped.add(e.path)
-    for p, (e, _) in src.params.items():
-        if e.path in mapped:
-            continue
-        target = _target(mapping, p, plan)
-        if target is None:
-            continue
-        if target in dst.params:
-            plan.param_pairs.append((p, target))
-        else:
-            plan.problems.append(f"mapping sends src parameter {p!r} to {target!r}, and "
-                                 f"{dst.unknown(target, 'parameter')}")
-    return plan
+    return _mapping.build_plan(src, dst, rules)
 
 
 def match_layers(a: Any, b: Any, mapping: Any = None) -> dict[str, str]:
@@ -312,12 +250,26 @@ def match_layers(a: Any, b: Any, mapping: Any = None) -> dict[str, str]:
     ``mapping`` as in :func:`transfer` (None: by order, refusing ambiguous equal-shape pairs).
     Pairs of non-linear layers are left out. ConversionError lists every problem found.
     """
-    mapping = _check_mapping(mapping)
+    return {m.src[0].path: m.dst[0].path for m in match_moves(a, b, mapping)
+            if len(m.src) == len(m.dst) == 1}
+
+
+def match_moves(a: Any, b: Any, mapping: Any = None) -> list[_mapping.LayerMove]:
+    """The linear layer moves of ``a`` into ``b`` as :func:`transfer` plans them (splits and
+    concatenations included); ConversionError lists every problem found, and a mapping that
+    pairs no linear layer at all is an error naming the rules that matched nothing."""
+    rules = _check_mapping(mapping)
     src, dst = _Side(a, "a"), _Side(b, "b")
-    plan = _plan(src, dst, mapping)
+    plan = _plan(src, dst, rules)
     if plan.problems:
         raise ConversionError("cannot match the layers of a and b:\n  - " + "\n  - ".join(plan.problems))
-    return {s.path: d.path for s, d in plan.layer_pairs if s.kind == d.kind == "linear"}
+    moves = [m for m in plan.layers if m.linear]
+    if not moves:
+        idle = f" Rules that matched nothing: {plan.idle}." if plan.idle else ""
+        raise ConversionError(f"the mapping pairs no linear layer of a with one of b.{idle} a's linear layers: "
+                              f"{[e.path for e in src.linear()][:8]}; b's: {[e.path for e in dst.linear()][:8]}. "
+                              f"{received('mapping', mapping)}")
+    return moves
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -336,6 +288,10 @@ class TransferReport:
     not_moved_src: list[str] = field(default_factory=list)
     not_moved_dst: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    #: the complete mapping used, as rules ``mapping=`` takes again (JSON-able without functions)
+    rules: list = field(default_factory=list)
+    #: parameter paths (dst) whose values were rounded into a narrower dtype (allow_narrowing=True)
+    narrowed: list[str] = field(default_factory=list)
 
     @property
     def num_moved(self) -> int:
@@ -344,7 +300,9 @@ class TransferReport:
     def to_dict(self) -> dict:
         return {"src_backend": self.src_backend, "dst_backend": self.dst_backend,
                 "moved": [list(m) for m in self.moved], "not_moved_src": list(self.not_moved_src),
-                "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied)}
+                "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied),
+                "rules": [[r[0], r[1] if not isinstance(r[1], tuple) else [r[1][0], repr(r[1][1])]]
+                          for r in self.rules], "narrowed": list(self.narrowed)}
 
     def __str__(self) -> str:
         lines = [f"transfer {self.src_backend} -> {self.dst_backend}: {len(self.moved)} moved, "
@@ -356,10 +314,13 @@ class TransferReport:
                 lines.append(f"{title}: " + ", ".join(items))
         if self.tied:
             lines.append("tied (moved once): " + ", ".join(f"{k} = {v}" for k, v in self.tied.items()))
+        if self.narrowed:
+            lines.append("rounded into a narrower dtype (allow_narrowing=True): " + ", ".join(self.narrowed))
         return "\n".join(lines)
 
 
-def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) -> TransferReport:
+def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
+             allow_narrowing: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -371,23 +332,40 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
     ``mapping``: keys and values are paths (layer or parameter paths; torch "a.b", Keras "a/b"
     without the root model's name, MLX "a.b"):
 
-    - a dict ``{src path: dst path}``;
+    - a dict ``{src path: dst path}``; a value that is a list of dst layer paths splits the src
+      linear layer along units into them, in order, each taking as many units as it has (the
+      bias splits with it); a key that is a tuple of src layer paths concatenates them along
+      units into the one dst layer; a value ``(dst_parameter_path, fn)`` on a parameter path
+      moves ``fn(array)`` (the array in the frameworks' shared layout, e.g. a position table
+      (rows, features)); ``{"to": paths, "heads": n}`` declares a fused side whose units
+      interleave per head (GPT-NeoX ``query_key_value``), which a plain split refuses;
     - a list of ``(regex, replacement)`` rules: each src layer path (then each parameter path of
       layers no rule took) goes through the first rule that ``re.fullmatch``-es it, to
-      ``match.expand(replacement)``;
-    - a callable ``src path -> dst path or None``;
+      ``match.expand(replacement)``; a replacement takes the forms of a dict value (a list: a
+      split per match), a tuple of patterns concatenates (see ``dense_bridge._mapping``);
+    - a callable ``src path -> dst path, list of paths, or None``;
     - ``None``: linear layers paired by order; two layers of equal shape whose last path
       components say another pairing (a layer of the same name sits elsewhere) is an error
       naming them.
+
+    Ties: an output head whose parameters are its embedding's follows the embedding in every
+    form (an identity rule included): it moves once, with it, and needs no counterpart in
+    ``dst`` (mlx-lm and keras-hub call the embedding as the head); into an untied dst head it is
+    written as the embedding's values. Dtypes: widening (bfloat16 into float32) is exact; a
+    narrowing cast (float32 into bfloat16) is an error naming the parameters unless
+    ``allow_narrowing=True`` (the report's ``narrowed`` lists them).
 
     ``strict=True``: every linear layer of both models must be matched (a layer whose
     parameters are all tied to another's, like GPT-2's ``lm_head``, moves with it) and every
     rule must match something. All-or-nothing: names, shapes and values are checked before
     anything is written, and ``dst`` is restored if a write fails. Tied parameters move once.
-    Returns a :class:`TransferReport` listing what moved and every parameter that did not.
+    Returns a :class:`TransferReport` listing what moved and every parameter that did not, and
+    in ``rules`` the complete mapping used (reusable as ``mapping=``).
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
+    if not isinstance(allow_narrowing, bool):
+        raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")
@@ -399,31 +377,49 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
     report = TransferReport(a.backend, b.backend)
     moved_src: set[str] = set()
     moved_dst: dict[Any, str] = {}  # dst storage identity -> the src path written into it
+    casts: list[tuple[str, Any, Any]] = []  # (dst parameter path, src dtype, dst dtype) of narrowing casts
 
     def claim(d: Entry, name: str, source: str) -> bool:
         key = d.ident[name]
         if key in moved_dst:
             if moved_dst[key] != source:
-                problems.append(f"dst parameter {d.param_path(name)!r} gets both {moved_dst[key]!r} and {source!r}")
+                tie = b.tied_to.get(d.param_path(name)) or next(
+                    (p for p, f in b.tied_to.items() if f == d.param_path(name)), None)
+                why = f" (it is tied to {tie!r}: one array, which cannot hold both)" if tie else ""
+                problems.append(f"dst parameter {d.param_path(name)!r} gets both {moved_dst[key]!r} and "
+                                f"{source!r}{why}")
             return False
         moved_dst[key] = source
         return True
 
-    for s, d in plan.layer_pairs:
+    for m in plan.layers:
+        if not m.linear and len(m.src) + len(m.dst) > 2:
+            problems.append(f"mapping rule {m.rule!r}: splits and concatenations join linear layers; "
+                            f"{[e.where() for e in m.src + m.dst if e.kind != 'linear']} are not")
+            continue
+        s, d = m.src[0], m.dst[0]
         if (s.kind == "linear") != (d.kind == "linear"):
             lin, other = (s, d) if s.kind == "linear" else (d, s)
             problems.append(f"{lin.where()} is a linear layer but {other.where()} is not: map its parameters by "
                             f"parameter path instead")
             continue
         if s.kind == "linear":
-            problem = _linear_move(s, d, writes)
+            problem = _linear_move(s, d, writes, casts) if len(m.src) == len(m.dst) == 1 \
+                else _fused_move(m, writes, casts)
             if problem:
                 problems.append(problem)
                 continue
-            for n in d.names:
-                claim(d, n, s.path)
-            moved_src.update(s.param_path(n) for n in s.names)
-            report.moved.append((s.path, d.path, ", ".join(sorted(writes[-1][2])) + " (canonical)"))
+            label = "+".join(e.path for e in m.src)
+            for dd in m.dst:
+                for n in dd.names:
+                    claim(dd, n, label)
+            for ss in m.src:
+                moved_src.update(ss.param_path(n) for n in ss.names)
+            how = "split" if len(m.dst) > 1 else "concatenated" if len(m.src) > 1 else ""
+            heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
+            for ww in writes[-len(m.dst):]:
+                what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+                report.moved.append((label, ww[0].path, what))
             continue
         pairs, left_s, left_d = _name_pairs(s, d)
         if left_s and strict:
@@ -432,7 +428,9 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
         arrays = {}
         values = s.read()
         for ns, nd in pairs:
-            problem = _check_native(s.param_path(ns), values[ns], d, nd)
+            if s.param_path(ns) in plan.ties:
+                continue
+            problem = _check_native(s.param_path(ns), values[ns], d, nd, casts)
             if problem:
                 problems.append(problem)
                 continue
@@ -442,18 +440,29 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
             report.moved.append((s.param_path(ns), d.param_path(nd), "parameter"))
         if arrays:
             writes.append((d, "native", arrays))
-    for ps, pd in plan.param_pairs:
-        s, ns = a.params[ps]
-        d, nd = b.params[pd]
+    for pm in plan.params:
+        s, ns = a.params[pm.src]
+        d, nd = b.params[pm.dst]
         value = s.read()[ns]
-        problem = _check_native(ps, value, d, nd)
+        what = "parameter"
+        if pm.fn is not None:
+            if s.kind != "other":
+                problems.append(f"mapping[{pm.src!r}]: a transform takes a parameter of a layer dense_bridge does "
+                                f"not read as linear (a table, a norm); {s.where()} is a linear layer: map the layer")
+                continue
+            value, problem = _transformed(pm, value)
+            if problem:
+                problems.append(problem)
+                continue
+            what = f"parameter, transformed by {getattr(pm.fn, '__name__', 'fn')}"
+        problem = _check_native(pm.src, value, d, nd, casts)
         if problem:
             problems.append(problem)
             continue
-        if claim(d, nd, ps):
+        if claim(d, nd, pm.src):
             writes.append((d, "native", {nd: value}))
-        moved_src.add(ps)
-        report.moved.append((ps, pd, "parameter"))
+        moved_src.add(pm.src)
+        report.moved.append((pm.src, pm.dst, what))
 
     # ties: a src parameter tied to a moved one has moved; a dst one tied to a written one is written
     for p, first in a.tied_to.items():
@@ -467,34 +476,54 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True) ->
             report.tied[p] = first
 
     if strict:
-        mapped_s = {s.path for s, _ in plan.layer_pairs}
-        mapped_d = {d.path for _, d in plan.layer_pairs}
+        mapped_s = {e.path for m in plan.layers for e in m.src}
+        mapped_d = {e.path for m in plan.layers for e in m.dst}
         for side, mapped, done in ((a, mapped_s, moved_src), (b, mapped_d, dst_done)):
             missing = [e.path for e in side.linear() if e.path not in mapped
                        and not (e.names and all(e.param_path(n) in done for n in e.names))]
             if missing:
                 problems.append(f"strict: linear layers of {side.argument} not matched: {missing}")
-        if isinstance(rules, list):
-            idle = [rules[i][0].pattern for i in range(len(rules)) if i not in plan.rule_hits]
-            if idle:
-                problems.append(f"strict: mapping rules that matched nothing: {idle}")
+        if plan.idle:
+            problems.append(f"strict: mapping rules that matched nothing: {plan.idle}")
+    if casts and not allow_narrowing:
+        listed = ", ".join(f"{p} ({np.dtype(f).name} -> {np.dtype(t).name})" for p, f, t in casts[:8])
+        more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
+        problems.append(f"narrowing casts round values: {listed}{more}. Pass allow_narrowing=True to round them "
+                        f"into dst's dtypes")
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))
     _write_all(writes)
+    report.rules = plan.rules({**a.stable, **b.stable})
+    report.narrowed = [p for p, _, _ in casts]
     report.not_moved_src = [p for p in a.params if p not in moved_src]
     report.not_moved_dst = [p for p in b.params if p not in dst_done]
     return report
 
 
-def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
+def _transformed(pm: _mapping.ParamMove, value: np.ndarray) -> tuple[Any, str | None]:
+    """``pm.fn`` applied to a private copy of the source array; a problem sentence if it fails."""
+    try:
+        out = pm.fn(np.array(value, copy=True))
+    except Exception as exc:  # noqa: BLE001 - the user's function: its failure is reported, nothing written
+        return None, f"mapping[{pm.src!r}]: the transform raised {type(exc).__name__}: {exc}"
+    if not isinstance(out, np.ndarray):
+        return None, (f"mapping[{pm.src!r}]: the transform must return a numpy array; it returned "
+                      f"{type(out).__name__}")
+    return out, None
+
+
+def _linear_move(s: Entry, d: Entry, writes: list, casts: list | None = None,
+                 params: dict | None = None) -> str | None:
     """Queue the canonical params of linear ``s`` for linear ``d``; a problem sentence if they do not fit.
 
     Only the parameters are compared (names, shapes; values cast to dst's dtype and checked for
     NaN/Inf): a layer's fused activation need not be readable for its weights to move.
+    ``params``: what to move instead of ``s``'s own (one piece of a split); ``casts`` collects
+    the narrowing casts (dst path, src dtype, dst dtype).
     """
     try:
-        params = _linear_params(s.layer)
+        params = _linear_params(s.layer) if params is None else params
         have = _linear_params(d.layer)
     except (ConversionError, SpecError) as exc:
         return f"{s.path!r} -> {d.path!r}: {exc}"
@@ -506,6 +535,8 @@ def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
         if params[k].shape != have[k].shape:
             return (f"src {s.where()} {k} {params[k].shape} does not fit dst {d.where()} {k} {have[k].shape} "
                     f"(canonical layout: kernel (in_features, units))")
+        if casts is not None and _mapping.narrowing(np.asarray(params[k]).dtype, have[k].dtype):
+            casts.append((f"{d.path} ({k})", np.asarray(params[k]).dtype, have[k].dtype))
         with np.errstate(over="ignore", invalid="ignore"):
             value = np.asarray(params[k]).astype(have[k].dtype, copy=False)
         if not np.isfinite(np.asarray(value, dtype=np.float32)).all():
@@ -515,7 +546,49 @@ def _linear_move(s: Entry, d: Entry, writes: list) -> str | None:
     return None
 
 
-def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str) -> str | None:
+def _fused_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
+    """Queue a split or a concatenation: the src layers' canonical params joined along units, then
+    split along units into the dst layers, each taking as many units as it has (``m.heads``:
+    per-head interleaving on the fused side); each piece then moves as :func:`_linear_move` moves one."""
+    names = f"{'+'.join(e.path for e in m.src)!r} -> {'+'.join(e.path for e in m.dst)!r}"
+    fused = m.src[0] if len(m.src) == 1 else m.dst[0]
+    if m.heads is None and _mapping.interleaved(fused.path):
+        return (f"{names}: {fused.path!r} is a fused projection whose units interleave per head (q, k, v of each "
+                f"head in turn); a plain split would scramble the heads. Declare it: "
+                f"{{'to': [...], 'heads': n}} (heads=1 when it is q|k|v in blocks)")
+    try:
+        given = [_linear_params(e.layer) for e in m.src]
+        haves = [_linear_params(e.layer) for e in m.dst]
+    except (ConversionError, SpecError) as exc:
+        return f"{names}: {exc}"
+    for side, params in (("src", given), ("dst", haves)):
+        keys = [sorted(p) for p in params]
+        if any(k != keys[0] for k in keys):
+            return f"{names}: the {side} layers differ in parameters {keys} (a bias on some only)"
+        if any(p["kernel"].ndim != 2 for p in params):
+            return f"{names}: only 2-D kernels split or join (a Bilinear does not)"
+    units = [p["kernel"].shape[-1] for p in (given if len(m.src) > 1 else haves)]
+    problem = _mapping.check_widths(units, m.heads, names)
+    if problem:
+        return problem
+    params, problem = _mapping.join_arrays(given, m.heads) if len(m.src) > 1 else (given[0], None)
+    if problem:
+        return f"{names}: {problem}"
+    pieces = [params]
+    if len(m.dst) > 1:
+        total = params["kernel"].shape[-1]
+        if total != sum(units):
+            return (f"{names}: src has {total} units but the dst layers {[e.path for e in m.dst]} have {units} "
+                    f"= {sum(units)} (a split gives each as many units as it has)")
+        pieces = _mapping.split_arrays(params, units, m.heads)
+    for d, piece in zip(m.dst, pieces):
+        problem = _linear_move(m.src[0], d, writes, casts, params=piece)
+        if problem:
+            return f"{names}: {problem}"
+    return None
+
+
+def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str, casts: list | None = None) -> str | None:
     shape = tuple(value.shape)
     if shape != d.shapes[name]:
         return (f"src parameter {src_path!r} {shape} does not fit dst parameter {d.param_path(name)!r} "
@@ -523,6 +596,10 @@ def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str) -> str 
     if (value.dtype.kind == "f" or str(value.dtype) == "bfloat16") and \
             not np.isfinite(np.asarray(value, dtype=np.float32)).all():
         return f"src parameter {src_path!r} holds NaN or Inf"
+    if casts is not None:
+        dst_dtype = np.asarray(d.read()[name]).dtype
+        if _mapping.narrowing(value.dtype, dst_dtype):
+            casts.append((d.param_path(name), value.dtype, dst_dtype))
     return None
 
 
@@ -600,13 +677,17 @@ _EMBEDDING_HINTS = ("embed", "wte", "wpe", "token_type", "position_embeddings", 
 def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | None) -> list[dict]:
     """Linear layers recognised by name in a plain weights file: ``<layer><sep><kernel>`` as the
     framework's manifest declares (``FileNames``: ``<layer>.weight`` by default) of rank 2, with a
-    rank-1 bias of the units beside it.
+    rank-1 bias beside it or not.
 
     ``entries``: (tensor name, shape, dtype) as a checkpoint lists them. Each row has the layer
-    path, in_features, units, bias (bool), dtype and ``layout``: the framework's convention,
-    labelled "assumed from the file format", since a file stores no layout (a square kernel, or
-    GPT-2's Conv1D weight (in, out), reads either way). 2-D tensors of embedding-like names are
-    left out.
+    path, in_features, units, bias (bool), dtype, ``layout`` and ``layout_source``: a file stores
+    no layout, so the orientation is decided by evidence where the file holds some (a bias's
+    length names the output axis: GPT-2's Conv1D weight (in, out) with its (out,) bias reads
+    ``in_out`` in a torch file), else assumed from the framework's convention for a non-square
+    kernel, and ``"unknown"`` for a square kernel without a bias (in_features and units are then
+    equal and only the orientation is unknown; a bias cannot orient a square kernel either). 2-D
+    tensors of embedding-like names are left out.
+    ``tensors``: the names of the tensors the row reads (kernel, and bias when present).
     """
     convention = _file_names(framework)
     name, layout, why = convention.kernel, convention.layout, convention.why
@@ -619,11 +700,21 @@ def file_linear_layers(entries: list[tuple[str, tuple, str]], framework: str | N
         path = tensor[: -len(name) - 1] if tensor != name else ""
         if any(h in path.lower() for h in _EMBEDDING_HINTS):
             continue
-        units, in_features = (shape[0], shape[1]) if layout == "out_in" else (shape[1], shape[0])
-        bias = shapes.get((path + sep if path else "") + bias_name)
-        rows.append({"layer": path, "in_features": int(in_features), "units": int(units),
-                     "bias": bias is not None and bias[0] == (units,), "dtype": dtype, "layout": layout,
-                     "layout_source": f"assumed from the file format ({why})"})
+        bias_tensor = (path + sep if path else "") + bias_name
+        bias = shapes.get(bias_tensor)
+        length = bias[0][0] if bias is not None and len(bias[0]) == 1 else None
+        this, source = layout, f"assumed from the file format ({why})"
+        if length is not None and shape[0] != shape[1] and length in shape:
+            this = "out_in" if length == shape[0] else "in_out"
+            source = f"from its bias's length ({length}: the output axis)"
+        elif shape[0] == shape[1]:
+            this, source = "unknown", ("unknown: a square kernel" + (" without a bias" if length is None else
+                                       ", which a bias cannot orient") + " (nothing in the file decides)")
+        units, in_features = (shape[0], shape[1]) if this == "out_in" else (shape[1], shape[0])
+        has_bias = length is not None and length == units
+        rows.append({"layer": path, "in_features": int(in_features), "units": int(units), "bias": has_bias,
+                     "dtype": dtype, "layout": this, "layout_source": source,
+                     "tensors": [tensor] + ([bias_tensor] if has_bias else [])})
     return rows
 
 
@@ -632,10 +723,15 @@ def format_file_linear_layers(rows: list[dict]) -> str:
     if not rows:
         return "linear layers: none recognised by name"
     width = max(len(r["layer"]) for r in rows)
-    lines = [f"linear layers recognised by name ({len(rows)}; layout {rows[0]['layout_source']}):"]
+    sources = sorted({r["layout_source"] for r in rows if r["layout_source"].startswith("assumed")})
+    lines = [f"linear layers recognised by name ({len(rows)}; layout from a bias's length where one decides"
+             + (f", else {sources[0]}" if sources else "") + "):"]
     for r in rows:
+        source = r["layout_source"]
+        note = "(assumed)" if source.startswith("assumed") else "(from its bias)" if source.startswith("from") \
+            else "(square, no bias)" if "without" in source else "(square)"
         lines.append(f"  {r['layer']:<{width}}  in={r['in_features']:<6} units={r['units']:<6} "
-                     f"bias={'yes' if r['bias'] else 'no ':<3}  {r['dtype']}  layout {r['layout']} (assumed)")
+                     f"bias={'yes' if r['bias'] else 'no ':<3}  {r['dtype']}  layout {r['layout']} {note}")
     return "\n".join(lines)
 
 

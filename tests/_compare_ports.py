@@ -77,7 +77,7 @@ def keras_bert(dtype: str = "float32"):
 
 def port_bert(src, dst) -> None:
     """Copy a transformers BertModel into a keras-hub BertBackbone (linear layers by BERT_RULES)."""
-    db.transfer(src, dst, mapping=BERT_RULES + [
+    db.transfer(src, dst, allow_narrowing=True, mapping=BERT_RULES + [
         (r"embeddings\.word_embeddings", "token_embedding"),
         (r"embeddings\.position_embeddings", "position_embedding"),
         (r"embeddings\.token_type_embeddings", "segment_embedding"),
@@ -125,7 +125,7 @@ def mlx_gpt2(dtype: str = "float32"):
 
 
 def port_gpt2(src, dst) -> None:
-    db.transfer(src, dst, mapping=[(r"(.*)", r"\1")])
+    db.transfer(src, dst, mapping=[(r"(.*)", r"\1")], allow_narrowing=True)  # into bfloat16 twins too
 
 
 # ---------------------------------------------------------------------------- Llama
@@ -158,7 +158,7 @@ def mlx_llama(dtype: str = "float32"):
 
 
 def port_llama(src, dst) -> None:
-    db.transfer(src, dst, mapping=[(r"(.*)", r"\1")])
+    db.transfer(src, dst, mapping=[(r"(.*)", r"\1")], allow_narrowing=True)  # into bfloat16 twins too
 
 
 def lm_inputs(seed: int, batch: int = 2, seq: int = 7):

@@ -224,7 +224,7 @@ def test_the_name_check_sees_tables_and_messages():
 
 
 def test_backend_facts_come_from_the_manifests():
-    """What the core once kept in tables is each built-in manifest's declaration now."""
+    """Every fact the core needs about a backend's files and objects is its manifest's declaration."""
     from dense_bridge._registry import BUILTIN, manifest
 
     declared = {name: manifest(name) for name in BUILTIN}

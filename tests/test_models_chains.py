@@ -283,15 +283,17 @@ def test_inspect_lists_linear_layers_of_a_plain_state_dict_with_assumed_layouts(
     torch.save(model.state_dict(), path)
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "linear layers recognised by name (2" in out and "assumed from the file format" in out
-    assert "in=4      units=8      bias=yes" in out and "layout out_in (assumed)" in out
+    assert "linear layers recognised by name (2" in out
+    # the (8,) bias names the output axis of the (8, 4) weight; the square (8, 8) one without bias is unknown
+    assert "in=4      units=8      bias=yes" in out and "layout out_in (from its bias)" in out
+    assert "layout unknown (square, no bias)" in out
     assert cli.main(["inspect", str(path), "--json"]) == 0
     import json
 
     rows = json.loads(capsys.readouterr().out)["linear_layers"]
     assert [(r["layer"], r["in_features"], r["units"], r["bias"]) for r in rows] == [("0", 4, 8, True),
                                                                                     ("3", 8, 8, False)]
-    assert all(r["layout_source"].startswith("assumed from the file format") for r in rows)
+    assert [r["layout"] for r in rows] == ["out_in", "unknown"]
     # Keras weights files store kernels (in, out) by position; embedding-like 2-D tables are left out
     keras_rows = file_linear_layers([("layers/dense/vars/0", (4, 8), "float32"), ("layers/dense/vars/1", (8,), "float32"),
                                      ("layers/embedding/vars/0", (10, 4), "float32")], "keras")

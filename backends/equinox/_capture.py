@@ -103,3 +103,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         while swapped:
             layer, cls = swapped.pop()
             object.__setattr__(layer, "__class__", cls)
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical = _canonical

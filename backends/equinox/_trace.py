@@ -82,3 +82,36 @@ class _Static:
         return isinstance(other, _Static) and self._def == other._def and \
             len(self._leaves) == len(other._leaves) and all(a is b for a, b in zip(self._leaves, other._leaves))
 
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (leading axes flattened and ``jax.vmap``-ed, the
+    Equinox convention) and ``jax.vjp``'s backward from ``grad_out`` (dL/d(output)): ``(output,
+    dL/dx, canonical parameter gradients)`` as numpy; ``grad_out`` None: forward only.
+
+    The output is what ``capture`` records: a DenseLinear with an activation runs its linear map
+    alone (``grad_out`` is then dL/d(linear map)).
+    """
+    from ._capture import canonical as _canonical
+    from ._layers import DenseLinear
+
+    arr = np.asarray(x)
+    lead = arr.shape[:-1]
+    n = int(np.prod(lead)) if lead else 1
+    xj = to_jax(arr.reshape((n,) + arr.shape[-1:]), float_name(arr.dtype))
+    dynamic, static = eqx.partition(layer, eqx.is_inexact_array)
+    linear_only = isinstance(layer, DenseLinear) and not layer.activation.is_identity
+
+    def fn(dynamic, xj):
+        m = eqx.combine(dynamic, static)
+        return jax.vmap(m._linear if linear_only else m)(xj)
+
+    def back(a):
+        return np.array(a).reshape(lead + a.shape[1:])
+
+    if grad_out is None:
+        return back(jax.jit(fn)(dynamic, xj)), None, {}
+    y, vjp = jax.vjp(fn, dynamic, xj)
+    g = np.asarray(grad_out)
+    gdyn, dx = vjp(to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype)).astype(y.dtype))
+    return back(y), back(dx), _canonical(type(layer), gdyn)

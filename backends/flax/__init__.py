@@ -28,10 +28,10 @@ from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, 
 from ._models import walk
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace
+from ._trace import run_layer, trace
 
 __all__ = ["DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
 
 
 def owns(obj) -> bool:

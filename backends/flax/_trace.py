@@ -78,3 +78,33 @@ def _forward_eager(layers, xs):
         dt = _param_dtype(m)
         xs = [m(*[x.astype(dt) if dt is not None else x for x in xs])]
     return xs[0]
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and ``jax.vjp``'s
+    backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter gradients)``
+    as numpy; ``grad_out`` None: forward only (``(output, None, {})``).
+
+    The output is what ``capture`` records: a DenseLinear with an activation runs its linear map
+    alone (``grad_out`` is then dL/d(linear map)). Flax's layouts are canonical already.
+    """
+    import jax
+
+    from ._layers import DenseLinear
+
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    linear_only = isinstance(layer, DenseLinear) and not layer.activation.is_identity
+
+    def fn(params, xj):
+        m = nnx.merge(graphdef, params, rest)
+        return m._linear(xj) if linear_only else m(xj)
+
+    arr = np.asarray(x)
+    xj = to_jax(arr, float_name(arr.dtype))
+    if grad_out is None:
+        return np.array(jax.jit(fn)(params, xj)), None, {}
+    y, vjp = jax.vjp(fn, params, xj)
+    g = np.asarray(grad_out)
+    gparams, dx = vjp(to_jax(g, float_name(g.dtype)).astype(y.dtype))
+    flat = {k: v for k, v in nnx.to_pure_dict(gparams).items() if k in ("kernel", "bias") and v is not None}
+    return np.array(y), np.array(dx), {k: np.array(v) for k, v in flat.items()}

@@ -59,7 +59,7 @@ from ._arrays import from_numpy, to_numpy  # noqa: E402
 from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile, inference  # noqa: E402,E501
 from ._params import get_params, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
-from ._trace import trace  # noqa: E402
+from ._trace import run_layer, trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
 from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10, 18)
@@ -68,7 +68,7 @@ from ._parallel import compile_parallel, get_params_parallel, parallel_agree_see
 
 __all__ = ["DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

@@ -26,6 +26,7 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
 from . import _engine
+from ._models import is_reversible
 
 
 def _np(x) -> np.ndarray:
@@ -74,6 +75,8 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         y = self.original(*args, **kwargs)
+        if self.lookup_only(kwargs):
+            return y
         probes = self.state.get("probes")
         if probes is not None:  # the gradient pass: y + 0, whose gradient is dL/dy
             k = self.state["k"]
@@ -85,6 +88,12 @@ class _Wrapped:
             self.log.append((self.path, self.count, xs, y))
             self.count += 1
         return y if self.activation is None else self.activation(y)
+
+
+    def lookup_only(self, kwargs) -> bool:
+        """A ReversibleEmbedding captured as its head: its table lookups (reverse=False) are not calls
+        of the linear layer."""
+        return is_reversible(self.layer) and not kwargs.get("reverse", False)
 
 
 def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarray]:
@@ -195,3 +204,7 @@ def load_model(path: str, *, trust_pickle: bool = False):
         return keras.saving.load_model(path, compile=False)
     except Exception as exc:  # noqa: BLE001 - any deserialization failure is a bad file
         raise CheckpointError(f"{path}: cannot load a Keras model ({type(exc).__name__}: {exc})") from None
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads

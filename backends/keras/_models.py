@@ -31,7 +31,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
-from dense_bridge._layouts import Entry, declared
+from dense_bridge._layouts import Entry, declared, register
 
 from ._arrays import assign_array, read_array
 
@@ -170,6 +170,26 @@ def einsum_canonical_grads(layer, grads: dict[str, np.ndarray]) -> dict[str, np.
     return out
 
 
+# ----------------------------------------------------------------------------- reversible embeddings
+#: Keras' (and keras-hub's) ``ReversibleEmbedding``: an embedding table whose ``call(x, reverse=True)``
+#: is the output head, ``x @ reverse_embeddings`` (hidden, vocab) when untied: an (in, out) linear
+#: map declared like any third-party linear class; tied (``tie_weights=True``), the head is the
+#: table transposed and has no parameters of its own (a tie, not a layer).
+REVERSIBLE = getattr(keras.layers, "ReversibleEmbedding", None)
+if REVERSIBLE is not None:
+    register(REVERSIBLE, kernel="reverse_embeddings", layout="in_out")
+
+
+def untied_reversible(layer) -> bool:
+    """Is ``layer`` a ReversibleEmbedding with a float head of its own (``reverse_embeddings``)?"""
+    return REVERSIBLE is not None and isinstance(layer, REVERSIBLE) and not layer.tie_weights \
+        and layer.quantization_mode is None and isinstance(getattr(layer, "reverse_embeddings", None), keras.Variable)
+
+
+def is_reversible(layer) -> bool:
+    return REVERSIBLE is not None and isinstance(layer, REVERSIBLE)
+
+
 # ----------------------------------------------------------------------------- walk
 def _quantized(layer) -> bool:
     return getattr(layer, "quantization_mode", None) is not None
@@ -185,6 +205,8 @@ def _kind(layer) -> str:
         return "linear"
     if t is keras.layers.EinsumDense and not isinstance(einsum_plan(layer), str):
         return "linear"
+    if is_reversible(layer):  # the table is "other"; an untied head is reported apart (see walk)
+        return "other"
     if declared(layer) is not None:  # db.register_layout: read through _to_spec.declared_variables
         return "linear"
     return "other"
@@ -199,13 +221,43 @@ def _children(layer) -> list:
     return [l for l in layer._flatten_layers(include_self=False, recursive=False)]
 
 
+def auto_name_base(layer) -> str | None:
+    """The base of Keras' automatic name for ``layer``'s class ("dense" for "dense_7") when its name
+    is one (Keras numbers them process-wide: keras.src.utils.naming), else None."""
+    name = getattr(layer, "name", None)
+    cls = re.sub(r"\W+", "", type(layer).__name__)
+    cls = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", cls)
+    base = re.sub("([a-z])([A-Z])", r"\1_\2", cls).lower()
+    return base if isinstance(name, str) and re.fullmatch(rf"{re.escape(base)}(_\d+)?", name) else None
+
+
+def _stable_names(children: list) -> list[str]:
+    """Each child's name with Keras' process-wide automatic numbering replaced by its ordinal among
+    its auto-named siblings of the same class ("dense_7", "dense_8" -> "dense", "dense_1"): the
+    same in every instance of a model, however many layers the process built before it."""
+    counts: dict[str, int] = {}
+    out = []
+    for child in children:
+        name = getattr(child, "name", "")
+        base = auto_name_base(child)
+        if base is not None:
+            k = counts.get(base, 0)
+            counts[base] = k + 1
+            name = base if k == 0 else f"{base}_{k}"
+        out.append(name)
+    return out
+
+
 def walk(model) -> list[Entry]:
-    """Every layer with variables of its own (and every linear-family layer) under ``model``."""
+    """Every layer with variables of its own (and every linear-family layer) under ``model``.
+
+    Each entry's ``extra["stable_path"]`` is its path with automatic names renumbered per model
+    (:func:`_stable_names`), so that mapping rules written for one instance carry to another."""
     root = getattr(model, "path", None) or model.name
     out: list[Entry] = []
     seen: set[int] = set()
 
-    def visit(layer, parent: str | None) -> None:
+    def visit(layer, parent: str | None, stable: str) -> None:
         if id(layer) in seen:  # a shared layer is reported once, at its first path
             return
         seen.add(id(layer))
@@ -219,12 +271,24 @@ def walk(model) -> list[Entry]:
                 path = f"{parent}/{layer.name}" if parent else layer.name
         variables = _own_variables(layer)
         kind = _kind(layer)
-        if variables or kind != "other":
+        first = len(out)
+        if untied_reversible(layer):
+            # two entries: the table (an embedding) and the untied head (a linear map, in, out)
+            head = layer.reverse_embeddings
+            out.append(_entry(path, layer, kind, [v for v in variables if v is not head]))
+            where = f"{path}/reverse_embeddings" if path else "reverse_embeddings"
+            linear = _entry(where, layer, "linear", [head])
+            linear.extra["param_paths"] = {"reverse_embeddings": where}
+            out.append(linear)
+        elif variables or kind != "other":
             out.append(_entry(path, layer, kind, variables))
-        for child in _children(layer):
-            visit(child, path)
+        for e in out[first:]:
+            e.extra["stable_path"] = stable + e.path[len(path):]
+        children = _children(layer)
+        for child, name in zip(children, _stable_names(children)):
+            visit(child, path, f"{stable}/{name}" if stable else name)
 
-    visit(model, None)
+    visit(model, None, "")
     return out
 
 

@@ -136,6 +136,10 @@ def declared_variables(layer) -> tuple[object, object | None, bool]:
     """(kernel variable, bias variable or None, stored transposed?) of a custom Keras layer declared
     with db.register_layout; ConversionError when it is not built or the names do not fit."""
     decl = declared(layer)
+    if getattr(layer, "tie_weights", False) and decl.kernel == "reverse_embeddings":
+        raise ConversionError(f"{describe_layer(layer)} ties its output head to its embeddings (tie_weights=True): "
+                              f"the head is the table transposed and has no linear parameters of its own; move the "
+                              f"table (its 'embeddings') and the head follows")
     if not getattr(layer, "built", False):
         raise SpecError(f"{describe_layer(layer)} is not built yet and has no parameters: run one input through it "
                         f"(or build it) first")

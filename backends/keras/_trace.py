@@ -15,12 +15,14 @@ import numpy as np
 from dense_bridge._trace import LayerTrace, Trace
 
 from ._engine import layer_vjp, to_numpy, to_tensor
-from ._models import einsum_call, einsum_canonical_grads
+from ._models import einsum_call, einsum_canonical_grads, is_reversible
 from ._params import layer_variables, stored_transposed
 from ._to_spec import layer_kind, layers_of
 
 
 def _call(layer, *xs):
+    if is_reversible(layer):  # a ReversibleEmbedding read as a linear layer is its head: reverse=True
+        return layer(*xs, reverse=True)
     return einsum_call(layer, xs[0]) if layer_kind(layer) == "einsum" else layer(*xs, training=False)
 
 
@@ -50,3 +52,31 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(to_numpy(y), tuple(to_numpy(d) for d in dxs), pgrads)
         g = dxs[0]
     return Trace(records)
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and the engine's
+    autograd backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter
+    gradients)`` as numpy; ``grad_out`` None: forward only (``(output, None, {})``).
+
+    The output is what ``capture`` records: a layer applying an activation inside itself
+    (``Dense(activation=...)``) runs its linear map alone, and ``grad_out`` is dL/d(linear map).
+    """
+    from ._capture import canonical_grads as _canonical_grads
+
+    act = getattr(layer, "activation", None)
+    inside = act is not None and act is not keras.activations.linear
+    if inside:
+        layer.activation = keras.activations.linear
+    try:
+        xt = to_tensor(np.asarray(x), str(keras.backend.standardize_dtype(np.asarray(x).dtype)))
+        if grad_out is None:
+            y = layer(xt, training=False)
+            return np.array(to_numpy(y), copy=True), None, {}
+        y, dxs, by_path = layer_vjp(layer, [xt], to_tensor(np.asarray(grad_out)))  # in the output's dtype
+    finally:
+        if inside:
+            layer.activation = act
+    by_var = [(v, by_path[v.path]) for v in layer.trainable_variables if v.path in by_path]
+    pgrads = _canonical_grads(layer, by_var) if by_var else {}
+    return np.array(to_numpy(y), copy=True), np.array(to_numpy(dxs[0]), copy=True), pgrads

@@ -56,7 +56,7 @@ from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, Flatten, LazyDenseLinear, compile
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace
+from ._trace import run_layer, trace
 from ._capture import capture
 from ._models import walk
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
@@ -76,7 +76,7 @@ __all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "Colu
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer"]
 
 
 def owns(obj) -> bool:

@@ -151,3 +151,7 @@ def _restore(swapped: list, modes: list) -> None:
         layer.__class__ = cls
     for m, training in modes:
         m._training = training
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads

@@ -107,3 +107,28 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     if parallel_state(native) is not None:  # tensor-parallel (issue 17): shards gathered whole
         return gather_trace(native, Trace(records))
     return Trace(records)
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and ``mx.vjp``'s
+    backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter gradients)``
+    as numpy; ``grad_out`` None: forward only (``(output, None, {})``). The output is what
+    ``capture`` records (the module's return value); the mask is never differentiated."""
+    from ._capture import canonical_grads as canonical
+
+    arr = np.asarray(x)
+    xm = to_mx(arr, np.dtype(arr.dtype).name)
+    modes = [(m, m.training) for _, m in layer.named_modules()] if isinstance(layer, nn.Module) else []
+    try:
+        if isinstance(layer, nn.Module):
+            layer.eval()
+        if grad_out is None:
+            y = layer(xm)
+            return np.array(to_numpy(y), copy=True), None, {}
+        g = np.asarray(grad_out)  # in the output's dtype
+        y, dxs, grads = _layer_vjp(layer, [xm], to_mx(g, np.dtype(g.dtype).name))
+    finally:
+        for m, training in modes:
+            m._training = training
+    pg = canonical(layer, tree_unflatten(list(grads.items()))) if grads else {}
+    return np.array(to_numpy(y), copy=True), np.array(to_numpy(dxs[0]), copy=True), pg

@@ -21,7 +21,7 @@ from ._arrays import from_numpy, to_numpy
 from ._layers import BilinearLayer, DenseLayer, IdentityLayer, SequentialModel, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace, train_sgd
+from ._trace import run_layer, trace, train_sgd
 from ._capture import capture
 from ._models import walk
 from ._files import file_info, read_file, write_file  # native checkpoint files (issue 10)
@@ -29,7 +29,7 @@ from ._files import file_info, read_file, write_file  # native checkpoint files 
 __all__ = ["DenseLayer", "BilinearLayer", "IdentityLayer", "ActivationLayer", "SequentialModel",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "read_file", "write_file",
-           "train_sgd"]
+           "train_sgd", "run_layer"]
 
 # Pickles of reference layers name their classes by module path: keep the path they had as the
 # single module ``backends/numpy.py``.

@@ -47,3 +47,15 @@ def train_sgd(native, inputs: np.ndarray, labels: np.ndarray, *, steps: int,
         set_params(native, {k: v - lr * grads[k] for k, v in get_params(native).items()})
         probs = native.forward(inputs)
     return before, np.array(probs)
+
+
+def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of the reference ``layer`` alone on ``x`` and its hand-derived backward from
+    ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter gradients)``; ``grad_out``
+    None: forward only (``(output, None, {})``). The output is what ``capture`` records."""
+    y = np.array(layer.forward(np.asarray(x)), copy=True)
+    if grad_out is None:
+        return y, None, {}
+    dx = layer.backward(np.asarray(grad_out))
+    dx = dx[0] if isinstance(dx, tuple) else dx
+    return y, np.array(dx, copy=True), {k: np.array(v, copy=True) for k, v in (layer.grads or {}).items()}

@@ -53,7 +53,7 @@ from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace, train_sgd
+from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
 from ._models import walk
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
@@ -61,7 +61,7 @@ from ._files import file_info, file_layout, file_views, read_file, write_file  #
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
-           "train_sgd"]
+           "train_sgd", "run_layer"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.

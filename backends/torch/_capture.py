@@ -162,3 +162,7 @@ def load_model(path: str, *, trust_pickle: bool = False):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a whole nn.Module (save one with "
                               f"torch.save(model); a state dict is a checkpoint: check it without --mapping)")
     return obj.eval()
+
+
+#: for ``run_layer`` (``_trace.py``): the same canonical reading of one layer's gradients
+canonical_grads = _canonical_grads

@@ -133,3 +133,39 @@ def train_sgd(native: nn.Module, inputs: np.ndarray, labels: np.ndarray, *, step
     finally:
         torch.set_num_threads(threads)
     return before, after
+
+
+def run_layer(layer: nn.Module, x: np.ndarray, grad_out: np.ndarray | None):
+    """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and torch autograd's
+    backward from ``grad_out`` (dL/d(output), the output's shape): ``(output, dL/dx, canonical
+    parameter gradients)`` as numpy. ``grad_out`` None: forward only (``(output, None, {})``).
+
+    The output is what ``capture`` records for the layer (hooks see the module's return value);
+    the layer runs in eval mode and its ``.grad`` fields are left untouched.
+    """
+    from ._capture import canonical_grads as _canonical_grads
+
+    grads = grad_out is not None
+    xt = from_numpy(np.ascontiguousarray(x)).clone().requires_grad_(grads)
+    params = list(layer.named_parameters(recurse=False))
+    flags = [(p, p.requires_grad) for _, p in params]
+    modes = [(m, m.training) for m in layer.modules()]
+    try:
+        layer.eval()
+        for p, _ in flags:
+            p.requires_grad_(grads)
+        with torch.enable_grad() if grads else torch.no_grad():
+            y = layer(xt)
+        if not grads:
+            return np.array(to_numpy(y), copy=True), None, {}
+        g = from_numpy(np.ascontiguousarray(grad_out)).to(y.dtype)
+        got = torch.autograd.grad(y, [xt] + [p for _, p in params], grad_outputs=g, allow_unused=True)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        for m, training in modes:
+            m.training = training
+    dx = torch.zeros_like(xt) if got[0] is None else got[0]
+    pg = {n: torch.zeros_like(p) if gp is None else gp for (n, p), gp in zip(params, got[1:])}
+    return (np.array(to_numpy(y.detach()), copy=True), np.array(to_numpy(dx), copy=True),
+            _canonical_grads(layer, pg) if pg else {})

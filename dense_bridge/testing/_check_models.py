@@ -128,7 +128,7 @@ def check_models(args) -> int:
     inputs_a = read_inputs(args.inputs)
     inputs = inputs_a if args.inputs_b is None else (inputs_a, read_inputs(args.inputs_b, "--inputs-b"))
     report = compare_models(a, b, inputs, mapping=read_mapping(args.mapping), grads=not args.no_grads,
-                            seed=args.seed)
+                            seed=args.seed, isolated=args.isolated)
     if args.html:
         report.to_html(args.html)
     if args.json:

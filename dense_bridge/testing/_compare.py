@@ -49,8 +49,11 @@ from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
 from ._report import LayerResult, ModelInfo, QuantityResult, Report
+from ._elements import coarser_dtype, element_stats, elementwise_units
+from ._isolated import LAYER_NOTE, forced_layer_traces
+from ._structure import params_structure
 from ._propagate import allowances
-from ._tolerance import Tolerance, error_units
+from ._tolerance import Tolerance
 
 __all__ = ["compare", "assert_equivalent", "spec_differences", "function_differences"]
 
@@ -298,14 +301,17 @@ def _quantity(i, label, name, a, b, allowed) -> QuantityResult:
     if a.shape != b.shape:
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               f"shape {a.shape} vs {b.shape}")
-    err, units = error_units(a, b, "float64", k, 1.0, allowed=allowed[0])
+    diff, elementwise = elementwise_units(a, b, allowed[0])
+    err = float(diff.max()) if diff.size else 0.0
+    units = float(elementwise.max()) if diff.size else 0.0
+    stats = element_stats(a, b, elementwise, coarser_dtype(a.dtype, b.dtype))
     note = ""
     if not math.isfinite(units):
         bad_a = int((~np.isfinite(a.astype(np.float64))).sum())
         bad_b = int((~np.isfinite(b.astype(np.float64))).sum())
         if bad_a != bad_b:
             note = f"non-finite values: {bad_a} in a, {bad_b} in b"
-    return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note)
+    return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note, stats)
 
 
 def first_failure(layers: list[LayerResult]) -> QuantityResult | None:
@@ -423,7 +429,7 @@ def layer_label(la: list, lb: list, i: int) -> str:
 
 
 def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: Tolerance | None = None,
-            batch_size: int = _DEFAULT_BATCH, grad_out=None, strict: bool = False) -> Report:
+            batch_size: int = _DEFAULT_BATCH, grad_out=None, strict: bool = False, isolated: bool = False) -> Report:
     """Run native models ``a`` and ``b`` (any backends, the same one too) on identical data and
     compare every layer's output, dL/dx, dL/dkernel and dL/dbias (``b`` is the reference).
 
@@ -444,10 +450,15 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
 
     An empty Sequential is the identity: its output is its input, compared as one Identity
     layer (noted); two empty models with no input width pass with nothing to compare.
+    ``isolated=True`` (teacher forcing): every layer of b runs alone on the input a's layer
+    received and backward from the gradient a's layer received, so each row holds that layer's
+    own error with nothing carried from before it (see ``_isolated``).
+
     Returns a :class:`Report`. Wrong argument types raise TypeError, bad values SpecError.
     """
     tolerance = check_tolerance(tolerance)
     grads, strict = check_flag("grads", grads), check_flag("strict", strict)
+    isolated = check_flag("isolated", isolated)
     seed, batch_size = check_count("seed", seed, 0), check_count("batch_size", batch_size, 1)
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
     spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
@@ -482,10 +493,23 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     if len(trace_b.layers) != len(lb):
         raise ConversionError(f"b's adapter traced {len(trace_b.layers)} layers for a spec of {len(lb)}")
     params_b = adapter_b.get_params(b) if "b" not in empty else {}
+    if not empty:
+        report.structure = params_structure(adapter_a.get_params(a), params_b)
     allowed = allowances(lb, trace_b, params_b, "{}." if isinstance(spec_b, Sequential) else "", xs, g,
                          dtype, tolerance, grads=grads)
+    traced_b = trace_b.layers
+    if isolated:
+        forced = "the layers of a and b do not line up" if len(trace_a.layers) != len(lb) or empty else \
+            forced_layer_traces(backend_of(b, "b"), lb, params_b, trace_a, trace_b, xs, g, in_b, dtype, tolerance,
+                                grads)
+        if isinstance(forced, str):
+            report.notes.append(f"isolated: not applied ({forced}); compared as cascaded")
+        else:
+            traced_b, allowed = forced
+            report.isolated = True
+            report.notes.append(LAYER_NOTE)
     if len(trace_a.layers) == len(lb):
-        for i, (ta, tb) in enumerate(zip(trace_a.layers, trace_b.layers)):
+        for i, (ta, tb) in enumerate(zip(trace_a.layers, traced_b)):
             report.layers.append(compare_layer(i, layer_label(la, lb, i), ta, tb, allowed[i], grads,
                                                dx_names(lb[i])))
     else:

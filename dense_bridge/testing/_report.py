@@ -5,14 +5,16 @@ is self-contained (inline CSS and SVG, no script) so it can be attached to a CI 
 """
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ._elements import ElementStats
+from ._format import detail_notes, fmt_err, fmt_units, result_word, ulp_cells
 from ._tolerance import Tolerance
 
 __all__ = ["QuantityResult", "LayerResult", "Report"]
@@ -25,6 +27,8 @@ class QuantityResult:
     ``units`` is the max error in tolerance units (<= 1 passes; inf for a shape mismatch, a
     missing quantity or a NaN/Inf in only one of the two); ``fan_in`` is K, the length of the
     reduction that produced it (its allowance also carries what it inherits from its inputs).
+    ``stats``: element by element (ULPs, the fraction out of tolerance, the worst element with
+    both values, NaN/Inf positions; see ``_elements``), None where no values were compared.
     """
 
     layer: int | None
@@ -36,12 +40,20 @@ class QuantityResult:
     fan_in: int = 0
     shape: tuple[int, ...] = ()
     note: str = ""
+    stats: ElementStats | None = None
+
+    @property
+    def bit_identical(self) -> bool:
+        """True when every element of the two sides matches exactly (NaN with NaN)."""
+        return self.stats is not None and self.stats.bit_identical
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "layer_type": self.layer_type, "quantity": self.quantity,
                 "max_abs_error": _json_float(self.max_abs_error), "units": _json_float(self.units),
                 "passed": self.passed, "fan_in": self.fan_in,
-                "shape": list(self.shape), "note": self.note}
+                "shape": list(self.shape), "note": self.note,
+                "bit_identical": self.bit_identical,
+                "elements": None if self.stats is None else self.stats.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,11 @@ class Report:
     first_failure: QuantityResult | None = None
     strict: bool = False
     strict_differences: list[str] = field(default_factory=list)
+    #: teacher forcing: every layer of b ran on the input and cotangent a's counterpart received
+    isolated: bool = False
+    #: parameters of either model left unmatched, tied or matched with another dtype, and both
+    #: parameter counts (``_structure.Structure``), found before anything ran; None: not looked at
+    structure: Any = None
 
     # ------------------------------------------------------------------ verdict
     @property
@@ -133,6 +150,12 @@ class Report:
         return [q for layer in self.layers for q in layer.quantities]
 
     @property
+    def bit_identical(self) -> bool:
+        """True when something was compared and every value of every quantity matches exactly."""
+        rows = self.rows
+        return self.compared and bool(rows) and all(q.bit_identical for q in rows)
+
+    @property
     def worst(self) -> QuantityResult | None:
         """The quantity with the most tolerance units (None when nothing was compared)."""
         rows = self.rows
@@ -146,6 +169,8 @@ class Report:
         strict = (f"strict: the specs differ in {len(self.strict_differences)} field(s) that change the "
                   f"function or its precision: " + "; ".join(self.strict_differences)) if self.strict_failed else ""
         worst = self.worst
+        if self.passed and self.bit_identical:
+            return f"PASS: bit-identical: every value of {len(self.rows)} quantities matches exactly (0 ULP)"
         if self.passed:
             extra = f" (specs differ in {len(self.spec_differences)} field(s))" if self.spec_differences else ""
             where = "" if worst is None else (f"; worst {fmt_units(worst.units)} tolerance units at "
@@ -170,6 +195,11 @@ class Report:
             + ("given" if self.inputs_given else f"from seed {self.seed}")
             + ("; strict (spec differences in function or precision fail)" if self.strict else ""),
         ]
+        if self.isolated:
+            lines.append("  mode: isolated (each layer of b ran on the input and output gradient its counterpart "
+                         "in a received)")
+        if self.structure is not None:
+            lines += self.structure.lines()
         if self.spec_differences:
             lines.append("spec differences (a vs b):")
             lines += [f"  {d}" for d in self.spec_differences]
@@ -179,15 +209,16 @@ class Report:
             type_w = max([10] + [len(l.layer_type) for l in self.layers])
             q_w = max([10] + [len(q.quantity) for q in self.rows])
             header = (f"{'layer':>5}  {'type':<{type_w}}  {'quantity':<{q_w}}  {'max abs err':>11}  "
-                      f"{'tol units':>9}  {'K':>6}  result")
+                      f"{'tol units':>9}  {'K':>6}  {'ULP max/med':>15}  {'out of tol':>18}  result")
             lines += [header, "-" * len(header)]
             for layer in self.layers:
                 idx = "all" if layer.index is None else str(layer.index)
                 for q in layer.quantities:
+                    ulp, frac = ulp_cells(q)
                     lines.append(f"{idx:>5}  {layer.layer_type:<{type_w}}  {q.quantity:<{q_w}}  "
                                  f"{fmt_err(q.max_abs_error):>11}  {fmt_units(q.units):>9}  {q.fan_in:>6}  "
-                                 f"{'PASS' if q.passed else 'FAIL'}"
-                                 + (f"  ({q.note})" if q.note else ""))
+                                 f"{ulp:>15}  {frac:>18}  {result_word(q):<18}"
+                                 + "".join(f"  ({x})" for x in detail_notes(q)))
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -214,6 +245,9 @@ class Report:
             "spec_differences": list(self.spec_differences),
             "strict_differences": list(self.strict_differences),
             "notes": list(self.notes),
+            "isolated": self.isolated,
+            "bit_identical": self.bit_identical,
+            "structure": None if self.structure is None else self.structure.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -224,7 +258,9 @@ class Report:
     # ------------------------------------------------------------------ html
     def to_html(self, path: str | os.PathLike | None = None) -> str:
         """A self-contained HTML page (table plus an SVG error chart); written atomically to ``path``."""
-        page = _render_html(self)
+        from ._html import render_html
+
+        page = render_html(self)
         if path is not None:
             _write_atomic(Path(path), page)
         return page
@@ -233,16 +269,6 @@ class Report:
 # ---------------------------------------------------------------------- helpers
 def _json_float(x: float):
     return x if math.isfinite(x) else ("nan" if math.isnan(x) else ("inf" if x > 0 else "-inf"))
-
-
-def fmt_err(x: float) -> str:
-    return "inf" if math.isinf(x) else ("nan" if math.isnan(x) else f"{x:.3e}")
-
-
-def fmt_units(x: float) -> str:
-    if not math.isfinite(x):
-        return "inf"
-    return f"{x:.3g}" if x < 1e4 else f"{x:.2e}"
 
 
 def _where(q: QuantityResult) -> str:
@@ -265,106 +291,3 @@ def _write_atomic(path: Path, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
-
-
-_SHORT = {"output": "out", "dL/dx": "dx", "dL/dx1": "dx1", "dL/dx2": "dx2", "dL/dkernel": "dW",
-          "dL/dbias": "db", "input": "in", "dL/dy": "dy", "model output": "out"}
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
-h1{font-size:1.3em}table{border-collapse:collapse;font-family:monospace;font-size:13px}
-td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#f3f3f3}
-td.l{text-align:left}tr.fail td{background:#fde8e8}.pass{color:#17803d}.fail{color:#b91c1c}
-.verdict{font-size:1.1em;font-weight:bold;margin:1em 0}ul{font-family:monospace}"""
-
-
-def _svg_chart(report: Report) -> str:
-    """Bars of log10(tolerance units) per layer and quantity; a dashed line at 1 unit."""
-    rows = report.rows
-    if not rows:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="40"><text x="4" y="24">' \
-               'nothing was compared</text></svg>'
-    finite = [math.log10(q.units) for q in rows if math.isfinite(q.units) and q.units > 0]
-    lo = min([-4.0] + [math.floor(v) for v in finite])
-    hi = max([2.0] + [math.ceil(v) for v in finite])
-    top_cap = hi + 0.5  # where an infinite error is drawn
-    left, right, top, bottom, height = 56, 16, 24, 64, 260
-    bar, gap, group_gap = 16, 3, 18
-    widths = [len(layer.quantities) * (bar + gap) - gap for layer in report.layers]
-    width = max(left + 200, left + right + sum(widths) + group_gap * (len(widths) + 1))  # room for the legend
-
-    def y(v: float) -> float:
-        return top + (top_cap - v) / (top_cap - lo) * height
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + bottom}" '
-             f'font-family="monospace" font-size="11">']
-    for tick in range(int(lo), int(hi) + 1):
-        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" '
-                     f'stroke="#eee"/><text x="{left - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">1e{tick}</text>')
-    parts.append(f'<text x="12" y="{top + height / 2:.0f}" transform="rotate(-90 12 {top + height / 2:.0f})" '
-                 f'text-anchor="middle">error / tolerance (log)</text>')
-    x = left + group_gap
-    for layer, w in zip(report.layers, widths):
-        for i, q in enumerate(layer.quantities):
-            bx = x + i * (bar + gap)
-            if math.isfinite(q.units):
-                v = math.log10(q.units) if q.units > 0 else lo
-            else:
-                v = top_cap
-            color = "#2f9e44" if q.passed else "#e03131"
-            tip = html.escape(f"layer {layer.index if layer.index is not None else 'all'} {q.quantity}: "
-                              f"{fmt_units(q.units)} units, max abs err {fmt_err(q.max_abs_error)}")
-            parts.append(f'<rect x="{bx}" y="{y(v):.1f}" width="{bar}" height="{max(1.0, y(lo) - y(v)):.1f}" '
-                         f'fill="{color}"><title>{tip}</title></rect>')
-            label = html.escape(_SHORT.get(q.quantity, q.quantity))
-            parts.append(f'<text x="{bx + bar / 2}" y="{top + height + 14}" text-anchor="middle" '
-                         f'font-size="9">{label}</text>')
-        name = "all" if layer.index is None else f"layer {layer.index}"
-        fits = max(3, int((w + group_gap) / 5.6))  # monospace 9px: about 5.4px a character
-        kind = layer.layer_type if len(layer.layer_type) <= fits else layer.layer_type[:fits - 1] + "\u2026"
-        parts.append(f'<text x="{x + w / 2}" y="{top + height + 30}" text-anchor="middle">{html.escape(name)}</text>'
-                     f'<text x="{x + w / 2}" y="{top + height + 44}" text-anchor="middle" font-size="9">'
-                     f'<title>{html.escape(layer.layer_type)}</title>{html.escape(kind)}</text>')
-        x += w + group_gap
-    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(0):.1f}" y2="{y(0):.1f}" stroke="#b91c1c" '
-                 f'stroke-dasharray="6 3" stroke-width="1.5"/><text x="{width - right}" y="{y(0) - 4:.1f}" '
-                 f'text-anchor="end" fill="#b91c1c">tolerance (1 unit)</text>')
-    parts.append(f'<rect x="{left}" y="6" width="10" height="10" fill="#2f9e44"/><text x="{left + 14}" y="15">'
-                 f'within tolerance</text><rect x="{left + 130}" y="6" width="10" height="10" fill="#e03131"/>'
-                 f'<text x="{left + 144}" y="15">over</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _render_html(report: Report) -> str:
-    e = html.escape
-    status = "pass" if report.passed else "fail"
-    t = report.tolerance
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>dense_bridge equivalence: {e(str(report.a))} vs {e(str(report.b))}</title>",
-           f"<style>{_CSS}</style></head><body>",
-           "<h1>dense_bridge equivalence report</h1>",
-           f"<p>a: {e(str(report.a))}<br>b: {e(str(report.b))}<br>tolerance: dtype {e(report.dtype)}, "
-           f"C output {t.c_output:g}, C gradient {t.c_gradient:g}" + (f", atol {t.atol:g}" if t.atol else "")
-           + f"<br>inputs: {e(', '.join(str(s) for s in report.input_shapes) or '-')} "
-           + ("given" if report.inputs_given else f"from seed {report.seed}")
-           + ("; strict (spec differences in function or precision fail)" if report.strict else "") + "</p>",
-           f'<p class="verdict {status}">{e(report.verdict())}</p>']
-    if report.spec_differences:
-        out.append("<h2>Spec differences (a vs b)</h2><ul>")
-        out += [f"<li>{e(d)}</li>" for d in report.spec_differences]
-        out.append("</ul>")
-    if report.notes:
-        out.append("<ul>" + "".join(f"<li>note: {e(n)}</li>" for n in report.notes) + "</ul>")
-    out.append("<h2>Error per layer</h2>")
-    out.append(_svg_chart(report))
-    out.append("<h2>Table</h2><table><tr><th>layer</th><th>type</th><th>quantity</th><th>max abs err</th>"
-               "<th>tol units</th><th>K</th><th>result</th><th>note</th></tr>")
-    for layer in report.layers:
-        for q in layer.quantities:
-            cls = "" if q.passed else ' class="fail"'
-            out.append(f"<tr{cls}><td>{'all' if layer.index is None else layer.index}</td>"
-                       f'<td class="l">{e(layer.layer_type)}</td><td class="l">{e(q.quantity)}</td>'
-                       f"<td>{fmt_err(q.max_abs_error)}</td><td>{fmt_units(q.units)}</td><td>{q.fan_in}</td>"
-                       f"<td class=\"{'pass' if q.passed else 'fail'}\">"
-                       f"{'PASS' if q.passed else 'FAIL'}</td><td class=\"l\">{e(q.note)}</td></tr>")
-    out.append("</table></body></html>")
-    return "\n".join(out)

@@ -47,7 +47,10 @@ from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from ._gradients import NOT_COMPARED, computes_gradients
+from . import _fused
 from ._captures import Call, Capture, LeafOutput
+from ._elements import element_stats, elementwise_units
+from ._structure import model_structure
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
 from ._tolerance import Tolerance, allowed_error, rms
 
@@ -187,11 +190,12 @@ def _linear_layers(model, argument: str) -> dict[str, Any]:
         raise ConversionError(f"{argument}: {exc}") from None
 
 
-def _pairs(a, b, mapping) -> list[tuple[str, str]]:
-    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``."""
+def _pairs(a, b, mapping) -> tuple[list[tuple[str, str]], dict]:
+    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``,
+    a split or concatenated side as one group labelled "path+path+..." (``_fused``), and the groups."""
     from .. import models
 
-    return list(models.match_layers(a, b, mapping).items())
+    return _fused.pairs_of(models.match_moves(a, b, mapping))
 
 
 # ---------------------------------------------------------------------------- judging
@@ -219,24 +223,23 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return d / scale if scale > 0 else 0.0
 
 
-def _row(i, label, name, a, b, allowed, k, note="") -> QuantityResult:
+def _row(i, label, name, a, b, allowed, k, note="", *, values=None, dtype: str = "float32") -> QuantityResult:
+    """One judged row: ``a - b`` against ``allowed`` elementwise. ``values``: the two sides' values
+    the element statistics (ULPs in ``dtype``, worst element) are read from when what is judged
+    is not the values themselves (a layer's own contribution); default ``(a, b)``."""
     if a.shape != b.shape:
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               f"shape {a.shape} vs {b.shape}")
     if not a.size:
         return QuantityResult(i, label, name, 0.0, 0.0, True, k, tuple(a.shape), note)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a - b)
-    if not np.isfinite(diff).all():
-        same = (a == b) | (np.isnan(a) & np.isnan(b))
-        diff = np.where(same, 0.0, diff)
+    diff, units = elementwise_units(a, b, allowed)
+    va, vb = (a, b) if values is None or np.shape(values[0]) != a.shape else values
+    stats = element_stats(va, vb, units, dtype)
     if not np.isfinite(diff).all():
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
-                              note or "non-finite values in one model only")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        units = np.where(diff == 0, 0.0, diff / np.broadcast_to(allowed, diff.shape))
+                              note or "non-finite values in one model only", stats)
     err, u = float(diff.max()), float(units.max())
-    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note)
+    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note, stats)
 
 
 def _carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: float) -> np.ndarray:
@@ -315,7 +318,7 @@ def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, 
 
 
 def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
-                   tolerance: Tolerance | None = None) -> ModelReport:
+                   tolerance: Tolerance | None = None, isolated: bool = False) -> ModelReport:
     """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
 
     ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
@@ -323,18 +326,26 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     ``(inputs_a, inputs_b)`` when the models take different signatures. Integer arrays (token
     ids) stay integers; floating ones are rounded once to values both models' dtypes hold.
     ``mapping``: pairs a's linear layers with b's, as ``db.transfer`` takes it (a dict of paths,
-    ``(regex, replacement)`` rules, a callable, or None for by-order matching).
+    ``(regex, replacement)`` rules, a callable, or None for by-order matching); a split or a
+    concatenation compares the fused layer with its counterparts joined along units (per head
+    when declared), labelled "path+path+..."; a mapping that pairs no linear layer is a
+    ConversionError naming the rules that matched nothing.
     ``outputs``: ``(select_a, select_b)``, each a callable on the model's output, a key or an
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
     ``seed``) on both sides. ``grads=False``: forward only. ``tolerance``: a :class:`Tolerance`.
+    ``isolated=True``: every matched layer of b also runs alone on the input and output gradient
+    its counterpart in a received (teacher forcing, ``_isolated``), so its output and gradient
+    rows hold its own error with nothing carried from before it.
+    Before anything runs, ``report.structure`` lists the parameters of either model left
+    unmatched, tied or matched with another dtype, and both parameter counts.
 
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
     from ._compare import check_count, check_flag, check_tolerance
 
-    grads = check_flag("grads", grads)
+    grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
     seed = check_count("seed", seed, 0)
     tol = check_tolerance(tolerance)
     if outputs is None:  # each side's first floating output, re-paired by shape below if they differ
@@ -351,11 +362,13 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                                   f"inside a whole model yet (no capture verb); {name} cannot be compared")
     in_a, in_b = _split_inputs(inputs)
     layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
-    pairs = _pairs(a, b, mapping)
+    pairs, groups = _pairs(a, b, mapping)
     from .._api import get_params
 
-    params_a = {pa: get_params(layers_a[pa], copy=False) for pa, _ in pairs}
-    params_b = {pb: get_params(layers_b[pb], copy=False) for _, pb in pairs}
+    params_a = {pa: _fused.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
+    params_b = {pb: _fused.group_params(pb, groups, layers_b, get_params) for _, pb in pairs}
+    widths = {p: get_params(layers[p], copy=False)["kernel"].shape[-1] for layers in (layers_a, layers_b)
+              for p in _fused.members(groups, groups) if p in layers}
     dtypes = sorted({_dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
                      if "kernel" in p} or {"float32"})
     in_a, in_b = _round_inputs(in_a, dtypes), _round_inputs(in_b, dtypes)
@@ -369,10 +382,11 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         return cache[size].reshape(shape)
 
     def run(select_a, select_b) -> tuple[Capture, Capture]:
-        return (adapter_a.capture(a, in_a, {pa: layers_a[pa] for pa, _ in pairs}, cotangent=cotangent,
-                                  select=select_a, grads=grads),
-                adapter_b.capture(b, in_b, {pb: layers_b[pb] for _, pb in pairs}, cotangent=cotangent,
-                                  select=select_b, grads=grads))
+        cap_a = adapter_a.capture(a, in_a, {p: layers_a[p] for p in _fused.members([pa for pa, _ in pairs], groups)},
+                                  cotangent=cotangent, select=select_a, grads=grads)
+        cap_b = adapter_b.capture(b, in_b, {p: layers_b[p] for p in _fused.members([pb for _, pb in pairs], groups)},
+                                  cotangent=cotangent, select=select_b, grads=grads)
+        return _fused.merge(cap_a, groups, widths), _fused.merge(cap_b, groups, widths)
 
     cap_a, cap_b = run(select_a, select_b)
     output_note = None
@@ -390,17 +404,44 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                          ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
-    for side, layers, matched in (("a", layers_a, {pa for pa, _ in pairs}), ("b", layers_b, {pb for _, pb in pairs})):
+    for side, layers, matched in (("a", layers_a, set(_fused.members([pa for pa, _ in pairs], groups))),
+                                  ("b", layers_b, set(_fused.members([pb for _, pb in pairs], groups)))):
         left = [p for p in layers if p not in matched]
         if left:
             report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
     if output_note:
         report.notes.append(output_note)
+    layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
+    layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
+    report.structure = model_structure(a, b, pairs, groups)
     if not grads:
         report.notes.append(NOT_COMPARED)
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
+    if isolated:
+        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol)
     return report
+
+
+def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
+                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance) -> None:
+    """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
+    their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
+    from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
+
+    def acts(pa: str, pb: str):
+        return (None if pa in cap_a.pre_activation else _activation(layers_a[pa]),
+                None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
+
+    report.isolated = True
+    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
+    twin = judge_copy(report)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol)
+    rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
+    dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
+    report.layers = merge_rows(report.layers, twin.layers, dx, rows)
+    report.notes += [ISOLATED_NOTE] + forced.notes
+    report.first_failure = _first_failure(report.layers)
 
 
 def _pair_outputs_by_shape(shapes_a: list, shapes_b: list) -> tuple[int, int] | None:
@@ -477,7 +518,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         if kb is None or kb.ndim != 2 or len(cb.inputs) != 1 or len(ca.inputs) != 1:
             ya, yb = np.asarray(ca.output, np.float64), np.asarray(cb.output, np.float64)
             results.append(LayerResult(idx, label, (_row(idx, label, "output", ya, yb, allowed_error(
-                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
+                yb, report.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values",
+                dtype=report.dtype),)))
             rec.append(None)
             continue
         n_in, n_out = kb.shape
@@ -489,16 +531,17 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         sa = _side(ca, w, bias, fa, n_in, n_out, dtype, w_dtype, tol, pa)
         sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb)
         rows = [_row(idx, label, "input", sa.x, sb.x, _carried(sb.x, dtype, n_in, tol.c_output, tol, fwd_prev)
-                     if sa.x.shape == sb.x.shape else 0.0, n_in)]
+                     if sa.x.shape == sb.x.shape else 0.0, n_in, dtype=dtype)]
         if sa.x.shape == sb.x.shape and sa.y.shape == sb.y.shape:
             # the layer's own contribution: each side's output minus what b's parameters make of its input
             rows.append(_row(idx, label, "output", sa.y - sa.pred, sb.y - sb.pred,
-                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in))
+                             np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in,
+                             values=(sa.y, sb.y), dtype=dtype))
             fwd_prev = max(fwd_prev, _rel(sa.x, sb.x))
             if (fa is None) == (fb is None) and (fa is None or fa == fb):
                 fwd_prev = max(fwd_prev, _rel(sa.y, sb.y))
         else:
-            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in))
+            rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in, dtype=dtype))
         results.append(LayerResult(idx, label, tuple(rows)))
         rec.append((pa, pb, ca, cb, sa, sb, n_in, n_out))
 
@@ -510,7 +553,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         width = ob.shape[-1] if ob.ndim else 1
         final = _row(None, "model", "model output", oa, ob,
                      _carried(ob, report.dtype, width, tol.c_output, tol, fwd_prev) if oa.shape == ob.shape else 0.0,
-                     width)
+                     width, dtype=report.dtype)
         fwd_prev = max(fwd_prev, _rel(oa, ob))
 
     if grads:
@@ -539,7 +582,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                     qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", np.sqrt(aga ** 2 + agb ** 2)
                 extra.append(_row(i, results[i].layer_type, "dL/dy", qa, qb,
                                   _carried(qb, report.dtype, n_out, tol.c_gradient, tol, bwd_prev) + extra_allowed,
-                                  n_out, note))
+                                  n_out, note, dtype=report.dtype))
                 bwd_prev = max(bwd_prev, _rel(qa, qb))
             if first_call.get(pb) == i:
                 extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dzs, report.dtype, tol)
@@ -597,7 +640,7 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
             continue
         allowed = np.sqrt(np.square(_rounding(va, ta, dtype, n_rows, tol.c_gradient, tol) + xa)
                           + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
-        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows))
+        out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows, values=(va, vb), dtype=dtype))
     return out
 
 
