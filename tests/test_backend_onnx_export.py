@@ -97,6 +97,8 @@ def test_a_transposed_square_projection_is_named(bert):
     report = db.testing.compare_models(model, graph, [ids], grads=False)
     assert not report.passed
     assert report.first_divergence == target, str(report)
+    forced = db.testing.compare_models(model, graph, [ids], grads=False, isolated=True)  # run_layer, forward only
+    assert forced.first_divergence == target, str(forced)
 
 
 def _copy(graph):

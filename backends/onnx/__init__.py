@@ -23,8 +23,8 @@ from ._layers import OPSET, compile, owns
 from ._models import walk
 from ._params import get_params, set_params
 from ._to_spec import to_spec
-from ._trace import trace
+from ._trace import run_layer, trace
 
 __all__ = ["OnnxLinear", "OPSET", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture",
            "walk", "to_numpy", "from_numpy", "file_info", "read_file", "write_file", "read_model", "write_model",
-           "load_model"]
+           "load_model", "run_layer"]

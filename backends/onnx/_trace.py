@@ -114,3 +114,12 @@ def _layer_outputs(model: onnx.ModelProto, n: int) -> list[str]:
     for node in model.graph.node:
         last[int(node.name.partition("/")[0])] = node.output[0]
     return [last[i] for i in range(n)]
+
+
+def run_layer(layer: OnnxLinear, x: np.ndarray, grad_out: np.ndarray | None = None):
+    """One linear layer of a graph alone on ``x`` (teacher forcing): ``(output, None, {})``, the
+    output as ``capture`` records it (x @ kernel + bias). Forward only: onnxruntime has no autograd,
+    so ``grad_out`` is refused rather than ignored."""
+    if grad_out is not None:
+        raise ConversionError("onnxruntime runs forward only: run_layer takes no grad_out (compare with grads=False)")
+    return trace(layer, [x]).layers[0].output, None, {}
