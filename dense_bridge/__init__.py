@@ -26,15 +26,18 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
-    "transfer": (".models", "transfer"),
+    "transfer": (".models", "transfer"), "Quant": (".quant", "Quant"),
     "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
     "register_backend": ("._registry", "register_backend"),
+    "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
+    "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),
 }
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
-    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend",
+    "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend", "Quant",
+    "merge_lora", "load_adapter", "save_adapter",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -71,6 +71,13 @@ its error when the adapter lacks it):
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
   Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
 
+- ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
+  framework's own dequantization and quantizer), None for a layer that is not quantized;
+  a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
+- ``quant_build(layer, quant) -> native``: the float linear ``layer`` quantized by the framework's
+  own quantizer with ``quant``'s bits, groups and scheme (in place or as another object, returned);
+  a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
+
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
@@ -129,7 +136,12 @@ REQUIRED_VERBS: tuple[str, ...] = (
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
 OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
-                                   "run_layer")  # one layer alone on given x, grad_out: (y, dL/dx, canonical grads)
+                                   "run_layer",  # one layer alone on given x, grad_out: (y, dL/dx, canonical grads)
+                                   # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
+                                   "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
+                                   "lora_folds_scale", "save_lora_h5", "load_lora_h5",
+                                   "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
+                                   "quant_layer", "quant_build")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
@@ -152,6 +164,8 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
+    "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
+    "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )
 
 

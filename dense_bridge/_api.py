@@ -95,7 +95,8 @@ def _with_hint(read: Any, hint: Any) -> Any:
     return read
 
 
-def get_params(native: Any, *, copy: bool = True, local: bool = False) -> dict[str, np.ndarray]:
+def get_params(native: Any, *, copy: bool = True, local: bool = False,
+               quantized: bool = False) -> dict[str, np.ndarray]:
     """Canonical parameters of a native layer or model: kernel (in, units), bias (units,), mask.
 
     Sequential keys are prefixed with the layer position ("0.kernel"). bfloat16 stays bfloat16.
@@ -105,16 +106,28 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False) -> dict[s
     the weights through ``opt.step()``. On a parallel model (compiled with ``parallel=``) the
     call is collective and returns the full arrays on every rank; ``local=True`` returns this
     rank's blocks as ``Shard(array, index)`` with ``full[index] == array`` (issue 16).
+    A quantized linear layer gives the float kernel its framework dequantizes to; with
+    ``quantized=True`` its codes instead: "qkernel" (in, units), per-group "scale" and
+    "zero"/"offset", "bias", and "quant" (a ``db.Quant``) (dense_bridge/quant.py).
     """
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be True or False. {received('copy', copy)}")
+    _check_flag("quantized", quantized)
+    if quantized:
+        from .quant import get_quantized
+
+        return get_quantized(native)
     adapter = adapter_for(native)
     _check_flag("local", local)
     if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
         from ._parallel import get_params_parallel  # collective on a parallel model (issue 16)
         return get_params_parallel(adapter, native, local=local, copy=copy)
+    from . import lora
+
     try:
-        params = adapter.get_params(native)
+        params = lora.read_params(adapter, native)  # an adapter-wrapped layer: its own + lora_* keys
+        if params is None:
+            params = adapter.get_params(native)
     except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
         raise ConversionError(str(exc)) from None
     if not params:  # never an empty answer for an object that has, or hides, parameters (issue 12)
@@ -132,15 +145,32 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
     All keys, shapes and values are checked before anything is written: on any offender one
     ConversionError lists them all and ``native`` is unchanged. ``strict=False`` allows a
     subset of the keys (unexpected ones still raise). NaN/Inf raise unless
-    ``allow_nonfinite=True``; a mask that differs from the model's raises.
+    ``allow_nonfinite=True``; a mask that differs from the model's raises. Into a quantized
+    layer, float params are quantized by its framework's quantizer; codes (params with a
+    "quant" key, as ``get_params(quantized=True)`` gives them) move only where the layer
+    dequantizes them to the same floats bit for bit, else ConversionError (dense_bridge/quant.py).
     """
+    if isinstance(params, Mapping) and "quant" in params:
+        from .quant import set_quantized
+
+        set_quantized(native, dict(params))
+        return
     adapter = adapter_for(native)
     spec = _read_spec(adapter, native)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     _check_flag("allow_nonfinite", allow_nonfinite)
-    checked = validate_params(spec, params, strict=strict, allow_nonfinite=allow_nonfinite)
+    from . import lora
+
+    own, adapter_keys = lora.split(params) if isinstance(params, Mapping) else (params, {})
+    checked = validate_params(spec, own, strict=strict, allow_nonfinite=allow_nonfinite)
     check_masks_match(spec, checked)
+    wrapped = lora.spec_of(adapter, native) is not None
+    if adapter_keys or wrapped:  # a LoRA-wrapped layer: its own params and the adapter's
+        kernel = checked.get("kernel", np.zeros(0))
+        extra = lora.check_for_set(adapter, native, adapter_keys, kernel.shape, strict=strict)
+        lora.write_params(adapter, native, checked, extra)
+        return
     adapter.set_params(native, checked)
 
 
@@ -169,8 +199,12 @@ WHOLE_MODEL_HINT = ("dense_bridge reads chains of linear layers and activations 
 
 
 def _read_spec(adapter, native):
+    from .lora import spec_of
+
     try:
-        read = adapter.to_spec(native)
+        read = spec_of(adapter, native)  # an adapter-wrapped layer: the wrapped layer's spec
+        if read is None:
+            read = adapter.to_spec(native)
     except ConversionError as exc:
         if "db.linear_layers(" in str(exc):
             raise
@@ -179,19 +213,33 @@ def _read_spec(adapter, native):
     return read if hint is None else _with_hint(read, hint)
 
 
-def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None):
+def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None, quant: Any = None,
+            requantize: bool = False):
     """A new native object on backend ``to`` with ``native``'s spec and parameters.
 
     float32 parameters arrive bit-identical; layouts are transposed by declaration, never by
     shape, so square layers convert correctly and A -> B -> A gives back A's values. NaN/Inf
-    parameters raise a ConversionError unless ``allow_nonfinite=True``.
+    parameters raise a ConversionError unless ``allow_nonfinite=True``. A quantized layer
+    converts to the float layer it stands for (its exact dequantization); with ``quant`` (a
+    ``db.Quant`` the target offers) to the target's quantized layer, its codes moved exactly
+    or a ConversionError, unless ``requantize=True`` (dense_bridge/quant.py).
     """
+    if quant is not None:  # the float conversion, then the target framework's quantized layer
+        from .quant import check_quant, quantize_converted
+
+        _check_flag("requantize", requantize)
+        check_quant(quant)
+        return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
+                                  quant, requantize)
     target = check_backend_name(to, "to")
     source = adapter_for(native)
     if example is not None:  # see to_spec
         from .models import remember_example
 
         remember_example(native, example)
+    from .lora import refuse_convert
+
+    refuse_convert(source, native)
     spec = _read_spec(source, native)
     params = source.get_params(native)
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)

@@ -93,7 +93,8 @@ class Entry:
 
     ``path``: the layer's path in the framework's own naming ("" for the root itself).
     ``kind``: ``"linear"`` (works with get_params/set_params/to_spec/convert/compare as a lone
-    layer), ``"quantized"`` (a linear layer dense_bridge cannot read exactly) or ``"other"``
+    layer), ``"quantized"`` (a quantized linear layer: read and written through the adapter's
+    ``quant_layer`` handle, dense_bridge/quant.py; refused where it has none) or ``"other"``
     (norms, embeddings, anything else). ``names``: the layer's own parameter names (not its
     children's), in definition order. ``ident``: name -> an identity shared by tied parameters
     (the same storage under two layers). ``read()`` -> name -> numpy array in the framework's

@@ -174,7 +174,7 @@ class LayerMove:
 
     @property
     def linear(self) -> bool:
-        return all(e.kind == "linear" for e in self.src + self.dst)
+        return all(e.kind in ("linear", "quantized") for e in self.src + self.dst)  # quantized: quant.py
 
 
 @dataclass

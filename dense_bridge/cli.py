@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
                     "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect,adapter}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
@@ -578,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
+    from ._adapter_cli import add_parser as add_adapter  # LoRA adapter directories
+
+    add_adapter(sub)
     return parser
 
 

@@ -38,12 +38,18 @@ def walk(model: Any, argument: str = "model") -> list[Entry]:
     return verb(model)
 
 
+#: Entry kinds that are linear layers: "quantized" ones read and write through dense_bridge/quant.py.
+LINEAR_KINDS = ("linear", "quantized")
+
+
 def _refuse_quantized(entries: list[Entry], argument: str) -> None:
-    bad = [e for e in entries if e.kind == "quantized"]
+    from .quant import unreadable
+
+    bad = unreadable(entries)
     if bad:
         listed = "; ".join(f"{e.where()}{': ' + e.note if e.note else ''}" for e in bad)
         raise ConversionError(
-            f"{argument} holds quantized linear layers, which have no exact float kernel to read or write: "
+            f"{argument} holds quantized linear layers dense_bridge cannot read: "
             f"{listed}. Dequantize the model first (load it in float16/float32, or mlx_lm's dequantize), "
             f"then list or transfer its layers")
 
@@ -56,12 +62,14 @@ def linear_layers(model: Any) -> dict[str, Any]:
     declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
     native layer itself and works with ``to_spec``, ``get_params`` (canonical kernel
     (in_features, units)), ``set_params``, ``convert`` and ``testing.compare`` like a lone layer.
-    Quantized linear layers raise ConversionError naming them (no exact float kernel exists).
-    A model that is itself a linear layer comes back under the path "".
+    Quantized linear layers (MLX ``QuantizedLinear``, Keras int8/int4, torchao weight-only) are
+    listed too (``get_params`` gives the float kernel they stand for, ``get_params(layer,
+    quantized=True)`` their codes: dense_bridge/quant.py); quantized layers of other kinds raise
+    ConversionError naming them. A model that is itself a linear layer comes back under the path "".
     """
     entries = walk(model)
     _refuse_quantized(entries, "model")
-    return {e.path: e.layer for e in entries if e.kind == "linear"}
+    return {e.path: e.layer for e in entries if e.kind in LINEAR_KINDS}
 
 
 def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: str) -> Layout:
@@ -145,7 +153,7 @@ class _Side:
         return actual if actual in self.params else None
 
     def linear(self) -> list[Entry]:
-        return [e for e in self.entries if e.kind == "linear"]
+        return [e for e in self.entries if e.kind in LINEAR_KINDS]
 
     def fully_tied(self, e: Entry) -> bool:
         """A layer all of whose parameters are another layer's (GPT-2's lm_head is wte's weight)."""
@@ -224,14 +232,23 @@ def _last(path: str) -> str:
 
 def _linear_params(layer: Any) -> dict[str, np.ndarray]:
     """Canonical params of a linear layer (zero-copy views where the adapter gives them)."""
+    from .lora import read_params
+
     try:
-        return adapter_for(layer).get_params(layer)
+        adapter = adapter_for(layer)
+        with_adapter = read_params(adapter, layer)  # a LoRA-wrapped layer: its own + lora_* keys
+        return adapter.get_params(layer) if with_adapter is None else with_adapter
     except SpecError as exc:  # an unbuilt lazy layer
         raise ConversionError(str(exc)) from None
 
 
 def _shape(e: Entry) -> tuple:
     """The canonical kernel shape: (in_features, units), or (units, in1, in2) for a Bilinear."""
+    if e.kind == "quantized":  # from the codes' shape: dequantizing only to count would cost a pass
+        from .quant import handle_of
+
+        h = handle_of(e.layer)
+        return (h.in_features, h.units)
     return tuple(_linear_params(e.layer)["kernel"].shape)
 
 
@@ -288,10 +305,14 @@ class TransferReport:
     not_moved_src: list[str] = field(default_factory=list)
     not_moved_dst: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    #: dst layer path -> the largest |dequantized - source kernel| where the destination's
+    #: quantizer made the codes (exact code moves are not listed)
+    quant_errors: dict[str, float] = field(default_factory=dict)
     #: the complete mapping used, as rules ``mapping=`` takes again (JSON-able without functions)
     rules: list = field(default_factory=list)
     #: parameter paths (dst) whose values were rounded into a narrower dtype (allow_narrowing=True)
     narrowed: list[str] = field(default_factory=list)
+    lora: dict = field(default_factory=dict)  # LoRA adapters: mode, kept, merged, rounding (path -> largest error)
 
     @property
     def num_moved(self) -> int:
@@ -302,7 +323,8 @@ class TransferReport:
                 "moved": [list(m) for m in self.moved], "not_moved_src": list(self.not_moved_src),
                 "not_moved_dst": list(self.not_moved_dst), "tied": dict(self.tied),
                 "rules": [[r[0], r[1] if not isinstance(r[1], tuple) else [r[1][0], repr(r[1][1])]]
-                          for r in self.rules], "narrowed": list(self.narrowed)}
+                          for r in self.rules], "narrowed": list(self.narrowed),
+                "quant_errors": dict(self.quant_errors)}
 
     def __str__(self) -> str:
         lines = [f"transfer {self.src_backend} -> {self.dst_backend}: {len(self.moved)} moved, "
@@ -320,7 +342,8 @@ class TransferReport:
 
 
 def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
-             allow_narrowing: bool = False) -> TransferReport:
+             allow_narrowing: bool = False, lora: str | None = None,
+             allow_rounding: bool = False, requantize: bool = False) -> TransferReport:
     """Move the parameters of model ``src`` into the existing model ``dst`` (any two frameworks).
 
     Linear layers (see :func:`linear_layers`) move in the canonical layout, each side
@@ -359,13 +382,28 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     parameters are all tied to another's, like GPT-2's ``lm_head``, moves with it) and every
     rule must match something. All-or-nothing: names, shapes and values are checked before
     anything is written, and ``dst`` is restored if a write fails. Tied parameters move once.
+    Quantized linear layers (dense_bridge/quant.py): a quantized src into a float dst moves its
+    exact dequantization; into a quantized dst its codes move when dst's arithmetic dequantizes
+    them to the same floats bit for bit (decided per layer), else a ConversionError names the
+    layer and why, unless ``requantize=True``: dst's own quantizer then quantizes src's floats,
+    as it always does for a float src, and ``report.quant_errors`` gives the largest error per layer.
     Returns a :class:`TransferReport` listing what moved and every parameter that did not, and
     in ``rules`` the complete mapping used (reusable as ``mapping=``).
+
+    ``lora``: how linear layers holding LoRA adapters move (``dense_bridge._lora_transfer``):
+    ``None`` (an adapter in src is an error naming it), ``"keep"`` (attached on dst with its
+    framework's adapter class) or ``"merge"`` (into dst's kernels). ``allow_rounding``: accept a
+    scale dst folds into ``lora_b`` inexactly (Flax); ``report.lora["rounding"]`` says how much.
     """
+    from ._lora_transfer import LoraMoves
+
+    adapters = LoraMoves(lora, allow_rounding, dst)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
     if not isinstance(allow_narrowing, bool):
         raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
+    if not isinstance(requantize, bool):
+        raise TypeError(f"requantize must be True or False. {received('requantize', requantize)}")
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")
@@ -395,17 +433,31 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     for m in plan.layers:
         if not m.linear and len(m.src) + len(m.dst) > 2:
             problems.append(f"mapping rule {m.rule!r}: splits and concatenations join linear layers; "
-                            f"{[e.where() for e in m.src + m.dst if e.kind != 'linear']} are not")
+                            f"{[e.where() for e in m.src + m.dst if e.kind not in LINEAR_KINDS]} are not")
             continue
         s, d = m.src[0], m.dst[0]
-        if (s.kind == "linear") != (d.kind == "linear"):
-            lin, other = (s, d) if s.kind == "linear" else (d, s)
+        if (s.kind in LINEAR_KINDS) != (d.kind in LINEAR_KINDS):
+            lin, other = (s, d) if s.kind in LINEAR_KINDS else (d, s)
             problems.append(f"{lin.where()} is a linear layer but {other.where()} is not: map its parameters by "
                             f"parameter path instead")
             continue
+        if any(e.kind == "quantized" for e in m.src + m.dst):  # codes or dequantized floats: dense_bridge/quant.py
+            from .quant import quantized_move
+
+            problem, what = quantized_move(m, writes, report, requantize, casts, _linear_move)
+            if problem:
+                problems.append(problem)
+                continue
+            for n in d.names:
+                claim(d, n, s.path)
+            moved_src.update(s.param_path(n) for n in s.names)
+            report.moved.append((s.path, d.path, what))
+            continue
         if s.kind == "linear":
-            problem = _linear_move(s, d, writes, casts) if len(m.src) == len(m.dst) == 1 \
-                else _fused_move(m, writes, casts)
+            if len(m.src) == len(m.dst) == 1:
+                problem = adapters.move(s, d, writes) if adapters.takes(s, d) else _linear_move(s, d, writes, casts)
+            else:
+                problem = _fused_move(m, writes, casts)
             if problem:
                 problems.append(problem)
                 continue
@@ -420,6 +472,16 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
             for ww in writes[-len(m.dst):]:
                 what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
                 report.moved.append((label, ww[0].path, what))
+            continue
+        from .quant import same_quantized_tables
+
+        codes = same_quantized_tables(s, d)  # two quantized tables of one format: their codes, exactly
+        if codes is not None:
+            writes.append((d, "quantized", codes))
+            for n in d.names:
+                claim(d, n, s.param_path(n))
+            moved_src.update(s.param_path(n) for n in s.names)
+            report.moved.append((s.path, d.path, "codes moved exactly (quantized table)"))
             continue
         pairs, left_s, left_d = _name_pairs(s, d)
         if left_s and strict:
@@ -490,12 +552,14 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
         problems.append(f"narrowing casts round values: {listed}{more}. Pass allow_narrowing=True to round them "
                         f"into dst's dtypes")
+    problems += adapters.leftovers(src, moved_src)  # PEFT embedding adapters, modules_to_save: named
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))
-    _write_all(writes)
+    _write_all(writes, adapters)
     report.rules = plan.rules({**a.stable, **b.stable})
     report.narrowed = [p for p, _, _ in casts]
+    report.lora = adapters.summary()
     report.not_moved_src = [p for p in a.params if p not in moved_src]
     report.not_moved_dst = [p for p in b.params if p not in dst_done]
     return report
@@ -603,21 +667,28 @@ def _check_native(src_path: str, value: np.ndarray, d: Entry, name: str, casts: 
     return None
 
 
-def _write_all(writes: list[tuple[Entry, str, dict]]) -> None:
+def _write_all(writes: list[tuple[Entry, str, dict]], adapters: Any = None) -> None:
     """Write everything; on a failure, put back what was written (all-or-nothing)."""
     done: list[tuple[Entry, dict]] = []
     try:
         for d, how, arrays in writes:
+            if how == "quantized":  # a dense_bridge.quant.Candidate: writing returns its own undo
+                done.append((d, arrays.write()))
+                continue
             before = {k: np.array(v, copy=True) for k, v in d.read().items()}
             done.append((d, before))
-            if how == "linear":
+            if how == "lora":  # a LoRA layer: attached where dst has no adapter yet, then written
+                adapters.write(d, arrays)
+            elif how == "linear":
                 adapter_for(d.layer).set_params(d.layer, arrays)
             else:
                 d.write(arrays)
     except BaseException:
+        if adapters is not None:
+            adapters.undo()
         for d, before in reversed(done):
             try:
-                d.write(before)
+                before() if callable(before) else d.write(before)
             except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
                 pass
         raise

@@ -385,3 +385,15 @@ def test_cli_check_model_files_isolated(tmp_path, capsys):
     assert doc["structure"]["params_a"] == doc["structure"]["params_b"] == 6 * (64 + 8)
     failing = {layer["layer_type"] for layer in doc["layers"] if not layer["passed"]}
     assert failing == {"6"}
+
+
+def test_isolated_forward_only():
+    a, b = db.compile(SIX, "numpy", seed=0), _planted("numpy")
+    report = compare(a, b, grads=False, isolated=True)
+    assert report.isolated and {q.quantity for q in report.rows} == {"output"}
+    assert [layer.passed for layer in report.layers] == [True, True, True, False, True, True]
+    pytest.importorskip("torch")
+    x = [np.random.default_rng(0).standard_normal((4, 8))]
+    forced = compare_models(_torch_mlp(False), _torch_mlp(True), x, grads=False, isolated=True)
+    assert {q.quantity for q in forced.rows} == {"input", "output", "model output"}
+    assert [pb for (_, pb, _), layer in zip(forced.calls, forced.layers) if not layer["output"].passed] == ["6"]

@@ -20,10 +20,11 @@ from dense_bridge._layouts import Entry
 
 from ._arrays import dtype_name, to_jax, to_numpy
 from ._layers import Bilinear, Mask, is_dense
+from ._lora import is_lora
 
 
 def _kind(m) -> str:
-    return "linear" if is_dense(m) or type(m) is Bilinear else "other"
+    return "linear" if is_dense(m) or type(m) is Bilinear or is_lora(m) else "other"
 
 
 def _children(node) -> Iterator[tuple[str, Any]]:
@@ -37,8 +38,11 @@ def _children(node) -> Iterator[tuple[str, Any]]:
 
 
 def _own_variables(m) -> dict[str, nnx.Variable]:
-    return {k: v for k, v in _children(m) if isinstance(v, nnx.Variable) and not isinstance(v, Mask)
-            and not isinstance(v, nnx.RngState)}
+    own = {k: v for k, v in _children(m) if isinstance(v, nnx.Variable) and not isinstance(v, Mask)
+           and not isinstance(v, nnx.RngState)}
+    if is_lora(m):  # nnx.LoRALinear is one linear layer: its adapter's factors are its own
+        own.update({f"lora.{k}": v for k, v in _children(m.lora) if isinstance(v, nnx.Variable)})
+    return own
 
 
 def walk(model) -> list[Entry]:
@@ -54,6 +58,8 @@ def walk(model) -> list[Entry]:
             if own or _kind(node) == "linear":
                 out.append(_entry(path, node, _kind(node), own))
         for name, child in _children(node):
+            if is_lora(node) and name == "lora":
+                continue
             if isinstance(child, (nnx.Module, list, tuple, dict)):
                 visit(child, f"{path}.{name}" if path else name)
 

@@ -66,7 +66,9 @@ class _Wrapped:
 
     def __init__(self, path: str, layer, log: list, state: dict):
         self.path, self.layer, self.log, self.state = path, layer, log, state
-        self.original = layer.call
+        # a quantized layer's __call__ runs quantized_call, not call (Keras 3 Layer.__call__)
+        self.method = "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
+        self.original = getattr(layer, self.method)
         self.count = 0
         act = getattr(layer, "activation", None)
         self.activation = act if act is not None and act is not keras.activations.linear else None
@@ -107,10 +109,21 @@ def _canonical_grads(layer, grads: list[tuple[Any, Any]]) -> dict[str, np.ndarra
         for var, g in grads:
             saved.append((var, keras.ops.convert_to_tensor(keras.ops.copy(var.value))))
             var.assign(keras.ops.cast(g, var.dtype))
-        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        return {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         for var, value in saved:
             var.assign(value)
+
+
+def _grad_variables(layer) -> list:
+    """The variables whose gradients are compared: the trainable ones, and the base kernel that
+    ``enable_lora`` froze (the other frameworks' captures differentiate a frozen base too)."""
+    out = list(layer.trainable_variables)
+    kernel = getattr(layer, "_kernel", None) if getattr(layer, "lora_enabled", False) else None
+    if kernel is not None and all(v is not kernel for v in out):
+        out.append(kernel)
+    return out
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
@@ -132,7 +145,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
     try:
         for path, layer in layers.items():
             w = _Wrapped(path, layer, log, state)
-            layer.call = w
+            setattr(layer, w.method, w)
             wrappers.append(w)
 
         def forward():
@@ -143,7 +156,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             out = forward()
             return Capture([Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log], {}, _np(out),
                            pre_activation=pre)
-        trainables = {path: list(layer.trainable_variables) for path, layer in layers.items()}
+        trainables = {path: _grad_variables(layer) for path, layer in layers.items()}
         variables = [v for vs in trainables.values() for v in vs]
         out = forward()
         n = len(log)
@@ -186,9 +199,9 @@ def _unwrap(wrappers: list) -> None:
         if w.activation is not None:
             w.layer.activation = w.activation
         try:
-            del w.layer.call  # the class's own method shows again
+            delattr(w.layer, w.method)  # the class's own method shows again
         except AttributeError:
-            w.layer.call = w.original
+            setattr(w.layer, w.method, w.original)
 
 
 def load_model(path: str, *, trust_pickle: bool = False):

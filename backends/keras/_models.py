@@ -4,7 +4,7 @@ Paths are ``layer.path`` without the root model's name ("transformer_layer_0/sel
 in Keras' own tracking order (definition order); a layer without a path gets its parent's path
 plus its name. Kinds: ``Dense``, dense_bridge's layers and ``EinsumDense`` whose equation is a
 linear map are "linear"; quantized ``Dense``/``EinsumDense`` (``quantization_mode`` set) are
-"quantized"; any other layer with variables of its own (norms, embeddings) is "other", its
+"quantized" (read through ``_quant.py``); any other layer with variables of its own (norms, embeddings) is "other", its
 variables read and written under their Keras names (``gamma``, ``beta``, ``embeddings``).
 
 An ``EinsumDense`` is a linear map when its equation reads ``<batch><in>,<kernel>-><batch><out>``:

@@ -16,6 +16,7 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import assign_array, read_array, to_tensor
 from ._models import einsum_params, set_einsum_params
+from ._quant import quant_layer
 from ._to_spec import declared_variables, describe_layer, layer_kind, layers_of
 
 
@@ -46,12 +47,16 @@ def stored_transposed(layer) -> bool:
 
 def get_params(native) -> dict[str, np.ndarray]:
     """Canonical params as zero-copy read-only snapshots of the variables (see module doc)."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # Keras' own dequantization arithmetic (_quant.py)
+        return quantized.dequantized()
     layers, keyed = layers_of(native)
     out = {}
     for i, layer in enumerate(layers):
+        quantized = quant_layer(layer)
         # an EinsumDense kernel is reshaped (a copy) to the canonical (in_features, units)
-        read = einsum_params(layer) if layer_kind(layer) == "einsum" else \
-            {k: read_array(v) for k, v in layer_variables(layer).items()}
+        read = quantized.dequantized() if quantized is not None else einsum_params(layer) \
+            if layer_kind(layer) == "einsum" else {k: read_array(v) for k, v in layer_variables(layer).items()}
         if "kernel" in read and stored_transposed(layer):
             read["kernel"] = read["kernel"].T  # a zero-copy view in the canonical (in_features, units)
         out.update({(f"{i}." if keyed else "") + k: v for k, v in read.items()})
@@ -60,17 +65,27 @@ def get_params(native) -> dict[str, np.ndarray]:
 
 def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Write validated canonical params (possibly a subset) into the variables."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # float weights into codes: Keras' own quantize (_quant.py)
+        full = {**quantized.dequantized(), **params}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
+        return
     layers, keyed = layers_of(native)
     for i, layer in enumerate(layers):
         prefix = f"{i}." if keyed else ""
         mine = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
-        if mine and layer_kind(layer) == "einsum":
+        if mine and layer_kind(layer) == "einsum" and quant_layer(layer) is None:
             set_einsum_params(layer, mine)
         elif mine:
             _set_layer(layer, mine)
 
 
 def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
+    quantized = quant_layer(layer)
+    if quantized is not None:  # a quantized layer in a chain: Keras' own quantizer (_quant.py)
+        full = {**quantized.dequantized(), **params}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
+        return
     variables = layer_variables(layer)
     if hasattr(layer, "clear_masked_cache"):
         layer.clear_masked_cache()  # also inside db.inference, where the cache is otherwise trusted

@@ -20,6 +20,7 @@ from dense_bridge._layouts import declared, warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 
+from ._quant import quant_layer
 from ._activations import activation_of_function, activation_of_layer
 from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, init_of
 from ._models import plan_or_raise
@@ -161,6 +162,9 @@ def declared_variables(layer) -> tuple[object, object | None, bool]:
 
 def to_spec(native):
     """The dense_bridge spec of a Keras layer, Sequential or single-chain functional model."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # the float Dense a quantized Dense/EinsumDense stands for
+        return quantized.spec()
     if isinstance(native, keras.Model):
         return _model_spec(native)
     return _layer_spec(native)
@@ -194,6 +198,9 @@ def _input_width(model) -> int | None:
 
 
 def _layer_spec(layer):
+    quantized = quant_layer(layer)
+    if quantized is not None:  # a quantized Dense/EinsumDense in a chain: the float Dense it stands for
+        return quantized.spec()
     kind = layer_kind(layer)
     if kind == "dense":
         return _dense_spec(layer)

@@ -59,6 +59,9 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace
 from ._capture import capture
 from ._models import walk
+from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
+                    lora_requantize, read_lora, replace_lora, write_lora)
+from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
@@ -72,11 +75,13 @@ def get_params_parallel(native, local: bool = False) -> dict:
     rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
     return _par.get_params_parallel(native, local, get_params)
 
-__all__ = ["DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
+__all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",
+           "lora_dequantize", "lora_requantize", "replace_lora",
+           "DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build"]
 
 
 def owns(obj) -> bool:

@@ -78,7 +78,8 @@ def _canonical_grads(layer, grads: dict) -> dict[str, np.ndarray]:
     saved = layer.trainable_parameters()
     try:
         layer.update(grads)
-        return {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        return {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         layer.update(saved)
 

@@ -16,6 +16,7 @@ from dense_bridge._errors import SpecError
 from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
 from ._parallel import ShardedDense
+from ._quant import quant_layer
 
 
 def positions(native) -> list[tuple[str, Any]]:
@@ -28,6 +29,9 @@ def positions(native) -> list[tuple[str, Any]]:
 def _layer_params(m) -> dict[str, np.ndarray]:
     if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): all-gathered, collective
         return m.gathered()
+    quantized = quant_layer(m)
+    if quantized is not None:  # the float kernel MLX's own mx.dequantize computes (_quant.py)
+        return quantized.dequantized()
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = to_numpy(m[decl[0]])
@@ -68,6 +72,11 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
         return
     if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): keep this rank's slice
         m.set_full(get)
+        return
+    quantized = quant_layer(m)
+    if quantized is not None:  # float weights into codes: MLX's own quantizer (_quant.py)
+        full = {**quantized.dequantized(), **get}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
         return
     decl = declared_arrays(m)
     if decl is not None:

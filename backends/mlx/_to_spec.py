@@ -21,6 +21,7 @@ from ._activations import activation_of_function, activation_of_module, conversi
 from ._arrays import dtype_name, to_numpy
 from ._layers import DenseLinear, Flatten, LazyDenseLinear, declared_arrays, is_dense
 from ._parallel import ShardedDense
+from ._quant import quant_layer
 from ._parallel import layer_spec as parallel_layer_spec
 
 
@@ -62,6 +63,9 @@ def _bilinear_spec(m, where: str) -> Bilinear:
 def _layer_spec(m, where: str):
     if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): the full layer's spec
         return parallel_layer_spec(m)
+    quantized = quant_layer(m)
+    if quantized is not None:  # the float Dense a QuantizedLinear stands for
+        return quantized.spec()
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = m[decl[0]]

@@ -56,12 +56,16 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
 from ._models import walk
+from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, read_lora,  # LoRA wrappers
+                    write_lora)
+from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
-           "train_sgd", "run_layer"]
+           "train_sgd", "run_layer", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
+           "lora_leftovers", "quant_layer", "quant_build"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.

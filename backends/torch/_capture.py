@@ -18,6 +18,7 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.testing._captures import Call, Capture, select_output
 
 from ._arrays import from_numpy as _from_numpy, to_numpy as _to_numpy
+from ._lora import is_lora
 
 
 def _float_dtype(model) -> torch.dtype:
@@ -55,13 +56,14 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor]) -> dict[str, np.ndar
     saved = {}
     try:
         for name, g in grads.items():
-            p = getattr(layer, name)
+            p = layer.get_parameter(name)  # dotted inside a LoRA wrapper ("lora_A.default.weight")
             saved[name] = p.data
             p.data = g.detach().to(p.dtype)
-        out = {k: v for k, v in get_params(layer).items() if k != "mask"}
+        # the mask and a LoRA scale are not trained: no gradient to compare
+        out = {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
     finally:
         for name, data in saved.items():
-            getattr(layer, name).data = data
+            layer.get_parameter(name).data = data
     return out
 
 
@@ -91,7 +93,9 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         return hook
 
     modes = [(m, m.training) for m in model.modules()]
-    wanted = {path: [(n, p) for n, p in layer.named_parameters(recurse=False)] for path, layer in layers.items()}
+    # a LoRA wrapper is one layer whose parameters sit in its children (base_layer, lora_A, lora_B)
+    wanted = {path: [(n, p) for n, p in layer.named_parameters(recurse=is_lora(layer))]
+              for path, layer in layers.items()}
     flags = [(p, p.requires_grad) for ps in wanted.values() for _, p in ps]
     handles = []
     try:

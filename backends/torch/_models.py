@@ -3,8 +3,9 @@
 Paths are torch's own module paths (``named_modules``: "encoder.layer.0.output.dense"), in
 definition order; "" is the root itself. Linear-family layers (``nn.Linear`` and its lazy and
 dense_bridge variants, ``nn.Bilinear``, classes declared with ``db.register_layout`` such as
-transformers' ``Conv1D``) are kind "linear"; quantized linear classes are "quantized" (their
-weights are packed integers: no exact float kernel to read); everything else with parameters
+transformers' ``Conv1D``) are kind "linear"; quantized linear classes are "quantized" (an
+``nn.Linear`` holding a torchao weight-only tensor reads through ``_quant.py``; torch.ao and
+bitsandbytes modules are refused by name); everything else with parameters
 (norms, embeddings, attention's packed ``in_proj_weight``) is "other", its parameters read and
 written in torch's own layout under their own names.
 """
@@ -16,6 +17,9 @@ from torch import nn
 from dense_bridge._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
+from ._lora import is_lora, wrapper_params
+from ._quant import is_quantized as is_torchao
+from ._quant import quant_layer
 from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
 
 
@@ -48,8 +52,16 @@ def _quantized(m: nn.Module) -> bool:
 def walk(model: nn.Module) -> list[Entry]:
     """Every module with parameters of its own (and every linear-family module), in definition order."""
     out = []
+    inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     for path, m in model.named_modules():
-        kind = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
+        if any(path.startswith(w + ".") for w in inside):
+            continue
+        if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
+            inside.append(path)
+            out.append(_entry(path, m, "linear", wrapper_params(m)))
+            continue
+        # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
+        kind = "quantized" if is_torchao(m) else "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
         params = {n: p for n, p in m._parameters.items() if p is not None}
         # persistent floating buffers are state a port carries too (BatchNorm's running stats);
         # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
@@ -70,10 +82,21 @@ def _shape(p) -> tuple[int, ...]:
 
 
 def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
+    torchao = is_torchao(m)
+
     def read() -> dict[str, np.ndarray]:
+        if torchao:  # the weight torchao dequantizes to, in torch's (out, in) layout (_quant.py)
+            floats = quant_layer(m).dequantized()
+            return {"weight": floats["kernel"].T, **({"bias": floats["bias"]} if "bias" in floats else {})}
         return {n: to_numpy(p) for n, p in params.items()}
 
     def write(arrays: dict[str, np.ndarray]) -> None:
+        if torchao:  # float values into the codes: torchao's own quantize_
+            handle = quant_layer(m)
+            floats = handle.dequantized()
+            kernel = np.asarray(arrays["weight"]).T if "weight" in arrays else floats["kernel"]
+            handle.quantize(kernel, arrays.get("bias", floats.get("bias"))).write()
+            return
         for n, a in arrays.items():
             copy_in(params[n], a)
 

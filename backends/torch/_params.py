@@ -11,6 +11,7 @@ from torch import nn
 from dense_bridge._errors import SpecError
 
 from ._arrays import copy_in, to_numpy
+from ._quant import quant_layer
 from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params,
                        is_container)
 
@@ -26,6 +27,9 @@ def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
+    quantized = quant_layer(m)
+    if quantized is not None:  # a torchao Linear in a chain: torchao's own dequantize() (_quant.py)
+        return quantized.dequantized()
     if type(m) is nn.Bilinear:
         out = {"kernel": to_numpy(m.weight)}
     elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
@@ -48,12 +52,27 @@ def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
 
 def get_params(native: nn.Module) -> dict[str, np.ndarray]:
     """Canonical params as read-only zero-copy views of torch's memory (kernel = weight.T)."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # torchao's own dequantize() (_quant.py)
+        return quantized.dequantized()
     return {prefix + k: v for prefix, m in layer_modules(native) for k, v in _module_params(m).items()}
 
 
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
+    quantized = quant_layer(native)
+    if quantized is not None:  # float weights into codes: torchao's own quantize_ (_quant.py)
+        full = {**quantized.dequantized(), **params}
+        quantized.quantize(full["kernel"], full.get("bias")).write()
+        return
     for prefix, m in layer_modules(native):
+        quantized = quant_layer(m)
+        if quantized is not None:  # a torchao Linear in a chain: torchao's quantize_ (_quant.py)
+            mine = {k: params[prefix + k] for k in ("kernel", "bias") if prefix + k in params}
+            if mine:
+                full = {**quantized.dequantized(), **mine}
+                quantized.quantize(full["kernel"], full.get("bias")).write()
+            continue
         if type(m) not in LINEAR_TYPES and type(m) is not nn.Bilinear:  # declared with db.register_layout
             kernel, bias, transposed = declared_tensors(m)
             if prefix + "kernel" in params:

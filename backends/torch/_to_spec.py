@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize, prune
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge._layouts import declared, warn_dropout
@@ -22,6 +23,7 @@ from dense_bridge.activations import Activation
 from dense_bridge._spec_memory import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
+from ._quant import quant_layer
 from ._activations import FUNCTIONS, METHODS, ExactActivation, activation_module, fn_spec, module_activation
 from ._arrays import dtype_name, from_numpy
 from ._layers import DenseLinear, LazyDense
@@ -157,6 +159,9 @@ def _dense_spec(m: nn.Module, where: str) -> Dense:
 
 def _leaf_spec(m: nn.Module, where: str):
     """The spec of a single module, or None when ``m`` is not one dense_bridge knows as a layer."""
+    quantized = quant_layer(m)
+    if quantized is not None:  # a torchao Linear in a chain: the float Dense it stands for
+        return quantized.spec()
     check_plain_params(m, where)
     kind = type(m)
     if kind in LINEAR_TYPES:
@@ -473,7 +478,7 @@ def _node_step(root: nn.Module, node: torch.fx.Node, cur, where: str) -> Step:
 def _memory_span(t: torch.Tensor) -> tuple | None:
     """(device, first byte, end byte) of the memory a tensor covers; None where it has none."""
     if t is None or isinstance(t, nn.parameter.UninitializedTensorMixin) or t.device.type == "meta" \
-            or t.numel() == 0:
+            or t.numel() == 0 or is_traceable_wrapper_subclass(t):  # torchao's tensors own no storage themselves
         return None
     start = t.data_ptr()
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
@@ -563,6 +568,9 @@ def _check_one_dtype(what: str, layers: list) -> None:
 def to_spec(native: nn.Module):
     """The spec of a torch module: a layer, an nn.Sequential, or an nn.Module chain (see module doc)."""
     what = describe(native)
+    quantized = quant_layer(native)
+    if quantized is not None:  # the float Dense a torchao-quantized Linear stands for
+        return quantized.spec()
     if not is_container(native):
         spec = _leaf_spec(native, what)
         if spec is None:

@@ -242,8 +242,10 @@ def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a,
     from .._params import ParamSource
     from .._registry import get_adapter
     from ..specs import Sequential
+    from ._gradients import computes_gradients
     from ._propagate import allowances
 
+    able_b = computes_gradients({"b": backend_b}, False)["b"]
     parts = _segments(layers_b)
     if parts is None or len(parts) < 2:
         return "fewer than two layers with parameters: each already runs on exactly what the other's received"
@@ -253,10 +255,11 @@ def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a,
     for start, end in parts:
         x = [np.asarray(v) for v in xs] if start == 0 else [np.asarray(trace_a.layers[start - 1].output)]
         x_dtype = np.asarray(trace_b.layers[start - 1].output).dtype if start else numpy_dtype(in_dtype_b)
-        up = None  # forward only: a backend without gradients is traced with grad_out=None
+        up_dtype = np.asarray(trace_b.layers[end - 1].output).dtype
         if grads:
-            up = g if end == n else np.asarray(trace_a.layers[end].input_grads[0])
-            up = np.asarray(up).astype(np.asarray(trace_b.layers[end - 1].output).dtype)
+            up = np.asarray(g if end == n else trace_a.layers[end].input_grads[0]).astype(up_dtype)
+        else:  # forward only: zeros where b's backend differentiates, None where it cannot (no gradients)
+            up = np.zeros(np.shape(trace_b.layers[end - 1].output), up_dtype) if able_b else None
         part = Sequential(list(layers_b[start:end]))
         own = {f"{j - start}.{k.split('.', 1)[1]}": v for j in range(start, end) for k, v in params_b.items()
                if k.split(".", 1)[0] == str(j)}

@@ -77,12 +77,14 @@ class _Params:
         first: dict[Any, str] = {}
         count = 0
         for e in self.entries:
-            values = e.read()
+            # a quantized layer's tensors are codes in the framework's own packing (torchao
+            # subclasses cannot even be read as arrays): its shapes are declared, its dtype is "quantized"
+            values = e.read() if e.kind != "quantized" else {}
             for n in e.names:
                 p = e.param_path(n)
                 v = values.get(n)
                 shape = tuple(int(s) for s in (e.shapes.get(n) or np.shape(v)))
-                self.info[p] = (shape, _dtype(v))
+                self.info[p] = (shape, "quantized" if e.kind == "quantized" else _dtype(v))
                 key = e.ident.get(n, p)
                 if key in first:
                     self.tied[p] = first[key]
@@ -169,12 +171,12 @@ def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]],
     linear_b = {p for _, pb in pairs for p in (groups[pb].paths if pb in groups else (pb,))}
     other_a = [e for e in sa.entries if e.path not in linear_a and e.kind != "linear"]
     other_b = [e for e in sb.entries if e.path not in linear_b and e.kind != "linear"]
-    groups: dict[tuple, tuple[list, list]] = {}
+    by_signature: dict[tuple, tuple[list, list]] = {}  # other layers of one kind, a's and b's
     for e in other_a:
-        groups.setdefault(_signature(sa, e), ([], []))[0].append(e)
+        by_signature.setdefault(_signature(sa, e), ([], []))[0].append(e)
     for e in other_b:
-        groups.setdefault(_signature(sb, e), ([], []))[1].append(e)
-    for ga, gb in groups.values():
+        by_signature.setdefault(_signature(sb, e), ([], []))[1].append(e)
+    for ga, gb in by_signature.values():
         for ea, eb in _align(ga, gb):
             for p, q in zip(sa.paths(ea), sb.paths(eb)):
                 matched_a.add(p)

@@ -291,13 +291,14 @@ class _Side:
 
 
 def _side(call: Call, w: np.ndarray, bias, act, n_in: int, n_out: int, dtype: str, w_dtype: str,
-          tol: Tolerance, what: str) -> _Side:
+          tol: Tolerance, what: str, x_fn=None) -> _Side:
     from ._propagate import activation_output_allowance
 
     x = _rows(call.inputs[0], n_in, f"{what} input")
     y = _rows(call.output, n_out, f"{what} output")
-    z = x @ w + (0.0 if bias is None else bias)
-    terms = np.abs(x) @ np.abs(w) + (0.0 if bias is None else np.abs(bias))
+    xm = x if x_fn is None else x_fn(x)  # what the layer multiplies (Keras int8 quantizes its input)
+    z = xm @ w + (0.0 if bias is None else bias)
+    terms = np.abs(xm) @ np.abs(w) + (0.0 if bias is None else np.abs(bias))
     x_dtype = _dtype_name(call.inputs[0])
     az = _rounding(z, terms, dtype, n_in, tol.c_output, tol) + _cast_term(x, w, x_dtype, w_dtype, tol.c_output)
     if act is None:
@@ -417,14 +418,19 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     report.structure = model_structure(a, b, pairs, groups)
     if not grads:
         report.notes.append(NOT_COMPARED)
-    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol)
+    from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
+
+    quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b))
     if isolated:
-        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol)
+        _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
+                        quant=quant, models=(a, b))
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
-                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance) -> None:
+                    cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
+                    models=None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
     their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
     from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
@@ -436,7 +442,7 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     report.isolated = True
     forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
     twin = judge_copy(report)
-    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
     dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
@@ -464,7 +470,14 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
 
 
 def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
-           params_b: dict, grads: bool, tol: Tolerance) -> None:
+           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None) -> None:
+    from ._quantized import backward_spread, quantization_row, table_spread
+
+    quant = quant or {}
+    for pb in quant:
+        report.notes.append(f"{pb}: quantized ({quant[pb].what}): each side's output judged against its own "
+                            f"kernel, the kernels against one quantization step (row 'quantization'); a "
+                            f"quantized kernel has no parameter gradient, so those rows are left out")
     by_a: dict[str, list[Call]] = {}
     for c in cap_a.calls:
         by_a.setdefault(c.path, []).append(c)
@@ -497,6 +510,9 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                                 f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
+    if models is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
+        fwd_prev, table_notes = table_spread(*models)
+        report.notes += table_notes
     results: list[LayerResult] = []
     rec: list = []  # per row: what the backward pass needs, or None
     for idx, cb in enumerate(cap_b.calls):
@@ -528,8 +544,10 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         dtype = report.dtype
         w_dtype = _dtype_name(kb)
         fa, fb = acts[pb]
-        sa = _side(ca, w, bias, fa, n_in, n_out, dtype, w_dtype, tol, pa)
-        sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb)
+        q = quant.get(pb)
+        sa = _side(ca, w if q is None else q.kernel_a, bias if q is None else q.bias_a, fa, n_in, n_out, dtype,
+                   w_dtype, tol, pa, None if q is None else q.input_a)
+        sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb, None if q is None else q.input_b)
         rows = [_row(idx, label, "input", sa.x, sb.x, _carried(sb.x, dtype, n_in, tol.c_output, tol, fwd_prev)
                      if sa.x.shape == sb.x.shape else 0.0, n_in, dtype=dtype)]
         if sa.x.shape == sb.x.shape and sa.y.shape == sb.y.shape:
@@ -542,6 +560,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                 fwd_prev = max(fwd_prev, _rel(sa.y, sb.y))
         else:
             rows.append(_row(idx, label, "output", sa.y, sb.y, 0.0, n_in, dtype=dtype))
+        if q is not None and sa.x.shape == sb.x.shape:
+            rows.append(quantization_row(idx, label, q, kb, sb.x))
         results.append(LayerResult(idx, label, tuple(rows)))
         rec.append((pa, pb, ca, cb, sa, sb, n_in, n_out))
 
@@ -584,7 +604,9 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                                   _carried(qb, report.dtype, n_out, tol.c_gradient, tol, bwd_prev) + extra_allowed,
                                   n_out, note, dtype=report.dtype))
                 bwd_prev = max(bwd_prev, _rel(qa, qb))
-            if first_call.get(pb) == i:
+                if pb in quant:  # dL/dx leaves through two different kernels: the quantization's own share
+                    bwd_prev = max(bwd_prev, backward_spread(quant[pb], gb, params_b[pb]["kernel"]))
+            if first_call.get(pb) == i and pb not in quant:
                 extra += _param_rows(i, results[i].layer_type, pa, pb, cap_a, cap_b, rec, dzs, report.dtype, tol)
             if extra:
                 results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
@@ -647,7 +669,7 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
 def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
     """Execution order: forward rows call by call (input, output), the model output, then the
     backward from the last call to the first (dL/dy, then the layer's parameter gradients)."""
-    forward = ("input", "output")
+    forward = ("input", "output", "quantization")
     for layer in layers:
         for q in layer.quantities:
             if q.quantity in forward and not q.passed:

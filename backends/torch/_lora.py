@@ -1,0 +1,150 @@
+"""PEFT LoRA layers as one linear layer: the ``dense_bridge.lora`` verbs on torch.
+
+PEFT's ``lora.Linear`` wraps ``base_layer`` (an ``nn.Linear``, or transformers' ``Conv1D`` with
+``fan_in_fan_out``) and holds, per adapter name, ``lora_A[name]`` (an ``nn.Linear`` with weight
+(r, in)), ``lora_B[name]`` (weight (out, r)), ``scaling[name]`` (lora_alpha / r, or / sqrt(r)
+with rsLoRA) and for DoRA ``lora_magnitude_vector[name].weight`` (out,). ``fan_in_fan_out``
+changes only the base weight's layout: lora_A and lora_B keep theirs. Canonical:
+``lora_a = lora_A.weight.T`` (in, r), ``lora_b = lora_B.weight.T`` (r, out).
+
+One adapter per layer is read: the active one. A layer holding several adapters is refused
+with their names (a port that silently picks one is the bug this avoids), as is a merged or
+disabled adapter (its weight no longer is the base) and ``lora_bias`` (an update outside the
+canonical form).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+from dense_bridge._errors import ConversionError
+
+from ._arrays import copy_in, to_numpy
+
+
+def is_lora(m) -> bool:
+    """A PEFT LoRA linear wrapper (decided without importing peft: it is imported if one exists)."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return layer is not None and type(m) is getattr(layer, "Linear", None)
+
+
+def _active(m) -> str:
+    names = list(m.lora_A.keys())
+    where = f"{type(m).__module__}.{type(m).__qualname__}"
+    if getattr(m, "merged_adapters", None):
+        raise ConversionError(f"{where}: adapter(s) {m.merged_adapters} are merged into the base weight (PEFT merge()); "
+                              f"call unmerge() first, or merge_and_unload() and move the plain model")
+    if getattr(m, "disable_adapters", False):
+        raise ConversionError(f"{where}: its adapters {names} are disabled; enable them or unload them first")
+    active = [a for a in m.active_adapters if a in m.lora_A]
+    if len(names) != 1 or len(active) != 1:
+        raise ConversionError(f"{where} holds adapters {names} (active: {active}); dense_bridge reads exactly one "
+                              f"adapter per layer: delete_adapter() the others (or add_weighted_adapter() to combine "
+                              f"them) first")
+    name = active[0]
+    if m.lora_bias.get(name):
+        raise ConversionError(f"{where}: adapter {name!r} has lora_bias=True (a bias update outside the "
+                              f"low-rank form): merge it first")
+    variant = getattr(m, "lora_variant", {}).get(name)
+    if variant is not None and not m.use_dora.get(name):
+        raise ConversionError(f"{where}: adapter {name!r} is a {type(variant).__name__} variant, not LoRA/DoRA")
+    return name
+
+
+@contextlib.contextmanager
+def lora_base(m):
+    yield m.base_layer if is_lora(m) else None
+
+
+def read_lora(m) -> dict[str, np.ndarray]:
+    name = _active(m)
+    out = {"lora_a": to_numpy(m.lora_A[name].weight).T, "lora_b": to_numpy(m.lora_B[name].weight).T,
+           "lora_scale": np.array(float(m.scaling[name]), dtype=np.float64)}
+    if m.use_dora.get(name):
+        out["lora_magnitude"] = to_numpy(m.lora_magnitude_vector[name].weight)
+    return out
+
+
+def write_lora(m, lora: dict) -> None:
+    name = _active(m)
+    if "lora_a" in lora:
+        copy_in(m.lora_A[name].weight, lora["lora_a"], transpose=True)
+    if "lora_b" in lora:
+        copy_in(m.lora_B[name].weight, lora["lora_b"], transpose=True)
+    if "lora_scale" in lora:
+        m.scaling[name] = float(np.asarray(lora["lora_scale"]))
+    if "lora_magnitude" in lora:
+        copy_in(m.lora_magnitude_vector[name].weight, lora["lora_magnitude"])
+
+
+def lora_dora() -> bool:
+    """Does this framework have a DoRA adapter class (a magnitude vector)?"""
+    return True
+
+
+def lora_heads(m):
+    return None
+
+
+def _parent(model, path: str):
+    if not path:
+        raise ConversionError("the model itself is the linear layer: an adapter cannot be attached to or removed "
+                              "from the root in place; wrap it in a module first")
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+def attach_lora(model, path: str, layer, *, rank: int, dora: bool):
+    """Wrap ``layer`` (at ``path`` in ``model``) in PEFT's own ``lora.Linear`` (adapter "default")."""
+    try:
+        from peft import LoraConfig
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError as exc:
+        raise ConversionError(f"attaching a LoRA adapter on torch needs peft (pip install peft): {exc}") from None
+    conv1d = type(layer).__name__ == "Conv1D"
+    if not (isinstance(layer, nn.Linear) or conv1d):
+        raise ConversionError(f"{path}: PEFT attaches LoRA to nn.Linear and Conv1D, not {type(layer).__name__}")
+    config = LoraConfig(r=rank, lora_alpha=rank, use_dora=dora, fan_in_fan_out=conv1d, lora_dropout=0.0)
+    parent, name = _parent(model, path)
+    wrapped = LoraLinear(layer, "default", config=config, r=rank, lora_alpha=rank, is_target_conv_1d_layer=conv1d)
+    wrapped.to(layer.weight.device)
+    for p in wrapped.parameters():  # the adapter in the base's dtype, as PEFT's autocast_adapter_dtype=False
+        if p.dtype != layer.weight.dtype:
+            p.data = p.data.to(layer.weight.dtype)
+    setattr(parent, name, wrapped)
+    return wrapped
+
+
+def detach_lora(model, path: str, m):
+    """Put ``m.base_layer`` back in ``m``'s place; return it."""
+    parent, name = _parent(model, path)
+    setattr(parent, name, m.base_layer)
+    return m.base_layer
+
+
+def wrapper_params(m) -> dict[str, torch.Tensor]:
+    """Every parameter of a wrapper under its path inside it ("base_layer.weight", "lora_A.default.weight")."""
+    return dict(m.named_parameters())
+
+
+def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
+    """PEFT parts that are not a LoRA linear layer: (wrapper path, what it is, the parameter paths
+    holding its trained values). A transfer that leaves those parameters behind names them."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base_tuner = getattr(tuners, "BaseTunerLayer", None)
+    out = []
+    for path, m in model.named_modules():
+        prefix = f"{path}." if path else ""
+        name = type(m).__name__
+        if name in ("ModulesToSaveWrapper", "TrainableTokensWrapper") or "AuxiliaryTraining" in name:
+            trained = [prefix + n for n, _ in m.named_parameters() if not n.startswith("original_module.")]
+            out.append((path, f"a PEFT {name} (its trained copy)", trained))
+        elif base_tuner is not None and isinstance(m, base_tuner) and not is_lora(m) \
+                and not any(path.startswith(p + ".") for p, _, _ in out):
+            trained = [prefix + n for n, _ in m.named_parameters() if not n.startswith("base_layer.")]
+            out.append((path, f"a PEFT {type(m).__module__}.{name} adapter (not a LoRA linear layer)", trained))
+    return out
