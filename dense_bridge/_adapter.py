@@ -163,6 +163,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
     "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
+    "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )

@@ -140,6 +140,8 @@ def test_canonical_round_trip_every_backend(tmp_path, backend, dtype):
     assert bits(db.get_params(again)) == want
     assert db.to_spec(again) == db.to_spec(model)
     for other in db.available_backends():  # and onto every other framework
+        if other == "onnx" and dtype == "bfloat16":
+            continue  # refused at compile: onnxruntime's CPU provider has no bfloat16 MatMul (test_backend_onnx)
         assert bits(db.get_params(db.load(path, other))) == want, other
 
 
@@ -484,7 +486,7 @@ def test_load_rejects_bad_arguments(tmp_path):
     with pytest.raises(db.SpecError, match="backend"):
         db.load(path, "tensorflw")
     with pytest.raises(ValueError, match="format"):
-        db.load(path, format="onnx")
+        db.load(path, format="caffe")
 
 
 def test_hub_style_sharded_torch_safetensors(tmp_path):

@@ -46,7 +46,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
-from ._gradients import NOT_COMPARED, computes_gradients
+from ._gradients import effective_grads
 from . import _fused
 from ._captures import Call, Capture, LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
@@ -357,7 +357,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     else:
         raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
-    computes_gradients({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
+    grads, grads_note = effective_grads({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
@@ -421,8 +421,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     report.structure = model_structure(a, b, pairs, groups)
-    if not grads:
-        report.notes.append(NOT_COMPARED)
+    if grads_note:
+        report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
