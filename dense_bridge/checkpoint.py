@@ -367,7 +367,7 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
     A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
     ``allow_nonfinite=True``). A parallel model (every rank calls save with the same directory)
-    and ``format="dcp"`` go to dense_bridge/_parallel.py (issue 16).
+    and ``format="dcp"`` go to dense_bridge/_parallel.py.
     """
     from ._parallel_io import PASS, save_hook
     if (written := save_hook(obj, path, format)) is not PASS:

@@ -24,7 +24,7 @@ def require_backend(name: str):
 def require_lazy(name: str) -> None:
     """Skip a lazy-width test on a backend that refuses lazy widths by design, after checking it does.
 
-    Equinox modules are immutable with shapes fixed when made (issue 15): compiling a lazy Dense
+    Equinox modules are immutable with shapes fixed when made: compiling a lazy Dense
     raises a SpecError asking for in_features.
     """
     if name in ("equinox", "onnx"):  # immutable shapes (equinox), weights fixed in the graph (onnx)

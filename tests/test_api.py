@@ -82,7 +82,7 @@ def test_unbuilt_lazy_get_params_is_a_conversion_error_everywhere(backend):
         db.get_params(db.compile(db.Dense(3), backend, seed=0))
 
 
-# ----------------------------------------------------------------- available_backends, errors (issue 11)
+# ----------------------------------------------------------------- available_backends, errors
 def test_available_backends_decides_keras_by_the_package_keras_backend_names(monkeypatch, tmp_path):
     import sys
 

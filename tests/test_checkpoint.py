@@ -656,7 +656,7 @@ BLOCK_TORCH = textwrap.dedent("""
     for kwargs in ({"spec": spec}, {}):
         try:
             db.load(sys.argv[1], **kwargs)
-        except db.BackendUnavailableError as exc:  # issue 11: a missing framework, not a bad file
+        except db.BackendUnavailableError as exc:  # a missing framework, not a bad file
             print("BackendUnavailableError:", isinstance(exc, ImportError), exc)
 """)
 
@@ -697,7 +697,7 @@ def test_mlx_safetensors_refuses_float64_and_reads_f64_written_elsewhere(tmp_pat
 
 def test_release_file_pages_frees_only_clean_file_pages_and_keeps_values(tmp_path):
     """Streaming a native file to another backend drops the file pages of each layer once read
-    (issue 10, memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
+    (memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
     from dense_bridge._pages import release_file_pages
 
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)  # 1 MiB

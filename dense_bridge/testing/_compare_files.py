@@ -2,7 +2,7 @@
 
 ``compare(a, b)`` (``_compare``) traces two whole models; for two checkpoints that means both
 models, both sets of parameter gradients and b's float64 kernels at once, about nine times the
-file's size (issue 10). Here the same comparison streams instead:
+file's size. Here the same comparison streams instead:
 
 1. forward, segment by segment: a segment is one layer with parameters plus the parameter-free
    layers (activations, Identity) around it, compiled as a small Sequential on each backend from
