@@ -702,6 +702,10 @@ def test_isolated_mode_blames_a_fault_in_one_member_of_a_split_on_its_group_alon
     assert report.first_failure.layer_type.startswith(group) and report.first_failure.quantity == "output", report
     failed = {layer.layer_type.split(" ")[0] for layer in report.layers if layer.index is not None and not layer.passed}
     assert failed == {group}, failed
+    # judged on the members run alone (a dL/dx row exists only for forced calls), not on the cascaded pass
+    assert not any("cascaded mode" in n for n in report.notes), report.notes
+    assert any(q.quantity == "dL/dx" for layer in report.layers if layer.layer_type.startswith(group)
+               for q in layer.quantities)
     # teacher forcing: the layers after it ran on a's values, so the next layer's rows pass
     nxt = [layer for layer in report.layers if layer.layer_type.startswith("model.layers.1.")]
     assert nxt and all(layer.passed for layer in nxt)
