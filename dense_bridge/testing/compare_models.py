@@ -429,15 +429,16 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b))
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
-                        quant=quant, models=(a, b))
+                        quant=quant, models=(a, b), groups=groups, widths=widths)
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
                     cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
-                    models=None) -> None:
+                    models=None, groups: dict | None = None, widths: dict | None = None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
-    their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
+    their output, dL/dx and parameter-gradient rows in place of the cascaded ones; a split/fused
+    group (``groups``, member units in ``widths``) runs member by member."""
     from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
 
     def acts(pa: str, pb: str):
@@ -445,7 +446,8 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
                 None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
 
     report.isolated = True
-    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
+    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts,
+                                        groups=groups, widths=widths)
     twin = judge_copy(report)
     _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
