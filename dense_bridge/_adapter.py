@@ -47,7 +47,7 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
   as ``walk`` gives them) each call's inputs, output and dL/d(output), in execution order, and
   each layer's parameter gradients in the canonical layout. ``inputs``: a list of numpy arrays
   (positional) or a dict (keyword); integer arrays stay integers. Layers are hooked or wrapped
-  only for the pass and ALWAYS restored (``dense_bridge.testing._captures``, issue 13).
+  only for the pass and ALWAYS restored (``dense_bridge.testing._captures``): the model is left as it was.
 - ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
   (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
 - ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
@@ -66,10 +66,10 @@ its error when the adapter lacks it):
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
   probabilities (the demo: torch, and numpy's reference backward).
 - ``inference(native) -> context manager``: a scope in which masked layers may reuse kernel *
-  mask without a change signal (Keras on TensorFlow), behind ``db.inference`` (issue 18).
+  mask without a change signal (Keras on TensorFlow), behind ``db.inference``.
 - ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
-  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``, issue 13).
+  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``).
 
 - ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
   framework's own dequantization and quantizer), None for a layer that is not quantized;
@@ -83,7 +83,7 @@ its error when the adapter lacks it):
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
   what the core sniffed ("torch-zip", "torch-legacy", "h5", "keras-model", "npz", "safetensors",
   "safetensors-index"); ``files`` are the safetensors files the core already opened
-  (``dense_bridge._safetensors.SafetensorsFile``), else None (``_files.py``, issue 10).
+  (``dense_bridge._safetensors.SafetensorsFile``), else None (``_files.py``): read from those, never reopened by path.
 - ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (a model
   of this framework the core built for the file's spec through ``_api.build``, or the user's
   ``like``; None for files that carry their own model, ``.keras``) holding the file's tensors.
@@ -94,7 +94,7 @@ its error when the adapter lacks it):
   the file's canonical parameters (a ``_checkpoint_native.FileViews``: {canonical name: array},
   each read when first asked for)
   without building a model of the file's framework, for a conversion to ANOTHER framework that
-  copies one layer at a time (issue 10: memory near one copy). ``twin`` is the spec's structure
+  copies one layer at a time (memory near one copy). ``twin`` is the spec's structure
   twin (``_checkpoint_native.structure_twin``: every width 1) compiled on this framework, from
   which the adapter learns the names its framework saves; ``check`` as for ``read_file``.
   None where the adapter cannot serve this file so: the core falls back to ``read_file``.
@@ -104,15 +104,15 @@ its error when the adapter lacks it):
   every tensor's bytes left to fill, and where each canonical tensor goes
   (``_native_stream.FileLayout``: offset, axes as ``file_views``', an optional ``finish`` given
   the CRC-32s). The core fills the bytes straight from the source file's mapped views, so a
-  file-to-file conversion builds no model (issue 18: large files near the disk's speed).
+  file-to-file conversion builds no model (large files near the disk's speed).
   ``twin`` as for ``file_views``. None where the adapter cannot lay out this kind.
 - ``write_file(model, path, kind, *, temp, metadata=None)``: write ``model`` in this framework's
   format ``kind`` (from ``_checkpoint_native.output_kind``: "torch-pickle", "safetensors", "npz",
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
   ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
 
-Verbs other issues add (each lands with its verb added to :data:`REQUIRED_VERBS`; until then the
-contract test lists it as pending): ``parallelize`` (``_parallel.py``, optional, issue 16).
+Tensor-parallel verbs (``compile_parallel``, ``parallel_state``, ...; ``_parallel.py``, optional)
+are described in dense_bridge/_parallel.py.
 """
 from __future__ import annotations
 
@@ -129,9 +129,9 @@ __all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPT
 #: Module-level functions every adapter package's ``__init__`` exposes.
 REQUIRED_VERBS: tuple[str, ...] = (
     "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
-    "capture",  # issue 13
-    "walk",  # issue 12
-    "file_info", "read_file", "write_file",  # issue 10
+    "capture",  # per-layer values inside a whole model (testing.compare_models)
+    "walk",  # every layer with parameters inside any model, by path
+    "file_info", "read_file", "write_file",  # the framework's native checkpoint files
 )
 
 #: Module-level functions some adapters offer; callers check with ``hasattr`` first.
@@ -152,17 +152,18 @@ REQUIRED_FILES: tuple[str, ...] = (
     "_params.py",       # get_params/set_params and the layout table (every transpose)
     "_to_spec.py",      # to_spec: a native layer or chain -> its spec
     "_trace.py",        # trace: forward and backward with the framework's autograd
-    "_models.py",       # walk: every layer with parameters inside any model, by path (issue 12)
-    "_files.py",        # file_info/read_file/write_file: native checkpoint formats (issue 10)
+    "_models.py",       # walk: every layer with parameters inside any model, by path
+    "_files.py",        # file_info/read_file/write_file: native checkpoint formats
     "_manifest.py",     # MANIFEST: what the core knows without importing the framework (formats, needs)
 )
 
-#: Files an adapter package may have besides the required ones (moved to REQUIRED_FILES by the
-#: issue that adds them to every adapter).
+#: Files an adapter package may have besides the required ones (one that every adapter has belongs
+#: in REQUIRED_FILES).
 OPTIONAL_FILES: tuple[str, ...] = (
-    "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model (issue 13)
-    "_parallel.py",  # parallelize: the framework's tensor-parallel machinery (issue 16)
-    "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine (issue 14)
+    "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model
+    "_parallel.py",  # tensor parallelism on the framework's own machinery (dense_bridge/_parallel.py)
+    "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
+    "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )

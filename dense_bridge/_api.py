@@ -52,7 +52,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
-    if parallel is not None or group is not None:  # tensor parallelism (issue 16): dense_bridge/_parallel.py
+    if parallel is not None or group is not None:  # tensor parallelism: dense_bridge/_parallel.py
         from ._parallel import compile_parallel
         return compile_parallel(backend, source, parallel, group, agree_seed=seed is None)
     return build(backend, source)
@@ -105,7 +105,7 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     read-only views where the framework allows (torch, MLX): fast, but a torch view follows
     the weights through ``opt.step()``. On a parallel model (compiled with ``parallel=``) the
     call is collective and returns the full arrays on every rank; ``local=True`` returns this
-    rank's blocks as ``Shard(array, index)`` with ``full[index] == array`` (issue 16).
+    rank's blocks as ``Shard(array, index)`` with ``full[index] == array``.
     A quantized linear layer gives the float kernel its framework dequantizes to; with
     ``quantized=True`` its codes instead: "qkernel" (in, units), per-group "scale" and
     "zero"/"offset", "bias", and "quant" (a ``db.Quant``) (dense_bridge/quant.py).
@@ -120,7 +120,7 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     adapter = adapter_for(native)
     _check_flag("local", local)
     if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
-        from ._parallel import get_params_parallel  # collective on a parallel model (issue 16)
+        from ._parallel import get_params_parallel  # collective on a parallel model
         return get_params_parallel(adapter, native, local=local, copy=copy)
     from . import lora
 
@@ -130,7 +130,7 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
             params = adapter.get_params(native)
     except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
         raise ConversionError(str(exc)) from None
-    if not params:  # never an empty answer for an object that has, or hides, parameters (issue 12)
+    if not params:  # never an empty answer for an object that has, or hides, parameters
         from .models import empty_params_error
 
         error = empty_params_error(adapter, native)
@@ -247,7 +247,7 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
 
 def inference(native: Any):
     """A context manager for inference with ``native``: masked layers reuse kernel * mask while
-    the weights do not change (issue 18). torch and MLX layers do this on their own (they see
+    the weights do not change. torch and MLX layers do this on their own (they see
     changes: version counters, immutable arrays); Keras needs this scope on TensorFlow, whose
     variables change in place with no counter (on JAX and torch engines it caches outside it
     too). Inside, change weights only through dense_bridge (``set_params``, ``db.load``) or

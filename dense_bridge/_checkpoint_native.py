@@ -154,7 +154,11 @@ class NativeCheckpoint:
         self.kind = file_format.label + (", sharded with an index" if index else "")
         self.spec = spec if spec is not None else self._embedded_spec()
         if self.spec is None and file_format.carries_model:
-            self.spec = self._spec_from_model()
+            try:
+                self.spec = self._spec_from_model()
+            except CheckpointError:
+                if not self._loads_without_spec():
+                    raise
 
     def close(self) -> None:
         """Close the safetensors files' descriptors (a loaded template stays valid)."""
@@ -205,7 +209,7 @@ class NativeCheckpoint:
     def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, native shape, dtype) of every stored tensor, in the file's own names (a
         ``.keras`` file: its model's canonical parameters, the model being loaded anyway)."""
-        if self.format.carries_model:
+        if self.format.carries_model and self.spec is not None:
             from . import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
@@ -258,6 +262,17 @@ class NativeCheckpoint:
             raise CheckpointError(f"{self.path} does not match {src} ({note}): "
                                   + "; ".join(p.replace("the spec expects", "expected") for p in problems)
                                   + (_by_name_hint(got, expected) if self.like is None else ""))
+
+    def _loads_without_spec(self) -> bool:
+        """A graph no spec describes (an exported transformer in an ``.onnx`` file) is still a model:
+        it loads on its own backend and its linear layers are found by ``db.linear_layers``; only a
+        conversion needs a spec. Decided by the adapter reading its layers (``walk``) without error."""
+        from .models import walk
+
+        try:
+            return bool(walk(self.template()))
+        except (DenseBridgeError, TypeError):
+            return False
 
     def _spec_from_model(self):
         from . import _api
@@ -316,7 +331,13 @@ class NativeCheckpoint:
         if backend == self.framework:
             model = self.template()
             if not allow_nonfinite:
-                check_finite_params(_api.get_params(model, copy=False), self.path)
+                if self.spec is None:  # a whole graph without a spec: every parameter it holds
+                    from .models import walk
+
+                    check_finite_params({e.param_path(n): v for e in walk(model) for n, v in e.read().items()},
+                                        self.path)
+                else:
+                    check_finite_params(_api.get_params(model, copy=False), self.path)
             if progress is not None:
                 progress(1, 1)
             return model

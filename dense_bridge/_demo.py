@@ -83,6 +83,8 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
     from ._registry import get_adapter
     from ._text import table
     from .testing import compare
+    from ._manifest import GRADIENTS
+    from ._registry import has_capability
 
     check_type("steps", steps, numbers.Integral, "a non-negative integer")
     if steps < 0:
@@ -121,9 +123,10 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
             if b == trainer:
                 continue
             t = time.perf_counter()
-            report = compare(other, model, seed=seed)
+            grads = has_capability(b, GRADIENTS)  # an inference engine (onnxruntime) runs forward only
+            report = compare(other, model, seed=seed, grads=grads)
             worst = report.worst
-            rows.add("outputs + gradients", f"{b} vs {trainer}", bool(report.passed), time.perf_counter() - t,
+            rows.add("outputs + gradients" if grads else "outputs (forward only)", f"{b} vs {trainer}", bool(report.passed), time.perf_counter() - t,
                      f"{len(report.rows)} quantities" if report.passed else report.verdict(),
                      None if worst is None else worst.max_abs_error, None if worst is None else worst.units)
 

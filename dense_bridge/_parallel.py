@@ -16,7 +16,7 @@ its output is gathered follow from its neighbours, so every engine wires the sam
 Shards are equal: the split width must divide by the world size (else SpecError). Rank r holds
 block r of the split axis.
 
-Sharded directory (``FORMAT``), readable without any engine (issue 17 loads it from MLX/JAX):
+Sharded directory (``FORMAT``), readable without any engine (so MLX and JAX load what torch saved):
 
     path/
       rank-00000-of-00004.safetensors   each rank's own shards, canonical layout, keys = param names
@@ -33,7 +33,7 @@ A replicated tensor (a row layer's bias) is written once, by rank 0. On load the
 tensor must tile it exactly (no gap, no overlap, inside the shape: else CheckpointError), and a
 rank reads only the byte ranges of the blocks its own slices overlap (``os.pread``, row runs).
 
-Optional adapter verbs (backends/<fw>/_parallel.py; torch has them, issue 17 adds MLX/JAX):
+Optional adapter verbs (backends/<fw>/_parallel.py: torch, MLX, Flax, Keras on JAX):
 ``compile_parallel(spec, block, parallel, group)`` where ``block(position, name, index)`` returns
 this rank's canonical block (so a load never materialises a whole tensor), ``parallel_state(native)``
 (None, or {"plan", "rank", "world_size", ...}), ``get_params_parallel(native, local)``,

@@ -2,7 +2,7 @@
 and torch.distributed.checkpoint (DCP) directories, a native format read and written through the
 torch adapter's ``save_dcp``/``load_dcp``; and ``db.load(file, parallel=...)`` of a checkpoint one
 process saved, each rank reading only its blocks (``load_checkpoint_parallel``). Hooked from
-dense_bridge/checkpoint.py (issues 16, 17).
+dense_bridge/checkpoint.py.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "n
 
 #: The built-in backends: name -> adapter package (one line per framework).
 BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
-                           for name in ("numpy", "torch", "keras", "mlx", "flax", "equinox")}
+                           for name in ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")}
 ENTRY_POINT_GROUP = "dense_bridge.backends"
 #: Names the command line and convert_file use for the canonical format, never a backend's.
 RESERVED = ("canonical", "dense_bridge")

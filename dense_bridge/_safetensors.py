@@ -6,14 +6,14 @@ bytes of UTF-8 JSON ``{name: {"dtype": "F32", "shape": [..], "data_offsets": [be
 little-endian, C-order tensor bytes; offsets are relative to the end of the header.
 ``__metadata__`` is reserved: no tensor may have that name (the writer refuses it).
 
-Why our own, not the ``safetensors`` package (issue 11; measured with safetensors 0.8, 128 MiB of
-float32, 2-core machine under load 6): its numpy flavour does round-trip bfloat16 now, but
+Why our own, not the ``safetensors`` package (measured with safetensors 0.8, 128 MiB of
+float32, 2-core machine under load 6): its numpy flavour does round-trip bfloat16, but
 - it reads by copying: ``safe_open(framework="np").get_tensor`` 0.65 GB/s against 5.1 GB/s for
   a private map of each tensor here (read + sum), and a copy doubles a load's peak memory;
 - its writer takes a dict of materialized arrays (``save_file``): a save or conversion would
   hold the whole checkpoint in numpy at once, where this writer pulls one tensor at a time;
 - its numpy writer stores an F-contiguous array's bytes as if C-ordered (saving ``a.T`` reloads
-  a different matrix; upstream issue 825);
+  a different matrix; huggingface/safetensors#825);
 - it opens by path, so a concurrent save's rename can pair an old index with new files; here
   a file is opened once and everything is read from that descriptor;
 - every malformed file has to be a CheckpointError naming the file, with the bounds checks

@@ -367,7 +367,7 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
     A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
     ``allow_nonfinite=True``). A parallel model (every rank calls save with the same directory)
-    and ``format="dcp"`` go to dense_bridge/_parallel.py (issue 16).
+    and ``format="dcp"`` go to dense_bridge/_parallel.py.
     """
     from ._parallel_io import PASS, save_hook
     if (written := save_hook(obj, path, format)) is not PASS:
@@ -377,6 +377,8 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     check_writable(path)
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
+    if (backend := _model_file_backend(path)) is not None:
+        return _save_model_file(obj, path, backend, allow_nonfinite)
     spec, tensors, source = _resolve(obj, path, allow_nonfinite)
     for name in tensors:  # before anything is written
         check_tensor_name(name, path)
@@ -387,6 +389,38 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     except Exception as exc:  # a producer failed mid-write: the temporaries are gone already
         raise CheckpointError(f"cannot save {path}: {type(exc).__name__}: {exc} (nothing was changed on disk)") \
             from exc
+
+
+def _model_file_backend(path: str) -> str | None:
+    """The backend whose declared whole-model format (``carries_model``) the name of ``path`` ends in."""
+    from ._registry import formats
+
+    lower = path.lower()
+    return next((name for name, fmt in formats()
+                 if fmt.carries_model and fmt.write_kind and fmt.extensions and lower.endswith(fmt.extensions)), None)
+
+
+def _save_model_file(obj: Any, path: str, backend: str, allow_nonfinite: bool) -> list[str]:
+    """``obj`` as ``backend``'s whole-model file: written as it is when it is that backend's model,
+    else its spec and parameters compiled there first."""
+    from . import _api
+    from ._checkpoint_native import write_native
+
+    try:
+        own = _api.backend(obj) == backend
+    except TypeError:
+        own = False
+    if not own:
+        spec, tensors, _ = _resolve(obj, path, allow_nonfinite)
+        if spec is None:
+            raise CheckpointError(f"cannot save {path}: a whole-model file needs the model's spec, and the params "
+                                  f"given carry none: pass (spec, params) or a model")
+        try:
+            obj = _api.compile(spec, backend, params={k: np.asarray(t.produce()) for k, t in tensors.items()},
+                               allow_nonfinite=allow_nonfinite)
+        except DenseBridgeError as exc:
+            raise CheckpointError(f"cannot save {path}: {exc}") from None
+    return write_native(obj, backend, path)
 
 
 # ============================================================================ reading

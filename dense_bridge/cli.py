@@ -360,7 +360,7 @@ def cmd_inspect(args) -> int:
     }
     if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
-    if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (issue 12, models.py)
+    if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models.py)
         from .models import file_linear_layers, format_file_linear_layers
 
         doc["linear_layers"] = file_linear_layers(entries, ckpt.framework)
@@ -460,7 +460,7 @@ _DIFF_BLOCK = 1 << 18  # elements per step: float64 temporaries of 2 MB, whateve
 
 def _max_abs_diff(a, b) -> tuple[float, bool]:
     """(max |a - b| in float64, whether the bytes are equal), in blocks: a check of two large
-    files holds one layer pair, not float64 copies of it (issue 10)."""
+    files holds one layer pair, not float64 copies of it."""
     import numpy as np
 
     fa, fb = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
@@ -496,7 +496,7 @@ def cmd_check(args) -> int:
     ckpt_b, backend_b = _open_checkpoint(args.b, spec_b, args.backend_b, args.format)
     options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
     diffs: list[dict] = []
-    # layer by layer, one layer pair in memory (issue 10); whole models only where layers do not line up
+    # layer by layer, one layer pair in memory, not two models; whole models only where layers do not line up
     # or when each layer of B runs on what A's received (--isolated)
     report = None if args.isolated else compare_checkpoints(
         ckpt_a, backend_a, ckpt_b, backend_b, params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
@@ -626,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
-    from .testing._check_models import add_arguments as add_model_check  # whole models (issue 13)
+    from .testing._check_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
 
     add_model_check(p)
 

@@ -95,7 +95,7 @@ def register_layout(cls: Any, *, kernel: str, bias: str | None = None, layout: s
 NAME_TABLE: tuple[tuple[str, ...], ...] = (
     ("weight", "gamma", "scale"),
     ("bias", "beta", "offset"),
-    ("weight", "embeddings", "embedding"),  # Flax nnx.Embed's table is "embedding" (issue 15)
+    ("weight", "embeddings", "embedding"),  # Flax nnx.Embed's table is "embedding"
     ("running_mean", "moving_mean"),
     ("running_var", "moving_variance"),
 )

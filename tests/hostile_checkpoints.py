@@ -1,4 +1,4 @@
-"""Malformed checkpoints for the hostile-input tests (issue 10), made from real saves.
+"""Malformed checkpoints for the hostile-input tests, made from real saves.
 
 Each case starts from a valid canonical checkpoint that ``db.save`` wrote (single file or
 sharded, float32 or bfloat16) and breaks it in one way an attacker or a broken disk would:

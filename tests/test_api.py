@@ -82,7 +82,7 @@ def test_unbuilt_lazy_get_params_is_a_conversion_error_everywhere(backend):
         db.get_params(db.compile(db.Dense(3), backend, seed=0))
 
 
-# ----------------------------------------------------------------- available_backends, errors (issue 11)
+# ----------------------------------------------------------------- available_backends, errors
 def test_available_backends_decides_keras_by_the_package_keras_backend_names(monkeypatch, tmp_path):
     import sys
 
@@ -151,7 +151,8 @@ def test_one_compile_path_remembers_the_spec_once():
         calls.clear()
         native = db._api.build(backend, ParamSource(spec, stream=stream))
         assert calls == [0, 1]  # asked layer by layer
-        assert remembered_spec(native) == spec
+        if backend != "onnx":  # an onnx.ModelProto takes no attributes: it keeps the spec in metadata_props
+            assert remembered_spec(native) == spec
         assert db.to_spec(native) == spec
         same = db.compile(spec, backend, seed=7)
         for k, v in db.get_params(same).items():

@@ -25,7 +25,7 @@ from dense_bridge._registry import BACKENDS, available_backends, get_adapter
 CORE = Path(dense_bridge.__file__).parent
 ADAPTERS = CORE.parent / "backends"  # installed as dense_bridge.backends (pyproject package-dir)
 
-FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox"}
+FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox", "onnx", "onnxruntime"}
 
 #: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
 #: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
@@ -181,7 +181,7 @@ def _forbidden_words() -> re.Pattern:
 #: Core string literals allowed to name a framework: {(file, literal): why}. Keep it short.
 FRAMEWORK_NAME_ALLOWLIST: dict[tuple[str, str], str] = {
     **{("_registry.py", name): "the registry's one line per built-in backend" for name in
-       ("torch", "keras", "mlx", "flax", "equinox")},
+       ("torch", "keras", "mlx", "flax", "equinox", "onnx")},
     **{("_adapter_files.py", name): "API.md's LoRA adapter format names, spelled once" for name in
        ("mlx-lm", "keras-hub")},
 }

@@ -1,4 +1,4 @@
-"""The Equinox backend (issue 15): one sample per call (jax.vmap), masks out of eqx.is_inexact_array
+"""The Equinox backend: one sample per call (jax.vmap), masks out of eqx.is_inexact_array
 filtering under optax, eqx.nn.MLP read as a chain, lazy widths refused, and optax-trained ports.
 
 Shapes stay small: every trace is one XLA compile.

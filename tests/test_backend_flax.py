@@ -1,4 +1,4 @@
-"""The Flax NNX backend (issue 15): masks under nnx.Optimizer, lazy widths, jax.nn defaults, float64,
+"""The Flax NNX backend: masks under nnx.Optimizer, lazy widths, jax.nn defaults, float64,
 reading hand-made NNX modules, optax-trained ports, and bit-exact conversion between all six backends.
 
 Shapes stay small: every trace is one XLA compile (about 0.3-1 s on this machine).

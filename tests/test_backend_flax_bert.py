@@ -1,5 +1,5 @@
 """A transformers BERT's parameters transferred into a small Flax NNX port written here, then
-compared layer by layer with ``compare_models`` (issue 15). Tiny random config, no download.
+compared layer by layer with ``compare_models``. Tiny random config, no download.
 
 The port keeps transformers' attribute paths ("encoder.layer.0.attention.self.query"), so one
 identity rule maps every layer, norms and embeddings included (``nnx.Embed``'s ``embedding`` and

@@ -485,7 +485,7 @@ def test_set_params_rejects_bad_keys_and_changes_nothing():
 
 
 def test_set_params_refuses_a_new_mask_and_changes_nothing():
-    # the mask is part of the spec: one rule with load/compile/convert (issue 10)
+    # the mask is part of the spec: one rule with load/compile/convert
     layer = db.compile(db.Dense(3, in_features=3, mask=db.wiring.dense(3, 3)), "keras", seed=0)
     before = db.get_params(layer)
     eye = np.eye(3, dtype=np.float32)

@@ -419,7 +419,7 @@ class FunctionalMLP(nn.Module):
 def test_to_spec_of_seed_mlp_classes():
     tor = dict(kernel_init="torch_default", bias_init="torch_default")
     small = SeedMLP()
-    # x.view(-1, 784) reads as db.Flatten() (issue 12): MNIST images port with the same input everywhere
+    # x.view(-1, 784) reads as db.Flatten(): MNIST images port with the same input everywhere
     assert db.to_spec(small) == db.Sequential([db.Flatten(), db.Dense(128, in_features=784, **tor),
                                                db.Activation("relu"), db.Dense(10, **tor)])
     assert sorted(db.get_params(small)) == ["1.bias", "1.kernel", "3.bias", "3.kernel"]

@@ -1,4 +1,4 @@
-"""Issue 7 across backends: Bilinear, Identity and lazy Dense through every verb."""
+"""Bilinear, Identity and lazy Dense through every verb, on every backend."""
 from __future__ import annotations
 
 import itertools

@@ -140,6 +140,8 @@ def test_canonical_round_trip_every_backend(tmp_path, backend, dtype):
     assert bits(db.get_params(again)) == want
     assert db.to_spec(again) == db.to_spec(model)
     for other in db.available_backends():  # and onto every other framework
+        if other == "onnx" and dtype == "bfloat16":
+            continue  # refused at compile: onnxruntime's CPU provider has no bfloat16 MatMul (test_backend_onnx)
         assert bits(db.get_params(db.load(path, other))) == want, other
 
 
@@ -484,7 +486,7 @@ def test_load_rejects_bad_arguments(tmp_path):
     with pytest.raises(db.SpecError, match="backend"):
         db.load(path, "tensorflw")
     with pytest.raises(ValueError, match="format"):
-        db.load(path, format="onnx")
+        db.load(path, format="caffe")
 
 
 def test_hub_style_sharded_torch_safetensors(tmp_path):
@@ -654,7 +656,7 @@ BLOCK_TORCH = textwrap.dedent("""
     for kwargs in ({"spec": spec}, {}):
         try:
             db.load(sys.argv[1], **kwargs)
-        except db.BackendUnavailableError as exc:  # issue 11: a missing framework, not a bad file
+        except db.BackendUnavailableError as exc:  # a missing framework, not a bad file
             print("BackendUnavailableError:", isinstance(exc, ImportError), exc)
 """)
 
@@ -695,7 +697,7 @@ def test_mlx_safetensors_refuses_float64_and_reads_f64_written_elsewhere(tmp_pat
 
 def test_release_file_pages_frees_only_clean_file_pages_and_keeps_values(tmp_path):
     """Streaming a native file to another backend drops the file pages of each layer once read
-    (issue 10, memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
+    (memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
     from dense_bridge._pages import release_file_pages
 
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)  # 1 MiB

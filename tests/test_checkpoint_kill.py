@@ -1,4 +1,4 @@
-"""Saves killed at random moments (issue 10 must-show): the path always loads the old checkpoint
+"""Saves killed at random moments: the path always loads the old checkpoint
 or the new one exactly, and what killed saves leave behind does not accumulate.
 
 A subprocess saves generation after generation of parameters to one path (``gen k`` has its

@@ -1,4 +1,4 @@
-"""Checkpoint safety (issue 10): what a save may delete, leftovers of killed saves, header
+"""Checkpoint safety: what a save may delete, leftovers of killed saves, header
 validation as the safetensors reference does it, bounded work for small hostile input,
 non-regular files, and the one NaN/Inf / mask / integer rule of load, set_params, compile
 and convert.

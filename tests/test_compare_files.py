@@ -1,6 +1,6 @@
 """Two checkpoints compared layer by layer (``testing._compare_files``, behind ``dense-bridge check``)
 give the report that ``compare`` gives for their whole models: same rows, same verdicts, the
-same first divergence, the same numbers (issue 10: ``check`` holds one layer pair, not two models).
+same first divergence, the same numbers (``check`` holds one layer pair, not two models).
 """
 from __future__ import annotations
 

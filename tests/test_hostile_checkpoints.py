@@ -1,4 +1,4 @@
-"""Every malformed checkpoint of ``hostile_checkpoints`` is refused cleanly (issue 10).
+"""Every malformed checkpoint of ``hostile_checkpoints`` is refused cleanly.
 
 For each of the ~90 canonical cases (single file and sharded, float32 and bfloat16) and the ~60
 Keras ``.weights.h5`` cases (read without a Keras model when the target is another backend): ``db.load`` with no

@@ -1,4 +1,4 @@
-"""Keras 3 on each of its engines (KERAS_BACKEND tensorflow, jax, torch), issue 14.
+"""Keras 3 on each of its engines (KERAS_BACKEND tensorflow, jax, torch).
 
 A process runs Keras on one engine, fixed at ``import keras``. So:
 

@@ -1,4 +1,4 @@
-""".weights.h5 -> another framework without a Keras model (issue 10, memory near one copy).
+""".weights.h5 -> another framework without a Keras model (memory near one copy).
 
 A conversion of a Keras weights file to torch/MLX/numpy reads the HDF5 datasets straight from
 the file, one layer when the target asks for it (``backends/keras/_files.file_views``), instead

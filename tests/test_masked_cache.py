@@ -1,4 +1,4 @@
-"""The masked-kernel cache (issue 18): inference reuses weight * mask, and never serves a stale one.
+"""The masked-kernel cache: inference reuses weight * mask, and never serves a stale one.
 
 torch keys it on each tensor's identity, version counter and data pointer (autograd off only);
 MLX on the identity of the weight and mask arrays (immutable: every change is a new array).

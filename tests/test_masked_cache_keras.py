@@ -1,4 +1,4 @@
-"""The Keras masked-kernel cache (issue 18): kernel * mask reused in inference, never stale.
+"""The Keras masked-kernel cache: kernel * mask reused in inference, never stale.
 
 Keras variables carry no change counter on TensorFlow, so there the product is reused only inside
 ``db.inference(model)``; on JAX (immutable arrays) and torch (version counters) the layer also

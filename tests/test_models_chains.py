@@ -1,4 +1,4 @@
-"""Reading chains from real user code (issue 12's first paragraph): get_params never answers {},
+"""Reading chains from real user code: get_params never answers {},
 Dropout is the inference identity everywhere (with a warning), transformers' activation modules
 read as the table's, and unreadable models point at linear_layers/transfer."""
 from __future__ import annotations

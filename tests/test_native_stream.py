@@ -1,4 +1,4 @@
-"""File-to-file conversions into torch, Keras and MLX files build no model (issue 18): the target
+"""File-to-file conversions into torch, Keras and MLX files build no model: the target
 adapter lays the file out with its framework's own writer (``file_layout``) and the core fills
 each tensor's bytes from the source's mapped views (``dense_bridge._native_stream``). The file
 must be the one the framework writes for the real model: same names, layouts, dtypes,

@@ -271,7 +271,8 @@ def test_outside_backend_works_everywhere(site, tmp_path, how):
         exe = Path(sys.executable).with_name("dense-bridge")
         command = [str(exe)] if exe.exists() else [sys.executable, "-m", "dense_bridge.cli"]
         helped = subprocess.run(command + ["convert", "--help"], env=env, capture_output=True, text=True, timeout=120)
-        assert "npx" in helped.stdout and ".npzx (npx)" in helped.stdout, helped.stdout
+        flat = " ".join(helped.stdout.split())  # argparse wraps the list of endings where it likes
+        assert "npx" in flat and ".npzx (npx)" in flat, helped.stdout
         src = tmp_path / "canonical.safetensors"
         done = subprocess.run(command + ["convert", str(src), "--to", "npx", "-o", str(tmp_path / "ep.npzx")],
                               env=env, capture_output=True, text=True, timeout=120)
@@ -375,12 +376,15 @@ def test_forward_only_backend_compares_outputs_and_says_gradients_were_not_compa
     assert report.passed and forward_only and all(g is None for g in forward_only)
     assert not any(r.quantity.startswith("dL/") for r in report.rows)
     assert "gradients were NOT compared" in str(report) and "gradients were NOT compared" in report.to_dict()["notes"][-1]
-    with pytest.raises(db.SpecError, match="runs forward only.*grads=False"):
-        db.testing.compare(a, b)
+    # the default grads=True compares outputs only on a forward-only side, and says which side it was
+    default = db.testing.compare(a, b)
+    assert default.passed and not any(r.quantity.startswith("dL/") for r in default.rows)
+    assert any("gradients were NOT compared" in n and "'fwd'" in n and "forward only" in n for n in default.notes)
     models = db.testing.compare_models(a, b, [np.ones((2, 3), np.float32)], grads=False)
     assert models.passed and any("gradients were NOT compared" in n for n in models.notes)
-    with pytest.raises(db.SpecError, match="runs forward only"):
-        db.testing.compare_models(a, b, [np.ones((2, 3), np.float32)])
+    default_models = db.testing.compare_models(a, b, [np.ones((2, 3), np.float32)])
+    assert default_models.passed and any("gradients were NOT compared" in n and "forward only" in n
+                                         for n in default_models.notes)
 
 
 def test_a_missing_optional_verb_is_a_clear_error(forward_only):

@@ -21,7 +21,7 @@ def test_import_dense_bridge_imports_no_framework():
 
 
 def test_import_dense_bridge_loads_nothing_until_a_name_is_used():
-    """``import dense_bridge`` loads neither numpy nor the spec modules (issue 18: < 0.1 s); every
+    """``import dense_bridge`` loads neither numpy nor the spec modules (import in < 0.1 s); every
     public name still resolves, to the same object its module defines, and ``dir`` lists it."""
     code = ("import sys, dense_bridge as db; before = sorted(m for m in sys.modules "
             "if m == 'numpy' or m.startswith('dense_bridge.')); "

@@ -1,4 +1,4 @@
-"""Tensor parallelism on torch (issue 16): gloo on CPU, 2 and 4 ranks, in ONE spawn of 4 processes.
+"""Tensor parallelism on torch: gloo on CPU, 2 and 4 ranks, in ONE spawn of 4 processes.
 
 A spawn costs seconds here (4 interpreters importing torch on 2 cores), so every check runs in
 one process group of 4, forked from a forkserver that imported torch once (``start_workers``),

@@ -1,4 +1,4 @@
-"""Tensor-parallel Dense on JAX (issue 17): Keras ``ModelParallel`` on Keras' JAX backend, over 4
+"""Tensor-parallel Dense on JAX: Keras ``ModelParallel`` on Keras' JAX backend, over 4
 virtual CPU devices in one process (JAX is single-controller).
 
 Each test runs the ``__main__`` worker below in a subprocess with ``KERAS_BACKEND`` and

@@ -1,4 +1,4 @@
-"""Sharded checkpoints across engines and world sizes (issue 17), bit for bit:
+"""Sharded checkpoints across engines and world sizes, bit for bit:
 
 torch DTensor on 4 gloo ranks saves -> MLX on 2 ring ranks loads, checks and saves -> Keras
 ModelParallel on JAX over 4 devices (one process) loads, checks and saves -> one plain process

@@ -1,4 +1,4 @@
-"""Tensor-parallel Dense on MLX's ring backend (issue 17): real ``mlx.launch`` processes on CPU.
+"""Tensor-parallel Dense on MLX's ring backend: real ``mlx.launch`` processes on CPU.
 
 Each test launches ``mlx.launch --backend ring -n N <this python> <this file> <case> <outdir>``;
 the ``__main__`` block below is the per-rank worker. It compiles the same spec single-process and

@@ -168,6 +168,12 @@ def test_compare_models_judges_a_fused_layer_against_its_split_counterparts(tmp_
     # the way back: three split layers judged as the one fused layer they concatenate into
     back = db.testing.compare_models(dst, src.transformer, (inputs[1], inputs[0]), mapping=_gpt2_back_rules(""))
     assert back.passed, back
+    # each split member (a keras-hub EinsumDense taking and giving per-head shapes) run alone, both ways
+    for forced in (db.testing.compare_models(src.transformer, dst, inputs, mapping=_gpt2_rules(""), isolated=True),
+                   db.testing.compare_models(dst, src.transformer, (inputs[1], inputs[0]),
+                                             mapping=_gpt2_back_rules(""), isolated=True)):
+        assert forced.passed, forced
+        assert not any("cascaded mode" in n for n in forced.notes), forced.notes
     # key and value swapped in the split: found, at that fused layer
     bad = _gpt2_rules()
     bad[2] = (bad[2][0], [bad[2][1][0], bad[2][1][2], bad[2][1][1]])
@@ -670,9 +676,36 @@ def test_split_layers_count_as_matched_in_the_structure_and_are_named_in_isolate
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
     db.transfer(phi3, llama, mapping=PHI3_TO_LLAMA)
     ids = np.random.default_rng(0).integers(0, V, (2, 7))
-    report = db.testing.compare_models(llama, phi3, [ids], mapping=LLAMA_TO_PHI3, isolated=True)
-    assert report.passed
-    assert report.structure.clean, report.structure.lines()
-    assert any("qkv_proj" in n and "split/fused group" in n for n in report.notes)
-    # the one-to-one layers were still run alone: no note sends them back to cascaded mode
-    assert not any("o_proj" in n and "cascaded mode" in n for n in report.notes)
+    for a, b, mapping in ((llama, phi3, LLAMA_TO_PHI3), (phi3, llama, PHI3_TO_LLAMA)):
+        report = db.testing.compare_models(a, b, [ids], mapping=mapping, isolated=True)
+        assert report.passed, report
+        assert report.structure.clean, report.structure.lines()
+        # every layer ran alone, the split/fused groups member by member: none judged as in cascaded mode
+        assert not any("cascaded mode" in n for n in report.notes), report.notes
+        fused = [layer for layer in report.layers if "qkv_proj" in layer.layer_type]
+        assert fused and all({"output", "dL/dx", "dL/dkernel"} <= {q.quantity for q in layer.quantities}
+                             for layer in fused)
+
+
+def test_isolated_mode_blames_a_fault_in_one_member_of_a_split_on_its_group_alone():
+    import torch
+
+    transformers, kw, phi3 = _phi3_pair()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    db.transfer(phi3, llama, mapping=PHI3_TO_LLAMA)
+    with torch.no_grad():
+        llama.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    ids = np.random.default_rng(0).integers(0, V, (2, 7))
+    report = db.testing.compare_models(phi3, llama, [ids], mapping=PHI3_TO_LLAMA, isolated=True)
+    group = "model.layers.0.self_attn.q_proj+model.layers.0.self_attn.k_proj+model.layers.0.self_attn.v_proj"
+    assert not report.passed
+    assert report.first_failure.layer_type.startswith(group) and report.first_failure.quantity == "output", report
+    failed = {layer.layer_type.split(" ")[0] for layer in report.layers if layer.index is not None and not layer.passed}
+    assert failed == {group}, failed
+    # judged on the members run alone (a dL/dx row exists only for forced calls), not on the cascaded pass
+    assert not any("cascaded mode" in n for n in report.notes), report.notes
+    assert any(q.quantity == "dL/dx" for layer in report.layers if layer.layer_type.startswith(group)
+               for q in layer.quantities)
+    # teacher forcing: the layers after it ran on a's values, so the next layer's rows pass
+    nxt = [layer for layer in report.layers if layer.layer_type.startswith("model.layers.1.")]
+    assert nxt and all(layer.passed for layer in nxt)

@@ -42,7 +42,7 @@ def owns(obj) -> bool:
     return isinstance(obj, nnx.Module)
 
 
-# Tensor parallelism (issue 17, ``_parallel``): sharding annotations on a named mesh axis.
+# Tensor parallelism (``_parallel``): sharding annotations on a named mesh axis.
 # set_params on a parallel model places each written array again by its annotation.
 from . import _parallel as _par  # noqa: E402
 from ._parallel import compile_parallel, get_params_parallel, parallel_agree_seed, parallel_barrier, parallel_state  # noqa: E402

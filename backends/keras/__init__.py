@@ -65,8 +65,8 @@ from ._models import walk  # noqa: E402
 from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dora, lora_heads, read_lora,  # noqa: E402
                     save_lora_h5, write_lora)  # enable_lora adapters and keras-hub .lora.h5 files
 from ._quant import quant_build, quant_layer  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
-from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files (issue 10, 18)
-# tensor parallelism (issue 17): ModelParallel + LayoutMap, Keras' JAX backend only
+from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files
+# tensor parallelism: ModelParallel + LayoutMap, Keras' JAX backend only
 from ._parallel import compile_parallel, get_params_parallel, parallel_agree_seed, parallel_barrier, parallel_state  # noqa: E402
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "save_lora_h5",

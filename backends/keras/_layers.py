@@ -228,7 +228,7 @@ class DenseBridgeDense(keras.layers.Dense):
         return self.activation(x)
 
     def _masked_kernel(self, inputs, training):
-        """kernel * mask, reused in inference while neither changed (issue 18).
+        """kernel * mask, reused in inference while neither changed.
 
         Reused only in eager calls with ``training`` not True (on the torch engine also only with
         autograd off: ``torch.no_grad()``, as ``predict`` runs), and only when the engine can tell
@@ -434,7 +434,7 @@ class AnyRankSequential(keras.Sequential):
 
     A Keras Sequential with an Input runs as a functional graph fixed to the Input's rank, so
     (batch, seq, features) or (features,) input is refused where the torch and MLX models take
-    it (issue 12). Dense, activations and Flatten act on the last axes of any rank, so for
+    it. Dense, activations and Flatten act on the last axes of any rank, so for
     another rank this runs the layers one by one; 1-D input runs as a batch of one.
     """
 

@@ -45,7 +45,7 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
 transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
 ``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path),
-``_parallel`` (tensor parallelism on ``mx.distributed``: column/row-sharded Dense, issue 17).
+``_parallel`` (tensor parallelism on ``mx.distributed``: column/row-sharded Dense).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
                     lora_requantize, read_lora, replace_lora, write_lora)
 from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
-from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
+from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
 from ._parallel import full_grads as parallel_full_grads
@@ -71,7 +71,7 @@ from . import _parallel as _par
 
 
 def get_params_parallel(native, local: bool = False) -> dict:
-    """Tensor parallelism (issue 17): full canonical params (collective) or, with ``local``, this
+    """Tensor parallelism: full canonical params (collective) or, with ``local``, this
     rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
     return _par.get_params_parallel(native, local, get_params)
 

@@ -27,7 +27,7 @@ def positions(native) -> list[tuple[str, Any]]:
 
 
 def _layer_params(m) -> dict[str, np.ndarray]:
-    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): all-gathered, collective
+    if isinstance(m, ShardedDense):  # tensor-parallel: all-gathered, collective
         return m.gathered()
     quantized = quant_layer(m)
     if quantized is not None:  # the float kernel MLX's own mx.dequantize computes (_quant.py)
@@ -70,7 +70,7 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
     if not get:
         return
-    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): keep this rank's slice
+    if isinstance(m, ShardedDense):  # tensor-parallel: keep this rank's slice
         m.set_full(get)
         return
     quantized = quant_layer(m)

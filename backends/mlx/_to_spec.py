@@ -61,7 +61,7 @@ def _bilinear_spec(m, where: str) -> Bilinear:
 
 
 def _layer_spec(m, where: str):
-    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): the full layer's spec
+    if isinstance(m, ShardedDense):  # tensor-parallel: the full layer's spec
         return parallel_layer_spec(m)
     quantized = quant_layer(m)
     if quantized is not None:  # the float Dense a QuantizedLinear stands for

@@ -45,7 +45,7 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
 
 
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
-    if isinstance(m, ShardedDense):  # tensor-parallel (issue 17): shards all-gathered, collective
+    if isinstance(m, ShardedDense):  # tensor-parallel: shards all-gathered, collective
         return m.grads_gathered(grads)
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
@@ -104,7 +104,7 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         records[i] = LayerTrace(np.array(to_numpy(y)), tuple(np.array(to_numpy(d)) for d in dxs),
                                 {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
         g = dxs[0]
-    if parallel_state(native) is not None:  # tensor-parallel (issue 17): shards gathered whole
+    if parallel_state(native) is not None:  # tensor-parallel: shards gathered whole
         return gather_trace(native, Trace(records))
     return Trace(records)
 

@@ -24,7 +24,7 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture
 from ._models import walk
-from ._files import file_info, read_file, write_file  # native checkpoint files (issue 10)
+from ._files import file_info, read_file, write_file  # native checkpoint files
 
 __all__ = ["DenseLayer", "BilinearLayer", "IdentityLayer", "ActivationLayer", "SequentialModel",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",

@@ -59,7 +59,7 @@ from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, read_lora,  # LoRA wrappers
                     write_lora)
 from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
-from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files (issue 10, 18)
+from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
@@ -74,7 +74,7 @@ for _obj in (ExactActivation, DenseLinear, LazyDense, _check_width):
     _obj.__module__ = __name__
 del _obj
 
-# Tensor parallelism (issue 16, backends/torch/_parallel.py): the verbs below dispatch a model
+# Tensor parallelism (backends/torch/_parallel.py): the verbs below dispatch a model
 # compiled with parallel= to the collective versions.
 from . import _parallel as _par  # noqa: E402
 from ._parallel import compile_parallel, parallel_state  # noqa: E402

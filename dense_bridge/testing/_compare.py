@@ -44,7 +44,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy
 from .._registry import adapter_for, backend_of
-from ._gradients import NOT_COMPARED, computes_gradients
+from ._gradients import computes_gradients, effective_grads
 from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
@@ -467,7 +467,8 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     report = new_report(spec_a, spec_b, backend_of(a, "a"), backend_of(b, "b"), tolerance, seed,
                         inputs is not None, strict)
     dtype = report.dtype
-    able = computes_gradients({"a": report.a.backend, "b": report.b.backend}, grads)
+    grads, grads_note = effective_grads({"a": report.a.backend, "b": report.b.backend}, grads)
+    able = computes_gradients({"a": report.a.backend, "b": report.b.backend})
 
     empty = [side for side, layers in (("a", la), ("b", lb)) if not layers]
     if len(empty) == 2 and inputs is None and _input_widths(spec_a) is None and _input_widths(spec_b) is None:
@@ -525,8 +526,8 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
             for n, ga, gb in zip(dx_names(lb[0]), trace_a.layers[0].input_grads, trace_b.layers[0].input_grads):
                 rows.append(_quantity(None, "model", n, ga, gb, allowed[0][n]))
         report.layers.append(LayerResult(None, "model", tuple(rows)))
-    if not grads:
-        report.notes.append(NOT_COMPARED)
+    if grads_note:
+        report.notes.append(grads_note)
     report.first_failure = first_failure(report.layers)
     return report
 

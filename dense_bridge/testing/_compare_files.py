@@ -2,7 +2,7 @@
 
 ``compare(a, b)`` (``_compare``) traces two whole models; for two checkpoints that means both
 models, both sets of parameter gradients and b's float64 kernels at once, about nine times the
-file's size (issue 10). Here the same comparison streams instead:
+file's size. Here the same comparison streams instead:
 
 1. forward, segment by segment: a segment is one layer with parameters plus the parameter-free
    layers (activations, Identity) around it, compiled as a small Sequential on each backend from
@@ -34,7 +34,7 @@ from .._memory import return_freed_memory
 from .._params import ParamSource
 from .._manifest import GRADIENTS
 from .._registry import get_adapter, has_capability
-from ._gradients import NOT_COMPARED, computes_gradients
+from ._gradients import effective_grads
 from ..specs import Dense, Sequential, layer_param_shapes
 from ._compare import (compare_layer, dx_names, feed_report, first_failure, layer_label, layers_of, model_dtype,
                        new_report, output_dtype, output_width)
@@ -108,7 +108,7 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     if parts is None or len(la) != len(lb) or segments(la) != parts:
         return None
     tolerance = tolerance or Tolerance()
-    computes_gradients({"a": backend_a, "b": backend_b}, grads)
+    grads, grads_note = effective_grads({"a": backend_a, "b": backend_b}, grads)
     report = new_report(spec_a, spec_b, backend_a, backend_b, tolerance, seed, False, strict)
     fed = feed_report(report, spec_a, spec_b, None, None, seed, batch_size)
     if fed is None:
@@ -123,8 +123,8 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     finally:
         a.stream.release()
         b.stream.release()
-    if not grads:
-        report.notes.append(NOT_COMPARED)
+    if grads_note:
+        report.notes.append(grads_note)
     report.first_failure = first_failure(report.layers)
     return report
 

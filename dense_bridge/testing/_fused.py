@@ -19,7 +19,7 @@ from .._errors import ConversionError
 from .._mapping import join_arrays
 from ._captures import Call, Capture
 
-__all__ = ["Group", "pairs_of", "members", "merge", "group_params"]
+__all__ = ["Group", "pairs_of", "members", "merge", "group_params", "as_units", "join_units"]
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,10 @@ def merge(cap: Capture, groups: dict[str, Group], widths: dict[str, int]) -> Cap
             calls += list(got.values())
             continue
         parts = [got[p] for p in g.paths]
-        out = _join([_units(p.output, widths[p.path]) for p in parts], g.heads)
+        out = join_units([as_units(p.output, widths[p.path]) for p in parts], g.heads)
         grads = [p.output_grad for p in parts]
         grad = None if any(x is None for x in grads) else \
-            _join([_units(x, widths[p.path]) for x, p in zip(grads, parts)], g.heads)
+            join_units([as_units(x, widths[p.path]) for x, p in zip(grads, parts)], g.heads)
         calls.append(Call(g.label, c.call, parts[0].inputs, out, grad))
     param_grads = {k: v for k, v in cap.param_grads.items() if k not in mine}
     for label, g in groups.items():
@@ -111,7 +111,7 @@ def merge(cap: Capture, groups: dict[str, Group], widths: dict[str, int]) -> Cap
     return Capture(calls, param_grads, cap.output, list(cap.notes), pre)
 
 
-def _units(x, width: int) -> np.ndarray:
+def as_units(x, width: int) -> np.ndarray:
     """A captured output as (rows, width): its trailing axes that hold ``width`` features."""
     x = np.asarray(x)
     size = 1
@@ -122,7 +122,8 @@ def _units(x, width: int) -> np.ndarray:
     raise ConversionError(f"an output of shape {x.shape} cannot be read as (..., {width})")
 
 
-def _join(arrays: list[np.ndarray], heads: int | None) -> np.ndarray:
+def join_units(arrays: list[np.ndarray], heads: int | None) -> np.ndarray:
+    """(rows, units_i) arrays joined along units into (rows, sum units_i), per head with ``heads``."""
     dtype = np.result_type(*[a.dtype for a in arrays])
     joined, _ = join_arrays([{"kernel": a.astype(dtype, copy=False)} for a in arrays], heads)
     return joined["kernel"]

@@ -11,7 +11,10 @@ nobuco replays each converted node on the original node's inputs:
   hidden)) and cast to the dtype b's layer received it in;
 - backward: from the cotangent a's layer received (dL/d(its output)), reshaped and cast the
   same way, giving b's dL/dx and parameter gradients; a's own dL/dx comes from ``run_layer`` on
-  a's layer with the same input and cotangent (captures do not record input gradients).
+  a's layer with the same input and cotangent (captures do not record input gradients);
+- a split/fused group (``_fused``) runs member by member on the common input, each with its
+  slice of the cotangent along units; outputs and parameter gradients are joined as the merged
+  capture joins them and the members' dL/dx summed.
 
 The rows: ``output``, ``dL/dkernel``, ``dL/dbias`` are judged on these forced calls with the
 same own-contribution allowances as the cascaded mode (what each side's rounding allows), and
@@ -71,13 +74,16 @@ def _same_semantics(pa: str, pb: str, acts: Callable[[str, str], tuple]) -> bool
 
 def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a: dict,
                    layers_b: dict, cap_a: Capture, cap_b: Capture, grads: bool,
-                   acts: Callable[[str, str], tuple]) -> tuple[Capture, Forced]:
+                   acts: Callable[[str, str], tuple], groups: dict | None = None,
+                   widths: dict[str, int] | None = None) -> tuple[Capture, Forced]:
     """A Capture of b whose calls are b's layers run alone on a's recorded inputs and cotangents
     (a call that cannot be forced is b's own cascaded call), and what the forcing saw.
 
     ``acts(pa, pb)``: the activation each side's recorded output includes, a's and b's (None: the
-    recorded output is the linear map alone).
+    recorded output is the linear map alone). ``groups``: the split/fused groups by label
+    (``_fused.Group``), whose members run one by one (``_run_unit``); ``widths``: member path -> units.
     """
+    groups, widths = groups or {}, widths or {}
     forced = Forced()
     run_b, run_a = getattr(adapter_b, "run_layer", None), getattr(adapter_a, "run_layer", None)
     for adapter, run, side in ((adapter_b, run_b, "b"), (adapter_a, run_a, "a")):
@@ -95,10 +101,10 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
         counts_b[c.path] = counts_b.get(c.path, 0) + 1
     refused: dict[str, str] = {}
     for pa, pb in pairs:
-        if pa not in layers_a or pb not in layers_b or layers_a[pa] is None or layers_b[pb] is None:
-            # a split or fused side is several layers joined into one virtual call: no one native
-            # layer to run alone
-            refused[pb] = "a split/fused group of layers, joined from the cascaded pass, is not run alone"
+        missing = [p for p in _members(pa, groups) if layers_a.get(p) is None] + \
+            [p for p in _members(pb, groups) if layers_b.get(p) is None]
+        if missing:
+            refused[pb] = f"no native layer to run alone for {', '.join(missing)}"
         elif len(by_a.get(pa, [])) != counts_b.get(pb, 0):
             refused[pb] = f"called {counts_b.get(pb, 0)} time(s) in b but {len(by_a.get(pa, []))} in a"
         elif not _same_semantics(pa, pb, acts):
@@ -122,10 +128,10 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
             g = np.zeros(np.shape(ca.output)) if ca.output_grad is None else np.asarray(ca.output_grad)
             gb = g.reshape(np.shape(cb.output)).astype(np.asarray(cb.output).dtype)
         try:
-            yb, dxb, pgb = run_b(layers_b[pb], xb, gb)
+            yb, dxb, pgb = _run_unit(run_b, layers_b, groups, widths, pb, xb, gb)
             dxa = None
             if gb is not None:
-                _, dxa, _ = run_a(layers_a[pa], x, g.astype(np.asarray(ca.output).dtype))
+                _, dxa, _ = _run_unit(run_a, layers_a, groups, widths, pa, x, g.astype(np.asarray(ca.output).dtype))
         except Exception as exc:  # noqa: BLE001 - a framework that cannot run this layer alone: said, not fatal
             refused[pb] = f"cannot run alone ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             calls.append(cb)
@@ -134,19 +140,77 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
         forced.forced_paths.add(pb)
         if gb is not None:
             forced.dx[idx] = (dxa, dxb, g, x)
-            total = sums.setdefault(pb, {})
-            for k, v in pgb.items():
-                total[k] = total.get(k, 0.0) + np.asarray(v).astype(np.float64)
+            for path, pg in pgb.items():
+                total = sums.setdefault(path, {})
+                for k, v in pg.items():
+                    total[k] = total.get(k, 0.0) + np.asarray(v).astype(np.float64)
     for pb, why in refused.items():
         forced.notes.append(f"isolated: {pb} ({b_to_a[pb]} in a) judged as in cascaded mode: {why}")
     forced.forced_paths -= set(refused)
     param_grads = {}
     for pb, cascaded in cap_b.param_grads.items():
         # a tied or frozen parameter has no cascaded gradient: the forced one is not compared either
-        param_grads[pb] = sums[pb] if pb in forced.forced_paths and pb in sums else cascaded
+        forced_grads = _unit_grads(pb, groups, sums) if pb in forced.forced_paths else None
+        param_grads[pb] = cascaded if forced_grads is None else forced_grads
     forced.dx = {i: v for i, v in forced.dx.items() if cap_b.calls[i].path in forced.forced_paths}
     result = Capture(calls, param_grads, cap_b.output, list(cap_b.notes), set(cap_b.pre_activation))
     return result, forced
+
+
+def _members(path: str, groups: dict) -> list[str]:
+    return list(groups[path].paths) if path in groups else [path]
+
+
+def _run_unit(run, layers: dict, groups: dict, widths: dict[str, int], path: str, x: np.ndarray,
+              g: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, dict[str, dict]]:
+    """``run`` (an adapter's run_layer) on one compared side: (output, dL/dx, {layer path: its
+    parameter gradients}).
+
+    A plain layer runs as it is. A split/fused group runs as the one virtual layer ``_fused.merge``
+    makes of its members: each member runs on ``x`` (their common input, the first member's native
+    shape) with its slice of ``g`` along units (per head when the group declares heads), the outputs
+    come back joined along units as (rows, units) like the merged capture's, and dL/dx is the sum of
+    the members' (the input fans out to all of them). ``g``: (rows, units) of the whole group or any
+    shape holding them; None runs forward only."""
+    if path not in groups:
+        y, dx, pg = run(layers[path], x, g)
+        return y, dx, {path: pg}
+    from .._mapping import split_arrays
+    from ._fused import as_units, join_units
+
+    grp = groups[path]
+    units = [widths[p] for p in grp.paths]
+    slices: list = [None] * len(units)
+    if g is not None:
+        # a member's native output shape (a keras-hub EinsumDense's (batch, seq, heads, head_dim))
+        # is only known by running it: its slice of the cotangent must come in that shape
+        shapes = [np.asarray(run(layers[p], x, None)[0]) for p in grp.paths]
+        pieces = split_arrays({"kernel": np.asarray(g).reshape(-1, sum(units))}, units, grp.heads)
+        slices = [pc["kernel"].reshape(y.shape).astype(y.dtype) for pc, y in zip(pieces, shapes)]
+    ys, dxs, grads = [], [], {}
+    for p, gp in zip(grp.paths, slices):
+        y, dx, pg = run(layers[p], x, gp)
+        ys.append(as_units(y, widths[p]))
+        dxs.append(dx)
+        grads[p] = pg
+    dx = None
+    if g is not None:
+        dx = sum(np.asarray(d, np.float64) for d in dxs).astype(np.asarray(dxs[0]).dtype)
+    return join_units(ys, grp.heads), dx, grads
+
+
+def _unit_grads(path: str, groups: dict, sums: dict[str, dict]) -> dict | None:
+    """The forced parameter gradients of a plain layer, or of a group joined like ``_fused.merge``
+    joins the cascaded ones; None when some member has none."""
+    if path not in groups:
+        return sums.get(path)
+    from .._mapping import join_arrays
+
+    pieces = [sums.get(p) for p in groups[path].paths]
+    if any(pc is None for pc in pieces):
+        return None
+    joined, problem = join_arrays(pieces, groups[path].heads)
+    return None if problem else joined
 
 
 def dx_rows(report, forced: Forced, params_b: dict, acts: Callable[[str, str], tuple], calls: list,

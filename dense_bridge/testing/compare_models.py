@@ -46,7 +46,7 @@ from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
-from ._gradients import NOT_COMPARED, computes_gradients
+from ._gradients import effective_grads
 from . import _fused
 from ._captures import Call, Capture, LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
@@ -358,7 +358,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     else:
         raise TypeError(f"outputs must be None or a pair (select_a, select_b). {received('outputs', outputs)}")
     adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
-    computes_gradients({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
+    grads, grads_note = effective_grads({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
@@ -426,23 +426,24 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     report.structure = model_structure(a, b, pairs, groups)
-    if not grads:
-        report.notes.append(NOT_COMPARED)
+    if grads_note:
+        report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b))
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
-                        quant=quant, models=(a, b))
+                        quant=quant, models=(a, b), groups=groups, widths=widths)
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
                     cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
-                    models=None) -> None:
+                    models=None, groups: dict | None = None, widths: dict | None = None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
-    their output, dL/dx and parameter-gradient rows in place of the cascaded ones."""
+    their output, dL/dx and parameter-gradient rows in place of the cascaded ones; a split/fused
+    group (``groups``, member units in ``widths``) runs member by member."""
     from ._isolated import ISOLATED_NOTE, dx_rows, forced_capture, judge_copy, merge_rows
 
     def acts(pa: str, pb: str):
@@ -450,7 +451,8 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
                 None if pb in cap_b.pre_activation else _activation(layers_b[pb]))
 
     report.isolated = True
-    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts)
+    forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts,
+                                        groups=groups, widths=widths)
     twin = judge_copy(report)
     _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
