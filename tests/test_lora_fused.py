@@ -203,3 +203,51 @@ def test_fused_adapter_refusals_leave_dst_unchanged():
         db.transfer(src, dst, mapping=rules, lora="keep")
     _unchanged(dst, before)
     assert db.lora.lora_of(dst.model.layers[0].self_attn.qkv_proj) is None
+
+
+def test_split_adapters_join_into_mlx_lm_phi3_as_one_lora_linear():
+    pytest.importorskip("mlx")
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm.models import phi3 as mlx_phi3
+    from mlx_lm.tuner.lora import LoRALinear
+
+    transformers, kw, _ = _phi3_pair()
+    base = _logits(_llama(transformers, kw))
+    llama = _peft(_llama(transformers, kw), list(QKV) + ["gate_proj", "up_proj"], rank_pattern={"k_proj": 2},
+                  alpha_pattern={"v_proj": 3})
+    dst = mlx_phi3.Model(mlx_phi3.ModelArgs(
+        model_type="phi3", hidden_size=kw["hidden_size"], num_hidden_layers=kw["num_hidden_layers"],
+        intermediate_size=kw["intermediate_size"], num_attention_heads=kw["num_attention_heads"],
+        num_key_value_heads=kw["num_key_value_heads"], rms_norm_eps=kw["rms_norm_eps"], vocab_size=V,
+        max_position_embeddings=kw["max_position_embeddings"]))
+    db.transfer(llama, dst, mapping=LLAMA_TO_PHI3, lora="keep")
+    qkv = dst.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is LoRALinear and _params(llama, "model.layers.0.self_attn.q_proj")["lora_a"].shape[1] == 4
+    assert db.get_params(qkv)["lora_a"].shape[1] == 4 + 2 + 4  # ranks add up
+    got = np.asarray(dst(mx.array(IDS)))
+    _close(_logits(llama), got, "llama+lora (torch) vs mlx-lm phi3+joined lora")
+    assert np.max(np.abs(got - base)) > 1e-2 * np.max(np.abs(base)), "the adapters changed nothing"
+
+
+def test_dora_splits_per_unit_and_a_join_of_dora_with_undora_members_is_refused():
+    transformers, kw, phi3 = _phi3_pair()
+    phi3 = _peft(phi3, ["qkv_proj"], use_dora=True)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    db.transfer(phi3, llama, mapping=PHI3_TO_LLAMA, lora="keep")  # DoRA's norm is per unit: it splits
+    _close(_logits(phi3), _logits(llama), "phi3+dora vs split llama+dora")
+
+    # DoRA on every member joins: magnitudes side by side, the norms stay per unit
+    dora = _peft(_llama(transformers, kw), list(QKV), use_dora=True, alpha_pattern={"v_proj": 3})
+    back = transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw)).eval()
+    db.transfer(dora, back, mapping=LLAMA_TO_PHI3, lora="keep")
+    assert "lora_magnitude" in db.get_params(back.model.layers[0].self_attn.qkv_proj)
+    _close(_logits(dora), _logits(back), "llama+dora vs phi3+joined dora")
+
+    # DoRA on q and k, none on v: v's units have no magnitude the joined DoRA layer could hold
+    src = _peft(_llama(transformers, kw), ["q_proj", "k_proj"], use_dora=True)
+    dst = transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw)).eval()
+    before = _state(dst)
+    with pytest.raises(db.ConversionError, match="DoRA on some of the joined layers only"):
+        db.transfer(src, dst, mapping=LLAMA_TO_PHI3, lora="keep")
+    _unchanged(dst, before)
