@@ -251,3 +251,39 @@ def test_dora_splits_per_unit_and_a_join_of_dora_with_undora_members_is_refused(
     with pytest.raises(db.ConversionError, match="DoRA on some of the joined layers only"):
         db.transfer(src, dst, mapping=LLAMA_TO_PHI3, lora="keep")
     _unchanged(dst, before)
+
+
+def test_per_head_interleaved_adapters_split_and_join_per_head():
+    import torch
+    from test_ports import FF, HEADS, POS, H, _randomize
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS,
+                                     intermediate_size=FF, max_position_embeddings=POS, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXModel(cfg).eval()
+    _randomize(neox)
+    neox = _peft(neox, ["query_key_value"])
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(H, H) for _ in range(3))
+
+    split = Split()
+    rule = {"layers.0.attention.query_key_value": {"to": ["q", "k", "v"], "heads": HEADS}}
+    db.transfer(neox, split, mapping=rule, strict=False, lora="keep")
+    x = torch.randn(2, 5, H)
+    with torch.no_grad():  # GPT-NeoX's own reading of its fused output: per head, q | k | v
+        qkv = neox.layers[0].attention.query_key_value(x).view(2, 5, HEADS, 3 * (H // HEADS))
+        for mine, theirs in zip((split.q, split.k, split.v), qkv.chunk(3, dim=-1)):
+            torch.testing.assert_close(mine(x), theirs.reshape(2, 5, H), rtol=0, atol=1e-5)
+
+    # and back: the three adapters joined per head into a fresh GPT-NeoX compute what the first did
+    fresh = transformers.GPTNeoXModel(cfg).eval()
+    back = {("q", "k", "v"): {"to": "layers.0.attention.query_key_value", "heads": HEADS}}
+    db.transfer(split, fresh, mapping=back, strict=False, lora="keep")
+    assert db.get_params(fresh.layers[0].attention.query_key_value)["lora_a"].shape[1] == 3 * 4
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.layers[0].attention.query_key_value(x),
+                                   neox.layers[0].attention.query_key_value(x), rtol=0, atol=1e-5)
