@@ -48,10 +48,14 @@ class LoraMoves:
         """Does this linear pair involve an adapter on either side?"""
         return _lora.lora_of(s.layer) is not None or _lora.lora_of(d.layer) is not None
 
-    def move(self, s: Any, d: Any, writes: list) -> str | None:
-        """Queue the move of ``s`` into ``d``; a problem sentence when it cannot be done."""
+    def move(self, s: Any, d: Any, writes: list, given: dict | None = None) -> str | None:
+        """Queue the move of ``s`` into ``d``; a problem sentence when it cannot be done.
+
+        ``given``: the canonical params (adapter keys included) to move instead of ``s``'s own: one
+        piece of a split fused layer, or split layers joined (``lora.split_units`` / ``join_units``)."""
         try:
-            src, dst = _params(s.layer), _params(d.layer)
+            src = _params(s.layer) if given is None else given
+            dst = _params(d.layer)
         except ConversionError as exc:
             return f"{s.path!r} -> {d.path!r}: {exc}"
         own_s, lora_s = _lora.split(src)
@@ -64,7 +68,7 @@ class LoraMoves:
                     f"db.merge_lora(dst) first, or lora='keep'")
         if not lora_s and lora_d:
             return f"dst {d.where()} holds a LoRA adapter and src {s.where()} has none"
-        if self.mode == "merge":
+        if self.mode == "merge" and lora_s:  # joined split layers arrive merged already (float64)
             own_s = {**own_s, "kernel": _lora.effective_kernel(own_s["kernel"], lora_s)}
             lora_s = {}
         out, problem = _cast_own(s, d, own_s, own_d)

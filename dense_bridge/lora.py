@@ -328,3 +328,62 @@ def refuse_convert(adapter: Any, native: Any) -> None:
             raise ConversionError(f"convert builds a plain layer and {type(native).__name__} holds a LoRA adapter: "
                                   f"db.merge_lora(model) first, or db.transfer(src, dst, lora='keep'). "
                                   f"Received: native={type(native).__name__}")
+
+
+# ----------------------------------------------------------------------------- fused layers
+def split_units(lora: dict, units: list[int], heads: int | None = None) -> list[dict]:
+    """One fused layer's adapter -> the adapters of its pieces of ``units[i]`` units, in order.
+
+    Every piece keeps the same ``lora_a`` (in_features, rank) and ``lora_scale``, and takes its slice
+    of ``lora_b`` (rank, units_i) (and of DoRA's ``lora_magnitude``): each piece's update is exactly
+    its columns of the fused update. ``heads``: the fused units interleave per head."""
+    from ._mapping import split_arrays
+
+    a, b = plain_factors(lora)
+    return split_arrays({**lora, "lora_a": a, "lora_b": b}, units, heads)
+
+
+def join_units(loras: list[dict | None], units: list[int], heads: int | None = None) -> tuple[dict, str | None]:
+    """The adapters of layers joined along units -> the fused layer's adapter (or a problem sentence).
+
+    ``loras[i]`` is member i's adapter (None: it has none and contributes rank 0); ``units[i]`` its
+    width. The joined rank is the sum of the ranks, ``lora_a`` the members' ``lora_a`` side by side
+    (in_features, sum r_i), ``lora_b`` block-diagonal (sum r_i, sum units_i): member i's rows hold its
+    ``lora_b`` over its units, zeros elsewhere, so the fused update is exactly the members' updates side
+    by side. Equal scales stay the joined scale (exact); different ones are folded into their
+    ``lora_b`` blocks (one rounding to ``lora_b``'s dtype) under a joined scale of 1."""
+    from ._mapping import join_arrays
+
+    present = [x for x in loras if x]
+    doras = {"lora_magnitude" in x for x in present}
+    if len(doras) > 1 or (doras == {True} and len(present) != len(loras)):
+        return {}, "DoRA on some of the joined layers only: their magnitudes cannot join"
+    factors = [plain_factors(x) if x else None for x in loras]
+    ins = {f[0].shape[0] for f in factors if f is not None}
+    if len(ins) > 1:
+        return {}, f"their adapters' lora_a have in_features {sorted(ins)}, and the joined layer has one"
+    scales = [float(np.asarray(x["lora_scale"])) for x in present]
+    common = scales[0] if all(s == scales[0] for s in scales) else None
+    rank = sum(f[1].shape[0] for f in factors if f is not None)
+    n_in = ins.pop()
+    dtype = np.result_type(*[f[1].dtype for f in factors if f is not None])
+    a_parts, b_parts, row = [], [], 0
+    for x, f, width in zip(loras, factors, units):
+        b = np.zeros((rank, width), dtype)
+        if f is not None:
+            a_i, b_i = f
+            r = b_i.shape[0]
+            a_parts.append(np.asarray(a_i).astype(dtype, copy=False))
+            scale = 1.0 if common is not None else float(np.asarray(x["lora_scale"]))
+            b[row:row + r] = (_f64(b_i) * scale).astype(dtype) if scale != 1.0 else b_i
+            row += r
+        b_parts.append({"lora_b": b})
+    joined, problem = join_arrays(b_parts, heads)
+    if problem:
+        return {}, problem
+    out = {"lora_a": np.concatenate(a_parts, axis=-1) if a_parts else np.zeros((n_in, 0), dtype),
+           "lora_b": joined["lora_b"], "lora_scale": np.asarray(1.0 if common is None else common, np.float64)}
+    if doras == {True}:
+        out["lora_magnitude"] = join_arrays([{"lora_magnitude": x["lora_magnitude"]} for x in loras], heads)[0][
+            "lora_magnitude"]
+    return out, None

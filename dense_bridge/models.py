@@ -469,7 +469,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
             if len(m.src) == len(m.dst) == 1:
                 problem = adapters.move(s, d, writes) if adapters.takes(s, d) else _linear_move(s, d, writes, casts)
             else:
-                problem = _fused_move(m, writes, casts)
+                problem = _fused_move(m, writes, casts, adapters)
             if problem:
                 problems.append(problem)
                 continue
@@ -622,10 +622,17 @@ def _linear_move(s: Entry, d: Entry, writes: list, casts: list | None = None,
     return None
 
 
-def _fused_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
+def _fused_move(m: _mapping.LayerMove, writes: list, casts: list, adapters: Any) -> str | None:
     """Queue a split or a concatenation: the src layers' canonical params joined along units, then
     split along units into the dst layers, each taking as many units as it has (``m.heads``:
-    per-head interleaving on the fused side); each piece then moves as :func:`_linear_move` moves one."""
+    per-head interleaving on the fused side); each piece then moves as :func:`_linear_move` moves one.
+
+    LoRA adapters (``adapters``: the transfer's ``LoraMoves``) split and join with their layers: a
+    split copies ``lora_a`` and slices ``lora_b`` (``lora.split_units``), a concatenation stacks the
+    ranks with a block-diagonal ``lora_b`` (``lora.join_units``); with ``lora="merge"`` joined members
+    are merged one by one in float64 first, so the destination kernel is rounded once."""
+    from . import lora as _lora
+
     names = f"{'+'.join(e.path for e in m.src)!r} -> {'+'.join(e.path for e in m.dst)!r}"
     fused = m.src[0] if len(m.src) == 1 else m.dst[0]
     if m.heads is None and _mapping.interleaved(fused.path):
@@ -637,7 +644,16 @@ def _fused_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
         haves = [_linear_params(e.layer) for e in m.dst]
     except (ConversionError, SpecError) as exc:
         return f"{names}: {exc}"
+    loras = [_lora.split(p)[1] for p in given]
+    with_lora = any(loras) or any(_lora.split(p)[1] for p in haves)
+    given, haves = [_lora.split(p)[0] for p in given], [_lora.split(p)[0] for p in haves]
+    if any(loras) and adapters.mode is None:
+        return (f"{names}: src {[e.where() for e, x in zip(m.src, loras) if x]} hold LoRA adapters: pass "
+                f"lora='keep' or lora='merge'")
     for side, params in (("src", given), ("dst", haves)):
+        ins = sorted({int(np.shape(p["kernel"])[0]) for p in params if "kernel" in p})
+        if len(ins) > 1:
+            return f"{names}: the {side} layers have in_features {ins}; layers joined along units share their input"
         keys = [sorted(p) for p in params]
         if any(k != keys[0] for k in keys):
             return f"{names}: the {side} layers differ in parameters {keys} (a bias on some only)"
@@ -647,18 +663,32 @@ def _fused_move(m: _mapping.LayerMove, writes: list, casts: list) -> str | None:
     problem = _mapping.check_widths(units, m.heads, names)
     if problem:
         return problem
+    lora = loras[0]
+    if len(m.src) > 1 and any(loras):
+        if adapters.mode == "merge":  # each member's effective kernel in float64: rounded once, on the write
+            given = [{**p, "kernel": _lora.effective_kernel(p["kernel"], x)} if x else p for p, x in zip(given, loras)]
+            lora = {}
+        else:
+            lora, problem = _lora.join_units(loras, units, m.heads)
+            if problem:
+                return f"{names}: {problem}"
     params, problem = _mapping.join_arrays(given, m.heads) if len(m.src) > 1 else (given[0], None)
     if problem:
         return f"{names}: {problem}"
     pieces = [params]
+    lora_pieces = [lora]
     if len(m.dst) > 1:
         total = params["kernel"].shape[-1]
         if total != sum(units):
             return (f"{names}: src has {total} units but the dst layers {[e.path for e in m.dst]} have {units} "
                     f"= {sum(units)} (a split gives each as many units as it has)")
         pieces = _mapping.split_arrays(params, units, m.heads)
-    for d, piece in zip(m.dst, pieces):
-        problem = _linear_move(m.src[0], d, writes, casts, params=piece)
+        lora_pieces = _lora.split_units(lora, units, m.heads) if lora else [{} for _ in units]
+    for d, piece, lora_piece in zip(m.dst, pieces, lora_pieces):
+        if with_lora:
+            problem = adapters.move(m.src[0], d, writes, given={**piece, **lora_piece})
+        else:
+            problem = _linear_move(m.src[0], d, writes, casts, params=piece)
         if problem:
             return f"{names}: {problem}"
     return None
