@@ -71,7 +71,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
                                "db.testing.compare_models(src, dst, inputs, mapping=report.rules)")
         return report
     try:
-        compared = compare_models(src, dst, inputs, mapping=rules, grads=False)
+        compared = compare_models(src, dst, inputs, mapping=rules, grads=False, _verify_only=True)
     except BaseException:
         _restore(saved)
         raise

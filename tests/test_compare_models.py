@@ -291,3 +291,35 @@ def test_mlps_with_activations_inside_their_layers(pair):
     report = db.testing.compare_models(a, b, x)
     assert report.first_divergence == list(db.linear_layers(b))[1]
     assert report.first_failure.quantity == "output"
+
+
+# ---------------------------------------------------------------------------- verdict-only path
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_verify_only_passes_correct_ports_and_judges_every_call(name, dtype):
+    """The private path db.transfer(mapping="auto") verifies with: correct ports pass, every call's
+    input and output and the model output are rows, and nothing else is computed."""
+    port, src = _bert(0, dtype) if name == "bert" else _mlx_port(name, 0, dtype)
+    for seed in range(3):
+        report = _compare(name, port, src, seed, grads=False, _verify_only=True)
+        assert report.passed, str(report)
+        assert report.structure is None
+        assert len(report.layers) == len(report.calls) + 1  # one row pair per call, then the model output
+        assert all({q.quantity for q in layer.quantities} == {"input", "output"} for layer in report.layers[:-1])
+        assert [q.quantity for q in report.layers[-1].quantities] == ["model output"]
+
+
+@pytest.mark.parametrize("name,fault", CASES, ids=[f"{n}-{f}" for n, f in CASES])
+def test_verify_only_fails_planted_faults_at_the_same_layer(name, fault):
+    """A transposed kernel, a dropped bias, a kernel rounded to bfloat16 or a swapped activation
+    fails the verdict-only path at the layer and row the full comparison names."""
+    port, src = _bert(0) if name == "bert" else _mlx_port(name, 0)
+    where, change, expected, row = FAULTS[name][fault]
+    if change is None:
+        _plant_gelu(name, port, where)
+    else:
+        _set(db.linear_layers(port)[where], **change)
+    report = _compare(name, port, src, grads=False, _verify_only=True)
+    assert not report.passed
+    assert report.first_divergence_a == expected, str(report)
+    assert report.first_failure.quantity == row, str(report)

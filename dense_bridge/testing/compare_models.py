@@ -224,10 +224,12 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return d / scale if scale > 0 else 0.0
 
 
-def _row(i, label, name, a, b, allowed, k, note="", *, values=None, dtype: str = "float32") -> QuantityResult:
+def _row(i, label, name, a, b, allowed, k, note="", *, values=None, dtype: str = "float32",
+         stats: bool = True) -> QuantityResult:
     """One judged row: ``a - b`` against ``allowed`` elementwise. ``values``: the two sides' values
     the element statistics (ULPs in ``dtype``, worst element) are read from when what is judged
-    is not the values themselves (a layer's own contribution); default ``(a, b)``."""
+    is not the values themselves (a layer's own contribution); default ``(a, b)``. ``stats=False``
+    leaves those statistics out (a pass/fail verdict needs only the units)."""
     if a.shape != b.shape:
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               f"shape {a.shape} vs {b.shape}")
@@ -235,7 +237,7 @@ def _row(i, label, name, a, b, allowed, k, note="", *, values=None, dtype: str =
         return QuantityResult(i, label, name, 0.0, 0.0, True, k, tuple(a.shape), note)
     diff, units = elementwise_units(a, b, allowed)
     va, vb = (a, b) if values is None or np.shape(values[0]) != a.shape else values
-    stats = element_stats(va, vb, units, dtype)
+    stats = element_stats(va, vb, units, dtype) if stats else None
     if not np.isfinite(diff).all():
         return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
                               note or "non-finite values in one model only", stats)
@@ -320,7 +322,8 @@ def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, 
 
 
 def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
-                   tolerance: Tolerance | None = None, isolated: bool = False) -> ModelReport:
+                   tolerance: Tolerance | None = None, isolated: bool = False,
+                   _verify_only: bool = False) -> ModelReport:
     """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
 
     ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
@@ -342,6 +345,16 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     rows hold its own error with nothing carried from before it.
     Before anything runs, ``report.structure`` lists the parameters of either model left
     unmatched, tied or matched with another dtype, and both parameter counts.
+
+    ``_verify_only=True`` (private, for ``db.transfer(mapping="auto")``'s check of a transfer it
+    just made): a verdict at the cost of little more than the two forwards. Every call's input and
+    the model output are judged as above; each call's output is judged as a value computed from
+    its input, like ``input`` (its difference allowed the formula's rounding plus GROWTH times what
+    came before it), instead of as its own contribution, which needs x @ W in float64 per side.
+    A wrongly paired layer fails at its output (its values differ at O(1)); a layer's own small
+    error (a kernel rounded to bfloat16) meets a looser allowance than its own contribution's,
+    GROWTH x the differences before it. No element statistics, no ``report.structure``; with
+    ``grads``, a quantized pair or an activation inside one layer only, the full judging runs.
 
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
@@ -425,13 +438,15 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
-    report.structure = model_structure(a, b, pairs, groups)
+    if not _verify_only:
+        report.structure = model_structure(a, b, pairs, groups)
     if grads_note:
         report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
-    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b))
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b),
+           verify_only=_verify_only)
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
                         quant=quant, models=(a, b), groups=groups, widths=widths)
@@ -482,7 +497,8 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
 
 
 def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
-           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None) -> None:
+           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None,
+           verify_only: bool = False) -> None:
     from ._quantized import backward_spread, quantization_row, table_spread
 
     quant = quant or {}
@@ -557,6 +573,11 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         w_dtype = _dtype_name(kb)
         fa, fb = acts[pb]
         q = quant.get(pb)
+        if verify_only and q is None and not grads and fa == fb:  # same map on both sides: values comparable
+            rows, fwd_prev = _verdict_rows(idx, label, ca, cb, pa, pb, n_in, n_out, dtype, tol, fwd_prev)
+            results.append(LayerResult(idx, label, rows))
+            rec.append(None)
+            continue
         sa = _side(ca, w if q is None else q.kernel_a, bias if q is None else q.bias_a, fa, n_in, n_out, dtype,
                    w_dtype, tol, pa, None if q is None else q.input_a)
         sb = _side(cb, w, bias, fb, n_in, n_out, dtype, w_dtype, tol, pb, None if q is None else q.input_b)
@@ -585,7 +606,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         width = ob.shape[-1] if ob.ndim else 1
         final = _row(None, "model", "model output", oa, ob,
                      _carried(ob, report.dtype, width, tol.c_output, tol, fwd_prev) if oa.shape == ob.shape else 0.0,
-                     width, dtype=report.dtype)
+                     width, dtype=report.dtype, stats=not verify_only)
         fwd_prev = max(fwd_prev, _rel(oa, ob))
 
     if grads:
@@ -625,6 +646,24 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
     model_rows = ([final] if final is not None else []) + extra_calls
     report.layers = results + ([LayerResult(None, "model", tuple(model_rows))] if model_rows else [])
     report.first_failure = _first_failure(report.layers)
+
+
+def _verdict_rows(idx, label, ca: Call, cb: Call, pa, pb, n_in, n_out, dtype, tol: Tolerance,
+                  prev: float) -> tuple[tuple, float]:
+    """``_verify_only``'s rows of one call, (input row, output row), and the largest relative
+    difference so far. Each is judged as a value the code before it computed (``_carried``: the
+    formula's rounding, K = in_features, plus GROWTH x ``prev``, the largest relative difference
+    so far, which the output's row takes after adding its input's)."""
+    xa, xb = _rows(ca.inputs[0], n_in, f"{pa} input"), _rows(cb.inputs[0], n_in, f"{pb} input")
+    ya, yb = _rows(ca.output, n_out, f"{pa} output"), _rows(cb.output, n_out, f"{pb} output")
+    same_x = xa.shape == xb.shape
+    x_row = _row(idx, label, "input", xa, xb, _carried(xb, dtype, n_in, tol.c_output, tol, prev) if same_x else 0.0,
+                 n_in, dtype=dtype, stats=False)
+    prev = max(prev, _rel(xa, xb)) if same_x else prev
+    same_y = ya.shape == yb.shape
+    y_row = _row(idx, label, "output", ya, yb, _carried(yb, dtype, n_in, tol.c_output, tol, prev) if same_y else 0.0,
+                 n_in, dtype=dtype, stats=False)
+    return (x_row, y_row), max(prev, _rel(ya, yb)) if same_y else prev
 
 
 def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtype, tol: Tolerance) -> list:
