@@ -1,7 +1,7 @@
 """``db.merge_lora``: every adapter of a model merged into its kernel, in place (see ``dense_bridge.lora``).
 
 Into a float kernel: ``lora.merged_kernel`` (float64, one rounding). Into a quantized kernel
-(MLX ``QuantizedLinear`` under an mlx-lm adapter): the framework's own dequantization, the float64
+(MLX ``QuantizedLinear`` under an mlx-lm adapter, a Keras int8/int4 layer under ``enable_lora``): the framework's own dequantization, the float64
 update, one rounding to the dequantized dtype, then the framework's quantizer in the same format.
 Requantizing can erase a small update: the report gives per layer the fraction that survived,
 ``max(0, 1 - ||change - update|| / ||update||)`` with ``change = deq(q(W + update)) - deq(q(W))``,
@@ -9,7 +9,7 @@ measured against the base requantized alone (MLX requantization is not idempoten
 itself is the wrong reference), and a warning names the layers under one half. The plain norm
 ratio ``||change|| / ||update||`` counts requantization noise as survival: it exceeds 1 for
 updates far below one quantization step (codes that flip are not the update). The adapter verbs used for it are ``lora_quantized``,
-``lora_dequantize``, ``lora_requantize`` and ``replace_lora`` (``backends/mlx/_lora.py``).
+``lora_dequantize``, ``lora_requantize`` and ``replace_lora`` (``backends/<fw>/_lora.py``).
 """
 from __future__ import annotations
 

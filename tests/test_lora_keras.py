@@ -2,6 +2,8 @@
 EinsumDense query/value in Keras' per-head form, and keras-hub's .lora.h5 files."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -143,3 +145,47 @@ def test_keras_hub_lora_h5_round_trip(tmp_path):
     np.testing.assert_array_equal(db.get_params(db.linear_layers(own)["transformer_layer_0/self_attention_layer/value"])
                                   ["lora_b"], db.get_params(db.linear_layers(model)[
                                       "transformer_layer_0/self_attention_layer/value"])["lora_b"])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("size", ["large", "tiny"])
+def test_merge_lora_into_a_quantized_keras_dense_requantizes_in_the_same_mode(mode, size):
+    """enable_lora on a quantized Dense (QLoRA): merge_lora dequantizes with Keras' own arithmetic, adds
+    the float64 update, requantizes with Keras' own quantizer in the same mode, and reports how much of
+    the update survived; an update far below one quantization step is erased and warned about."""
+    keras = pytest.importorskip("keras")
+    from backends.keras._quant import KerasQuantLayer
+
+    dense = keras.layers.Dense(24, dtype="float32")
+    model = keras.Sequential([keras.Input((32,)), dense])
+    dense.quantize(mode)
+    dense.enable_lora(4)
+    rng = np.random.default_rng(7)
+    factor = 0.5 if size == "large" else 1e-5
+    dense.lora_kernel_a.assign(rng.standard_normal((32, 4)).astype(np.float32) * factor)
+    dense.lora_kernel_b.assign(rng.standard_normal((4, 24)).astype(np.float32) * factor)
+    handle = KerasQuantLayer(dense)
+    base = handle.dequantized()["kernel"]
+    exact = base.astype(np.float64) + (float(dense.lora_alpha) / 4) * (
+        np.asarray(dense.lora_kernel_a.numpy(), np.float64) @ np.asarray(dense.lora_kernel_b.numpy(), np.float64))
+    expected = handle.quantize(exact.astype(base.dtype)).kernel
+
+    if size == "tiny":
+        with pytest.warns(UserWarning, match="requantizing erased most"), warnings.catch_warnings():
+            # pytest.warns re-raises every warning it records, Keras' own numpy-2 chatter included
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"keras\.")
+            report = db.merge_lora(model)
+    else:
+        report = db.merge_lora(model)
+
+    assert dense.quantization_mode == mode and not dense.lora_enabled
+    assert str(dense._kernel.dtype) == "int8"
+    after = KerasQuantLayer(dense).dequantized()["kernel"]
+    np.testing.assert_array_equal(after, expected)
+    (path,) = report.survival
+    if size == "large":
+        assert report.survival[path] > 0.5
+        assert not np.array_equal(after, base)
+    else:
+        assert report.survival[path] < 0.5
+    assert "survived requantization" in str(report)

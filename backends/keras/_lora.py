@@ -28,6 +28,7 @@ from dense_bridge._errors import CheckpointError, ConversionError
 
 from ._arrays import assign_array, read_array
 from ._models import einsum_plan
+from ._quant import KerasQuantLayer, is_quantized
 
 
 def _lora_capable(layer) -> bool:
@@ -120,6 +121,36 @@ def detach_lora(model, path: str, layer):
             delattr(layer, name)
     layer.lora_rank = None
     return layer
+
+
+# ----------------------------------------------------------------------------- quantized bases
+# Keras lets ``enable_lora`` wrap an int8/int4 layer (QLoRA: the float factors sit beside the codes).
+# Merging dequantizes with Keras' own arithmetic and requantizes with Keras' own quantizer
+# (``_quant.KerasQuantLayer``); the layer stays the same object, its codes rewritten in place.
+def lora_quantized(base) -> bool:
+    """Is the layer under the adapter quantized (Keras ``quantize("int8" | "int4")``)?"""
+    return is_quantized(base)
+
+
+def lora_dequantize(base) -> np.ndarray:
+    """The float kernel (in_features, units) Keras computes from the layer's codes."""
+    return KerasQuantLayer(base).dequantized()["kernel"]
+
+
+def lora_requantize(base, kernel: np.ndarray):
+    """(codes for ``base`` holding ``kernel`` (in_features, units) quantized by Keras in the layer's own
+    mode and block size, not written yet (a ``quant.Candidate``), the float kernel (in_features, units)
+    they dequantize to)."""
+    handle = KerasQuantLayer(base)
+    bias = handle.codes().get("bias")
+    candidate = handle.quantize(kernel, bias)
+    return candidate, candidate.kernel
+
+
+def replace_lora(model, path: str, m, layer):
+    """Write the requantized codes ``layer`` into ``m`` and remove its adapter."""
+    layer.write()
+    return detach_lora(model, path, m)
 
 
 # ----------------------------------------------------------------------------- keras-hub .lora.h5
