@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 
 import numpy as np
@@ -17,39 +16,9 @@ import pytest
 
 import dense_bridge as db
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-V, H, HEADS, KV, FF, LAYERS, POS = 48, 32, 4, 2, 64, 2, 16
-
-
-def _transformers():
-    pytest.importorskip("torch")
-    return pytest.importorskip("transformers")
-
-
-def _keras_hub():
-    from conftest import require_backend
-
-    require_backend("keras")
-    return pytest.importorskip("keras_hub")
-
-
-def _mlx_lm():
-    pytest.importorskip("mlx")
-    return pytest.importorskip("mlx_lm")
-
-
-def _randomize(model, seed: int = 0, scale: float = 0.3) -> None:
-    """Every parameter at random (transformers zeroes biases and sets norm scales to 1: a dropped
-    bias or a swapped norm would go unseen)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and ("norm" in name.lower() or ".ln_" in name or "ln_f" in name):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_((0.2 if p.ndim == 1 else scale) * torch.randn(p.shape, generator=g))
+from _port_helpers import FF, H, HEADS, KV, LAYERS, POS, V  # noqa: F401  tiny sizes shared by the port tests
+from _port_helpers import keras_hub_or_skip as _keras_hub, mlx_lm_or_skip as _mlx_lm  # noqa: F401
+from _port_helpers import randomize as _randomize, transformers_or_skip as _transformers  # noqa: F401
 
 
 def _close(a, b, what: str) -> float:
