@@ -54,6 +54,17 @@ class Capture:
     #: applies inside itself (Keras ``Dense(activation=...)``): the linear map alone
     pre_activation: set[str] = field(default_factory=set)
 
+    def by_path(self) -> dict[str, list[Call]]:
+        """Each layer's calls, in execution order, by path."""
+        out: dict[str, list[Call]] = {}
+        for c in self.calls:
+            out.setdefault(c.path, []).append(c)
+        return out
+
+    def call_counts(self) -> dict[str, int]:
+        """How many times each path was called."""
+        return {p: len(cs) for p, cs in self.by_path().items()}
+
 
 def select_output(out, select, is_float):
     """The model output the backward pass starts from, in the framework's own type.

@@ -92,13 +92,9 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
                                 f"verb): {side}'s layers are judged as in cascaded mode")
     if run_b is None or (grads and run_a is None):
         return cap_b, forced
-    by_a: dict[str, list[Call]] = {}
-    for c in cap_a.calls:
-        by_a.setdefault(c.path, []).append(c)
+    by_a = cap_a.by_path()
     b_to_a = {pb: pa for pa, pb in pairs}
-    counts_b: dict[str, int] = {}
-    for c in cap_b.calls:
-        counts_b[c.path] = counts_b.get(c.path, 0) + 1
+    counts_b = cap_b.call_counts()
     refused: dict[str, str] = {}
     for pa, pb in pairs:
         missing = [p for p in _members(pa, groups) if layers_a.get(p) is None] + \

@@ -506,13 +506,9 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
         report.notes.append(f"{pb}: quantized ({quant[pb].what}): each side's output judged against its own "
                             f"kernel, the kernels against one quantization step (row 'quantization'); a "
                             f"quantized kernel has no parameter gradient, so those rows are left out")
-    by_a: dict[str, list[Call]] = {}
-    for c in cap_a.calls:
-        by_a.setdefault(c.path, []).append(c)
+    by_a = cap_a.by_path()
     b_to_a = {pb: pa for pa, pb in pairs}
-    counts_b: dict[str, int] = {}
-    for c in cap_b.calls:
-        counts_b[c.path] = counts_b.get(c.path, 0) + 1
+    counts_b = cap_b.call_counts()
     extra_calls = []
     for pa, pb in pairs:
         na, nb = len(by_a.get(pa, [])), counts_b.get(pb, 0)
