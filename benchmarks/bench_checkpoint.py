@@ -54,7 +54,7 @@ NEEDS = {"torch .pt": "torch", "mlx .safetensors": "mlx", "keras .weights.h5": "
 def _warm_up(to: str | None, workdir: str) -> None:
     """One tiny conversion first: the frameworks' first-call costs are not throughput."""
     import dense_bridge as db
-    from dense_bridge import checkpoint
+    from dense_bridge.checkpoints import _flows as checkpoint
 
     src = os.path.join(workdir, "warm.safetensors")
     db.save(db.compile(db.Sequential([db.Dense(4, in_features=4), db.Dense(4)]), "numpy", seed=0), src)
@@ -70,7 +70,7 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     import tracemalloc
 
     import dense_bridge as db
-    from dense_bridge import checkpoint
+    from dense_bridge.checkpoints import _flows as checkpoint
 
     to, name = TARGETS[target]
     if target in NEEDS:
@@ -78,7 +78,7 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
 
         get_adapter(NEEDS[target])  # import the framework before the baseline
     if to == "keras":
-        from dense_bridge.cli import import_quietly
+        from dense_bridge.cli._main import import_quietly
 
         import_quietly(["keras"])
     _warm_up(to, workdir)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, args.src, args.workdir, args.shard_size)))
         return 0
 
-    from dense_bridge._checkpoint_io import parse_size
+    from dense_bridge.checkpoints._io import parse_size
     from dense_bridge._registry import available_backends
 
     workdir = tempfile.mkdtemp(prefix="bench-checkpoint-")
@@ -220,7 +220,7 @@ SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
 def slope_make(workdir: str, layers: int, width: int) -> int:
     """The same model as canonical, torch .pt and Keras .weights.h5 files in ``workdir``; its bytes."""
     import dense_bridge as db
-    from dense_bridge import checkpoint
+    from dense_bridge.checkpoints import _flows as checkpoint
     from dense_bridge._registry import available_backends
 
     spec = db.Sequential([db.Dense(width, in_features=width, kernel_init="normal") for _ in range(layers)])
@@ -238,7 +238,7 @@ def slope_worker(case: str, workdir: str) -> dict:
     import gc
     import io
 
-    from dense_bridge import cli
+    from dense_bridge.cli import _main as cli
     from dense_bridge._registry import get_adapter
 
     src, job, needs, _ = SLOPE_CASES[case]

@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from dense_bridge._parallel import validate_tiling
+from dense_bridge.parallel._plan import validate_tiling
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

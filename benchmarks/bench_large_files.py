@@ -133,9 +133,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "large_files.md"))
     args = parser.parse_args(argv)
-    from dense_bridge import checkpoint
+    from dense_bridge.checkpoints import _flows as checkpoint
     from dense_bridge._registry import available_backends
-    from dense_bridge.cli import import_quietly
+    from dense_bridge.cli._main import import_quietly
 
     import_quietly()
     root = tempfile.mkdtemp(prefix="bench-large-", dir=args.dir)

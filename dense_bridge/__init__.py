@@ -27,7 +27,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
     "transfer": ("._auto_transfer", "transfer"), "auto": ("._auto_mapping", "auto"), "Quant": (".quant", "Quant"),
-    "save": (".checkpoint", "save"), "load": (".checkpoint", "load"),
+    "save": (".checkpoints", "save"), "load": (".checkpoints", "load"),
     "register_backend": ("._registry", "register_backend"),
     "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
     "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),

@@ -83,7 +83,7 @@ its error when the adapter lacks it):
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
   what the core sniffed ("torch-zip", "torch-legacy", "h5", "keras-model", "npz", "safetensors",
   "safetensors-index"); ``files`` are the safetensors files the core already opened
-  (``dense_bridge._safetensors.SafetensorsFile``), else None (``_files.py``): read from those, never reopened by path.
+  (``dense_bridge.checkpoints._safetensors.SafetensorsFile``), else None (``_files.py``): read from those, never reopened by path.
 - ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (a model
   of this framework the core built for the file's spec through ``_api.build``, or the user's
   ``like``; None for files that carry their own model, ``.keras``) holding the file's tensors.
@@ -112,7 +112,7 @@ its error when the adapter lacks it):
   ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
 
 Tensor-parallel verbs (``compile_parallel``, ``parallel_state``, ...; ``_parallel.py``, optional)
-are described in dense_bridge/_parallel.py.
+are described in dense_bridge/parallel/_plan.py.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ REQUIRED_FILES: tuple[str, ...] = (
 #: in REQUIRED_FILES).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model
-    "_parallel.py",  # tensor parallelism on the framework's own machinery (dense_bridge/_parallel.py)
+    "_parallel.py",  # tensor parallelism on the framework's own machinery (dense_bridge/parallel/_plan.py)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params

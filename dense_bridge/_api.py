@@ -42,7 +42,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
     unless ``allow_nonfinite=True``). ``parallel`` ("auto", or {position: "column" | "row"})
     with ``group`` (the framework's mesh/group) compiles onto the framework's own tensor-parallel
-    machinery: dense_bridge/_parallel.py (plan), backends/<fw>/_parallel.py. There every rank
+    machinery: dense_bridge/parallel/_plan.py (plan), backends/<fw>/_parallel.py. There every rank
     must build the same model: with ``seed=None`` rank 0 draws the seed and the group's other
     ranks take it (one broadcast), so the shards are those of one random model.
     """
@@ -52,8 +52,8 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
-    if parallel is not None or group is not None:  # tensor parallelism: dense_bridge/_parallel.py
-        from ._parallel import compile_parallel
+    if parallel is not None or group is not None:  # tensor parallelism: dense_bridge/parallel/_plan.py
+        from .parallel._plan import compile_parallel
         return compile_parallel(backend, source, parallel, group, agree_seed=seed is None)
     return build(backend, source)
 
@@ -120,7 +120,7 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     adapter = adapter_for(native)
     _check_flag("local", local)
     if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
-        from ._parallel import get_params_parallel  # collective on a parallel model
+        from .parallel._plan import get_params_parallel  # collective on a parallel model
         return get_params_parallel(adapter, native, local=local, copy=copy)
     from . import lora
 

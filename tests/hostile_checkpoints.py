@@ -597,7 +597,7 @@ H5 = {name[2:]: fn for name, fn in globals().items() if name.startswith("h_")}
 def make_h5(directory: str) -> dict[str, str]:
     """Write every malformed ``.weights.h5`` case under ``directory`` (needs Keras); return
     case id -> the path to load."""
-    from dense_bridge import _checkpoint_native as native
+    from dense_bridge.checkpoints import _native as native
 
     cases = {}
     for dtype, spec in SPEC.items():
@@ -616,7 +616,7 @@ def make_h5_bomb(directory: str) -> str:
     limit can refuse it. Chunks are written pre-compressed (``write_direct_chunk``)."""
     import zlib
 
-    from dense_bridge import _checkpoint_native as native
+    from dense_bridge.checkpoints import _native as native
 
     spec = SPEC["float32"]
     path = os.path.join(directory, "h5-bomb.weights.h5")

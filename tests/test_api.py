@@ -123,7 +123,7 @@ def test_deliberate_errors_are_dense_bridge_errors():
         db.Activation("relu").vjp(np.zeros(3), None, np.zeros(4))
     with pytest.raises(db.SpecError, match="y must"):
         db.Activation("relu").vjp(np.zeros(3), np.zeros(2), np.zeros(3))
-    from dense_bridge import _demo
+    from dense_bridge.cli import _demo as _demo
 
     with pytest.raises(db.SpecError, match="steps"):
         _demo.run(steps=-1)

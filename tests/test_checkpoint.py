@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge import checkpoint
-from dense_bridge._checkpoint_io import parse_size
-from dense_bridge._safetensors import SafetensorsFile
+from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge.checkpoints._io import parse_size
+from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
 from conftest import require_backend
 
@@ -698,7 +698,7 @@ def test_mlx_safetensors_refuses_float64_and_reads_f64_written_elsewhere(tmp_pat
 def test_release_file_pages_frees_only_clean_file_pages_and_keeps_values(tmp_path):
     """Streaming a native file to another backend drops the file pages of each layer once read
     (memory near one copy); anonymous memory, whose pages madvise would zero, is never touched."""
-    from dense_bridge._pages import release_file_pages
+    from dense_bridge.checkpoints._pages import release_file_pages
 
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)  # 1 MiB
     path = tmp_path / "a.bin"

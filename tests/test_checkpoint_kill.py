@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 import dense_bridge as db
-from dense_bridge._checkpoint_io import RECLAIM_MIN_AGE_S
+from dense_bridge.checkpoints._io import RECLAIM_MIN_AGE_S
 
 KILLS = 16  # per layout: 32 in all
 SHARD = 96 * 1024  # bytes: the ~260 KB checkpoint below is 3-4 shards

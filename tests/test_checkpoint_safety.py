@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge._checkpoint_io import RECLAIM_MIN_AGE_S, AtomicFiles
+from dense_bridge.checkpoints._io import RECLAIM_MIN_AGE_S, AtomicFiles
 
 from conftest import require_backend
 
@@ -141,7 +141,7 @@ def test_a_temporary_held_by_a_running_save_is_never_reclaimed(tmp_path):
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, time
-        from dense_bridge._checkpoint_io import AtomicFiles
+        from dense_bridge.checkpoints._io import AtomicFiles
         tx = AtomicFiles({str(out)!r})
         tmp = tx.temp_for({str(out)!r})
         old = time.time() - 3600
@@ -165,7 +165,7 @@ def test_a_temporary_held_by_a_running_save_is_never_reclaimed(tmp_path):
 
 
 def test_atomic_files_lock_is_released_on_commit_and_abort(tmp_path):
-    from dense_bridge._checkpoint_io import reclaim_temporaries, temp_pattern
+    from dense_bridge.checkpoints._io import reclaim_temporaries, temp_pattern
 
     target = str(tmp_path / "x.bin")
     tx = AtomicFiles(target)
@@ -241,7 +241,7 @@ def test_malformed_headers_are_checkpoint_errors_naming_the_file(tmp_path, case)
 
 def test_the_good_file_of_those_cases_loads(tmp_path):
     # the reference cases above differ from this one file by one edit each
-    from dense_bridge._safetensors import SafetensorsFile
+    from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
     with SafetensorsFile(st_file(tmp_path / "good.safetensors", GOOD, DATA)) as f:
         np.testing.assert_array_equal(f.get("b"), [2, 3])
@@ -250,7 +250,7 @@ def test_the_good_file_of_those_cases_loads(tmp_path):
 def canonical_with_spec_meta(tmp_path, spec_json: str) -> str:
     path = tmp_path / "meta.safetensors"
     db.save(db.get_params(db.compile(db.Dense(2, in_features=2), "numpy", seed=0)), path)
-    from dense_bridge._safetensors import SafetensorsFile
+    from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
     with SafetensorsFile(path) as f:
         meta = dict(f.metadata)

@@ -13,7 +13,7 @@ import pytest
 
 import _compare_ports as P
 import dense_bridge as db
-from dense_bridge import cli
+from dense_bridge.cli import _main as cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
                                         "ignore::UserWarning")

@@ -18,7 +18,7 @@ import pytest
 
 import dense_bridge as db
 from conftest import ALL_BACKENDS, require_backend
-from dense_bridge import cli
+from dense_bridge.cli import _main as cli
 from dense_bridge.testing import compare, compare_models
 from dense_bridge.testing._elements import element_stats, elementwise_units, ulp_distance
 

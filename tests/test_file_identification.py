@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge import checkpoint
-from dense_bridge._checkpoint_native import identify, supported_formats
+from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge.checkpoints._native import identify, supported_formats
 from dense_bridge._manifest import Match, Probe
 
 SPEC = db.Sequential([db.Dense(3, in_features=2, activation="relu"), db.Dense(1)])

@@ -3,7 +3,7 @@
 For each of the ~90 canonical cases (single file and sharded, float32 and bfloat16) and the ~60
 Keras ``.weights.h5`` cases (read without a Keras model when the target is another backend): ``db.load`` with no
 backend and on every installed backend raises a ``CheckpointError`` naming the file, and the
-three CLI commands (``inspect``, ``convert``, ``check``, run through ``dense_bridge.cli.main``
+three CLI commands (``inspect``, ``convert``, ``check``, run through ``dense_bridge.cli._main.main``
 exactly as the console script does) exit 2 with a one-line error naming it and no traceback.
 
 All of it runs in one subprocess whose address space is capped at its size after importing the
@@ -29,7 +29,7 @@ RUNNER = textwrap.dedent(r"""
     import contextlib, io, json, os, resource, signal, sys, warnings
     warnings.simplefilter("ignore")
     import dense_bridge as db
-    from dense_bridge import cli
+    from dense_bridge.cli import _main as cli
 
     cases = json.loads(sys.argv[1])
     out_dir = sys.argv[2]

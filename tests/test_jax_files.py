@@ -14,8 +14,8 @@ import pytest
 
 import dense_bridge as db
 from conftest import require_backend
-from dense_bridge import cli
-from dense_bridge._checkpoint_native import write_native
+from dense_bridge.cli import _main as cli
+from dense_bridge.checkpoints._native import write_native
 
 SPEC = db.Sequential([db.Dense(6, in_features=4, activation="tanh"), db.Dense(3, mask=np.tri(6, 3, dtype=bool))])
 FILES = {"flax": "model.msgpack", "equinox": "model.eqx"}

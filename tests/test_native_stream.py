@@ -1,6 +1,6 @@
 """File-to-file conversions into torch, Keras and MLX files build no model: the target
 adapter lays the file out with its framework's own writer (``file_layout``) and the core fills
-each tensor's bytes from the source's mapped views (``dense_bridge._native_stream``). The file
+each tensor's bytes from the source's mapped views (``dense_bridge.checkpoints._native_stream``). The file
 must be the one the framework writes for the real model: same names, layouts, dtypes,
 metadata, readable by the framework itself; bad sources leave nothing behind."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge import _file_fill, checkpoint
-from dense_bridge import _checkpoint_native as native_files
+from dense_bridge.checkpoints import _file_fill as _file_fill
+from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge.checkpoints import _native as native_files
 from conftest import require_backend
 
 pytest.importorskip("ml_dtypes")
@@ -129,7 +130,7 @@ def test_a_mask_that_is_not_the_specs_wiring_is_refused(tmp_path, target, name):
     spec = masked_spec()
     src, params = _canonical(tmp_path, spec)
     params["0.mask"] = 1 - params["0.mask"]  # 0/1 still, but not the spec's wiring
-    from dense_bridge._safetensors import pending
+    from dense_bridge.checkpoints._safetensors import pending
 
     tensors = {k: pending(v) for k, v in params.items()}
     checkpoint.write_canonical(str(src), tensors, checkpoint._metadata(spec, tensors, "numpy"))

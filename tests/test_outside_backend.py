@@ -157,8 +157,8 @@ def same(params):
 
 # its own file: written, recognised by content (any name), read back with and without a spec
 path = os.path.join(out, "m.npzx")
-from dense_bridge import checkpoint
-from dense_bridge._checkpoint_native import write_native
+from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge.checkpoints._native import write_native
 write_native(model, "npx", path, spec=spec)
 renamed = os.path.join(out, "renamed.bin")
 with open(path, "rb") as f, open(renamed, "wb") as g:
@@ -188,7 +188,7 @@ if "torch" in names:
 db.save(model, os.path.join(out, "canonical.safetensors"))
 
 # the command line: --to choices come from the registry at run time
-from dense_bridge import cli
+from dense_bridge.cli import _main as cli
 assert cli.main(["convert", os.path.join(out, "canonical.safetensors"), "--to", "npx",
                  "-o", os.path.join(out, "cli.npzx")]) == 0
 assert same(db.load(os.path.join(out, "cli.npzx"))[1])

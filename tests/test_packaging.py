@@ -25,8 +25,8 @@ def test_import_dense_bridge_loads_nothing_until_a_name_is_used():
     public name still resolves, to the same object its module defines, and ``dir`` lists it."""
     code = ("import sys, dense_bridge as db; before = sorted(m for m in sys.modules "
             "if m == 'numpy' or m.startswith('dense_bridge.')); "
-            "from dense_bridge import specs, checkpoint, testing; "
-            "assert db.Dense is specs.Dense and db.save is checkpoint.save and db.testing is testing; "
+            "from dense_bridge import specs, checkpoints, testing; "
+            "assert db.Dense is specs.Dense and db.save is checkpoints.save and db.testing is testing; "
             "assert all(hasattr(db, n) for n in db.__all__) and set(db.__all__) <= set(dir(db)); "
             "print(before)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

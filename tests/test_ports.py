@@ -495,7 +495,7 @@ def test_compare_models_with_a_mapping_that_pairs_nothing_names_the_rules():
 # --------------------------------------------------------------------- the command line on whole models
 def test_inspect_orients_a_gpt2_checkpoint_by_its_biases_and_convert_says_to_transfer(tmp_path, capsys):
     transformers = _transformers()
-    from dense_bridge import cli
+    from dense_bridge.cli import _main as cli
 
     cfg = transformers.GPT2Config(vocab_size=V, n_positions=POS, n_embd=H, n_layer=1, n_head=HEADS,
                                   bos_token_id=0, eos_token_id=0)

@@ -1,4 +1,4 @@
-"""Filling a file's tensor slots (``dense_bridge._file_fill.fill``, what every checkpoint writer
+"""Filling a file's tensor slots (``dense_bridge.checkpoints._file_fill.fill``, what every checkpoint writer
 ends with): the bytes on disk are each tensor in C order, little-endian, whatever the source
 view's strides, written in bounded pieces while the next piece is prepared; NaN/Inf refusals
 name the tensor; checksums are zlib's CRC-32 of the bytes written."""
@@ -9,10 +9,10 @@ import zlib
 import numpy as np
 import pytest
 
-from dense_bridge import _file_fill
+from dense_bridge.checkpoints import _file_fill as _file_fill
 from dense_bridge._errors import CheckpointError
-from dense_bridge._file_fill import Slot, fill
-from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.checkpoints._file_fill import Slot, fill
+from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 
 @pytest.fixture(params=["workers", "writer"])

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from dense_bridge._errors import CheckpointError
-from dense_bridge._safetensors import open_readonly
+from dense_bridge.checkpoints._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("eqx",)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from dense_bridge._errors import CheckpointError
-from dense_bridge._safetensors import open_readonly
+from dense_bridge.checkpoints._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("msgpack", "orbax")

@@ -30,8 +30,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dense_bridge._errors import SpecError, received
 from dense_bridge.backends._jax.parallel import agree_seed, barrier
-from dense_bridge._parallel import Shard as ShardView
-from dense_bridge._parallel import resolve_plan, split_axis
+from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
 from dense_bridge.specs import Bilinear, Dense, Sequential
@@ -179,7 +179,7 @@ def set_params_parallel(native, params: dict, plain: Callable) -> None:
 
 def get_params_parallel(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them), or with ``local`` this process's addressable
-    block of each as :class:`dense_bridge._parallel.Shard` (in one process: the whole tensor)."""
+    block of each as :class:`dense_bridge.parallel._plan.Shard` (in one process: the whole tensor)."""
     from ._params import get_params
 
     if not local:

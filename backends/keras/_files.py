@@ -25,11 +25,11 @@ import h5py
 import keras
 import numpy as np
 
-from dense_bridge._checkpoint_native import FileViews, canonical_shapes
+from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError
 from dense_bridge._memory import available_memory
-from dense_bridge._safetensors import SafetensorsFile, open_readonly
+from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
 
 from ._params import layer_variables
 from ._to_spec import layers_of
@@ -474,7 +474,7 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     creation and never filled (a sparse region), and its offset read from HDF5. None for
     ``.keras`` files and twins whose variables :func:`_roles` cannot name.
     """
-    from dense_bridge._native_stream import FileLayout
+    from dense_bridge.checkpoints._native_stream import FileLayout
 
     if kind != "keras-weights" or not isinstance(twin, keras.Model):
         return None

@@ -35,8 +35,8 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge._parallel import Shard as ShardView
-from dense_bridge._parallel import resolve_plan, split_axis
+from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
 from dense_bridge.specs import Bilinear, Dense, Sequential
@@ -198,7 +198,7 @@ def parallel_state(native: Any) -> dict | None:
 
 def get_params_parallel(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them from the device shards), or with ``local`` this
-    process's addressable block of each, as :class:`dense_bridge._parallel.Shard`: the bounding
+    process's addressable block of each, as :class:`dense_bridge.parallel._plan.Shard`: the bounding
     block of the shards this process addresses, checked to be tiled by them exactly (in one
     process: the whole tensor)."""
     from ._params import layer_variables, get_params

@@ -72,7 +72,7 @@ from . import _parallel as _par
 
 def get_params_parallel(native, local: bool = False) -> dict:
     """Tensor parallelism: full canonical params (collective) or, with ``local``, this
-    rank's blocks as ``dense_bridge._parallel.Shard`` (``_parallel.get_params_parallel``)."""
+    rank's blocks as ``dense_bridge.parallel._plan.Shard`` (``_parallel.get_params_parallel``)."""
     return _par.get_params_parallel(native, local, get_params)
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",

@@ -1,7 +1,7 @@
 """MLX's own checkpoint files: ``.safetensors`` (MLX names and layouts) and ``.npz``
 (``mx.savez``); the ``file_info``/``read_file``/``write_file`` verbs.
 
-Safetensors files are opened and parsed by the core (``dense_bridge._safetensors``), not by
+Safetensors files are opened and parsed by the core (``dense_bridge.checkpoints._safetensors``), not by
 ``mx.load(path)``: the files stay the ones the core opened (a concurrent save may have replaced
 the path since), and F64 tensors that other tools write read too. The native layout (Linear
 ``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: the file is loaded into an MLX
@@ -19,11 +19,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dense_bridge._checkpoint_native import FileViews, planned_file_tensors
+from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
-from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 from ._arrays import dtype_name, to_numpy
 from ._layers import is_dense
@@ -54,7 +54,7 @@ def _to_mlx(arr: np.ndarray, name: str, path: str) -> mx.array:
 def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array]:
     if files:
         return {n: _to_mlx(f.get(n), n, path) for f in files for n in f.tensors}
-    from dense_bridge._npz import npz_records
+    from dense_bridge.checkpoints._npz import npz_records
 
     # an .npz (safetensors came as files): headers checked before MLX allocates what they claim
     npz_records(path, lambda reason: CheckpointError(f"cannot read {path} as MLX weights: {reason}"))
@@ -211,8 +211,8 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     tensor's bytes go (``_native_stream.FileLayout``); float64 refused as :func:`write_file`
     refuses it. None for ``.npz`` (``mx.savez`` writes it) and for twins the rules do not cover.
     """
-    from dense_bridge._native_stream import FileLayout
-    from dense_bridge._safetensors import write_header
+    from dense_bridge.checkpoints._native_stream import FileLayout
+    from dense_bridge.checkpoints._safetensors import write_header
 
     if kind != "safetensors":
         return None

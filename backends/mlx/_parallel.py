@@ -13,7 +13,7 @@ with N = ``group.size()`` and r = ``group.rank()``:
   Input sharded along features, partial outputs summed with ``mx.distributed.all_sum``; output
   replicated.
 
-Which layer is column and which row is the engine-neutral plan (``dense_bridge._parallel``);
+Which layer is column and which row is the engine-neutral plan (``dense_bridge.parallel._plan``);
 here the flow of the activation is followed through the chain: a column layer whose output goes
 anywhere but into a row layer (the end of the model, a softmax over the features, another
 column layer) gathers its output with ``mx.distributed.all_gather`` first, and a row layer fed
@@ -26,7 +26,7 @@ Every verb on a parallel model is collective (every rank calls it, in the same o
 ``get_params`` all-gathers full canonical arrays (``local=True``: this rank's blocks and where
 they sit, no communication), ``set_params`` takes full ones and keeps this rank's slice (no
 communication), ``save`` writes each rank's blocks into the sharded directory
-(``dense_bridge._parallel``).
+(``dense_bridge.parallel._plan``).
 Launch: ``mlx.launch --backend ring -n 2 /path/to/python script.py`` (README, "Tensor
 parallelism").
 """
@@ -40,8 +40,8 @@ import numpy as np
 from mlx.nn.layers.distributed import sum_gradients
 
 from dense_bridge._errors import ConversionError, SpecError, received
-from dense_bridge._parallel import Shard as ShardView
-from dense_bridge._parallel import elementwise, resolve_plan, shard_index
+from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.parallel._plan import elementwise, resolve_plan, shard_index
 from dense_bridge._spec_memory import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Sequential
@@ -304,7 +304,7 @@ def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
     ``block(position, name, index)`` gives this rank's canonical block of each parameter
     (``index``: a tuple of slices into the full canonical tensor), so no rank ever holds a full
     sharded tensor: each column/row layer is built straight from its own slices. The plan is
-    ``dense_bridge._parallel.resolve_plan`` (which layer gathers, which input arrives sharded).
+    ``dense_bridge.parallel._plan.resolve_plan`` (which layer gathers, which input arrives sharded).
     Replicated layers are built whole (with ``seed=None`` every rank draws them from rank 0's
     seed: :func:`parallel_agree_seed`).
     """
@@ -388,7 +388,7 @@ def _positions(native) -> list[tuple[str, Any]]:
 
 def get_params_parallel(native, local: bool, layer_params: Callable) -> dict:
     """Full canonical params on every rank (all-gathered: collective), or with ``local`` this
-    rank's blocks as :class:`dense_bridge._parallel.Shard` (array, index into the full tensor);
+    rank's blocks as :class:`dense_bridge.parallel._plan.Shard` (array, index into the full tensor);
     replicated layers (read with ``layer_params``, the adapter's get_params) come whole with
     full slices."""
     mx.eval(native.parameters())

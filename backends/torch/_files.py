@@ -1,7 +1,7 @@
 """torch's own checkpoint files: state dicts in ``.pt``/``.pth``/``.bin`` (zip or legacy pickle) and
 torch-layout ``.safetensors``; the ``file_info``/``read_file``/``write_file`` verbs.
 
-The core sniffs the container and opens safetensors files itself (``dense_bridge._safetensors``,
+The core sniffs the container and opens safetensors files itself (``dense_bridge.checkpoints._safetensors``,
 framework-free); this module turns what it reads into torch tensors and loads them into a torch
 model built for the spec, so the native layout (``weight`` (out, in), the mask buffer stored
 like the weight) is torch's own, never guessed from a shape. Pickled files are read with
@@ -18,11 +18,11 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from dense_bridge._checkpoint_native import FileViews, planned_file_tensors
+from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError
-from dense_bridge._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 from ._arrays import from_numpy, to_numpy
 from ._params import layer_modules
@@ -191,8 +191,8 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     ``.safetensors`` ("format" = "pt", as :func:`write_file`), the header. None for modules the
     twin rules do not cover.
     """
-    from dense_bridge._native_stream import FileLayout
-    from dense_bridge._safetensors import write_header
+    from dense_bridge.checkpoints._native_stream import FileLayout
+    from dense_bridge.checkpoints._safetensors import write_header
 
     plan = _plan(twin)
     tensors = planned_file_tensors(plan, spec)

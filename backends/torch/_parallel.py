@@ -7,7 +7,7 @@ along units, axis 1) is ``Shard(0)`` of the weight, a row layer (axis 0) ``Shard
 buffer is a DTensor with the weight's placement (sharded with its kernel, never replicated, so
 ``weight * mask`` is a local product that holds through training); a row layer's bias is
 ``Replicate()``. The plan itself (which layer gathers, which input is sharded) is
-``dense_bridge._parallel.resolve_plan``.
+``dense_bridge.parallel._plan.resolve_plan``.
 
 Parameters are never materialised whole on a rank when they come from a file: each layer is
 built on the meta device and its DTensor parameters are made with ``DTensor.from_local`` from
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dense_bridge._errors import DenseBridgeError, SpecError, received
-from dense_bridge._parallel import elementwise, LayerPlan, Shard as ShardView, params_plan, resolve_plan, shard_index, split_axis
+from dense_bridge.parallel._plan import elementwise, LayerPlan, Shard as ShardView, params_plan, resolve_plan, shard_index, split_axis
 from dense_bridge._spec_memory import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Sequential
@@ -200,7 +200,7 @@ def _np(t: torch.Tensor, transposed: bool) -> np.ndarray:
 
 def get_params(native: nn.Module, local: bool = False) -> dict:
     """Full canonical params on every rank (DTensor all-gathers: collective), or with ``local``
-    this rank's blocks as :class:`dense_bridge._parallel.Shard` (array, index into the full)."""
+    this rank's blocks as :class:`dense_bridge.parallel._plan.Shard` (array, index into the full)."""
     out = {}
     for key, t, tr in _tensors(native):
         if not isinstance(t, DTensor):
@@ -286,8 +286,8 @@ def save_dcp(native: nn.Module, path: str, spec_json: str) -> list[str]:
 
     import torch.distributed.checkpoint as dcp
 
-    from dense_bridge._parallel import write_text
-    from dense_bridge._parallel_io import DCP_SPEC
+    from dense_bridge.parallel._plan import write_text
+    from dense_bridge.parallel._io import DCP_SPEC
 
     state = parallel_state(native)
     # the model's own group: a mesh over some of the world's ranks saves without the others
@@ -349,7 +349,7 @@ def read_dcp_metadata(path: str):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
     from dense_bridge._errors import CheckpointError
-    from dense_bridge._safetensors import open_readonly, read_at
+    from dense_bridge.checkpoints._safetensors import open_readonly, read_at
 
     where = os.path.join(path, ".metadata")
     try:

@@ -73,7 +73,7 @@ def load_model(path: str, *, trust_pickle: bool = False) -> Any:
         raise CheckpointError(f"{path}: not a whole-model file; the backends read whole models from {known}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
-    from .._safetensors import open_readonly
+    from ..checkpoints._safetensors import open_readonly
 
     os.close(open_readonly(path))  # a FIFO or device is refused here, never waited on by the framework
     return optional_verb(backend, "load_model", f"reading the whole model {path}")(path, trust_pickle=trust_pickle)
@@ -83,7 +83,7 @@ def read_mapping(path: str | None):
     """A mapping from a JSON file: a dict of paths or a list of [regex, replacement] rules."""
     if path is None:
         return None
-    from .._safetensors import read_json_file
+    from ..checkpoints._safetensors import read_json_file
 
     if not os.path.lexists(path):
         raise CheckpointError(f"--mapping {path}: no such file")
@@ -106,7 +106,7 @@ def read_inputs(path: str | None, option: str = "--inputs"):
     """An .npz as a list (arr_0, arr_1, ... positional) or a dict (named: keyword arguments)."""
     if path is None:
         return None
-    from .._npz import read_npz
+    from ..checkpoints._npz import read_npz
 
     if not os.path.lexists(path):
         raise CheckpointError(f"{option} {path}: no such file")

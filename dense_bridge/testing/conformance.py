@@ -268,8 +268,8 @@ class AdapterConformance:
 
     # ------------------------------------------------------------------ files
     def test_every_declared_file_format_round_trips(self, tmp_path):
-        from .. import checkpoint
-        from .._checkpoint_native import write_native
+        from ..checkpoints import _flows as checkpoint
+        from ..checkpoints._native import write_native
         from .._registry import manifest
 
         writable = [f for f in manifest(self.backend).formats if f.write_kind and f.extensions]

@@ -10,7 +10,7 @@ Where the target adapter offers the ``file_layout`` verb, this module instead:
    temporary with the framework's own writer (``torch.save`` under ``skip_data``, Keras'
    ``save_weights`` plus h5py, the safetensors header): every tensor's bytes left to fill;
 2. fills each tensor's bytes at its offset from the source's mapped views, transposed into the
-   framework's layout piece by piece (:func:`dense_bridge._file_fill.fill`, pipelined);
+   framework's layout piece by piece (:func:`dense_bridge.checkpoints._file_fill.fill`, pipelined);
 3. lets the adapter finish the file (torch: the zip's CRC-32 fields), then fsyncs and renames.
 
 The source tensors are validated layer by layer exactly as ``load`` validates them (shapes,
@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ._errors import CheckpointError, ConversionError, DenseBridgeError
+from .._errors import CheckpointError, ConversionError, DenseBridgeError
 
 Producer = Callable[[], np.ndarray]
 
@@ -59,7 +59,7 @@ class _LayerChecked:
     """
 
     def __init__(self, spec, tensors: Mapping[str, object]) -> None:
-        from .specs import Sequential, layer_param_shapes
+        from ..specs import Sequential, layer_param_shapes
 
         self._tensors = tensors
         layers = spec.layers if isinstance(spec, Sequential) else [spec]
@@ -70,7 +70,7 @@ class _LayerChecked:
         self._held: dict[int, dict[str, np.ndarray]] = {}
 
     def get(self, name: str) -> np.ndarray:
-        from ._params import check_masks_match, validate_params_scan_later
+        from .._params import check_masks_match, validate_params_scan_later
 
         i = self._layer_of[name]
         if i not in self._held:
@@ -99,13 +99,13 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     caller then builds the model and lets the framework write it). Atomic: a failure leaves no
     file and changes nothing at ``out``.
     """
-    from . import _api
-    from ._checkpoint_io import AtomicFiles, check_writable
-    from ._checkpoint_meta import spec_json
-    from ._checkpoint_native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
+    from .. import _api
+    from ._io import AtomicFiles, check_writable
+    from ._meta import spec_json
+    from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
         structure_twin
     from ._file_fill import Slot, fill
-    from ._params import ParamSource
+    from .._params import ParamSource
 
     kind = output_kind(backend, out)
     adapter = file_adapter(backend, f"writing {out}")
@@ -153,7 +153,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     except DenseBridgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's skeleton writer failed; nothing was left
-        from ._checkpoint_io import write_limit_cause
+        from ._io import write_limit_cause
 
         text = str(exc).strip().splitlines()
         cause = write_limit_cause(out)
@@ -163,6 +163,6 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
 
 
 def _numpy(dtype_name: str) -> np.dtype:
-    from ._dtypes import numpy_dtype
+    from .._dtypes import numpy_dtype
 
     return numpy_dtype(dtype_name)

@@ -10,9 +10,9 @@ transposing copy when the layouts differ) and writes. Done one after the other t
 here worker threads (one per core, at most :data:`_MAX_WORKERS`) read and rearrange the next
 pieces (numpy's copies and the page faults release the GIL) while the calling thread writes
 the pieces in file order with ``os.pwrite`` (which releases it too), and the kernel is asked to
-start reading each tensor's pages one tensor ahead (:func:`dense_bridge._pages.prefetch`). Pieces are at most :data:`PIECE` bytes, so the extra
+start reading each tensor's pages one tensor ahead (:func:`dense_bridge.checkpoints._pages.prefetch`). Pieces are at most :data:`PIECE` bytes, so the extra
 memory is a few pieces, never a tensor; the pages of each source tensor are given back once it
-is written (:func:`dense_bridge._pages.release_file_pages`).
+is written (:func:`dense_bridge.checkpoints._pages.release_file_pages`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 from ._pages import FileMappings, prefetch, release_file_pages
-from ._transfer import blocked_transpose, count_nonfinite
+from .._transfer import blocked_transpose, count_nonfinite
 
 #: Bytes per piece written: large enough that the per-piece Python work is noise, small enough
 #: that the buffers (one per piece in flight) stay a rounding error next to a checkpoint.

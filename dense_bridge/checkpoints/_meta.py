@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from ._errors import CheckpointError
-from ._params import nonfinite_counts
+from .._errors import CheckpointError
+from .._params import nonfinite_counts
 from ._safetensors import parse_json_object, shorten
-from .specs import from_config, layer_config
+from ..specs import from_config, layer_config
 
 __all__ = ["spec_json", "spec_from_json", "mismatches", "check_finite_params"]
 

@@ -23,7 +23,7 @@ EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
 
 def run_choices() -> tuple[str, ...]:
     """What --backend-a/-b accept: every registered backend (read from the registry at run time)."""
-    from ._registry import names
+    from .._registry import names
 
     return names()
 
@@ -35,14 +35,14 @@ def backend_choices() -> tuple[str, ...]:
 
 def format_choices() -> tuple[str, ...]:
     """What --format accepts: every backend that declares a file format."""
-    from ._checkpoint_native import format_names
+    from ..checkpoints._native import format_names
 
     return tuple(n for n in format_names() if n != "dense_bridge")
 
 
 def _output_help() -> str:
     """The endings each backend writes, from the registry: ".pt/.pth/.bin/.safetensors (torch), ..."."""
-    from ._registry import backends
+    from .._registry import backends
 
     parts = []
     for name, info in backends().items():
@@ -124,7 +124,7 @@ def read_spec(text: str | None):
                                  "or inline JSON)")
     if os.path.isdir(text):
         raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
-    from ._safetensors import MAX_JSON_FILE, open_readonly, parse_json, read_at
+    from ..checkpoints._safetensors import MAX_JSON_FILE, open_readonly, parse_json, read_at
 
     fd = open_readonly(text)  # a FIFO or device is refused, never waited on
     try:
@@ -148,7 +148,7 @@ def read_spec(text: str | None):
 
 
 def _spec_of_checkpoint(path: str):
-    from . import checkpoint
+    from ..checkpoints import _flows as checkpoint
     import dense_bridge as db
 
     with checkpoint.open_checkpoint(path) as ckpt:
@@ -162,8 +162,9 @@ def _file_backend(path: str | None) -> str | None:
     (None when it is no native file, or cannot be read: the command reports that itself)."""
     if not path or not os.path.isfile(path):
         return None
-    from . import _checkpoint_native, _errors
-    from ._manifest import Probe
+    from ..checkpoints import _native as _checkpoint_native
+    from .. import _errors
+    from .._manifest import Probe
 
     try:
         with open(path, "rb") as f:
@@ -176,7 +177,7 @@ def _file_backend(path: str | None) -> str | None:
 def _quiet_backends(args) -> list[str]:
     """Installed backends declaring ``quiet_import`` that this command will use: named by
     --to/--backend-a/-b, owning one of its files, or all of them for the demo."""
-    from ._registry import available_backends, backends
+    from .._registry import available_backends, backends
 
     quiet = [n for n in available_backends() if backends()[n].manifest.quiet_import]
     if not quiet or args.command == "demo":
@@ -195,7 +196,7 @@ def import_quietly(names: Sequence[str] | None = None) -> None:
     Importing an adapter also registers its own classes with its framework (Keras'
     ``keras.saving`` needs dense_bridge's layer classes before it loads a file using them).
     """
-    from ._registry import available_backends, backends, get_adapter
+    from .._registry import available_backends, backends, get_adapter
 
     if names is None:
         names = [n for n in available_backends() if backends()[n].manifest.quiet_import]
@@ -223,8 +224,8 @@ def _show_progress(args) -> bool:
 
 # ============================================================================ convert
 def cmd_convert(args) -> int:
-    from . import checkpoint
-    from ._errors import CheckpointError
+    from ..checkpoints import _flows as checkpoint
+    from .._errors import CheckpointError
 
     spec = read_spec(args.spec)
     bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
@@ -257,7 +258,7 @@ def cmd_convert(args) -> int:
 def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple, str]]]:
     """(linear layers recognised by name, the other tensors) of a file without a spec: other
     tensors (embedding tables, norms) say it holds a whole model, which no spec describes."""
-    from .models import file_linear_layers
+    from ..models import file_linear_layers
 
     rows = file_linear_layers(entries, framework)
     taken = {t for r in rows for t in r["tensors"]}
@@ -267,8 +268,8 @@ def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple,
 def _whole_model_advice(src: str, format: str | None, target: str) -> str | None:
     """What to do with a whole model's checkpoint, and what it holds (None when the file is a plain
     chain of linear layers: then --spec is the answer, as the original error says)."""
-    from . import checkpoint
-    from ._errors import DenseBridgeError
+    from ..checkpoints import _flows as checkpoint
+    from .._errors import DenseBridgeError
 
     try:
         ckpt = checkpoint.open_checkpoint(src, format=format)
@@ -304,7 +305,7 @@ def _whole_model_advice(src: str, format: str | None, target: str) -> str | None
 def _activation_text(act) -> str:
     if act is None:
         return ""
-    from .activations import Activation
+    from ..activations import Activation
 
     defaults = Activation(act.name).params
     extra = {k: v for k, v in act.params.items() if defaults.get(k) != v}
@@ -313,8 +314,8 @@ def _activation_text(act) -> str:
 
 def layer_rows(spec) -> list[dict]:
     """One dict per layer position: type, widths, activation, dtype, parameter count."""
-    from .activations import Activation
-    from .specs import Bilinear, Dense, Sequential
+    from ..activations import Activation
+    from ..specs import Bilinear, Dense, Sequential
 
     layers = list(spec.layers) if isinstance(spec, Sequential) else [spec]
     rows = []
@@ -338,8 +339,8 @@ def layer_rows(spec) -> list[dict]:
 
 
 def cmd_inspect(args) -> int:
-    from . import checkpoint
-    from .specs import layer_config
+    from ..checkpoints import _flows as checkpoint
+    from ..specs import layer_config
 
     spec = read_spec(args.spec)
     ckpt = checkpoint.open_checkpoint(args.src, spec=spec, format=args.format)
@@ -361,7 +362,7 @@ def cmd_inspect(args) -> int:
     if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
     if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models.py)
-        from .models import file_linear_layers, format_file_linear_layers
+        from ..models import file_linear_layers, format_file_linear_layers
 
         doc["linear_layers"] = file_linear_layers(entries, ckpt.framework)
     if args.json:
@@ -409,7 +410,7 @@ def _nonfinite_counts(ckpt) -> dict[str, int] | None:
     one tensor at a time; None where the tensors cannot be read without a spec (native files)."""
     import numpy as np
 
-    from ._transfer import count_nonfinite
+    from .._transfer import count_nonfinite
 
     if ckpt.framework is not None and ckpt.spec is None:
         return None
@@ -431,7 +432,7 @@ def _num_params(spec) -> int | None:
 # ============================================================================ check
 def _open_checkpoint(path: str, spec, backend: str | None, fmt: str | None):
     """(the opened checkpoint, the backend its model runs on: --backend-a/b, else its own framework)."""
-    from . import checkpoint
+    from ..checkpoints import _flows as checkpoint
 
     ckpt = checkpoint.open_checkpoint(path, spec=spec, format=fmt)
     backend = backend or ckpt.framework or "numpy"
@@ -476,21 +477,21 @@ def _max_abs_diff(a, b) -> tuple[float, bool]:
 
 def _compare_fn():
     try:
-        from .testing import compare
+        from ..testing import compare
     except ImportError as exc:
-        from ._errors import DenseBridgeError
+        from .._errors import DenseBridgeError
 
         raise DenseBridgeError(f"this installation has no dense_bridge.testing.compare ({exc})") from None
     return compare
 
 
 def cmd_check(args) -> int:
-    from . import _api
+    from .. import _api
 
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)
     compare = _compare_fn()
-    from .testing._compare_files import compare_checkpoints
+    from ..testing._compare_files import compare_checkpoints
 
     ckpt_a, backend_a = _open_checkpoint(args.a, spec_a, args.backend_a, args.format)
     ckpt_b, backend_b = _open_checkpoint(args.b, spec_b, args.backend_b, args.format)
@@ -505,7 +506,7 @@ def cmd_check(args) -> int:
         report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
     if report.structure is None:  # streamed: the parameter rows read on the way say it
-        from .testing._structure import rows_structure
+        from ..testing._structure import rows_structure
 
         report.structure = rows_structure(diffs)
     if args.html:
@@ -539,8 +540,8 @@ def cmd_demo(args) -> int:
 def refuse_writing_inputs(args) -> None:
     """CheckpointError (exit 2) before anything runs when an output path (``convert -o``,
     ``check --html``) is, or resolves to, one of the command's input files."""
-    from ._path_guard import canonical_outputs, input_files, refuse_overwrite
-    from .checkpoint import CANONICAL_TARGETS
+    from ..checkpoints._path_guard import canonical_outputs, input_files, refuse_overwrite
+    from ..checkpoints._flows import CANONICAL_TARGETS
 
     def given(*options: str) -> dict[str, list[str]]:
         found = {}
@@ -561,8 +562,8 @@ def refuse_writing_inputs(args) -> None:
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
-    from ._checkpoint_native import supported_formats
-    from ._version import __version__
+    from ..checkpoints._native import supported_formats
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="dense-bridge",
@@ -626,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
-    from .testing._check_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
+    from ..testing._check_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
 
     add_model_check(p)
 
@@ -638,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
-    from ._adapter_cli import add_parser as add_adapter  # LoRA adapter directories
+    from ._adapter import add_parser as add_adapter  # LoRA adapter directories
 
     add_adapter(sub)
     return parser
@@ -657,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
         return int(exc.code or 0)
-    from ._errors import DenseBridgeError
+    from .._errors import DenseBridgeError
 
     try:
         refuse_writing_inputs(args)
@@ -673,7 +674,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dense-bridge {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

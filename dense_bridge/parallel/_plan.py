@@ -52,11 +52,11 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from ._dtypes import numpy_dtype
-from ._errors import CheckpointError, SpecError, received
-from ._safetensors import MAX_RANK, SafetensorsFile, read_json_file, shorten
-from .activations import Activation
-from .specs import Dense, Flatten, Identity, Sequential, from_config
+from .._dtypes import numpy_dtype
+from .._errors import CheckpointError, SpecError, received
+from ..checkpoints._safetensors import MAX_RANK, SafetensorsFile, read_json_file, shorten
+from ..activations import Activation
+from ..specs import Dense, Flatten, Identity, Sequential, from_config
 
 FORMAT = "dense_bridge.parallel"
 INDEX_NAME = "dense_bridge_parallel.json"
@@ -204,7 +204,7 @@ def rank_file(rank: int, world_size: int) -> str:
 def atomic_write(path: str, data_writer) -> None:
     """``data_writer(temporary)`` writes the file, which then replaces ``path`` atomically
     (``_checkpoint_io.AtomicFiles``: fsynced, renamed, the temporary removed on any error)."""
-    from ._checkpoint_io import AtomicFiles
+    from ..checkpoints._io import AtomicFiles
 
     with AtomicFiles(path) as files:
         data_writer(files.temp_for(path))
@@ -457,7 +457,7 @@ def read_all(directory: str, index: dict | None = None) -> tuple[Any, dict[str, 
 
 # ------------------------------------------------------------------ verbs (engine-neutral orchestration)
 def parallel_adapter(backend: str):
-    from ._registry import get_adapter
+    from .._registry import get_adapter
 
     adapter = get_adapter(backend)
     if not hasattr(adapter, "compile_parallel"):

@@ -54,22 +54,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _checkpoint_native as native
-from ._checkpoint_meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
-from ._checkpoint_meta import spec_json as _spec_json
-from ._checkpoint_io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
+from . import _native as native
+from ._meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
+from ._meta import spec_json as _spec_json
+from ._io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
                              reclaim_temporaries, shard_names, shard_pattern, temp_pattern,
                              write_limit_cause)
-from ._dtypes import dtype_name
-from ._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
-from ._params import ParamSource, check_masks_match, expected_params, validate_params
-from ._memory import check_load_fits
+from .._dtypes import dtype_name
+from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
+from .._params import ParamSource, check_masks_match, expected_params, validate_params
+from .._memory import check_load_fits
 from ._native_stream import stream_native
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
-from .activations import Activation
-from .specs import Dense, Sequential, Spec, from_config, layer_param_shapes
+from ..activations import Activation
+from ..specs import Dense, Sequential, Spec, from_config, layer_param_shapes
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "FORMAT", "FORMAT_VERSION"]
 
@@ -101,7 +101,7 @@ def _spec_arg(spec: object, argument: str = "spec"):
 
 # ============================================================================ saving
 def _is_native(obj: object) -> bool:
-    from ._registry import backend_of
+    from .._registry import backend_of
 
     try:
         backend_of(obj)
@@ -111,7 +111,7 @@ def _is_native(obj: object) -> bool:
 
 
 def _as_array(value: object, name: str, path: str) -> np.ndarray:
-    from ._params import array_to_numpy
+    from .._params import array_to_numpy
 
     arr = array_to_numpy(value) if not isinstance(value, (list, tuple, int, float)) else np.asarray(value)
     if arr is None:
@@ -134,7 +134,7 @@ def check_tensor_name(name: str, path: str) -> None:
 
 def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any, dict[str, PendingTensor], str]:
     """(spec or None, tensors to write, source backend) for what db.save was given."""
-    from . import _api
+    from .. import _api
 
     if isinstance(obj, (Spec, Activation)):
         raise TypeError("obj is a spec without parameters: pass (spec, params), a compiled model, or a params "
@@ -142,7 +142,7 @@ def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], (Spec, Activation)):
         spec, params = obj
         if getattr(spec, "lazy", False):
-            from ._params import fill_lazy_from_params
+            from .._params import fill_lazy_from_params
 
             spec = fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
         try:
@@ -171,7 +171,7 @@ def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any
 
 
 def _metadata(spec, tensors: Mapping[str, PendingTensor], source: str) -> dict[str, str]:
-    from ._version import __version__
+    from .._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "spec": "null" if spec is None else _spec_json(spec),
@@ -367,9 +367,9 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
     A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
     ``allow_nonfinite=True``). A parallel model (every rank calls save with the same directory)
-    and ``format="dcp"`` go to dense_bridge/_parallel.py.
+    and ``format="dcp"`` go to dense_bridge/parallel/_plan.py.
     """
-    from ._parallel_io import PASS, save_hook
+    from ..parallel._io import PASS, save_hook
     if (written := save_hook(obj, path, format)) is not PASS:
         return written
     path = _path_arg(path)
@@ -393,7 +393,7 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
 
 def _model_file_backend(path: str) -> str | None:
     """The backend whose declared whole-model format (``carries_model``) the name of ``path`` ends in."""
-    from ._registry import formats
+    from .._registry import formats
 
     lower = path.lower()
     return next((name for name, fmt in formats()
@@ -403,8 +403,8 @@ def _model_file_backend(path: str) -> str | None:
 def _save_model_file(obj: Any, path: str, backend: str, allow_nonfinite: bool) -> list[str]:
     """``obj`` as ``backend``'s whole-model file: written as it is when it is that backend's model,
     else its spec and parameters compiled there first."""
-    from . import _api
-    from ._checkpoint_native import write_native
+    from .. import _api
+    from ._native import write_native
 
     try:
         own = _api.backend(obj) == backend
@@ -470,7 +470,7 @@ def _kind(path: str, fd: int) -> str:
 def _probe(path: str, files: list[SafetensorsFile], fd: int | None = None):
     """What the backends' declared formats sniff (``_manifest.Probe``): the head of the file, or
     the opened safetensors files' metadata and tensor names."""
-    from ._manifest import Probe
+    from .._manifest import Probe
 
     if fd is not None:
         head, size = _head(path, fd)
@@ -573,7 +573,7 @@ class CanonicalCheckpoint:
 
     def native(self, backend: str, progress: Progress | None = None, allow_nonfinite: bool = False):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
-        from . import _api
+        from .. import _api
 
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
@@ -738,13 +738,13 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
     spec = _spec_arg(spec)
     if like is not None:
         if not _is_native(like):
-            from ._registry import names
+            from .._registry import names
 
             raise TypeError("like must be a native model or layer of the checkpoint's architecture (of a registered "
                             f"backend: {', '.join(names())}); pass a dense_bridge spec as spec= instead. "
                             f"{received('like', like)}")
         if spec is None:
-            from . import _api
+            from .. import _api
 
             spec = _api.to_spec(like)
     if format is not None and format not in native.format_names():
@@ -807,10 +807,10 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
 
     ``parallel``/``group`` (tensor parallelism, every rank calls it): a sharded directory saved
     at any world size, a DCP directory, or a dense_bridge checkpoint one process saved (single
-    .safetensors or its index); each rank reads only its own blocks (dense_bridge/_parallel_io.py).
+    .safetensors or its index); each rank reads only its own blocks (dense_bridge/parallel/_io.py).
     """
-    from ._registry import check_backend_name
-    from ._parallel_io import PASS, load_hook
+    from .._registry import check_backend_name
+    from ..parallel._io import PASS, load_hook
 
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
@@ -821,7 +821,7 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
     try:
         if parallel is not None or group is not None:  # each rank reads its blocks of the file
-            from ._parallel_io import load_checkpoint_parallel
+            from ..parallel._io import load_checkpoint_parallel
             return load_checkpoint_parallel(ckpt, backend, parallel, group, allow_nonfinite)
         if backend is None:
             if ckpt.spec is not None:
@@ -862,7 +862,7 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
     parameters are refused (CheckpointError, nothing written) unless ``allow_nonfinite=True``.
     An ``out`` that is (or resolves to) one of the source's files is refused before anything is written.
     """
-    from ._registry import check_backend_name
+    from .._registry import check_backend_name
 
     src = _path_arg(src, "src")
     out = _path_arg(out, "out")

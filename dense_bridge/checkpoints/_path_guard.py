@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Iterable, Mapping
 
-from ._checkpoint_io import index_and_stem, shard_pattern
-from ._errors import CheckpointError
+from ._io import index_and_stem, shard_pattern
+from .._errors import CheckpointError
 from ._safetensors import open_readonly, parse_json_object, read_at
 
 __all__ = ["input_files", "canonical_outputs", "refuse_overwrite"]

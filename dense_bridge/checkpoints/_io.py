@@ -1,4 +1,4 @@
-"""Atomic file writes and checkpoint paths for dense_bridge.checkpoint.
+"""Atomic file writes and checkpoint paths for dense_bridge.checkpoints._flows.
 
 Every file is written to ``<target>.tmp-<random>`` beside its target (same directory, so the
 final ``os.replace`` is an atomic rename on one filesystem), flushed and fsynced, and only then
@@ -21,7 +21,7 @@ import stat
 import struct
 import time
 
-from ._errors import CheckpointError, SpecError
+from .._errors import CheckpointError, SpecError
 
 __all__ = ["AtomicFiles", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
@@ -347,7 +347,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_size(value: object, argument: str = "max_shard_size") -> int | None:
     """Bytes from an int or a string such as "10MB" (10**6), "4MiB" (2**20), "1GB"; None stays None."""
-    from ._errors import check_type, received
+    from .._errors import check_type, received
 
     if value is None:
         return None

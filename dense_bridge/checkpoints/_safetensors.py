@@ -45,7 +45,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ._errors import CheckpointError, SpecError
+from .._errors import CheckpointError, SpecError
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
            "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "MAX_JSON_FILE", "parse_json", "parse_json_object",
@@ -485,7 +485,7 @@ def write_safetensors(f, tensors: Mapping[str, PendingTensor], metadata: Mapping
     """Write ``tensors`` to ``f`` (a binary file opened for writing, at its start); return the bytes written.
 
     The header goes first; each tensor's bytes follow at their offsets through
-    :func:`dense_bridge._file_fill.fill`: each producer is called when its tensor's turn comes,
+    :func:`dense_bridge.checkpoints._file_fill.fill`: each producer is called when its tensor's turn comes,
     transposed views are rearranged piece by piece while the previous piece is written, so
     memory holds a few pieces, never a tensor. ``on_tensor(name, nbytes)`` reports progress.
     ``check_finite``: a tensor holding NaN/Inf is a CheckpointError (scanned while it is copied).

@@ -27,11 +27,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ._checkpoint_io import AtomicFiles, check_writable, write_limit_cause
-from ._checkpoint_meta import check_finite_params, mismatches, spec_from_json, spec_json
-from ._dtypes import numpy_dtype
-from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
-from ._manifest import FileFormat, Match, Probe
+from ._io import AtomicFiles, check_writable, write_limit_cause
+from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
+from .._dtypes import numpy_dtype
+from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
+from .._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
 from ._pages import release_file_pages
 
@@ -48,7 +48,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _backends():
-    from ._registry import backends
+    from .._registry import backends
 
     return backends()
 
@@ -75,7 +75,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
     name) takes that backend's best format that fits at all; CheckpointError when none does or
     no format knows the file."""
     safetensors = probe.metadata is not None
-    from ._registry import formats
+    from .._registry import formats
 
     scored = []
     for order, (backend, fmt) in enumerate(formats()):
@@ -114,7 +114,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
 def file_adapter(framework: str, what: str):
     """The adapter whose file verbs handle ``framework``'s files; BackendUnavailableError naming
     ``what`` (the file and the job) and the extra to install when the framework is missing or broken."""
-    from ._registry import get_adapter
+    from .._registry import get_adapter
 
     try:
         return get_adapter(framework)
@@ -179,7 +179,7 @@ class NativeCheckpoint:
         """(name -> (native shape, dtype name), metadata), from the adapter (cached)."""
         if self._info is None:
             if self.files:  # the core parsed these headers already: no framework needed
-                from ._dtypes import dtype_name
+                from .._dtypes import dtype_name
 
                 self._info = ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in self.files
                                for n, i in f.tensors.items()}, dict(self.files[0].metadata))
@@ -210,14 +210,14 @@ class NativeCheckpoint:
         """(name, native shape, dtype) of every stored tensor, in the file's own names (a
         ``.keras`` file: its model's canonical parameters, the model being loaded anyway)."""
         if self.format.carries_model and self.spec is not None:
-            from . import _api
+            from .. import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
         return [(n, tuple(s), d) for n, (s, d) in self._file_info()[0].items()]
 
     @property
     def total_bytes(self) -> int:
-        from ._dtypes import numpy_dtype
+        from .._dtypes import numpy_dtype
 
         total = 0
         for _, shape, dtype in self.entries():
@@ -243,8 +243,8 @@ class NativeCheckpoint:
         return self._template
 
     def _new_template(self):
-        from . import _api
-        from ._params import ParamSource
+        from .. import _api
+        from .._params import ParamSource
 
         if self.like is not None and _api.backend(self.like) == self.framework:
             return copy.deepcopy(self.like)  # the user's own class, whatever the spec would compile to
@@ -267,7 +267,7 @@ class NativeCheckpoint:
         """A graph no spec describes (an exported transformer in an ``.onnx`` file) is still a model:
         it loads on its own backend and its linear layers are found by ``db.linear_layers``; only a
         conversion needs a spec. Decided by the adapter reading its layers (``walk``) without error."""
-        from .models import walk
+        from ..models import walk
 
         try:
             return bool(walk(self.template()))
@@ -275,7 +275,7 @@ class NativeCheckpoint:
             return False
 
     def _spec_from_model(self):
-        from . import _api
+        from .. import _api
 
         try:
             return _api.to_spec(self.template())
@@ -287,11 +287,11 @@ class NativeCheckpoint:
     # -- the common surface with CanonicalCheckpoint
     def param_views(self) -> dict[str, np.ndarray]:
         """Canonical parameters as views of the loaded model's memory (do not mutate)."""
-        from . import _api
+        from .. import _api
 
         params = _api.get_params(self.template(), copy=False)
         if self.spec is not None and self.format.carries_model:
-            from ._params import validate_params
+            from .._params import validate_params
 
             try:  # a .keras file carries its own architecture: it must fit the spec given
                 validate_params(self.spec, params, allow_nonfinite=True)
@@ -325,14 +325,14 @@ class NativeCheckpoint:
         and the file pages behind the layer read before it are released (:func:`release_file_pages`),
         so a file the adapter left mapped (torch zip) is never resident whole beside the target.
         """
-        from . import _api
-        from ._params import ParamSource
+        from .. import _api
+        from .._params import ParamSource
 
         if backend == self.framework:
             model = self.template()
             if not allow_nonfinite:
                 if self.spec is None:  # a whole graph without a spec: every parameter it holds
-                    from .models import walk
+                    from ..models import walk
 
                     check_finite_params({e.param_path(n): v for e in walk(model) for n, v in e.read().items()},
                                         self.path)
@@ -356,7 +356,7 @@ class NativeCheckpoint:
         """``stream(index, layer_spec)`` -> that layer's validated canonical params: views of the
         file where the adapter can serve them (``file_views``), else of a template loaded with
         ``borrow`` (a torch zip stays mapped); the pages of the layer read before are dropped."""
-        from . import _api
+        from .. import _api
 
         self._need_spec()
         views = self._file_views()
@@ -387,8 +387,8 @@ class NativeCheckpoint:
         """The file's canonical parameters straight from the file (adapter verb ``file_views``),
         or None where the adapter offers no such path for it: no model of the file's framework
         is built, so a conversion holds the target and one layer of the file, not two models."""
-        from . import _api
-        from ._params import ParamSource
+        from .. import _api
+        from .._params import ParamSource
 
         serve = getattr(self._adapter(), "file_views", None)
         if serve is None or self.like is not None:  # the user's own class: only its framework reads it
@@ -436,7 +436,7 @@ def _by_name_hint(got: dict, expected: dict) -> str:
 def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical name ("3.kernel", or "kernel" for a lone layer) -> (shape, dtype name) of every
     parameter ``spec`` has: what a file of it must hold, in the canonical layout."""
-    from .specs import Sequential, layer_param_shapes
+    from ..specs import Sequential, layer_param_shapes
 
     layers = spec.layers if isinstance(spec, Sequential) else [spec]
     out = {}
@@ -463,7 +463,7 @@ def structure_twin(spec):
     """``spec`` with every width 1 (units, in_features, Bilinear inputs; a mask becomes [[1]]):
     the same layers, classes, activations, biases and dtypes, hence the same names in any
     framework's files, for a few bytes of parameters (see the adapter verb ``file_views``)."""
-    from .specs import Bilinear, Dense, Sequential
+    from ..specs import Bilinear, Dense, Sequential
 
     def shrink(layer):
         if isinstance(layer, Dense):
@@ -482,15 +482,15 @@ class _ViewStream:
     """Canonical views of a loaded template handed out layer by layer (a ParamSource stream)."""
 
     def __init__(self, spec, views: dict, allow_nonfinite: bool) -> None:
-        from .specs import Sequential
+        from ..specs import Sequential
 
         self._views, self._allow_nonfinite = views, allow_nonfinite
         self._sequential = isinstance(spec, Sequential)
         self._read: list[np.ndarray] = []
 
     def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
-        from ._params import check_masks_match, validate_params
-        from .specs import layer_param_shapes
+        from .._params import check_masks_match, validate_params
+        from ..specs import layer_param_shapes
 
         self.release()  # the target holds its own copy of the layers before this one by now
         prefix = f"{index}." if self._sequential else ""

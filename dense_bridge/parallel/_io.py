@@ -1,8 +1,8 @@
-"""``db.save``/``db.load`` of parallel models: the sharded directory (dense_bridge/_parallel.py)
+"""``db.save``/``db.load`` of parallel models: the sharded directory (dense_bridge/parallel/_plan.py)
 and torch.distributed.checkpoint (DCP) directories, a native format read and written through the
 torch adapter's ``save_dcp``/``load_dcp``; and ``db.load(file, parallel=...)`` of a checkpoint one
 process saved, each rank reading only its blocks (``load_checkpoint_parallel``). Hooked from
-dense_bridge/checkpoint.py.
+dense_bridge/checkpoints/_flows.py.
 """
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from ._api import compile as _compile, get_params as _get_params, to_spec as _to_spec
-from ._dtypes import numpy_dtype
-from ._errors import CheckpointError, SpecError, received
-from ._memory import check_load_fits
-from ._parallel import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
+from .._api import compile as _compile, get_params as _get_params, to_spec as _to_spec
+from .._dtypes import numpy_dtype
+from .._errors import CheckpointError, SpecError, received
+from .._memory import check_load_fits
+from ._plan import (Reader, spec_layers, is_sharded_dir, parallel_adapter, read_all, read_block, read_index,
                         save_parallel)
-from ._registry import get_adapter
-from ._safetensors import read_json_file, shorten
-from ._transfer import count_nonfinite
-from .specs import Sequential, from_config
+from .._registry import get_adapter
+from ..checkpoints._safetensors import read_json_file, shorten
+from .._transfer import count_nonfinite
+from ..specs import Sequential, from_config
 
 
 def load_parallel(path, backend: str | None, parallel: Any, group: Any, allow_nonfinite: bool = False):
@@ -29,8 +29,8 @@ def load_parallel(path, backend: str | None, parallel: Any, group: Any, allow_no
     rank reading only its blocks (any saved world size onto any world size). Every check a file
     load applies applies here, with and without a backend: tensors and dtypes against the spec,
     NaN/Inf (unless ``allow_nonfinite``), each mask against the spec's wiring."""
-    from ._checkpoint_meta import mismatches
-    from ._params import expected_params
+    from ..checkpoints._meta import mismatches
+    from .._params import expected_params
 
     directory = os.fspath(path)
     index = read_index(directory)
@@ -69,8 +69,8 @@ def load_parallel(path, backend: str | None, parallel: Any, group: Any, allow_no
 
 def _check_params(where: str, spec, params: dict, allow_nonfinite: bool) -> None:
     """What ``compile(params=)`` checks (and a file load): NaN/Inf, masks against the spec."""
-    from ._errors import ConversionError
-    from ._params import check_masks_match, validate_params
+    from .._errors import ConversionError
+    from .._params import check_masks_match, validate_params
 
     try:
         validate_params(spec, params, allow_nonfinite=allow_nonfinite)
@@ -100,7 +100,7 @@ PASS = object()
 
 
 def _adapter_of(obj):
-    from ._registry import adapter_for
+    from .._registry import adapter_for
 
     try:
         return adapter_for(obj)
@@ -170,7 +170,7 @@ def load_checkpoint_parallel(ckpt, backend: str | None, parallel: Any, group: An
 
 def _dcp_backend(path: str) -> str:
     """The backend whose manifest declares the "dcp" capability (it reads DCP directories)."""
-    from ._registry import has_capability, names
+    from .._registry import has_capability, names
 
     found = [n for n in names() if has_capability(n, "dcp")]
     if not found:

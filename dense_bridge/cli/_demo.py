@@ -25,7 +25,7 @@ IN, HIDDEN, OUT, N = 32, 64, 10, 256
 
 def native_files(backends: list[str]) -> dict[str, str]:
     """backend -> the demo's file name in its first declared writable format (from the registry)."""
-    from ._registry import manifest
+    from .._registry import manifest
 
     out = {}
     for b in backends:
@@ -78,13 +78,13 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
     """Run the demo, print its table (or JSON); 0 when every step passed, else 1."""
     import dense_bridge as db
 
-    from . import checkpoint
-    from ._errors import SpecError, check_type, received
-    from ._registry import get_adapter
+    from ..checkpoints import _flows as checkpoint
+    from .._errors import SpecError, check_type, received
+    from .._registry import get_adapter
     from ._text import table
-    from .testing import compare
-    from ._manifest import GRADIENTS
-    from ._registry import has_capability
+    from ..testing import compare
+    from .._manifest import GRADIENTS
+    from .._registry import has_capability
 
     check_type("steps", steps, numbers.Integral, "a non-negative integer")
     if steps < 0:
@@ -185,6 +185,6 @@ def _fmt(value, pattern: str) -> str:
 
 
 def _model_doc(spec) -> dict:
-    from .specs import layer_config
+    from ..specs import layer_config
 
     return {"config": layer_config(spec), "num_params": spec.num_params}
