@@ -141,7 +141,9 @@ OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "fil
                                    "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
                                    "lora_folds_scale", "save_lora_h5", "load_lora_h5",
                                    "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
-                                   "quant_layer", "quant_build")
+                                   "quant_layer", "quant_build",
+                                   # a chain's quantized positions, for checkpoints holding codes (checkpoints/_quantized.py)
+                                   "quant_positions", "quant_position_build", "quant_file_layers", "quant_file_template")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
@@ -166,6 +168,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
+    "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
 
 

@@ -61,8 +61,9 @@ from ._capture import capture
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
                     lora_requantize, read_lora, replace_lora, write_lora)
-from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer, quant_position_build, quant_positions  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
+from ._quant_files import quant_file_layers, quant_file_template  # MLX quantized safetensors: dense_bridge/checkpoints/_quantized.py
 
 from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
 from ._parallel import full_grads as parallel_full_grads
@@ -81,7 +82,8 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
            "parallel_full_grads",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
+           "quant_file_layers", "quant_file_template"]
 
 
 def owns(obj) -> bool:

@@ -87,6 +87,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     """
     if not files:
         return None
+    from ._quant_files import quant_file_layers
+    if quant_file_layers({n: i for f in files for n, i in f.tensors.items()}, path):
+        return None  # quantized layers: MLX's own loader reads the file into a quantized template
     plan = _plan(twin)
     expected = planned_file_tensors(plan, spec)
     if expected is None:
@@ -146,7 +149,8 @@ def _pending(model) -> dict[str, PendingTensor]:
     for k, v in tree_flatten(model.parameters()):
         # the dtype from the name: a reshape of a transposed view (how MLX may keep a weight)
         # would copy the whole array just to learn it
-        dtype = numpy_dtype(dtype_name(v.dtype, k))
+        integer = _dtype_name(v.dtype)  # a quantized layer's packed codes and uint8 scales
+        dtype = np.dtype(integer) if integer.startswith(("int", "uint")) else numpy_dtype(dtype_name(v.dtype, k))
         out[k] = PendingTensor(dtype, tuple(v.shape), (lambda a=v: to_numpy(a)))
     return out
 

@@ -58,14 +58,14 @@ from ._capture import capture, load_model
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, read_lora,  # LoRA wrappers
                     write_lora)
-from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer, quant_position_build, quant_positions  # torchao weight-only layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
            "train_sgd", "run_layer", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
-           "lora_leftovers", "quant_layer", "quant_build"]
+           "lora_leftovers", "quant_layer", "quant_build", "quant_positions", "quant_position_build"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.

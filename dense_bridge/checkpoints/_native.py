@@ -250,9 +250,11 @@ class NativeCheckpoint:
             return copy.deepcopy(self.like)  # the user's own class, whatever the spec would compile to
         self._need_spec()
         try:
-            return _api.build(self.framework, ParamSource(self.spec, seed=0))
+            model = _api.build(self.framework, ParamSource(self.spec, seed=0))
         except DenseBridgeError as exc:
             raise CheckpointError(f"{self.path}: cannot build a {self.framework} model for the spec: {exc}") from None
+        from ._quantized import quantized_template
+        return quantized_template(self, model)  # the quantized layers the file holds: _quantized.py
 
     def _check(self, got: dict, expected: dict) -> None:
         problems = mismatches(got, expected)
@@ -373,6 +375,10 @@ class NativeCheckpoint:
         (legacy torch pickles, ``.npz``) are checked when they are loaded.
         """
         if self.spec is None or self.format.carries_model:
+            return
+        from ._quantized import native_holds_codes
+        if native_holds_codes(self) is not None:
+            self.template()  # quantized layers: their shapes checked as the framework's model loads them
             return
         if self._file_views() is not None:
             return  # the adapter compared every name, shape and dtype

@@ -1,0 +1,430 @@
+"""Checkpoints that keep a quantized model's codes: the canonical checkpoint with codes, the
+framework's own quantized files (MLX safetensors), and mlx-lm's quantized model directories.
+
+Canonical checkpoint with codes (format_version 1, every key of ``_flows``' module doc, plus):
+
+- a quantized linear layer at chain position ``p`` stores its canonical codes
+  (``dense_bridge/quant.py``) instead of ``p.kernel``: ``p.qkernel`` (in_features, units), one
+  integer per weight, unpacked (uint8: unsigned codes, MLX; int8: signed codes, torchao and
+  Keras), ``p.scale`` (G, units), ``p.offset`` (scheme "affine") or ``p.zero`` ("zero_point")
+  (G, units), and ``p.bias`` as any layer does (G = in_features / group_size, one group when
+  group_size is None);
+- metadata ``quant``: JSON {position: {"bits", "group_size", "scheme"}} (``db.Quant.to_config``),
+  the position "0", "1", ... in a Sequential, "" for a lone layer. ``spec`` stays the float
+  ``Dense`` the layer stands for: the spec is the function, ``quant`` how its kernel is stored.
+
+Reading one (:class:`QuantizedCheckpoint`): ``db.load(path)`` gives ``(spec, params)`` with each
+quantized position's codes and its ``db.Quant`` under ``p.quant`` (what
+``get_params(layer, quantized=True)`` gives for one layer); ``db.load(path, backend)`` builds the
+spec's float model and then, position by position, the backend's own quantized layer
+(``quant_position_build``) holding the codes moved exactly (``quant.move``, requantize=False):
+MLX affine/microscaling codes into MLX, torchao codes into torch, Keras codes into Keras. Where
+the backend has no quantized layers, or none that dequantizes these codes to the same floats bit
+for bit (MLX affine codes into torchao: another arithmetic), that position is the float layer
+holding the exact dequantization (``quant.reference_dequantize``, the numpy copy of each
+framework's arithmetic): a load never requantizes. ``db.linear_layers`` says which became which.
+
+Everything a file says about its codes is checked before any array reaches a framework: the
+``quant`` JSON, each Quant (bits 1-8, a group size dividing in_features), every tensor's shape
+and dtype against the spec, and the codes' range for their bits: a CheckpointError naming the
+tensor and the value.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
+from ..quant import Quant, code_range, move, reference_dequantize
+from ._flows import CanonicalCheckpoint
+
+__all__ = ["META_KEY", "QuantizedCheckpoint", "canonical_checkpoint", "save_hook", "canonical_codes",
+           "convert_codes", "quantized_template", "native_holds_codes", "open_model_dir", "summary", "PASS"]
+
+META_KEY = "quant"
+PASS = object()  # a hook's "not mine: carry on as before"
+_CODE_KEYS = ("qkernel", "scale", "offset", "zero")
+
+
+# ============================================================================ adapters' verbs
+def _adapter(backend: str):
+    from .._registry import get_adapter
+
+    return get_adapter(backend)
+
+
+def quantized_positions(native: Any) -> dict[str, Any]:
+    """Key prefix ("" or "0.", "1.", ...) -> quantized-layer handle of each quantized position of
+    ``native`` (empty where its adapter has no ``quant_positions`` verb)."""
+    from .. import _api
+
+    verb = getattr(_adapter(_api.backend(native)), "quant_positions", None)
+    return {} if verb is None else verb(native)
+
+
+def _position(prefix: str) -> str:
+    return prefix[:-1] if prefix.endswith(".") else prefix
+
+
+def _prefix(position: str) -> str:
+    return f"{position}." if position else ""
+
+
+# ============================================================================ saving
+def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, dict]] | None:
+    """(spec, tensors to write, {position: Quant config}) of a native model holding quantized
+    layers: their codes, every other parameter as ``get_params`` reads it; None without any."""
+    from .. import _api
+    from ._safetensors import pending
+
+    positions = quantized_positions(native)
+    if not positions:
+        return None
+    spec = spec if spec is not None else _api.to_spec(native)
+    tensors: dict = {}
+    quant: dict[str, dict] = {}
+    for key, value in _api.get_params(native, copy=False).items():
+        prefix = key[:key.rfind(".") + 1]
+        handle = positions.get(prefix)
+        if handle is None:
+            tensors[key] = pending(np.asarray(value))
+        elif _position(prefix) not in quant:  # the codes once, where the layer's kernel would be
+            for name, v in handle.codes().items():
+                if name == "quant":
+                    quant[_position(prefix)] = v.to_config()
+                else:
+                    tensors[prefix + name] = pending(np.asarray(v))
+    return spec, tensors, quant
+
+
+def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any:
+    """``db.save`` of a native model holding quantized layers: its codes in a canonical checkpoint,
+    or with ``format`` naming its own backend, that framework's own file (MLX: ``weight`` uint32
+    packed, ``scales``, ``biases``). ``PASS`` for anything else."""
+    from .. import _api
+    from ._flows import _is_native, _metadata, write_canonical
+    from ._native import format_names, write_native
+
+    if not _is_native(obj) or not quantized_positions(obj):
+        return PASS
+    backend = _api.backend(obj)
+    spec = _api.to_spec(obj)
+    if format not in (None, "dense_bridge"):
+        if format != backend and format in format_names():
+            raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
+                                  f"quantized layers, whose codes only its own framework's files hold; save it "
+                                  f"with format={backend!r}, or canonical (format=None), or move it first "
+                                  f"(db.transfer/db.convert)")
+        if format != backend:
+            return PASS
+        return write_native(obj, backend, path, spec=spec)
+    spec, tensors, quant = codes_tensors(obj, spec)
+    meta = _metadata(spec, tensors, backend)
+    meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
+    return write_canonical(path, tensors, meta, limit)
+
+
+# ============================================================================ reading canonical
+def canonical_checkpoint(path: str, files: list, meta: dict, spec: Any, index_path: str | None = None):
+    """A :class:`QuantizedCheckpoint` when ``meta`` carries quantized layers, else a CanonicalCheckpoint."""
+    cls = QuantizedCheckpoint if META_KEY in meta else CanonicalCheckpoint
+    return cls(path, files, meta, spec, index_path=index_path)
+
+
+def parse_quant_meta(text: Any, path: str) -> dict[str, Quant]:
+    """The metadata ``quant`` JSON as {position: Quant}; a CheckpointError naming what is wrong."""
+    try:
+        config = json.loads(text) if isinstance(text, str) else text
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: metadata {META_KEY!r} is not valid JSON ({exc}). "
+                              f"{received(META_KEY, str(text)[:200])}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: metadata {META_KEY!r} must be a JSON object {{position: "
+                              f"{{bits, group_size, scheme}}}}. {received(META_KEY, str(text)[:200])}")
+    out = {}
+    for position, layer in config.items():
+        try:
+            out[position] = Quant.from_config(layer)
+        except (SpecError, TypeError) as exc:
+            raise CheckpointError(f"{path}: metadata {META_KEY}[{position!r}] = {json.dumps(layer)[:200]} is not a "
+                                  f"quantization scheme: {exc}") from None
+    return out
+
+
+class QuantizedCheckpoint(CanonicalCheckpoint):
+    """A canonical checkpoint holding codes for some positions (see the module doc)."""
+
+    def __init__(self, path: str, files: list, meta: dict, spec: Any = None, index_path: str | None = None) -> None:
+        self.quant_layers = parse_quant_meta(meta.get(META_KEY), path)
+        super().__init__(path, files, meta, spec, index_path=index_path)
+        self.kind += f", {len(self.quant_layers)} quantized layer{'s' if len(self.quant_layers) != 1 else ''}"
+
+    # -- structure
+    def _layer_spec(self, position: str):
+        from ..specs import Dense, Sequential
+
+        spec = self.spec
+        if isinstance(spec, Sequential):
+            if not position.isdigit() or int(position) >= len(spec.layers):
+                raise CheckpointError(f"{self.path}: metadata {META_KEY} names position {position!r}, which the "
+                                      f"spec (a Sequential of {len(spec.layers)} layers) does not have")
+            layer = spec.layers[int(position)]
+        elif position != "":
+            raise CheckpointError(f"{self.path}: metadata {META_KEY} names position {position!r}, but the spec is "
+                                  f"one layer (position '')")
+        else:
+            layer = spec
+        if not isinstance(layer, Dense) or layer.mask is not None:
+            raise CheckpointError(f"{self.path}: metadata {META_KEY} quantizes position {position!r}, which the spec "
+                                  f"describes as {type(layer).__name__}{' with a mask' if isinstance(layer, Dense) else ''}"
+                                  f", not a linear layer without a mask")
+        return layer
+
+    def _check(self, spec) -> None:
+        from .._dtypes import dtype_name
+        from .._params import expected_params
+        from ._meta import mismatches
+
+        try:
+            expected = {k: (tuple(s), d) for k, (s, d) in expected_params(spec).items()}
+        except SpecError as exc:
+            raise CheckpointError(f"{self.path}: the spec cannot describe parameters: {exc}") from None
+        got = {n: (tuple(self.info(n).shape), dtype_name(self.info(n).numpy_dtype)) for n in self.where}
+        for position, quant in self.quant_layers.items():
+            layer = self._layer_spec(position)
+            p = _prefix(position)
+            n, units = layer.in_features, layer.units
+            if n is None or (quant.group_size or n) > n or n % (quant.group_size or n):
+                raise CheckpointError(f"{self.path}: tensor {p + 'qkernel'!r}: group_size {quant.group_size} does not "
+                                      f"divide in_features {n} (metadata {META_KEY}[{position!r}])")
+            groups = quant.groups(n)
+            expected.pop(p + "kernel", None)
+            for name, dtypes in (("qkernel", ("uint8", "int8")), ("scale", None),
+                                 ({"affine": "offset", "zero_point": "zero"}.get(quant.scheme), None)):
+                if name is None:
+                    continue
+                shape = (n, units) if name == "qkernel" else (groups, units)
+                stored = got.get(p + name)
+                # the dtype is the file's own (checked below by kind), the shape the spec's
+                expected[p + name] = (shape, stored[1] if stored else "float32")
+                if stored is not None and dtypes is not None and stored[1] not in dtypes:
+                    raise CheckpointError(f"{self.path}: tensor {p + name!r} holds codes and must be uint8 or int8; "
+                                          f"the file has {stored[1]}")
+                if stored is not None and name in ("scale", "offset") and not stored[1].startswith(("float", "bfloat")):
+                    raise CheckpointError(f"{self.path}: tensor {p + name!r} must hold floats; the file has {stored[1]}")
+        problems = mismatches(got, expected)
+        if problems:
+            raise CheckpointError(f"{self.path} does not match the spec and its quantized layers: " + "; ".join(problems))
+
+    # -- data
+    def layer_codes(self, position: str) -> dict[str, Any]:
+        """The canonical codes of the quantized layer at ``position`` (copies, range-checked)."""
+        p = _prefix(position)
+        quant = self.quant_layers[position]
+        out: dict[str, Any] = {"quant": quant}
+        for name in _CODE_KEYS + ("bias",):
+            if p + name in self.where:
+                out[name] = np.array(super().get(p + name))
+        q = out["qkernel"]
+        lo, hi = code_range(quant.bits, q.dtype.kind == "i")
+        if q.size and (int(q.min()) < lo or int(q.max()) > hi):
+            bad = int(q.min()) if int(q.min()) < lo else int(q.max())
+            raise CheckpointError(f"{self.path}: tensor {p + 'qkernel'!r} holds the code {bad}, outside the "
+                                  f"{quant.bits}-bit {'signed' if q.dtype.kind == 'i' else 'unsigned'} range {lo}..{hi}")
+        return out
+
+    def get(self, name: str) -> np.ndarray:
+        """A stored tensor, or for a quantized position's ``kernel`` its exact dequantization
+        (what a float model of the spec, and a layer-by-layer comparison, read)."""
+        position, _, key = name.rpartition(".")
+        if key == "kernel" and position in self.quant_layers and name not in self.where:
+            return reference_dequantize(self.layer_codes(position))
+        return super().get(name)
+
+    def params(self) -> dict[str, Any]:
+        """Every stored tensor (copies), each quantized position's codes range-checked, and its
+        ``db.Quant`` under ``<position>.quant``."""
+        out = super().params()
+        for position in self.quant_layers:
+            out.update({_prefix(position) + k: v for k, v in self.layer_codes(position).items()})
+        return out
+
+    def check_loaded(self, params: dict, allow_nonfinite: bool) -> None:
+        """``db.load(path)``'s checks on what it hands out (the shapes were checked on opening)."""
+        from ._meta import check_finite_params
+
+        if not allow_nonfinite:
+            check_finite_params({k: v for k, v in params.items() if not isinstance(v, Quant)}, self.path)
+
+    def native(self, backend: str, progress=None, allow_nonfinite: bool = False):
+        """The spec's model on ``backend``: float everywhere first (each quantized position its
+        exact dequantization), then each quantized position the backend's own quantized layer
+        holding the codes, where it dequantizes them to those floats bit for bit."""
+        model = super().native(backend, progress, allow_nonfinite)
+        return install_codes(model, backend, {p: self.layer_codes(p) for p in self.quant_layers},
+                             {p: self._layer_spec(p) for p in self.quant_layers}, self.path)
+
+
+def install_codes(model: Any, backend: str, codes: dict[str, dict], layer_specs: dict, where: str) -> Any:
+    """``model`` (float, on ``backend``) with each position of ``codes`` turned into the backend's
+    quantized layer holding those codes exactly; positions it cannot hold exactly stay float."""
+    from .. import _api
+
+    adapter = _adapter(backend)
+    build = getattr(adapter, "quant_position_build", None)
+    if build is None:
+        return model
+    for position, qp in codes.items():
+        layer = layer_specs[position]
+        if not layer.activation.is_identity:
+            continue  # a quantized layer of these frameworks applies no activation of its own
+        want = {"kernel": reference_dequantize(qp)}
+        if "bias" in qp:
+            want["bias"] = qp["bias"]
+        # a lone probe first: a position the backend cannot hold exactly is left untouched
+        try:
+            probe = build(_api.compile(layer, backend, params=want, allow_nonfinite=True), "", qp["quant"])
+            move(adapter.quant_positions(probe)[""], want, qp, requantize=False, where=f"{where} position {position!r}")
+        except (ConversionError, SpecError):
+            continue
+        model = build(model, _prefix(position), qp["quant"])
+        handle = adapter.quant_positions(model)[_prefix(position)]
+        cand, _ = move(handle, want, qp, requantize=False, where=f"{where} position {position!r}")
+        cand.write()
+    return model
+
+
+# ============================================================================ native files
+def native_holds_codes(ckpt: Any) -> dict | None:
+    """{layer name: Quant or None} of a native file's quantized layers (the adapter's
+    ``quant_file_layers``), None when it holds none or its framework's adapter reads none."""
+    from ._native import file_adapter
+
+    if getattr(ckpt, "framework", None) is None or getattr(ckpt, "format", None) is None:
+        return None
+    verb = getattr(file_adapter(ckpt.framework, f"reading {ckpt.path}"), "quant_file_layers", None)
+    if verb is None:
+        return None
+    layers = verb(ckpt._file_info()[0], ckpt.path)
+    return layers or None
+
+
+def quantized_template(ckpt: Any, template: Any) -> Any:
+    """``template`` (the float model of a native file's spec) with the quantized layers the file
+    holds (``quant_file_template``), ready for the framework's own loader."""
+    if native_holds_codes(ckpt) is None:
+        return template
+    from ._native import file_adapter
+
+    return file_adapter(ckpt.framework, f"reading {ckpt.path}").quant_file_template(
+        template, ckpt._file_info()[0], ckpt.path)
+
+
+def canonical_codes(ckpt: Any) -> tuple[dict, dict] | None:
+    """(tensors, metadata) of the canonical checkpoint with codes that ``ckpt`` converts into
+    (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes."""
+    from ._flows import _metadata
+
+    if isinstance(ckpt, QuantizedCheckpoint):
+        tensors = ckpt.pending()
+        quant = {p: q.to_config() for p, q in ckpt.quant_layers.items()}
+        source = ckpt.meta.get("source_backend", "numpy")
+    elif ckpt.spec is not None and native_holds_codes(ckpt) is not None:
+        found = codes_tensors(ckpt.template(), ckpt.spec)
+        if found is None:
+            return None
+        _, tensors, quant = found
+        source = ckpt.framework
+    else:
+        return None
+    meta = _metadata(ckpt.spec, tensors, source)
+    meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
+    return tensors, meta
+
+
+def convert_codes(ckpt: Any, src: str, target: str, out: str, progress=None, allow_nonfinite: bool = False) -> dict:
+    """``dense-bridge convert`` of a checkpoint with codes into ``target``'s file: the codes where
+    that framework's files hold quantized layers (``quant_file_template``), else the exact
+    dequantization."""
+    from ._native import file_adapter, write_native
+
+    model = ckpt.native(target, progress, allow_nonfinite=allow_nonfinite)
+    if getattr(file_adapter(target, f"writing {out}"), "quant_file_template", None) is None:
+        from .. import _api
+
+        model = _api.compile(ckpt.spec, target, params=_api.get_params(model), allow_nonfinite=allow_nonfinite)
+    files = write_native(model, target, out, spec=ckpt.spec)
+    return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
+            "bytes": ckpt.total_bytes}
+
+
+# ============================================================================ model directories
+#: The weight files a model directory (mlx-lm's, a hub's) holds, in the order they are looked for.
+DIR_WEIGHTS = ("model.safetensors.index.json", "model.safetensors")
+
+
+def open_model_dir(path: str) -> Any:
+    """An mlx-lm quantized model directory (``config.json`` with ``"quantization"`` beside
+    ``model.safetensors`` or its index) opened as its weight file, the quantization checked
+    against every quantized layer's shapes; None for any other directory."""
+    config_path = os.path.join(path, "config.json")
+    weights = next((os.path.join(path, n) for n in DIR_WEIGHTS if os.path.isfile(os.path.join(path, n))), None)
+    if weights is None or not os.path.isfile(config_path):
+        return None
+    from ._safetensors import MAX_HEADER, parse_json_object
+
+    try:
+        with open(config_path, "rb") as f:
+            raw = f.read(MAX_HEADER + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {config_path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_HEADER:
+        raise CheckpointError(f"cannot read {config_path}: larger than {MAX_HEADER} bytes")
+    config = parse_json_object(raw, lambda why: CheckpointError(f"cannot read {config_path}: {why}"), "config")
+    quantization = config.get("quantization", config.get("quantization_config"))
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):
+        raise CheckpointError(f"{config_path}: \"quantization\" must be an object with bits and group_size. "
+                              f"{received('quantization', quantization)}")
+    from ._flows import open_checkpoint
+
+    ckpt = open_checkpoint(weights, format="mlx")
+    try:
+        verb = getattr(ckpt._adapter(), "quant_file_layers", None)
+        layers = {} if verb is None else verb(ckpt._file_info()[0], config_path, quantization)
+    except BaseException:
+        ckpt.close()
+        raise
+    ckpt.quant_config = {name: q for name, q in layers.items()}
+    ckpt.kind = (f"mlx-lm quantized model directory ({len(layers)} quantized layers; {os.path.basename(weights)} "
+                 f"+ config.json)")
+    ckpt.params = lambda: _raw_tensors(ckpt)
+    return ckpt
+
+
+def _raw_tensors(ckpt: Any) -> dict[str, np.ndarray]:
+    """Every tensor of the directory's weight files as stored (packed codes included), copies."""
+    return {n: np.array(f.get(n)) for f in ckpt.files or [] for n in f.tensors}
+
+
+# ============================================================================ inspect
+def summary(ckpt: Any) -> list[dict] | None:
+    """One row per quantized layer a checkpoint holds ({"layer", "bits", "group_size",
+    "scheme"}), for ``dense-bridge inspect``; None when it holds none."""
+    if isinstance(ckpt, QuantizedCheckpoint):
+        found = ckpt.quant_layers
+    elif getattr(ckpt, "quant_config", None) is not None:
+        found = ckpt.quant_config
+    else:
+        try:
+            found = native_holds_codes(ckpt)
+        except DenseBridgeError:
+            found = None
+    if not found:
+        return None
+    return [{"layer": name, **(q.to_config() if q is not None else {"bits": None, "group_size": None,
+                                                                    "scheme": None})} for name, q in found.items()]
