@@ -335,6 +335,9 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     """
     if container != "h5" or not isinstance(twin, keras.Model):
         return None
+    from ._quant_files import quant_file_layers
+    if quant_file_layers(_h5_structure(path), path):
+        return None  # quantized layers: Keras' own loader reads the file into a quantized template
     roles = _roles(twin)
     if roles is None:
         return None

@@ -102,8 +102,10 @@ def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, d
 
 def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any:
     """``db.save`` of a native model holding quantized layers: its codes in a canonical checkpoint,
-    or with ``format`` naming its own backend, that framework's own file (MLX: ``weight`` uint32
-    packed, ``scales``, ``biases``). ``PASS`` for anything else."""
+    or with ``format`` naming its own backend (or a file name only that backend writes: MLX
+    ``.npz``, Keras ``.weights.h5``), that framework's own file (MLX: ``weight`` uint32 packed,
+    ``scales``, ``biases``; Keras: int8 ``kernel``, ``kernel_scale``, ...). ``PASS`` for
+    anything else."""
     from .. import _api
     from ._flows import _is_native, _metadata, write_canonical
     from ._native import format_names, write_native
@@ -112,6 +114,8 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any
         return PASS
     backend = _api.backend(obj)
     spec = _api.to_spec(obj)
+    if format is None and _own_file_name(backend, path):
+        format = backend
     if format not in (None, "dense_bridge"):
         if format != backend and format in format_names():
             raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
@@ -125,6 +129,17 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any
     meta = _metadata(spec, tensors, backend)
     meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
     return write_canonical(path, tensors, meta, limit)
+
+
+def _own_file_name(backend: str, path: str) -> bool:
+    """Does ``path`` end in a file name only ``backend``'s own quantized files use (MLX ``.npz``,
+    Keras ``.weights.h5``; ``.safetensors`` stays canonical unless ``format=`` says otherwise)?"""
+    from ._native import _writable, file_adapter
+
+    if getattr(file_adapter(backend, f"writing {path}"), "quant_file_template", None) is None:
+        return False
+    endings = [e for f in _writable(backend) for e in f.extensions if e != ".safetensors"]
+    return path.lower().endswith(tuple(endings)) if endings else False
 
 
 # ============================================================================ reading canonical
