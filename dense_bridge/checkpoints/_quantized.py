@@ -428,18 +428,59 @@ def _raw_tensors(ckpt: Any) -> dict[str, np.ndarray]:
 
 # ============================================================================ inspect
 def summary(ckpt: Any) -> list[dict] | None:
-    """One row per quantized layer a checkpoint holds ({"layer", "bits", "group_size",
-    "scheme"}), for ``dense-bridge inspect``; None when it holds none."""
+    """One row per quantized layer a checkpoint holds ({"layer", "bits", "group_size", "scheme",
+    "in_features", "units"}; None where the file alone does not say), for ``dense-bridge
+    inspect``; None when it holds none."""
+    rows = []
     if isinstance(ckpt, QuantizedCheckpoint):
-        found = ckpt.quant_layers
-    elif getattr(ckpt, "quant_config", None) is not None:
-        found = ckpt.quant_config
+        for position, quant in ckpt.quant_layers.items():
+            layer = ckpt._layer_spec(position)
+            rows.append({"layer": position, **quant.to_config(), "in_features": layer.in_features,
+                         "units": layer.units})
+    elif getattr(ckpt, "quant_config", None) is not None:  # an mlx-lm directory: widths from the packing
+        info = ckpt._file_info()[0]
+        for name, quant in ckpt.quant_config.items():
+            units, words = info[(name + "." if name else "") + "weight"][0]
+            rows.append({"layer": name, **quant.to_config(), "in_features": int(words) * 32 // quant.bits,
+                         "units": int(units)})
     else:
-        try:
-            found = native_holds_codes(ckpt)
-        except DenseBridgeError:
-            found = None
-    if not found:
-        return None
-    return [{"layer": name, **(q.to_config() if q is not None else {"bits": None, "group_size": None,
-                                                                    "scheme": None})} for name, q in found.items()]
+        found = native_holds_codes(ckpt)
+        if not found:
+            return None
+        if ckpt.spec is None:
+            rows = [{"layer": name, "bits": None, "group_size": None, "scheme": None, "in_features": None,
+                     "units": None} for name in found]
+        else:
+            for prefix, handle in quantized_positions(ckpt.template()).items():
+                rows.append({"layer": _position(prefix), **handle.quant.to_config(),
+                             "in_features": handle.in_features, "units": handle.units})
+    return rows or None
+
+
+def correct_linear_rows(rows: list[dict], quantized: list[dict] | None) -> list[dict]:
+    """``models.file_linear_layers`` rows with each quantized layer's packed shape replaced by
+    its real widths (a packed uint32 ``weight`` is not an (out, in) kernel)."""
+    known = {q["layer"]: q for q in quantized or [] if q["in_features"] is not None}
+    out = []
+    for r in rows:
+        q = known.get(r["layer"])
+        if q is not None:
+            group = "per-channel" if q["group_size"] is None else f"group {q['group_size']}"
+            r = dict(r, in_features=q["in_features"], units=q["units"], layout="out_in",
+                     dtype=f"{r['dtype']} ({q['bits']}-bit {q['scheme']}, {group})",
+                     layout_source="assumed from the file format (packed codes, one row per output unit)")
+        out.append(r)
+    return out
+
+
+def format_summary(rows: list[dict]) -> str:
+    """The ``dense-bridge inspect`` lines for :func:`summary`'s rows."""
+    lines = [f"quantized layers ({len(rows)}; their codes are kept, see README 'Quantized layers'):"]
+    width = max(len(r["layer"] or "<root>") for r in rows)
+    for r in rows:
+        what = ("scheme read when loaded with a spec" if r["bits"] is None else
+                f"{r['bits']}-bit {r['scheme']}, " + ("per-channel" if r["group_size"] is None else
+                                                       f"group {r['group_size']}"))
+        widths = "" if r["in_features"] is None else f"  in={r['in_features']} units={r['units']}"
+        lines.append(f"  {r['layer'] or '<root>':<{width}}  {what}{widths}")
+    return "\n".join(lines)
