@@ -410,7 +410,7 @@ def open_model_dir(path: str) -> Any:
     ckpt = open_checkpoint(weights, format="mlx")
     try:
         verb = getattr(ckpt._adapter(), "quant_file_layers", None)
-        layers = {} if verb is None else verb(ckpt._file_info()[0], config_path, quantization)
+        layers = {} if verb is None else verb(ckpt._file_info()[0], path, quantization)
     except BaseException:
         ckpt.close()
         raise
