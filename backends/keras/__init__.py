@@ -57,14 +57,14 @@ from ._engine import ENGINE  # noqa: F401 - imports the engine Keras runs on (te
 from ._activations import ExactActivation  # noqa: E402 - after the backend check
 from ._arrays import from_numpy, to_numpy  # noqa: E402
 from ._layers import AnyRankSequential, Bilinear, DenseBridgeDense, DenseBridgeInitializer, compile, inference  # noqa: E402,E501
-from ._params import get_params, set_params  # noqa: E402
+from ._params import get_params, quant_position_build, quant_positions, set_params  # noqa: E402
 from ._to_spec import to_spec  # noqa: E402
 from ._trace import run_layer, trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
 from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequantize, lora_dora, lora_heads,  # noqa: E402
                     lora_quantized, lora_requantize, read_lora, replace_lora, save_lora_h5, write_lora)  # enable_lora adapters and keras-hub .lora.h5 files
-from ._quant import quant_build, quant_layer, quant_position_build, quant_positions  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
 from ._quant_files import quant_file_layers, quant_file_template  # noqa: E402  quantized .weights.h5: checkpoints/_quantized.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files
 # tensor parallelism: ModelParallel + LayoutMap, Keras' JAX backend only

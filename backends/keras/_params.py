@@ -13,10 +13,11 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import SpecError
+from dense_bridge.quant import Quant
 
 from ._arrays import assign_array, read_array, to_tensor
 from ._models import einsum_params, set_einsum_params
-from ._quant import quant_layer
+from ._quant import KerasQuantLayer, quant_build, quant_layer
 from ._to_spec import declared_variables, describe_layer, layer_kind, layers_of
 
 
@@ -101,3 +102,18 @@ def _set_layer(layer, params: dict[str, np.ndarray]) -> None:
         variables["kernel"].assign(kernel)
     if "bias" in params:
         assign_array(variables["bias"], params["bias"])
+
+
+def quant_positions(native: Any) -> dict[str, KerasQuantLayer]:
+    """Key prefix ("" for a lone layer, "0.", ... by position in a model's chain) -> the handle of
+    each quantized Dense/EinsumDense (what a checkpoint of the chain stores as codes)."""
+    layers, keyed = layers_of(native)
+    return {(f"{i}." if keyed else ""): h for i, layer in enumerate(layers) if (h := quant_layer(layer)) is not None}
+
+
+def quant_position_build(native: Any, prefix: str, quant: Quant) -> Any:
+    """``native`` with the float Dense at ``prefix`` quantized in place (:func:`quant_build`)."""
+    layers, keyed = layers_of(native)
+    by_prefix = {(f"{i}." if keyed else ""): layer for i, layer in enumerate(layers)}
+    quant_build(by_prefix[prefix], quant)
+    return native

@@ -233,21 +233,3 @@ def quant_build(layer: Any, quant: Quant) -> Any:
                               f"per-channel, or 4-bit 'zero_point' in groups), not {quant!r}")
     return layer
 
-
-def quant_positions(native: Any) -> dict[str, KerasQuantLayer]:
-    """Key prefix ("" for a lone layer, "0.", ... by position in a model's chain) -> the handle of
-    each quantized Dense/EinsumDense (what a checkpoint of the chain stores as codes)."""
-    from ._to_spec import layers_of
-
-    layers, keyed = layers_of(native)
-    return {(f"{i}." if keyed else ""): h for i, layer in enumerate(layers) if (h := quant_layer(layer)) is not None}
-
-
-def quant_position_build(native: Any, prefix: str, quant: Quant) -> Any:
-    """``native`` with the float Dense at ``prefix`` quantized in place (:func:`quant_build`)."""
-    from ._to_spec import layers_of
-
-    layers, keyed = layers_of(native)
-    by_prefix = {(f"{i}." if keyed else ""): layer for i, layer in enumerate(layers)}
-    quant_build(by_prefix[prefix], quant)
-    return native

@@ -19,8 +19,7 @@ from typing import Any
 from dense_bridge._errors import CheckpointError, ConversionError, SpecError
 from dense_bridge.quant import Quant
 
-from ._files import _saved_names
-from ._quant import quant_position_build
+from ._params import quant_position_build
 from ._to_spec import layers_of
 
 
@@ -31,6 +30,27 @@ def _groups(entries: dict) -> dict[str, dict[int, tuple]]:
         parts = name.split("/")
         if len(parts) == 4 and parts[0] == "layers" and parts[2] == "vars" and parts[3].isdigit():
             out.setdefault(parts[1], {})[int(parts[3])] = (tuple(info[0]), info[1])
+    return out
+
+
+def _snake(name: str) -> str:
+    """Keras' own naming of saved layers: the class name in snake_case (keras.src.utils.naming)."""
+    import re
+
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def saved_names(model: Any) -> list[tuple[Any, str]]:
+    """(layer, the group Keras' ``save_weights`` writes it under) in layer order: snake_case(class
+    name), then ``_1``, ``_2``... for later layers of the same class (as ``_files`` reads them)."""
+    used: dict[str, int] = {}
+    out = []
+    for layer in getattr(model, "layers", [model]):
+        base = _snake(type(layer).__name__)
+        out.append((layer, base if base not in used else f"{base}_{used[base] + 1}"))
+        used[base] = used.get(base, -1) + 1
     return out
 
 
@@ -86,7 +106,7 @@ def quant_file_template(template: Any, entries: dict, path: str) -> Any:
     groups = _groups(entries)
     layers, keyed = layers_of(template)
     prefix_of = {id(layer): (f"{i}." if keyed else "") for i, layer in enumerate(layers)}
-    for layer, group in _saved_names(template):
+    for layer, group in saved_names(template):
         variables = groups.get(group)
         if not variables or variables.get(0, (None, None))[1] != "int8":
             continue

@@ -54,14 +54,14 @@ import mlx.nn as nn
 from ._activations import ExactActivation
 from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, Flatten, LazyDenseLinear, compile
-from ._params import get_params, set_params
+from ._params import get_params, quant_position_build, quant_positions, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace
 from ._capture import capture
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
                     lora_requantize, read_lora, replace_lora, write_lora)
-from ._quant import quant_build, quant_layer, quant_position_build, quant_positions  # quantized layers: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 from ._quant_files import quant_file_layers, quant_file_template  # MLX quantized safetensors: dense_bridge/checkpoints/_quantized.py
 

@@ -11,12 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dense_bridge._errors import SpecError
+from dense_bridge._errors import ConversionError, SpecError
+from dense_bridge.quant import Quant
 
 from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
 from ._parallel import ShardedDense
-from ._quant import quant_layer
+from ._quant import MlxQuantLayer, quant_build, quant_layer
 
 
 def positions(native) -> list[tuple[str, Any]]:
@@ -117,3 +118,25 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params into new MLX arrays (mx.array copies) and rebind them."""
     for prefix, m in positions(native):
         _set_layer(m, params, prefix)
+
+
+def quant_positions(native: Any) -> dict[str, MlxQuantLayer]:
+    """Key prefix ("" for a lone layer, "0.", "1.", ... in a Sequential) -> the handle of each
+    ``QuantizedLinear`` at a chain position (what a checkpoint of the chain stores as codes)."""
+    return {prefix: h for prefix, m in positions(native) if (h := quant_layer(m)) is not None}
+
+
+def quant_position_build(native: Any, prefix: str, quant: Quant) -> Any:
+    """``native`` with the float ``nn.Linear`` at ``prefix`` replaced by MLX's own quantization of
+    it (:func:`quant_build`); returns the root (a new module when ``prefix`` is "", a lone layer)."""
+    for i, (p, m) in enumerate(positions(native)):
+        if p == prefix:
+            if type(m) is not nn.Linear:  # dense_bridge's subclass carries an activation or mask
+                raise ConversionError(f"position {prefix or '<root>'!r} is a {type(m).__name__} (an activation or "
+                                      f"mask inside), which nn.QuantizedLinear would drop")
+            q = quant_build(m, quant)
+            if prefix == "":
+                return q
+            native.layers[i] = q
+            return native
+    raise ConversionError(f"no position {prefix!r} in this model; it has {[p for p, _ in positions(native)]}")

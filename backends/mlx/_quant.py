@@ -186,30 +186,3 @@ def quant_build(layer: Any, quant: Quant) -> Any:
     except (ValueError, RuntimeError) as exc:
         raise ConversionError(f"MLX cannot quantize this layer as {quant!r}: {exc}") from None
 
-
-def quant_positions(native: Any) -> dict[str, MlxQuantLayer]:
-    """Key prefix ("" for a lone layer, "0.", "1.", ... in a Sequential) -> the handle of each
-    ``QuantizedLinear`` at a chain position (what a checkpoint of the chain stores as codes)."""
-    from ._params import positions
-
-    return {prefix: h for prefix, m in positions(native) if (h := quant_layer(m)) is not None}
-
-
-def quant_position_build(native: Any, prefix: str, quant: Quant) -> Any:
-    """``native`` with the float ``nn.Linear`` at ``prefix`` replaced by MLX's own quantization of
-    it (:func:`quant_build`); returns the root (a new module when ``prefix`` is "", a lone layer)."""
-    from ._params import positions
-
-    from dense_bridge._errors import ConversionError
-
-    for i, (p, m) in enumerate(positions(native)):
-        if p == prefix:
-            if type(m) is not nn.Linear:  # dense_bridge's subclass carries an activation or mask
-                raise ConversionError(f"position {prefix or '<root>'!r} is a {type(m).__name__} (an activation or "
-                                      f"mask inside), which nn.QuantizedLinear would drop")
-            q = quant_build(m, quant)
-            if prefix == "":
-                return q
-            native.layers[i] = q
-            return native
-    raise KeyError(prefix)

@@ -19,7 +19,7 @@ from dense_bridge._errors import CheckpointError, ConversionError, SpecError
 from dense_bridge.quant import MICROSCALING, Quant
 
 from ._params import positions
-from ._quant import quant_position_build
+from ._params import quant_position_build
 
 #: Bit widths and group sizes ``mx.quantize`` offers in affine mode (measured, MLX 0.32).
 AFFINE_BITS = (1, 2, 3, 4, 5, 6, 8)

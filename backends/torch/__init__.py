@@ -51,14 +51,14 @@ from __future__ import annotations
 from ._activations import ExactActivation
 from ._arrays import from_numpy, to_numpy
 from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
-from ._params import get_params, set_params
+from ._params import get_params, quant_position_build, quant_positions, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, read_lora,  # LoRA wrappers
                     write_lora)
-from ._quant import quant_build, quant_layer, quant_position_build, quant_positions  # torchao weight-only layers: dense_bridge/quant.py
+from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from dense_bridge._errors import SpecError
+from dense_bridge.quant import Quant
 
 from ._arrays import copy_in, to_numpy
-from ._quant import quant_layer
+from ._quant import TorchaoQuantLayer, quant_build, quant_layer
 from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params,
                        is_container)
 
@@ -90,3 +91,18 @@ def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
         if getattr(m, "mask", None) is not None and (prefix + "kernel" in params or prefix + "mask" in params):
             with torch.no_grad():
                 m.weight.mul_(m.mask)  # masked weights are exactly 0 by contract
+
+
+def quant_positions(native: nn.Module) -> dict[str, TorchaoQuantLayer]:
+    """Key prefix ("" for a lone layer, "0.", ... by chain position) -> the handle of each torchao
+    Linear (what a checkpoint of the chain stores as codes)."""
+    if (h := quant_layer(native)) is not None:
+        return {"": h}
+    return {prefix: h for prefix, m in layer_modules(native) if (h := quant_layer(m)) is not None}
+
+
+def quant_position_build(native: nn.Module, prefix: str, quant: Quant) -> nn.Module:
+    """``native`` with the float nn.Linear at ``prefix`` quantized in place (:func:`quant_build`)."""
+    modules = dict(layer_modules(native))
+    quant_build(modules[prefix], quant)
+    return native

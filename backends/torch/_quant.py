@@ -186,21 +186,3 @@ def quant_build(layer: nn.Module, quant: Quant) -> nn.Module:
         raise ConversionError(f"torchao cannot quantize this layer as {quant!r}: {exc}") from None
     return layer
 
-
-def quant_positions(native: nn.Module) -> dict[str, TorchaoQuantLayer]:
-    """Key prefix ("" for a lone layer, "0.", ... by chain position) -> the handle of each torchao
-    Linear (what a checkpoint of the chain stores as codes)."""
-    from ._params import layer_modules
-
-    if (h := quant_layer(native)) is not None:
-        return {"": h}
-    return {prefix: h for prefix, m in layer_modules(native) if (h := quant_layer(m)) is not None}
-
-
-def quant_position_build(native: nn.Module, prefix: str, quant: Quant) -> nn.Module:
-    """``native`` with the float nn.Linear at ``prefix`` quantized in place (:func:`quant_build`)."""
-    from ._params import layer_modules
-
-    modules = dict(layer_modules(native))
-    quant_build(modules[prefix], quant)
-    return native

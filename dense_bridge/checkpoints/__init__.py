@@ -8,5 +8,6 @@ streamed into another framework's format (``_native_stream``, ``_file_fill``, ``
 records (``_npz``) and the guard that keeps outputs off inputs (``_path_guard``).
 """
 from ._flows import CanonicalCheckpoint, convert_file, load, open_checkpoint, save
+from . import _quantized  # noqa: F401  registers itself in _extensions: checkpoints keeping quantized codes
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "CanonicalCheckpoint"]

@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import _extensions as extensions
 from . import _native as native
 from ._meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
 from ._meta import spec_json as _spec_json
@@ -379,8 +380,7 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
     if (backend := _model_file_backend(path)) is not None:
         return _save_model_file(obj, path, backend, allow_nonfinite)
-    from ._quantized import PASS as NOT_QUANTIZED, save_hook as save_codes
-    if (written := save_codes(obj, path, limit, format)) is not NOT_QUANTIZED:
+    if (written := extensions.quantized.save_hook(obj, path, limit, format, _metadata)) is not extensions.PASS:
         return written  # a model holding quantized layers: its codes (checkpoints/_quantized.py)
     spec, tensors, source = _resolve(obj, path, allow_nonfinite)
     for name in tensors:  # before anything is written
@@ -713,8 +713,9 @@ def _open_index(path: str, raw: bytes, spec, like, format):
     meta = index.get("metadata") or {}
     try:
         if isinstance(meta, dict) and meta.get("format") == FORMAT and format in (None, "dense_bridge"):
-            from ._quantized import canonical_checkpoint  # codes of quantized layers, or plain
-            return canonical_checkpoint(path, list(files.values()), dict(meta), spec, index_path=path)
+            # codes of quantized layers (checkpoints/_quantized.py), or plain
+            return extensions.quantized.canonical_checkpoint(path, list(files.values()), dict(meta), spec,
+                                                             index_path=path)
         # a hub index of native shards
         shards = list(files.values())
         return native.open_native(path, _probe(path, shards), index=True, spec=spec, like=like, format=format,
@@ -753,10 +754,8 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
             spec = _api.to_spec(like)
     if format is not None and format not in native.format_names():
         raise SpecError(f"format must be one of {', '.join(native.format_names())}. {received('format', format)}")
-    if os.path.isdir(path):
-        from ._quantized import open_model_dir
-        if (opened := open_model_dir(path)) is not None:  # an mlx-lm quantized model directory
-            return opened
+    if os.path.isdir(path) and (opened := extensions.quantized.open_model_dir(path)) is not None:
+        return opened  # a quantized model directory (config.json "quantization"): checkpoints/_quantized.py
     for _ in range(_READ_ATTEMPTS):
         try:
             return _open_once(path, spec, like, format)
@@ -785,8 +784,8 @@ def _open_once(path: str, spec, like, format):
                     index = os.path.join(os.path.dirname(target), st.metadata.get("index", "?"))
                     raise CheckpointError(f"{target} is shard {st.metadata['shard']} of a sharded checkpoint: load "
                                           f"its index {index} instead")
-                from ._quantized import canonical_checkpoint  # codes of quantized layers, or plain
-                return canonical_checkpoint(target, [st], st.metadata, spec)
+                # codes of quantized layers (checkpoints/_quantized.py), or plain
+                return extensions.quantized.canonical_checkpoint(target, [st], st.metadata, spec)
             return native.open_native(target, _probe(target, [st]), spec=spec, like=like, format=format, files=[st])
         except BaseException:
             st.close()
@@ -905,8 +904,7 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
 
 def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None,
              allow_nonfinite: bool = False) -> dict:
-    from ._quantized import canonical_codes, convert_codes
-    coded = canonical_codes(ckpt)  # a checkpoint holding codes of quantized layers keeps them
+    coded = extensions.quantized.canonical_codes(ckpt, _metadata)  # codes of quantized layers are kept
     if target in CANONICAL_TARGETS:
         if coded is not None:
             tensors, meta = coded
@@ -929,7 +927,7 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
         return {"src": src, "out": files, "to": "canonical", "spec": ckpt.spec is not None,
                 "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
     if coded is not None:
-        return convert_codes(ckpt, src, target, out, progress, allow_nonfinite)
+        return extensions.quantized.convert_codes(ckpt, src, target, out, progress, allow_nonfinite)
     if ckpt.spec is not None:  # straight from the source's mapped views into the target's file layout
         files = stream_native(ckpt.pending(), ckpt.spec, target, out, progress=progress,
                               allow_nonfinite=allow_nonfinite)

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import _extensions as extensions
 from ._io import AtomicFiles, check_writable, write_limit_cause
 from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
 from .._dtypes import numpy_dtype
@@ -253,8 +254,7 @@ class NativeCheckpoint:
             model = _api.build(self.framework, ParamSource(self.spec, seed=0))
         except DenseBridgeError as exc:
             raise CheckpointError(f"{self.path}: cannot build a {self.framework} model for the spec: {exc}") from None
-        from ._quantized import quantized_template
-        return quantized_template(self, model)  # the quantized layers the file holds: _quantized.py
+        return extensions.quantized.quantized_template(self, model)  # the quantized layers the file holds
 
     def _check(self, got: dict, expected: dict) -> None:
         problems = mismatches(got, expected)
@@ -376,8 +376,7 @@ class NativeCheckpoint:
         """
         if self.spec is None or self.format.carries_model:
             return
-        from ._quantized import native_holds_codes
-        if native_holds_codes(self) is not None:
+        if extensions.quantized.native_holds_codes(self) is not None:
             self.template()  # quantized layers: their shapes checked as the framework's model loads them
             return
         if self._file_views() is not None:

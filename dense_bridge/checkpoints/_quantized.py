@@ -33,19 +33,21 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import numpy as np
 
 from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ..quant import Quant, code_range, move, reference_dequantize
+from . import _extensions
+from ._extensions import PASS
 from ._flows import CanonicalCheckpoint
 
 __all__ = ["META_KEY", "QuantizedCheckpoint", "canonical_checkpoint", "save_hook", "canonical_codes",
            "convert_codes", "quantized_template", "native_holds_codes", "open_model_dir", "summary", "PASS"]
 
 META_KEY = "quant"
-PASS = object()  # a hook's "not mine: carry on as before"
 _CODE_KEYS = ("qkernel", "scale", "offset", "zero")
 
 
@@ -100,14 +102,24 @@ def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, d
     return spec, tensors, quant
 
 
-def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any:
+def _is_native(obj: Any) -> bool:
+    from .._registry import backend_of
+
+    try:
+        backend_of(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metadata: Callable) -> Any:
     """``db.save`` of a native model holding quantized layers: its codes in a canonical checkpoint,
     or with ``format`` naming its own backend (or a file name only that backend writes: MLX
     ``.npz``, Keras ``.weights.h5``), that framework's own file (MLX: ``weight`` uint32 packed,
     ``scales``, ``biases``; Keras: int8 ``kernel``, ``kernel_scale``, ...). ``PASS`` for
-    anything else."""
+    anything else. ``metadata(spec, tensors, source)``: the canonical checkpoint's metadata."""
     from .. import _api
-    from ._flows import _is_native, _metadata, write_canonical
+    from ._flows import write_canonical
     from ._native import format_names, write_native
 
     if not _is_native(obj) or not quantized_positions(obj):
@@ -126,7 +138,7 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any
             return PASS
         return write_native(obj, backend, path, spec=spec)
     spec, tensors, quant = codes_tensors(obj, spec)
-    meta = _metadata(spec, tensors, backend)
+    meta = metadata(spec, tensors, backend)
     meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
     return write_canonical(path, tensors, meta, limit)
 
@@ -134,11 +146,13 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None) -> Any
 def _own_file_name(backend: str, path: str) -> bool:
     """Does ``path`` end in a file name only ``backend``'s own quantized files use (MLX ``.npz``,
     Keras ``.weights.h5``; ``.safetensors`` stays canonical unless ``format=`` says otherwise)?"""
-    from ._native import _writable, file_adapter
+    from .._registry import formats
+    from ._native import file_adapter
 
     if getattr(file_adapter(backend, f"writing {path}"), "quant_file_template", None) is None:
         return False
-    endings = [e for f in _writable(backend) for e in f.extensions if e != ".safetensors"]
+    endings = [e for name, f in formats() if name == backend and f.write_kind
+               for e in f.extensions or () if e != ".safetensors"]
     return path.lower().endswith(tuple(endings)) if endings else False
 
 
@@ -338,10 +352,10 @@ def quantized_template(ckpt: Any, template: Any) -> Any:
         template, ckpt._file_info()[0], ckpt.path)
 
 
-def canonical_codes(ckpt: Any) -> tuple[dict, dict] | None:
+def canonical_codes(ckpt: Any, metadata: Callable) -> tuple[dict, dict] | None:
     """(tensors, metadata) of the canonical checkpoint with codes that ``ckpt`` converts into
-    (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes."""
-    from ._flows import _metadata
+    (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes.
+    ``metadata(spec, tensors, source)``: the canonical checkpoint's metadata."""
 
     if isinstance(ckpt, QuantizedCheckpoint):
         tensors = ckpt.pending()
@@ -355,7 +369,7 @@ def canonical_codes(ckpt: Any) -> tuple[dict, dict] | None:
         source = ckpt.framework
     else:
         return None
-    meta = _metadata(ckpt.spec, tensors, source)
+    meta = metadata(ckpt.spec, tensors, source)
     meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
     return tensors, meta
 
@@ -407,7 +421,7 @@ def open_model_dir(path: str) -> Any:
                               f"{received('quantization', quantization)}")
     from ._flows import open_checkpoint
 
-    ckpt = open_checkpoint(weights, format="mlx")
+    ckpt = open_checkpoint(weights)
     try:
         verb = getattr(ckpt._adapter(), "quant_file_layers", None)
         layers = {} if verb is None else verb(ckpt._file_info()[0], path, quantization)
@@ -415,7 +429,7 @@ def open_model_dir(path: str) -> Any:
         ckpt.close()
         raise
     ckpt.quant_config = {name: q for name, q in layers.items()}
-    ckpt.kind = (f"mlx-lm quantized model directory ({len(layers)} quantized layers; {os.path.basename(weights)} "
+    ckpt.kind = (f"quantized model directory ({len(layers)} quantized layers; {os.path.basename(weights)} "
                  f"+ config.json)")
     ckpt.params = lambda: _raw_tensors(ckpt)
     return ckpt
@@ -484,3 +498,6 @@ def format_summary(rows: list[dict]) -> str:
         widths = "" if r["in_features"] is None else f"  in={r['in_features']} units={r['units']}"
         lines.append(f"  {r['layer'] or '<root>':<{width}}  {what}{widths}")
     return "\n".join(lines)
+
+
+_extensions.quantized = sys.modules[__name__]  # the flows' hooks find this module here
