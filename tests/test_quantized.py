@@ -604,9 +604,10 @@ def test_quantized_tables_of_one_format_move_as_codes_and_into_float_tables_dequ
 
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("fw", ["mlx", "keras", "torchao"])
-def test_save_writes_a_quantized_chains_exact_dequantization(fw, tmp_path):
-    """db.save of a chain holding quantized layers writes the float kernels they stand for, bit
-    for bit (the spec is the float chain; codes are not in canonical checkpoints)."""
+def test_save_keeps_a_quantized_chains_codes_and_a_float_load_dequantizes_them_exactly(fw, tmp_path):
+    """db.save of a chain holding quantized layers writes their codes (the spec is the float
+    chain, the scheme in the metadata: tests/test_quantized_checkpoints.py); loaded on a backend
+    without quantized layers they are the float kernels they stand for, bit for bit."""
     if fw == "mlx":
         _, nn = _mx()
         model = nn.Sequential(nn.QuantizedLinear(IN, IN, group_size=32, bits=4), nn.ReLU(),
@@ -628,10 +629,11 @@ def test_save_writes_a_quantized_chains_exact_dequantization(fw, tmp_path):
     assert [type(l).__name__ for l in spec.layers] == ["Dense", "Activation", "Dense"]
     db.save(model, tmp_path / "q.safetensors")
     loaded_spec, params = db.load(tmp_path / "q.safetensors")
+    floats = db.get_params(db.load(tmp_path / "q.safetensors", "numpy"))
     for position, layer in zip((0, 2), layers):
-        np.testing.assert_array_equal(params[f"{position}.kernel"], _float(layer))
-    torch_model = db.load(tmp_path / "q.safetensors", "numpy")
-    assert torch_model is not None and loaded_spec.layers[0].units == IN
+        np.testing.assert_array_equal(params[f"{position}.qkernel"], db.get_params(layer, quantized=True)["qkernel"])
+        np.testing.assert_array_equal(floats[f"{position}.kernel"], _float(layer))
+    assert loaded_spec.layers[0].units == IN
 
 
 def test_mlx_quantized_safetensors_load_into_a_quantized_model_as_codes(tmp_path):
