@@ -387,3 +387,22 @@ def test_malformed_mlx_quantized_safetensors_are_checkpoint_errors(mlx_file, tmp
     bad = _rewrite(mlx_file, tmp_path / "bad.safetensors", **change)
     with pytest.raises(db.CheckpointError, match=message):
         db.load(bad, "mlx")
+
+
+def test_codes_the_backends_quantized_layer_cannot_hold_exactly_load_as_their_exact_floats(tmp_path):
+    """Zero points beyond int8 (valid for the canonical form, uint8): torchao builds an intx
+    layer for the scheme, the codes do not fit it, and that position loads float, exactly."""
+    from dense_bridge.quant import reference_dequantize
+
+    src = torch_model()
+    db.save(src, tmp_path / "t.safetensors")
+    _, params = db.load(tmp_path / "t.safetensors")
+    codes = {k[2:]: v for k, v in params.items() if k.startswith("0.")}
+    zero = np.full(codes["zero"].shape, 200, np.uint8)  # codes 0..15 then dequantize far below zero
+    qkernel = (codes["qkernel"].astype(np.int16) + 8).astype(np.uint8)
+    bad = _rewrite(tmp_path / "t.safetensors", tmp_path / "far.safetensors",
+                   tensors={"0.zero": zero, "0.qkernel": qkernel})
+    model = db.load(bad, "torch")
+    assert type(model[0].weight).__name__ == "Parameter"  # float: the exact dequantization
+    want = reference_dequantize({**codes, "zero": zero, "qkernel": qkernel})
+    np.testing.assert_array_equal(db.get_params(model)["0.kernel"], want)

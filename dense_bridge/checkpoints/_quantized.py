@@ -292,36 +292,42 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
         """The spec's model on ``backend``: float everywhere first (each quantized position its
         exact dequantization), then each quantized position the backend's own quantized layer
         holding the codes, where it dequantizes them to those floats bit for bit."""
-        model = super().native(backend, progress, allow_nonfinite)
-        return install_codes(model, backend, {p: self.layer_codes(p) for p in self.quant_layers},
-                             {p: self._layer_spec(p) for p in self.quant_layers}, self.path)
+        codes = {p: self.layer_codes(p) for p in self.quant_layers}
+        specs = {p: self._layer_spec(p) for p in self.quant_layers}
+        while True:
+            model = super().native(backend, progress, allow_nonfinite)
+            refused = install_codes(model, backend, codes, specs, self.path)
+            if not isinstance(refused, str):
+                return refused
+            # the backend built a quantized layer its codes do not fit exactly (rare: the scheme
+            # matched): build the float model again, that position left float
+            codes.pop(refused)
 
 
 def install_codes(model: Any, backend: str, codes: dict[str, dict], layer_specs: dict, where: str) -> Any:
     """``model`` (float, on ``backend``) with each position of ``codes`` turned into the backend's
-    quantized layer holding those codes exactly; positions it cannot hold exactly stay float."""
-    from .. import _api
-
+    quantized layer holding those codes exactly; positions whose scheme the backend does not
+    build stay float. Returns the model, or the position (a str) whose codes did not move
+    exactly into the quantized layer the backend built for them (the model is then half-made)."""
     adapter = _adapter(backend)
     build = getattr(adapter, "quant_position_build", None)
     if build is None:
         return model
     for position, qp in codes.items():
-        layer = layer_specs[position]
-        if not layer.activation.is_identity:
+        if not layer_specs[position].activation.is_identity:
             continue  # a quantized layer of these frameworks applies no activation of its own
         want = {"kernel": reference_dequantize(qp)}
         if "bias" in qp:
             want["bias"] = qp["bias"]
-        # a lone probe first: a position the backend cannot hold exactly is left untouched
         try:
-            probe = build(_api.compile(layer, backend, params=want, allow_nonfinite=True), "", qp["quant"])
-            move(adapter.quant_positions(probe)[""], want, qp, requantize=False, where=f"{where} position {position!r}")
+            model = build(model, _prefix(position), qp["quant"])
         except (ConversionError, SpecError):
-            continue
-        model = build(model, _prefix(position), qp["quant"])
+            continue  # not a scheme this backend builds: the float layer, exactly the dequantization
         handle = adapter.quant_positions(model)[_prefix(position)]
-        cand, _ = move(handle, want, qp, requantize=False, where=f"{where} position {position!r}")
+        try:
+            cand, _ = move(handle, want, qp, requantize=False, where=f"{where} position {position!r}")
+        except ConversionError:
+            return position
         cand.write()
     return model
 
