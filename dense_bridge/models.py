@@ -454,16 +454,18 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
                             f"parameter path instead")
             continue
         if any(e.kind == "quantized" for e in m.src + m.dst):  # codes or dequantized floats: dense_bridge/quant.py
-            from .quant import quantized_move
+            from ._quant_fused import quantized_move
 
-            problem, what = quantized_move(m, writes, report, requantize, casts, _linear_move)
+            problem, moved = quantized_move(m, writes, report, requantize, casts, _linear_move)
             if problem:
                 problems.append(problem)
                 continue
-            for n in d.names:
-                claim(d, n, s.path)
-            moved_src.update(s.param_path(n) for n in s.names)
-            report.moved.append((s.path, d.path, what))
+            for dd in m.dst:
+                for n in dd.names:
+                    claim(dd, n, "+".join(e.path for e in m.src))
+            for ss in m.src:
+                moved_src.update(ss.param_path(n) for n in ss.names)
+            report.moved.extend(moved)
             continue
         if s.kind == "linear":
             if len(m.src) == len(m.dst) == 1:

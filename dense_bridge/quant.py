@@ -495,20 +495,3 @@ def same_quantized_tables(s: Any, d: Any) -> Candidate | None:
         return lambda: b["write"](before)
 
     return Candidate(np.zeros((0, 0)), write)
-
-
-def quantized_move(m: Any, writes: list, report: Any, requantize: bool, casts: list,
-                   linear_move: Callable) -> tuple[str | None, str]:
-    """``transfer``'s step for a planned layer move with a quantized side: (None, what moved)
-    with the write queued, or (a problem, ""). One to one only: a split or a concatenation of
-    quantized layers would have to cut or join codes and groups."""
-    if len(m.src) != 1 or len(m.dst) != 1:
-        return (f"mapping rule {m.rule!r}: quantized layers move one to one; "
-                f"{[e.path for e in m.src + m.dst if e.kind == 'quantized']} would be split or joined", "")
-    s, d = m.src[0], m.dst[0]
-    if d.kind == "quantized":
-        return into_quantized(s, d, writes, report, requantize)
-    problem = linear_move(s, d, writes, casts)  # a quantized src into a float dst: its exact floats
-    if problem:
-        return problem, ""
-    return None, ", ".join(sorted(writes[-1][2])) + " (canonical, dequantized exactly)"
