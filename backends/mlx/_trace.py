@@ -38,10 +38,16 @@ def _trace_dtype(layers: list, x: np.ndarray) -> str:
 
 
 def _grad_params(m) -> list[tuple[str, mx.array]]:
-    """The parameters to differentiate: everything but the mask (which never trains)."""
+    """The parameters to differentiate: everything but the mask (which never trains) and a
+    quantized layer's codes, scales and offsets (MLX has no gradient for them: QuantizedMatmul's
+    vjp raises), whose bias still has one."""
     if not isinstance(m, nn.Module):
         return []
-    return [(k, v) for k, v in tree_flatten(m.parameters()) if k != "mask"]
+    from ._quant import is_quantized
+
+    codes = {(f"{name}." if name else "") + k for name, sub in m.named_modules() if is_quantized(sub)
+             for k in ("weight", "scales", "biases")}
+    return [(k, v) for k, v in tree_flatten(m.parameters()) if k != "mask" and k not in codes]
 
 
 def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:

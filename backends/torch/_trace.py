@@ -147,7 +147,10 @@ def run_layer(layer: nn.Module, x: np.ndarray, grad_out: np.ndarray | None):
 
     grads = grad_out is not None
     xt = from_numpy(np.ascontiguousarray(x)).clone().requires_grad_(grads)
-    params = list(layer.named_parameters(recurse=False))
+    from ._quant import is_quantized
+
+    # a torchao weight holds frozen codes: no gradient (and zeros_like of it is not implemented)
+    params = [(n, p) for n, p in layer.named_parameters(recurse=False) if not (n == "weight" and is_quantized(layer))]
     flags = [(p, p.requires_grad) for _, p in params]
     modes = [(m, m.training) for m in layer.modules()]
     try:

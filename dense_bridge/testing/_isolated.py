@@ -210,9 +210,11 @@ def _unit_grads(path: str, groups: dict, sums: dict[str, dict]) -> dict | None:
 
 
 def dx_rows(report, forced: Forced, params_b: dict, acts: Callable[[str, str], tuple], calls: list,
-            tol: Tolerance, row: Callable, rows_of: Callable) -> dict[int, Any]:
+            tol: Tolerance, row: Callable, rows_of: Callable, quant: dict | None = None) -> dict[int, Any]:
     """The ``dL/dx`` row of every forced call with a cotangent: a's and b's dL/dx on the same
-    input and cotangent, each allowed its rounding of dL/dz @ W^T (K = units), in quadrature."""
+    input and cotangent, each allowed its rounding of dL/dz @ W^T (K = units), in quadrature.
+    A pair with a quantized side (``quant``, testing/_quantized.py) multiplies two kernels: a's
+    dL/dx is judged with that difference, dL/dz @ (Wa - Wb)^T, taken out."""
     from ._propagate import activation_vjp
 
     out = {}
@@ -229,6 +231,9 @@ def dx_rows(report, forced: Forced, params_b: dict, acts: Callable[[str, str], t
             if "bias" in params_b[pb]:
                 z = z + np.asarray(params_b[pb]["bias"], dtype=np.float64)
             dz = activation_vjp(act, z, dz, dtype)[0]
+        if quant and pb in quant:
+            from ._quantized import without_kernel_difference
+            a_rows = without_kernel_difference(quant[pb], a_rows, dz, w)
         terms = np.abs(dz) @ np.abs(w.T)
         each = [allowed_error(v, dtype, n_out, tol.c_gradient, tol.atol) + tol.c_gradient * EPS[dtype] * terms
                 for v in (a_rows, b_rows)]

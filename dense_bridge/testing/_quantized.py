@@ -129,6 +129,14 @@ def backward_spread(pair: QuantPair, g_b: np.ndarray, kernel_b: np.ndarray) -> f
     return float(np.max(np.abs(da - db_) / (np.abs(db_) + rms(db_) + 1e-300)))
 
 
+def without_kernel_difference(pair: QuantPair, dx_a: np.ndarray, dz: np.ndarray, kernel_b: np.ndarray) -> np.ndarray:
+    """a's dL/dx (rows, in) as it would be through b's kernel: dx_a - dz @ (Wa - Wb)^T in float64,
+    the share of the difference that is the quantization's own (isolated mode's ``dL/dx`` row),
+    so that what is left is each side's rounding and any real error of its backward."""
+    diff = pair.kernel_a - np.asarray(kernel_b, dtype=np.float64)
+    return np.asarray(dx_a, dtype=np.float64) - np.asarray(dz, dtype=np.float64) @ diff.T
+
+
 def table_spread(a: Any, b: Any) -> tuple[float, list[str]]:
     """What quantized tables (embeddings) put into a comparison before its first linear layer.
 

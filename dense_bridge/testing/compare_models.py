@@ -471,7 +471,7 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     twin = judge_copy(report)
     _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
-    dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
+    dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows, quant=quant)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
     report.notes += [ISOLATED_NOTE] + forced.notes
     report.first_failure = _first_failure(report.layers)
