@@ -11,7 +11,8 @@ in_features (``G = in_features / group_size``; one group when ``group_size`` is 
 - ``"bias"`` (units,) where the layer has one, float, never quantized;
 - ``"quant"``: the scheme as a :class:`Quant`. It lives in the params, not in the spec: the spec
   describes the function (a quantized layer reads as the float ``Dense`` it stands for), the
-  params describe how its weights are stored.
+  params describe how its weights are stored. A checkpoint stores it per position in its
+  metadata ``quant``, beside the float spec (``checkpoints/_quantized.py``).
 
 Schemes, each named by the arithmetic its framework dequantizes with (w is the float kernel):
 
