@@ -406,3 +406,35 @@ def test_codes_the_backends_quantized_layer_cannot_hold_exactly_load_as_their_ex
     assert type(model[0].weight).__name__ == "Parameter"  # float: the exact dequantization
     want = reference_dequantize({**codes, "zero": zero, "qkernel": qkernel})
     np.testing.assert_array_equal(db.get_params(model)["0.kernel"], want)
+
+
+def _rewrite_h5(path, out, replace: dict):
+    """A copy of the ``.weights.h5`` at ``path`` with datasets replaced (h5py)."""
+    import shutil
+
+    h5py = pytest.importorskip("h5py")
+    shutil.copy(path, out)
+    with h5py.File(out, "a") as f:
+        for name, value in replace.items():
+            del f[name]
+            f[name] = value
+    return out
+
+
+@pytest.mark.parametrize("replace, message", [
+    ({"layers/dense/vars/0": np.zeros((IN, 5), np.int8)},
+     r"dataset layers/dense/vars/0 \(\(64, 5\), int8\) must hold int8 codes \(64, 32\) or packed int4 codes \(64, 16\)"),
+    ({"layers/dense/vars/2": np.zeros((3,), np.float32)},
+     r"dataset layers/dense/vars/2 \(\(3,\), float32\) must be the int8 scale \(32,\)"),
+    ({"layers/dense_1/vars/2": np.zeros((3, HID), np.float32)},
+     r"dataset layers/dense_1/vars/2 \(\(3, 32\), float32\) must be the int4 group scale \(G, 32\) with G dividing "
+     r"in_features 32"),
+    ({"layers/dense_1/vars/3": np.zeros((2, HID), np.float32)},
+     r"dataset layers/dense_1/vars/3 \(\(2, 32\), float32\) must be the int4 zero points \(2, 32\) int8"),
+])
+def test_malformed_keras_quantized_weights_are_checkpoint_errors(tmp_path, replace, message):
+    path = tmp_path / "k.weights.h5"
+    db.save(keras_model(), path)
+    bad = _rewrite_h5(path, tmp_path / "bad.weights.h5", replace)
+    with pytest.raises(db.CheckpointError, match=message):
+        db.load(bad, "keras")
