@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
+from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ..quant import Quant, code_range, move, reference_dequantize
 from . import _extensions
 from ._extensions import PASS
@@ -340,7 +340,11 @@ def native_holds_codes(ckpt: Any) -> dict | None:
 
     if getattr(ckpt, "framework", None) is None or getattr(ckpt, "format", None) is None:
         return None
-    verb = getattr(file_adapter(ckpt.framework, f"reading {ckpt.path}"), "quant_file_layers", None)
+    try:
+        adapter = file_adapter(ckpt.framework, f"reading {ckpt.path}")
+    except BackendUnavailableError:  # a framework not installed here holds no codes we could rebuild
+        return None
+    verb = getattr(adapter, "quant_file_layers", None)
     if verb is None:
         return None
     layers = verb(ckpt._file_info()[0], ckpt.path)
