@@ -223,10 +223,12 @@ def test_keras_quantized_weights_h5_round_trip_and_into_float_frameworks(tmp_pat
     assert params["1.quant"] == db.Quant(4, 16, "zero_point")
 
 
-def test_saving_codes_in_another_frameworks_format_is_refused(tmp_path):
-    with pytest.raises(db.CheckpointError, match="only its own framework's files"):
+def test_saving_codes_in_a_format_that_cannot_read_them_back_is_refused(tmp_path):
+    with pytest.raises(db.CheckpointError, match=r"reads codes back from MLX and Keras files only.*format='torch'"):
         db.save(mlx_model(), tmp_path / "x.safetensors", format="torch")
-    assert not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(db.CheckpointError, match=r"a torch model holding quantized layers.*format='torch'"):
+        db.save(torch_model(), tmp_path / "x.pt", format="torch")  # torchao codes: canonical only
+    assert not list(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -125,17 +125,20 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metada
     if not _is_native(obj) or not quantized_positions(obj):
         return PASS
     backend = _api.backend(obj)
-    spec = _api.to_spec(obj)
+    try:
+        spec = _api.to_spec(obj)
+    except DenseBridgeError as exc:
+        raise CheckpointError(f"cannot save {path}: {exc}") from None
     if format is None and _own_file_name(backend, path):
         format = backend
     if format not in (None, "dense_bridge"):
-        if format != backend and format in format_names():
-            raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
-                                  f"quantized layers, whose codes only its own framework's files hold; save it "
-                                  f"with format={backend!r}, or canonical (format=None), or move it first "
-                                  f"(db.transfer/db.convert)")
-        if format != backend:
+        if format not in format_names():
             return PASS
+        if format != backend or not _reads_own_codes(backend, path):
+            raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
+                                  f"quantized layers, and dense_bridge reads codes back from MLX and Keras files "
+                                  f"only; save it canonical (format=None: codes kept), or move it first "
+                                  f"(db.transfer/db.convert). Received: format={format!r}")
         return write_native(obj, backend, path, spec=spec)
     spec, tensors, quant = codes_tensors(obj, spec)
     meta = metadata(spec, tensors, backend)
@@ -143,13 +146,19 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metada
     return write_canonical(path, tensors, meta, limit)
 
 
+def _reads_own_codes(backend: str, path: str) -> bool:
+    """Does ``backend``'s adapter read its own quantized files back (``quant_file_template``)?"""
+    from ._native import file_adapter
+
+    return getattr(file_adapter(backend, f"writing {path}"), "quant_file_template", None) is not None
+
+
 def _own_file_name(backend: str, path: str) -> bool:
     """Does ``path`` end in a file name only ``backend``'s own quantized files use (MLX ``.npz``,
     Keras ``.weights.h5``; ``.safetensors`` stays canonical unless ``format=`` says otherwise)?"""
     from .._registry import formats
-    from ._native import file_adapter
 
-    if getattr(file_adapter(backend, f"writing {path}"), "quant_file_template", None) is None:
+    if not _reads_own_codes(backend, path):
         return False
     endings = [e for name, f in formats() if name == backend and f.write_kind
                for e in f.extensions or () if e != ".safetensors"]
