@@ -39,8 +39,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
-__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "set_params_parallel",
-           "parallel_agree_seed", "shard_shapes"]
+__all__ = ["parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed", "shard_shapes"]
 
 
 def _mesh(group: Any) -> tuple[Mesh, int]:
@@ -92,7 +92,7 @@ def _place(var, mesh: Mesh, axes: tuple) -> None:
     var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, PartitionSpec(*axes))))
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any):
     """The Flax NNX model for ``spec`` with every planned Dense's variables annotated and placed
     along the mesh's "model" axis (see the module docstring); checked after placing.
 
@@ -164,9 +164,12 @@ def parallel_state(native: Any) -> dict | None:
     return {**state, "rank": int(jax.process_index()), "world_size": int(jax.process_count())}
 
 
-def set_params_parallel(native, params: dict, plain: Callable) -> None:
-    """``plain`` set_params, then every annotated variable placed again by its annotation."""
-    plain(native, params)
+def parallel_set_params(native, params: dict) -> None:
+    """The plain ``set_params`` (which writes unplaced arrays), then every annotated variable
+    placed again by its annotation."""
+    from ._params import set_params
+
+    set_params(native, params)
     mesh = native.__dict__[_STATE]["mesh"]
     for m in _modules(native):
         if not hasattr(m, "kernel"):
@@ -177,7 +180,7 @@ def set_params_parallel(native, params: dict, plain: Callable) -> None:
                 var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, PartitionSpec(*axes))))
 
 
-def get_params_parallel(native, local: bool = False) -> dict:
+def parallel_get_params(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them), or with ``local`` this process's addressable
     block of each as :class:`dense_bridge.parallel._plan.Shard` (in one process: the whole tensor)."""
     from ._params import get_params
@@ -213,6 +216,21 @@ def _addressable_block(array) -> ShardView:
         raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
     out.flags.writeable = False
     return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
+
+
+def parallel_to_spec(native):
+    """The full spec: JAX arrays are global, so the plain ``to_spec`` reads every shape whole."""
+    from ._to_spec import to_spec
+
+    return to_spec(native)
+
+
+def parallel_trace(native, inputs, grad_out):
+    """The plain ``trace``: JAX is single-controller, so every output and gradient it computes is
+    the whole array already (GSPMD inserts the collectives)."""
+    from ._trace import trace
+
+    return trace(native, inputs, grad_out)
 
 
 def parallel_barrier(native) -> None:

@@ -44,8 +44,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
-__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
-           "shard_shapes"]
+__all__ = ["parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed", "shard_shapes"]
 
 
 def _check_backend() -> None:
@@ -93,7 +93,7 @@ def _layout(style: str | None, name: str, ndim: int) -> tuple:
     return tuple(axes)
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any):
     """The Keras model for ``spec`` under ``ModelParallel``: every planned Dense's variables laid
     out along the mesh's "model" axis by a ``LayoutMap`` built from the spec, then checked.
 
@@ -196,12 +196,12 @@ def parallel_state(native: Any) -> dict | None:
     return {**state, "rank": int(jax.process_index()), "world_size": int(jax.process_count())}
 
 
-def get_params_parallel(native, local: bool = False) -> dict:
+def parallel_get_params(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them from the device shards), or with ``local`` this
     process's addressable block of each, as :class:`dense_bridge.parallel._plan.Shard`: the bounding
     block of the shards this process addresses, checked to be tiled by them exactly (in one
     process: the whole tensor)."""
-    from ._params import layer_variables, get_params
+    from ._params import get_params, layer_variables
 
     if not local:
         return get_params(native)
@@ -230,6 +230,29 @@ def _addressable_block(array) -> ShardView:
         raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
     out.flags.writeable = False
     return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
+
+
+def parallel_set_params(native, params) -> None:
+    """Write full canonical ``params``: Keras assigns them to each variable, which keeps its
+    layout, so JAX re-shards them by it (the plain ``set_params``)."""
+    from ._params import set_params
+
+    set_params(native, params)
+
+
+def parallel_to_spec(native):
+    """The full spec: JAX arrays are global, so the plain ``to_spec`` reads every shape whole."""
+    from ._to_spec import to_spec
+
+    return to_spec(native)
+
+
+def parallel_trace(native, inputs, grad_out):
+    """The plain ``trace``: JAX is single-controller, so every output and gradient it computes is
+    the whole array already (GSPMD inserts the collectives)."""
+    from ._trace import trace
+
+    return trace(native, inputs, grad_out)
 
 
 def parallel_barrier(native) -> None:
