@@ -44,8 +44,8 @@ def save(obj: Any, path: Any) -> list[str]:
     from .._api import to_spec
 
     path = os.fspath(path)
-    _dispatch.save_dcp(obj, path)
-    state = _dispatch.parallel_state(obj)
+    _dispatch.write_dcp(obj, path)
+    state = _dispatch.state_of(obj)
     if state is None or state["rank"] == 0:
         write_json(os.path.join(path, SPEC_NAME), to_spec(obj).to_config())
     if state is not None:
@@ -90,7 +90,7 @@ def load(path: Any, backend, spec, like, parallel, group, allow_nonfinite: bool 
             return np.zeros(tuple(s.stop - s.start for s in index), dtype=numpy_dtype(layer.dtype))
 
         native = _dispatch.compile_blocks(owner, spec, zeros, parallel, group)
-        _dispatch.load_dcp(native, path)
+        _dispatch.read_dcp(native, path)
         # each rank checks the blocks the framework filled in, as a whole-process load checks the tensors
         check = checked_block(path, spec_layers(spec), allow_nonfinite)
         seq = isinstance(spec, Sequential)
@@ -99,7 +99,7 @@ def load(path: Any, backend, spec, like, parallel, group, allow_nonfinite: bool 
             check(int(position), name, key, tuple(shard.index), np.asarray(shard.array))
         return native
     native = compile(spec, owner, seed=0)
-    _dispatch.load_dcp(native, path)
+    _dispatch.read_dcp(native, path)
     params = get_params(native)
     check_params(path, spec, params, allow_nonfinite)
     if backend == owner:

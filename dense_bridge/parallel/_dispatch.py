@@ -52,7 +52,7 @@ def is_parallel_model(obj: Any) -> bool:
     return _model_backend(obj) is not None
 
 
-def parallel_state(native: Any) -> dict | None:
+def state_of(native: Any) -> dict | None:
     """``{"plan", "rank", "world_size", ...}`` of a parallel model, None for any other object."""
     backend = _model_backend(native)
     return None if backend is None else _verb(backend, "parallel_state")(native)
@@ -162,7 +162,7 @@ def dcp_backend(path: str) -> str:
     return found[0]
 
 
-def save_dcp(obj: Any, path: str) -> None:
+def write_dcp(obj: Any, path: str) -> None:
     """``obj`` written as a DCP directory by its adapter; CheckpointError when no adapter that
     writes them owns ``obj``."""
     try:
@@ -175,6 +175,6 @@ def save_dcp(obj: Any, path: str) -> None:
     optional_verb(backend, "save_dcp", "saving a DCP directory")(obj, os.fspath(path))
 
 
-def load_dcp(native: Any, path: str) -> None:
+def read_dcp(native: Any, path: str) -> None:
     """``native`` filled from the DCP directory ``path`` by its adapter."""
     optional_verb(backend_of(native), "load_dcp", "loading a DCP directory")(native, path)

@@ -28,7 +28,7 @@ def save(native: Any, path: Any) -> list[str]:
     barrier so no rank returns (and loads) before the index exists. Returns the files this rank wrote."""
     from .._api import to_spec
 
-    state = _dispatch.parallel_state(native)
+    state = _dispatch.state_of(native)
     rank, world, plan = state["rank"], state["world_size"], state["plan"]
     spec = to_spec(native)
     local = _dispatch.local_blocks(native)
