@@ -1,0 +1,61 @@
+"""The one dispatch of tensor-parallel verbs (dense_bridge/parallel/_dispatch.py), on what needs
+no process group: which backends take ``parallel=``, what a plain model and other objects are
+routed to, and the errors for what only a parallel model (or a DCP-writing backend) can do.
+
+The collective paths themselves run in tests/test_parallel.py (torch), test_parallel_mlx.py and
+test_parallel_jax.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dense_bridge as db
+from dense_bridge._adapter import PARALLEL_VERBS
+from dense_bridge._manifest import PARALLEL
+from dense_bridge._registry import available_backends, get_adapter, has_capability
+from dense_bridge.parallel import _dispatch, is_parallel_dir, is_parallel_model
+
+SPEC = db.Sequential([db.Dense(4, in_features=3, activation="relu"), db.Dense(2)])
+
+
+def test_a_backend_without_the_capability_refuses_parallel():
+    assert not has_capability("numpy", PARALLEL)
+    with pytest.raises(db.SpecError, match=r"parallel= is not supported on the 'numpy' backend.*'parallel' capability"):
+        db.compile(SPEC, "numpy", seed=0, parallel="auto")
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx", "keras", "flax"])
+def test_the_engines_declare_parallelism_and_offer_every_verb(backend):
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
+    adapter = get_adapter(backend)
+    assert has_capability(backend, PARALLEL)
+    assert all(callable(getattr(adapter, verb)) for verb in PARALLEL_VERBS)
+
+
+def test_plain_models_and_other_objects_take_the_plain_verbs(tmp_path):
+    model = db.compile(SPEC, "numpy", seed=0)
+    adapter = get_adapter("numpy")
+    assert _dispatch.verbs_for(model) is adapter  # no view in between for a plain model
+    assert _dispatch.state_of(model) is None
+    for obj in (model, SPEC, {"0.kernel": np.zeros((3, 4))}, (SPEC, {}), "a string", None):
+        assert not is_parallel_model(obj)
+    with pytest.raises(TypeError, match="native"):
+        _dispatch.verbs_for(object())
+    assert not is_parallel_dir(tmp_path) and not is_parallel_dir(tmp_path / "missing")
+    assert is_parallel_dir(tmp_path, "dcp")  # format="dcp" names the kind: its reader says what is missing
+
+
+def test_local_params_need_a_parallel_model():
+    model = db.compile(SPEC, "numpy", seed=0)
+    with pytest.raises(TypeError, match="local=True needs a parallel model"):
+        db.get_params(model, local=True)
+
+
+def test_dcp_saves_need_a_backend_that_writes_them(tmp_path):
+    model = db.compile(SPEC, "numpy", seed=0)
+    with pytest.raises(db.CheckpointError, match=r'format="dcp".*save_dcp.*Received: obj of type'):
+        db.save(model, tmp_path / "ckpt", format="dcp")
+    with pytest.raises(db.CheckpointError, match='format="dcp"'):
+        db.save((SPEC, db.get_params(model)), tmp_path / "ckpt", format="dcp")
+    assert not (tmp_path / "ckpt").exists()
