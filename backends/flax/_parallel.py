@@ -29,8 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge.backends._jax.parallel import agree_seed, barrier
-from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.backends._jax.parallel import addressable_block, agree_seed, barrier, layout_problems
 from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
@@ -137,20 +136,7 @@ def shard_shapes(model) -> dict[str, list[tuple[int, ...]]]:
 
 def check_layouts(model, layers, plan: dict, n: int) -> None:
     """Every Dense variable's live sharding against the plan; SpecError naming any that differs."""
-    shapes = shard_shapes(model)
-    seq = type(model) is nnx.Sequential
-    wrong = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Dense):
-            continue
-        style = plan[i].style if i in plan else None
-        for key, full in layer.param_shapes().items():
-            name = (f"{i}." if seq else "") + key
-            axis = None if style is None else split_axis(style, key)
-            want = tuple(d // n if a == axis else d for a, d in enumerate(full))
-            got = set(shapes.get(name, []))
-            if got != {want}:
-                wrong.append(f"{name} ({style or 'replicated'}): device shards {sorted(got)}, expected {want}")
+    wrong = layout_problems(shard_shapes(model), layers, plan, n, type(model) is nnx.Sequential)
     if wrong:
         raise SpecError("the Flax model is not sharded as planned: " + "; ".join(wrong))
 
@@ -193,29 +179,8 @@ def parallel_get_params(native, local: bool = False) -> dict:
         if not hasattr(m, "kernel"):
             continue
         for name, var in _variables(m).items():
-            out[(f"{i}." if seq else "") + name] = _addressable_block(var.get_value())
+            out[(f"{i}." if seq else "") + name] = addressable_block(var.get_value())
     return out
-
-
-def _addressable_block(array) -> ShardView:
-    """The bounding block of the shards of ``array`` this process addresses, checked to be tiled
-    by them exactly (replicas counted once)."""
-    shape = tuple(int(d) for d in array.shape)
-    blocks = {}
-    for s in array.addressable_shards:
-        blocks[tuple(sl.indices(d)[:2] for sl, d in zip(s.index, shape))] = s
-    lo = [min(b[a][0] for b in blocks) for a in range(len(shape))]
-    hi = [max(b[a][1] for b in blocks) for a in range(len(shape))]
-    first = np.asarray(next(iter(blocks.values())).data)
-    out = np.empty([h - l for l, h in zip(lo, hi)], dtype=first.dtype)
-    covered = 0
-    for b, s in blocks.items():
-        out[tuple(slice(x - l, y - l) for (x, y), l in zip(b, lo))] = np.asarray(s.data)
-        covered += int(np.prod([y - x for x, y in b]))
-    if covered != out.size:
-        raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
-    out.flags.writeable = False
-    return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
 
 
 def parallel_to_spec(native):

@@ -35,7 +35,6 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge.parallel._plan import Shard as ShardView
 from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
@@ -164,20 +163,9 @@ def check_layouts(model, layers, plan: dict, n: int) -> None:
     """Every variable's live sharding against the plan (never trusting the LayoutMap): a planned
     kernel/bias/mask must be split N ways along its planned axis, every other one whole on
     every device. SpecError naming each variable that is not."""
-    shapes = shard_shapes(model)
-    seq = _keras_layers(model)[1]
-    wrong = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Dense):
-            continue
-        style = plan[i].style if i in plan else None
-        for key, full in layer.param_shapes().items():
-            name = (f"{i}." if seq else "") + key
-            axis = None if style is None else split_axis(style, key)
-            want = tuple(d // n if a == axis else d for a, d in enumerate(full))
-            got = set(shapes.get(name, []))
-            if got != {want}:
-                wrong.append(f"{name} ({style or 'replicated'}): device shards {sorted(got)}, expected {want}")
+    from dense_bridge.backends._jax.parallel import layout_problems  # here: on TF or torch Keras never imports JAX
+
+    wrong = layout_problems(shard_shapes(model), layers, plan, n, _keras_layers(model)[1])
     if wrong:
         raise SpecError("the Keras ModelParallel layout did not shard the model as planned (a LayoutMap key that "
                         "matches no variable leaves it replicated silently): " + "; ".join(wrong))
@@ -201,6 +189,8 @@ def parallel_get_params(native, local: bool = False) -> dict:
     process's addressable block of each, as :class:`dense_bridge.parallel._plan.Shard`: the bounding
     block of the shards this process addresses, checked to be tiled by them exactly (in one
     process: the whole tensor)."""
+    from dense_bridge.backends._jax.parallel import addressable_block
+
     from ._params import get_params, layer_variables
 
     if not local:
@@ -209,27 +199,8 @@ def parallel_get_params(native, local: bool = False) -> dict:
     out = {}
     for i, layer in enumerate(layers):
         for key, v in layer_variables(layer).items():
-            out[(f"{i}." if seq else "") + key] = _addressable_block(v.value)
+            out[(f"{i}." if seq else "") + key] = addressable_block(v.value)
     return out
-
-
-def _addressable_block(array) -> ShardView:
-    shape = tuple(int(d) for d in array.shape)
-    blocks = {}
-    for s in array.addressable_shards:
-        index = tuple(slice(*sl.indices(d)[:2]) for sl, d in zip(s.index, shape))
-        blocks[tuple((sl.start, sl.stop) for sl in index)] = s
-    lo = [min(b[a][0] for b in blocks) for a in range(len(shape))]
-    hi = [max(b[a][1] for b in blocks) for a in range(len(shape))]
-    out = np.empty([h - l for l, h in zip(lo, hi)], dtype=np.asarray(next(iter(blocks.values())).data).dtype)
-    covered = 0
-    for b, s in blocks.items():
-        out[tuple(slice(x - l, y - l) for (x, y), l in zip(b, lo))] = np.asarray(s.data)
-        covered += int(np.prod([y - x for x, y in b]))
-    if covered != out.size:  # replicas counted once (dict keys): the blocks must tile the bounding box
-        raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
-    out.flags.writeable = False
-    return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
 
 
 def parallel_set_params(native, params) -> None:
