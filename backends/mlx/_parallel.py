@@ -23,10 +23,11 @@ are elementwise and run on the shard.
 The parallel model stays a plain ``nn.Sequential`` holding these modules: ``nn.value_and_grad``
 and the optimizers work on it as on any MLX model, each rank holding and training its own shard.
 Every verb on a parallel model is collective (every rank calls it, in the same order):
-``get_params`` all-gathers full canonical arrays (``local=True``: this rank's blocks and where
-they sit, no communication), ``set_params`` takes full ones and keeps this rank's slice (no
-communication), ``save`` writes each rank's blocks into the sharded directory
-(``dense_bridge.parallel._plan``).
+``parallel_get_params`` all-gathers full canonical arrays (``local=True``: this rank's blocks and
+where they sit, no communication), ``parallel_set_params`` takes full ones and keeps this rank's
+slice (no communication); ``db.save`` writes each rank's blocks into the sharded directory
+(``dense_bridge.parallel._sharded_dir``). The plain verbs (``_params``, ``_to_spec``, ``_trace``)
+never see a sharded layer: dense_bridge/parallel/_dispatch.py routes a parallel model here.
 Launch: ``mlx.launch --backend ring -n 2 /path/to/python script.py`` (README, "Tensor
 parallelism").
 """

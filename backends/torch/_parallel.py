@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dense_bridge._errors import DenseBridgeError, SpecError, received
-from dense_bridge.parallel._plan import elementwise, LayerPlan, Shard as ShardView, params_plan, resolve_plan, shard_index, split_axis
+from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.parallel._plan import elementwise, resolve_plan, shard_index, split_axis
 from dense_bridge._spec_memory import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Sequential
