@@ -59,3 +59,26 @@ def test_dcp_saves_need_a_backend_that_writes_them(tmp_path):
     with pytest.raises(db.CheckpointError, match='format="dcp"'):
         db.save((SPEC, db.get_params(model)), tmp_path / "ckpt", format="dcp")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_rank_files_are_plain_safetensors_written_atomically(tmp_path):
+    """A rank file goes through the one safetensors writer (transposed views included) and the one
+    atomic writer: the reference ``safetensors`` reader loads it bit for bit, and no temporary is left."""
+    st = pytest.importorskip("safetensors.numpy")
+    from dense_bridge.parallel._sharded_dir import FORMAT, rank_file, write_json, write_rank_file
+
+    rng = np.random.default_rng(0)
+    shards = {"0.kernel": rng.standard_normal((6, 4)).astype(np.float32).T,  # a transposed view, as torch hands it
+              "0.bias": rng.standard_normal(4).astype(np.float16), "1.mask": np.ones((4, 2), np.float32)}
+    name = write_rank_file(str(tmp_path / "ckpt"), 1, 2, shards)
+    assert name == rank_file(1, 2) == "rank-00001-of-00002.safetensors"
+    loaded = st.load_file(str(tmp_path / "ckpt" / name))
+    assert sorted(loaded) == sorted(shards)
+    for key, a in shards.items():
+        assert loaded[key].dtype == a.dtype and np.array_equal(loaded[key], a), key
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "ckpt" / name), "np") as f:
+        assert f.metadata() == {"format": FORMAT}
+    write_json(str(tmp_path / "ckpt" / "x.json"), {"a": [1, 2]})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [name, "x.json"]
