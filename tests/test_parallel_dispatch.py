@@ -6,6 +6,8 @@ The collective paths themselves run in tests/test_parallel.py (torch), test_para
 test_parallel_jax.py."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,35 @@ def test_rank_files_are_plain_safetensors_written_atomically(tmp_path):
         assert f.metadata() == {"format": FORMAT}
     write_json(str(tmp_path / "ckpt" / "x.json"), {"a": [1, 2]})
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [name, "x.json"]
+
+
+def test_a_parallel_model_takes_the_parallel_verbs_everywhere(tmp_path):
+    """A parallel model in this process (Flax on JAX's one CPU device: a mesh of one): the public
+    verbs reach the parallel_* verbs through the view, every other name is the adapter's own, and
+    save/load go to the sharded directory."""
+    if "flax" not in available_backends():
+        pytest.skip("flax is not installed")
+    from dense_bridge.parallel._sharded_dir import INDEX_NAME
+
+    model = db.compile(SPEC, "flax", seed=0, parallel="auto")
+    want = db.get_params(db.compile(SPEC, "numpy", seed=0))
+    verbs = _dispatch.verbs_for(model)
+    assert isinstance(verbs, _dispatch.ParallelModelVerbs) and verbs.backend == "flax"
+    assert verbs.walk is get_adapter("flax").walk  # not a parallel verb: the adapter's own
+    assert is_parallel_model(model) and _dispatch.state_of(model)["world_size"] == 1
+    got = db.get_params(model)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    local = db.get_params(model, local=True)
+    assert all(np.array_equal(want[k][s.index], s.array) for k, s in local.items())
+    assert db.to_spec(model) == SPEC
+    report = db.testing.compare(model, db.compile(SPEC, "numpy", seed=0), seed=1)
+    assert report.passed, str(report)
+    other = db.get_params(db.compile(SPEC, "numpy", seed=3))
+    db.set_params(model, other)
+    assert all(np.array_equal(db.get_params(model)[k], other[k]) for k in other)
+    written = db.save(model, tmp_path / "tp")
+    assert sorted(os.path.basename(f) for f in written) == sorted([INDEX_NAME, "rank-00000-of-00001.safetensors"])
+    spec, params = db.load(tmp_path / "tp")
+    assert spec == SPEC and all(np.array_equal(params[k], other[k]) for k in other)
+    with pytest.raises(db.CheckpointError, match="sharded directory"):
+        db.save(model, tmp_path / "m.safetensors", format="safetensors")
