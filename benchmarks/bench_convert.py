@@ -704,6 +704,8 @@ def measure_plain(source, src: str, dst: str, layers: int, width: int, repeats: 
     fns = {"convert": lambda: db.convert(source, to=dst),
            "convert, allow_nonfinite": lambda: db.convert(source, to=dst, allow_nonfinite=True),
            "port": user_port(source, src, dst, layers, width), **limits}
+    if dst not in _ADOPTS_BUFFERS:  # the framework copies: its scans beside the copies, or inline
+        fns["convert, scans inline"] = _scans_inline(lambda: db.convert(source, to=dst))
     for fn in fns.values():  # warm-up: imports, first calls
         plain_timed(fn)
     samples: dict[str, list[float]] = {k: [] for k in fns}
@@ -714,14 +716,33 @@ def measure_plain(source, src: str, dst: str, layers: int, width: int, repeats: 
     limit = [min(ts) for ts in zip(*(samples[k] for k in limits))]
     conv, no_scan, port = samples["convert"], samples["convert, allow_nonfinite"], samples["port"]
     med = statistics.median
-    return {"convert ms": med(conv) * 1e3, "port ms": med(port) * 1e3, "all-core ms": med(limit) * 1e3,
-            "convert / port": med(p / c for p, c in zip(port, conv)),
-            "convert / all-core": med(lim / c for lim, c in zip(limit, conv)),
-            "scan share": med(1 - n / c for n, c in zip(no_scan, conv))}
+    out = {"convert ms": med(conv) * 1e3, "port ms": med(port) * 1e3, "all-core ms": med(limit) * 1e3,
+           "convert / port": med(p / c for p, c in zip(port, conv)),
+           "convert / all-core": med(lim / c for lim, c in zip(limit, conv)),
+           "scan share": med(1 - n / c for n, c in zip(no_scan, conv))}
+    if "convert, scans inline" in samples:
+        out["inline / beside"] = med(i / c for i, c in zip(samples["convert, scans inline"], conv))
+    return out
+
+
+def _scans_inline(convert: Callable[[], object]) -> Callable[[], object]:
+    """``convert`` with every NaN/Inf scan of ``ParamSource.for_layer`` on the calling thread, after
+    the framework's copy, instead of beside it on a second core."""
+    from dense_bridge import _params as params_mod
+
+    def run():
+        saved = params_mod._SCAN_AHEAD_BYTES
+        params_mod._SCAN_AHEAD_BYTES = 1 << 62
+        try:
+            return convert()
+        finally:
+            params_mod._SCAN_AHEAD_BYTES = saved
+    return run
 
 
 PLAIN_HEADER = ["pair", "convert ms", "user's port ms", "convert / port (into MLX >= 0.95x)",
-                "all-core limit ms", "convert / all-core (>= 0.8)", "scan's share of convert (<= 10%)"]
+                "all-core limit ms", "convert / all-core (>= 0.8)", "scan's share of convert (<= 10%)",
+                "scans inline / beside the copy (time)"]
 
 
 def plain_row(pair: str, runs: list[dict[str, float]]) -> list[str]:
@@ -731,7 +752,8 @@ def plain_row(pair: str, runs: list[dict[str, float]]) -> list[str]:
         each = ", ".join(fmt.format(v) for v in values)
         return fmt.format(statistics.median(values)) + (f" ({each})" if len(values) > 1 else "")
     return [pair, cell("convert ms", "{:.1f}"), cell("port ms", "{:.1f}"), cell("convert / port", "{:.2f}x"),
-            cell("all-core ms", "{:.1f}"), cell("convert / all-core", "{:.2f}"), cell("scan share", "{:.0%}")]
+            cell("all-core ms", "{:.1f}"), cell("convert / all-core", "{:.2f}"), cell("scan share", "{:.0%}"),
+            cell("inline / beside", "{:.2f}") if "inline / beside" in runs[0] else "-"]
 
 
 def plain_main(args, pairs, argv) -> int:
@@ -766,7 +788,10 @@ def plain_main(args, pairs, argv) -> int:
         "`load_state_dict`). Ratio = port time / convert time, the median of per-round ratios.",
         "- all-core limit: the same bytes made in the target's layout in new memory on every core, the faster of "
         "dense_bridge's kernels and (transposing) torch's `copy_` with its intra-op threads, per round.",
-        "- scan's share: 1 - (convert with `allow_nonfinite=True`) / convert, the median of per-round values.", "",
+        "- scan's share: 1 - (convert with `allow_nonfinite=True`) / convert, the median of per-round values.",
+        "- scans inline / beside (targets that copy with their own framework): convert with every NaN/Inf scan on "
+        "the calling thread after the framework's copy, over convert as shipped (each big array's scan started "
+        "on a second thread just before `mx.array` copies it): > 1 means the second core pays.", "",
     ]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
@@ -32,7 +33,7 @@ __all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtyp
 #: (below it the hand-over, two thread wake-ups, is a visible share of the scan).
 _SCAN_AHEAD_BYTES = 4 << 20
 #: Longest wait, in seconds, for the scan thread to start before the framework's copy goes ahead.
-_HANDOVER_WAIT_S = 0.001
+_HANDOVER_WAIT_S = 0.0002
 
 
 def layer_dtype(layer) -> str:
@@ -123,6 +124,8 @@ class ParamSource:
     _pending: Mapping = MappingProxyType({})  # key -> its NaN/Inf count, or a Future of it (for_layer)
     _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
     _scanner = None  # the ThreadPoolExecutor of for_layer's background scans, made on first use
+    _last_scan: Future | None = None  # the scan last queued on it
+    _scan_here = False  # True once the scan thread was slow to start: later scans run inline
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
                  defer_finite_check: bool = False, allow_nonfinite: bool = False,
@@ -199,17 +202,27 @@ class ParamSource:
             self._scanner = ThreadPoolExecutor(1, thread_name_prefix="dense_bridge-scan")
             # a compile that fails half-way never reaches finish(): the thread goes with the source
             weakref.finalize(self, self._scanner.shutdown, wait=False, cancel_futures=True)
+        elif self._scan_here or not self._last_scan.done():
+            # no core to spare (a busy machine), or scans slower than the copies: queued, this scan
+            # would wait for the GIL through the copy and after it; here it costs one pass at most
+            for key in keys:
+                self._pending[key] = count_nonfinite(self.params[key])
+            return
         started = threading.Event()
 
         def first(value: np.ndarray) -> int:
             started.set()
             return count_nonfinite(value)
         for n, key in enumerate(keys):
-            self._pending[key] = self._scanner.submit(count_nonfinite if n else first, self.params[key])
-        # bounded: where the other cores are busy the thread may wait milliseconds for one (p99
-        # 4.3 ms against a median of 41 us, measured at load 6 on 2 cores); the copy then goes
-        # first and the scan runs at the next moment this thread lets go of the GIL
+            self._pending[key] = self._last_scan = self._scanner.submit(count_nonfinite if n else first,
+                                                                        self.params[key])
+        # Where the other cores are busy the hand-over takes a time slice or more, the thread's
+        # start or this thread's return to the GIL (0.75 ms median per layer, measured at load
+        # 4-6 on 2 cores, against 41 us with a core idle): then the copy goes first, and this
+        # source scans its next layers on the calling thread.
+        start = time.perf_counter()
         started.wait(_HANDOVER_WAIT_S)
+        self._scan_here = time.perf_counter() - start > _HANDOVER_WAIT_S
 
     def native_layer(self, index: int, layer, perms: Mapping[str, tuple[int, ...]] | None = None
                      ) -> dict[str, np.ndarray]:
