@@ -21,7 +21,7 @@ from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
 from ._registry import array_adapter
 from ._memory import check_fits_in_memory
-from ._transfer import count_nonfinite, native_copy
+from ._transfer import core_to_spare, count_nonfinite, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
@@ -198,7 +198,10 @@ class ParamSource:
         the scan, means the waiting thread gets the GIL back when numpy releases it: the scan
         then reads the source on the other core while the copy reads it on this one.
         """
-        if self._scanner is None:
+        if self._scanner is None and not self._scan_here and not core_to_spare():
+            # measured at load 4-6 on 2 cores: scans beside the copies took 1.5x the time of inline ones
+            self._scan_here = True
+        if self._scanner is None and not self._scan_here:
             self._scanner = ThreadPoolExecutor(1, thread_name_prefix="dense_bridge-scan")
             # a compile that fails half-way never reaches finish(): the thread goes with the source
             weakref.finalize(self, self._scanner.shutdown, wait=False, cancel_futures=True)

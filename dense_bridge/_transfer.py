@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned"]
+__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned", "core_to_spare"]
 
 ALIGN = 64  # bytes: Eigen's (TF's) EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; torch allocates so too
 _COLS = 2048  # source columns per transposed tile
@@ -197,6 +197,16 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def core_to_spare() -> bool:
+    """Is a core likely idle for a helper thread: a 1-minute load average (runnable tasks, this
+    process included) under the number of usable cores. Where none is, a helper only takes turns
+    with the calling thread, and each hand-over of the GIL can wait a whole time slice."""
+    try:
+        return os.getloadavg()[0] < _cores()
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        return True
 
 
 def _on_cores(out: np.ndarray, view: np.ndarray, transposed: bool, check_finite: bool, cores: int) -> int:
