@@ -127,8 +127,9 @@ def _count_nonfinite_bits(value: np.ndarray) -> int:
     bits = np.atleast_1d(value).view(np.uint16)
     # Unsigned, a NaN/Inf with the sign bit set is >= sign | exponent and nothing finite is;
     # signed, negatives sit below 0, so the maximum reaches the exponent only through a
-    # positive NaN/Inf. Measured, 4096^2 float16: 1.4 ms for both maxima against 3.7 ms for the
-    # chunked masked count and 30 ms for numpy's float32 sum of float16 (a buffered cast).
+    # positive NaN/Inf. Measured in one run, 4096^2 float16 on a busy 2-core machine: 2.0 ms for
+    # both maxima, 16.5 ms for the chunked masked count alone, 121 ms for numpy's float32 sum of
+    # float16 (a buffered cast); bfloat16 1.6 vs 16.2 ms.
     if bits.max() < (0x8000 | exponent) and bits.view(np.int16).max() < exponent:
         return 0
     step = max(1, _BITS_CHUNK // (bits[0].size if bits.ndim > 1 else 1))
