@@ -224,9 +224,10 @@ def test_keras_quantized_weights_h5_round_trip_and_into_float_frameworks(tmp_pat
 
 
 def test_saving_codes_in_a_format_that_cannot_read_them_back_is_refused(tmp_path):
-    with pytest.raises(db.CheckpointError, match=r"reads codes back from MLX and Keras files only.*format='torch'"):
+    with pytest.raises(db.CheckpointError, match=r"mlx model holding quantized layers, and its codes go into mlx files only.*format='torch'"):
         db.save(mlx_model(), tmp_path / "x.safetensors", format="torch")
-    with pytest.raises(db.CheckpointError, match=r"a torch model holding quantized layers.*format='torch'"):
+    with pytest.raises(db.CheckpointError, match=r"a torch model holding quantized layers, and torch files are not read back with codes.*"
+                                                 r"format='torch'"):
         db.save(torch_model(), tmp_path / "x.pt", format="torch")  # torchao codes: canonical only
     assert not list(tmp_path.iterdir())
 

@@ -134,12 +134,15 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metada
     if format not in (None, "dense_bridge"):
         if format not in format_names():
             return PASS
-        if format != backend or not _reads_own_codes(backend, path):
-            raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
-                                  f"quantized layers, and dense_bridge reads codes back from MLX and Keras files "
-                                  f"only; save it canonical (format=None: codes kept), or move it first "
-                                  f"(db.transfer/db.convert). Received: format={format!r}")
-        return write_native(obj, backend, path, spec=spec)
+        if format != backend:
+            why = f"its codes go into {backend} files only (or canonical ones)"
+        elif not _reads_own_codes(backend, path):
+            why = f"{format} files are not read back with codes (its adapter has no quant_file_template verb)"
+        else:
+            return write_native(obj, backend, path, spec=spec)
+        raise CheckpointError(f"cannot save {path} as {format} files: the model is a {backend} model holding "
+                              f"quantized layers, and {why}; save it canonical (format=None: codes kept), or move "
+                              f"it first (db.transfer/db.convert). Received: format={format!r}")
     spec, tensors, quant = codes_tensors(obj, spec)
     meta = metadata(spec, tensors, backend)
     meta[META_KEY] = json.dumps(quant, separators=(",", ":"))
