@@ -224,10 +224,12 @@ def test_keras_quantized_weights_h5_round_trip_and_into_float_frameworks(tmp_pat
 
 
 def test_saving_codes_in_a_format_that_cannot_read_them_back_is_refused(tmp_path):
-    with pytest.raises(db.CheckpointError, match=r"mlx model holding quantized layers, and its codes go into mlx files only.*format='torch'"):
+    with pytest.raises(db.CheckpointError,
+                       match=r"mlx model holding quantized layers, and its codes go into mlx files only.*format='torch'"):
         db.save(mlx_model(), tmp_path / "x.safetensors", format="torch")
-    with pytest.raises(db.CheckpointError, match=r"a torch model holding quantized layers, and torch files are not read back with codes.*"
-                                                 r"format='torch'"):
+    with pytest.raises(db.CheckpointError,
+                       match=r"a torch model holding quantized layers, and torch files are not read back with codes.*"
+                             r"format='torch'"):
         db.save(torch_model(), tmp_path / "x.pt", format="torch")  # torchao codes: canonical only
     assert not list(tmp_path.iterdir())
 
@@ -243,7 +245,8 @@ def test_cli_inspect_and_convert_show_and_carry_codes(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["quantized_layers"] == [{"layer": "0", "bits": 4, "group_size": 32, "scheme": "affine",
                                         "in_features": IN, "units": HID}]
-    assert cli.main(["convert", str(tmp_path / "q.safetensors"), "--to", "mlx", "-o", str(tmp_path / "m.safetensors")]) == 0
+    assert cli.main(["convert", str(tmp_path / "q.safetensors"), "--to", "mlx",
+                     "-o", str(tmp_path / "m.safetensors")]) == 0
     capsys.readouterr()
     assert_same_codes(src.layers[0], db.load(tmp_path / "m.safetensors", "mlx").layers[0])
 
@@ -298,7 +301,8 @@ def _copy_dir(src, dst, config_edit=None):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["quantization"].update(bits=0), r"bits=0.*bits must be an integer from 1 to 8"),
-    (lambda c: c["quantization"].update(bits=8), r"'lm_head.weight' \(shape \(64, 8\), uint32\) reads as 8-bit codes in groups of 16"),
+    (lambda c: c["quantization"].update(bits=8),
+     r"'lm_head.weight' \(shape \(64, 8\), uint32\) reads as 8-bit codes in groups of 16"),
     (lambda c: c["quantization"].update(group_size=64), r"hold Quant\(bits=4, group_size=32.*config says "
                                                         r"Quant\(bits=4, group_size=64"),
     (lambda c: c.update(quantization=[4]), r"\"quantization\" must be an object.*Received: quantization=\[4\]"),
@@ -426,7 +430,8 @@ def _rewrite_h5(path, out, replace: dict):
 
 @pytest.mark.parametrize("replace, message", [
     ({"layers/dense/vars/0": np.zeros((IN, 5), np.int8)},
-     r"dataset layers/dense/vars/0 \(\(64, 5\), int8\) must hold int8 codes \(64, 32\) or packed int4 codes \(64, 16\)"),
+     r"dataset layers/dense/vars/0 \(\(64, 5\), int8\) must hold int8 codes \(64, 32\) or packed int4 codes "
+     r"\(64, 16\)"),
     ({"layers/dense/vars/2": np.zeros((3,), np.float32)},
      r"dataset layers/dense/vars/2 \(\(3,\), float32\) must be the int8 scale \(32,\)"),
     ({"layers/dense_1/vars/2": np.zeros((3, HID), np.float32)},

@@ -220,7 +220,8 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
             layer = spec
         if not isinstance(layer, Dense) or layer.mask is not None:
             raise CheckpointError(f"{self.path}: metadata {META_KEY} quantizes position {position!r}, which the spec "
-                                  f"describes as {type(layer).__name__}{' with a mask' if isinstance(layer, Dense) else ''}"
+                                  f"describes as {type(layer).__name__}"
+                                  f"{' with a mask' if isinstance(layer, Dense) else ''}"
                                   f", not a linear layer without a mask")
         return layer
 
@@ -255,10 +256,12 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
                     raise CheckpointError(f"{self.path}: tensor {p + name!r} holds codes and must be uint8 or int8; "
                                           f"the file has {stored[1]}")
                 if stored is not None and name in ("scale", "offset") and not stored[1].startswith(("float", "bfloat")):
-                    raise CheckpointError(f"{self.path}: tensor {p + name!r} must hold floats; the file has {stored[1]}")
+                    raise CheckpointError(f"{self.path}: tensor {p + name!r} must hold floats; the file has "
+                                          f"{stored[1]}")
         problems = mismatches(got, expected)
         if problems:
-            raise CheckpointError(f"{self.path} does not match the spec and its quantized layers: " + "; ".join(problems))
+            raise CheckpointError(f"{self.path} does not match the spec and its quantized layers: "
+                                  + "; ".join(problems))
 
     # -- data
     def layer_codes(self, position: str) -> dict[str, Any]:
@@ -274,7 +277,8 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
         if q.size and (int(q.min()) < lo or int(q.max()) > hi):
             bad = int(q.min()) if int(q.min()) < lo else int(q.max())
             raise CheckpointError(f"{self.path}: tensor {p + 'qkernel'!r} holds the code {bad}, outside the "
-                                  f"{quant.bits}-bit {'signed' if q.dtype.kind == 'i' else 'unsigned'} range {lo}..{hi}")
+                                  f"{quant.bits}-bit {'signed' if q.dtype.kind == 'i' else 'unsigned'} range "
+                                  f"{lo}..{hi}")
         return out
 
     def get(self, name: str) -> np.ndarray:
