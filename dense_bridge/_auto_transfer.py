@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _auto_mapping, models
-from ._errors import ConversionError, received
+from ._errors import ConversionError, check_flag, received
 from .testing.compare_models import compare_models
 
 __all__ = ["transfer"]
@@ -45,10 +45,8 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
                   requantize=requantize)
     if not _auto_mapping.is_auto(mapping):
         return models.transfer(src, dst, mapping=mapping, **kwargs)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False. {received('verify', verify)}")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
+    check_flag("verify", verify)
+    check_flag("strict", strict)
     if inputs is None:
         raise TypeError(_auto_mapping.NEEDS_INPUTS)
     if src is dst:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _mapping
-from ._errors import ConversionError, SpecError, received
+from ._errors import ConversionError, SpecError, check_flag, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
 
@@ -410,12 +410,8 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     from ._lora_transfer import LoraMoves
 
     adapters = LoraMoves(lora, allow_rounding, dst)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
-    if not isinstance(allow_narrowing, bool):
-        raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
-    if not isinstance(requantize, bool):
-        raise TypeError(f"requantize must be True or False. {received('requantize', requantize)}")
+    for flag, value in (("strict", strict), ("allow_narrowing", allow_narrowing), ("requantize", requantize)):
+        check_flag(flag, value)
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")

@@ -36,10 +36,10 @@ from .._manifest import GRADIENTS
 from .._registry import get_adapter, has_capability
 from ._gradients import effective_grads
 from ..specs import Dense, Sequential, layer_param_shapes
-from ._compare import (compare_layer, dx_names, feed_report, first_failure, layer_label, layers_of, model_dtype,
+from ._compare import (compare_layer, dx_names, feed_report, layer_label, layers_of, model_dtype,
                        new_report, output_dtype, output_width)
 from ._propagate import Propagation
-from ._report import Report
+from ._report import Report, first_failure
 from ._tolerance import Tolerance
 
 __all__ = ["compare_checkpoints", "segments"]

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import EPS, numpy_dtype
-from .._errors import ConversionError, SpecError, received
+from .._dtypes import EPS
+from .._errors import ConversionError, check_flag, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from ._gradients import effective_grads
@@ -52,7 +52,8 @@ from ._captures import Call, Capture, LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import element_stats, elementwise_units
 from ._structure import model_structure
-from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
+from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failure, fmt_err, fmt_units
+from ._rounding import coarsest, round_common
 from ._tolerance import Tolerance, allowed_error, rms
 
 __all__ = ["compare_models", "ModelReport", "GROWTH"]
@@ -151,32 +152,15 @@ def _is_float_dtype(dt) -> bool:
     return np.issubdtype(dt, np.floating) or np.dtype(dt).name == "bfloat16"
 
 
-def _round_common(x: np.ndarray, dtypes) -> np.ndarray:
-    """float64 values every dtype in ``dtypes`` holds exactly (rounded through each, to a fixpoint)."""
-    x = np.asarray(x).astype(np.float64)
-    for _ in range(3):
-        y = x
-        for d in dtypes:
-            y = y.astype(numpy_dtype(d)).astype(np.float64)
-        if np.array_equal(y, x, equal_nan=True):
-            break
-        x = y
-    return x
-
-
 def _round_inputs(inputs, dtypes):
     if isinstance(inputs, dict):
-        return {k: _round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for k, v in inputs.items()}
-    return [_round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for v in inputs]
+        return {k: round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for k, v in inputs.items()}
+    return [round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for v in inputs]
 
 
 def _dtype_name(arr: np.ndarray) -> str:
     name = np.dtype(arr.dtype).name
     return name if name in EPS else "float32"
-
-
-def _coarsest(dtypes) -> str:
-    return max(dtypes, key=lambda d: EPS[d])
 
 
 # ---------------------------------------------------------------------------- pairing
@@ -359,7 +343,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
-    from ._compare import check_count, check_flag, check_tolerance
+    from ._compare import check_count, check_tolerance
 
     grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
     seed = check_count("seed", seed, 0)
@@ -401,7 +385,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     def cotangent(shape: tuple) -> np.ndarray:
         size = int(np.prod(shape))
         if size not in cache:
-            cache[size] = _round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
+            cache[size] = round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
         return cache[size].reshape(shape)
 
     def run(select_a, select_b) -> tuple[Capture, Capture]:
@@ -422,10 +406,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
     refuse_nonfinite_outputs(cap_a.output, cap_b.output)
-    dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
-    dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
+    dt_a = coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
+    dt_b = coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
-                         ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
+                         ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
     for side, layers, matched in (("a", layers_a, set(_fused.members([pa for pa, _ in pairs], groups))),
@@ -474,7 +458,7 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
     report.notes += [ISOLATED_NOTE] + forced.notes
-    report.first_failure = _first_failure(report.layers)
+    report.first_failure = first_failure(report.layers)
 
 
 def _pair_outputs_by_shape(shapes_a: list, shapes_b: list) -> tuple[int, int] | None:
@@ -641,7 +625,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                 results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
     model_rows = ([final] if final is not None else []) + extra_calls
     report.layers = results + ([LayerResult(None, "model", tuple(model_rows))] if model_rows else [])
-    report.first_failure = _first_failure(report.layers)
+    report.first_failure = first_failure(report.layers)
 
 
 def _verdict_rows(idx, label, ca: Call, cb: Call, pa, pb, n_in, n_out, dtype, tol: Tolerance,
@@ -711,22 +695,3 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
                           + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
         out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows, values=(va, vb), dtype=dtype))
     return out
-
-
-def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
-    """Execution order: forward rows call by call (input, output), the model output, then the
-    backward from the last call to the first (dL/dy, then the layer's parameter gradients)."""
-    forward = ("input", "output", "quantization")
-    for layer in layers:
-        for q in layer.quantities:
-            if q.quantity in forward and not q.passed:
-                return q
-    for layer in layers:
-        for q in layer.quantities:
-            if q.quantity in ("model output", "calls") and not q.passed:
-                return q
-    for layer in reversed(layers):
-        for q in layer.quantities:
-            if q.quantity not in forward and q.quantity not in ("model output", "calls") and not q.passed:
-                return q
-    return None
