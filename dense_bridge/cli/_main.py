@@ -4,6 +4,12 @@ Exit codes: 0 ok, 1 not equivalent (check, demo), 2 bad input. Errors print one 
 stderr (``dense-bridge <command>: error: ...``), never a traceback; ``--json`` prints a JSON
 document on stdout for scripts. Progress bars go to stderr, only on a terminal or with
 ``--progress``.
+
+Built on the public API: ``dense_bridge`` (db.*), ``dense_bridge.checkpoints`` (open, convert,
+and the safe readers of small files), ``dense_bridge.testing`` and the public modules ``specs``
+and ``models``. The registry (``_registry``) is the one private module it reads: the backends
+table (names for the choices, manifests for help texts and quiet imports) and the adapters'
+optional verbs have no public face. ``tests/test_architecture.py`` holds it to that.
 """
 from __future__ import annotations
 
@@ -16,7 +22,9 @@ import time
 import warnings
 from typing import Any, Sequence
 
-from ._text import table  # noqa: F401 - re-exported: cli.table is what callers used
+import dense_bridge as db
+from .. import checkpoints
+from ._text import table
 
 EXIT_OK, EXIT_NOT_EQUIVALENT, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -35,9 +43,7 @@ def backend_choices() -> tuple[str, ...]:
 
 def format_choices() -> tuple[str, ...]:
     """What --format accepts: every backend that declares a file format."""
-    from ..checkpoints._native import format_names
-
-    return tuple(n for n in format_names() if n != "dense_bridge")
+    return tuple(n for n in checkpoints.format_names() if n != "dense_bridge")
 
 
 def _output_help() -> str:
@@ -115,8 +121,6 @@ def read_spec(text: str | None):
     """A spec from --spec: a JSON file of spec.to_config(), a dense_bridge checkpoint, or inline JSON."""
     if text is None:
         return None
-    import dense_bridge as db
-
     if text.lstrip().startswith("{"):
         return db.from_config(text)
     if not os.path.exists(text):
@@ -124,20 +128,13 @@ def read_spec(text: str | None):
                                  "or inline JSON)")
     if os.path.isdir(text):
         raise db.CheckpointError(f"--spec {text}: it is a directory, not a spec JSON file")
-    from ..checkpoints._safetensors import MAX_JSON_FILE, open_readonly, parse_json, read_at
-
-    fd = open_readonly(text)  # a FIFO or device is refused, never waited on
-    try:
-        head = read_at(fd, 1, 0)
-        size = os.fstat(fd).st_size
-        if head == b"{" and size > MAX_JSON_FILE:
-            raise db.SpecError(f"--spec {text}: {size:,} bytes is too large for a spec JSON file "
-                               f"(at most {MAX_JSON_FILE:,})")
-        raw = read_at(fd, size, 0) if head == b"{" else b""
-    finally:
-        os.close(fd)
+    head, size = checkpoints.read_head(text, 1)  # a FIFO or device is refused, never waited on
     if head == b"{":
-        config = parse_json(raw, lambda reason: db.SpecError(f"--spec {text}: not a spec JSON file ({reason})"),
+        if size > checkpoints.MAX_JSON_FILE:
+            raise db.SpecError(f"--spec {text}: {size:,} bytes is too large for a spec JSON file "
+                               f"(at most {checkpoints.MAX_JSON_FILE:,})")
+        raw, _ = checkpoints.read_head(text, size)
+        config = checkpoints.parse_json(raw, lambda reason: db.SpecError(f"--spec {text}: not a spec JSON file ({reason})"),
                             "JSON")
         if isinstance(config, dict) and "weight_map" in config:  # an index: take the checkpoint's spec
             return _spec_of_checkpoint(text)
@@ -148,30 +145,10 @@ def read_spec(text: str | None):
 
 
 def _spec_of_checkpoint(path: str):
-    from ..checkpoints import _flows as checkpoint
-    import dense_bridge as db
-
-    with checkpoint.open_checkpoint(path) as ckpt:
+    with checkpoints.open_checkpoint(path) as ckpt:
         if ckpt.spec is None:
             raise db.CheckpointError(f"--spec {path}: this checkpoint carries no spec to take")
         return ckpt.spec
-
-
-def _file_backend(path: str | None) -> str | None:
-    """The backend whose declared format holds the file at ``path``, judged by its first bytes
-    (None when it is no native file, or cannot be read: the command reports that itself)."""
-    if not path or not os.path.isfile(path):
-        return None
-    from ..checkpoints import _native as _checkpoint_native
-    from .. import _errors
-    from .._manifest import Probe
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-        return _checkpoint_native.identify(Probe(path, head, os.path.getsize(path)))[0]
-    except (OSError, _errors.DenseBridgeError):
-        return None
 
 
 def _quiet_backends(args) -> list[str]:
@@ -183,7 +160,7 @@ def _quiet_backends(args) -> list[str]:
     if not quiet or args.command == "demo":
         return quiet
     wanted = {getattr(args, k, None) for k in ("to", "backend_a", "backend_b")}
-    wanted |= {_file_backend(getattr(args, k, None)) for k in ("src", "a", "b")}
+    wanted |= {checkpoints.file_backend(getattr(args, k, None)) for k in ("src", "a", "b")}
     return [n for n in quiet if n in wanted]
 
 
@@ -224,17 +201,14 @@ def _show_progress(args) -> bool:
 
 # ============================================================================ convert
 def cmd_convert(args) -> int:
-    from ..checkpoints import _flows as checkpoint
-    from .._errors import CheckpointError
-
     spec = read_spec(args.spec)
     bar = ProgressBar(f"converting {os.path.basename(args.src)}", _show_progress(args))
     start = time.perf_counter()
     try:
-        summary = checkpoint.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
+        summary = checkpoints.convert_file(args.src, args.to, args.output, spec=spec, format=args.format,
                                           max_shard_size=args.max_shard_size, progress=bar,
                                           allow_nonfinite=args.allow_nonfinite)
-    except CheckpointError:
+    except db.CheckpointError:
         advice = None if spec is not None else _whole_model_advice(args.src, args.format, args.to)
         if advice is None:
             raise
@@ -268,15 +242,12 @@ def _whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple,
 def _whole_model_advice(src: str, format: str | None, target: str) -> str | None:
     """What to do with a whole model's checkpoint, and what it holds (None when the file is a plain
     chain of linear layers: then --spec is the answer, as the original error says)."""
-    from ..checkpoints import _flows as checkpoint
-    from .._errors import DenseBridgeError
-
     try:
-        ckpt = checkpoint.open_checkpoint(src, format=format)
+        ckpt = checkpoints.open_checkpoint(src, format=format)
         entries = ckpt.entries()
-    except DenseBridgeError:
+    except db.DenseBridgeError:
         return None
-    if ckpt.spec is not None or isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+    if ckpt.spec is not None or isinstance(ckpt, checkpoints.CanonicalCheckpoint):
         return None  # the failure is not a missing structure; a canonical file's tensors are layers'
     rows, others = _whole_model(entries, ckpt.framework)
     if not others:
@@ -305,45 +276,39 @@ def _whole_model_advice(src: str, format: str | None, target: str) -> str | None
 def _activation_text(act) -> str:
     if act is None:
         return ""
-    from ..activations import Activation
-
-    defaults = Activation(act.name).params
+    defaults = db.Activation(act.name).params
     extra = {k: v for k, v in act.params.items() if defaults.get(k) != v}
     return act.name + (f"({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
 
 
 def layer_rows(spec) -> list[dict]:
     """One dict per layer position: type, widths, activation, dtype, parameter count."""
-    from ..activations import Activation
-    from ..specs import Bilinear, Dense, Sequential
-
-    layers = list(spec.layers) if isinstance(spec, Sequential) else [spec]
+    layers = list(spec.layers) if isinstance(spec, db.Sequential) else [spec]
     rows = []
     for i, layer in enumerate(layers):
         row: dict[str, Any] = {"position": i, "type": type(layer).__name__, "in_features": None, "units": None,
                                "activation": "", "dtype": "", "params": 0, "mask_density": None}
-        if isinstance(layer, Dense):
+        if isinstance(layer, db.Dense):
             row.update(in_features=layer.in_features, units=layer.units, activation=_activation_text(layer.activation),
                        dtype=layer.dtype, params=layer.num_params if layer.in_features else None)
             if layer.activation.is_identity:
                 row["activation"] = "linear"
             if layer.mask is not None:
                 row["mask_density"] = round(layer.mask.density, 4)
-        elif isinstance(layer, Bilinear):
+        elif isinstance(layer, db.Bilinear):
             row.update(in_features=f"{layer.in1_features}x{layer.in2_features}", units=layer.units,
                        dtype=layer.dtype, params=layer.num_params)
-        elif isinstance(layer, Activation):
+        elif isinstance(layer, db.Activation):
             row.update(type="Activation", activation=_activation_text(layer))
         rows.append(row)
     return rows
 
 
 def cmd_inspect(args) -> int:
-    from ..checkpoints import _flows as checkpoint
     from ..specs import layer_config
 
     spec = read_spec(args.spec)
-    ckpt = checkpoint.open_checkpoint(args.src, spec=spec, format=args.format)
+    ckpt = checkpoints.open_checkpoint(args.src, spec=spec, format=args.format)
     if hasattr(ckpt, "verify_structure"):  # a native file and its spec must agree before it is shown
         ckpt.verify_structure()
     entries = ckpt.entries()
@@ -359,7 +324,7 @@ def cmd_inspect(args) -> int:
         "stored_values": total_values,
         "nonfinite": _nonfinite_counts(ckpt),
     }
-    if isinstance(ckpt, checkpoint.CanonicalCheckpoint):
+    if isinstance(ckpt, checkpoints.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
     if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models.py)
         from ..models import file_linear_layers, format_file_linear_layers
@@ -370,7 +335,7 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     nfiles = len(doc["files"])
     print(f"{args.src}: {ckpt.kind}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(ckpt.total_bytes)}")
-    if ckpt.spec is None and not isinstance(ckpt, checkpoint.CanonicalCheckpoint) \
+    if ckpt.spec is None and not isinstance(ckpt, checkpoints.CanonicalCheckpoint) \
             and _whole_model(entries, ckpt.framework)[1]:
         print("spec: none stored, and none fits: besides linear layers the file holds other tensors (embeddings, "
               "norms): a whole model (move it with db.transfer into a model built in the target framework)")
@@ -410,15 +375,16 @@ def _nonfinite_counts(ckpt) -> dict[str, int] | None:
     one tensor at a time; None where the tensors cannot be read without a spec (native files)."""
     import numpy as np
 
-    from .._transfer import count_nonfinite
-
     if ckpt.framework is not None and ckpt.spec is None:
         return None
     out = {}
     for name, tensor in ckpt.pending().items():
-        count = count_nonfinite(np.asarray(tensor.produce()))
+        flat = np.asarray(tensor.produce()).reshape(-1)
+        # in blocks: the boolean temporaries stay small whatever the tensor's size
+        count = sum(int(np.count_nonzero(~np.isfinite(flat[start:start + _DIFF_BLOCK])))
+                    for start in range(0, flat.size, _DIFF_BLOCK))
         if count:
-            out[name] = int(count)
+            out[name] = count
     return out
 
 
@@ -432,12 +398,10 @@ def _num_params(spec) -> int | None:
 # ============================================================================ check
 def _open_checkpoint(path: str, spec, backend: str | None, fmt: str | None):
     """(the opened checkpoint, the backend its model runs on: --backend-a/b, else its own framework)."""
-    from ..checkpoints import _flows as checkpoint
-
-    ckpt = checkpoint.open_checkpoint(path, spec=spec, format=fmt)
+    ckpt = checkpoints.open_checkpoint(path, spec=spec, format=fmt)
     backend = backend or ckpt.framework or "numpy"
     if ckpt.spec is None:
-        raise checkpoint.CheckpointError(f"{path} carries no spec: pass --spec SPEC.json")
+        raise db.CheckpointError(f"{path} carries no spec: pass --spec SPEC.json")
     return ckpt, backend
 
 
@@ -475,24 +439,11 @@ def _max_abs_diff(a, b) -> tuple[float, bool]:
     return float(np.max(block_max)), bool(same_bits)  # np.max keeps a NaN difference visible
 
 
-def _compare_fn():
-    try:
-        from ..testing import compare
-    except ImportError as exc:
-        from .._errors import DenseBridgeError
-
-        raise DenseBridgeError(f"this installation has no dense_bridge.testing.compare ({exc})") from None
-    return compare
-
-
 def cmd_check(args) -> int:
-    from .. import _api
+    from ..testing import compare, compare_checkpoints, rows_structure
 
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)
-    compare = _compare_fn()
-    from ..testing._compare_files import compare_checkpoints
-
     ckpt_a, backend_a = _open_checkpoint(args.a, spec_a, args.backend_a, args.format)
     ckpt_b, backend_b = _open_checkpoint(args.b, spec_b, args.backend_b, args.format)
     options = dict(grads=not args.no_grads, seed=args.seed, batch_size=args.batch_size, strict=args.strict)
@@ -504,10 +455,8 @@ def cmd_check(args) -> int:
     if report is None:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
         report = compare(a, b, isolated=args.isolated, **options)
-        diffs = param_diffs(_api.get_params(a, copy=False), _api.get_params(b, copy=False))
+        diffs = param_diffs(db.get_params(a, copy=False), db.get_params(b, copy=False))
     if report.structure is None:  # streamed: the parameter rows read on the way say it
-        from ..testing._structure import rows_structure
-
         report.structure = rows_structure(diffs)
     if args.html:
         report.to_html(args.html)  # atomic; a page with the table and the per-layer error chart
@@ -540,36 +489,31 @@ def cmd_demo(args) -> int:
 def refuse_writing_inputs(args) -> None:
     """CheckpointError (exit 2) before anything runs when an output path (``convert -o``,
     ``check --html``) is, or resolves to, one of the command's input files."""
-    from ..checkpoints._path_guard import canonical_outputs, input_files, refuse_overwrite
-    from ..checkpoints._flows import CANONICAL_TARGETS
-
     def given(*options: str) -> dict[str, list[str]]:
         found = {}
         for option in options:
             value = getattr(args, option.lstrip("-").replace("-", "_"), None)
             if isinstance(value, str) and not value.lstrip().startswith("{"):  # inline JSON is no file
-                found[option] = input_files(value)
+                found[option] = checkpoints.input_files(value)
         return found
 
     if args.command == "convert":
-        out = canonical_outputs(args.output) if args.to in CANONICAL_TARGETS else [args.output]
-        refuse_overwrite({"-o": out}, {"SRC": input_files(args.src), **given("--spec")})
+        canonical = args.to in checkpoints.CANONICAL_TARGETS
+        out = checkpoints.canonical_outputs(args.output) if canonical else [args.output]
+        checkpoints.refuse_overwrite({"-o": out}, {"SRC": checkpoints.input_files(args.src), **given("--spec")})
     elif args.command == "check" and args.html:
-        inputs = {"A": input_files(args.a), "B": input_files(args.b),
+        inputs = {"A": checkpoints.input_files(args.a), "B": checkpoints.input_files(args.b),
                   **given("--spec", "--spec-a", "--spec-b", "--mapping", "--inputs", "--inputs-b")}
-        refuse_overwrite({"--html": [args.html]}, inputs)
+        checkpoints.refuse_overwrite({"--html": [args.html]}, inputs)
 
 
 # ============================================================================ parser and main
 def build_parser() -> argparse.ArgumentParser:
-    from ..checkpoints._native import supported_formats
-    from .._version import __version__
-
     parser = argparse.ArgumentParser(
         prog="dense-bridge",
         description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
                     "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
-    parser.add_argument("--version", action="version", version=f"dense-bridge {__version__}")
+    parser.add_argument("--version", action="version", version=f"dense-bridge {db.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect,adapter}")
     sub.required = True
 
@@ -584,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="convert a checkpoint to another framework's format",
-                       description=f"Convert SRC (a {supported_formats()} file) to BACKEND's format at OUT. "
+                       description=f"Convert SRC (a {checkpoints.supported_formats()} file) to BACKEND's format at OUT. "
                                    "--to canonical (or numpy) writes a dense_bridge checkpoint, shardable with "
                                    "--max-shard-size. Files without a stored spec need --spec.")
     p.add_argument("src", metavar="SRC", help="source checkpoint")
@@ -627,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
-    from ..testing._check_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
+    from ._whole_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
 
     add_model_check(p)
 
@@ -658,8 +602,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
         return int(exc.code or 0)
-    from .._errors import DenseBridgeError
-
     try:
         refuse_writing_inputs(args)
         import_quietly(_quiet_backends(args))
@@ -667,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is one line and exit 2 (1 is "not equivalent")
         if os.environ.get("DENSE_BRIDGE_DEBUG"):
             raise  # developers: the full traceback
-        known = isinstance(exc, (DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError))
+        known = isinstance(exc, (db.DenseBridgeError, OSError, ValueError, TypeError, KeyError, RuntimeError))
         text = one_line(exc) if known else f"{type(exc).__name__}: {one_line(exc)}"
         print(f"dense-bridge {args.command}: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
