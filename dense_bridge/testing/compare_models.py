@@ -163,26 +163,6 @@ def _dtype_name(arr: np.ndarray) -> str:
     return name if name in EPS else "float32"
 
 
-# ---------------------------------------------------------------------------- pairing
-def _linear_layers(model, argument: str) -> dict[str, Any]:
-    from .. import models
-
-    try:
-        return models.linear_layers(model)
-    except TypeError:
-        raise
-    except ConversionError as exc:
-        raise ConversionError(f"{argument}: {exc}") from None
-
-
-def _pairs(a, b, mapping) -> tuple[list[tuple[str, str]], dict]:
-    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``,
-    a split or concatenated side as one group labelled "path+path+..." (``_fused``), and the groups."""
-    from .. import models
-
-    return _fused.pairs_of(models.match_moves(a, b, mapping))
-
-
 # ---------------------------------------------------------------------------- judging
 def _rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
     """A capture as canonical (rows, width) float64: the trailing axes whose sizes multiply to
@@ -366,10 +346,13 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
     from .. import _auto_mapping, models
 
+    walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference and structure share it
     if _auto_mapping.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
-        mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, models.sides)
-    layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
-    pairs, groups = _pairs(a, b, mapping)
+        mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, lambda *_: walked)
+    layers_a, layers_b = ({e.path: e.layer for e in side.linear()} for side in walked)
+    # matched (path in a, path in b): the linear layers db.transfer would pair with mapping, a split or
+    # concatenated side as one group labelled "path+path+..." (_fused), and the groups
+    pairs, groups = _fused.pairs_of(models.match_moves(a, b, mapping, walked=walked))
     from .._api import get_params
 
     params_a = {pa: _fused.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
@@ -423,7 +406,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     if not _verify_only:
-        report.structure = model_structure(a, b, pairs, groups)
+        report.structure = model_structure(a, b, pairs, groups, entries=(walked[0].entries, walked[1].entries))
     if grads_note:
         report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
