@@ -275,5 +275,6 @@ def available_backends(check: bool = False) -> list[str]:
 
 
 def backend(native: Any) -> str:
-    """The backend name of a native object ("torch", "keras", "mlx" or "numpy")."""
+    """The backend name of a native object ("torch", "keras", "mlx", "flax", "equinox", "onnx", "numpy",
+    or a registered one)."""
     return backend_of(native)

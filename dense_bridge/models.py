@@ -58,8 +58,9 @@ def linear_layers(model: Any) -> dict[str, Any]:
     """Every linear-family layer inside ``model``, keyed by its path, in definition order.
 
     Linear-family: torch ``nn.Linear``/``LazyLinear``/``nn.Bilinear``, Keras ``Dense`` and
-    ``EinsumDense`` whose equation is a linear map, MLX ``nn.Linear``/``nn.Bilinear``, and classes
-    declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
+    ``EinsumDense`` whose equation is a linear map, MLX ``nn.Linear``/``nn.Bilinear``, Flax
+    ``nnx.Linear``, Equinox ``nn.Linear``, the linear nodes of an ONNX graph (backends/onnx/_graph.py),
+    and classes declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
     native layer itself and works with ``to_spec``, ``get_params`` (canonical kernel
     (in_features, units)), ``set_params``, ``convert`` and ``testing.compare`` like a lone layer.
     Quantized linear layers (MLX ``QuantizedLinear``, Keras int8/int4, torchao weight-only) are

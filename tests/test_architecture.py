@@ -27,14 +27,14 @@ ADAPTERS = CORE.parent / "backends"  # installed as dense_bridge.backends (pypro
 
 FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox", "onnx", "onnxruntime"}
 
-#: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
-#: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
+#: Verbs not yet offered by a backend: {(backend, verb): what is missing for it}. A verb leaves this
+#: table when every adapter offers it and it joins REQUIRED_VERBS.
 PENDING_VERBS: dict[tuple[str, str], str] = {}
 
-#: Core modules still allowed a framework import, each naming the issue that removes it.
+#: Core modules still allowed a framework import, each with the reason it cannot go yet.
 FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {}
 
-#: Imports that still close a circle, (importer, imported), each naming the issue that removes it.
+#: Imports that still close a circle, (importer, imported), each with the reason it cannot go yet.
 #: The cycle test drops these edges and fails on any circle left, and on an entry whose import is gone.
 KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
 }

@@ -23,9 +23,9 @@ a rounded value landing on the other side of a kink (relu' is 0 or 1). A lone la
 inputs gets exactly the docs/FACTS.md formula. Where a value's allowance is 0 (an all-zero
 reference), any difference fails.
 
-Empirical check (tests/test_compare.py and the sweeps quoted in the issue): every framework
-pair in float32/float16/bfloat16 over random specs and seeds passes with margin, and every
-wrong port of the issue fails at its layer.
+Empirical check (tests/test_compare.py): every framework pair in float32/float16/bfloat16 over
+random specs and seeds passes with margin, and every wrong port there (a transposed kernel, a
+missing bias, another activation, a perturbed weight) fails at its layer.
 
 ``first_divergence`` is the first failing quantity in the order the computation produces them:
 the forward outputs in layer order, then the backward in reverse layer order (for each layer:
