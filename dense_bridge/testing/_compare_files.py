@@ -96,7 +96,7 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     """The report ``compare`` gives for the two checkpoints' models, computed holding one layer
     pair at a time; None when the specs cannot be streamed (call ``compare`` on the models).
 
-    ``ckpt_a``/``ckpt_b``: opened checkpoints (``checkpoint.open_checkpoint``) with specs;
+    ``ckpt_a``/``ckpt_b``: opened checkpoints (``dense_bridge.checkpoints.open_checkpoint``) with specs;
     ``params_seen(params_a, params_b)`` is called once per layer with parameters with the
     two layers' canonical tensors, keyed as in the files ("3.kernel"), while they are at hand.
     """

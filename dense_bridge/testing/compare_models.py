@@ -346,7 +346,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
     from .. import _auto_mapping, models
 
-    walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference and structure share it
+    walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
+    walks = (walked[0].entries, walked[1].entries)
     if _auto_mapping.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
         mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, lambda *_: walked)
     layers_a, layers_b = ({e.path: e.layer for e in side.linear()} for side in walked)
@@ -406,23 +407,23 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     if not _verify_only:
-        report.structure = model_structure(a, b, pairs, groups, entries=(walked[0].entries, walked[1].entries))
+        report.structure = model_structure(a, b, pairs, groups, entries=walks)
     if grads_note:
         report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
-    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b),
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, walks=walks,
            verify_only=_verify_only)
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
-                        quant=quant, models=(a, b), groups=groups, widths=widths)
+                        quant=quant, walks=walks, groups=groups, widths=widths)
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
                     cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
-                    models=None, groups: dict | None = None, widths: dict | None = None) -> None:
+                    walks=None, groups: dict | None = None, widths: dict | None = None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
     their output, dL/dx and parameter-gradient rows in place of the cascaded ones; a split/fused
     group (``groups``, member units in ``widths``) runs member by member."""
@@ -436,7 +437,7 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts,
                                         groups=groups, widths=widths)
     twin = judge_copy(report)
-    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, walks=walks)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
     dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
@@ -464,7 +465,7 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
 
 
 def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
-           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None,
+           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, walks=None,
            verify_only: bool = False) -> None:
     from ._quantized import backward_spread, quantization_row, table_spread
 
@@ -501,8 +502,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                                 f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
-    if models is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
-        fwd_prev, table_notes = table_spread(*models)
+    if walks is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
+        fwd_prev, table_notes = table_spread(*walks)
         report.notes += table_notes
     results: list[LayerResult] = []
     rec: list = []  # per row: what the backward pass needs, or None
