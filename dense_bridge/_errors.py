@@ -60,6 +60,22 @@ def check_type(name: str, value: object, types, what: str) -> None:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}. {received(name, value)}")
 
 
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` as a bool when it is True or False (numpy's bools too); else TypeError
+    naming ``name``: a truthy stand-in such as ``strict="no"`` is a bug, not True."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+    if not isinstance(value, bool) and not numpy_bool:
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}. {received(name, value)}")
+    return bool(value)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its class name when the message is empty):
+    a library's multi-line error quoted inside one of ours."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def check_positive_int(name: str, value: object) -> int:
     """Return ``value`` as int when it is a positive integer; else TypeError/SpecError naming it."""
     import numbers
