@@ -21,5 +21,11 @@ from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import MAX_JSON_FILE, parse_json, read_json_file
 from ._sniff import file_backend, read_head
 
+# what `dense-bridge inspect` says of quantized layers whose codes a checkpoint keeps (_quantized)
+from ._quantized import correct_linear_rows as quantized_linear_rows
+from ._quantized import format_summary as format_quantized_layers
+from ._quantized import summary as quantized_layers
+
+__all__ += ["quantized_layers", "format_quantized_layers", "quantized_linear_rows"]
 __all__ += ["CANONICAL_TARGETS", "format_names", "supported_formats", "read_npz", "canonical_outputs", "input_files",
             "refuse_overwrite", "MAX_JSON_FILE", "parse_json", "read_json_file", "file_backend", "read_head"]

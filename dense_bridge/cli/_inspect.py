@@ -76,12 +76,12 @@ def cmd_inspect(args) -> int:
     }
     if isinstance(ckpt, checkpoints.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
-    from ..checkpoints._quantized import correct_linear_rows, format_summary, summary as quantized_summary
-    doc["quantized_layers"] = quantized_summary(ckpt)  # codes kept: bits, groups, scheme per layer
+    doc["quantized_layers"] = checkpoints.quantized_layers(ckpt)  # codes kept: bits, groups, scheme per layer
     if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models.py)
         from ..models import file_linear_layers, format_file_linear_layers
 
-        doc["linear_layers"] = correct_linear_rows(file_linear_layers(entries, ckpt.framework), doc["quantized_layers"])
+        doc["linear_layers"] = checkpoints.quantized_linear_rows(file_linear_layers(entries, ckpt.framework),
+                                                                 doc["quantized_layers"])
     if args.json:
         emit_json(doc)
         return EXIT_OK
@@ -104,7 +104,7 @@ def cmd_inspect(args) -> int:
                  "" if r["mask_density"] is None else f"{r['mask_density']:.3f}"] for r in doc["layers"]]
         print(table(["pos", "layer", "in", "units", "activation", "dtype", "params", "mask"], rows, right=(0, 2, 3, 6)))
     if doc["quantized_layers"]:
-        print(format_summary(doc["quantized_layers"]))
+        print(checkpoints.format_quantized_layers(doc["quantized_layers"]))
     print()
     rows = [[n, "(" + ", ".join(str(x) for x in s) + ("," if len(s) == 1 else "") + ")", d, f"{math.prod(s):,}"]
             for n, s, d in entries]
