@@ -41,6 +41,13 @@ def received(name: str, value: object) -> str:
     return f"Received: {name}={text}"
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a framework's multi-line error), or its type name
+    when the message is empty: what a one-line CheckpointError quotes of a foreign failure."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def suggest(value: object, choices: Iterable[str]) -> str:
     """Return " Did you mean 'x'?" for the closest choice, or "" when nothing is close."""
     if not isinstance(value, str):

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, first_line
 
 __all__ = ["Match", "Probe", "FileFormat", "FileNames", "Manifest", "GRADIENTS"]
 
@@ -38,11 +38,6 @@ class Match(enum.IntEnum):
     DEFAULT = 2   # the usual reading of this container when nothing in the file says otherwise
     LIKELY = 3    # the file's conventions (names, extension with a matching first byte) point here
     CERTAIN = 4   # a signature only this format has (a magic number, a member, a tag it writes)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 class Probe:
@@ -76,7 +71,7 @@ class Probe:
                         self._zip = z.namelist()
                 except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
                     raise CheckpointError(f"cannot read {self.path} (extension {self.ext}): a zip archive that is "
-                                          f"truncated or corrupted ({_first_line(exc)})") from None
+                                          f"truncated or corrupted ({first_line(exc)})") from None
         return self._zip  # type: ignore[return-value]
 
 

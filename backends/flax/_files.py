@@ -3,12 +3,12 @@
 - ``"msgpack"``: ``flax.serialization.msgpack_serialize`` of ``nnx.to_pure_dict(nnx.state(model))``
   (every variable, the Mask included, under Flax's own nested names: "layers" -> 0 -> "kernel").
   Read back with ``msgpack_restore`` and ``nnx.replace_by_pure_dict`` into the template's state.
-- ``"orbax"``: an Orbax checkpoint directory (``orbax.checkpoint.StandardCheckpointer``) of the
-  same state; Orbax is imported only for this format (it pulls in tensorstore).
 
 Names in ``file_info`` are Flax's dotted paths ("layers.0.kernel"), shapes Flax's own (kernel
-(in, out), the canonical layout). Neither format has a slot for string metadata: ``metadata`` is
-not written, and a spec must come from the caller (``spec=``/``like=``).
+(in, out), the canonical layout). The format has no slot for string metadata: ``metadata`` is
+not written, and a spec must come from the caller (``spec=``/``like=``). Orbax checkpoint
+directories are not read: no format the manifest declares reaches them, and Orbax would pull
+tensorstore into the ``flax`` extra.
 """
 from __future__ import annotations
 
@@ -18,16 +18,11 @@ from typing import Callable, Mapping
 import numpy as np
 from flax import nnx, serialization
 
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
-KINDS = ("msgpack", "orbax")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+KINDS = ("msgpack",)
 
 
 #: Deepest nesting of a state tree (an NNX state of nested modules is a few levels deep).
@@ -55,7 +50,7 @@ def _flat(tree, path: str = "") -> dict[str, np.ndarray]:
             try:
                 out[name] = np.asarray(v)
             except Exception as exc:  # noqa: BLE001 - a value numpy cannot hold as an array
-                raise CheckpointError(f"{path}: entry {name!r} is not an array ({_first_line(exc)})") from None
+                raise CheckpointError(f"{path}: entry {name!r} is not an array ({first_line(exc)})") from None
             if out[name].dtype.kind not in "fiub" and out[name].dtype.name != "bfloat16":
                 raise CheckpointError(f"{path}: entry {name!r} holds {out[name].dtype}, not numbers")
     prefixes = {n.rsplit(".", 1)[0] for n in out if "." in n}
@@ -70,24 +65,20 @@ def _entries(tree, path: str = "") -> Entries:
 
 def _read_tree(path: str, container: str):
     try:
-        if container == "orbax" or os.path.isdir(path):
-            import orbax.checkpoint as ocp
-
-            return ocp.StandardCheckpointer().restore(os.path.abspath(path))
         fd = open_readonly(path)  # a FIFO or a device is refused, never waited on
         with os.fdopen(fd, "rb") as f:
             return serialization.msgpack_restore(f.read())
     except CheckpointError:
         raise
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {_first_line(exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - msgpack/orbax raise many types for damaged files
-        raise CheckpointError(f"cannot read {path} as a Flax checkpoint (msgpack or Orbax): {type(exc).__name__}: "
-                              f"{_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types for damaged files
+        raise CheckpointError(f"cannot read {path} as a Flax msgpack checkpoint: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
 
 
 def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[str, str]]:
-    """(Flax dotted name -> (shape, dtype name), {}) of a msgpack file or an Orbax directory."""
+    """(Flax dotted name -> (shape, dtype name), {}) of a msgpack file."""
     tree = _read_tree(path, container)
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
@@ -108,7 +99,7 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
         nnx.replace_by_pure_dict(state, tree)
         nnx.update(template, state)
     except Exception as exc:  # noqa: BLE001 - structure errors from flax
-        raise CheckpointError(f"cannot load {path} into the Flax model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the Flax model: {first_line(exc)}") from None
     return template
 
 
@@ -118,12 +109,5 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
     if kind == "msgpack":
         with open(temp, "wb") as f:
             f.write(serialization.msgpack_serialize(pure))
-    elif kind == "orbax":
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.abspath(temp), pure)
-            ckptr.wait_until_finished()
     else:
-        raise CheckpointError(f"cannot write {path}: Flax writes msgpack (.msgpack) or an Orbax checkpoint "
-                              f"directory, not {kind!r}")
+        raise CheckpointError(f"cannot write {path}: Flax writes msgpack (.msgpack), not {kind!r}")

@@ -27,7 +27,7 @@ import numpy as np
 
 from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError, DenseBridgeError
+from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
 from dense_bridge._memory import available_memory
 from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
 
@@ -36,11 +36,6 @@ from ._to_spec import layers_of
 
 Entries = dict  # name -> (native shape, dtype name)
 SPEC_ATTR = "dense_bridge_spec"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _h5_structure(path: str) -> Entries:
@@ -74,7 +69,7 @@ def _h5_structure(path: str) -> Entries:
             if not linked:
                 f.visititems(visit)
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
-        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if linked:
         raise CheckpointError(f"{path}: links {linked[:5]} point elsewhere (HDF5 external or soft links, which "
@@ -120,7 +115,7 @@ def _h5_spec_attr(path: str) -> str | None:
         with h5py.File(path, "r") as f:
             raw = f.attrs.get(SPEC_ATTR)
     except Exception as exc:  # noqa: BLE001 - see _h5_structure
-        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if raw is None:
         return None
@@ -243,7 +238,7 @@ def _check_archive(path: str) -> None:
         with zipfile.ZipFile(path) as z:
             members = z.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)}") from None
     for info in members:
         if info.file_size > _ZIP_EXPANSION_FLOOR and info.file_size > _ZIP_MAX_EXPANSION * max(info.compress_size, 1):
             raise CheckpointError(f"{path}: archive member {info.filename!r} claims {info.file_size:,} bytes from "
@@ -261,7 +256,7 @@ def _load_model(path: str):
         try:
             return keras.saving.load_model(named)
         except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
-            raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)} (custom layers must "
+            raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)} (custom layers must "
                                   "be registered with keras.saving.register_keras_serializable)") from None
 
 
@@ -311,7 +306,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
                     warnings.simplefilter("error")  # keras only warns when some weights did not load
                     template.load_weights(named)
             except Exception as exc:  # noqa: BLE001 - keras raises ValueError/KeyError/UserWarning
-                raise CheckpointError(f"cannot load {path} into the Keras model: {_first_line(exc)}") from None
+                raise CheckpointError(f"cannot load {path} into the Keras model: {first_line(exc)}") from None
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return template
@@ -413,7 +408,7 @@ class _DatasetReader:
                 except (DenseBridgeError, MemoryError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError
-                    raise CheckpointError(f"cannot read {dataset_path} from {self.path}: {_first_line(exc)}") \
+                    raise CheckpointError(f"cannot read {dataset_path} from {self.path}: {first_line(exc)}") \
                         from None
         finally:
             os.close(fd)

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 from ._arrays import dtype_name, to_numpy
@@ -30,11 +30,6 @@ from ._layers import is_dense
 from ._params import positions
 
 Entries = dict  # name -> (native shape, dtype name)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _dtype_name(dtype) -> str:
@@ -61,7 +56,7 @@ def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array
     try:
         return dict(mx.load(path))
     except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
-        raise CheckpointError(f"cannot read {path} as MLX weights: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as MLX weights: {first_line(exc)}") from None
 
 
 def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None = None
@@ -135,7 +130,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     try:
         template.load_weights(list(state.items()), strict=True)
     except (ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot load {path} into the MLX model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the MLX model: {first_line(exc)}") from None
     mx.eval(template.parameters())
     return template
 

@@ -21,18 +21,13 @@ import torch
 from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 
 from ._arrays import from_numpy, to_numpy
 from ._params import layer_modules
 
 Entries = dict  # name -> (native shape, dtype name)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -49,7 +44,7 @@ def _state(path: str, container: str, files: list[SafetensorsFile] | None) -> di
             warnings.simplefilter("ignore")  # torch's own notes about the legacy format
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=container == "torch-zip")
     except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
-        text = _first_line(exc)
+        text = first_line(exc)
         if "Weights only load failed" in str(exc):
             text = ("it holds pickled Python objects besides tensors, which torch.load(weights_only=True) "
                     "refuses (save model.state_dict() instead of the model)")
@@ -95,7 +90,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     try:
         template.load_state_dict(state, strict=True, assign=borrow and container == "torch-zip")
     except (RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot load {path} into the torch model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the torch model: {first_line(exc)}") from None
     return template
 
 

@@ -65,11 +65,12 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecEr
 from .._params import ParamSource, check_masks_match, expected_params, validate_params
 from .._memory import check_load_fits
 from ._native_stream import stream_native
+from ._validate import LayerStream
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from ..activations import Activation
-from ..specs import Dense, Sequential, Spec, from_config, layer_param_shapes
+from ..specs import Dense, Sequential, Spec, from_config
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "FORMAT", "FORMAT_VERSION"]
 
@@ -539,6 +540,11 @@ class CanonicalCheckpoint:
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.where)
 
+    @property
+    def source_backend(self) -> str:
+        """The backend the parameters were saved from (the file's ``source_backend``)."""
+        return self.meta.get("source_backend", "numpy")
+
     def _check(self, spec) -> None:
         try:
             expected = expected_params(spec)
@@ -563,13 +569,15 @@ class CanonicalCheckpoint:
         """Every tensor as a PendingTensor: read from the file only when written out."""
         return {n: PendingTensor(self.info(n).numpy_dtype, self.info(n).shape, _getter(self, n)) for n in self.where}
 
-    def layer_stream(self, allow_nonfinite: bool = False) -> "_LayerStream":
+    def layer_stream(self, allow_nonfinite: bool = False, progress: Progress | None = None) -> LayerStream:
         """``stream(index, layer_spec)`` -> that layer's validated canonical params, read from the
-        mapped file when asked (what a layer-by-layer comparison of two files reads)."""
+        mapped file when asked (what ``native`` builds from, and a layer-by-layer comparison of
+        two files reads)."""
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= "
                                   "(--spec SPEC.json on the command line)")
-        return _LayerStream(self, None, allow_nonfinite)
+        return LayerStream(self.spec, self.get, self.where, allow_nonfinite=allow_nonfinite, progress=progress,
+                           total=self.total_bytes)
 
     def native(self, backend: str, progress: Progress | None = None, allow_nonfinite: bool = False):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
@@ -578,7 +586,7 @@ class CanonicalCheckpoint:
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
                                   "db.load (--spec SPEC.json on the command line) to build a model from it")
-        source = ParamSource(self.spec, stream=_LayerStream(self, progress, allow_nonfinite))
+        source = ParamSource(self.spec, stream=self.layer_stream(allow_nonfinite, progress))
         try:
             return _api.build(backend, source)
         except ConversionError as exc:
@@ -600,36 +608,6 @@ def _fill_lazy(spec, ckpt: CanonicalCheckpoint):
     if key in ckpt.where and len(ckpt.info(key).shape) == 2:
         return spec.with_in_features(int(ckpt.info(key).shape[0]))
     return spec
-
-
-class _LayerStream:
-    """Reads each layer's tensors from the checkpoint when the adapter asks (a ParamSource stream).
-
-    Adapters copy what they are given into framework memory, so the mapped pages of one layer
-    are released before the next layer is read.
-    """
-
-    def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None, allow_nonfinite: bool = False) -> None:
-        self._ckpt = ckpt
-        self._allow_nonfinite = allow_nonfinite
-        self._progress = progress
-        self._done = 0
-        self._total = ckpt.total_bytes
-        self._sequential = isinstance(ckpt.spec, Sequential)
-
-    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
-        prefix = f"{index}." if self._sequential else ""
-        raw = {k: self._ckpt.get(prefix + k) for k in layer_param_shapes(layer)}
-        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
-                                  allow_nonfinite=self._allow_nonfinite)
-        check_masks_match(layer, checked, prefix=prefix or "0.")
-        self._done += sum(a.nbytes for a in raw.values())
-        if self._progress is not None:
-            self._progress(self._done, self._total)
-        return checked
-
-    def release(self) -> None:
-        """Nothing to drop: each tensor is its own mapping, unmapped when its array is freed."""
 
 
 def _describe(spec) -> str:
@@ -895,14 +873,10 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
 def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress: Progress | None,
              allow_nonfinite: bool = False) -> dict:
     if target in CANONICAL_TARGETS:
-        if isinstance(ckpt, CanonicalCheckpoint):
-            tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
-            meta = _metadata(ckpt.spec, tensors, ckpt.meta.get("source_backend", "numpy"))
-        else:
-            # straight from the file where the adapter can (file_views), else views of the loaded
-            # model's memory: either way the output is written without a second copy
-            tensors = ckpt.pending()
-            meta = _metadata(ckpt.spec, tensors, ckpt.framework)
+        # each tensor read from the source only when its turn to be written comes: mapped from a
+        # canonical file, served by the adapter's file_views, or a view of a loaded native model
+        tensors = ckpt.pending()
+        meta = _metadata(ckpt.spec, tensors, ckpt.source_backend)
         try:
             files = write_canonical(out, tensors, meta, limit, progress, check_finite=not allow_nonfinite)
         except DenseBridgeError:

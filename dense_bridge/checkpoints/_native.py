@@ -30,21 +30,16 @@ import numpy as np
 from ._io import AtomicFiles, check_writable, write_limit_cause
 from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
 from .._dtypes import numpy_dtype
-from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
+from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line
 from .._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
-from ._pages import release_file_pages
+from ._validate import LayerStream
 
 __all__ = ["SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "identify", "supported_formats",
            "format_names", "file_adapter", "output_kind", "temp_suffix", "write_native", "structure_twin",
            "canonical_shapes"]
 
 SPEC_KEY = "dense_bridge_spec"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _backends():
@@ -87,7 +82,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
             raise
         except Exception as exc:  # noqa: BLE001 - a backend's sniff failed: name it, never its traceback
             raise CheckpointError(f"cannot read {probe.path}: the {backend} backend's {fmt.label!r} format failed to "
-                                  f"check it ({type(exc).__name__}: {_first_line(exc)})") from None
+                                  f"check it ({type(exc).__name__}: {first_line(exc)})") from None
         if score > Match.NO:
             scored.append((score, -order, backend, fmt))
     if format is not None and format != "dense_bridge":
@@ -122,7 +117,7 @@ def file_adapter(framework: str, what: str):
         raise BackendUnavailableError(f"{what} needs {framework}, which is not installed. Install it with: "
                                       f"{_backends()[framework].install}") from exc
     except ImportError as exc:  # installed but broken (a missing shared library, a version clash)
-        raise BackendUnavailableError(f"{what} needs {framework}, which cannot be imported ({_first_line(exc)}). "
+        raise BackendUnavailableError(f"{what} needs {framework}, which cannot be imported ({first_line(exc)}). "
                                       f"Reinstall it with: {_backends()[framework].install}") from None
 
 
@@ -214,6 +209,11 @@ class NativeCheckpoint:
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
         return [(n, tuple(s), d) for n, (s, d) in self._file_info()[0].items()]
+
+    @property
+    def source_backend(self) -> str:
+        """The backend whose own format the file is."""
+        return self.framework
 
     @property
     def total_bytes(self) -> int:
@@ -352,7 +352,7 @@ class NativeCheckpoint:
             progress(1, 1)
         return out
 
-    def layer_stream(self, allow_nonfinite: bool = False) -> "_ViewStream":
+    def layer_stream(self, allow_nonfinite: bool = False, progress=None) -> LayerStream:
         """``stream(index, layer_spec)`` -> that layer's validated canonical params: views of the
         file where the adapter can serve them (``file_views``), else of a template loaded with
         ``borrow`` (a torch zip stays mapped); the pages of the layer read before are dropped."""
@@ -362,7 +362,8 @@ class NativeCheckpoint:
         views = self._file_views()
         if views is None:
             views = _api.get_params(self.template(borrow=True), copy=False)
-        return _ViewStream(self.spec, views, allow_nonfinite)
+        return LayerStream(self.spec, views.__getitem__, views, allow_nonfinite=allow_nonfinite, progress=progress,
+                           total=self.total_bytes if progress is not None else 0, drop_pages=True)
 
     def verify_structure(self) -> None:
         """Compare the file's tensor names, shapes and dtypes with what a model of its spec saves,
@@ -478,34 +479,6 @@ def structure_twin(spec):
     return shrink(spec)
 
 
-class _ViewStream:
-    """Canonical views of a loaded template handed out layer by layer (a ParamSource stream)."""
-
-    def __init__(self, spec, views: dict, allow_nonfinite: bool) -> None:
-        from ..specs import Sequential
-
-        self._views, self._allow_nonfinite = views, allow_nonfinite
-        self._sequential = isinstance(spec, Sequential)
-        self._read: list[np.ndarray] = []
-
-    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
-        from .._params import check_masks_match, validate_params
-        from ..specs import layer_param_shapes
-
-        self.release()  # the target holds its own copy of the layers before this one by now
-        prefix = f"{index}." if self._sequential else ""
-        raw = {k: self._views[prefix + k] for k in layer_param_shapes(layer) if prefix + k in self._views}
-        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
-                                  allow_nonfinite=self._allow_nonfinite)
-        check_masks_match(layer, checked, prefix=prefix or "0.")
-        self._read.extend(raw.values())
-        return checked
-
-    def release(self) -> None:
-        release_file_pages(self._read)
-        self._read.clear()
-
-
 # ============================================================================ writing
 def _writable(backend: str) -> list[FileFormat]:
     return [f for f in _backends()[backend].manifest.formats if f.write_kind and f.extensions]
@@ -547,6 +520,6 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone
         cause = write_limit_cause(out)
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)}"
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {first_line(exc)}"
                               f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]

@@ -24,9 +24,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .._errors import CheckpointError, ConversionError, DenseBridgeError
-
-Producer = Callable[[], np.ndarray]
+from .._errors import CheckpointError, DenseBridgeError, first_line
 
 
 @dataclass
@@ -48,48 +46,6 @@ class _NoLayout(Exception):
     """The adapter cannot lay this file out: the caller takes the model path instead."""
 
 
-class _LayerChecked:
-    """Canonical tensors validated one layer at a time, when the first of the layer's is asked for.
-
-    ``get(name)`` returns the validated array (a view of the source where no cast is needed);
-    a layer's arrays are dropped as they are handed out, so at most the layers being written
-    are held. Validation is ``load``'s: shapes, dtypes, 0/1 masks equal to the spec's wiring;
-    NaN/Inf are left to the writer's scan (``fill(check_finite=...)``), which reads each byte
-    once anyway.
-    """
-
-    def __init__(self, spec, tensors: Mapping[str, object]) -> None:
-        from ..specs import Sequential, layer_param_shapes
-
-        self._tensors = tensors
-        layers = spec.layers if isinstance(spec, Sequential) else [spec]
-        self._layers = layers
-        self._prefix = [f"{i}." if isinstance(spec, Sequential) else "" for i in range(len(layers))]
-        self._layer_of = {p + k: i for i, (p, layer) in enumerate(zip(self._prefix, layers))
-                          for k in layer_param_shapes(layer)}
-        self._held: dict[int, dict[str, np.ndarray]] = {}
-
-    def get(self, name: str) -> np.ndarray:
-        from .._params import check_masks_match, validate_params_scan_later
-
-        i = self._layer_of[name]
-        if i not in self._held:
-            prefix, layer = self._prefix[i], self._layers[i]
-            raw = {k[len(prefix):]: np.asarray(self._tensors[k].produce())
-                   for k, j in self._layer_of.items() if j == i and k in self._tensors}
-            try:
-                checked = validate_params_scan_later(layer, raw, argument=f"parameters of layer {i}")
-                check_masks_match(layer, checked, prefix=prefix or "0.")
-            except ConversionError as exc:
-                raise CheckpointError(str(exc)) from None
-            self._held[i] = {prefix + k: v for k, v in checked.items()}
-        held = self._held[i]
-        value = held.pop(name)
-        if not held:
-            del self._held[i]
-        return value
-
-
 def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *,
                   allow_nonfinite: bool = False, progress: Callable[[int, int], None] | None = None
                   ) -> list[str] | None:
@@ -105,6 +61,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
         structure_twin
     from ._file_fill import Slot, fill
+    from ._validate import TensorsByLayer
     from .._params import ParamSource
 
     kind = output_kind(backend, out)
@@ -121,7 +78,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
         return None
     check_writable(out)
     metadata = {"dense_bridge_backend": backend, SPEC_KEY: spec_json(spec)}
-    checked = _LayerChecked(spec, tensors)
+    checked = TensorsByLayer(spec, tensors)
     total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(_numpy(d)).itemsize for s, d in shapes.values())
     done = [0]
 
@@ -155,9 +112,8 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     except Exception as exc:  # noqa: BLE001 - the framework's skeleton writer failed; nothing was left
         from ._io import write_limit_cause
 
-        text = str(exc).strip().splitlines()
         cause = write_limit_cause(out)
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {text[0] if text else ''}"
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {first_line(exc)}"
                               f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]
 
