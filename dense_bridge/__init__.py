@@ -30,7 +30,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "save": (".checkpoints", "save"), "load": (".checkpoints", "load"),
     "register_backend": ("._registry", "register_backend"),
     "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
-    "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),
+    "load_adapter": (".checkpoints._adapter_files", "load_adapter"), "save_adapter": (".checkpoints._adapter_files", "save_adapter"),
 }
 
 __all__ = [

@@ -313,14 +313,13 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
 
 
 # ------------------------------------------------------------------ streaming a weights file
-def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] | None = None,
                check: Callable[[Entries, Entries], None]) -> Mapping[str, np.ndarray] | None:
     """The canonical parameters of a ``.weights.h5`` read straight from the file, no Keras model
     built: what a conversion to another framework needs, which copies each layer once.
 
-    ``twin``: ``spec``'s structure twin compiled on Keras (every width 1: the same layer classes,
-    hence the same saved names, for a few bytes). Keras' own ``save_weights`` of the twin gives
-    the dataset paths the file must have; each variable's canonical name comes from its layer's
+    Keras' own ``save_weights`` of :func:`_twin` (the layer classes :func:`compile` builds for
+    ``spec``, every width 1) gives the dataset paths the file must have; each variable's canonical name comes from its layer's
     own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
     shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
     difference in one CheckpointError) before anything is read. Returns canonical name ->
@@ -328,7 +327,8 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
     caller then loads a full template with :func:`read_file`.
     """
-    if container != "h5" or not isinstance(twin, keras.Model):
+    twin = _twin(spec) if container == "h5" else None
+    if twin is None:
         return None
     roles = _roles(twin)
     if roles is None:
@@ -354,6 +354,24 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     check(got, expected)
     reader = _DatasetReader(path, {source_of[p]: expected[p] for p in roles})
     return FileViews({roles[p]: (source_of[p], tuple(range(len(expected[p][0])))) for p in roles}, reader.read)
+
+
+def _twin(spec):
+    """The Keras model :func:`compile` builds for ``spec`` with every width 1
+    (``structure_twin``), or None where that is no Sequential model. Keras names a weights file's
+    groups after its layers' classes and counts, and writes them (attributes included) only
+    through ``save_weights`` of a model of those classes: width 1 makes that model a few bytes."""
+    from dense_bridge._params import ParamSource
+    from dense_bridge.checkpoints._native import structure_twin
+
+    from ._layers import compile
+
+    small = structure_twin(spec)
+    try:
+        twin = compile(small, ParamSource(small, seed=0))
+    except DenseBridgeError:
+        return None
+    return twin if isinstance(twin, keras.Model) else None
 
 
 def _roles(twin) -> dict[str, str] | None:
@@ -458,12 +476,12 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
         raise CheckpointError(f"cannot write {path}: Keras writes .weights.h5 or .keras, not {kind!r}")
 
 
-def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+def file_layout(spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
     """A ``.weights.h5`` for ``spec`` laid out in ``temp`` with every dataset's bytes left to fill,
     and where each canonical tensor goes (``_native_stream.FileLayout``; Keras' layout is the
     canonical one, so every ``axes`` is the identity).
 
-    Keras' own ``save_weights`` of the structure twin writes the file (groups, attributes, dataset
+    Keras' own ``save_weights`` of :func:`_twin` writes the file (groups, attributes, dataset
     names: what ``load_weights`` expects); each variable's dataset is then replaced by one of the
     full shape with the twin's HDF5 type and attributes, contiguous, its storage allocated at
     creation and never filled (a sparse region), and its offset read from HDF5. None for
@@ -471,7 +489,8 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     """
     from dense_bridge.checkpoints._native_stream import FileLayout
 
-    if kind != "keras-weights" or not isinstance(twin, keras.Model):
+    twin = _twin(spec) if kind == "keras-weights" else None
+    if twin is None:
         return None
     roles = _roles(twin)
     if roles is None:

@@ -40,6 +40,7 @@ __all__ = ["SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "identify
            "canonical_shapes"]
 
 SPEC_KEY = "dense_bridge_spec"
+_UNASKED = object()  # NativeCheckpoint._file_views not computed yet (None is an answer)
 
 
 def _backends():
@@ -146,6 +147,7 @@ class NativeCheckpoint:
         self.like = like
         self._info: tuple[dict, dict] | None = None
         self._template = None
+        self._views = _UNASKED
         self.kind = file_format.label + (", sharded with an index" if index else "")
         self.spec = spec if spec is not None else self._embedded_spec()
         if self.spec is None and file_format.carries_model:
@@ -286,9 +288,13 @@ class NativeCheckpoint:
 
     # -- the common surface with CanonicalCheckpoint
     def param_views(self) -> dict[str, np.ndarray]:
-        """Canonical parameters as views of the loaded model's memory (do not mutate)."""
+        """Canonical parameters as views of the file (``file_views``) or of the loaded model's
+        memory (do not mutate)."""
         from .. import _api
 
+        views = self._file_views()
+        if views is not None:
+            return {name: views[name] for name in views}
         params = _api.get_params(self.template(), copy=False)
         if self.spec is not None and self.format.carries_model:
             from .._params import validate_params
@@ -320,15 +326,18 @@ class NativeCheckpoint:
         """A native model on ``backend`` holding the file's parameters (NaN/Inf refused unless
         ``allow_nonfinite``: the one rule of load, set_params, compile and convert).
 
-        To another backend the parameters stream layer by layer (``ParamSource(stream=)``, the
-        path canonical checkpoints take): each layer is validated when the target asks for it,
-        and the file pages behind the layer read before it are released (:func:`release_file_pages`),
-        so a file the adapter left mapped (torch zip) is never resident whole beside the target.
+        The parameters stream layer by layer (``ParamSource(stream=)``, the path canonical
+        checkpoints take), onto the file's own framework too where its adapter serves the file
+        (``file_views``): each layer is validated when the target asks for it, and the file pages
+        behind the layer read before it are released (``LayerStream(drop_pages=True)``), so a
+        file the adapter left mapped (torch zip) is never resident whole beside the target.
+        Where only the framework's loader reads the file (a ``like`` model, a ``.keras`` file,
+        an Equinox or Flax file), the model it loads into is returned.
         """
         from .. import _api
         from .._params import ParamSource
 
-        if backend == self.framework:
+        if backend == self.framework and self._file_views() is None:  # only the framework's own loader reads it
             model = self.template()
             if not allow_nonfinite:
                 if self.spec is None:  # a whole graph without a spec: every parameter it holds
@@ -385,20 +394,17 @@ class NativeCheckpoint:
                                   f"the file stores {stored:,}")
 
     def _file_views(self):
-        """The file's canonical parameters straight from the file (adapter verb ``file_views``),
-        or None where the adapter offers no such path for it: no model of the file's framework
-        is built, so a conversion holds the target and one layer of the file, not two models."""
-        from .. import _api
-        from .._params import ParamSource
-
-        serve = getattr(self._adapter(), "file_views", None)
-        if serve is None or self.like is not None:  # the user's own class: only its framework reads it
-            return None
-        try:
-            twin = _api.build(self.framework, ParamSource(structure_twin(self.spec), seed=0))
-        except DenseBridgeError:
-            return None  # a spec the twin cannot express: the full template path decides
-        return serve(self.path, self.container, twin, self.spec, files=self.files, check=self._check)
+        """The file's canonical parameters straight from the file (adapter verb ``file_views``,
+        asked once), or None where the adapter offers no such path for it. No model of the file's
+        framework is drawn to be overwritten: a load builds its model from these views through
+        the one compile path, and a conversion holds the target and one layer of the file."""
+        if self._views is _UNASKED:
+            self._views = None
+            serve = getattr(self._adapter(), "file_views", None)
+            # like=: the user's own class, which only its framework's loader reads
+            if serve is not None and self.like is None and self.spec is not None and not self.format.carries_model:
+                self._views = serve(self.path, self.container, self.spec, files=self.files, check=self._check)
+        return self._views
 
 
 class FileViews(Mapping):

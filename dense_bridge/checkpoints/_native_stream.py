@@ -1,14 +1,13 @@
 """Writing a framework's own checkpoint file straight from canonical tensors, no model built.
 
-A file-to-file conversion (``checkpoint.convert_file``, ``dense-bridge convert``) into torch,
-Keras or MLX files used to build the target framework's model from the source (a copy of every
-tensor into framework memory) and then let the framework write it (a second pass over memory).
-Where the target adapter offers the ``file_layout`` verb, this module instead:
+A file-to-file conversion (``checkpoints.convert_file``, ``dense-bridge convert``) into torch,
+Keras or MLX files builds no model of the target framework: a model would cost a copy of every
+tensor in framework memory and a second pass over it when the framework writes the file.
+Where the target adapter offers the ``file_layout`` verb, this module:
 
-1. compiles the spec's structure twin (every width 1: the framework's own names and file
-   structure for a few bytes) and asks the adapter to write the file's skeleton into the
-   temporary with the framework's own writer (``torch.save`` under ``skip_data``, Keras'
-   ``save_weights`` plus h5py, the safetensors header): every tensor's bytes left to fill;
+1. asks the adapter to write the file's skeleton for the spec into the temporary with the
+   framework's own writer (``torch.save`` under ``skip_data``, Keras' ``save_weights`` plus
+   h5py, the safetensors header): the framework's own names, every tensor's bytes left to fill;
 2. fills each tensor's bytes at its offset from the source's mapped views, transposed into the
    framework's layout piece by piece (:func:`dense_bridge.checkpoints._file_fill.fill`, pipelined);
 3. lets the adapter finish the file (torch: the zip's CRC-32 fields), then fsyncs and renames.
@@ -55,14 +54,11 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     caller then builds the model and lets the framework write it). Atomic: a failure leaves no
     file and changes nothing at ``out``.
     """
-    from .. import _api
     from ._io import AtomicFiles, check_writable
     from ._meta import spec_json
-    from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
-        structure_twin
+    from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix
     from ._file_fill import Slot, fill
     from ._validate import TensorsByLayer
-    from .._params import ParamSource
 
     kind = output_kind(backend, out)
     adapter = file_adapter(backend, f"writing {out}")
@@ -72,10 +68,6 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     shapes = canonical_shapes(spec)
     if set(shapes) != set(tensors):
         return None  # the model path reports exactly what is missing or unexpected
-    try:
-        twin = _api.build(backend, ParamSource(structure_twin(spec), seed=0))
-    except DenseBridgeError:
-        return None
     check_writable(out)
     metadata = {"dense_bridge_backend": backend, SPEC_KEY: spec_json(spec)}
     checked = TensorsByLayer(spec, tensors)
@@ -90,7 +82,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     try:
         with AtomicFiles(out) as tx:
             temp = tx.temp_for(out, temp_suffix(backend, kind))
-            layout = lay_out(twin, spec, out, kind, temp=temp, metadata=metadata)
+            layout = lay_out(spec, out, kind, temp=temp, metadata=metadata)
             if layout is None or set(layout.places) != set(shapes):
                 raise _NoLayout
             slots = []

@@ -20,7 +20,7 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def add_parser(sub) -> None:
-    from .._adapter_files import MLX_FILES, MLX_LM, PEFT, PEFT_FILES
+    from ..checkpoints._adapter_files import MLX_FILES, MLX_LM, PEFT, PEFT_FILES
 
     p = sub.add_parser("adapter", help=f"convert a LoRA adapter directory between {PEFT} and {MLX_LM}",
                        description=f"Convert the LoRA adapter directory SRC_DIR ({PEFT}: {' + '.join(PEFT_FILES)}; "
@@ -56,7 +56,7 @@ def _layer_count(args) -> int | None:
 
 
 def cmd_adapter(args) -> int:
-    from .._adapter_files import read_adapter_dir, write_adapter_dir
+    from ..checkpoints._adapter_files import read_adapter_dir, write_adapter_dir
 
     out = args.output
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):

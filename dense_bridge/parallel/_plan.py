@@ -47,7 +47,6 @@ import itertools
 import json
 import math
 import os
-import struct
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -220,31 +219,18 @@ def write_text(path: str, text: str) -> None:
     atomic_write(path, write)
 
 
-_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8",
-             "int64": "I64", "int32": "I32", "bool": "BOOL"}
-
-
 def write_rank_file(directory: str, rank: int, world_size: int, shards: Mapping[str, np.ndarray]) -> str:
-    """Write this rank's blocks (canonical layout) as one safetensors file, streamed: one block
-    at a time is made C-contiguous (a transposed view of torch's memory), so the extra memory
-    is one block, never the whole shard."""
+    """Write this rank's blocks (canonical layout) as one safetensors file, streamed: each block
+    (a transposed view of torch's memory) is rearranged piece by piece as it is written, so the
+    extra memory is a few pieces, never the whole shard."""
+    from ..checkpoints._safetensors import pending, write_safetensors
+
     os.makedirs(directory, exist_ok=True)
     name = rank_file(rank, world_size)
-    header, offset = {"__metadata__": {"format": FORMAT}}, 0
-    for key, a in shards.items():
-        n = a.size * a.dtype.itemsize
-        header[key] = {"dtype": _ST_NAMES[a.dtype.name], "shape": list(a.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
 
-    def write(p: str) -> None:
+    def write(p: str) -> None:  # the one safetensors writer: transposed views rearranged piece by piece
         with open(p, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for a in shards.values():
-                f.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
-            f.flush()
-            os.fsync(f.fileno())
+            write_safetensors(f, {key: pending(a) for key, a in shards.items()}, {"format": FORMAT})
 
     atomic_write(os.path.join(directory, name), write)
     return name
