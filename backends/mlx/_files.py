@@ -4,8 +4,9 @@
 Safetensors files are opened and parsed by the core (``dense_bridge.checkpoints._safetensors``), not by
 ``mx.load(path)``: the files stay the ones the core opened (a concurrent save may have replaced
 the path since), and F64 tensors that other tools write read too. The native layout (Linear
-``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: the file is loaded into an MLX
-model built for the spec with ``load_weights(strict=True)``.
+``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: ``file_views`` serves the file as
+canonical views named by the rules of the model :func:`compile` builds (the core builds the
+model from them), ``read_file`` loads it into a given model with ``load_weights(strict=True)``.
 
 MLX neither writes nor reads F64 safetensors (``mx.load``: "unsupported dtype F64"), so an MLX
 ``.safetensors`` holding float64 is refused before anything is written: ``.npz`` holds it.

@@ -2,9 +2,10 @@
 torch-layout ``.safetensors``; the ``file_info``/``read_file``/``write_file`` verbs.
 
 The core sniffs the container and opens safetensors files itself (``dense_bridge.checkpoints._safetensors``,
-framework-free); this module turns what it reads into torch tensors and loads them into a torch
-model built for the spec, so the native layout (``weight`` (out, in), the mask buffer stored
-like the weight) is torch's own, never guessed from a shape. Pickled files are read with
+framework-free); this module serves what it reads as canonical views named by the rules of the
+model :func:`compile` builds (``file_views``: the core builds the model from them), or loads it
+into a given model (``read_file``), so the native layout (``weight`` (out, in), the mask buffer
+stored like the weight) is torch's own, never guessed from a shape. Pickled files are read with
 ``torch.load(weights_only=True)`` only: no arbitrary Python objects.
 """
 from __future__ import annotations

@@ -39,9 +39,10 @@ Concurrency (several processes saving and loading one path):
 
 Reading maps one tensor at a time, so loading onto a backend or converting a sharded
 checkpoint holds one tensor of the source in memory beyond the output. Writes are atomic
-(``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
-``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) are read and written by the adapters' file verbs (``backends/<fw>/_files.py``) through
-``_checkpoint_native``.
+(``_io.AtomicFiles``). Native formats (torch state dicts, Keras ``.weights.h5``/``.keras``, MLX
+``.safetensors``/``.npz``, Flax ``.msgpack``, Equinox ``.eqx``, ONNX) are read and written by the
+adapters' file verbs (``backends/<fw>/_files.py``) through ``_native``; every stream of a file's
+tensors into a model or another file is checked layer by layer by ``_validate``.
 """
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ def _our_file_meta(path: str) -> dict[str, str] | None:
 
 def _our_shard(path: str, index_name: str, save_id: str) -> bool:
     """A shard written by a dense_bridge save for the index ``index_name`` with ``save_id``
-    (shards saved before ids were recorded in the metadata carry the id in their name only)."""
+    (a shard whose metadata holds no save id, as earlier dense_bridge versions wrote them,
+    carries the id in its name only)."""
     meta = _our_file_meta(path)
     return (meta is not None and meta.get("index") == index_name
             and meta.get("save_id", save_id) == save_id)
@@ -318,7 +320,7 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
             tx.sync()
             with directory_lock(directory):
                 tx.commit()
-                # a sharded checkpoint saved earlier under this name would only confuse readers now:
+                # a sharded checkpoint saved earlier under this name would confuse its readers:
                 # its index first, so a reader never finds an index whose shards are gone for good
                 if _our_index(stale_index):
                     _remove_quietly([stale_index])
@@ -432,7 +434,7 @@ class _Changed(Exception):
 def _open_sniffed(path: str) -> tuple[str, int]:
     """(kind, open descriptor) of the file at ``path``, judged by content: "safetensors",
     "index" (a JSON index), or "native" (for the backends' declared formats to recognise:
-    ``_checkpoint_native.identify``). The caller owns the descriptor."""
+    ``_native.identify``). The caller owns the descriptor."""
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
                               "(model.safetensors, model.safetensors.index.json, ...)")
@@ -619,7 +621,7 @@ def _describe(spec) -> str:
 def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile]]:
     """(index, shard file name -> opened shard) of the index at ``path`` whose bytes are ``raw``.
 
-    _Changed when a shard is missing and the index no longer reads ``raw`` (a save replaced it).
+    _Changed when a shard is missing and the index reads other bytes than ``raw`` (a save replaced it).
     """
     index = parse_json_object(raw, lambda why: CheckpointError(f"cannot read {path}: not a valid JSON index "
                                                                 f"({why})"), "index")

@@ -6,12 +6,18 @@ suffixes; see ``dense_bridge._manifest``), through the registry: :func:`identify
 framework detail is left to that adapter's file verbs (``backends/<fw>/_files.py``):
 
 - ``file_info(path, container, *, files)`` -> (name -> (native shape, dtype), metadata), no spec needed;
-- ``read_file(path, container, template, *, files, check)`` -> ``template`` (a model of that
+- ``read_file(path, container, template, *, files, check)`` -> ``template`` (the user's
+  ``like`` model, or, where the adapter offers no ``file_views`` for the file, a model of that
   framework compiled from the spec through the one compile path, ``_api.build``) holding the
   file's tensors, after ``check(got, expected)`` compared names, native shapes and dtypes (every
   difference listed in one CheckpointError); a format that ``carries_model`` brings its own model;
 - ``write_file(model, path, kind, *, temp, metadata)`` writes ``model`` into ``temp``, which the
-  core renames to ``path`` atomically (``_checkpoint_io.AtomicFiles``).
+  core renames to ``path`` atomically (``_io.AtomicFiles``);
+- ``file_views(path, container, spec, *, files, check)`` (optional) -> the file's canonical
+  tensors, read when asked for, named by the adapter from the spec: a load builds its model from
+  them through ``_api.build`` (as from a canonical file), a conversion streams them;
+- ``file_layout(spec, path, kind, *, temp, metadata)`` (optional): a file's skeleton for
+  ``_native_stream``.
 
 So every native layout detail stays in the adapter that defines it and is never guessed from a
 shape. Safetensors files are opened by the core once (consistent against a concurrent save;
@@ -469,7 +475,8 @@ def planned_file_tensors(plan, spec) -> dict[str, tuple[tuple[int, ...], str]] |
 def structure_twin(spec):
     """``spec`` with every width 1 (units, in_features, Bilinear inputs; a mask becomes [[1]]):
     the same layers, classes, activations, biases and dtypes, hence the same names in any
-    framework's files, for a few bytes of parameters (see the adapter verb ``file_views``)."""
+    framework's files, for a few bytes of parameters. For an adapter whose framework writes a
+    file's structure only from a model (Keras' ``save_weights``: ``file_layout``)."""
     from ..specs import Bilinear, Dense, Sequential
 
     def shrink(layer):
