@@ -19,7 +19,9 @@ import numpy as np
 from flax import nnx, serialization
 
 from dense_bridge._errors import CheckpointError, first_line
+from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge.checkpoints._safetensors import open_readonly
+from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("msgpack",)
@@ -101,6 +103,51 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
     except Exception as exc:  # noqa: BLE001 - structure errors from flax
         raise CheckpointError(f"cannot load {path} into the Flax model: {first_line(exc)}") from None
     return template
+
+
+def file_views(path: str, container: str, spec, *, files=None, check: Callable[[Entries, Entries], None]):
+    """Canonical views of a msgpack file for ``spec``, no Flax model built (a load onto Flax builds
+    its model from them layer by layer, as from a canonical file).
+
+    Names are those of the model :func:`compile` builds (:func:`_plan`); ``check(got, expected)``
+    compares the file's names, shapes and dtypes with them first. None for a spec holding a
+    layer those rules do not describe.
+    """
+    plan = _plan(spec)
+    expected = planned_file_tensors(plan, spec)
+    if expected is None:
+        return None
+    tree = _read_tree(path, container)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
+    flat = _flat(tree, path)
+    check({n: (tuple(a.shape), a.dtype.name) for n, a in flat.items()}, expected)
+    return FileViews(plan, flat.__getitem__)
+
+
+def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (Flax dotted name, axes) of the model :func:`compile` builds for ``spec``;
+    None for a layer these rules do not describe.
+
+    A Sequential is an ``nnx.Sequential``: position ``i``'s variables are ``"layers.<i>.kernel"``,
+    ``.bias``, ``.mask`` (a lone layer: no prefix); activations, Identity and Flatten hold none.
+    Flax's layouts are the canonical ones (kernel (in, units), a Bilinear kernel (units, in1,
+    in2)): every ``axes`` is the identity.
+    """
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        where = f"layers.{prefix}" if prefix else ""
+        if isinstance(layer, (Dense, Bilinear)):
+            plan[prefix + "kernel"] = (where + "kernel", (0, 1) if isinstance(layer, Dense) else (0, 1, 2))
+            if layer.use_bias:
+                plan[prefix + "bias"] = (where + "bias", (0,))
+            if isinstance(layer, Dense) and layer.mask is not None:
+                plan[prefix + "mask"] = (where + "mask", (0, 1))
+        elif layer_param_shapes(layer):
+            return None
+    return plan
 
 
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:

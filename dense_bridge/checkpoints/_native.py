@@ -338,7 +338,7 @@ class NativeCheckpoint:
         behind the layer read before it are released (``LayerStream(drop_pages=True)``), so a
         file the adapter left mapped (torch zip) is never resident whole beside the target.
         Where only the framework's loader reads the file (a ``like`` model, a ``.keras`` file,
-        an Equinox or Flax file), the model it loads into is returned.
+        an Equinox file, a legacy Keras layout), the model it loads into is returned.
         """
         from .. import _api
         from .._params import ParamSource
@@ -384,9 +384,9 @@ class NativeCheckpoint:
         """Compare the file's tensor names, shapes and dtypes with what a model of its spec saves,
         reading no values (``dense-bridge inspect``): a CheckpointError listing every difference.
 
-        Done where the adapter serves the file without a model (``file_views``: torch zip,
-        safetensors, ``.weights.h5``); a ``.keras`` file carries its own model, and other files
-        (legacy torch pickles, ``.npz``) are checked when they are loaded.
+        Done where the adapter serves the file without a model (``file_views``: torch and MLX
+        files, Flax msgpack, ``.weights.h5``); a ``.keras`` file carries its own model, and other
+        files (Equinox) are checked when they are loaded, here only by their total size.
         """
         if self.spec is None or self.format.carries_model:
             return
