@@ -84,9 +84,10 @@ its error when the adapter lacks it):
   what the core sniffed ("torch-zip", "torch-legacy", "h5", "keras-model", "npz", "safetensors",
   "safetensors-index"); ``files`` are the safetensors files the core already opened
   (``dense_bridge.checkpoints._safetensors.SafetensorsFile``), else None (``_files.py``): read from those, never reopened by path.
-- ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (a model
-  of this framework the core built for the file's spec through ``_api.build``, or the user's
-  ``like``; None for files that carry their own model, ``.keras``) holding the file's tensors.
+- ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (the
+  user's ``like``, or, where the adapter offers no ``file_views`` for the file, a model of this
+  framework the core built for the file's spec through ``_api.build``; None for files that
+  carry their own model, ``.keras``) holding the file's tensors.
   ``check(got, expected)`` (both ``{name: (shape, dtype)}``) raises a CheckpointError listing
   every difference; the adapter calls it before loading. Every failure is a CheckpointError
   naming ``path``.

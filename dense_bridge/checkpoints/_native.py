@@ -431,6 +431,9 @@ class FileViews(Mapping):
     def __len__(self) -> int:
         return len(self._plan)
 
+    def __contains__(self, canonical: object) -> bool:  # from the plan: Mapping's default would read the tensor
+        return canonical in self._plan
+
     def __getitem__(self, canonical: str) -> np.ndarray:
         name, axes = self._plan[canonical]
         return self._read(name).transpose(axes)
