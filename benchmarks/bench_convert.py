@@ -27,10 +27,16 @@ Prints a markdown table and writes it, with the command and the machine load, to
 benchmarks/results/convert.md (--out). MLX's Linux CPU build is slow only at matmul, not at
 copies, so the full size is fine for every backend.
 
+--plain times what a user sees instead: every variant called in a plain loop (no page preparation),
+convert against the user's own port (into MLX: a new nn.Sequential of nn.Linear and load_weights of
+mx.array copies), against the all-core limit, and with allow_nonfinite=True (the NaN/Inf scan's
+share), over --runs separate runs; written to benchmarks/results/convert_plain.md.
+
 Run:  python benchmarks/bench_convert.py [--layers 8] [--width 4096] [--repeats 7]
                                          [--frameworks torch,keras,mlx,flax,equinox] [--no-memory]
                                          [--pages warm|cold|as-is]
                                          [--keras-backend tensorflow|jax|torch]
+      python benchmarks/bench_convert.py --plain [--runs 3] [--layers 6 --width 2048]
 """
 from __future__ import annotations
 
@@ -651,6 +657,149 @@ def ablation(sources: dict, pairs, layers: int, width: int, repeats: int,
     return rows, header
 
 
+# ------------------------------------------------------------------ --plain: what a user sees
+def user_port(source, src: str, dst: str, layers: int, width: int) -> Callable[[], object]:
+    """The port a user writes by hand, timed as the user runs it. Into MLX the whole of it: a
+    new ``nn.Sequential`` of ``nn.Linear`` (MLX draws its initial weights lazily, so nothing is
+    computed for them) and ``load_weights`` of ``mx.array`` copies of the source's weights in
+    MLX's (out, in) layout. Into the other targets: :func:`naive_port` (into a model built
+    once, outside the timing)."""
+    if dst != "mlx":
+        return naive_port(source, src, dst, layers, width)
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    weights = native_weights(source, src)
+    out_in = _LAYOUT[src] == "out_in"
+
+    def run():
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        model.load_weights([(f"layers.{i}.{name}", mx.array(array)) for i, (w, b) in enumerate(weights)
+                            for name, array in (("weight", w if out_in else w.T), ("bias", b))])
+        mx.eval(model.parameters())
+        return model
+    return run
+
+
+def plain_timed(fn: Callable[[], object]) -> float:
+    """Seconds for one call as a user's loop makes it: no page preparation; the result is dropped
+    (and garbage collected) outside the timing."""
+    start = time.perf_counter()
+    out = fn()
+    elapsed = time.perf_counter() - start
+    del out
+    gc.collect()
+    return elapsed
+
+
+def measure_plain(source, src: str, dst: str, layers: int, width: int, repeats: int) -> dict[str, float]:
+    """One run for one pair: medians of ``repeats`` rounds of convert, convert without the scan,
+    the user's port and the all-core limit, called round-robin in a plain loop. Ratios are
+    medians of per-round ratios (each round's variants ran back to back, so drift cancels)."""
+    weights = native_weights(source, src)
+    transposing = _LAYOUT[src] != _LAYOUT[dst]
+    limits = {"all-core": fresh_threaded_limit(weights, transposing)}
+    if transposing:
+        limits["all-core torch"] = fresh_threaded_torch_limit(weights, True)
+    fns = {"convert": lambda: db.convert(source, to=dst),
+           "convert, allow_nonfinite": lambda: db.convert(source, to=dst, allow_nonfinite=True),
+           "port": user_port(source, src, dst, layers, width), **limits}
+    if dst not in _ADOPTS_BUFFERS:  # the framework copies: its scans beside the copies, or inline
+        fns["convert, scans inline"] = _scans_inline(lambda: db.convert(source, to=dst))
+    for fn in fns.values():  # warm-up: imports, first calls
+        plain_timed(fn)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(plain_timed(fn))
+    # the faster all-core limit of the two, sample by sample
+    limit = [min(ts) for ts in zip(*(samples[k] for k in limits))]
+    conv, no_scan, port = samples["convert"], samples["convert, allow_nonfinite"], samples["port"]
+    med = statistics.median
+    out = {"convert ms": med(conv) * 1e3, "port ms": med(port) * 1e3, "all-core ms": med(limit) * 1e3,
+           "convert / port": med(p / c for p, c in zip(port, conv)),
+           "convert / all-core": med(lim / c for lim, c in zip(limit, conv)),
+           "scan share": med(1 - n / c for n, c in zip(no_scan, conv))}
+    if "convert, scans inline" in samples:
+        out["inline / beside"] = med(i / c for i, c in zip(samples["convert, scans inline"], conv))
+    return out
+
+
+def _scans_inline(convert: Callable[[], object]) -> Callable[[], object]:
+    """``convert`` with every NaN/Inf scan of ``ParamSource.for_layer`` on the calling thread, after
+    the framework's copy, instead of beside it on a second core."""
+    from dense_bridge import _params as params_mod
+
+    def run():
+        saved = params_mod._SCAN_AHEAD_BYTES
+        params_mod._SCAN_AHEAD_BYTES = 1 << 62
+        try:
+            return convert()
+        finally:
+            params_mod._SCAN_AHEAD_BYTES = saved
+    return run
+
+
+PLAIN_HEADER = ["pair", "convert ms", "user's port ms", "convert / port (into MLX >= 0.95x)",
+                "all-core limit ms", "convert / all-core (>= 0.8)", "scan's share of convert (<= 10%)",
+                "scans inline / beside the copy (time)"]
+
+
+def plain_row(pair: str, runs: list[dict[str, float]]) -> list[str]:
+    """One table row: medians over the runs, each run's own value after them."""
+    def cell(key: str, fmt: str) -> str:
+        values = [r[key] for r in runs]
+        each = ", ".join(fmt.format(v) for v in values)
+        return fmt.format(statistics.median(values)) + (f" ({each})" if len(values) > 1 else "")
+    return [pair, cell("convert ms", "{:.1f}"), cell("port ms", "{:.1f}"), cell("convert / port", "{:.2f}x"),
+            cell("all-core ms", "{:.1f}"), cell("convert / all-core", "{:.2f}"), cell("scan share", "{:.0%}"),
+            cell("inline / beside", "{:.2f}") if "inline / beside" in runs[0] else "-"]
+
+
+def plain_main(args, pairs, argv) -> int:
+    """--plain: every pair measured in ``args.runs`` separate runs (all pairs, then again)."""
+    sources = {src: build(src, args.layers, args.width) for src in {s for s, _ in pairs}}
+    load_before = os.getloadavg()
+    results: dict[str, list[dict[str, float]]] = {f"{s} -> {d}": [] for s, d in pairs}
+    for run in range(args.runs):
+        for src, dst in pairs:
+            r = measure_plain(sources[src], src, dst, args.layers, args.width, args.repeats)
+            results[f"{src} -> {dst}"].append(r)
+            print(f"run {run + 1}: {src} -> {dst}: " + ", ".join(f"{k} {v:.3g}" for k, v in r.items()),
+                  file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    text = table([plain_row(pair, runs) for pair, runs in results.items()], PLAIN_HEADER)
+    print(text)
+    command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    mb = param_bytes(args.layers, args.width) / 1e6
+    report = [
+        "# db.convert as a user runs it (--plain)", "",
+        f"{args.layers} Dense layers {args.width}x{args.width} float32 with bias ({mb:.0f} MB), every ordered pair; "
+        f"{args.runs} runs, each the median of {args.repeats} rounds in which every variant is called once, "
+        "in a plain loop: no page preparation (whatever memory the previous call freed), the result "
+        "dropped and garbage collected outside the timing. Cells: the median over the runs, then each run's.", "",
+        f"Command: `{command.strip()}`", "",
+        f"Machine: {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after.", "",
+        text, "",
+        "- convert: `db.convert(model, to=target)`, NaN/Inf scan included (the API's promise).",
+        "- user's port: into MLX, what a user writes: a new `nn.Sequential` of `nn.Linear` and `load_weights` of "
+        "`mx.array` copies of the source weights in (out, in) layout; into torch and Keras, the hand-written "
+        "port into a model built once beforehand (`lin.weight.data = torch.tensor(k.T)`, `set_weights([k, b])`, "
+        "`load_state_dict`). Ratio = port time / convert time, the median of per-round ratios.",
+        "- all-core limit: the same bytes made in the target's layout in new memory on every core, the faster of "
+        "dense_bridge's kernels and (transposing) torch's `copy_` with its intra-op threads, per round.",
+        "- scan's share: 1 - (convert with `allow_nonfinite=True`) / convert, the median of per-round values.",
+        "- scans inline / beside (targets that copy with their own framework): convert with every NaN/Inf scan on "
+        "the calling thread after the framework's copy, over convert as shipped (each big array's scan started "
+        "on a second thread just before `mx.array` copies it): > 1 means the second core pays.", "",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(report))
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------ report
 def row(r: dict, layer_bytes: int) -> list[str]:
     g = r["gbps"]
@@ -723,6 +872,11 @@ def main(argv=None) -> int:
     parser.add_argument("--pages", choices=("warm", "cold", "as-is"), default="warm",
                         help="state of free memory before every sample (see settle_pages): warm = just freed by this "
                              "process, cold = already returned to the VM's host, as-is = whatever the last sample left")
+    parser.add_argument("--plain", action="store_true",
+                        help="instead: convert as a user's loop runs it (no page preparation) against the user's own "
+                             "port, the all-core limit and convert with allow_nonfinite=True (the scan's share), "
+                             "over --runs runs; default output benchmarks/results/convert_plain.md")
+    parser.add_argument("--runs", type=int, default=3, help="with --plain: separate runs of every pair (>= 3)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
                         help="Keras on this engine (the run is repeated in a subprocess with KERAS_BACKEND set); "
@@ -747,6 +901,12 @@ def main(argv=None) -> int:
     if args.pairs:
         wanted = {tuple(p.split("-")) for p in args.pairs.split(",")}
         pairs = [p for p in pairs if p in wanted]
+    if args.plain:
+        if args.runs < 3:
+            parser.error("--runs must be at least 3")
+        if "--out" not in (argv if argv is not None else sys.argv[1:]):
+            args.out = os.path.join(os.path.dirname(__file__), "results", "convert_plain.md")
+        return plain_main(args, pairs, argv)
     PAGES["mode"], PAGES["bytes"] = args.pages, param_bytes(args.layers, args.width)
     load_before = os.getloadavg()
     if args.ablation:

@@ -1,7 +1,7 @@
 """Validating a sharded checkpoint's index: time against the number of blocks.
 
 A hostile (or just very sharded) ``dense_bridge_parallel.json`` can list many blocks per tensor;
-``_parallel.validate_tiling`` checks that they tile the tensor exactly (inside the shape, no
+``dense_bridge.parallel._sharded_dir.validate_tiling`` checks that they tile the tensor exactly (inside the shape, no
 overlap, no gap, one file each) with one pass summing the blocks' signed corners (linear in n),
 where comparing every pair of blocks took more than 30 s at 20,000 blocks. Timed here for one 2-D tensor split into n
 blocks in two layouts (n column strips of one row band; a sqrt(n) x sqrt(n) grid), and the
@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from dense_bridge.parallel._plan import validate_tiling
+from dense_bridge.parallel._sharded_dir import validate_tiling
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

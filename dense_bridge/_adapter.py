@@ -112,20 +112,47 @@ its error when the adapter lacks it):
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
   ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
 
-Tensor-parallel verbs (``compile_parallel``, ``parallel_state``, ...; ``_parallel.py``, optional)
-are described in dense_bridge/parallel/_plan.py.
+Tensor-parallel verbs (:data:`PARALLEL_VERBS`, in ``_parallel.py``): offered, all of them, by
+every adapter whose manifest declares the ``parallel`` capability (``dense_bridge._manifest.PARALLEL``)
+and by no other. The core calls them from one module, ``dense_bridge/parallel/_dispatch.py``: a
+parallel model's get_params/set_params/to_spec/trace go to the ``parallel_*`` versions there, so
+the plain verbs never check whether a model is parallel. The plan they build from (which layer is
+column, row or replicated, which block each rank holds) is ``dense_bridge.parallel._plan``; every
+one of them but ``parallel_compile`` and ``parallel_agree_seed`` takes a model ``parallel_compile``
+made, and every one but ``parallel_state`` is collective (every rank of the group calls it).
+
+- ``parallel_compile(spec, block, parallel, group) -> native``: the framework's tensor-parallel
+  model for ``spec`` over ``group`` (the framework's own group or mesh; None: its default one),
+  planned by ``resolve_plan(spec, parallel, world_size)``. ``block(position, name, index)`` gives
+  the canonical block ``index`` (a tuple of slices) of parameter ``name`` of the layer at
+  ``position``: an engine with one process per rank asks for its own blocks only, so a load never
+  materialises a whole tensor; a single-controller engine (JAX) asks for whole tensors and places
+  the shards itself.
+- ``parallel_state(native) -> dict | None``: ``{"plan", "rank", "world_size", ...}`` of a model
+  ``parallel_compile`` made, None for any other object (never collective, never raises).
+- ``parallel_get_params(native, local) -> dict``: full canonical arrays on every rank, or with
+  ``local`` this rank's blocks as ``dense_bridge.parallel._plan.Shard(array, index)``.
+- ``parallel_set_params(native, params)``: full canonical ``params`` (validated by the core, a
+  subset with strict=False); each rank keeps its own block.
+- ``parallel_to_spec(native) -> spec``: the full (unsharded) spec.
+- ``parallel_trace(native, inputs, grad_out) -> Trace``: as ``trace``, every output and gradient
+  gathered whole on every rank (``db.testing.compare`` holds it against a one-process model).
+- ``parallel_barrier(native)``: every rank of the model's group reaches this point.
+- ``parallel_agree_seed(group, seed) -> int``: rank 0's ``seed`` on every rank of ``group``
+  (``compile(seed=None, parallel=...)``: every rank keeps its block of one random model).
+
+Distributed-checkpoint verbs (:data:`DCP_VERBS`): offered by an adapter whose manifest declares
+the ``dcp`` capability (``dense_bridge._manifest.DCP``), for ``db.save(..., format="dcp")`` and
+``db.load`` of a directory holding a ``.metadata`` file (``dense_bridge/parallel/_dcp.py``):
+
+- ``save_dcp(native, path)``: the model's state written into the directory ``path`` by the
+  framework's distributed checkpoint (collective on a parallel model: each rank its own shards).
+- ``load_dcp(native, path)``: ``native`` (parallel or not, built for the directory's spec) filled
+  from the directory ``path``, saved at any world size; no code stored in the directory runs.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-import numpy as np
-
-# The Protocol below names ParamSource (``_params``), Trace (``_trace``) and Entry (``_layouts``)
-# in its annotations only, as strings: importing them here would close a circle through the
-# registry, which reads the verbs listed here.
-
-__all__ = ["Adapter", "REQUIRED_VERBS", "OPTIONAL_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
+__all__ = ["REQUIRED_VERBS", "OPTIONAL_VERBS", "PARALLEL_VERBS", "DCP_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
 REQUIRED_VERBS: tuple[str, ...] = (
@@ -135,8 +162,16 @@ REQUIRED_VERBS: tuple[str, ...] = (
     "file_info", "read_file", "write_file",  # the framework's native checkpoint files
 )
 
-#: Module-level functions some adapters offer; callers check with ``hasattr`` first.
-OPTIONAL_VERBS: tuple[str, ...] = ("train_sgd", "load_model", "file_views", "file_layout", "inference",
+#: Tensor-parallel verbs: all of them in every adapter whose manifest declares ``parallel``, none elsewhere.
+PARALLEL_VERBS: tuple[str, ...] = ("parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params",
+                                   "parallel_to_spec", "parallel_trace", "parallel_barrier", "parallel_agree_seed")
+
+#: Distributed-checkpoint verbs: both in every adapter whose manifest declares ``dcp``.
+DCP_VERBS: tuple[str, ...] = ("save_dcp", "load_dcp")
+
+#: Module-level functions some adapters offer; callers check with ``hasattr`` first (the
+#: parallel and DCP ones with the manifest's capability: ``dense_bridge/parallel/_dispatch.py``).
+OPTIONAL_VERBS: tuple[str, ...] = PARALLEL_VERBS + DCP_VERBS + ("train_sgd", "load_model", "file_views", "file_layout", "inference",
                                    "run_layer",  # one layer alone on given x, grad_out: (y, dL/dx, canonical grads)
                                    # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
                                    "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
@@ -162,28 +197,10 @@ REQUIRED_FILES: tuple[str, ...] = (
 #: in REQUIRED_FILES).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model
-    "_parallel.py",  # tensor parallelism on the framework's own machinery (dense_bridge/parallel/_plan.py)
+    "_parallel.py",  # PARALLEL_VERBS: tensor parallelism on the framework's own machinery (dense_bridge/parallel/)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
 )
 
-
-class Adapter(Protocol):
-    """The verbs of :data:`REQUIRED_VERBS` as a typing Protocol (adapters are modules)."""
-
-    def owns(self, obj: Any) -> bool: ...
-    def compile(self, spec: Any, source: "ParamSource") -> Any: ...  # noqa: F821
-    def get_params(self, native: Any) -> dict[str, np.ndarray]: ...
-    def set_params(self, native: Any, params: dict[str, np.ndarray]) -> None: ...
-    def to_spec(self, native: Any) -> Any: ...
-    def trace(self, native: Any, inputs: list[np.ndarray], grad_out: np.ndarray | None) -> "Trace": ...  # noqa: F821
-    def to_numpy(self, array: Any) -> np.ndarray: ...
-    def from_numpy(self, array: np.ndarray) -> Any: ...
-    def capture(self, model: Any, inputs: Any, layers: dict[str, Any], *, cotangent: Any,
-                select: Any = None, grads: bool = True) -> Any: ...
-    def walk(self, model: Any) -> "list[Entry]": ...  # noqa: F821
-    def file_info(self, path: str, container: str, *, files: Any = None) -> tuple[dict, dict]: ...
-    def read_file(self, path: str, container: str, template: Any, *, files: Any = None, check: Any) -> Any: ...
-    def write_file(self, model: Any, path: str, kind: str, *, temp: str, metadata: Any = None) -> None: ...

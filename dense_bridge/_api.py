@@ -42,7 +42,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     backend), or loaded from canonical ``params`` (NaN/Inf in them raise a ConversionError
     unless ``allow_nonfinite=True``). ``parallel`` ("auto", or {position: "column" | "row"})
     with ``group`` (the framework's mesh/group) compiles onto the framework's own tensor-parallel
-    machinery: dense_bridge/parallel/_plan.py (plan), backends/<fw>/_parallel.py. There every rank
+    machinery: dense_bridge/parallel/ (plan, dispatch), backends/<fw>/_parallel.py. There every rank
     must build the same model: with ``seed=None`` rank 0 draws the seed and the group's other
     ranks take it (one broadcast), so the shards are those of one random model.
     """
@@ -52,9 +52,9 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
-    if parallel is not None or group is not None:  # tensor parallelism: dense_bridge/parallel/_plan.py
-        from .parallel._plan import compile_parallel
-        return compile_parallel(backend, source, parallel, group, agree_seed=seed is None)
+    if parallel is not None or group is not None:  # tensor parallelism: dense_bridge/parallel/
+        from .parallel._dispatch import compile_source
+        return compile_source(backend, source, parallel, group, agree_seed=seed is None)
     return build(backend, source)
 
 
@@ -117,11 +117,13 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
         from .quant import get_quantized
 
         return get_quantized(native)
-    adapter = adapter_for(native)
+    from .parallel._dispatch import ParallelModelVerbs, verbs_for
+    from .parallel._dispatch import get_params as get_params_parallel
+
+    adapter = verbs_for(native)
     _check_flag("local", local)
-    if local or getattr(adapter, "parallel_state", None) and adapter.parallel_state(native):
-        from .parallel._plan import get_params_parallel  # collective on a parallel model
-        return get_params_parallel(adapter, native, local=local, copy=copy)
+    if local or isinstance(adapter, ParallelModelVerbs):  # collective on a parallel model
+        return get_params_parallel(native, local=local, copy=copy)
     from . import lora
 
     try:
@@ -155,7 +157,9 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
 
         set_quantized(native, dict(params))
         return
-    adapter = adapter_for(native)
+    from .parallel._dispatch import verbs_for
+
+    adapter = verbs_for(native)  # a parallel model's: each rank keeps its block of the full params
     spec = _read_spec(adapter, native)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False. {received('strict', strict)}")
@@ -184,7 +188,9 @@ def to_spec(native: Any, *, example: Any = None):
     """
     if isinstance(native, (Spec, Activation)):
         return native
-    adapter = adapter_for(native)
+    from .parallel._dispatch import verbs_for
+
+    adapter = verbs_for(native)  # a parallel model's: the full spec
     if example is not None:
         from .models import remember_example
 
@@ -231,8 +237,10 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
         check_quant(quant)
         return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
                                   quant, requantize)
+    from .parallel._dispatch import verbs_for
+
     target = check_backend_name(to, "to")
-    source = adapter_for(native)
+    source = verbs_for(native)  # a parallel model's: full params gathered on every rank
     if example is not None:  # see to_spec
         from .models import remember_example
 

@@ -22,11 +22,17 @@ from typing import Callable
 
 from ._errors import CheckpointError, first_line
 
-__all__ = ["Match", "Probe", "FileFormat", "FileNames", "Manifest", "GRADIENTS"]
+__all__ = ["Match", "Probe", "FileFormat", "FileNames", "Manifest", "GRADIENTS", "PARALLEL", "DCP"]
 
 #: Capability: ``trace``/``capture`` compute gradients (the framework has autograd, or the
 #: adapter a hand-written backward). Without it a backend runs forward only (``grads=False``).
 GRADIENTS = "gradients"
+#: Capability: the adapter compiles onto its framework's tensor-parallel machinery and offers
+#: every verb of ``dense_bridge._adapter.PARALLEL_VERBS`` (``db.compile(..., parallel=)``).
+PARALLEL = "parallel"
+#: Capability: the adapter reads and writes distributed-checkpoint directories (a ``.metadata``
+#: file beside the data) with the verbs of ``dense_bridge._adapter.DCP_VERBS`` (``format="dcp"``).
+DCP = "dcp"
 
 
 class Match(enum.IntEnum):

@@ -8,6 +8,8 @@ Arrays carry the layer's dtype; bfloat16 is ``ml_dtypes.bfloat16``.
 from __future__ import annotations
 
 import numbers
+import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
@@ -19,7 +21,7 @@ from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
 from ._registry import array_adapter
 from ._memory import check_fits_in_memory
-from ._transfer import count_nonfinite, native_copy
+from ._transfer import core_to_spare, count_nonfinite, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
@@ -28,8 +30,10 @@ __all__ = ["ParamSource", "initial_layer_params", "validate_params", "layer_dtyp
 
 
 #: Arrays from this size are scanned for NaN/Inf on a background thread by ParamSource.for_layer
-#: (below it a thread hand-over costs more than the scan: ~20 us vs 4 MiB at ~10 GB/s).
+#: (below it the hand-over, two thread wake-ups, is a visible share of the scan).
 _SCAN_AHEAD_BYTES = 4 << 20
+#: Longest wait, in seconds, for the scan thread to start before the framework's copy goes ahead.
+_HANDOVER_WAIT_S = 0.0002
 
 
 def layer_dtype(layer) -> str:
@@ -108,16 +112,20 @@ class ParamSource:
     targets that are new objects (compile, convert): a half-built one is simply dropped.
 
     :meth:`for_layer`'s scans of arrays of :data:`_SCAN_AHEAD_BYTES` and more run on one
-    background thread while the adapter copies the same arrays into its framework (``mx.array``,
-    ``jnp.asarray``: single-threaded copies into fresh pages, which leave a core idle); numpy
-    releases the GIL inside the scan. Measured on torch -> MLX, 8 x 4096^2: the scan was 9% of
-    the conversion's time on the calling thread.
+    background thread beside the copy the adapter makes next with its framework (``mx.array``,
+    ``jnp.asarray``: single-threaded copies, which leave a core idle). ``mx.array`` holds the GIL
+    for its whole copy while numpy releases it inside a reduction, so a scan queued ahead of time
+    waits for the copies to end; :meth:`for_layer` therefore returns only once the scan of the
+    layer's first big array is inside numpy, and the two read the same source side by side
+    (see :meth:`_scan_beside`).
     """
 
     _unchecked: frozenset | set = frozenset()  # given keys not yet known to be free of NaN/Inf
     _pending: Mapping = MappingProxyType({})  # key -> its NaN/Inf count, or a Future of it (for_layer)
     _stream = None  # stream(index, layer_spec) -> canonical params, when a file supplies them
     _scanner = None  # the ThreadPoolExecutor of for_layer's background scans, made on first use
+    _last_scan: Future | None = None  # the scan last queued on it
+    _scan_here = False  # True once the scan thread was slow to start: later scans run inline
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
                  defer_finite_check: bool = False, allow_nonfinite: bool = False,
@@ -167,26 +175,57 @@ class ParamSource:
         if self.params is None:
             return initial_layer_params(layer, self.seed, index)
         out = self._given(index, layer)
-        if self._scanner is None:
-            self._scan_ahead()
         prefix = self._prefix(index)
+        big = []
         for key in out:
             if prefix + key in self._unchecked and prefix + key not in self._pending:
                 # finish() gives the verdict, with every offender named at once
-                self._pending[prefix + key] = count_nonfinite(out[key])
+                if np.asarray(out[key]).nbytes >= _SCAN_AHEAD_BYTES:
+                    big.append(prefix + key)
+                else:
+                    self._pending[prefix + key] = count_nonfinite(out[key])
+        if big:
+            self._scan_beside(big)
         return out
 
-    def _scan_ahead(self) -> None:
-        """Queue the NaN/Inf scans of every unchecked array of :data:`_SCAN_AHEAD_BYTES` or more on
-        one background thread, in layer order (see the class docstring); their counts become
-        Futures in ``_pending``. All at once: the thread then needs the GIL only between arrays."""
-        big = [k for k in expected_params(self.spec) if k in self._unchecked and k not in self._pending
-               and np.asarray(self.params[k]).nbytes >= _SCAN_AHEAD_BYTES]
-        self._scanner = scanner = ThreadPoolExecutor(1, thread_name_prefix="dense_bridge-scan")
-        # a compile that fails half-way never reaches finish(): the thread goes with the source
-        weakref.finalize(self, scanner.shutdown, wait=False, cancel_futures=True)
-        for key in big:
-            self._pending[key] = scanner.submit(count_nonfinite, self.params[key])
+    def _scan_beside(self, keys: list[str]) -> None:
+        """Start the NaN/Inf scans of ``keys`` on the background thread (their counts become
+        Futures in ``_pending``) and return once the first one is running inside numpy.
+
+        The caller's next step is its framework's copy of the same arrays, which holds the GIL
+        throughout (``mx.array``): a scan that has not entered numpy's GIL-free loop by then
+        waits for the copy to end. Returning only when the thread has signalled, right before
+        the scan, means the waiting thread gets the GIL back when numpy releases it: the scan
+        then reads the source on the other core while the copy reads it on this one.
+        """
+        if self._scanner is None and not self._scan_here and not core_to_spare():
+            # measured at load 4-6 on 2 cores: scans beside the copies took 1.5x the time of inline ones
+            self._scan_here = True
+        if self._scanner is None and not self._scan_here:
+            self._scanner = ThreadPoolExecutor(1, thread_name_prefix="dense_bridge-scan")
+            # a compile that fails half-way never reaches finish(): the thread goes with the source
+            weakref.finalize(self, self._scanner.shutdown, wait=False, cancel_futures=True)
+        elif self._scan_here or not self._last_scan.done():
+            # no core to spare (a busy machine), or scans slower than the copies: queued, this scan
+            # would wait for the GIL through the copy and after it; here it costs one pass at most
+            for key in keys:
+                self._pending[key] = count_nonfinite(self.params[key])
+            return
+        started = threading.Event()
+
+        def first(value: np.ndarray) -> int:
+            started.set()
+            return count_nonfinite(value)
+        for n, key in enumerate(keys):
+            self._pending[key] = self._last_scan = self._scanner.submit(count_nonfinite if n else first,
+                                                                        self.params[key])
+        # Where the other cores are busy the hand-over takes a time slice or more, the thread's
+        # start or this thread's return to the GIL (0.75 ms median per layer, measured at load
+        # 4-6 on 2 cores, against 41 us with a core idle): then the copy goes first, and this
+        # source scans its next layers on the calling thread.
+        start = time.perf_counter()
+        started.wait(_HANDOVER_WAIT_S)
+        self._scan_here = time.perf_counter() - start > _HANDOVER_WAIT_S
 
     def native_layer(self, index: int, layer, perms: Mapping[str, tuple[int, ...]] | None = None
                      ) -> dict[str, np.ndarray]:

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned"]
+__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned", "core_to_spare"]
 
 ALIGN = 64  # bytes: Eigen's (TF's) EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; torch allocates so too
 _COLS = 2048  # source columns per transposed tile
@@ -118,11 +118,20 @@ def count_nonfinite(value: np.ndarray) -> int:
 
 def _count_nonfinite_bits(value: np.ndarray) -> int:
     """NaN/Inf count of a float16 or bfloat16 array: entries whose magnitude bits reach the
-    all-ones exponent. Chunks along the first axis keep the scratch small for huge arrays."""
+    all-ones exponent. First an exact yes/no from two integer maxima (see below), which reads
+    the array twice with no scratch and no Python loop (each a single GIL-free numpy call);
+    only then the count, in chunks along the first axis that keep the scratch small."""
     exponent = _EXPONENT_MASKS.get(value.dtype.name)
     if exponent is None:  # pragma: no cover - no other 2-byte float is a dense_bridge dtype
         return int(value.size - np.count_nonzero(np.isfinite(value.astype(np.float32))))
     bits = np.atleast_1d(value).view(np.uint16)
+    # Unsigned, a NaN/Inf with the sign bit set is >= sign | exponent and nothing finite is;
+    # signed, negatives sit below 0, so the maximum reaches the exponent only through a
+    # positive NaN/Inf. Measured in one run, 4096^2 float16 on a busy 2-core machine: 2.0 ms for
+    # both maxima, 16.5 ms for the chunked masked count alone, 121 ms for numpy's float32 sum of
+    # float16 (a buffered cast); bfloat16 1.6 vs 16.2 ms.
+    if bits.max() < (0x8000 | exponent) and bits.view(np.int16).max() < exponent:
+        return 0
     step = max(1, _BITS_CHUNK // (bits[0].size if bits.ndim > 1 else 1))
     bad = 0
     for start in range(0, bits.shape[0], step):
@@ -189,6 +198,16 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def core_to_spare() -> bool:
+    """Is a core likely idle for a helper thread: a 1-minute load average (runnable tasks, this
+    process included) under the number of usable cores. Where none is, a helper only takes turns
+    with the calling thread, and each hand-over of the GIL can wait a whole time slice."""
+    try:
+        return os.getloadavg()[0] < _cores()
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        return True
 
 
 def _on_cores(out: np.ndarray, view: np.ndarray, transposed: bool, check_finite: bool, cores: int) -> int:

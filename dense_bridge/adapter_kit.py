@@ -12,8 +12,8 @@ the conformance suite, :mod:`dense_bridge.testing.conformance`.
 
 Names, by role (loaded on first use, so importing this module costs nothing):
 
-- the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``OPTIONAL_VERBS``, ``Adapter``;
-- declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``;
+- the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``OPTIONAL_VERBS``, ``PARALLEL_VERBS``, ``DCP_VERBS``;
+- declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
 - building: ``ParamSource`` (``for_layer``/``native_layer``: a layer's canonical parameters),
   ``initial_layer_params``, ``remember_spec``/``remembered_spec``, ``native_copy``;
 - tracing: ``Trace``/``LayerTrace`` (the ``trace`` verb), ``Capture``/``Call``/``select_output``
@@ -37,9 +37,9 @@ import importlib
 CONTRACT_VERSION = 1
 
 _LAZY: dict[str, str] = {
-    "REQUIRED_VERBS": "._adapter", "OPTIONAL_VERBS": "._adapter", "Adapter": "._adapter",
+    "REQUIRED_VERBS": "._adapter", "OPTIONAL_VERBS": "._adapter", "PARALLEL_VERBS": "._adapter", "DCP_VERBS": "._adapter",
     "Manifest": "._manifest", "FileFormat": "._manifest", "FileNames": "._manifest", "Probe": "._manifest",
-    "Match": "._manifest", "GRADIENTS": "._manifest",
+    "Match": "._manifest", "GRADIENTS": "._manifest", "PARALLEL": "._manifest", "DCP": "._manifest",
     "ParamSource": "._params", "initial_layer_params": "._params",
     "remember_spec": "._spec_memory", "remembered_spec": "._spec_memory",
     "native_copy": "._transfer",

@@ -503,3 +503,122 @@ def test_optional_train_sgd_verb_trains_the_demo_model(name):
     ref = dense_bridge.compile(_demo.demo_spec(), "numpy", seed=0)
     ref_before, ref_after = get_adapter("numpy").train_sgd(ref, x, y, steps=1, lr=0.5)
     np.testing.assert_allclose(before, ref_before, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ tensor parallelism: one contract, one dispatch
+def _verb_binding_lines(tree: ast.Module, verbs: set[str]) -> list[str]:
+    """How an adapter ``__init__`` binds each verb name other than by importing it from its own
+    modules: a ``def`` (an override or a wrapper) or an assignment (``get_params = wrap(...)``)."""
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in verbs:
+            out.append(f"line {node.lineno}: def {node.name}")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out += [f"line {node.lineno}: {t.id} = ..." for t in targets if isinstance(t, ast.Name) and t.id in verbs]
+    return out
+
+
+#: Verbs an adapter ``__init__`` may define itself: a one-line ownership test, no other verb inside.
+DEFINED_IN_INIT = {"owns"}
+
+
+def test_no_backend_init_wraps_a_verb():
+    """Each verb is a function of the package's own modules, re-exported as it is: no ``__init__``
+    rebinds a verb (a wrapper that dispatches a parallel model, an override of set_params)."""
+    from dense_bridge._adapter import OPTIONAL_VERBS
+
+    verbs = set(REQUIRED_VERBS) | set(OPTIONAL_VERBS)
+    offenders = []
+    for package in _adapter_packages():
+        tree = ast.parse((package / "__init__.py").read_text())
+        offenders += [f"backends/{package.name}/__init__.py {line}"
+                      for line in _verb_binding_lines(tree, verbs - DEFINED_IN_INIT)]
+    assert not offenders, "import each verb from the module that does the work:\n" + "\n".join(offenders)
+
+
+def test_plain_verbs_never_see_a_parallel_model():
+    """Only an adapter's ``__init__`` imports its ``_parallel`` module: get_params, set_params,
+    to_spec and trace (``_params``, ``_to_spec``, ``_trace``, ...) hold no parallel branch, because
+    dense_bridge/parallel/_dispatch.py sends a parallel model to the parallel_* verbs."""
+    offenders = []
+    for package in _adapter_packages():
+        for path in sorted(package.glob("*.py")):
+            if path.name in ("__init__.py", "_parallel.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (
+                        (node.level == 1 and node.module == "_parallel")
+                        or (node.level == 1 and node.module is None and any(a.name == "_parallel" for a in node.names))
+                        or (node.module or "").endswith(f"backends.{package.name}._parallel")):
+                    offenders.append(f"backends/{package.name}/{path.name}:{node.lineno}")
+    assert not offenders, "a plain verb module imports _parallel:\n" + "\n".join(offenders)
+
+
+def test_the_verb_check_sees_wrappers():
+    src = ("from ._params import get_params, set_params\nfrom ._parallel import parallel_state\n"
+           "get_params = wrap(get_params)\n\ndef set_params(native, params):\n    pass\n\ndef owns(obj):\n    return True\n")
+    found = _verb_binding_lines(ast.parse(src), {"get_params", "set_params", "parallel_state"})
+    assert found == ["line 3: get_params = ...", "line 5: def set_params"], found
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_parallel_and_dcp_verbs_follow_the_manifest(name):
+    """A backend whose manifest declares ``parallel`` offers every verb of PARALLEL_VERBS, its
+    own functions under exactly those names; one that does not offers none (likewise ``dcp`` and
+    DCP_VERBS); no adapter exports another ``parallel_*`` name."""
+    if name not in available_backends():
+        pytest.skip(f"framework for backend {name!r} is not installed")
+    from dense_bridge._adapter import DCP_VERBS, PARALLEL_VERBS
+    from dense_bridge._manifest import DCP, PARALLEL
+    from dense_bridge._registry import has_capability
+
+    adapter = get_adapter(name)
+    for capability, verbs in ((PARALLEL, PARALLEL_VERBS), (DCP, DCP_VERBS)):
+        offered = [v for v in verbs if callable(getattr(adapter, v, None))]
+        if has_capability(name, capability):
+            assert offered == list(verbs), f"{name} declares {capability!r} but lacks {sorted(set(verbs) - set(offered))}"
+            for verb in verbs:
+                assert getattr(adapter, verb).__module__.startswith(adapter.__name__), (verb, getattr(adapter, verb).__module__)
+        else:
+            assert not offered, f"{name} offers {offered} without declaring {capability!r} in its manifest"
+    stray = sorted(n for n in dir(adapter) if n.startswith("parallel_") and n not in PARALLEL_VERBS)
+    assert not stray, f"{name} exports {stray}: parallel verbs are exactly dense_bridge._adapter.PARALLEL_VERBS"
+
+
+#: The core modules that may name a parallel or DCP verb: the contract that lists them, and the
+#: one module that calls them.
+PARALLEL_VERB_NAMERS = {"_adapter.py", "parallel/_dispatch.py"}
+
+
+def _verb_mentions(tree: ast.AST, verbs: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every attribute access, name or non-docstring string naming one of ``verbs``."""
+    out = [(node.lineno, node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in verbs]
+    out += [(node.lineno, node.id) for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id in verbs]
+    out += [(line, text) for line, text in _string_literals(tree) if text in verbs]
+    return out
+
+
+def test_the_core_dispatches_parallel_verbs_in_one_module():
+    """Only dense_bridge/parallel/_dispatch.py calls (or looks up) a parallel or DCP verb: the
+    public verbs, save/load and testing.compare reach them through it."""
+    from dense_bridge._adapter import DCP_VERBS, PARALLEL_VERBS
+
+    verbs = set(PARALLEL_VERBS) | set(DCP_VERBS)
+    offenders, namers = [], set()
+    for path in _core_files():
+        rel = path.relative_to(CORE).as_posix()
+        hits = _verb_mentions(ast.parse(path.read_text(), str(path)), verbs)
+        if hits:
+            namers.add(rel)
+        if rel not in PARALLEL_VERB_NAMERS:
+            offenders += [f"dense_bridge/{rel}:{line} names {name}" for line, name in hits]
+    assert not offenders, "call parallel verbs through dense_bridge/parallel/_dispatch.py:\n" + "\n".join(offenders)
+    assert namers == PARALLEL_VERB_NAMERS, namers
+
+
+def test_the_dispatch_check_sees_calls_and_lookups():
+    src = ('"""parallel_state in a docstring is fine."""\nadapter.parallel_trace(m, x, g)\n'
+           'optional_verb(b, "save_dcp", "why")\nfrom x import parallel_barrier\nparallel_barrier(m)\n')
+    found = _verb_mentions(ast.parse(src), {"parallel_state", "parallel_trace", "save_dcp", "parallel_barrier"})
+    assert sorted(found) == [(2, "parallel_trace"), (3, "save_dcp"), (5, "parallel_barrier")], found

@@ -49,9 +49,9 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
     ("dense_bridge/cli/_adapter.py", "open"): "--base-config, a model's JSON config read for its layer count",
     ("dense_bridge/cli/_main.py", "open"): "the first 64 bytes of a file, to name its backend (identify), "
                                            "and os.devnull for a quiet import",
-    ("dense_bridge/parallel/_plan.py", "open"): "the sharded directory of a tensor-parallel save: rank files "
-                                                "written by the one safetensors writer into AtomicFiles "
-                                                "temporaries, and its index",
+    ("dense_bridge/parallel/_sharded_dir.py", "open"): "the sharded directory of a tensor-parallel save: rank "
+                                                       "files written by the one safetensors writer into "
+                                                       "AtomicFiles temporaries, and its index",
     ("backends/keras/_lora.py", "h5py.File"): "keras-hub's .lora.h5 adapter files, whose layout only Keras knows "
                                               "(db.load_adapter / db.save_adapter)",
     ("backends/keras/_manifest.py", "open"): "~/.keras/keras.json, the Keras engine's name: no checkpoint",

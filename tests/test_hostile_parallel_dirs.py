@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.parallel._plan import (INDEX_NAME, build_index, owned_index, params_plan, resolve_plan, write_index,
-                                    write_rank_file)
+from dense_bridge.parallel._plan import owned_index, params_plan, resolve_plan
+from dense_bridge.parallel._sharded_dir import INDEX_NAME, build_index, write_index, write_rank_file
 
 WORLD = 2
 SPEC = db.Sequential([db.Dense(8, in_features=6, activation="relu", mask=db.wiring.banded(6, 8, 2)),
@@ -274,7 +274,7 @@ def test_tiling_check_agrees_with_counting_every_element():
     import math
     import random
 
-    from dense_bridge.parallel._plan import _tiles_exactly
+    from dense_bridge.parallel._sharded_dir import _tiles_exactly
 
     rng = random.Random(0)
     valid = 0
@@ -303,7 +303,7 @@ def test_tiling_check_agrees_with_counting_every_element():
 
 _MANY = r"""
 import json, sys
-from dense_bridge.parallel._plan import validate_tiling
+from dense_bridge.parallel._sharded_dir import validate_tiling
 n = int(sys.argv[1])
 tensor = {"dtype": "float32", "shape": [4, n],
           "shards": [{"file": f"rank-{i}.safetensors", "start": [0, i], "stop": [4, i + 1]} for i in range(n)]}
@@ -327,7 +327,7 @@ _HUGE = r"""
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # an allocation attempt fails here, never swaps
 import dense_bridge as db
-from dense_bridge.parallel._plan import INDEX_NAME
+from dense_bridge.parallel._sharded_dir import INDEX_NAME
 path = sys.argv[1]
 spec = db.Dense(200_000, in_features=200_000, dtype="float64")  # 320 GB of parameters
 with open(os.path.join(path, INDEX_NAME), "w") as f:

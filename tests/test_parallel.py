@@ -33,7 +33,8 @@ if not dist.is_available():
 import torch.multiprocessing as mp  # noqa: E402
 
 import dense_bridge as db  # noqa: E402
-from dense_bridge.parallel._plan import INDEX_NAME, read_index, resolve_plan  # noqa: E402
+from dense_bridge.parallel._plan import resolve_plan  # noqa: E402
+from dense_bridge.parallel._sharded_dir import INDEX_NAME, read_index  # noqa: E402
 from dense_bridge.checkpoints._flows import open_checkpoint  # noqa: E402
 
 WORLD = 4
@@ -261,7 +262,7 @@ def _port() -> int:
 
 #: what every worker imports, imported once by the forkserver the workers are forked from
 PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "dense_bridge.backends.torch",
-           "dense_bridge.parallel._io", "dense_bridge.testing", __name__]
+           "dense_bridge.parallel._save_load", "dense_bridge.parallel._dcp", "dense_bridge.testing", __name__]
 
 
 def start_workers(fn, args, nprocs):

@@ -58,7 +58,7 @@ def _keras_bfloat16(tmp: Path) -> dict:
     """bfloat16 under ModelParallel: shard shapes, the dtype kept on every variable, compare at
     bfloat16 tolerance, and save -> load (whole, and onto 4 devices) bit-exact."""
     import dense_bridge as db
-    from dense_bridge.parallel._plan import read_index
+    from dense_bridge.parallel._sharded_dir import read_index
     from dense_bridge.backends.keras import _parallel as kp
 
     spec = _spec("bfloat16")

@@ -5,7 +5,7 @@ ModelParallel on JAX over 4 devices (one process) loads, checks and saves -> one
 reads the directory whole. The chain runs twice per stage, in float32 and in bfloat16. Every
 stage compares its gathered parameters (values and dtype) with the numpy draw of the same seed
 (every backend draws the same bits), and each saved index records its world size, its dtype
-and tiles each tensor exactly (``dense_bridge.parallel._plan`` validates that on every load).
+and tiles each tensor exactly (``dense_bridge.parallel._sharded_dir`` validates that on every load).
 
 The ``__main__`` block is the per-stage worker; each stage runs under its engine's own launcher
 (``torch.distributed.run``, ``mlx.launch``, one JAX process with virtual CPU devices).
@@ -143,7 +143,7 @@ def test_torch4_to_mlx2_to_jax4_to_one_process_bit_exact(tmp_path):
     for m in ("torch.distributed", "mlx.core", "keras", "jax"):
         pytest.importorskip(m)
     import dense_bridge as db
-    from dense_bridge.parallel._plan import read_index
+    from dense_bridge.parallel._sharded_dir import read_index
 
     d1, d2, d3 = (str(tmp_path / n) for n in ("torch4", "mlx2", "jax4"))
     py = sys.executable

@@ -60,6 +60,7 @@ def _worker(case: str, outdir: str) -> None:
 
     import dense_bridge as db
     from dense_bridge.backends import mlx as adapter
+    from dense_bridge.backends.mlx._parallel import full_grads
 
     group = mx.distributed.init()
     n, r = group.size(), group.rank()
@@ -119,7 +120,7 @@ def _worker(case: str, outdir: str) -> None:
     _, grads_par = nn.value_and_grad(par, loss)(par, x)
     _, grads_one = nn.value_and_grad(single, loss)(single, x)
     assert not any(k.endswith("mask") for k, _ in tree_flatten(grads_par))  # masks never train
-    full_g = adapter.parallel_full_grads(par, grads_par)
+    full_g = full_grads(par, grads_par)
     ref_g = {}
     for i, go in enumerate(grads_one["layers"]):
         if go:

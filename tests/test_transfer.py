@@ -156,6 +156,7 @@ def test_big_arrays_are_scanned_on_a_background_thread_for_adapters_that_copy_th
     from dense_bridge import _params
 
     monkeypatch.setattr(_params, "_SCAN_AHEAD_BYTES", 64)  # 0.kernel (120 B) and 1.kernel (72 B)
+    monkeypatch.setattr(_params, "core_to_spare", lambda: True)  # whatever else runs on this machine
     params = _params_with_nan()
     params["1.kernel"][0, 0] = -np.inf
     source = ParamSource(_spec(), params=params, defer_finite_check=True)
@@ -168,6 +169,21 @@ def test_big_arrays_are_scanned_on_a_background_thread_for_adapters_that_copy_th
     message = str(info.value)
     assert message.index("0.kernel: 1 NaN") < message.index("1.kernel: 1 NaN") < message.index("1.bias: 1 NaN")
     assert source._scanner._shutdown
+
+
+def test_big_arrays_are_scanned_inline_without_a_core_to_spare(monkeypatch):
+    # on a machine whose cores are all busy the scans stay on the calling thread, same verdict
+    from dense_bridge import _params
+
+    monkeypatch.setattr(_params, "_SCAN_AHEAD_BYTES", 64)
+    monkeypatch.setattr(_params, "core_to_spare", lambda: False)
+    params = _params_with_nan()
+    source = ParamSource(_spec(), params=params, defer_finite_check=True)
+    for i, layer in enumerate(source.spec.layers):
+        source.for_layer(i, layer)
+    assert source._scanner is None and not any(isinstance(c, _params.Future) for c in source._pending.values())
+    with pytest.raises(db.ConversionError, match=r"0\.kernel: 1 NaN.*1\.bias: 1 NaN"):
+        source.finish()
 
 
 def test_masks_and_cast_values_are_still_checked_up_front():

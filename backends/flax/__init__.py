@@ -15,7 +15,8 @@ defaults (``gelu`` is the tanh approximation, ``leaky_relu`` slope 0.01) are pin
 
 The package, one job a module (the same files as every adapter): ``_arrays``, ``_activations``,
 ``_layers``, ``_params``, ``_to_spec``, ``_trace`` (``jax.vjp``), ``_models`` (``walk``), ``_files`` (msgpack, Orbax),
-``_capture`` (per-call records inside a whole model, ``compare_models``).
+``_capture`` (per-call records inside a whole model, ``compare_models``), ``_parallel`` (the
+``parallel_*`` verbs: sharding annotations on a named mesh axis).
 """
 from __future__ import annotations
 
@@ -29,29 +30,18 @@ from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_folds_scale, lora_heads, read_lora,  # noqa: E402
                     write_lora)  # nnx.LoRALinear adapters
 from ._params import get_params, set_params
+from ._parallel import (parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params,  # sharding annotations
+                        parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 from ._to_spec import to_spec
 from ._trace import run_layer, trace
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "lora_folds_scale", "attach_lora", "detach_lora",
            "DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer",
+           "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed"]
 
 
 def owns(obj) -> bool:
     """Is ``obj`` a Flax NNX module."""
     return isinstance(obj, nnx.Module)
-
-
-# Tensor parallelism (``_parallel``): sharding annotations on a named mesh axis.
-# set_params on a parallel model places each written array again by its annotation.
-from . import _parallel as _par  # noqa: E402
-from ._parallel import compile_parallel, get_params_parallel, parallel_agree_seed, parallel_barrier, parallel_state  # noqa: E402
-
-_plain_set_params = set_params
-
-
-def set_params(native, params) -> None:  # noqa: F811 - the parallel-aware verb
-    """Write validated canonical params (on a parallel model: then re-placed by annotation)."""
-    if _par.parallel_state(native) is not None:
-        return _par.set_params_parallel(native, params, _plain_set_params)
-    return _plain_set_params(native, params)

@@ -1,6 +1,6 @@
 """What the core knows of the Flax NNX backend without importing flax or jax (see
 ``dense_bridge.adapter_kit.Manifest``): ``flax.serialization`` msgpack state files."""
-from dense_bridge.adapter_kit import FileFormat, Manifest, Match, Probe
+from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, FileFormat, Manifest, Match, Probe
 
 
 def _msgpack(probe: Probe) -> Match:
@@ -12,6 +12,7 @@ def _msgpack(probe: Probe) -> Match:
 
 MANIFEST = Manifest(
     requires=("flax", "jax"), install="pip install 'dense-bridge[flax]'", display="Flax",
+    capabilities=frozenset({GRADIENTS, PARALLEL}),  # PARALLEL: sharding annotations on a named mesh axis
     formats=(FileFormat("Flax msgpack state file", container="msgpack", sniff=_msgpack, extensions=(".msgpack",),
                         write_kind="msgpack", temp_suffix=".msgpack"),),
     layout_note="Flax layout: nnx.Linear kernel (in_features, units) under nested names (layers.0.kernel)",

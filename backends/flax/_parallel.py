@@ -29,8 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge.backends._jax.parallel import agree_seed, barrier
-from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.backends._jax.parallel import addressable_block, agree_seed, barrier, layout_problems
 from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
@@ -39,8 +38,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
-__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "set_params_parallel",
-           "parallel_agree_seed", "shard_shapes"]
+__all__ = ["parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed", "shard_shapes"]
 
 
 def _mesh(group: Any) -> tuple[Mesh, int]:
@@ -92,7 +91,7 @@ def _place(var, mesh: Mesh, axes: tuple) -> None:
     var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, PartitionSpec(*axes))))
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any):
     """The Flax NNX model for ``spec`` with every planned Dense's variables annotated and placed
     along the mesh's "model" axis (see the module docstring); checked after placing.
 
@@ -137,20 +136,7 @@ def shard_shapes(model) -> dict[str, list[tuple[int, ...]]]:
 
 def check_layouts(model, layers, plan: dict, n: int) -> None:
     """Every Dense variable's live sharding against the plan; SpecError naming any that differs."""
-    shapes = shard_shapes(model)
-    seq = type(model) is nnx.Sequential
-    wrong = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Dense):
-            continue
-        style = plan[i].style if i in plan else None
-        for key, full in layer.param_shapes().items():
-            name = (f"{i}." if seq else "") + key
-            axis = None if style is None else split_axis(style, key)
-            want = tuple(d // n if a == axis else d for a, d in enumerate(full))
-            got = set(shapes.get(name, []))
-            if got != {want}:
-                wrong.append(f"{name} ({style or 'replicated'}): device shards {sorted(got)}, expected {want}")
+    wrong = layout_problems(shard_shapes(model), layers, plan, n, type(model) is nnx.Sequential)
     if wrong:
         raise SpecError("the Flax model is not sharded as planned: " + "; ".join(wrong))
 
@@ -164,9 +150,12 @@ def parallel_state(native: Any) -> dict | None:
     return {**state, "rank": int(jax.process_index()), "world_size": int(jax.process_count())}
 
 
-def set_params_parallel(native, params: dict, plain: Callable) -> None:
-    """``plain`` set_params, then every annotated variable placed again by its annotation."""
-    plain(native, params)
+def parallel_set_params(native, params: dict) -> None:
+    """The plain ``set_params`` (which writes unplaced arrays), then every annotated variable
+    placed again by its annotation."""
+    from ._params import set_params
+
+    set_params(native, params)
     mesh = native.__dict__[_STATE]["mesh"]
     for m in _modules(native):
         if not hasattr(m, "kernel"):
@@ -177,7 +166,7 @@ def set_params_parallel(native, params: dict, plain: Callable) -> None:
                 var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, PartitionSpec(*axes))))
 
 
-def get_params_parallel(native, local: bool = False) -> dict:
+def parallel_get_params(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them), or with ``local`` this process's addressable
     block of each as :class:`dense_bridge.parallel._plan.Shard` (in one process: the whole tensor)."""
     from ._params import get_params
@@ -190,29 +179,23 @@ def get_params_parallel(native, local: bool = False) -> dict:
         if not hasattr(m, "kernel"):
             continue
         for name, var in _variables(m).items():
-            out[(f"{i}." if seq else "") + name] = _addressable_block(var.get_value())
+            out[(f"{i}." if seq else "") + name] = addressable_block(var.get_value())
     return out
 
 
-def _addressable_block(array) -> ShardView:
-    """The bounding block of the shards of ``array`` this process addresses, checked to be tiled
-    by them exactly (replicas counted once)."""
-    shape = tuple(int(d) for d in array.shape)
-    blocks = {}
-    for s in array.addressable_shards:
-        blocks[tuple(sl.indices(d)[:2] for sl, d in zip(s.index, shape))] = s
-    lo = [min(b[a][0] for b in blocks) for a in range(len(shape))]
-    hi = [max(b[a][1] for b in blocks) for a in range(len(shape))]
-    first = np.asarray(next(iter(blocks.values())).data)
-    out = np.empty([h - l for l, h in zip(lo, hi)], dtype=first.dtype)
-    covered = 0
-    for b, s in blocks.items():
-        out[tuple(slice(x - l, y - l) for (x, y), l in zip(b, lo))] = np.asarray(s.data)
-        covered += int(np.prod([y - x for x, y in b]))
-    if covered != out.size:
-        raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
-    out.flags.writeable = False
-    return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
+def parallel_to_spec(native):
+    """The full spec: JAX arrays are global, so the plain ``to_spec`` reads every shape whole."""
+    from ._to_spec import to_spec
+
+    return to_spec(native)
+
+
+def parallel_trace(native, inputs, grad_out):
+    """The plain ``trace``: JAX is single-controller, so every output and gradient it computes is
+    the whole array already (GSPMD inserts the collectives)."""
+    from ._trace import trace
+
+    return trace(native, inputs, grad_out)
 
 
 def parallel_barrier(native) -> None:

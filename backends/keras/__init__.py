@@ -67,13 +67,16 @@ from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequ
 from ._quant import quant_build, quant_layer  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files
 # tensor parallelism: ModelParallel + LayoutMap, Keras' JAX backend only
-from ._parallel import compile_parallel, get_params_parallel, parallel_agree_seed, parallel_barrier, parallel_state  # noqa: E402
+from ._parallel import (parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params,  # noqa: E402
+                        parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "save_lora_h5",
            "load_lora_h5", "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora",
            "DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
-           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build"]
+           "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build",
+           "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed"]
 
 # The registered classes keep the module they had as one file: saved .keras configs record
 # it ("module") and error messages print it, so both stay as they were.

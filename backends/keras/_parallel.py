@@ -35,7 +35,6 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge.parallel._plan import Shard as ShardView
 from dense_bridge.parallel._plan import resolve_plan, split_axis
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
@@ -44,8 +43,8 @@ from dense_bridge.specs import Bilinear, Dense, Sequential
 _STATE = "_dense_bridge_parallel"
 _AXIS = "model"
 
-__all__ = ["compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
-           "shard_shapes"]
+__all__ = ["parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed", "shard_shapes"]
 
 
 def _check_backend() -> None:
@@ -93,7 +92,7 @@ def _layout(style: str | None, name: str, ndim: int) -> tuple:
     return tuple(axes)
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any):
     """The Keras model for ``spec`` under ``ModelParallel``: every planned Dense's variables laid
     out along the mesh's "model" axis by a ``LayoutMap`` built from the spec, then checked.
 
@@ -164,20 +163,9 @@ def check_layouts(model, layers, plan: dict, n: int) -> None:
     """Every variable's live sharding against the plan (never trusting the LayoutMap): a planned
     kernel/bias/mask must be split N ways along its planned axis, every other one whole on
     every device. SpecError naming each variable that is not."""
-    shapes = shard_shapes(model)
-    seq = _keras_layers(model)[1]
-    wrong = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Dense):
-            continue
-        style = plan[i].style if i in plan else None
-        for key, full in layer.param_shapes().items():
-            name = (f"{i}." if seq else "") + key
-            axis = None if style is None else split_axis(style, key)
-            want = tuple(d // n if a == axis else d for a, d in enumerate(full))
-            got = set(shapes.get(name, []))
-            if got != {want}:
-                wrong.append(f"{name} ({style or 'replicated'}): device shards {sorted(got)}, expected {want}")
+    from dense_bridge.backends._jax.parallel import layout_problems  # here: on TF or torch Keras never imports JAX
+
+    wrong = layout_problems(shard_shapes(model), layers, plan, n, _keras_layers(model)[1])
     if wrong:
         raise SpecError("the Keras ModelParallel layout did not shard the model as planned (a LayoutMap key that "
                         "matches no variable leaves it replicated silently): " + "; ".join(wrong))
@@ -196,12 +184,14 @@ def parallel_state(native: Any) -> dict | None:
     return {**state, "rank": int(jax.process_index()), "world_size": int(jax.process_count())}
 
 
-def get_params_parallel(native, local: bool = False) -> dict:
+def parallel_get_params(native, local: bool = False) -> dict:
     """Full canonical params (JAX assembles them from the device shards), or with ``local`` this
     process's addressable block of each, as :class:`dense_bridge.parallel._plan.Shard`: the bounding
     block of the shards this process addresses, checked to be tiled by them exactly (in one
     process: the whole tensor)."""
-    from ._params import layer_variables, get_params
+    from dense_bridge.backends._jax.parallel import addressable_block
+
+    from ._params import get_params, layer_variables
 
     if not local:
         return get_params(native)
@@ -209,27 +199,31 @@ def get_params_parallel(native, local: bool = False) -> dict:
     out = {}
     for i, layer in enumerate(layers):
         for key, v in layer_variables(layer).items():
-            out[(f"{i}." if seq else "") + key] = _addressable_block(v.value)
+            out[(f"{i}." if seq else "") + key] = addressable_block(v.value)
     return out
 
 
-def _addressable_block(array) -> ShardView:
-    shape = tuple(int(d) for d in array.shape)
-    blocks = {}
-    for s in array.addressable_shards:
-        index = tuple(slice(*sl.indices(d)[:2]) for sl, d in zip(s.index, shape))
-        blocks[tuple((sl.start, sl.stop) for sl in index)] = s
-    lo = [min(b[a][0] for b in blocks) for a in range(len(shape))]
-    hi = [max(b[a][1] for b in blocks) for a in range(len(shape))]
-    out = np.empty([h - l for l, h in zip(lo, hi)], dtype=np.asarray(next(iter(blocks.values())).data).dtype)
-    covered = 0
-    for b, s in blocks.items():
-        out[tuple(slice(x - l, y - l) for (x, y), l in zip(b, lo))] = np.asarray(s.data)
-        covered += int(np.prod([y - x for x, y in b]))
-    if covered != out.size:  # replicas counted once (dict keys): the blocks must tile the bounding box
-        raise SpecError(f"this process's shards of a tensor of shape {shape} do not form one block")
-    out.flags.writeable = False
-    return ShardView(out, tuple(slice(l, h) for l, h in zip(lo, hi)))
+def parallel_set_params(native, params) -> None:
+    """Write full canonical ``params``: Keras assigns them to each variable, which keeps its
+    layout, so JAX re-shards them by it (the plain ``set_params``)."""
+    from ._params import set_params
+
+    set_params(native, params)
+
+
+def parallel_to_spec(native):
+    """The full spec: JAX arrays are global, so the plain ``to_spec`` reads every shape whole."""
+    from ._to_spec import to_spec
+
+    return to_spec(native)
+
+
+def parallel_trace(native, inputs, grad_out):
+    """The plain ``trace``: JAX is single-controller, so every output and gradient it computes is
+    the whole array already (GSPMD inserts the collectives)."""
+    from ._trace import trace
+
+    return trace(native, inputs, grad_out)
 
 
 def parallel_barrier(native) -> None:

@@ -45,7 +45,9 @@ The package, one job a module (the same files as every adapter): ``_arrays`` (th
 ``_layers`` (DenseLinear, LazyDenseLinear and ``compile``), ``_params`` (get/set params, layout
 transposes), ``_to_spec`` (reading live modules back into specs), ``_trace`` (``mx.vjp`` traces),
 ``_models`` (``walk``: every module holding arrays inside any module tree, by dotted path),
-``_parallel`` (tensor parallelism on ``mx.distributed``: column/row-sharded Dense).
+``_parallel`` (the ``parallel_*`` verbs: tensor parallelism on ``mx.distributed``, column/row-sharded
+Dense; the plain verbs above never see a sharded layer: dense_bridge/parallel/_dispatch.py routes
+a parallel model to these).
 """
 from __future__ import annotations
 
@@ -64,22 +66,14 @@ from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequant
 from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 
-from ._parallel import ColumnDense, RowDense, compile_parallel, parallel_state
-from ._parallel import full_grads as parallel_full_grads
-from ._parallel import parallel_agree_seed, parallel_barrier
-from . import _parallel as _par
-
-
-def get_params_parallel(native, local: bool = False) -> dict:
-    """Tensor parallelism: full canonical params (collective) or, with ``local``, this
-    rank's blocks as ``dense_bridge.parallel._plan.Shard`` (``_parallel.get_params_parallel``)."""
-    return _par.get_params_parallel(native, local, get_params)
+from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile,  # mx.distributed
+                        parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",
            "lora_dequantize", "lora_requantize", "replace_lora",
            "DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
-           "compile_parallel", "parallel_state", "get_params_parallel", "parallel_barrier", "parallel_agree_seed",
-           "parallel_full_grads",
+           "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build"]
 

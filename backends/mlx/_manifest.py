@@ -1,6 +1,6 @@
 """What the core knows of the MLX backend without importing mlx (see
 ``dense_bridge.adapter_kit.Manifest``): MLX-layout safetensors and ``.npz`` files."""
-from dense_bridge.adapter_kit import FileFormat, FileNames, Manifest, Match, Probe
+from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, FileFormat, FileNames, Manifest, Match, Probe
 
 
 def _safetensors(probe: Probe) -> Match:
@@ -21,6 +21,7 @@ def _npz(probe: Probe) -> Match:
 
 MANIFEST = Manifest(
     requires=("mlx",), install="pip install 'dense-bridge[mlx]'", display="MLX",
+    capabilities=frozenset({GRADIENTS, PARALLEL}),  # PARALLEL: mx.distributed column/row layers
     formats=(
         FileFormat("MLX safetensors file", container="safetensors", sniff=_safetensors, safetensors=True,
                    extensions=(".safetensors",), write_kind="safetensors", temp_suffix=".safetensors"),

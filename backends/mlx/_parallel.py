@@ -23,10 +23,11 @@ are elementwise and run on the shard.
 The parallel model stays a plain ``nn.Sequential`` holding these modules: ``nn.value_and_grad``
 and the optimizers work on it as on any MLX model, each rank holding and training its own shard.
 Every verb on a parallel model is collective (every rank calls it, in the same order):
-``get_params`` all-gathers full canonical arrays (``local=True``: this rank's blocks and where
-they sit, no communication), ``set_params`` takes full ones and keeps this rank's slice (no
-communication), ``save`` writes each rank's blocks into the sharded directory
-(``dense_bridge.parallel._plan``).
+``parallel_get_params`` all-gathers full canonical arrays (``local=True``: this rank's blocks and
+where they sit, no communication), ``parallel_set_params`` takes full ones and keeps this rank's
+slice (no communication); ``db.save`` writes each rank's blocks into the sharded directory
+(``dense_bridge.parallel._sharded_dir``). The plain verbs (``_params``, ``_to_spec``, ``_trace``)
+never see a sharded layer: dense_bridge/parallel/_dispatch.py routes a parallel model here.
 Launch: ``mlx.launch --backend ring -n 2 /path/to/python script.py`` (README, "Tensor
 parallelism").
 """
@@ -50,9 +51,14 @@ from ._activations import activation_fn
 from ._arrays import check_dtype, dtype_name, to_mx, to_numpy
 from ._layers import DenseLinear
 from ._layers import compile as compile_layer
+from ._params import layer_params, layer_subset, positions, set_layer
+from ._to_spec import chain_spec
+from ._to_spec import layer_spec as plain_layer_spec
+from ._trace import canonical_grads, trace_chain
 
-__all__ = ["ColumnDense", "RowDense", "ShardedDense", "compile_parallel", "parallel_state",
-           "get_params_parallel", "parallel_barrier", "parallel_agree_seed", "full_grads"]
+__all__ = ["ColumnDense", "RowDense", "ShardedDense", "parallel_compile", "parallel_state", "parallel_get_params",
+           "parallel_set_params", "parallel_to_spec", "parallel_trace", "parallel_barrier", "parallel_agree_seed",
+           "full_grads"]
 
 
 def _check_group(group):
@@ -298,7 +304,7 @@ def parallel_state(native: Any) -> dict | None:
     return {**state, "rank": int(group.rank()), "world_size": int(group.size())}
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any):
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any):
     """The parallel MLX model for ``spec`` on ``group`` (default: ``mx.distributed.init()``).
 
     ``block(position, name, index)`` gives this rank's canonical block of each parameter
@@ -378,22 +384,13 @@ def parallel_agree_seed(group, seed: int) -> int:
     return hi << 32 | lo
 
 
-def _positions(native) -> list[tuple[str, Any]]:
-    """(key prefix, module) per position, as ``_params.positions`` gives them (not imported:
-    ``_params`` imports this module)."""
-    if type(native) is nn.Sequential:
-        return [(f"{i}.", m) for i, m in enumerate(native.layers)]
-    return [("", native)]
-
-
-def get_params_parallel(native, local: bool, layer_params: Callable) -> dict:
+def parallel_get_params(native, local: bool = False) -> dict:
     """Full canonical params on every rank (all-gathered: collective), or with ``local`` this
     rank's blocks as :class:`dense_bridge.parallel._plan.Shard` (array, index into the full tensor);
-    replicated layers (read with ``layer_params``, the adapter's get_params) come whole with
-    full slices."""
+    replicated layers come whole with full slices."""
     mx.eval(native.parameters())
     out: dict = {}
-    for prefix, m in _positions(native):
+    for prefix, m in positions(native):
         if isinstance(m, ShardedDense):
             got = m.local() if local else m.gathered()
             for key, value in got.items():
@@ -402,6 +399,34 @@ def get_params_parallel(native, local: bool, layer_params: Callable) -> dict:
         for key, value in (layer_params(m) if isinstance(m, nn.Module) else {}).items():
             out[prefix + key] = ShardView(value, tuple(slice(0, d) for d in value.shape)) if local else value
     return out
+
+
+def parallel_set_params(native, params: dict[str, np.ndarray]) -> None:
+    """Write full canonical ``params``: a sharded layer keeps this rank's slice (no communication),
+    a replicated one takes them whole."""
+    for prefix, m in positions(native):
+        if isinstance(m, ShardedDense):
+            if get := layer_subset(params, prefix):
+                m.set_full(get)
+        else:
+            set_layer(m, params, prefix)
+
+
+def parallel_to_spec(native):
+    """The full (unsharded) spec, each sharded layer's checked against the shard it holds."""
+    def read_layer(m, where: str):
+        return layer_spec(m) if isinstance(m, ShardedDense) else plain_layer_spec(m, where)
+
+    return chain_spec(native, read_layer)
+
+
+def parallel_trace(native, inputs, grad_out):
+    """The ``trace`` verb on a parallel model (collective): sharded outputs, input gradients and
+    parameter gradients all-gathered, so ``db.testing.compare`` holds it against one process."""
+    def layer_grads(m, grads):
+        return m.grads_gathered(grads) if isinstance(m, ShardedDense) else canonical_grads(m, grads)
+
+    return gather_trace(native, trace_chain(native, inputs, grad_out, layer_grads))
 
 
 def parallel_barrier(native) -> None:
@@ -416,7 +441,7 @@ def full_grads(native, grads: dict) -> dict[str, np.ndarray]:
     sharded layers all-gather their gradient shards). The mask never has a gradient."""
     layers_grads = grads["layers"] if type(native) is nn.Sequential else [grads]
     out = {}
-    for (prefix, m), g in zip(_positions(native), layers_grads):
+    for (prefix, m), g in zip(positions(native), layers_grads):
         if not g:
             continue
         if isinstance(m, ShardedDense):
@@ -433,7 +458,7 @@ def full_grads(native, grads: dict) -> dict[str, np.ndarray]:
 def _sharded_outputs(native) -> list[bool]:
     """Per position: is the layer's output this rank's slice of the features (not yet gathered)?"""
     plan = native.__dict__[_STATE]["plan"]
-    spec = remembered_spec(native)  # the spec compile_parallel built this model from
+    spec = remembered_spec(native)  # the spec parallel_compile built this model from
     layers = spec.layers if isinstance(spec, Sequential) else (spec,)
     out, sharded = [], False
     for i, layer in enumerate(layers):

@@ -15,7 +15,6 @@ from dense_bridge._errors import SpecError
 
 from ._arrays import dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
-from ._parallel import ShardedDense
 from ._quant import quant_layer
 
 
@@ -26,9 +25,7 @@ def positions(native) -> list[tuple[str, Any]]:
     return [("", native)]
 
 
-def _layer_params(m) -> dict[str, np.ndarray]:
-    if isinstance(m, ShardedDense):  # tensor-parallel: all-gathered, collective
-        return m.gathered()
+def layer_params(m) -> dict[str, np.ndarray]:
     quantized = quant_layer(m)
     if quantized is not None:  # the float kernel MLX's own mx.dequantize computes (_quant.py)
         return quantized.dequantized()
@@ -61,17 +58,20 @@ def get_params(native) -> dict[str, np.ndarray]:
     mx.eval(native.parameters())
     out: dict[str, np.ndarray] = {}
     for prefix, m in positions(native):
-        for key, value in _layer_params(m).items():
+        for key, value in layer_params(m).items():
             out[prefix + key] = value
     return out
 
 
-def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
-    get = {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
+def layer_subset(params: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The kernel/bias/mask of ``params`` under key prefix ``prefix`` ("2."), without the prefix."""
+    return {k: params[prefix + k] for k in ("kernel", "bias", "mask") if prefix + k in params}
+
+
+def set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
+    """Write the params of ``params`` under ``prefix`` into the module ``m`` (one position)."""
+    get = layer_subset(params, prefix)
     if not get:
-        return
-    if isinstance(m, ShardedDense):  # tensor-parallel: keep this rank's slice
-        m.set_full(get)
         return
     quantized = quant_layer(m)
     if quantized is not None:  # float weights into codes: MLX's own quantizer (_quant.py)
@@ -116,4 +116,4 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
 def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params into new MLX arrays (mx.array copies) and rebind them."""
     for prefix, m in positions(native):
-        _set_layer(m, params, prefix)
+        set_layer(m, params, prefix)

@@ -20,9 +20,7 @@ from dense_bridge.wiring import Wiring
 from ._activations import activation_of_function, activation_of_module, conversion_error
 from ._arrays import dtype_name, to_numpy
 from ._layers import DenseLinear, Flatten, LazyDenseLinear, declared_arrays, is_dense
-from ._parallel import ShardedDense
 from ._quant import quant_layer
-from ._parallel import layer_spec as parallel_layer_spec
 
 
 def _stored(m, cls):
@@ -60,9 +58,8 @@ def _bilinear_spec(m, where: str) -> Bilinear:
                     dtype=dtype_name(m["weight"].dtype, f"{where}.weight"), name=stored.name if stored else None)
 
 
-def _layer_spec(m, where: str):
-    if isinstance(m, ShardedDense):  # tensor-parallel: the full layer's spec
-        return parallel_layer_spec(m)
+def layer_spec(m, where: str):
+    """The spec of one MLX module (``where`` names it in errors)."""
     quantized = quant_layer(m)
     if quantized is not None:  # the float Dense a QuantizedLinear stands for
         return quantized.spec()
@@ -100,9 +97,13 @@ def _layer_spec(m, where: str):
 
 def to_spec(native):
     """The spec of an MLX layer or nn.Sequential, structure read from the live module."""
+    return chain_spec(native, layer_spec)
+
+
+def chain_spec(native, read_layer):
+    """The spec of a layer or flat ``nn.Sequential``, each module read by ``read_layer(m, where)``."""
     if type(native) is not nn.Sequential:
-        spec = _layer_spec(native, "native")
-        return spec
+        return read_layer(native, "native")
     layers = []
     for i, m in enumerate(native.layers):
         where = f"native.layers[{i}]"
@@ -111,7 +112,7 @@ def to_spec(native):
                                     "positions in one Sequential)")
         if type(m) is nn.Bilinear:
             raise conversion_error(where, m, "takes two inputs and cannot sit in a Sequential chain")
-        layers.append(_layer_spec(m, where))
+        layers.append(read_layer(m, where))
     stored = _stored(native, Sequential)
     has_dense = any(isinstance(l, Dense) for l in layers)
     try:

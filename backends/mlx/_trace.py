@@ -16,7 +16,6 @@ from dense_bridge._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense
-from ._parallel import ShardedDense, gather_trace, parallel_state
 from ._params import positions
 
 
@@ -44,9 +43,8 @@ def _grad_params(m) -> list[tuple[str, mx.array]]:
     return [(k, v) for k, v in tree_flatten(m.parameters()) if k != "mask"]
 
 
-def _canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
-    if isinstance(m, ShardedDense):  # tensor-parallel: shards all-gathered, collective
-        return m.grads_gathered(grads)
+def canonical_grads(m, grads: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    """One module's parameter gradients (MLX names and layout) in the canonical layout."""
     decl = declared_arrays(m)
     if decl is not None:  # a third-party class declared with db.register_layout
         kernel = to_numpy(grads[decl[0]])
@@ -83,6 +81,11 @@ def _layer_vjp(m, xs: list[mx.array], g: mx.array) -> tuple[mx.array, list[mx.ar
 
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Per-layer outputs and gradients of L = sum(y * grad_out) with MLX's autograd (mx.vjp)."""
+    return trace_chain(native, inputs, grad_out, canonical_grads)
+
+
+def trace_chain(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray, layer_grads) -> Trace:
+    """``trace``, each module's parameter gradients made canonical by ``layer_grads(m, grads)``."""
     # Dropout runs as what the spec says it is (the identity), whatever the module's training flag
     layers = [nn.Identity() if type(m) is nn.Dropout else m for _, m in positions(native)]
     inputs = [np.asarray(x) for x in inputs]
@@ -102,10 +105,8 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     for i in range(len(layers) - 1, -1, -1):
         y, dxs, grads = _layer_vjp(layers[i], layer_inputs[i], g.astype(outputs[i].dtype))
         records[i] = LayerTrace(np.array(to_numpy(y)), tuple(np.array(to_numpy(d)) for d in dxs),
-                                {k: np.array(v) for k, v in _canonical_grads(layers[i], grads).items()})
+                                {k: np.array(v) for k, v in layer_grads(layers[i], grads).items()})
         g = dxs[0]
-    if parallel_state(native) is not None:  # tensor-parallel: shards gathered whole
-        return gather_trace(native, Trace(records))
     return Trace(records)
 
 

@@ -45,6 +45,8 @@ The package, one job a module:
 - ``_params``: the ``get_params``/``set_params`` verbs and their layout transposes.
 - ``_trace``: the ``trace`` verb (torch autograd).
 - ``_models``: the ``walk`` verb (every parameterised layer inside any module tree, by path).
+- ``_parallel``: the ``parallel_*`` verbs (DTensor ``ColwiseParallel``/``RowwiseParallel`` on a
+  ``DeviceMesh``) and ``save_dcp``/``load_dcp`` (torch.distributed.checkpoint directories).
 """
 from __future__ import annotations
 
@@ -60,12 +62,16 @@ from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, 
                     write_lora)
 from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
+from ._parallel import (load_dcp, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params,  # DTensor
+                        parallel_set_params, parallel_state, parallel_to_spec, parallel_trace, save_dcp)
 
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
            "train_sgd", "run_layer", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
-           "lora_leftovers", "quant_layer", "quant_build"]
+           "lora_leftovers", "quant_layer", "quant_build",
+           "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
+           "parallel_trace", "parallel_barrier", "parallel_agree_seed", "save_dcp", "load_dcp"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.
@@ -73,26 +79,3 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
 for _obj in (ExactActivation, DenseLinear, LazyDense, _check_width):
     _obj.__module__ = __name__
 del _obj
-
-# Tensor parallelism (backends/torch/_parallel.py): the verbs below dispatch a model
-# compiled with parallel= to the collective versions.
-from . import _parallel as _par  # noqa: E402
-from ._parallel import compile_parallel, parallel_state  # noqa: E402
-
-get_params_parallel = _par.get_params
-parallel_barrier = _par.barrier
-parallel_agree_seed = _par.agree_seed
-
-
-def _dispatching(plain, parallel):
-    def verb(native, *args, **kwargs):
-        return (parallel if _par.parallel_state(native) else plain)(native, *args, **kwargs)
-    verb.__name__, verb.__doc__ = plain.__name__, plain.__doc__
-    return verb
-
-
-get_params = _dispatching(get_params, _par.get_params)
-set_params = _dispatching(set_params, _par.set_params)
-to_spec = _dispatching(to_spec, _par.to_spec)
-from ._parallel import load_dcp, save_dcp  # noqa: E402
-trace = _dispatching(trace, _par.trace)

@@ -1,7 +1,7 @@
 """What the core knows of the torch backend without importing torch (see
 ``dense_bridge.adapter_kit.Manifest``): its state-dict files (zip, legacy pickle, safetensors)
 and how each is recognised by content."""
-from dense_bridge.adapter_kit import GRADIENTS, FileFormat, FileNames, Manifest, Match, Probe
+from dense_bridge.adapter_kit import DCP, GRADIENTS, PARALLEL, FileFormat, FileNames, Manifest, Match, Probe
 
 #: ``torch.save``'s legacy (non-zip) format begins with this number, pickled as a LONG1 of 10 bytes
 #: (little-endian) after the protocol marker, so an ordinary pickle (a PaddlePaddle ``.pdparams``,
@@ -34,8 +34,8 @@ _PICKLE_ENDINGS = (".pt", ".pth", ".bin")
 
 MANIFEST = Manifest(
     requires=("torch",), install="pip install 'dense-bridge[torch]'", display="torch",
-    # "dcp": its adapter reads and writes torch.distributed.checkpoint directories (load_dcp/save_dcp)
-    capabilities=frozenset({GRADIENTS, "dcp"}),
+    # PARALLEL: DTensor tensor parallelism; DCP: torch.distributed.checkpoint directories (load_dcp/save_dcp)
+    capabilities=frozenset({GRADIENTS, PARALLEL, DCP}),
     formats=(
         FileFormat("torch state dict", container="torch-zip", sniff=_zip_state_dict, extensions=_PICKLE_ENDINGS,
                    write_kind="torch-pickle"),

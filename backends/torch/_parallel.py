@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dense_bridge._errors import DenseBridgeError, SpecError, received
-from dense_bridge.parallel._plan import elementwise, LayerPlan, Shard as ShardView, params_plan, resolve_plan, shard_index, split_axis
+from dense_bridge.parallel._plan import Shard as ShardView
+from dense_bridge.parallel._plan import elementwise, resolve_plan, shard_index, split_axis
 from dense_bridge._spec_memory import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Sequential
@@ -119,7 +120,7 @@ def _meta_dense(spec: Dense) -> nn.Module:
     return DenseLinear(spec.in_features, spec.units, spec.use_bias, activation=act, mask=mask, device="meta", dtype=dtype)
 
 
-def compile_parallel(spec, block: Callable, parallel: Any, group: Any) -> nn.Module:
+def parallel_compile(spec, block: Callable, parallel: Any, group: Any) -> nn.Module:
     """The parallelised torch module for ``spec``; ``block(position, name, index)`` gives this
     rank's canonical block of each parameter (index: a tuple of slices)."""
     mesh = _mesh(group)
@@ -198,7 +199,7 @@ def _np(t: torch.Tensor, transposed: bool) -> np.ndarray:
     return a.T if transposed else a
 
 
-def get_params(native: nn.Module, local: bool = False) -> dict:
+def parallel_get_params(native: nn.Module, local: bool = False) -> dict:
     """Full canonical params on every rank (DTensor all-gathers: collective), or with ``local``
     this rank's blocks as :class:`dense_bridge.parallel._plan.Shard` (array, index into the full)."""
     out = {}
@@ -227,8 +228,9 @@ def _local_index(t: DTensor, transposed: bool) -> tuple:
     return tuple(reversed(index)) if transposed else tuple(index)
 
 
-def set_params(native: nn.Module, params: dict) -> None:
-    """Scatter full canonical params by declaration: each rank copies its own block (no comm)."""
+def parallel_set_params(native: nn.Module, params: dict) -> None:
+    """Scatter full canonical params by declaration: each rank copies its own block (no comm);
+    masked weights are multiplied by their mask again (they are exactly 0 by contract)."""
     touched = set()
     with torch.no_grad():
         for key, t, tr in _tensors(native):
@@ -248,11 +250,12 @@ def set_params(native: nn.Module, params: dict) -> None:
                 w.mul_(mask.to_local() if isinstance(mask, DTensor) else mask)
 
 
-def to_spec(native: nn.Module):
+def parallel_to_spec(native: nn.Module):
+    """The full spec ``parallel_compile`` built the model from (DTensor modules hold no other)."""
     return remembered_spec(native)
 
 
-def agree_seed(group: Any, seed: int) -> int:
+def parallel_agree_seed(group: Any, seed: int) -> int:
     """``compile(seed=None, parallel=...)``: the seed of the mesh's rank 0 on every rank of it
     (``torch.distributed.broadcast``), so every rank keeps its block of one random model."""
     mesh = _mesh(group)
@@ -262,41 +265,21 @@ def agree_seed(group: Any, seed: int) -> int:
     return int(t.item())
 
 
-def barrier(native: nn.Module) -> None:
+def parallel_barrier(native: nn.Module) -> None:
+    """Every rank of the model's mesh reaches this point (``torch.distributed.barrier``)."""
     state = native.__dict__[_STATE]
     dist.barrier(group=state["mesh"].get_group())
 
 
-def full_grads(native: nn.Module) -> dict[str, np.ndarray]:
-    """Canonical gradients (full, every rank) after a backward pass: DTensor all-gathers."""
-    out = {}
-    for key, t, tr in _tensors(native):
-        if key.endswith("mask") or t.grad is None:
-            continue
-        g = t.grad
-        out[key] = _np(g.full_tensor() if isinstance(g, DTensor) else g, tr)
-    return out
-
-
 # ------------------------------------------------------------------ DCP (a native format)
-def save_dcp(native: nn.Module, path: str, spec_json: str) -> list[str]:
-    """``torch.distributed.checkpoint.save`` of the state dict (collective on a parallel model:
-    each rank writes its own DTensor shards); rank 0 adds the spec as dense_bridge_spec.json."""
-    import os
-
+def save_dcp(native: nn.Module, path: str) -> None:
+    """``torch.distributed.checkpoint.save`` of the state dict into the directory ``path``
+    (collective on a parallel model: each rank writes its own DTensor shards, over the model's
+    own mesh, so a mesh over some of the world's ranks saves without the others)."""
     import torch.distributed.checkpoint as dcp
 
-    from dense_bridge.parallel._plan import write_text
-    from dense_bridge.parallel._io import DCP_SPEC
-
     state = parallel_state(native)
-    # the model's own group: a mesh over some of the world's ranks saves without the others
     dcp.save(native.state_dict(), checkpoint_id=path, process_group=None if state is None else state["mesh"].get_group())
-    if state is None or state["rank"] == 0:
-        write_text(os.path.join(path, DCP_SPEC), spec_json)
-    if state is not None:
-        barrier(native)
-    return sorted(os.path.join(path, f) for f in os.listdir(path))
 
 
 #: What a DCP ``.metadata`` pickle may name: DCP's own metadata dataclasses and storage info,
@@ -455,7 +438,8 @@ def load_dcp(native: nn.Module, path: str) -> None:
         text = " ".join(str(inner).split())[:500]
         raise CheckpointError(f"{path}: the DCP checkpoint does not fit this model or cannot be read "
                               f"({type(inner).__name__}: {text})") from None
-    native.load_state_dict(state) if parallel_state(native) is None else None
+    if par is None:  # DCP filled a plain model's state-dict copies; a parallel model's DTensors in place
+        native.load_state_dict(state)
 
 
 def _check_dcp_dtypes(path: str, meta, state: dict) -> None:
@@ -485,7 +469,7 @@ def _dcp_cause(exc: BaseException) -> BaseException:
 
 
 # ------------------------------------------------------------------ trace (db.testing.compare)
-def trace(native: nn.Module, inputs, grad_out):
+def parallel_trace(native: nn.Module, inputs, grad_out):
     """The ``trace`` verb on a parallel model (collective): every layer's output, input gradient
     and canonical parameter gradients, gathered whole (DTensor all-gathers) on every rank, so
     ``db.testing.compare`` can hold a parallel model against a single-process one."""

@@ -370,11 +370,11 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
     any error nothing under ``path`` changes and no partial file is left. Returns the files written.
     A (spec, params) tuple is checked against its spec first (NaN/Inf refused unless
     ``allow_nonfinite=True``). A parallel model (every rank calls save with the same directory)
-    and ``format="dcp"`` go to dense_bridge/parallel/_plan.py.
+    and ``format="dcp"`` go to dense_bridge/parallel/ (a sharded or DCP directory).
     """
-    from ..parallel._io import PASS, save_hook
-    if (written := save_hook(obj, path, format)) is not PASS:
-        return written
+    from .. import parallel as tensor_parallel
+    if format == "dcp" or tensor_parallel.is_parallel_model(obj):
+        return tensor_parallel.save(obj, path, format)
     path = _path_arg(path)
     limit = parse_size(max_shard_size)
     check_writable(path)
@@ -787,22 +787,22 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
 
     ``parallel``/``group`` (tensor parallelism, every rank calls it): a sharded directory saved
     at any world size, a DCP directory, or a dense_bridge checkpoint one process saved (single
-    .safetensors or its index); each rank reads only its own blocks (dense_bridge/parallel/_io.py).
+    .safetensors or its index); each rank reads only its own blocks (dense_bridge/parallel/).
     """
+    from .. import parallel as tensor_parallel
     from .._registry import check_backend_name
-    from ..parallel._io import PASS, load_hook
 
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
-    if (loaded := load_hook(path, backend, spec, like, format, parallel, group, allow_nonfinite)) is not PASS:
-        return loaded  # a sharded (parallel) or DCP directory
+    if tensor_parallel.is_parallel_dir(path, format):  # a sharded (parallel) or DCP directory
+        return tensor_parallel.load(path, backend, spec=spec, like=like, format=format, parallel=parallel, group=group,
+                                    allow_nonfinite=allow_nonfinite)
     if backend is not None:
         backend = check_backend_name(backend)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
     try:
         if parallel is not None or group is not None:  # each rank reads its blocks of the file
-            from ..parallel._io import load_checkpoint_parallel
-            return load_checkpoint_parallel(ckpt, backend, parallel, group, allow_nonfinite)
+            return tensor_parallel.load_file(ckpt, backend, parallel, group, allow_nonfinite)
         if backend is None:
             if ckpt.spec is not None:
                 check_load_fits(ckpt.spec, ckpt.path)

@@ -43,7 +43,8 @@ import numpy as np
 from .._dtypes import EPS, numpy_dtype
 from .._errors import ConversionError, SpecError, received
 from .._params import array_to_numpy
-from .._registry import adapter_for, backend_of
+from .._registry import backend_of
+from ..parallel._dispatch import verbs_for
 from ._gradients import computes_gradients, effective_grads
 from ..activations import Activation
 from .._trace import LayerTrace, Trace
@@ -461,7 +462,7 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     grads, strict = check_flag("grads", grads), check_flag("strict", strict)
     isolated = check_flag("isolated", isolated)
     seed, batch_size = check_count("seed", seed, 0), check_count("batch_size", batch_size, 1)
-    adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
+    adapter_a, adapter_b = verbs_for(a, "a"), verbs_for(b, "b")  # a parallel model's trace is gathered whole
     spec_a, spec_b = adapter_a.to_spec(a), adapter_b.to_spec(b)
     la, lb = layers_of(spec_a), layers_of(spec_b)
     report = new_report(spec_a, spec_b, backend_of(a, "a"), backend_of(b, "b"), tolerance, seed,
