@@ -1,4 +1,7 @@
-"""dense_bridge: one backend-neutral Dense spec, compiled to torch, Keras, MLX and numpy.
+"""dense_bridge: one backend-neutral Dense spec, compiled into each framework's own layer.
+
+Backends: torch, Keras 3 (on TensorFlow, JAX or torch), MLX, Flax NNX, Equinox, ONNX and the numpy
+reference, plus any registered with ``register_backend``.
 
 Importing this package imports no framework, and not even numpy: every public name below is
 loaded from its module on first use (PEP 562 ``__getattr__``), so ``import dense_bridge`` costs
@@ -31,13 +34,15 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "register_backend": ("._registry", "register_backend"),
     "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
     "load_adapter": (".checkpoints._adapter_files", "load_adapter"), "save_adapter": (".checkpoints._adapter_files", "save_adapter"),
+    "convert_adapter": (".checkpoints._adapter_files", "convert_adapter"),
+    "ADAPTER_DIRECTORY_FORMATS": (".checkpoints._adapter_files", "DIRECTORY_FORMATS"),
 }
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
     "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend", "Quant",
-    "merge_lora", "load_adapter", "save_adapter", "auto",
+    "merge_lora", "load_adapter", "save_adapter", "convert_adapter", "ADAPTER_DIRECTORY_FORMATS", "auto",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import ConversionError, SpecError, received
+from ._errors import ConversionError, SpecError, check_flag, received
 from ._memory import check_fits_in_memory
 from ._params import ParamSource, check_masks_match, validate_params
 from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
@@ -19,11 +19,6 @@ from ._registry import available_backends as installed_backends
 from ._spec_memory import remember_spec, remembered_spec
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, Spec
-
-
-def _check_flag(argument: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{argument} must be True or False. {received(argument, value)}")
 
 
 def _check_spec(spec: object) -> None:
@@ -47,7 +42,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     ranks take it (one broadcast), so the shards are those of one random model.
     """
     _check_spec(spec)
-    _check_flag("allow_nonfinite", allow_nonfinite)
+    check_flag("allow_nonfinite", allow_nonfinite)
     backend = check_backend_name(backend)
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
@@ -110,9 +105,8 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     ``quantized=True`` its codes instead: "qkernel" (in, units), per-group "scale" and
     "zero"/"offset", "bias", and "quant" (a ``db.Quant``) (dense_bridge/quant.py).
     """
-    if not isinstance(copy, bool):
-        raise TypeError(f"copy must be True or False. {received('copy', copy)}")
-    _check_flag("quantized", quantized)
+    check_flag("copy", copy)
+    check_flag("quantized", quantized)
     if quantized:
         from .quant import get_quantized
 
@@ -121,7 +115,7 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     from .parallel._dispatch import get_params as get_params_parallel
 
     adapter = verbs_for(native)
-    _check_flag("local", local)
+    check_flag("local", local)
     if local or isinstance(adapter, ParallelModelVerbs):  # collective on a parallel model
         return get_params_parallel(native, local=local, copy=copy)
     from . import lora
@@ -161,9 +155,8 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
 
     adapter = verbs_for(native)  # a parallel model's: each rank keeps its block of the full params
     spec = _read_spec(adapter, native)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
-    _check_flag("allow_nonfinite", allow_nonfinite)
+    check_flag("strict", strict)
+    check_flag("allow_nonfinite", allow_nonfinite)
     from . import lora
 
     own, adapter_keys = lora.split(params) if isinstance(params, Mapping) else (params, {})
@@ -233,7 +226,7 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
     if quant is not None:  # the float conversion, then the target framework's quantized layer
         from .quant import check_quant, quantize_converted
 
-        _check_flag("requantize", requantize)
+        check_flag("requantize", requantize)
         check_quant(quant)
         return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
                                   quant, requantize)
@@ -275,8 +268,7 @@ def available_backends(check: bool = False) -> list[str]:
     ``KERAS_BACKEND`` names). ``check=True``: of those, the ones whose adapter imports and
     compiles a 1x1 Dense (a framework installed but broken here is left out).
     """
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be True or False. {received('check', check)}")
+    check_flag("check", check)
     names = installed_backends()
     if not check:
         return names
@@ -291,5 +283,6 @@ def available_backends(check: bool = False) -> list[str]:
 
 
 def backend(native: Any) -> str:
-    """The backend name of a native object ("torch", "keras", "mlx" or "numpy")."""
+    """The backend name of a native object ("torch", "keras", "mlx", "flax", "equinox", "onnx", "numpy",
+    or a registered one)."""
     return backend_of(native)

@@ -1,7 +1,7 @@
 """``db.transfer``: :func:`dense_bridge.models.transfer` plus ``mapping="auto"`` / ``db.auto(rules)``.
 
-With an inferred mapping (``_auto_mapping``) the transfer goes through the plan's rules like any
-explicit mapping, and with ``verify=True`` it is then checked by ``compare_models`` on the same
+An inferred mapping (``_auto_mapping``) is a plan of the same type an explicit mapping resolves
+to: it is carried out by the same ``models.execute``, on the walks the inference used, and with ``verify=True`` it is then checked by ``compare_models`` on the same
 inputs (every matched linear layer's input and output along the whole run, and the model
 output: a layer-by-layer check alone cannot see q and k of equal width swapped). When the check
 fails, dst is put back from a snapshot taken before the write and a ConversionError names the
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _auto_mapping, models
-from ._errors import ConversionError, received
+from . import _auto_mapping, _mapping, models
+from ._errors import ConversionError, check_flag
 from .testing.compare_models import compare_models
 
 __all__ = ["transfer"]
@@ -45,15 +45,10 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
                   requantize=requantize)
     if not _auto_mapping.is_auto(mapping):
         return models.transfer(src, dst, mapping=mapping, **kwargs)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False. {received('verify', verify)}")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
+    check_flag("verify", verify)
+    adapters = models.check_transfer(src, dst, **kwargs)
     if inputs is None:
         raise TypeError(_auto_mapping.NEEDS_INPUTS)
-    if src is dst:
-        raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
-                              f"{received('dst', dst)}")
     a, b = models.sides(src, dst)
     found = _auto_mapping.infer(src, dst, a, b, inputs, mapping)
     problems = list(found.plan.problems)
@@ -63,9 +58,13 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} with mapping='auto' (nothing was "
                               f"written):\n  - " + "\n  - ".join(problems))
-    rules = found.plan.rules({**a.stable, **b.stable})
+    plan = found.plan
+    _mapping.in_source_order(a, plan)
+    _mapping.finish(a, b, plan)
     saved = [(e, {k: np.array(v, copy=True) for k, v in e.read().items()}) for e in b.entries if e.names]
-    report = models.transfer(src, dst, mapping=rules, **kwargs)
+    report = models.execute(a, b, plan, adapters, strict=strict, allow_narrowing=allow_narrowing,
+                            requantize=requantize)
+    rules = report.rules
     if not verify:
         report.verification = ("inferred mapping NOT verified (verify=False): check it with "
                                "db.testing.compare_models(src, dst, inputs, mapping=report.rules)")

@@ -41,13 +41,6 @@ def received(name: str, value: object) -> str:
     return f"Received: {name}={text}"
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (a framework's multi-line error), or its type name
-    when the message is empty: what a one-line CheckpointError quotes of a foreign failure."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def suggest(value: object, choices: Iterable[str]) -> str:
     """Return " Did you mean 'x'?" for the closest choice, or "" when nothing is close."""
     if not isinstance(value, str):
@@ -65,6 +58,22 @@ def check_type(name: str, value: object, types, what: str) -> None:
         raise TypeError(f"{name} must be {what}, not a bool. {received(name, value)}")
     if not isinstance(value, types):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}. {received(name, value)}")
+
+
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` as a bool when it is True or False (numpy's bools too); else TypeError
+    naming ``name``: a truthy stand-in such as ``strict="no"`` is a bug, not True."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+    if not isinstance(value, bool) and not numpy_bool:
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}. {received(name, value)}")
+    return bool(value)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its class name when the message is empty):
+    a library's multi-line error quoted inside one of ours."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -135,7 +135,7 @@ def warn_dropout(where: str, rate: Any = None) -> None:
     """Warn that a Dropout was read as the identity: its inference function, alike on every backend.
 
     Training-time dropout is not part of a spec, so a converted model does not drop; say so once
-    per call site rather than refusing the model (torch, Keras and MLX alike).
+    per call site rather than refusing the model (alike on every backend whose walk meets one).
     """
     import warnings
 

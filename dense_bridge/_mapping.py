@@ -44,7 +44,8 @@ import numpy as np
 
 from ._errors import SpecError, received
 
-__all__ = ["Target", "Rule", "LayerMove", "ParamMove", "Plan", "parse", "build_plan", "record_ties", "split_arrays",
+__all__ = ["Target", "Rule", "LayerMove", "ParamMove", "Plan", "parse", "build_plan", "finish", "in_source_order",
+           "record_ties", "split_arrays",
            "join_arrays", "check_widths", "interleaved", "narrowing", "UNIT_AXIS", "INTERLEAVED_NAMES"]
 
 #: Canonical parameter name -> its axis along units (None: shared by every piece of a split).
@@ -267,10 +268,27 @@ def build_plan(src, dst, rules: list[Rule]) -> Plan:
         _exact(src, dst, rules, plan)
     else:
         _by_rules(src, dst, rules, plan)
-    _ties(src, dst, plan)
-    _one_source_each(plan)
+    finish(src, dst, plan)
     plan.idle = [r.text for r in rules if r.kind != "callable" and not r.hits]
     return plan
+
+
+def finish(src, dst, plan: Plan) -> None:
+    """What every resolved plan goes through, however its moves were found (rules, inference):
+    head pairs a kept tie makes redundant dropped, the ties source heads follow recorded, and a
+    destination layer written by two moves made a problem."""
+    _ties(src, dst, plan)
+    _one_source_each(plan)
+
+
+def in_source_order(src, plan: Plan) -> None:
+    """Order ``plan``'s moves as regex rules resolve them, so an inferred plan reports and writes
+    like its rules: layer moves by their first source layer's position in ``src``'s walk
+    (concatenations after the others), parameter moves by source parameter position."""
+    layer_at = {e.path: i for i, e in enumerate(src.entries)}
+    param_at = {p: i for i, p in enumerate(src.params)}
+    plan.layers.sort(key=lambda m: (len(m.src) > 1, min(layer_at[e.path] for e in m.src)))
+    plan.params.sort(key=lambda p: param_at[p.src])
 
 
 def _one_source_each(plan: Plan) -> None:

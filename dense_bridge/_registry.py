@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from ._errors import BackendUnavailableError, SpecError, received, suggest
+from ._errors import BackendUnavailableError, SpecError, check_flag, received, suggest
 from ._manifest import FileFormat, Manifest
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
@@ -182,8 +182,7 @@ def register_backend(name: str, module: str | ModuleType, *, install_hint: str |
         raise TypeError(f"module must be a dotted module name (str) or a module. {received('module', module)}")
     if install_hint is not None and not isinstance(install_hint, str):
         raise TypeError(f"install_hint must be a str or None. {received('install_hint', install_hint)}")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be True or False. {received('replace', replace)}")
+    check_flag("replace", replace)
     table = backends()
     old = table.get(key)
     if old is not None and not replace:

@@ -1,7 +1,7 @@
 """Initializers: named, parameterised distributions sampled in numpy from one seeded generator.
 
 Every backend receives parameters drawn here, so the same seed gives bit-identical
-initial parameters in numpy, torch, Keras and MLX. Samples are drawn in float64 and
+initial parameters on every backend. Samples are drawn in float64 and
 rounded once to the layer's dtype (round-to-nearest-even, as every framework casts).
 
 Fan-in / fan-out follow the canonical kernel layout (in_features, units):

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from typing import Any
 
 import numpy as np
 
-from ._errors import ConversionError, received
+from ._errors import ConversionError, check_flag, received
 
 __all__ = ["LORA_KEYS", "split", "update", "effective_kernel", "merged_kernel", "per_head_to_plain",
            "plain_to_per_head", "to_form", "check", "fold_scale", "rounding_allowed", "lora_of", "params_of",
@@ -233,24 +232,10 @@ def lora_of(layer: Any) -> dict | None:
     return adapter.read_lora(layer)
 
 
-def refuse_unhandled(found: list[str], argument: str = "src") -> ConversionError:
-    """The error for a source holding adapters moved with lora=None."""
-    return ConversionError(
-        f"{argument} holds LoRA adapters on {found}: pass lora='keep' (move them, attached on the destination "
-        f"with its framework's adapter class) or lora='merge' (merge them into the destination's kernels); "
-        f"they are never dropped silently")
-
-
 def check_mode(lora: Any, allow_rounding: Any) -> None:
     if lora not in (None, "keep", "merge"):
         raise TypeError(f"lora must be None, 'keep' or 'merge'. {received('lora', lora)}")
-    if not isinstance(allow_rounding, bool):
-        raise TypeError(f"allow_rounding must be True or False. {received('allow_rounding', allow_rounding)}")
-
-
-def power_of_two(x: float) -> bool:
-    m, _ = math.frexp(float(x))
-    return x != 0 and abs(m) == 0.5
+    check_flag("allow_rounding", allow_rounding)
 
 
 # ----------------------------------------------------------------------------- get/set_params hooks

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _mapping
-from ._errors import ConversionError, SpecError, received
+from ._errors import ConversionError, SpecError, check_flag, received
 from ._layouts import Entry, Layout, register
 from ._registry import adapter_for, backend_of
 
@@ -58,8 +58,9 @@ def linear_layers(model: Any) -> dict[str, Any]:
     """Every linear-family layer inside ``model``, keyed by its path, in definition order.
 
     Linear-family: torch ``nn.Linear``/``LazyLinear``/``nn.Bilinear``, Keras ``Dense`` and
-    ``EinsumDense`` whose equation is a linear map, MLX ``nn.Linear``/``nn.Bilinear``, and classes
-    declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
+    ``EinsumDense`` whose equation is a linear map, MLX ``nn.Linear``/``nn.Bilinear``, Flax
+    ``nnx.Linear``, Equinox ``nn.Linear``, the linear nodes of an ONNX graph (backends/onnx/_graph.py),
+    and classes declared with :func:`register_layout` (transformers' ``Conv1D`` built in). Each value is the
     native layer itself and works with ``to_spec``, ``get_params`` (canonical kernel
     (in_features, units)), ``set_params``, ``convert`` and ``testing.compare`` like a lone layer.
     Quantized linear layers (MLX ``QuantizedLinear``, Keras int8/int4, torchao weight-only) are
@@ -101,22 +102,17 @@ NAME_TABLE: tuple[tuple[str, ...], ...] = (
 )
 
 
-def sides(src: Any, dst: Any) -> tuple[Any, Any]:
+def sides(src: Any, dst: Any, arguments: tuple[str, str] = ("src", "dst")) -> tuple[Any, Any]:
     """Both models' walks indexed by layer and parameter path, ties resolved (what a mapping is
-    resolved against; ``_auto_mapping`` pairs their layers)."""
-    return _Side(src, "src"), _Side(dst, "dst")
-
-
-def _check_mapping(mapping: Any) -> list[_mapping.Rule] | None:
-    """Every mapping form as rules (``_mapping.parse``); None: pairing by order."""
-    return _mapping.parse(mapping)
+    resolved against; ``_auto_mapping`` pairs their layers); ``arguments``: the names errors give them."""
+    return _Side(src, arguments[0]), _Side(dst, arguments[1])
 
 
 class _Side:
     """One model's walk, indexed by layer path and parameter path, with ties resolved."""
 
     def __init__(self, model: Any, argument: str) -> None:
-        self.argument = argument
+        self.model, self.argument = model, argument
         self.backend = backend_of(model, argument)
         self.entries = walk(model, argument)
         _refuse_quantized(self.entries, argument)
@@ -259,6 +255,9 @@ def _shape(e: Entry) -> tuple:
 
 
 def _plan(src: _Side, dst: _Side, rules: list[_mapping.Rule] | None) -> _mapping.Plan:
+    """The one place a mapping becomes a :class:`~dense_bridge._mapping.Plan`: ``rules`` as
+    ``_mapping.parse`` gives them (every explicit form), or None (linear layers by order). An
+    inferred mapping (``_auto_mapping``) is a Plan already and goes straight to :func:`execute`."""
     if rules is None:
         plan = _mapping.Plan()
         _by_order(src, dst, plan)
@@ -277,12 +276,14 @@ def match_layers(a: Any, b: Any, mapping: Any = None) -> dict[str, str]:
             if len(m.src) == len(m.dst) == 1}
 
 
-def match_moves(a: Any, b: Any, mapping: Any = None) -> list[_mapping.LayerMove]:
+def match_moves(a: Any, b: Any, mapping: Any = None, *, walked: tuple[Any, Any] | None = None
+                ) -> list[_mapping.LayerMove]:
     """The linear layer moves of ``a`` into ``b`` as :func:`transfer` plans them (splits and
     concatenations included); ConversionError lists every problem found, and a mapping that
-    pairs no linear layer at all is an error naming the rules that matched nothing."""
-    rules = _check_mapping(mapping)
-    src, dst = _Side(a, "a"), _Side(b, "b")
+    pairs no linear layer at all is an error naming the rules that matched nothing.
+    ``walked``: ``sides(a, b, ("a", "b"))`` when the caller holds them, so neither model is walked again."""
+    rules = _mapping.parse(mapping)
+    src, dst = walked if walked is not None else sides(a, b, ("a", "b"))
     plan = _plan(src, dst, rules)
     if plan.problems:
         raise ConversionError("cannot match the layers of a and b:\n  - " + "\n  - ".join(plan.problems))
@@ -407,21 +408,34 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
     framework's adapter class) or ``"merge"`` (into dst's kernels). ``allow_rounding``: accept a
     scale dst folds into ``lora_b`` inexactly (Flax); ``report.lora["rounding"]`` says how much.
     """
+    adapters = check_transfer(src, dst, strict=strict, allow_narrowing=allow_narrowing, lora=lora,
+                              allow_rounding=allow_rounding, requantize=requantize)
+    rules = _mapping.parse(mapping)
+    a, b = _Side(src, "src"), _Side(dst, "dst")
+    return execute(a, b, _plan(a, b, rules), adapters, strict=strict, allow_narrowing=allow_narrowing,
+                   requantize=requantize)
+
+
+def check_transfer(src: Any, dst: Any, *, strict: Any, allow_narrowing: Any, lora: Any, allow_rounding: Any,
+                   requantize: Any) -> Any:
+    """Check :func:`transfer`'s arguments other than the mapping (TypeError/ConversionError naming
+    the first bad one); return the transfer's ``LoraMoves`` (``lora``/``allow_rounding`` checked)."""
     from ._lora_transfer import LoraMoves
 
     adapters = LoraMoves(lora, allow_rounding, dst)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False. {received('strict', strict)}")
-    if not isinstance(allow_narrowing, bool):
-        raise TypeError(f"allow_narrowing must be True or False. {received('allow_narrowing', allow_narrowing)}")
-    if not isinstance(requantize, bool):
-        raise TypeError(f"requantize must be True or False. {received('requantize', requantize)}")
+    for flag, value in (("strict", strict), ("allow_narrowing", allow_narrowing), ("requantize", requantize)):
+        check_flag(flag, value)
     if src is dst:
         raise ConversionError(f"src and dst are the same object; transfer moves weights between two models. "
                               f"{received('dst', dst)}")
-    rules = _check_mapping(mapping)
-    a, b = _Side(src, "src"), _Side(dst, "dst")
-    plan = _plan(a, b, rules)
+    return adapters
+
+
+def execute(a: _Side, b: _Side, plan: _mapping.Plan, adapters: Any, *, strict: bool, allow_narrowing: bool,
+            requantize: bool) -> TransferReport:
+    """Carry out ``plan`` (every mapping form comes here as one Plan: by order, explicit rules, or
+    inferred by ``_auto_mapping``) from side ``a`` into side ``b``: every move checked and queued,
+    then, only when no problem was found, all written (put back if a write fails)."""
     problems = list(plan.problems)
     writes: list[tuple[Entry, str, dict]] = []  # (dst entry, "linear"/"native", arrays)
     report = TransferReport(a.backend, b.backend)
@@ -564,7 +578,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True,
         more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
         problems.append(f"narrowing casts round values: {listed}{more}. Pass allow_narrowing=True to round them "
                         f"into dst's dtypes")
-    problems += adapters.leftovers(src, moved_src)  # PEFT embedding adapters, modules_to_save: named
+    problems += adapters.leftovers(a.model, moved_src)  # PEFT embedding adapters, modules_to_save: named
     if problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(problems))

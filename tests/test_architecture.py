@@ -27,14 +27,14 @@ ADAPTERS = CORE.parent / "backends"  # installed as dense_bridge.backends (pypro
 
 FRAMEWORKS = {"torch", "tensorflow", "keras", "mlx", "h5py", "jax", "jaxlib", "flax", "equinox", "onnx", "onnxruntime"}
 
-#: Verbs not yet offered by a backend: {(backend, verb): the issue adding it}. A verb leaves this
-#: table when its issue lands it in every adapter and adds it to REQUIRED_VERBS.
+#: Verbs not yet offered by a backend: {(backend, verb): what is missing for it}. A verb leaves this
+#: table when every adapter offers it and it joins REQUIRED_VERBS.
 PENDING_VERBS: dict[tuple[str, str], str] = {}
 
-#: Core modules still allowed a framework import, each naming the issue that removes it.
+#: Core modules still allowed a framework import, each with the reason it cannot go yet.
 FRAMEWORK_IMPORT_ALLOWLIST: dict[str, str] = {}
 
-#: Imports that still close a circle, (importer, imported), each naming the issue that removes it.
+#: Imports that still close a circle, (importer, imported), each with the reason it cannot go yet.
 #: The cycle test drops these edges and fails on any circle left, and on an entry whose import is gone.
 KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
 }
@@ -474,12 +474,55 @@ def test_the_cycle_check_sees_function_level_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [frozenset({"a", "b", "c"})]
     g = _import_graph()
-    # a function-level import is an edge: _demo imports checkpoint inside run()
-    assert "dense_bridge.checkpoints._flows" in g["dense_bridge.cli._demo"]
+    # a function-level import is an edge: _demo imports the checkpoints package inside run()
+    assert "dense_bridge.checkpoints" in g["dense_bridge.cli._demo"]
     # adapters import the core, never the reverse
     assert "dense_bridge._params" in g["dense_bridge.backends.torch._layers"]
     assert not any(e.startswith("dense_bridge.backends") for m, es in g.items()
                    if not m.startswith("dense_bridge.backends") for e in es)
+
+
+# ------------------------------------------------------------------ the command line on the public API
+#: private core modules the command line may import, and why
+CLI_PRIVATE_IMPORTS = {
+    "dense_bridge._registry": "the backends table (choices, help texts, quiet imports from the manifests) and the "
+                              "adapters' optional verbs (train_sgd, load_model) have no public face",
+    "dense_bridge._errors": "the error classes' message helpers (check_type, received) phrase its argument errors",
+}
+
+
+def _cli_reaches_private(graph: dict[str, set[str]], sources: dict[str, str]) -> list[str]:
+    """What the command line imports beyond the public API: a module with a private path component
+    outside dense_bridge.cli (unless CLI_PRIVATE_IMPORTS says why), or ``x._name`` read off a module."""
+    out = []
+    for module, edges in graph.items():
+        if not module.startswith("dense_bridge.cli"):
+            continue
+        for target in sorted(edges):
+            private = any(part.startswith("_") for part in target.split("."))
+            if private and not target.startswith("dense_bridge.cli") and target not in CLI_PRIVATE_IMPORTS:
+                out.append(f"{module} imports {target}")
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append(f"{module}:{node.lineno} reads .{node.attr}")
+    return out
+
+
+def test_the_command_line_uses_only_the_public_api():
+    """dense_bridge/cli/* imports dense_bridge (db.*), dense_bridge.checkpoints, dense_bridge.testing and
+    the other public modules, its own package, and only the private modules CLI_PRIVATE_IMPORTS names."""
+    sources = {_module_name(p): p.read_text() for p in sorted((CORE / "cli").glob("*.py"))}
+    assert "dense_bridge.cli._main" in sources
+    offenders = _cli_reaches_private(_import_graph(), sources)
+    assert not offenders, "the command line reaches past the public API:\n" + "\n".join(offenders)
+
+
+def test_the_public_api_check_sees_private_modules_and_attributes():
+    graph = {"dense_bridge.cli._x": {"dense_bridge.checkpoints._flows", "dense_bridge.cli._text", "dense_bridge",
+                                     "dense_bridge._registry"}}
+    found = _cli_reaches_private(graph, {"dense_bridge.cli._x": "import dense_bridge as db\ndb._api.get_params\n"})
+    assert found == ["dense_bridge.cli._x imports dense_bridge.checkpoints._flows", "dense_bridge.cli._x:2 reads ._api"]
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

@@ -284,7 +284,7 @@ def test_a_bad_spec_in_the_metadata_is_a_checkpoint_error(tmp_path, case):
 
 
 def test_hostile_files_allocate_little_under_an_address_space_limit(tmp_path):
-    # the 7 GB case of the issue: a 2 KB file claiming a 60000x60000 mask, read in a process
+    # a 2 KB file claiming a 60000x60000 mask (gigabytes to allocate), read in a process
     # whose address space is capped at its start + 256 MiB
     bad = canonical_with_spec_meta(tmp_path, json.dumps(SPEC_CASES["60000x60000 mask from 4 bytes"]))
     huge = st_file(tmp_path / "huge.safetensors", edited(a={"shape": [2**20, 2**20]}), DATA)
@@ -324,7 +324,7 @@ def test_fifo_and_directory_are_refused_at_once(tmp_path):
             else:
                 print("LOADED", path)
     """)
-    # a FIFO used to block forever: the subprocess timeout is the hang guard
+    # a FIFO can block an open() forever: the subprocess timeout is the hang guard
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     lines = run.stdout.strip().splitlines()
     assert run.returncode == 0 and len(lines) == 3, run.stdout + run.stderr

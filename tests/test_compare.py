@@ -2,7 +2,7 @@
 
 Correct ports: the same spec compiled with the same seed on two backends (bit-identical
 parameters) and db.convert's output, over hypothesis-generated specs (widths <= 32: MLX's Linux
-CPU matmul is slow) in float32, float16 and bfloat16, must pass. Wrong ports (the issue's list)
+CPU matmul is slow) in float32, float16 and bfloat16, must pass. Wrong ports (the list below)
 must fail and name the layer where they start. A backend whose framework is missing, or whose
 adapter does not import, is skipped with the reason.
 """

@@ -8,7 +8,7 @@ exactly as the console script does) exit 2 with a one-line error naming it and n
 
 All of it runs in one subprocess whose address space is capped at its size after importing the
 frameworks + 256 MiB (``RLIMIT_AS``): a case that tried to allocate what a header claims fails
-there. Each case also runs under a 10 s alarm (a FIFO used to block forever), and the whole
+there. Each case also runs under a 10 s alarm (a FIFO can block an open() forever), and the whole
 subprocess under a timeout, so nothing can hang the suite.
 """
 from __future__ import annotations

@@ -573,3 +573,27 @@ def test_cli_round_trip_peft_mlx_lm_peft_with_base_config_and_load_adapter_into_
     with pytest.raises(db.ConversionError, match="no such linear layer"):
         db.load_adapter(tmp_path / "mlx", fresh, mapping={"model.layers.0.self_attn.q_proj": "nowhere"})
     assert not db.lora.lora_of(fresh.model.layers[0].self_attn.v_proj)
+
+
+def test_convert_adapter_writes_whole_directories_or_nothing(tmp_path):
+    """db.convert_adapter (behind `dense-bridge adapter`): PEFT -> mlx-lm -> PEFT keeps the update
+    exactly; a refused conversion and a non-empty output directory leave nothing behind."""
+    peft = pytest.importorskip("peft")
+    src = _peft_llama("lora")
+    want = _torch_logits(src)
+    _save_peft(src, tmp_path / "peft")
+    assert set(db.ADAPTER_DIRECTORY_FORMATS) == {"peft", "mlx-lm"}
+    summary = db.convert_adapter(str(tmp_path / "peft"), str(tmp_path / "mlx"), to="mlx-lm", num_layers=LAYERS)
+    assert summary == {"src": str(tmp_path / "peft"), "from": "peft", "to": "mlx-lm", "output": str(tmp_path / "mlx"),
+                       "layers": LAYERS * len(TARGETS)}
+    assert sorted(os.listdir(tmp_path / "mlx")) == sorted(db.ADAPTER_DIRECTORY_FORMATS["mlx-lm"])
+    db.convert_adapter(str(tmp_path / "mlx"), str(tmp_path / "back"), to="peft")
+    loaded = peft.PeftModel.from_pretrained(_plain_llama(), str(tmp_path / "back")).eval()
+    _close(want, _torch_logits(loaded), "db.convert_adapter PEFT -> mlx-lm -> PEFT")
+    # refused (adapters only in block 0 of 2 cannot be mlx-lm's last blocks): no output, no temporary left
+    _save_peft(_peft_llama("lora", layers_to_transform=[0]), tmp_path / "first")
+    with pytest.raises(db.ConversionError, match="model.layers.1"):
+        db.convert_adapter(str(tmp_path / "first"), str(tmp_path / "out"), to="mlx-lm", num_layers=LAYERS)
+    assert sorted(os.listdir(tmp_path)) == ["back", "first", "mlx", "peft"]
+    with pytest.raises(db.CheckpointError, match="not an empty directory"):
+        db.convert_adapter(str(tmp_path / "peft"), str(tmp_path / "back"), to="mlx-lm", num_layers=LAYERS)

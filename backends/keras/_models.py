@@ -103,10 +103,6 @@ def plan_or_raise(layer) -> EinsumPlan:
     return plan
 
 
-def is_einsum(layer) -> bool:
-    return type(layer) is keras.layers.EinsumDense
-
-
 def einsum_params(layer) -> dict[str, np.ndarray]:
     """Canonical kernel (in_features, units) and bias (units,) of a linear-map EinsumDense."""
     plan = plan_or_raise(layer)

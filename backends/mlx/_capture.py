@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 

@@ -10,8 +10,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from dense_bridge._dtypes import numpy_dtype
-
 #: dense_bridge dtype name -> ONNX element type
 ELEM_TYPES: dict[str, int] = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE,
                               "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -21,11 +19,6 @@ FLOAT_TYPES = frozenset(ELEM_TYPES.values())
 def dtype_name_of(elem_type: int) -> str | None:
     """The dense_bridge dtype name of an ONNX floating element type (None for other types)."""
     return next((n for n, t in ELEM_TYPES.items() if t == elem_type), None)
-
-
-def elem_type_of(dtype) -> int:
-    """The ONNX element type of a numpy dtype (bfloat16 included)."""
-    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
 def to_numpy(array) -> np.ndarray:
@@ -60,7 +53,3 @@ def write_initializer(tensor: TensorProto, value: np.ndarray) -> None:
 
 def to_numpy_dtype(elem_type: int) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-
-
-def numpy_of(dtype_name: str) -> np.dtype:
-    return numpy_dtype(dtype_name)

@@ -14,3 +14,15 @@ from ._flows import CanonicalCheckpoint, convert_file, load, open_checkpoint, sa
 from ._validate import LayerValidator
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "CanonicalCheckpoint", "LayerValidator"]
+
+# What the command line needs besides the verbs: small JSON and .npz files read the safe way (a FIFO
+# or device refused, never waited on), which format a file is, and the guard that keeps outputs off inputs.
+from ._flows import CANONICAL_TARGETS
+from ._native import format_names, supported_formats
+from ._npz import read_npz
+from ._path_guard import canonical_outputs, input_files, refuse_overwrite
+from ._safetensors import MAX_JSON_FILE, parse_json, read_json_file
+from ._sniff import file_backend, read_head
+
+__all__ += ["CANONICAL_TARGETS", "format_names", "supported_formats", "read_npz", "canonical_outputs", "input_files",
+            "refuse_overwrite", "MAX_JSON_FILE", "parse_json", "read_json_file", "file_backend", "read_head"]

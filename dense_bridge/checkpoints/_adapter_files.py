@@ -26,6 +26,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -35,13 +37,16 @@ from ._io import AtomicFiles
 from ._safetensors import SafetensorsFile, pending, read_json_file, write_safetensors
 from .._errors import CheckpointError, ConversionError, SpecError, received
 
-__all__ = ["load_adapter", "save_adapter", "read_adapter_dir", "write_adapter_dir", "FORMATS", "AdapterRefused"]
+__all__ = ["load_adapter", "save_adapter", "convert_adapter", "read_adapter_dir", "write_adapter_dir", "FORMATS",
+           "DIRECTORY_FORMATS", "AdapterRefused"]
 
 #: API.md's format names, the one place the core spells them (allowlisted in tests/test_architecture.py)
 FORMATS = ("peft", "mlx-lm", "keras-hub")
 PEFT, MLX_LM, KERAS_HUB = FORMATS
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 MLX_FILES = ("adapters.safetensors", "adapter_config.json")
+#: what ``convert_adapter`` reads and writes: directory format -> the files such a directory holds
+DIRECTORY_FORMATS = {PEFT: PEFT_FILES, MLX_LM: MLX_FILES}
 PEFT_PREFIX = "base_model.model."
 _BLOCK = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<inner>.+)$")
 
@@ -276,6 +281,31 @@ def write_adapter_dir(layers: dict, path: str, fmt: str, *, extra: dict | None =
     else:
         raise AdapterRefused(f"format {fmt!r}: a directory conversion writes {PEFT!r} or {MLX_LM!r} ({KERAS_HUB} "
                              f"files name layers by their index in a model: db.save_adapter(model, ...))")
+
+
+def convert_adapter(src: str, output: str, *, to: str, num_layers: int | None = None) -> dict:
+    """Convert the adapter directory ``src`` (PEFT or mlx-lm) to format ``to`` in ``output``, with
+    no model loaded: read whole, written into a temporary sibling directory, then renamed, so
+    a refusal (``AdapterRefused``) or a failure leaves no partial ``output``.
+
+    ``output`` must not exist or be an empty directory. ``num_layers``: the base model's block
+    count (mlx-lm counts adapted blocks from the end of the stack). Returns a summary
+    ``{"src", "from", "to", "output", "layers"}``.
+    """
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise CheckpointError(f"-o {output} exists and is not an empty directory")
+    fmt, layers, extra = read_adapter_dir(src)
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    temp = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
+    try:
+        write_adapter_dir(layers, temp, to, extra=extra, num_layers=num_layers)
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.replace(temp, output)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return {"src": src, "from": fmt, "to": to, "output": output, "layers": len(layers)}
 
 
 # ----------------------------------------------------------------------------- models

@@ -1,31 +1,29 @@
 """``dense-bridge adapter SRC_DIR --to FORMAT -o OUT_DIR``: convert a LoRA adapter directory between
 PEFT and mlx-lm without loading any model (json + safetensors in, json + safetensors out).
 
-What the target cannot hold exactly is refused with exit 2 and a line naming it
-(``_adapter_files.AdapterRefused``): per-module scales into mlx-lm's single ``scale``, DoRA on
+The conversion is ``db.convert_adapter``. What the target cannot hold exactly is refused with
+exit 2 and a line naming it: per-module scales into mlx-lm's single ``scale``, DoRA on
 some layers only, adapters outside the last blocks of the stack. Per-module ranks into mlx-lm's
 single ``rank`` are zero-padded (the same update exactly).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 
+import dense_bridge as db
+from .. import checkpoints
 from .._errors import CheckpointError, SpecError
 
 #: config.json keys that hold a transformer's block count, by model family
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
-
 def add_parser(sub) -> None:
-    from ..checkpoints._adapter_files import MLX_FILES, MLX_LM, PEFT, PEFT_FILES
-
+    formats = db.ADAPTER_DIRECTORY_FORMATS  # format name -> the files its directory holds
+    PEFT, MLX_LM = formats  # noqa: N806 - the two format names, as the API spells them
+    holds = "; ".join(f"{name}: {' + '.join(files)}" for name, files in formats.items())
     p = sub.add_parser("adapter", help=f"convert a LoRA adapter directory between {PEFT} and {MLX_LM}",
-                       description=f"Convert the LoRA adapter directory SRC_DIR ({PEFT}: {' + '.join(PEFT_FILES)}; "
-                                   f"{MLX_LM}: {' + '.join(MLX_FILES)}) to FORMAT in OUT_DIR. Nothing in the files "
-                                   f"runs. What FORMAT cannot hold exactly is refused (exit 2).")
+                       description=f"Convert the LoRA adapter directory SRC_DIR ({holds}) to FORMAT in OUT_DIR. "
+                                   f"Nothing in the files runs. What FORMAT cannot hold exactly is refused (exit 2).")
     p.add_argument("src", metavar="SRC_DIR", help="adapter directory")
     p.add_argument("--to", required=True, choices=(PEFT, MLX_LM), metavar="FORMAT", help=f"{PEFT} or {MLX_LM}")
     p.add_argument("-o", "--output", required=True, metavar="OUT_DIR", help="output directory (created; must not exist)")
@@ -44,11 +42,7 @@ def _layer_count(args) -> int | None:
         return args.num_layers
     if args.base_config is None:
         return None
-    try:
-        with open(args.base_config, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read --base-config {args.base_config}: {exc}") from None
+    config = checkpoints.read_json_file(args.base_config, "--base-config file")
     for key in LAYER_COUNT_KEYS:
         if isinstance(config, dict) and isinstance(config.get(key), int):
             return config[key]
@@ -56,22 +50,7 @@ def _layer_count(args) -> int | None:
 
 
 def cmd_adapter(args) -> int:
-    from ..checkpoints._adapter_files import read_adapter_dir, write_adapter_dir
-
-    out = args.output
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise CheckpointError(f"-o {out} exists and is not an empty directory")
-    fmt, layers, extra = read_adapter_dir(args.src)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    temp = tempfile.mkdtemp(prefix=".adapter-", dir=parent)  # written whole, then renamed: no partial output
-    try:
-        write_adapter_dir(layers, temp, args.to, extra=extra, num_layers=_layer_count(args))
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(temp, out)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    summary = {"src": args.src, "from": fmt, "to": args.to, "output": out, "layers": len(layers)}
-    print(json.dumps(summary) if args.json else f"{fmt} -> {args.to}: {len(layers)} adapted layers written to {out}")
+    summary = db.convert_adapter(args.src, args.output, to=args.to, num_layers=_layer_count(args))
+    print(json.dumps(summary) if args.json else
+          f"{summary['from']} -> {args.to}: {summary['layers']} adapted layers written to {args.output}")
     return 0

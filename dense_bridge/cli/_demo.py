@@ -78,17 +78,16 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
     """Run the demo, print its table (or JSON); 0 when every step passed, else 1."""
     import dense_bridge as db
 
-    from ..checkpoints import _flows as checkpoint
-    from .._errors import SpecError, check_type, received
-    from .._registry import get_adapter
-    from ._text import table
+    from .. import checkpoints
+    from .._errors import check_type, received
+    from .._registry import get_adapter, has_capability
+    from ..adapter_kit import GRADIENTS
     from ..testing import compare
-    from .._manifest import GRADIENTS
-    from .._registry import has_capability
+    from ._text import table
 
     check_type("steps", steps, numbers.Integral, "a non-negative integer")
     if steps < 0:
-        raise SpecError(f"steps must be a non-negative integer. {received('steps', steps)}")
+        raise db.SpecError(f"steps must be a non-negative integer. {received('steps', steps)}")
     backends = db.available_backends()
     # the first installed framework whose adapter trains (the train_sgd verb), else the reference
     reference = "numpy"
@@ -150,7 +149,7 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
         for b, name in native_files(backends).items():
             out = os.path.join(workdir, name)
             t = time.perf_counter()
-            checkpoint.convert_file(path, b, out)
+            checkpoints.convert_file(path, b, out)
             native = db.load(out, b, spec=db.to_spec(model))
             same = _bit_identical(original, db.get_params(native))
             rows.add(f"native file {name}", f"canonical -> {b} -> {b}", same, time.perf_counter() - t,

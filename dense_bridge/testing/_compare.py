@@ -23,9 +23,9 @@ a rounded value landing on the other side of a kink (relu' is 0 or 1). A lone la
 inputs gets exactly the docs/FACTS.md formula. Where a value's allowance is 0 (an all-zero
 reference), any difference fails.
 
-Empirical check (tests/test_compare.py and the sweeps quoted in the issue): every framework
-pair in float32/float16/bfloat16 over random specs and seeds passes with margin, and every
-wrong port of the issue fails at its layer.
+Empirical check (tests/test_compare.py): every framework pair in float32/float16/bfloat16 over
+random specs and seeds passes with margin, and every wrong port there (a transposed kernel, a
+missing bias, another activation, a perturbed weight) fails at its layer.
 
 ``first_divergence`` is the first failing quantity in the order the computation produces them:
 the forward outputs in layer order, then the backward in reverse layer order (for each layer:
@@ -36,12 +36,12 @@ execution order names the layer where the difference starts.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from .._dtypes import EPS, numpy_dtype
-from .._errors import ConversionError, SpecError, received
+from .._dtypes import numpy_dtype
+from .._errors import ConversionError, SpecError, check_flag, received
 from .._params import array_to_numpy
 from .._registry import backend_of
 from ..parallel._dispatch import verbs_for
@@ -49,7 +49,8 @@ from ._gradients import computes_gradients, effective_grads
 from ..activations import Activation
 from .._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
-from ._report import LayerResult, ModelInfo, QuantityResult, Report
+from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failure
+from ._rounding import coarsest, round_common
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import coarser_dtype, element_stats, elementwise_units
 from ._isolated import LAYER_NOTE, forced_layer_traces
@@ -83,10 +84,6 @@ def model_dtype(spec) -> str:
 def output_dtype(spec) -> str:
     """The dtype of the model's output: its last layer with parameters (float32 if none)."""
     return next((d for d in map(_layer_dtype, reversed(layers_of(spec))) if d), "float32")
-
-
-def _coarsest(dtypes) -> str:
-    return max(dtypes, key=lambda d: EPS[d])
 
 
 def _label(layer) -> str:
@@ -202,17 +199,6 @@ def function_differences(spec_a, spec_b) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- inputs
-def _round_common(x: np.ndarray, dtypes: Sequence[str]) -> np.ndarray:
-    """float64 values that every dtype in ``dtypes`` represents exactly (rounded through each)."""
-    x = np.asarray(x, dtype=np.float64)
-    for _ in range(3):  # float16 <-> bfloat16 settles in one or two rounds
-        y = x
-        for d in dtypes:
-            y = y.astype(numpy_dtype(d)).astype(np.float64)
-        if np.array_equal(y, x, equal_nan=True):
-            break
-        x = y
-    return x
 
 
 def _as_array(value, argument: str) -> np.ndarray:
@@ -261,11 +247,6 @@ def check_count(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def check_flag(name: str, value: object) -> bool:
-    """A bool (numpy's too); anything else is a TypeError: grads="no" would be truthy."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__}. {received(name, value)}")
-    return bool(value)
 
 
 def output_width(spec, widths: list[int]) -> int:
@@ -316,19 +297,6 @@ def _quantity(i, label, name, a, b, allowed) -> QuantityResult:
     return QuantityResult(i, label, name, err, units, units <= 1.0, k, tuple(a.shape), note, stats)
 
 
-def first_failure(layers: list[LayerResult]) -> QuantityResult | None:
-    """The first failing quantity in execution order: forward outputs, then backward from the end."""
-    for layer in layers:
-        for q in layer.quantities:
-            if q.quantity == "output" and not q.passed:
-                return q
-    for layer in reversed(layers):
-        for q in layer.quantities:
-            if q.quantity != "output" and not q.passed:
-                return q
-    return None
-
-
 def dx_names(spec_layer) -> list[str]:
     return ["dL/dx1", "dL/dx2"] if isinstance(spec_layer, Bilinear) else ["dL/dx"]
 
@@ -367,7 +335,7 @@ def feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: li
             return f"a takes input width(s) {widths_a}, b takes {widths_b}"
         batched = False
         xs = [rng.standard_normal((batch_size, w)) for w in (widths_a or widths_b)]
-    xs = [_round_common(x, [model_dtype(spec_a), model_dtype(spec_b)]) for x in xs]
+    xs = [round_common(x, [model_dtype(spec_a), model_dtype(spec_b)]) for x in xs]
     widths = [x.shape[-1] for x in xs]
     out_a, out_b = output_width(spec_a, widths), output_width(spec_b, widths)
     if out_a != out_b:
@@ -382,7 +350,7 @@ def feed(spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int, notes: li
         if g.shape != out_shape:
             raise SpecError(f"grad_out must have the output's shape {out_shape}. "
                             f"Received: grad_out of shape {g.shape}")
-    return xs, _round_common(g, [output_dtype(spec_a), output_dtype(spec_b)])
+    return xs, round_common(g, [output_dtype(spec_a), output_dtype(spec_b)])
 
 
 def feed_report(report: Report, spec_a, spec_b, inputs, grad_out, seed: int, batch_size: int):
@@ -415,10 +383,10 @@ def new_report(spec_a, spec_b, backend_a: str, backend_b: str, tolerance: Tolera
                given_inputs: bool, strict: bool) -> Report:
     """An empty Report for models of ``spec_a`` and ``spec_b``: their dtypes (the coarser one is
     the comparison's), and how the specs differ (structurally and in function)."""
-    dt_a = _coarsest([d for d in map(_layer_dtype, layers_of(spec_a)) if d] or ["float32"])
-    dt_b = _coarsest([d for d in map(_layer_dtype, layers_of(spec_b)) if d] or ["float32"])
+    dt_a = coarsest([d for d in map(_layer_dtype, layers_of(spec_a)) if d] or ["float32"])
+    dt_b = coarsest([d for d in map(_layer_dtype, layers_of(spec_b)) if d] or ["float32"])
     return Report(ModelInfo(backend_a, _kind(spec_a), dt_a), ModelInfo(backend_b, _kind(spec_b), dt_b),
-                  _coarsest([dt_a, dt_b]), tolerance, [], seed, given_inputs,
+                  coarsest([dt_a, dt_b]), tolerance, [], seed, given_inputs,
                   spec_differences=spec_differences(spec_a, spec_b), strict=strict,
                   strict_differences=function_differences(spec_a, spec_b))
 

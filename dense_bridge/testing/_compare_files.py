@@ -36,10 +36,10 @@ from .._manifest import GRADIENTS
 from .._registry import get_adapter, has_capability
 from ._gradients import effective_grads
 from ..specs import Dense, Sequential, layer_param_shapes
-from ._compare import (compare_layer, dx_names, feed_report, first_failure, layer_label, layers_of, model_dtype,
+from ._compare import (compare_layer, dx_names, feed_report, layer_label, layers_of, model_dtype,
                        new_report, output_dtype, output_width)
 from ._propagate import Propagation
-from ._report import Report
+from ._report import Report, first_failure
 from ._tolerance import Tolerance
 
 __all__ = ["compare_checkpoints", "segments"]
@@ -96,7 +96,7 @@ def compare_checkpoints(ckpt_a, backend_a: str, ckpt_b, backend_b: str, *, grads
     """The report ``compare`` gives for the two checkpoints' models, computed holding one layer
     pair at a time; None when the specs cannot be streamed (call ``compare`` on the models).
 
-    ``ckpt_a``/``ckpt_b``: opened checkpoints (``checkpoint.open_checkpoint``) with specs;
+    ``ckpt_a``/``ckpt_b``: opened checkpoints (``dense_bridge.checkpoints.open_checkpoint``) with specs;
     ``params_seen(params_a, params_b)`` is called once per layer with parameters with the
     two layers' canonical tensors, keyed as in the files ("3.kernel"), while they are at hand.
     """

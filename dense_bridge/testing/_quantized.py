@@ -129,7 +129,7 @@ def backward_spread(pair: QuantPair, g_b: np.ndarray, kernel_b: np.ndarray) -> f
     return float(np.max(np.abs(da - db_) / (np.abs(db_) + rms(db_) + 1e-300)))
 
 
-def table_spread(a: Any, b: Any) -> tuple[float, list[str]]:
+def table_spread(walk_a: list, walk_b: list) -> tuple[float, list[str]]:
     """What quantized tables (embeddings) put into a comparison before its first linear layer.
 
     A quantized embedding is not a linear layer: its rows reach the first layer through code
@@ -138,10 +138,9 @@ def table_spread(a: Any, b: Any) -> tuple[float, list[str]]:
     the other model's table at the same path, else with its one table of the same shape, and the
     largest relative difference (|a - b| / (|b| + rms b)) is returned with a note per pair: the
     comparison then lets the code after it carry that much, as it does after a linear layer.
+    ``walk_a``/``walk_b``: the two models' walks (``models.walk``), as the caller holds them.
     """
-    from ..models import walk
-
-    sides = (walk(a, "a"), walk(b, "b"))
+    sides = (walk_a, walk_b)
     spread, notes = 0.0, []
     for k, entries in enumerate(sides):
         other = {e.path: e for e in sides[1 - k]}

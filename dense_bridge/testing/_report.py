@@ -79,6 +79,32 @@ class LayerResult:
                 "quantities": [q.to_dict() for q in self.quantities]}
 
 
+#: rows judged on the way forward, in execution order: a layer's input, its quantization, its output
+FORWARD_QUANTITIES = ("input", "quantization", "output")
+#: rows about the whole run, between the forward and the backward pass (``compare_models``)
+RUN_QUANTITIES = ("model output", "calls")
+
+
+def first_failure(layers: list[LayerResult]) -> QuantityResult | None:
+    """The first failing quantity in execution order: the forward rows layer by layer, then the
+    rows about the whole run, then the backward rows (dL/dx, dL/dy, parameter gradients) from
+    the last layer to the first. ``compare`` has only outputs and gradients; ``compare_models``
+    adds inputs, quantization, the model output and call counts."""
+    for layer in layers:
+        for q in layer.quantities:
+            if q.quantity in FORWARD_QUANTITIES and not q.passed:
+                return q
+    for layer in layers:
+        for q in layer.quantities:
+            if q.quantity in RUN_QUANTITIES and not q.passed:
+                return q
+    for layer in reversed(layers):
+        for q in layer.quantities:
+            if q.quantity not in FORWARD_QUANTITIES + RUN_QUANTITIES and not q.passed:
+                return q
+    return None
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What one side of the comparison was: backend, model kind and dtype."""

@@ -68,10 +68,10 @@ class Structure:
 class _Params:
     """One model's walk: every parameter path with its shape and dtype, and its ties."""
 
-    def __init__(self, model: Any, argument: str) -> None:
+    def __init__(self, model: Any, argument: str, entries: list | None = None) -> None:
         from ..models import walk
 
-        self.entries = walk(model, argument)
+        self.entries = walk(model, argument) if entries is None else entries
         self.info: dict[str, tuple[tuple[int, ...], str]] = {}
         self.tied: dict[str, str] = {}
         first: dict[Any, str] = {}
@@ -127,15 +127,17 @@ def _signature(side: _Params, e) -> tuple:
 
 
 def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]],
-                    groups: dict[str, Any] | None = None) -> Structure:
+                    groups: dict[str, Any] | None = None, entries: tuple[list, list] | None = None) -> Structure:
     """The :class:`Structure` of two whole models whose linear layers ``pairs`` matches.
 
     ``groups``: split or fused sides by label ("q+k+v", with ``.paths``): every member's
-    parameters count as matched with the other side's (their joined arrays are compared)."""
+    parameters count as matched with the other side's (their joined arrays are compared).
+    ``entries``: both models' walks when the caller has them (each model is walked once)."""
     groups = groups or {}
     from .._api import get_params
 
-    sa, sb = _Params(a, "a"), _Params(b, "b")
+    walked_a, walked_b = entries or (None, None)
+    sa, sb = _Params(a, "a", walked_a), _Params(b, "b", walked_b)
     out = Structure(sa.count, sb.count, tied_a=dict(sa.tied), tied_b=dict(sb.tied))
     matched_a: set[str] = set()
     matched_b: set[str] = set()

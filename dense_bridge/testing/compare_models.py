@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import EPS, numpy_dtype
-from .._errors import ConversionError, SpecError, received
+from .._dtypes import EPS
+from .._errors import ConversionError, check_flag, received
 from .._params import array_to_numpy as _to_numpy
 from .._registry import adapter_for, backend_of
 from ._gradients import effective_grads
@@ -52,7 +52,8 @@ from ._captures import Call, Capture, LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import element_stats, elementwise_units
 from ._structure import model_structure
-from ._report import LayerResult, ModelInfo, QuantityResult, Report, fmt_err, fmt_units
+from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failure, fmt_err, fmt_units
+from ._rounding import coarsest, round_common
 from ._tolerance import Tolerance, allowed_error, rms
 
 __all__ = ["compare_models", "ModelReport", "GROWTH"]
@@ -151,52 +152,15 @@ def _is_float_dtype(dt) -> bool:
     return np.issubdtype(dt, np.floating) or np.dtype(dt).name == "bfloat16"
 
 
-def _round_common(x: np.ndarray, dtypes) -> np.ndarray:
-    """float64 values every dtype in ``dtypes`` holds exactly (rounded through each, to a fixpoint)."""
-    x = np.asarray(x).astype(np.float64)
-    for _ in range(3):
-        y = x
-        for d in dtypes:
-            y = y.astype(numpy_dtype(d)).astype(np.float64)
-        if np.array_equal(y, x, equal_nan=True):
-            break
-        x = y
-    return x
-
-
 def _round_inputs(inputs, dtypes):
     if isinstance(inputs, dict):
-        return {k: _round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for k, v in inputs.items()}
-    return [_round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for v in inputs]
+        return {k: round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for k, v in inputs.items()}
+    return [round_common(v, dtypes) if _is_float_dtype(v.dtype) else v for v in inputs]
 
 
 def _dtype_name(arr: np.ndarray) -> str:
     name = np.dtype(arr.dtype).name
     return name if name in EPS else "float32"
-
-
-def _coarsest(dtypes) -> str:
-    return max(dtypes, key=lambda d: EPS[d])
-
-
-# ---------------------------------------------------------------------------- pairing
-def _linear_layers(model, argument: str) -> dict[str, Any]:
-    from .. import models
-
-    try:
-        return models.linear_layers(model)
-    except TypeError:
-        raise
-    except ConversionError as exc:
-        raise ConversionError(f"{argument}: {exc}") from None
-
-
-def _pairs(a, b, mapping) -> tuple[list[tuple[str, str]], dict]:
-    """Matched (path in a, path in b): the linear layers ``db.transfer`` would pair with ``mapping``,
-    a split or concatenated side as one group labelled "path+path+..." (``_fused``), and the groups."""
-    from .. import models
-
-    return _fused.pairs_of(models.match_moves(a, b, mapping))
 
 
 # ---------------------------------------------------------------------------- judging
@@ -359,7 +323,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Returns a :class:`ModelReport`; ``report.first_divergence`` is the path (in b) of the first
     layer where the models part. See the module docstring for what each row measures.
     """
-    from ._compare import check_count, check_flag, check_tolerance
+    from ._compare import check_count, check_tolerance
 
     grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
     seed = check_count("seed", seed, 0)
@@ -382,10 +346,14 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
     from .. import _auto_mapping, models
 
+    walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
+    walks = (walked[0].entries, walked[1].entries)
     if _auto_mapping.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
-        mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, models.sides)
-    layers_a, layers_b = _linear_layers(a, "a"), _linear_layers(b, "b")
-    pairs, groups = _pairs(a, b, mapping)
+        mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, lambda *_: walked)
+    layers_a, layers_b = ({e.path: e.layer for e in side.linear()} for side in walked)
+    # matched (path in a, path in b): the linear layers db.transfer would pair with mapping, a split or
+    # concatenated side as one group labelled "path+path+..." (_fused), and the groups
+    pairs, groups = _fused.pairs_of(models.match_moves(a, b, mapping, walked=walked))
     from .._api import get_params
 
     params_a = {pa: _fused.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
@@ -401,7 +369,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     def cotangent(shape: tuple) -> np.ndarray:
         size = int(np.prod(shape))
         if size not in cache:
-            cache[size] = _round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
+            cache[size] = round_common(np.random.default_rng(seed).standard_normal(size), dtypes + ["float16"])
         return cache[size].reshape(shape)
 
     def run(select_a, select_b) -> tuple[Capture, Capture]:
@@ -422,10 +390,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
     refuse_nonfinite_outputs(cap_a.output, cap_b.output)
-    dt_a = _coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
-    dt_b = _coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
+    dt_a = coarsest([_dtype_name(p["kernel"]) for p in params_a.values() if "kernel" in p] or ["float32"])
+    dt_b = coarsest([_dtype_name(p["kernel"]) for p in params_b.values() if "kernel" in p] or ["float32"])
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, dt_a),
-                         ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), _coarsest([dt_a, dt_b]), tol,
+                         ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
     for side, layers, matched in (("a", layers_a, set(_fused.members([pa for pa, _ in pairs], groups))),
@@ -439,23 +407,23 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
     if not _verify_only:
-        report.structure = model_structure(a, b, pairs, groups)
+        report.structure = model_structure(a, b, pairs, groups, entries=walks)
     if grads_note:
         report.notes.append(grads_note)
     from ._quantized import quantized_pairs  # pairs with a quantized side: testing/_quantized.py
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
-    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, models=(a, b),
+    _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, walks=walks,
            verify_only=_verify_only)
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
-                        quant=quant, models=(a, b), groups=groups, widths=widths)
+                        quant=quant, walks=walks, groups=groups, widths=widths)
     return report
 
 
 def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a: Capture,
                     cap_b: Capture, params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None,
-                    models=None, groups: dict | None = None, widths: dict | None = None) -> None:
+                    walks=None, groups: dict | None = None, widths: dict | None = None) -> None:
     """Judge b's layers run alone on a's recorded inputs and cotangents (``_isolated``) and put
     their output, dL/dx and parameter-gradient rows in place of the cascaded ones; a split/fused
     group (``groups``, member units in ``widths``) runs member by member."""
@@ -469,12 +437,12 @@ def _teacher_forced(report: ModelReport, adapter_a, adapter_b, pairs, layers_a, 
     forced_cap, forced = forced_capture(adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, grads, acts,
                                         groups=groups, widths=widths)
     twin = judge_copy(report)
-    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, models=models)
+    _judge(twin, pairs, cap_a, forced_cap, layers_a, layers_b, params_b, grads, tol, quant=quant, walks=walks)
     rows = {i for i, c in enumerate(cap_b.calls) if c.path in forced.forced_paths}
     dx = dx_rows(report, forced, params_b, acts, report.calls, tol, _row, _rows)
     report.layers = merge_rows(report.layers, twin.layers, dx, rows)
     report.notes += [ISOLATED_NOTE] + forced.notes
-    report.first_failure = _first_failure(report.layers)
+    report.first_failure = first_failure(report.layers)
 
 
 def _pair_outputs_by_shape(shapes_a: list, shapes_b: list) -> tuple[int, int] | None:
@@ -497,7 +465,7 @@ def _input_shapes(inputs) -> list[tuple[int, ...]]:
 
 
 def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a: dict, layers_b: dict,
-           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, models=None,
+           params_b: dict, grads: bool, tol: Tolerance, quant: dict | None = None, walks=None,
            verify_only: bool = False) -> None:
     from ._quantized import backward_spread, quantization_row, table_spread
 
@@ -534,8 +502,8 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                                 f"through its own activation, dL/dy before the activation")
 
     fwd_prev = 0.0  # largest relative difference of anything computed so far (forward)
-    if models is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
-        fwd_prev, table_notes = table_spread(*models)
+    if walks is not None:  # quantized embeddings differ before any linear layer (testing/_quantized.py)
+        fwd_prev, table_notes = table_spread(*walks)
         report.notes += table_notes
     results: list[LayerResult] = []
     rec: list = []  # per row: what the backward pass needs, or None
@@ -641,7 +609,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
                 results[i] = LayerResult(i, results[i].layer_type, results[i].quantities + tuple(extra))
     model_rows = ([final] if final is not None else []) + extra_calls
     report.layers = results + ([LayerResult(None, "model", tuple(model_rows))] if model_rows else [])
-    report.first_failure = _first_failure(report.layers)
+    report.first_failure = first_failure(report.layers)
 
 
 def _verdict_rows(idx, label, ca: Call, cb: Call, pa, pb, n_in, n_out, dtype, tol: Tolerance,
@@ -711,22 +679,3 @@ def _param_rows(i, label, pa, pb, cap_a: Capture, cap_b: Capture, rec, dzs, dtyp
                           + np.square(_rounding(vb, tb, dtype, n_rows, tol.c_gradient, tol) + xb))
         out.append(_row(i, label, q, va - ea, vb - eb, allowed, n_rows, values=(va, vb), dtype=dtype))
     return out
-
-
-def _first_failure(layers: list[LayerResult]) -> QuantityResult | None:
-    """Execution order: forward rows call by call (input, output), the model output, then the
-    backward from the last call to the first (dL/dy, then the layer's parameter gradients)."""
-    forward = ("input", "output", "quantization")
-    for layer in layers:
-        for q in layer.quantities:
-            if q.quantity in forward and not q.passed:
-                return q
-    for layer in layers:
-        for q in layer.quantities:
-            if q.quantity in ("model output", "calls") and not q.passed:
-                return q
-    for layer in reversed(layers):
-        for q in layer.quantities:
-            if q.quantity not in forward and q.quantity not in ("model output", "calls") and not q.passed:
-                return q
-    return None

@@ -268,7 +268,7 @@ class AdapterConformance:
 
     # ------------------------------------------------------------------ files
     def test_every_declared_file_format_round_trips(self, tmp_path):
-        from ..checkpoints import _flows as checkpoint
+        from .. import checkpoints
         from ..checkpoints._native import write_native
         from .._registry import manifest
 
@@ -285,8 +285,8 @@ class AdapterConformance:
                 if how == "write_native":
                     write_native(native, self.backend, str(path), spec=FILE_SPEC)
                 else:
-                    checkpoint.convert_file(str(canonical), self.backend, str(path))
-                with checkpoint.open_checkpoint(path, spec=FILE_SPEC) as opened:
+                    checkpoints.convert_file(str(canonical), self.backend, str(path))
+                with checkpoints.open_checkpoint(path, spec=FILE_SPEC) as opened:
                     assert opened.framework == self.backend, (how, fmt.label, opened.kind)
                 loaded = db.load(path, self.backend, spec=FILE_SPEC)
                 assert _bits(db.get_params(loaded)) == expected, (how, fmt.label)

@@ -15,7 +15,8 @@ or ``--inputs`` it compares two WHOLE native models instead, linear layer by lin
   models take different arguments (transformers' ``input_ids`` vs keras-hub's ``token_ids``).
 
 The loading is the adapters' (``load_model`` in backends/<fw>/_capture.py): the core imports no
-framework. The only hook in ``cli.py`` is :func:`add_arguments`.
+framework. ``_main.build_parser`` calls :func:`add_arguments`, which routes ``check`` here when
+``--mapping`` or ``--inputs`` is given.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import checkpoints
 from .._errors import CheckpointError, SpecError
 
 __all__ = ["add_arguments", "load_model", "read_mapping", "read_inputs", "check_models"]
-
 
 
 def _model_file_backends() -> dict[str, str]:
@@ -73,9 +74,7 @@ def load_model(path: str, *, trust_pickle: bool = False) -> Any:
         raise CheckpointError(f"{path}: not a whole-model file; the backends read whole models from {known}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
-    from ..checkpoints._safetensors import open_readonly
-
-    os.close(open_readonly(path))  # a FIFO or device is refused here, never waited on by the framework
+    checkpoints.read_head(path, 0)  # a FIFO or device is refused here, never waited on by the framework
     return optional_verb(backend, "load_model", f"reading the whole model {path}")(path, trust_pickle=trust_pickle)
 
 
@@ -83,11 +82,9 @@ def read_mapping(path: str | None):
     """A mapping from a JSON file: a dict of paths or a list of [regex, replacement] rules."""
     if path is None:
         return None
-    from ..checkpoints._safetensors import read_json_file
-
     if not os.path.lexists(path):
         raise CheckpointError(f"--mapping {path}: no such file")
-    doc = read_json_file(path, "--mapping file", top_level=None)
+    doc = checkpoints.read_json_file(path, "--mapping file", top_level=None)
     if isinstance(doc, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
         return doc
     if isinstance(doc, list) and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)
@@ -106,11 +103,9 @@ def read_inputs(path: str | None, option: str = "--inputs"):
     """An .npz as a list (arr_0, arr_1, ... positional) or a dict (named: keyword arguments)."""
     if path is None:
         return None
-    from ..checkpoints._npz import read_npz
-
     if not os.path.lexists(path):
         raise CheckpointError(f"{option} {path}: no such file")
-    arrays = read_npz(path, lambda reason: CheckpointError(f"{option} {path}: {reason}"))
+    arrays = checkpoints.read_npz(path, lambda reason: CheckpointError(f"{option} {path}: {reason}"))
     if arrays and all(re.fullmatch(r"arr_\d+", k) for k in arrays):
         return [arrays[f"arr_{i}"] for i in range(len(arrays))]
     return arrays
@@ -118,7 +113,7 @@ def read_inputs(path: str | None, option: str = "--inputs"):
 
 def check_models(args) -> int:
     """Run compare_models on two model files; print the report (or JSON); 0 equivalent, 1 not."""
-    from .compare_models import compare_models
+    from ..testing import compare_models
 
     if args.inputs is None:
         raise SpecError("whole models need --inputs X.npz (what to feed them)")
