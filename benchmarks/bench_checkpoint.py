@@ -25,6 +25,12 @@ checkpoint byte between them: the frameworks' fixed costs cancel. Targets: <= 1.
 conversion, <= 1.5 for check.
 
     python benchmarks/bench_checkpoint.py --slope 1024,2048 --layers 8
+
+Before and after: ``--baseline-rev REV`` runs every case twice, in fresh processes of the same
+session, once on the working tree and once on the library as it was at git revision ``REV``
+(``_baseline.py``: extracted from git and put first on ``PYTHONPATH``); each row names its code.
+
+    python benchmarks/bench_checkpoint.py --baseline-rev 607d216
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _baseline import baseline_env, baseline_tree, checkpoint_module, import_quietly  # noqa: E402
 from _memory import maxrss_bytes, reset_peak, status_bytes  # noqa: E402
 
 TARGETS = {  # name -> (convert_file "to", output file name)
@@ -54,8 +61,8 @@ NEEDS = {"torch .pt": "torch", "mlx .safetensors": "mlx", "keras .weights.h5": "
 def _warm_up(to: str | None, workdir: str) -> None:
     """One tiny conversion first: the frameworks' first-call costs are not throughput."""
     import dense_bridge as db
-    from dense_bridge.checkpoints import _flows as checkpoint
 
+    checkpoint = checkpoint_module()
     src = os.path.join(workdir, "warm.safetensors")
     db.save(db.compile(db.Sequential([db.Dense(4, in_features=4), db.Dense(4)]), "numpy", seed=0), src)
     if to is None:
@@ -70,16 +77,14 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     import tracemalloc
 
     import dense_bridge as db
-    from dense_bridge.checkpoints import _flows as checkpoint
 
+    checkpoint = checkpoint_module()
     to, name = TARGETS[target]
     if target in NEEDS:
         from dense_bridge._registry import get_adapter
 
         get_adapter(NEEDS[target])  # import the framework before the baseline
     if to == "keras":
-        from dense_bridge.cli._main import import_quietly
-
         import_quietly(["keras"])
     _warm_up(to, workdir)
     ckpt = checkpoint.open_checkpoint(src)
@@ -107,17 +112,21 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     return {"target": target, "seconds": seconds, "bytes": nbytes, "peak_traced": peak,
             "maxrss_delta": maxrss_bytes() - maxrss0,
             "peak_rss_over_start": (hwm - rss0) if exact and hwm is not None and rss0 is not None else None,
-            "held_output": held}
+            "held_output": held, "library": os.path.dirname(db.__file__)}
 
 
-def _run_worker(name: str, src: str, workdir: str, args) -> dict:
+def _run_worker(name: str, src: str, workdir: str, args, tree: str | None = None) -> dict:
+    """One case in a fresh process, on the working tree or on the baseline ``tree``."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--src", src, "--workdir", workdir,
            "--shard-size", args.shard_size, "--layers", str(args.layers), "--width", str(args.width),
            "--dtype", args.dtype]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**baseline_env(tree), "TF_CPP_MIN_LOG_LEVEL": "2"})
     if run.returncode != 0:
         raise SystemExit(f"{name} failed:\n{run.stderr}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    if tree is not None and not row.get("library", "").startswith(tree):
+        raise SystemExit(f"the baseline run imported {row.get('library')}, not the copy in {tree}")
+    return row
 
 
 def main(argv=None) -> int:
@@ -133,6 +142,8 @@ def main(argv=None) -> int:
                         "check, between --layers x Dense(W1) and --layers x Dense(W2)")
     p.add_argument("--slope-cases", default=",".join(SLOPE_CASES),
                    help="comma-separated subset of: " + ", ".join(SLOPE_CASES))
+    p.add_argument("--baseline-rev", default=None, metavar="REV",
+                   help="also run every case on the library as it was at git revision REV, side by side")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -144,8 +155,11 @@ def main(argv=None) -> int:
     if args.worker and args.worker.startswith("slope:"):
         print(json.dumps(slope_worker(args.worker[len("slope:"):], args.workdir)))
         return 0
+    codes = [("working tree", None)]
+    if args.baseline_rev and not args.worker:
+        codes.append((args.baseline_rev, baseline_tree(args.baseline_rev)))
     if args.slope:
-        return slope_main(args)
+        return slope_main(args, codes)
     if args.worker == "make":
         import dense_bridge as db
 
@@ -179,19 +193,20 @@ def main(argv=None) -> int:
                 raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
             if target in NEEDS and NEEDS[target] not in available:
                 continue
-            rows.append(_run_worker(target, src, workdir, args))
+            for code, tree in codes:  # the same case back to back on each code: the same load
+                rows.append({**_run_worker(target, src, workdir, args, tree), "code": code})
         if args.json:
             print(json.dumps({"layers": args.layers, "width": args.width, "dtype": args.dtype,
                               "shard_size": args.shard_size, "checkpoint_bytes": total, "rows": rows}, indent=2))
             return 0
         mb = 1e6
-        header = (f"{'target':<24} {'time s':>7} {'MB/s':>7} {'peak traced MB':>15} {'peak RSS - start MB':>20} "
+        header = (f"{'target':<24} {'code':<14} {'time s':>7} {'MB/s':>7} {'peak traced MB':>15} {'peak RSS - start MB':>20} "
                   f"{'ru_maxrss delta MB':>19} {'output held MB':>15}")
         print(header)
         print("-" * len(header))
         for r in rows:
             exact = "n/a" if r["peak_rss_over_start"] is None else f"{r['peak_rss_over_start'] / mb:.1f}"
-            print(f"{r['target']:<24} {r['seconds']:>7.3f} {r['bytes'] / mb / r['seconds']:>7.0f} "
+            print(f"{r['target']:<24} {r['code'][:14]:<14} {r['seconds']:>7.3f} {r['bytes'] / mb / r['seconds']:>7.0f} "
                   f"{r['peak_traced'] / mb:>15.1f} {exact:>20} {r['maxrss_delta'] / mb:>19.1f} "
                   f"{r['held_output'] / mb:>15.1f}")
         largest = args.width * args.width * {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[args.dtype]
@@ -220,9 +235,9 @@ SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
 def slope_make(workdir: str, layers: int, width: int) -> int:
     """The same model as canonical, torch .pt and Keras .weights.h5 files in ``workdir``; its bytes."""
     import dense_bridge as db
-    from dense_bridge.checkpoints import _flows as checkpoint
     from dense_bridge._registry import available_backends
 
+    checkpoint = checkpoint_module()
     spec = db.Sequential([db.Dense(width, in_features=width, kernel_init="normal") for _ in range(layers)])
     src = os.path.join(workdir, "c.safetensors")
     db.save(db.compile(spec, "numpy", seed=0), src)
@@ -238,12 +253,12 @@ def slope_worker(case: str, workdir: str) -> dict:
     import gc
     import io
 
-    from dense_bridge.cli import _main as cli
+    from dense_bridge import cli
     from dense_bridge._registry import get_adapter
 
     src, job, needs, _ = SLOPE_CASES[case]
     if "keras" in needs:
-        cli.import_quietly(["keras"])
+        import_quietly(["keras"])
     for fw in needs:
         get_adapter(fw)
     warm = os.path.join(workdir, "warm")
@@ -274,7 +289,7 @@ def slope_worker(case: str, workdir: str) -> dict:
     return {"case": case, "seconds": time.perf_counter() - t, "peak_over_start": status_bytes("VmHWM") - rss0}
 
 
-def slope_main(args) -> int:
+def slope_main(args, codes) -> int:
     """Peak-RSS growth per checkpoint byte between two sizes of the same model (imports cancel)."""
     from dense_bridge._registry import available_backends
 
@@ -293,18 +308,18 @@ def slope_main(args) -> int:
             if made.returncode:
                 raise SystemExit(made.stderr)
             sizes.append((d, int(made.stdout.split()[-1])))
-        for case, (_, _, needs, target) in SLOPE_CASES.items():
+        for (case, (_, _, needs, target)), (code, tree) in [(c, k) for c in SLOPE_CASES.items() for k in codes]:
             if case not in [c.strip() for c in args.slope_cases.split(",")] or not set(needs) <= available:
                 continue
             peaks = []
             for d, nbytes in sizes:
                 run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "slope:" + case,
-                                      "--workdir", d], capture_output=True, text=True)
+                                      "--workdir", d], capture_output=True, text=True, env=baseline_env(tree))
                 if run.returncode:
                     raise SystemExit(f"{case} failed:\n{run.stderr[-3000:]}")
                 peaks.append((nbytes, json.loads(run.stdout.strip().splitlines()[-1])))
             (b0, r0), (b1, r1) = peaks[0], peaks[-1]
-            rows[case] = {"bytes": [b0, b1], "peak_over_start": [r0["peak_over_start"], r1["peak_over_start"]],
+            rows[case if len(codes) == 1 else f"{case} [{code[:12]}]"] = {"bytes": [b0, b1], "peak_over_start": [r0["peak_over_start"], r1["peak_over_start"]],
                           "seconds": [r0["seconds"], r1["seconds"]],
                           "slope": (r1["peak_over_start"] - r0["peak_over_start"]) / (b1 - b0), "target": target}
     finally:
@@ -313,11 +328,11 @@ def slope_main(args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     mb = 1e6
-    header = f"{'case':<26} {'sizes MB':>15} {'peak RSS - start MB':>22} {'time s':>13} {'slope':>6} {'target':>7}"
+    header = f"{'case':<41} {'sizes MB':>15} {'peak RSS - start MB':>22} {'time s':>13} {'slope':>6} {'target':>7}"
     print(header)
     print("-" * len(header))
     for case, r in rows.items():
-        print(f"{case:<26} {r['bytes'][0] / mb:>7.1f},{r['bytes'][1] / mb:>7.1f} "
+        print(f"{case:<41} {r['bytes'][0] / mb:>7.1f},{r['bytes'][1] / mb:>7.1f} "
               f"{r['peak_over_start'][0] / mb:>10.1f},{r['peak_over_start'][1] / mb:>11.1f} "
               f"{r['seconds'][0]:>6.2f},{r['seconds'][1]:>6.2f} {r['slope']:>6.2f} {'<= ' + str(r['target']):>7}")
     print(f"({args.layers} x Dense(w x w) float32 for w in {widths}; slope = growth of (peak RSS - start) per "

@@ -15,11 +15,18 @@ source and output bytes measured in the same round, and convert / limit (target 
 
 Run:  python benchmarks/bench_large_files.py [--gib 2] [--repeats 3] [--dir /tmp]
 Writes benchmarks/results/large_files.md (--out).
+
+Before and after: ``--baseline-rev REV`` also times every conversion on the library as it was at
+git revision ``REV`` (``_baseline.py``) and, the same way, on the working tree, in the same
+rounds, caches dropped the same way: each in a fresh process that imports its copy and every
+adapter first and then times ``convert_file`` alone.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import shutil
 import statistics
 import sys
@@ -30,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _baseline import baseline_env, baseline_tree, checkpoint_module, import_quietly  # noqa: E402
 from _timing import table  # noqa: E402
 
 PIECE = 16 << 20
@@ -125,6 +134,35 @@ def make_source(root: str, gib: float, shard: str) -> tuple[object, int]:
     return spec, sum(a.nbytes for a in params.values())
 
 
+def convert_worker(job: str) -> float:
+    """One ``convert_file`` in this process (on whichever tree ``PYTHONPATH`` gives); its seconds."""
+    args = json.loads(job)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != repo]  # PYTHONPATH's copy, not this tree
+    import_quietly()
+    from dense_bridge._registry import available_backends, get_adapter
+
+    for backend in available_backends():  # imports are not what is measured
+        get_adapter(backend)
+    checkpoint = checkpoint_module()
+    start = time.perf_counter()
+    checkpoint.convert_file(args["src"], args["to"], args["out"], **args["kwargs"])
+    return time.perf_counter() - start
+
+
+def convert_on(tree: str | None, src: str, to: str, out: str, kwargs: dict) -> float:
+    """Seconds of ``convert_file`` on the baseline ``tree`` (None: the working tree), in a fresh process."""
+    job = json.dumps({"src": src, "to": to, "out": out, "kwargs": kwargs})
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--convert-worker", job], capture_output=True,
+                         text=True, env={**baseline_env(tree), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    if run.returncode:
+        raise SystemExit(f"baseline conversion {src} -> {to} failed:\n{run.stderr[-3000:]}")
+    library, seconds = run.stdout.strip().splitlines()[-1].split()
+    if tree is not None and not library.startswith(tree):
+        raise SystemExit(f"the baseline run imported {library}, not the copy in {tree}")
+    return float(seconds)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size (8192-wide float32 Dense layers)")
@@ -132,11 +170,18 @@ def main(argv=None) -> int:
     parser.add_argument("--shard-size", default="512MB")
     parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "large_files.md"))
+    parser.add_argument("--baseline-rev", default=None, metavar="REV",
+                        help="also time each conversion on the library as it was at git revision REV")
+    parser.add_argument("--convert-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from dense_bridge.checkpoints import _flows as checkpoint
+    if args.convert_worker:
+        seconds = convert_worker(args.convert_worker)  # imports the library: nothing before it may
+        print(os.path.dirname(sys.modules["dense_bridge"].__file__), seconds)
+        return 0
     from dense_bridge._registry import available_backends
-    from dense_bridge.cli._main import import_quietly
 
+    checkpoint = checkpoint_module()
+    tree = baseline_tree(args.baseline_rev) if args.baseline_rev else None
     import_quietly()
     root = tempfile.mkdtemp(prefix="bench-large-", dir=args.dir)
     load_before = os.getloadavg()
@@ -149,14 +194,15 @@ def main(argv=None) -> int:
         # the native files once, so the way back has sources
         for _, src, to, out in [d for d in directions if d[1] == INDEX]:
             checkpoint.convert_file(os.path.join(root, src), to, os.path.join(root, out))
-        samples: dict[str, dict[str, list[float]]] = {d[0]: {"convert": [], "limit": []} for d in directions}
+        samples: dict[str, dict[str, list[float]]] = {d[0]: {"convert": [], "limit": [], "baseline": [],
+                                                            "working tree": []} for d in directions}
         how = ""
         for _ in range(args.repeats):
             for label, src, to, out in directions:
                 src_path, out_path = os.path.join(root, src), os.path.join(root, out)
                 sources = files_of(src_path)
                 kwargs = {"max_shard_size": args.shard_size} if to == "canonical" else {}
-                extra = {} if src.startswith("canonical") else {"spec": spec}  # native files carry no spec
+                extra = {} if src.startswith("canonical") else {"spec": spec.to_config()}  # native files carry none
                 # convert first (its output size is the limit's), then the limit, caches dropped before each
                 how = drop_caches(sources)
                 start = time.perf_counter()
@@ -167,16 +213,27 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 copy_limit(sources, os.path.dirname(out_path), out_bytes)
                 samples[label]["limit"].append(time.perf_counter() - start)
+                if tree is not None:  # the working tree and REV in the same kind of fresh process
+                    for code, where in (("working tree", None), ("baseline", tree)):
+                        how = drop_caches(sources)
+                        samples[label][code].append(convert_on(where, src_path, to, out_path, {**kwargs, **extra}))
                 print(label, samples[label], file=sys.stderr, flush=True)
         rows = []
         for label, _, _, _ in directions:
             c, lim = statistics.median(samples[label]["convert"]), statistics.median(samples[label]["limit"])
             rows.append([label, f"{c:.2f}", f"{nbytes / c / 1e9:.2f}", f"{lim:.2f}", f"{nbytes / lim / 1e9:.2f}",
                          f"**{lim / c:.2f}**"])
+            if tree is not None:
+                w, b = statistics.median(samples[label]["working tree"]), statistics.median(samples[label]["baseline"])
+                rows[-1] += [f"{w:.2f}", f"{b:.2f}", f"{b / w:.2f}"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()
-    text = table(rows, ["direction", "convert s", "convert GB/s", "limit s", "limit GB/s", "convert / limit (>= 0.7)"])
+    header = ["direction", "convert s", "convert GB/s", "limit s", "limit GB/s", "convert / limit (>= 0.7)"]
+    if tree is not None:
+        header += ["working tree s (fresh process)", f"{args.baseline_rev} s (fresh process)",
+                   f"{args.baseline_rev} / working tree"]
+    text = table(rows, header)
     print(text)
     command = "python benchmarks/bench_large_files.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = ["# Large checkpoint files: conversion vs read + write + fsync + rename", "",

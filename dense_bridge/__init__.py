@@ -33,9 +33,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "save": (".checkpoints", "save"), "load": (".checkpoints", "load"),
     "register_backend": ("._registry", "register_backend"),
     "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
-    "load_adapter": ("._adapter_files", "load_adapter"), "save_adapter": ("._adapter_files", "save_adapter"),
-    "convert_adapter": ("._adapter_files", "convert_adapter"),
-    "ADAPTER_DIRECTORY_FORMATS": ("._adapter_files", "DIRECTORY_FORMATS"),
+    "load_adapter": (".checkpoints._adapter_files", "load_adapter"), "save_adapter": (".checkpoints._adapter_files", "save_adapter"),
+    "convert_adapter": (".checkpoints._adapter_files", "convert_adapter"),
+    "ADAPTER_DIRECTORY_FORMATS": (".checkpoints._adapter_files", "DIRECTORY_FORMATS"),
 }
 
 __all__ = [

@@ -84,30 +84,31 @@ its error when the adapter lacks it):
   what the core sniffed ("torch-zip", "torch-legacy", "h5", "keras-model", "npz", "safetensors",
   "safetensors-index"); ``files`` are the safetensors files the core already opened
   (``dense_bridge.checkpoints._safetensors.SafetensorsFile``), else None (``_files.py``): read from those, never reopened by path.
-- ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (a model
-  of this framework the core built for the file's spec through ``_api.build``, or the user's
-  ``like``; None for files that carry their own model, ``.keras``) holding the file's tensors.
+- ``read_file(path, container, template, *, files=None, check) -> native``: ``template`` (the
+  user's ``like``, or, where the adapter offers no ``file_views`` for the file, a model of this
+  framework the core built for the file's spec through ``_api.build``; None for files that
+  carry their own model, ``.keras``) holding the file's tensors.
   ``check(got, expected)`` (both ``{name: (shape, dtype)}``) raises a CheckpointError listing
   every difference; the adapter calls it before loading. Every failure is a CheckpointError
   naming ``path``.
-- ``file_views(path, container, twin, spec, *, files=None, check) -> Mapping | None`` (optional):
-  the file's canonical parameters (a ``_checkpoint_native.FileViews``: {canonical name: array},
-  each read when first asked for)
-  without building a model of the file's framework, for a conversion to ANOTHER framework that
-  copies one layer at a time (memory near one copy). ``twin`` is the spec's structure
-  twin (``_checkpoint_native.structure_twin``: every width 1) compiled on this framework, from
-  which the adapter learns the names its framework saves; ``check`` as for ``read_file``.
-  None where the adapter cannot serve this file so: the core falls back to ``read_file``.
-  Keras offers it for ``.weights.h5`` (torch zip files are mapped by ``read_file(borrow=True)``).
-- ``file_layout(twin, spec, path, kind, *, temp, metadata=None) -> FileLayout | None`` (optional):
+- ``file_views(path, container, spec, *, files=None, check) -> Mapping | None`` (optional):
+  the file's canonical parameters (a ``checkpoints._native.FileViews``: {canonical name: array},
+  each read when first asked for) without building a model of the file's framework: a load
+  onto that framework builds its model from them layer by layer (``ParamSource(stream=)``, as
+  from a canonical file), a conversion to another framework copies one layer at a time. The
+  adapter knows the names its framework gives the model it compiles for ``spec``; ``check``
+  as for ``read_file``. None where the adapter cannot serve this file so: the core falls back
+  to ``read_file``. torch (zip, legacy pickle, safetensors), MLX (safetensors, ``.npz``) and
+  Keras (``.weights.h5``) offer it.
+- ``file_layout(spec, path, kind, *, temp, metadata=None) -> FileLayout | None`` (optional):
   the skeleton of a ``kind`` file (final name ``path``, for messages) for ``spec`` written into ``temp`` with the framework's own writer,
   every tensor's bytes left to fill, and where each canonical tensor goes
   (``_native_stream.FileLayout``: offset, axes as ``file_views``', an optional ``finish`` given
   the CRC-32s). The core fills the bytes straight from the source file's mapped views, so a
   file-to-file conversion builds no model (large files near the disk's speed).
-  ``twin`` as for ``file_views``. None where the adapter cannot lay out this kind.
+  None where the adapter cannot lay out this kind.
 - ``write_file(model, path, kind, *, temp, metadata=None)``: write ``model`` in this framework's
-  format ``kind`` (from ``_checkpoint_native.output_kind``: "torch-pickle", "safetensors", "npz",
+  format ``kind`` (from ``checkpoints._native.output_kind``: "torch-pickle", "safetensors", "npz",
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
   ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
 

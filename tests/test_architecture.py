@@ -182,7 +182,7 @@ def _forbidden_words() -> re.Pattern:
 FRAMEWORK_NAME_ALLOWLIST: dict[tuple[str, str], str] = {
     **{("_registry.py", name): "the registry's one line per built-in backend" for name in
        ("torch", "keras", "mlx", "flax", "equinox", "onnx")},
-    **{("_adapter_files.py", name): "API.md's LoRA adapter format names, spelled once" for name in
+    **{("checkpoints/_adapter_files.py", name): "API.md's LoRA adapter format names, spelled once" for name in
        ("mlx-lm", "keras-hub")},
 }
 

@@ -16,16 +16,11 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import open_readonly
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("eqx",)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 #: np.save writes version 1.0 (2.0 for headers over 64 KiB); numpy's readers for each
@@ -64,9 +59,9 @@ def _records(path: str) -> Entries:
                 f.seek(nbytes, 1)
                 out[f"leaf.{len(out)}"] = (tuple(int(d) for d in shape), dtype.name)
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path} as an Equinox file: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as an Equinox file: {first_line(exc)}") from None
     except (ValueError, EOFError, SyntaxError, TypeError) as exc:
-        raise CheckpointError(f"{bad}: {_first_line(exc)}") from None
+        raise CheckpointError(f"{bad}: {first_line(exc)}") from None
     return out
 
 
@@ -89,7 +84,7 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
     try:
         return eqx.tree_deserialise_leaves(path, template)
     except Exception as exc:  # noqa: BLE001 - equinox raises RuntimeError/ValueError for bad files
-        raise CheckpointError(f"cannot load {path} into the Equinox model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the Equinox model: {first_line(exc)}") from None
 
 
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:

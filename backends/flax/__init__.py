@@ -24,7 +24,7 @@ from flax import nnx
 
 from ._arrays import from_numpy, to_numpy
 from ._capture import capture
-from ._files import file_info, read_file, write_file
+from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_folds_scale, lora_heads, read_lora,  # noqa: E402
@@ -37,7 +37,7 @@ from ._trace import run_layer, trace
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "lora_folds_scale", "attach_lora", "detach_lora",
            "DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer",
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed"]
 

@@ -3,12 +3,12 @@
 - ``"msgpack"``: ``flax.serialization.msgpack_serialize`` of ``nnx.to_pure_dict(nnx.state(model))``
   (every variable, the Mask included, under Flax's own nested names: "layers" -> 0 -> "kernel").
   Read back with ``msgpack_restore`` and ``nnx.replace_by_pure_dict`` into the template's state.
-- ``"orbax"``: an Orbax checkpoint directory (``orbax.checkpoint.StandardCheckpointer``) of the
-  same state; Orbax is imported only for this format (it pulls in tensorstore).
 
 Names in ``file_info`` are Flax's dotted paths ("layers.0.kernel"), shapes Flax's own (kernel
-(in, out), the canonical layout). Neither format has a slot for string metadata: ``metadata`` is
-not written, and a spec must come from the caller (``spec=``/``like=``).
+(in, out), the canonical layout). The format has no slot for string metadata: ``metadata`` is
+not written, and a spec must come from the caller (``spec=``/``like=``). Orbax checkpoint
+directories are not read: no format the manifest declares reaches them, and Orbax would pull
+tensorstore into the ``flax`` extra.
 """
 from __future__ import annotations
 
@@ -18,16 +18,13 @@ from typing import Callable, Mapping
 import numpy as np
 from flax import nnx, serialization
 
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
+from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge.checkpoints._safetensors import open_readonly
+from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 Entries = dict  # name -> (native shape, dtype name)
-KINDS = ("msgpack", "orbax")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+KINDS = ("msgpack",)
 
 
 #: Deepest nesting of a state tree (an NNX state of nested modules is a few levels deep).
@@ -55,7 +52,7 @@ def _flat(tree, path: str = "") -> dict[str, np.ndarray]:
             try:
                 out[name] = np.asarray(v)
             except Exception as exc:  # noqa: BLE001 - a value numpy cannot hold as an array
-                raise CheckpointError(f"{path}: entry {name!r} is not an array ({_first_line(exc)})") from None
+                raise CheckpointError(f"{path}: entry {name!r} is not an array ({first_line(exc)})") from None
             if out[name].dtype.kind not in "fiub" and out[name].dtype.name != "bfloat16":
                 raise CheckpointError(f"{path}: entry {name!r} holds {out[name].dtype}, not numbers")
     prefixes = {n.rsplit(".", 1)[0] for n in out if "." in n}
@@ -70,24 +67,20 @@ def _entries(tree, path: str = "") -> Entries:
 
 def _read_tree(path: str, container: str):
     try:
-        if container == "orbax" or os.path.isdir(path):
-            import orbax.checkpoint as ocp
-
-            return ocp.StandardCheckpointer().restore(os.path.abspath(path))
         fd = open_readonly(path)  # a FIFO or a device is refused, never waited on
         with os.fdopen(fd, "rb") as f:
             return serialization.msgpack_restore(f.read())
     except CheckpointError:
         raise
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {_first_line(exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - msgpack/orbax raise many types for damaged files
-        raise CheckpointError(f"cannot read {path} as a Flax checkpoint (msgpack or Orbax): {type(exc).__name__}: "
-                              f"{_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as a Flax checkpoint: {first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types for damaged files
+        raise CheckpointError(f"cannot read {path} as a Flax msgpack checkpoint: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
 
 
 def file_info(path: str, container: str, *, files=None) -> tuple[Entries, dict[str, str]]:
-    """(Flax dotted name -> (shape, dtype name), {}) of a msgpack file or an Orbax directory."""
+    """(Flax dotted name -> (shape, dtype name), {}) of a msgpack file."""
     tree = _read_tree(path, container)
     if not isinstance(tree, Mapping):
         raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
@@ -108,8 +101,53 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
         nnx.replace_by_pure_dict(state, tree)
         nnx.update(template, state)
     except Exception as exc:  # noqa: BLE001 - structure errors from flax
-        raise CheckpointError(f"cannot load {path} into the Flax model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the Flax model: {first_line(exc)}") from None
     return template
+
+
+def file_views(path: str, container: str, spec, *, files=None, check: Callable[[Entries, Entries], None]):
+    """Canonical views of a msgpack file for ``spec``, no Flax model built (a load onto Flax builds
+    its model from them layer by layer, as from a canonical file).
+
+    Names are those of the model :func:`compile` builds (:func:`_plan`); ``check(got, expected)``
+    compares the file's names, shapes and dtypes with them first. None for a spec holding a
+    layer those rules do not describe.
+    """
+    plan = _plan(spec)
+    expected = planned_file_tensors(plan, spec)
+    if expected is None:
+        return None
+    tree = _read_tree(path, container)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(tree).__name__}, not a Flax state")
+    flat = _flat(tree, path)
+    check({n: (tuple(a.shape), a.dtype.name) for n, a in flat.items()}, expected)
+    return FileViews(plan, flat.__getitem__)
+
+
+def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (Flax dotted name, axes) of the model :func:`compile` builds for ``spec``;
+    None for a layer these rules do not describe.
+
+    A Sequential is an ``nnx.Sequential``: position ``i``'s variables are ``"layers.<i>.kernel"``,
+    ``.bias``, ``.mask`` (a lone layer: no prefix); activations, Identity and Flatten hold none.
+    Flax's layouts are the canonical ones (kernel (in, units), a Bilinear kernel (units, in1,
+    in2)): every ``axes`` is the identity.
+    """
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        where = f"layers.{prefix}" if prefix else ""
+        if isinstance(layer, (Dense, Bilinear)):
+            plan[prefix + "kernel"] = (where + "kernel", (0, 1) if isinstance(layer, Dense) else (0, 1, 2))
+            if layer.use_bias:
+                plan[prefix + "bias"] = (where + "bias", (0,))
+            if isinstance(layer, Dense) and layer.mask is not None:
+                plan[prefix + "mask"] = (where + "mask", (0, 1))
+        elif layer_param_shapes(layer):
+            return None
+    return plan
 
 
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:
@@ -118,12 +156,5 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
     if kind == "msgpack":
         with open(temp, "wb") as f:
             f.write(serialization.msgpack_serialize(pure))
-    elif kind == "orbax":
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.abspath(temp), pure)
-            ckptr.wait_until_finished()
     else:
-        raise CheckpointError(f"cannot write {path}: Flax writes msgpack (.msgpack) or an Orbax checkpoint "
-                              f"directory, not {kind!r}")
+        raise CheckpointError(f"cannot write {path}: Flax writes msgpack (.msgpack), not {kind!r}")

@@ -27,7 +27,7 @@ import numpy as np
 
 from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError, DenseBridgeError
+from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
 from dense_bridge._memory import available_memory
 from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
 
@@ -36,11 +36,6 @@ from ._to_spec import layers_of
 
 Entries = dict  # name -> (native shape, dtype name)
 SPEC_ATTR = "dense_bridge_spec"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _h5_structure(path: str) -> Entries:
@@ -74,7 +69,7 @@ def _h5_structure(path: str) -> Entries:
             if not linked:
                 f.visititems(visit)
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
-        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if linked:
         raise CheckpointError(f"{path}: links {linked[:5]} point elsewhere (HDF5 external or soft links, which "
@@ -120,7 +115,7 @@ def _h5_spec_attr(path: str) -> str | None:
         with h5py.File(path, "r") as f:
             raw = f.attrs.get(SPEC_ATTR)
     except Exception as exc:  # noqa: BLE001 - see _h5_structure
-        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({_first_line(exc)}; truncated or "
+        raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if raw is None:
         return None
@@ -243,7 +238,7 @@ def _check_archive(path: str) -> None:
         with zipfile.ZipFile(path) as z:
             members = z.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)}") from None
     for info in members:
         if info.file_size > _ZIP_EXPANSION_FLOOR and info.file_size > _ZIP_MAX_EXPANSION * max(info.compress_size, 1):
             raise CheckpointError(f"{path}: archive member {info.filename!r} claims {info.file_size:,} bytes from "
@@ -261,7 +256,7 @@ def _load_model(path: str):
         try:
             return keras.saving.load_model(named)
         except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
-            raise CheckpointError(f"cannot read {path} as a Keras model: {_first_line(exc)} (custom layers must "
+            raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)} (custom layers must "
                                   "be registered with keras.saving.register_keras_serializable)") from None
 
 
@@ -311,21 +306,20 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
                     warnings.simplefilter("error")  # keras only warns when some weights did not load
                     template.load_weights(named)
             except Exception as exc:  # noqa: BLE001 - keras raises ValueError/KeyError/UserWarning
-                raise CheckpointError(f"cannot load {path} into the Keras model: {_first_line(exc)}") from None
+                raise CheckpointError(f"cannot load {path} into the Keras model: {first_line(exc)}") from None
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return template
 
 
 # ------------------------------------------------------------------ streaming a weights file
-def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] | None = None,
                check: Callable[[Entries, Entries], None]) -> Mapping[str, np.ndarray] | None:
     """The canonical parameters of a ``.weights.h5`` read straight from the file, no Keras model
     built: what a conversion to another framework needs, which copies each layer once.
 
-    ``twin``: ``spec``'s structure twin compiled on Keras (every width 1: the same layer classes,
-    hence the same saved names, for a few bytes). Keras' own ``save_weights`` of the twin gives
-    the dataset paths the file must have; each variable's canonical name comes from its layer's
+    Keras' own ``save_weights`` of :func:`_twin` (the layer classes :func:`compile` builds for
+    ``spec``, every width 1) gives the dataset paths the file must have; each variable's canonical name comes from its layer's
     own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
     shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
     difference in one CheckpointError) before anything is read. Returns canonical name ->
@@ -333,7 +327,8 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
     caller then loads a full template with :func:`read_file`.
     """
-    if container != "h5" or not isinstance(twin, keras.Model):
+    twin = _twin(spec) if container == "h5" else None
+    if twin is None:
         return None
     from ._quant_files import quant_file_layers
     if quant_file_layers(_h5_structure(path), path):
@@ -362,6 +357,24 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
     check(got, expected)
     reader = _DatasetReader(path, {source_of[p]: expected[p] for p in roles})
     return FileViews({roles[p]: (source_of[p], tuple(range(len(expected[p][0])))) for p in roles}, reader.read)
+
+
+def _twin(spec):
+    """The Keras model :func:`compile` builds for ``spec`` with every width 1
+    (``structure_twin``), or None where that is no Sequential model. Keras names a weights file's
+    groups after its layers' classes and counts, and writes them (attributes included) only
+    through ``save_weights`` of a model of those classes: width 1 makes that model a few bytes."""
+    from dense_bridge._params import ParamSource
+    from dense_bridge.checkpoints._native import structure_twin
+
+    from ._layers import compile
+
+    small = structure_twin(spec)
+    try:
+        twin = compile(small, ParamSource(small, seed=0))
+    except DenseBridgeError:
+        return None
+    return twin if isinstance(twin, keras.Model) else None
 
 
 def _roles(twin) -> dict[str, str] | None:
@@ -416,7 +429,7 @@ class _DatasetReader:
                 except (DenseBridgeError, MemoryError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError
-                    raise CheckpointError(f"cannot read {dataset_path} from {self.path}: {_first_line(exc)}") \
+                    raise CheckpointError(f"cannot read {dataset_path} from {self.path}: {first_line(exc)}") \
                         from None
         finally:
             os.close(fd)
@@ -466,12 +479,12 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
         raise CheckpointError(f"cannot write {path}: Keras writes .weights.h5 or .keras, not {kind!r}")
 
 
-def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+def file_layout(spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
     """A ``.weights.h5`` for ``spec`` laid out in ``temp`` with every dataset's bytes left to fill,
     and where each canonical tensor goes (``_native_stream.FileLayout``; Keras' layout is the
     canonical one, so every ``axes`` is the identity).
 
-    Keras' own ``save_weights`` of the structure twin writes the file (groups, attributes, dataset
+    Keras' own ``save_weights`` of :func:`_twin` writes the file (groups, attributes, dataset
     names: what ``load_weights`` expects); each variable's dataset is then replaced by one of the
     full shape with the twin's HDF5 type and attributes, contiguous, its storage allocated at
     creation and never filled (a sparse region), and its offset read from HDF5. None for
@@ -479,7 +492,8 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     """
     from dense_bridge.checkpoints._native_stream import FileLayout
 
-    if kind != "keras-weights" or not isinstance(twin, keras.Model):
+    twin = _twin(spec) if kind == "keras-weights" else None
+    if twin is None:
         return None
     roles = _roles(twin)
     if roles is None:

@@ -4,8 +4,9 @@
 Safetensors files are opened and parsed by the core (``dense_bridge.checkpoints._safetensors``), not by
 ``mx.load(path)``: the files stay the ones the core opened (a concurrent save may have replaced
 the path since), and F64 tensors that other tools write read too. The native layout (Linear
-``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: the file is loaded into an MLX
-model built for the spec with ``load_weights(strict=True)``.
+``weight`` (out, in), Bilinear (out, in2, in1)) is MLX's own: ``file_views`` serves the file as
+canonical views named by the rules of the model :func:`compile` builds (the core builds the
+model from them), ``read_file`` loads it into a given model with ``load_weights(strict=True)``.
 
 MLX neither writes nor reads F64 safetensors (``mx.load``: "unsupported dtype F64"), so an MLX
 ``.safetensors`` holding float64 is refused before anything is written: ``.npz`` holds it.
@@ -15,26 +16,19 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
 from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 from ._arrays import dtype_name, to_numpy
-from ._layers import is_dense
-from ._params import positions
 
 Entries = dict  # name -> (native shape, dtype name)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _dtype_name(dtype) -> str:
@@ -61,7 +55,7 @@ def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array
     try:
         return dict(mx.load(path))
     except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
-        raise CheckpointError(f"cannot read {path} as MLX weights: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {path} as MLX weights: {first_line(exc)}") from None
 
 
 def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None = None
@@ -75,53 +69,60 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
     return {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in _state(path, None).items()}, {}
 
 
-def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] | None = None,
                check: Callable[[Entries, Entries], None]):
-    """Canonical views of an MLX ``.safetensors`` straight from the mapped file, no MLX model
-    built (a conversion to another framework copies each layer once; see dense_bridge/_adapter.py).
+    """Canonical views of an MLX file for ``spec``, with no MLX model built: a ``.safetensors``
+    straight from the core's mapped files, an ``.npz`` from ``mx.load`` (its headers checked
+    first). A load onto MLX builds its model from these, layer by layer, as from a canonical
+    file; a conversion to another framework copies each layer once (see dense_bridge/_adapter.py).
 
-    Names and layouts come from ``twin`` (the spec's width-1 structure twin compiled on MLX):
-    each Dense ``weight`` (out, in) is the canonical kernel transposed (a view), its ``mask``
-    likewise, a Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
-    None for ``.npz`` files (read by MLX itself) or a twin whose names differ from these rules.
+    Names are those of the model :func:`compile` builds (:func:`_plan`); ``check(got, expected)``
+    compares the file's names, shapes and dtypes with them first. None for a spec holding a
+    layer those rules do not describe.
     """
-    if not files:
-        return None
-    from ._quant_files import quant_file_layers
-    if quant_file_layers({n: i for f in files for n, i in f.tensors.items()}, path):
-        return None  # quantized layers: MLX's own loader reads the file into a quantized template
-    plan = _plan(twin)
+    plan = _plan(spec)
     expected = planned_file_tensors(plan, spec)
     if expected is None:
         return None
-    got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
+    from ._quant_files import quant_file_layers
+
+    if files:
+        got = {n: (i.shape, canonical_dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()}
+        if quant_file_layers(got, path):
+            return None  # quantized layers: MLX's own loader reads the file into a quantized template
+        check(got, expected)
+        where = {n: f for f in files for n in f.tensors}
+        return FileViews(plan, lambda name: where[name].get(name))
+    state = _state(path, None)
+    got = {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}
+    if quant_file_layers(got, path):
+        return None  # quantized layers: MLX's own loader reads the file into a quantized template
     check(got, expected)
-    where = {n: f for f in files for n in f.tensors}
-    return FileViews(plan, lambda name: where[name].get(name))
+    return FileViews(plan, lambda name: to_numpy(state[name]))
 
 
-def _plan(twin) -> dict[str, tuple[str, tuple[int, ...]]] | None:
-    """canonical name -> (MLX parameter name, axes: canonical = native.transpose(axes)) for the
-    structure twin; None where the twin holds a parameter these rules do not describe.
+def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (MLX parameter name, axes: canonical = native.transpose(axes)) of the model
+    :func:`compile` builds for ``spec``; None for a layer these rules do not describe.
 
-    Each Dense ``weight`` (out, in) is the canonical kernel transposed, its ``mask`` likewise, a
-    Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
+    A Sequential keeps its layers in ``layers``: position ``i``'s arrays are
+    ``"layers.<i>.weight"``, ``.bias``, ``.mask`` (a lone layer: no prefix); activations, Identity
+    and Flatten hold none. Each Dense ``weight`` (out, in) is the canonical kernel transposed, its
+    ``mask`` likewise, a Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
     """
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for prefix, m in positions(twin):
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
         where = f"layers.{prefix}" if prefix else ""
-        if is_dense(m):
-            plan[prefix + "kernel"] = (where + "weight", (1, 0))
-            if "bias" in m:
+        if isinstance(layer, (Dense, Bilinear)):
+            plan[prefix + "kernel"] = (where + "weight", (1, 0) if isinstance(layer, Dense) else (0, 2, 1))
+            if layer.use_bias:
                 plan[prefix + "bias"] = (where + "bias", (0,))
-            if "mask" in m:
+            if isinstance(layer, Dense) and layer.mask is not None:
                 plan[prefix + "mask"] = (where + "mask", (1, 0))
-        elif type(m) is nn.Bilinear:
-            plan[prefix + "kernel"] = (where + "weight", (0, 2, 1))
-            if "bias" in m:
-                plan[prefix + "bias"] = (where + "bias", (0,))
-    if {name for name, _ in plan.values()} != {k for k, _ in tree_flatten(twin.parameters())}:
-        return None  # a module these rules do not describe: MLX's own loader decides
+        elif layer_param_shapes(layer):
+            return None
     return plan
 
 
@@ -138,7 +139,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     try:
         template.load_weights(list(state.items()), strict=True)
     except (ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot load {path} into the MLX model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the MLX model: {first_line(exc)}") from None
     mx.eval(template.parameters())
     return template
 
@@ -209,18 +210,18 @@ def _savez_closed(temp: str, arrays: dict) -> None:
         raise lost[0].with_traceback(None)
 
 
-def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
-    """The header of an MLX ``.safetensors`` for ``spec`` written into ``temp`` (MLX's names from
-    the structure twin, its layouts, "format" = "mlx" and ``metadata``), and where each canonical
+def file_layout(spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+    """The header of an MLX ``.safetensors`` for ``spec`` written into ``temp`` (MLX's names and
+    layouts from :func:`_plan`, "format" = "mlx" and ``metadata``), and where each canonical
     tensor's bytes go (``_native_stream.FileLayout``); float64 refused as :func:`write_file`
-    refuses it. None for ``.npz`` (``mx.savez`` writes it) and for twins the rules do not cover.
+    refuses it. None for ``.npz`` (``mx.savez`` writes it) and for specs the rules do not cover.
     """
     from dense_bridge.checkpoints._native_stream import FileLayout
     from dense_bridge.checkpoints._safetensors import write_header
 
     if kind != "safetensors":
         return None
-    plan = _plan(twin)
+    plan = _plan(spec)
     tensors = planned_file_tensors(plan, spec)
     if tensors is None:
         return None

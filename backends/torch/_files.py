@@ -2,9 +2,10 @@
 torch-layout ``.safetensors``; the ``file_info``/``read_file``/``write_file`` verbs.
 
 The core sniffs the container and opens safetensors files itself (``dense_bridge.checkpoints._safetensors``,
-framework-free); this module turns what it reads into torch tensors and loads them into a torch
-model built for the spec, so the native layout (``weight`` (out, in), the mask buffer stored
-like the weight) is torch's own, never guessed from a shape. Pickled files are read with
+framework-free); this module serves what it reads as canonical views named by the rules of the
+model :func:`compile` builds (``file_views``: the core builds the model from them), or loads it
+into a given model (``read_file``), so the native layout (``weight`` (out, in), the mask buffer
+stored like the weight) is torch's own, never guessed from a shape. Pickled files are read with
 ``torch.load(weights_only=True)`` only: no arbitrary Python objects.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import struct
 import warnings
 import zipfile
+from collections import OrderedDict
 from typing import Callable, Mapping
 
 import numpy as np
@@ -21,18 +23,14 @@ import torch
 from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError
+from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
+from dense_bridge.activations import Activation
+from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 from ._arrays import from_numpy, to_numpy
-from ._params import layer_modules
 
 Entries = dict  # name -> (native shape, dtype name)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -49,7 +47,7 @@ def _state(path: str, container: str, files: list[SafetensorsFile] | None) -> di
             warnings.simplefilter("ignore")  # torch's own notes about the legacy format
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=container == "torch-zip")
     except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
-        text = _first_line(exc)
+        text = first_line(exc)
         if "Weights only load failed" in str(exc):
             text = ("it holds pickled Python objects besides tensors, which torch.load(weights_only=True) "
                     "refuses (save model.state_dict() instead of the model)")
@@ -95,25 +93,23 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     try:
         template.load_state_dict(state, strict=True, assign=borrow and container == "torch-zip")
     except (RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot load {path} into the torch model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path} into the torch model: {first_line(exc)}") from None
     return template
 
 
-def file_views(path: str, container: str, twin, spec, *, files: list[SafetensorsFile] | None = None,
+def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] | None = None,
                check: Callable[[Entries, Entries], None]):
-    """Canonical views of a torch zip checkpoint (mapped by ``torch.load(mmap=True)``) or a
-    torch-layout safetensors file (mapped by the core), with no torch model built for the spec:
-    a conversion to another framework copies each layer once (see dense_bridge/_adapter.py).
+    """Canonical views of a torch file for ``spec``, with no torch model built: a zip checkpoint
+    mapped by ``torch.load(mmap=True)``, a torch-layout safetensors file mapped by the core, or a
+    legacy pickle (read whole by ``torch.load``; it cannot be mapped). A load onto torch builds
+    its model from these, layer by layer, as from a canonical file; a conversion to another
+    framework copies each layer once (see dense_bridge/_adapter.py).
 
-    Names come from ``twin`` (the spec's width-1 structure twin compiled on torch): each of its
-    layers' tensors is found in its ``state_dict`` by identity, so the names are torch's own;
-    ``weight`` (out, in) and the ``mask`` buffer stored like it are the canonical kernel and mask
-    transposed (views), a Bilinear ``weight`` (units, in1, in2) is the kernel as it is. None for
-    legacy (non-zip) pickles, which cannot be mapped, and for any module these rules do not cover.
+    Names are those ``torch.nn`` gives the model :func:`compile` builds (:func:`_plan`);
+    ``check(got, expected)`` compares the file's names, shapes and dtypes with them first. None
+    for a spec holding a layer those rules do not describe.
     """
-    if container not in ("torch-zip", "safetensors", "safetensors-index"):
-        return None
-    plan = _plan(twin)
+    plan = _plan(spec)
     expected = planned_file_tensors(plan, spec)
     if expected is None:
         return None
@@ -122,32 +118,32 @@ def file_views(path: str, container: str, twin, spec, *, files: list[Safetensors
         check(got, expected)
         where = {n: f for f in files for n in f.tensors}
         return FileViews(plan, lambda name: where[name].get(name))
-    state = _state(path, container, None)  # mapped, not read
+    state = _state(path, container, None)  # a zip file is mapped, not read
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
     return FileViews(plan, lambda name: to_numpy(state[name]))
 
 
-def _plan(twin) -> dict[str, tuple[str, tuple[int, ...]]] | None:
-    """canonical name -> (the torch state-dict name, axes: canonical = native.permute(axes)), from
-    the structure twin's own ``state_dict`` (found by identity, so the names are torch's); None
-    where the twin holds a tensor these rules do not describe (torch's loader then decides).
+def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (the state-dict name, axes: canonical = native.permute(axes)) of the torch
+    model :func:`compile` builds for ``spec``; None for a layer these rules do not describe.
 
-    ``weight`` (out, in) and the ``mask`` buffer stored like it are the canonical kernel and mask
-    transposed; a Bilinear ``weight`` (units, in1, in2) is the kernel as it is.
+    A Sequential is an ``nn.Sequential``: position ``i``'s tensors are ``"<i>.weight"``,
+    ``"<i>.bias"`` and the ``"<i>.mask"`` buffer (a lone layer: no prefix); activations, Identity
+    and Flatten hold none. ``weight`` (out, in) and the mask stored like it are the canonical
+    kernel and mask transposed; a Bilinear ``weight`` (units, in1, in2) is the kernel as it is.
     """
-    names = {id(t): n for n, t in twin.state_dict(keep_vars=True).items()}
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for prefix, m in layer_modules(twin):
-        kernel_axes = (0, 1, 2) if type(m) is torch.nn.Bilinear else (1, 0)
-        for attr, key, axes in (("weight", "kernel", kernel_axes), ("bias", "bias", (0,)), ("mask", "mask", (1, 0))):
-            tensor = getattr(m, attr, None)
-            if tensor is None:
-                continue
-            if id(tensor) not in names:
-                return None
-            plan[prefix + key] = (names[id(tensor)], axes)
-    if {name for name, _ in plan.values()} != set(names.values()):
-        return None
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        if isinstance(layer, (Dense, Bilinear)):
+            plan[prefix + "kernel"] = (prefix + "weight", (1, 0) if isinstance(layer, Dense) else (0, 1, 2))
+            if layer.use_bias:
+                plan[prefix + "bias"] = (prefix + "bias", (0,))
+            if isinstance(layer, Dense) and layer.mask is not None:
+                plan[prefix + "mask"] = (prefix + "mask", (1, 0))
+        elif layer_param_shapes(layer):
+            return None
     return plan
 
 
@@ -176,25 +172,25 @@ def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str,
         raise CheckpointError(f"cannot write {path}: torch writes .pt/.pth/.bin or .safetensors, not {kind!r}")
 
 
-def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
+def file_layout(spec, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None):
     """The skeleton of a ``.pt`` file for ``spec`` written into ``temp`` by ``torch.save`` itself,
     every storage's bytes left to fill (``torch.serialization.skip_data`` over ``torch.empty``
     tensors, never touched: a sparse file, no resident memory), and where each canonical tensor
     goes (``_native_stream.FileLayout``).
 
-    The state dict is the structure twin's own (``twin.state_dict()``, its ``_metadata`` too) with
-    each tensor replaced by a fake one of the full size, so the file is what ``torch.save(
-    model.state_dict())`` writes for the real model once filled. Storage records are
+    The state dict holds the names :func:`_plan` gives (``nn.Module.state_dict``'s own for the
+    model :func:`compile` builds), each a fake tensor of the full size, so the file is what
+    ``torch.save(model.state_dict())`` writes for the real model once filled. Storage records are
     ``data/0``, ``data/1``... in the state dict's order (torch's pickler numbers storages as it
     meets them); their offsets come from torch's own archive reader, their sizes are checked.
     ``finish`` writes each record's CRC-32 into the zip's two headers. For a torch-layout
-    ``.safetensors`` ("format" = "pt", as :func:`write_file`), the header. None for modules the
-    twin rules do not cover.
+    ``.safetensors`` ("format" = "pt", as :func:`write_file`), the header. None for layers the
+    :func:`_plan` rules do not cover.
     """
     from dense_bridge.checkpoints._native_stream import FileLayout
     from dense_bridge.checkpoints._safetensors import write_header
 
-    plan = _plan(twin)
+    plan = _plan(spec)
     tensors = planned_file_tensors(plan, spec)
     if kind not in ("torch-pickle", "safetensors") or tensors is None:
         return None
@@ -203,8 +199,10 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
         offsets = write_header(temp, native, {"format": "pt", **(metadata or {})})
         return FileLayout({c: (offsets[name], axes) for c, (name, axes) in plan.items()})
     canonical_of = {name: c for c, (name, _) in plan.items()}
-    state = twin.state_dict()
-    for name in state:
+    # in the model's own order (position, then weight, bias, mask): torch numbers storages so
+    state = OrderedDict()
+    state._metadata = _module_versions(spec)  # type: ignore[attr-defined]
+    for name in _state_order(tensors):
         shape, dtype = tensors[name]
         # never written nor read (skip_data), so never touched: address space, not resident memory
         state[name] = torch.empty(shape, dtype=from_numpy(np.zeros(0, numpy_dtype(dtype))).dtype)
@@ -222,6 +220,44 @@ def file_layout(twin, spec, path: str, kind: str, *, temp: str, metadata: Mappin
     places = {c: (reader.get_record_offset(r), plan[c][1]) for c, r in records.items()}
     del reader
     return FileLayout(places, finish=lambda crcs: _write_crcs(temp, {records[c]: v for c, v in crcs.items()}))
+
+
+def _module_versions(spec) -> OrderedDict:
+    """The ``_metadata`` ``state_dict`` attaches to the model :func:`compile` builds: {module path:
+    {"version": its ``_version``}} for the root, each position of a Sequential and each
+    activation module (a Dense's ``activation`` submodule, or a position of its own), in
+    ``named_modules`` order. The Linear, Bilinear, Identity and Flatten modules keep
+    ``nn.Module._version``; activation modules are built (no parameters) and asked."""
+    from ._activations import activation_module
+
+    sequential = isinstance(spec, Sequential)
+    versions = OrderedDict([("", {"version": torch.nn.Module._version})])
+    for i, layer in enumerate(spec.layers if sequential else [spec]):
+        prefix = str(i) if sequential else ""
+        if sequential:
+            versions[prefix] = {"version": torch.nn.Module._version}
+        if isinstance(layer, Dense) and layer.activation.name != "linear":
+            at, act = (prefix + "." if prefix else "") + "activation", activation_module(layer.activation)
+        elif isinstance(layer, Activation):
+            at, act = prefix, activation_module(layer)
+        else:
+            continue
+        for name, module in act.named_modules():
+            path = ".".join(p for p in (at, name) if p)
+            versions[path] = {"version": module._version}
+    return versions
+
+
+def _state_order(tensors: Mapping[str, object]) -> list[str]:
+    """The state-dict names in the order ``nn.Module.state_dict`` lists them: by position, then
+    parameters (weight, bias) before buffers (mask)."""
+    rank = {"weight": 0, "bias": 1, "mask": 2}
+
+    def key(name: str):
+        head, _, last = name.rpartition(".")
+        return (int(head) if head else 0, rank[last])
+
+    return sorted(tensors, key=key)
 
 
 def _write_crcs(path: str, crcs: Mapping[str, int]) -> None:

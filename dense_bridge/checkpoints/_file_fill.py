@@ -73,10 +73,6 @@ class _Piece:
     inline: bool = False  # small: prepared by the writer itself, a hand-over would cost more
 
 
-class _Stop(Exception):
-    """The writing thread gave up: workers stop at their next piece."""
-
-
 def fill(fd: int, slots: list[Slot], *, check_finite: bool = False, checksums: bool = False,
          on_tensor: Callable[[str, int], None] | None = None) -> dict[str, int]:
     """Write every slot's bytes into the open file ``fd`` at its offset (``os.pwrite``).

@@ -39,9 +39,10 @@ Concurrency (several processes saving and loading one path):
 
 Reading maps one tensor at a time, so loading onto a backend or converting a sharded
 checkpoint holds one tensor of the source in memory beyond the output. Writes are atomic
-(``_checkpoint_io.AtomicFiles``). Native formats (torch state dicts, Keras
-``.weights.h5``/``.keras``, MLX ``.safetensors``/``.npz``) are read and written by the adapters' file verbs (``backends/<fw>/_files.py``) through
-``_checkpoint_native``.
+(``_io.AtomicFiles``). Native formats (torch state dicts, Keras ``.weights.h5``/``.keras``, MLX
+``.safetensors``/``.npz``, Flax ``.msgpack``, Equinox ``.eqx``, ONNX) are read and written by the
+adapters' file verbs (``backends/<fw>/_files.py``) through ``_native``; every stream of a file's
+tensors into a model or another file is checked layer by layer by ``_validate``.
 """
 from __future__ import annotations
 
@@ -66,11 +67,12 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecEr
 from .._params import ParamSource, check_masks_match, expected_params, validate_params
 from .._memory import check_load_fits
 from ._native_stream import stream_native
+from ._validate import LayerStream
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite
 from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
                            parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from ..activations import Activation
-from ..specs import Dense, Sequential, Spec, from_config, layer_param_shapes
+from ..specs import Dense, Sequential, Spec, from_config
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "FORMAT", "FORMAT_VERSION"]
 
@@ -238,7 +240,8 @@ def _our_file_meta(path: str) -> dict[str, str] | None:
 
 def _our_shard(path: str, index_name: str, save_id: str) -> bool:
     """A shard written by a dense_bridge save for the index ``index_name`` with ``save_id``
-    (shards saved before ids were recorded in the metadata carry the id in their name only)."""
+    (a shard whose metadata holds no save id, as earlier dense_bridge versions wrote them,
+    carries the id in its name only)."""
     meta = _our_file_meta(path)
     return (meta is not None and meta.get("index") == index_name
             and meta.get("save_id", save_id) == save_id)
@@ -318,7 +321,7 @@ def write_canonical(path: str, tensors: Mapping[str, PendingTensor], meta: Mappi
             tx.sync()
             with directory_lock(directory):
                 tx.commit()
-                # a sharded checkpoint saved earlier under this name would only confuse readers now:
+                # a sharded checkpoint saved earlier under this name would confuse its readers:
                 # its index first, so a reader never finds an index whose shards are gone for good
                 if _our_index(stale_index):
                     _remove_quietly([stale_index])
@@ -434,7 +437,7 @@ class _Changed(Exception):
 def _open_sniffed(path: str) -> tuple[str, int]:
     """(kind, open descriptor) of the file at ``path``, judged by content: "safetensors",
     "index" (a JSON index), or "native" (for the backends' declared formats to recognise:
-    ``_checkpoint_native.identify``). The caller owns the descriptor."""
+    ``_native.identify``). The caller owns the descriptor."""
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory; give a checkpoint file "
                               "(model.safetensors, model.safetensors.index.json, ...)")
@@ -542,6 +545,11 @@ class CanonicalCheckpoint:
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.where)
 
+    @property
+    def source_backend(self) -> str:
+        """The backend the parameters were saved from (the file's ``source_backend``)."""
+        return self.meta.get("source_backend", "numpy")
+
     def _check(self, spec) -> None:
         try:
             expected = expected_params(spec)
@@ -566,13 +574,15 @@ class CanonicalCheckpoint:
         """Every tensor as a PendingTensor: read from the file only when written out."""
         return {n: PendingTensor(self.info(n).numpy_dtype, self.info(n).shape, _getter(self, n)) for n in self.where}
 
-    def layer_stream(self, allow_nonfinite: bool = False) -> "_LayerStream":
+    def layer_stream(self, allow_nonfinite: bool = False, progress: Progress | None = None) -> LayerStream:
         """``stream(index, layer_spec)`` -> that layer's validated canonical params, read from the
-        mapped file when asked (what a layer-by-layer comparison of two files reads)."""
+        mapped file when asked (what ``native`` builds from, and a layer-by-layer comparison of
+        two files reads)."""
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= "
                                   "(--spec SPEC.json on the command line)")
-        return _LayerStream(self, None, allow_nonfinite)
+        return LayerStream(self.spec, self.get, self.where, allow_nonfinite=allow_nonfinite, progress=progress,
+                           total=self.total_bytes)
 
     def native(self, backend: str, progress: Progress | None = None, allow_nonfinite: bool = False):
         """A native model on ``backend``, its parameters streamed in one tensor at a time."""
@@ -581,7 +591,7 @@ class CanonicalCheckpoint:
         if self.spec is None:
             raise CheckpointError(f"{self.path} holds parameters only (saved without a spec): pass spec= to "
                                   "db.load (--spec SPEC.json on the command line) to build a model from it")
-        source = ParamSource(self.spec, stream=_LayerStream(self, progress, allow_nonfinite))
+        source = ParamSource(self.spec, stream=self.layer_stream(allow_nonfinite, progress))
         try:
             return _api.build(backend, source)
         except ConversionError as exc:
@@ -605,36 +615,6 @@ def _fill_lazy(spec, ckpt: CanonicalCheckpoint):
     return spec
 
 
-class _LayerStream:
-    """Reads each layer's tensors from the checkpoint when the adapter asks (a ParamSource stream).
-
-    Adapters copy what they are given into framework memory, so the mapped pages of one layer
-    are released before the next layer is read.
-    """
-
-    def __init__(self, ckpt: CanonicalCheckpoint, progress: Progress | None, allow_nonfinite: bool = False) -> None:
-        self._ckpt = ckpt
-        self._allow_nonfinite = allow_nonfinite
-        self._progress = progress
-        self._done = 0
-        self._total = ckpt.total_bytes
-        self._sequential = isinstance(ckpt.spec, Sequential)
-
-    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
-        prefix = f"{index}." if self._sequential else ""
-        raw = {k: self._ckpt.get(prefix + k) for k in layer_param_shapes(layer)}
-        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
-                                  allow_nonfinite=self._allow_nonfinite)
-        check_masks_match(layer, checked, prefix=prefix or "0.")
-        self._done += sum(a.nbytes for a in raw.values())
-        if self._progress is not None:
-            self._progress(self._done, self._total)
-        return checked
-
-    def release(self) -> None:
-        """Nothing to drop: each tensor is its own mapping, unmapped when its array is freed."""
-
-
 def _describe(spec) -> str:
     if isinstance(spec, Sequential):
         return f"Sequential of {len(spec.layers)} layers"
@@ -644,7 +624,7 @@ def _describe(spec) -> str:
 def _open_shards(path: str, raw: bytes) -> tuple[dict, dict[str, SafetensorsFile]]:
     """(index, shard file name -> opened shard) of the index at ``path`` whose bytes are ``raw``.
 
-    _Changed when a shard is missing and the index no longer reads ``raw`` (a save replaced it).
+    _Changed when a shard is missing and the index reads other bytes than ``raw`` (a save replaced it).
     """
     index = parse_json_object(raw, lambda why: CheckpointError(f"cannot read {path}: not a valid JSON index "
                                                                 f"({why})"), "index")
@@ -908,14 +888,11 @@ def _convert(ckpt, src: str, target: str, out: str, limit: int | None, progress:
     if target in CANONICAL_TARGETS:
         if coded is not None:
             tensors, meta = coded
-        elif isinstance(ckpt, CanonicalCheckpoint):
-            tensors = ckpt.pending()  # streamed: each tensor mapped only while it is written
-            meta = _metadata(ckpt.spec, tensors, ckpt.meta.get("source_backend", "numpy"))
         else:
-            # straight from the file where the adapter can (file_views), else views of the loaded
-            # model's memory: either way the output is written without a second copy
+            # each tensor read from the source only when its turn to be written comes: mapped from a
+            # canonical file, served by the adapter's file_views, or a view of a loaded native model
             tensors = ckpt.pending()
-            meta = _metadata(ckpt.spec, tensors, ckpt.framework)
+            meta = _metadata(ckpt.spec, tensors, ckpt.source_backend)
         try:
             files = write_canonical(out, tensors, meta, limit, progress, check_finite=not allow_nonfinite)
         except DenseBridgeError:

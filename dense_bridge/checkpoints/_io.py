@@ -23,7 +23,7 @@ import time
 
 from .._errors import CheckpointError, SpecError
 
-__all__ = ["AtomicFiles", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
+__all__ = ["AtomicFiles", "write_text", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
            "RECLAIM_MIN_AGE_S"]
 
@@ -222,6 +222,17 @@ class AtomicFiles:
             raise CheckpointError(f"cannot write {self.label}: {describe_os_error(exc)}"
                                   f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from None
         return False
+
+
+def write_text(path: str, text: str, *, make_parent: bool = False) -> None:
+    """``text`` (UTF-8) written to ``path`` atomically (:class:`AtomicFiles`): a reader finds the
+    old file or the whole new one, never half of it. ``make_parent``: create the missing
+    directories first (a report written into a fresh folder)."""
+    if make_parent:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with AtomicFiles(path) as tx:
+        with open(tx.temp_for(path), "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 # ------------------------------------------------------------------ temporaries and leftovers

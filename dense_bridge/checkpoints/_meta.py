@@ -1,9 +1,9 @@
 """What canonical and native checkpoint readers share: the spec as JSON in a file's metadata,
 comparing a file's tensors with what a spec expects, and the NaN/Inf rule for loaded params.
 
-Kept apart from ``checkpoint`` so that ``_checkpoint_native`` (native files through adapter
-verbs) and ``checkpoint`` (canonical files, save/load/convert) both depend on it and not on each
-other: no import circle.
+Kept apart from ``_flows`` so that ``_native`` (native files through adapter verbs) and
+``_flows`` (canonical files, save/load/convert) both depend on it and not on each other: no
+import circle.
 """
 from __future__ import annotations
 

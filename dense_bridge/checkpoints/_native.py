@@ -6,12 +6,18 @@ suffixes; see ``dense_bridge._manifest``), through the registry: :func:`identify
 framework detail is left to that adapter's file verbs (``backends/<fw>/_files.py``):
 
 - ``file_info(path, container, *, files)`` -> (name -> (native shape, dtype), metadata), no spec needed;
-- ``read_file(path, container, template, *, files, check)`` -> ``template`` (a model of that
+- ``read_file(path, container, template, *, files, check)`` -> ``template`` (the user's
+  ``like`` model, or, where the adapter offers no ``file_views`` for the file, a model of that
   framework compiled from the spec through the one compile path, ``_api.build``) holding the
   file's tensors, after ``check(got, expected)`` compared names, native shapes and dtypes (every
   difference listed in one CheckpointError); a format that ``carries_model`` brings its own model;
 - ``write_file(model, path, kind, *, temp, metadata)`` writes ``model`` into ``temp``, which the
-  core renames to ``path`` atomically (``_checkpoint_io.AtomicFiles``).
+  core renames to ``path`` atomically (``_io.AtomicFiles``);
+- ``file_views(path, container, spec, *, files, check)`` (optional) -> the file's canonical
+  tensors, read when asked for, named by the adapter from the spec: a load builds its model from
+  them through ``_api.build`` (as from a canonical file), a conversion streams them;
+- ``file_layout(spec, path, kind, *, temp, metadata)`` (optional): a file's skeleton for
+  ``_native_stream``.
 
 So every native layout detail stays in the adapter that defines it and is never guessed from a
 shape. Safetensors files are opened by the core once (consistent against a concurrent save;
@@ -31,21 +37,17 @@ from . import _extensions as extensions
 from ._io import AtomicFiles, check_writable, write_limit_cause
 from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
 from .._dtypes import numpy_dtype
-from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
+from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line
 from .._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
-from ._pages import release_file_pages
+from ._validate import LayerStream
 
 __all__ = ["SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "identify", "supported_formats",
            "format_names", "file_adapter", "output_kind", "temp_suffix", "write_native", "structure_twin",
            "canonical_shapes"]
 
 SPEC_KEY = "dense_bridge_spec"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+_UNASKED = object()  # NativeCheckpoint._file_views not computed yet (None is an answer)
 
 
 def _backends():
@@ -88,7 +90,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
             raise
         except Exception as exc:  # noqa: BLE001 - a backend's sniff failed: name it, never its traceback
             raise CheckpointError(f"cannot read {probe.path}: the {backend} backend's {fmt.label!r} format failed to "
-                                  f"check it ({type(exc).__name__}: {_first_line(exc)})") from None
+                                  f"check it ({type(exc).__name__}: {first_line(exc)})") from None
         if score > Match.NO:
             scored.append((score, -order, backend, fmt))
     if format is not None and format != "dense_bridge":
@@ -123,7 +125,7 @@ def file_adapter(framework: str, what: str):
         raise BackendUnavailableError(f"{what} needs {framework}, which is not installed. Install it with: "
                                       f"{_backends()[framework].install}") from exc
     except ImportError as exc:  # installed but broken (a missing shared library, a version clash)
-        raise BackendUnavailableError(f"{what} needs {framework}, which cannot be imported ({_first_line(exc)}). "
+        raise BackendUnavailableError(f"{what} needs {framework}, which cannot be imported ({first_line(exc)}). "
                                       f"Reinstall it with: {_backends()[framework].install}") from None
 
 
@@ -152,6 +154,7 @@ class NativeCheckpoint:
         self.like = like
         self._info: tuple[dict, dict] | None = None
         self._template = None
+        self._views = _UNASKED
         self.kind = file_format.label + (", sharded with an index" if index else "")
         self.spec = spec if spec is not None else self._embedded_spec()
         if self.spec is None and file_format.carries_model:
@@ -215,6 +218,11 @@ class NativeCheckpoint:
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
         return [(n, tuple(s), d) for n, (s, d) in self._file_info()[0].items()]
+
+    @property
+    def source_backend(self) -> str:
+        """The backend whose own format the file is."""
+        return self.framework
 
     @property
     def total_bytes(self) -> int:
@@ -288,9 +296,13 @@ class NativeCheckpoint:
 
     # -- the common surface with CanonicalCheckpoint
     def param_views(self) -> dict[str, np.ndarray]:
-        """Canonical parameters as views of the loaded model's memory (do not mutate)."""
+        """Canonical parameters as views of the file (``file_views``) or of the loaded model's
+        memory (do not mutate)."""
         from .. import _api
 
+        views = self._file_views()
+        if views is not None:
+            return {name: views[name] for name in views}
         params = _api.get_params(self.template(), copy=False)
         if self.spec is not None and self.format.carries_model:
             from .._params import validate_params
@@ -322,15 +334,18 @@ class NativeCheckpoint:
         """A native model on ``backend`` holding the file's parameters (NaN/Inf refused unless
         ``allow_nonfinite``: the one rule of load, set_params, compile and convert).
 
-        To another backend the parameters stream layer by layer (``ParamSource(stream=)``, the
-        path canonical checkpoints take): each layer is validated when the target asks for it,
-        and the file pages behind the layer read before it are released (:func:`release_file_pages`),
-        so a file the adapter left mapped (torch zip) is never resident whole beside the target.
+        The parameters stream layer by layer (``ParamSource(stream=)``, the path canonical
+        checkpoints take), onto the file's own framework too where its adapter serves the file
+        (``file_views``): each layer is validated when the target asks for it, and the file pages
+        behind the layer read before it are released (``LayerStream(drop_pages=True)``), so a
+        file the adapter left mapped (torch zip) is never resident whole beside the target.
+        Where only the framework's loader reads the file (a ``like`` model, a ``.keras`` file,
+        an Equinox file, a legacy Keras layout), the model it loads into is returned.
         """
         from .. import _api
         from .._params import ParamSource
 
-        if backend == self.framework:
+        if backend == self.framework and self._file_views() is None:  # only the framework's own loader reads it
             model = self.template()
             if not allow_nonfinite:
                 if self.spec is None:  # a whole graph without a spec: every parameter it holds
@@ -354,7 +369,7 @@ class NativeCheckpoint:
             progress(1, 1)
         return out
 
-    def layer_stream(self, allow_nonfinite: bool = False) -> "_ViewStream":
+    def layer_stream(self, allow_nonfinite: bool = False, progress=None) -> LayerStream:
         """``stream(index, layer_spec)`` -> that layer's validated canonical params: views of the
         file where the adapter can serve them (``file_views``), else of a template loaded with
         ``borrow`` (a torch zip stays mapped); the pages of the layer read before are dropped."""
@@ -364,15 +379,16 @@ class NativeCheckpoint:
         views = self._file_views()
         if views is None:
             views = _api.get_params(self.template(borrow=True), copy=False)
-        return _ViewStream(self.spec, views, allow_nonfinite)
+        return LayerStream(self.spec, views.__getitem__, views, allow_nonfinite=allow_nonfinite, progress=progress,
+                           total=self.total_bytes if progress is not None else 0, drop_pages=True)
 
     def verify_structure(self) -> None:
         """Compare the file's tensor names, shapes and dtypes with what a model of its spec saves,
         reading no values (``dense-bridge inspect``): a CheckpointError listing every difference.
 
-        Done where the adapter serves the file without a model (``file_views``: torch zip,
-        safetensors, ``.weights.h5``); a ``.keras`` file carries its own model, and other files
-        (legacy torch pickles, ``.npz``) are checked when they are loaded.
+        Done where the adapter serves the file without a model (``file_views``: torch and MLX
+        files, Flax msgpack, ``.weights.h5``); a ``.keras`` file carries its own model, and other
+        files (Equinox) are checked when they are loaded, here only by their total size.
         """
         if self.spec is None or self.format.carries_model:
             return
@@ -389,20 +405,17 @@ class NativeCheckpoint:
                                   f"the file stores {stored:,}")
 
     def _file_views(self):
-        """The file's canonical parameters straight from the file (adapter verb ``file_views``),
-        or None where the adapter offers no such path for it: no model of the file's framework
-        is built, so a conversion holds the target and one layer of the file, not two models."""
-        from .. import _api
-        from .._params import ParamSource
-
-        serve = getattr(self._adapter(), "file_views", None)
-        if serve is None or self.like is not None:  # the user's own class: only its framework reads it
-            return None
-        try:
-            twin = _api.build(self.framework, ParamSource(structure_twin(self.spec), seed=0))
-        except DenseBridgeError:
-            return None  # a spec the twin cannot express: the full template path decides
-        return serve(self.path, self.container, twin, self.spec, files=self.files, check=self._check)
+        """The file's canonical parameters straight from the file (adapter verb ``file_views``,
+        asked once), or None where the adapter offers no such path for it. No model of the file's
+        framework is drawn to be overwritten: a load builds its model from these views through
+        the one compile path, and a conversion holds the target and one layer of the file."""
+        if self._views is _UNASKED:
+            self._views = None
+            serve = getattr(self._adapter(), "file_views", None)
+            # like=: the user's own class, which only its framework's loader reads
+            if serve is not None and self.like is None and self.spec is not None and not self.format.carries_model:
+                self._views = serve(self.path, self.container, self.spec, files=self.files, check=self._check)
+        return self._views
 
 
 class FileViews(Mapping):
@@ -422,6 +435,9 @@ class FileViews(Mapping):
 
     def __len__(self) -> int:
         return len(self._plan)
+
+    def __contains__(self, canonical: object) -> bool:  # from the plan: Mapping's default would read the tensor
+        return canonical in self._plan
 
     def __getitem__(self, canonical: str) -> np.ndarray:
         name, axes = self._plan[canonical]
@@ -467,7 +483,8 @@ def planned_file_tensors(plan, spec) -> dict[str, tuple[tuple[int, ...], str]] |
 def structure_twin(spec):
     """``spec`` with every width 1 (units, in_features, Bilinear inputs; a mask becomes [[1]]):
     the same layers, classes, activations, biases and dtypes, hence the same names in any
-    framework's files, for a few bytes of parameters (see the adapter verb ``file_views``)."""
+    framework's files, for a few bytes of parameters. For an adapter whose framework writes a
+    file's structure only from a model (Keras' ``save_weights``: ``file_layout``)."""
     from ..specs import Bilinear, Dense, Sequential
 
     def shrink(layer):
@@ -481,34 +498,6 @@ def structure_twin(spec):
         return Sequential([shrink(l) for l in spec.layers], in_features=None if spec.in_features is None else 1,
                           name=spec.name)
     return shrink(spec)
-
-
-class _ViewStream:
-    """Canonical views of a loaded template handed out layer by layer (a ParamSource stream)."""
-
-    def __init__(self, spec, views: dict, allow_nonfinite: bool) -> None:
-        from ..specs import Sequential
-
-        self._views, self._allow_nonfinite = views, allow_nonfinite
-        self._sequential = isinstance(spec, Sequential)
-        self._read: list[np.ndarray] = []
-
-    def __call__(self, index: int, layer) -> dict[str, np.ndarray]:
-        from .._params import check_masks_match, validate_params
-        from ..specs import layer_param_shapes
-
-        self.release()  # the target holds its own copy of the layers before this one by now
-        prefix = f"{index}." if self._sequential else ""
-        raw = {k: self._views[prefix + k] for k in layer_param_shapes(layer) if prefix + k in self._views}
-        checked = validate_params(layer, raw, argument=f"parameters of layer {index}",
-                                  allow_nonfinite=self._allow_nonfinite)
-        check_masks_match(layer, checked, prefix=prefix or "0.")
-        self._read.extend(raw.values())
-        return checked
-
-    def release(self) -> None:
-        release_file_pages(self._read)
-        self._read.clear()
 
 
 # ============================================================================ writing
@@ -552,6 +541,6 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         raise
     except Exception as exc:  # noqa: BLE001 - the framework's writer failed; temporaries are gone
         cause = write_limit_cause(out)
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {_first_line(exc)}"
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {first_line(exc)}"
                               f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]

@@ -1,14 +1,13 @@
 """Writing a framework's own checkpoint file straight from canonical tensors, no model built.
 
-A file-to-file conversion (``checkpoint.convert_file``, ``dense-bridge convert``) into torch,
-Keras or MLX files used to build the target framework's model from the source (a copy of every
-tensor into framework memory) and then let the framework write it (a second pass over memory).
-Where the target adapter offers the ``file_layout`` verb, this module instead:
+A file-to-file conversion (``checkpoints.convert_file``, ``dense-bridge convert``) into torch,
+Keras or MLX files builds no model of the target framework: a model would cost a copy of every
+tensor in framework memory and a second pass over it when the framework writes the file.
+Where the target adapter offers the ``file_layout`` verb, this module:
 
-1. compiles the spec's structure twin (every width 1: the framework's own names and file
-   structure for a few bytes) and asks the adapter to write the file's skeleton into the
-   temporary with the framework's own writer (``torch.save`` under ``skip_data``, Keras'
-   ``save_weights`` plus h5py, the safetensors header): every tensor's bytes left to fill;
+1. asks the adapter to write the file's skeleton for the spec into the temporary with the
+   framework's own writer (``torch.save`` under ``skip_data``, Keras' ``save_weights`` plus
+   h5py, the safetensors header): the framework's own names, every tensor's bytes left to fill;
 2. fills each tensor's bytes at its offset from the source's mapped views, transposed into the
    framework's layout piece by piece (:func:`dense_bridge.checkpoints._file_fill.fill`, pipelined);
 3. lets the adapter finish the file (torch: the zip's CRC-32 fields), then fsyncs and renames.
@@ -24,9 +23,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .._errors import CheckpointError, ConversionError, DenseBridgeError
-
-Producer = Callable[[], np.ndarray]
+from .._errors import CheckpointError, DenseBridgeError, first_line
 
 
 @dataclass
@@ -48,48 +45,6 @@ class _NoLayout(Exception):
     """The adapter cannot lay this file out: the caller takes the model path instead."""
 
 
-class _LayerChecked:
-    """Canonical tensors validated one layer at a time, when the first of the layer's is asked for.
-
-    ``get(name)`` returns the validated array (a view of the source where no cast is needed);
-    a layer's arrays are dropped as they are handed out, so at most the layers being written
-    are held. Validation is ``load``'s: shapes, dtypes, 0/1 masks equal to the spec's wiring;
-    NaN/Inf are left to the writer's scan (``fill(check_finite=...)``), which reads each byte
-    once anyway.
-    """
-
-    def __init__(self, spec, tensors: Mapping[str, object]) -> None:
-        from ..specs import Sequential, layer_param_shapes
-
-        self._tensors = tensors
-        layers = spec.layers if isinstance(spec, Sequential) else [spec]
-        self._layers = layers
-        self._prefix = [f"{i}." if isinstance(spec, Sequential) else "" for i in range(len(layers))]
-        self._layer_of = {p + k: i for i, (p, layer) in enumerate(zip(self._prefix, layers))
-                          for k in layer_param_shapes(layer)}
-        self._held: dict[int, dict[str, np.ndarray]] = {}
-
-    def get(self, name: str) -> np.ndarray:
-        from .._params import check_masks_match, validate_params_scan_later
-
-        i = self._layer_of[name]
-        if i not in self._held:
-            prefix, layer = self._prefix[i], self._layers[i]
-            raw = {k[len(prefix):]: np.asarray(self._tensors[k].produce())
-                   for k, j in self._layer_of.items() if j == i and k in self._tensors}
-            try:
-                checked = validate_params_scan_later(layer, raw, argument=f"parameters of layer {i}")
-                check_masks_match(layer, checked, prefix=prefix or "0.")
-            except ConversionError as exc:
-                raise CheckpointError(str(exc)) from None
-            self._held[i] = {prefix + k: v for k, v in checked.items()}
-        held = self._held[i]
-        value = held.pop(name)
-        if not held:
-            del self._held[i]
-        return value
-
-
 def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *,
                   allow_nonfinite: bool = False, progress: Callable[[int, int], None] | None = None
                   ) -> list[str] | None:
@@ -99,13 +54,11 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     caller then builds the model and lets the framework write it). Atomic: a failure leaves no
     file and changes nothing at ``out``.
     """
-    from .. import _api
     from ._io import AtomicFiles, check_writable
     from ._meta import spec_json
-    from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix, \
-        structure_twin
+    from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix
     from ._file_fill import Slot, fill
-    from .._params import ParamSource
+    from ._validate import TensorsByLayer
 
     kind = output_kind(backend, out)
     adapter = file_adapter(backend, f"writing {out}")
@@ -115,13 +68,9 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     shapes = canonical_shapes(spec)
     if set(shapes) != set(tensors):
         return None  # the model path reports exactly what is missing or unexpected
-    try:
-        twin = _api.build(backend, ParamSource(structure_twin(spec), seed=0))
-    except DenseBridgeError:
-        return None
     check_writable(out)
     metadata = {"dense_bridge_backend": backend, SPEC_KEY: spec_json(spec)}
-    checked = _LayerChecked(spec, tensors)
+    checked = TensorsByLayer(spec, tensors)
     total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(_numpy(d)).itemsize for s, d in shapes.values())
     done = [0]
 
@@ -133,7 +82,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     try:
         with AtomicFiles(out) as tx:
             temp = tx.temp_for(out, temp_suffix(backend, kind))
-            layout = lay_out(twin, spec, out, kind, temp=temp, metadata=metadata)
+            layout = lay_out(spec, out, kind, temp=temp, metadata=metadata)
             if layout is None or set(layout.places) != set(shapes):
                 raise _NoLayout
             slots = []
@@ -155,9 +104,8 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     except Exception as exc:  # noqa: BLE001 - the framework's skeleton writer failed; nothing was left
         from ._io import write_limit_cause
 
-        text = str(exc).strip().splitlines()
         cause = write_limit_cause(out)
-        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {text[0] if text else ''}"
+        raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {first_line(exc)}"
                               f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]
 

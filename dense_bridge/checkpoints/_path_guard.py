@@ -5,7 +5,7 @@ link to it (same device and inode) are all the same file. An input is expanded t
 stands for: a directory (a sharded or DCP checkpoint) to its files, an index (``*.index.json``)
 to the shard files its ``weight_map`` names. An output is expanded to every file writing it may
 replace or remove: a canonical save to ``out`` also writes ``out``'s index and sweeps the shard
-files of earlier saves to ``out`` (``_checkpoint_io.shard_pattern``).
+files of earlier saves to ``out`` (``_io.shard_pattern``).
 
 Everything here only looks (``lstat``/``stat``, a bounded read of an index): it runs before
 anything is written, so a refused command leaves every file as it was.

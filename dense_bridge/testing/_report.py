@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from ..checkpoints._io import write_text
 from ._elements import ElementStats
 from ._format import detail_notes, fmt_err, fmt_units, result_word, ulp_cells
 from ._tolerance import Tolerance
@@ -288,7 +287,7 @@ class Report:
 
         page = render_html(self)
         if path is not None:
-            _write_atomic(Path(path), page)
+            write_text(os.fspath(path), page, make_parent=True)  # readers never see half a page
         return page
 
 
@@ -299,21 +298,3 @@ def _json_float(x: float):
 
 def _where(q: QuantityResult) -> str:
     return "the model output" if q.layer is None else f"layer {q.layer} ({q.layer_type})"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename: readers never see half a page."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

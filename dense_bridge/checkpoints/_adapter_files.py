@@ -1,6 +1,8 @@
 """LoRA adapter files: PEFT and mlx-lm directories read into canonical adapters and written back.
 
-Files are read as JSON and safetensors only: nothing in them runs. In memory an adapter set is
+Files are read as JSON and safetensors only, through ``_safetensors`` (the one reader and
+writer: a malformed file is a CheckpointError naming it), and written atomically
+(``_io.AtomicFiles``): nothing in them runs. In memory an adapter set is
 ``{layer path: {"lora_a" (in, r), "lora_b" (r, units), "lora_scale" 0-d float64[, "lora_magnitude"]}}``
 keyed by the model's layer paths (the torch module path of the base model for PEFT; MLX's dotted
 attribute path for mlx-lm: the same strings for transformers/mlx-lm twins such as Llama and Qwen2).
@@ -30,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from . import lora as _lora
-from ._errors import CheckpointError, ConversionError, SpecError, received
+from .. import lora as _lora
+from ._io import AtomicFiles
+from ._safetensors import SafetensorsFile, pending, read_json_file, write_safetensors
+from .._errors import CheckpointError, ConversionError, SpecError, received
 
 __all__ = ["load_adapter", "save_adapter", "convert_adapter", "read_adapter_dir", "write_adapter_dir", "FORMATS",
            "DIRECTORY_FORMATS", "AdapterRefused"]
@@ -53,23 +57,13 @@ class AdapterRefused(ConversionError):
 
 # ----------------------------------------------------------------------------- reading
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            out = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    if not isinstance(out, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, found {type(out).__name__}")
-    return out
+    return read_json_file(path, "adapter config")
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    try:
-        return load_file(path)
-    except Exception as exc:  # noqa: BLE001 - a malformed file, whatever safetensors raises
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    """Every tensor of the safetensors file ``path``, as in-memory copies (the file is closed after)."""
+    with SafetensorsFile(path) as f:
+        return {name: np.array(f.get(name)) for name in f.tensors}
 
 
 def detect(path: str) -> str:
@@ -166,10 +160,18 @@ def read_adapter_dir(path: str) -> tuple[str, dict, dict]:
 
 
 # ----------------------------------------------------------------------------- writing
-def _save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata=metadata)
+def _write_files(path: str, weights: str, tensors: dict, config: dict, metadata: dict | None = None) -> None:
+    """The adapter directory ``path``: ``weights`` (safetensors of ``tensors``, string ``metadata``)
+    and ``adapter_config.json``, committed together (``AtomicFiles``): a reader sees the old pair
+    or the new one."""
+    os.makedirs(path, exist_ok=True)
+    target = os.path.join(path, weights)
+    with AtomicFiles(target) as tx:
+        with open(tx.temp_for(target), "wb") as f:
+            write_safetensors(f, {k: pending(np.ascontiguousarray(v)) for k, v in tensors.items()}, metadata)
+        config_path = os.path.join(path, "adapter_config.json")
+        with open(tx.temp_for(config_path), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
 
 
 def _pad_rank(entry: dict, rank: int) -> dict:
@@ -219,10 +221,7 @@ def _write_peft(layers: dict, path: str, extra: dict) -> None:
               "lora_dropout": float(extra.get("dropout", 0.0)), "fan_in_fan_out": False, "bias": "none",
               "lora_bias": False, "task_type": None, "base_model_name_or_path": None, "inference_mode": True,
               "init_lora_weights": True, "modules_to_save": None}
-    os.makedirs(path, exist_ok=True)
-    _save_tensors(tensors, os.path.join(path, "adapter_model.safetensors"), {"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
+    _write_files(path, PEFT_FILES[0], tensors, config, {"format": "pt"})
 
 
 def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | None) -> None:
@@ -268,10 +267,7 @@ def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | Non
     config = {"fine_tune_type": "dora" if dora.pop() else "lora", "num_layers": num_layers,
               "lora_parameters": {"rank": rank, "scale": scales.pop(), "dropout": float(extra.get("dropout", 0.0)),
                                   "keys": sorted(keys)}}
-    os.makedirs(path, exist_ok=True)
-    _save_tensors(tensors, os.path.join(path, MLX_FILES[0]))
-    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
+    _write_files(path, MLX_FILES[0], tensors, config)
 
 
 def write_adapter_dir(layers: dict, path: str, fmt: str, *, extra: dict | None = None,
@@ -321,7 +317,7 @@ def _check_format(fmt: Any) -> str:
 
 def model_adapters(model: Any) -> dict[str, dict]:
     """{layer path: canonical adapter} of every adapter-wrapped linear layer of ``model``."""
-    from .models import walk
+    from ..models import walk
 
     out = {}
     for e in walk(model):
@@ -333,7 +329,7 @@ def model_adapters(model: Any) -> dict[str, dict]:
 
 
 def _block_count(model: Any) -> int | None:
-    from .models import walk
+    from ..models import walk
 
     indices = {int(m["index"]) for e in walk(model) if (m := _BLOCK.match(e.path + ".x"))}
     return max(indices) + 1 if indices else None
@@ -350,7 +346,7 @@ def save_adapter(model: Any, path: Any, *, format: str) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a path. {received('path', path)}")
     if fmt == KERAS_HUB:
-        from ._registry import adapter_for
+        from .._registry import adapter_for
 
         verb = getattr(adapter_for(model, "model"), "save_lora_h5", None)
         if verb is None:
@@ -387,8 +383,8 @@ def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: 
     ``model``; a layer without an adapter gets the framework's own adapter class. Everything is
     checked before anything is attached. Returns ``{model layer path: rank}``.
     """
-    from ._registry import adapter_for
-    from .models import walk
+    from .._registry import adapter_for
+    from ..models import walk
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a path. {received('path', path)}")
