@@ -289,6 +289,17 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
             return reference_dequantize(self.layer_codes(position))
         return super().get(name)
 
+    def layer_stream(self, allow_nonfinite: bool = False, progress=None):
+        """As a canonical checkpoint's, each quantized position's ``kernel`` its exact
+        dequantization (:meth:`get`)."""
+        from ._validate import LayerStream
+
+        if self.spec is None:
+            return super().layer_stream(allow_nonfinite, progress)  # its error: no spec stored
+        present = set(self.where) | {_prefix(p) + "kernel" for p in self.quant_layers}
+        return LayerStream(self.spec, self.get, present, allow_nonfinite=allow_nonfinite, progress=progress,
+                           total=self.total_bytes)
+
     def params(self) -> dict[str, Any]:
         """Every stored tensor (copies), each quantized position's codes range-checked, and its
         ``db.Quant`` under ``<position>.quant``."""
