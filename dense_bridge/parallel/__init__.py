@@ -11,7 +11,7 @@ The modules, one job each: ``_plan`` (which layer is split how, which block each
 ``_dispatch`` (the one place the core calls the adapters' ``parallel_*`` and DCP verbs, and
 ``compile(..., parallel=)`` / ``get_params`` of a parallel model), ``_sharded_dir`` (the
 sharded-directory format: rank files, index, tiling checks, block reads), ``_save_load`` (save
-and load through it, the per-block checks), ``_dcp`` (DCP directories). The engines:
+and load through it, each block checked by ``checkpoints._validate``), ``_dcp`` (DCP directories). The engines:
 backends/<fw>/_parallel.py.
 """
 from __future__ import annotations

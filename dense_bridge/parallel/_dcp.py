@@ -22,10 +22,11 @@ from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, received
 from .._memory import check_load_fits
 from ..checkpoints._safetensors import read_json_file, shorten
+from ..checkpoints._validate import LayerValidator
 from ..specs import Sequential, from_config
 from . import _dispatch
 from ._plan import spec_layers
-from ._save_load import check_params, checked_block
+from ._save_load import check_params
 from ._sharded_dir import write_json
 
 SPEC_NAME = "dense_bridge_spec.json"
@@ -92,11 +93,11 @@ def load(path: Any, backend, spec, like, parallel, group, allow_nonfinite: bool 
         native = _dispatch.compile_blocks(owner, spec, zeros, parallel, group)
         _dispatch.read_dcp(native, path)
         # each rank checks the blocks the framework filled in, as a whole-process load checks the tensors
-        check = checked_block(path, spec_layers(spec), allow_nonfinite)
+        validator = LayerValidator(spec, allow_nonfinite=allow_nonfinite)
         seq = isinstance(spec, Sequential)
         for key, shard in _dispatch.local_blocks(native).items():
             position, name = key.split(".", 1) if seq else ("0", key)
-            check(int(position), name, key, tuple(shard.index), np.asarray(shard.array))
+            validator.check_block(path, int(position), name, key, tuple(shard.index), np.asarray(shard.array))
         return native
     native = compile(spec, owner, seed=0)
     _dispatch.read_dcp(native, path)

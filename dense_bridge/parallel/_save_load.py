@@ -3,7 +3,8 @@ and ``db.load(file, parallel=...)`` of a checkpoint one process saved, each rank
 own blocks. DCP directories are ``_dcp``'s; ``dense_bridge.parallel`` routes between the two.
 
 Every block a rank reads is checked as a whole-process load checks its tensor (NaN/Inf unless
-``allow_nonfinite``, a mask block against the spec's wiring): ``checked_block``.
+``allow_nonfinite``, a mask block against the spec's wiring) by the checkpoints package's one layer
+validator (``LayerValidator.check_block``).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import numpy as np
 from .._errors import CheckpointError, SpecError
 from .._memory import check_load_fits
 from ..checkpoints._safetensors import shorten
+from ..checkpoints._validate import LayerValidator
 from ..specs import Sequential, from_config
 from . import _dispatch
-from ._plan import owned_index, params_plan, spec_layers
+from ._plan import owned_index, params_plan
 from ._sharded_dir import INDEX_NAME, Reader, build_index, read_all, read_block, read_index, write_index, write_rank_file
 
 
@@ -65,24 +67,6 @@ def check_params(where: str, spec, params: dict, allow_nonfinite: bool) -> None:
         raise CheckpointError(f"{where}: {exc}") from None
 
 
-def checked_block(where: str, layers, allow_nonfinite: bool):
-    """``check(position, name, key, want, block)``: ``block`` (the slice ``want`` of tensor ``key``)
-    checked as a whole-process load checks the tensor, NaN/Inf (unless ``allow_nonfinite``) and a
-    mask block against the spec's wiring; returned unchanged. The one per-block validator of the
-    parallel loads (sharded directory, single file, DCP)."""
-    from .._transfer import count_nonfinite
-
-    def check(position: int, name: str, key: str, want: tuple, a: np.ndarray) -> np.ndarray:
-        if not allow_nonfinite and (bad := count_nonfinite(a)):
-            raise CheckpointError(f"{where}: tensor {key!r} holds {bad} NaN/Inf values (allow_nonfinite=True loads them)")
-        if name == "mask" and ((a != 0) != layers[position].mask.adjacency[want]).any():
-            raise CheckpointError(f"{where}: tensor {key!r} differs from the spec's mask in rows {want[0].start}:"
-                                  f"{want[0].stop}, columns {want[1].start}:{want[1].stop}")
-        return a
-
-    return check
-
-
 # ------------------------------------------------------------------ load
 def load_directory(path: Any, backend: str | None, parallel: Any, group: Any, allow_nonfinite: bool = False):
     """``db.load`` of a sharded directory: whole in one process without ``parallel``, else each
@@ -116,11 +100,11 @@ def load_directory(path: Any, backend: str | None, parallel: Any, group: Any, al
     _dispatch.parallel_backend(backend)
     reader = Reader(directory)
     seq = isinstance(spec, Sequential)
-    checked = checked_block(directory, spec_layers(spec), allow_nonfinite)
+    validator = LayerValidator(spec, allow_nonfinite=allow_nonfinite)
 
     def block(position: int, name: str, want: tuple) -> np.ndarray:
         key = (f"{position}." if seq else "") + name
-        return checked(position, name, key, want, read_block(directory, index, key, want, reader))
+        return validator.check_block(directory, position, name, key, want, read_block(directory, index, key, want, reader))
 
     try:
         return _dispatch.compile_blocks(backend, spec, block, parallel, group)
@@ -132,7 +116,7 @@ def load_file(ckpt, backend: str | None, parallel: Any, group: Any, allow_nonfin
     """``db.load(file, backend, parallel=...)`` of a checkpoint that one process saved, opened by
     ``checkpoints.open_checkpoint`` (a single .safetensors file, or its index and shards): each
     rank reads only the bytes of its own blocks (``SafetensorsFile.read_block``), each block
-    checked by ``checked_block``. Framework files are refused: they have no canonical blocks to read."""
+    checked by ``LayerValidator.check_block``. Framework files are refused: they have no canonical blocks to read."""
     if backend is None:
         raise SpecError("parallel= needs a backend to load onto. Received: backend=None")
     _dispatch.parallel_backend(backend)
@@ -143,12 +127,11 @@ def load_file(ckpt, backend: str | None, parallel: Any, group: Any, allow_nonfin
     if ckpt.spec is None:
         raise CheckpointError(f"{ckpt.path} holds parameters only (saved without a spec): pass spec= to db.load")
     prefix = "{}." if isinstance(ckpt.spec, Sequential) else ""
-    layers = spec_layers(ckpt.spec)
+    validator = LayerValidator(ckpt.spec, allow_nonfinite=allow_nonfinite)
 
     def block(position: int, name: str, want: tuple) -> np.ndarray:
         key = prefix.format(position) + name
-        where = ckpt.where[key].path
-        return checked_block(where, layers, allow_nonfinite)(position, name, key, want,
-                                                             ckpt.where[key].read_block(key, want))
+        source = ckpt.where[key]
+        return validator.check_block(source.path, position, name, key, want, source.read_block(key, want))
 
     return _dispatch.compile_blocks(backend, ckpt.spec, block, parallel, group)

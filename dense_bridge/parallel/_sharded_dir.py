@@ -30,7 +30,7 @@ import numpy as np
 
 from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, SpecError
-from ..checkpoints._io import AtomicFiles
+from ..checkpoints._io import AtomicFiles, write_text
 from ..checkpoints._safetensors import MAX_RANK, SafetensorsFile, pending, read_json_file, shorten, write_safetensors
 from ..specs import from_config
 from ._plan import LayerPlan, owned_index, params_plan
@@ -54,9 +54,8 @@ def write_file(path: str, write) -> None:
 
 
 def write_json(path: str, value: Any, indent: int | None = None) -> None:
-    """``value`` as the JSON file ``path``, written atomically (``write_file``)."""
-    data = json.dumps(value, indent=indent).encode("utf-8")
-    write_file(path, lambda f: f.write(data))
+    """``value`` as the JSON file ``path``, written atomically (``checkpoints._io.write_text``)."""
+    write_text(path, json.dumps(value, indent=indent))
 
 
 def write_rank_file(directory: str, rank: int, world_size: int, shards: Mapping[str, np.ndarray]) -> str:
