@@ -151,7 +151,17 @@ def _var_groups(struct: Entries) -> dict[str, list[str]] | None:
     return groups
 
 
-def _saved_names(model) -> list[tuple[object, str]]:
+def layer_groups(entries: dict) -> dict[str, dict[int, tuple]]:
+    """layer group -> {variable index: (shape, dtype)} of a ``.weights.h5``'s flat layers."""
+    out: dict[str, dict[int, tuple]] = {}
+    for name, info in entries.items():
+        parts = name.split("/")
+        if len(parts) == 4 and parts[0] == "layers" and parts[2] == "vars" and parts[3].isdigit():
+            out.setdefault(parts[1], {})[int(parts[3])] = (tuple(info[0]), info[1])
+    return out
+
+
+def saved_names(model) -> list[tuple[object, str]]:
     """(layer, the group name Keras saves it under) for each layer of ``model`` in order:
     snake_case(class name), then ``_1``, ``_2``... for later layers of the same class."""
     used: dict[str, int] = {}
@@ -176,7 +186,7 @@ def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
     if len({_SUFFIX.match(n).group(1) for n in fg}) != 1:
         return None
     file_order = sorted(fg, key=lambda n: int(_SUFFIX.match(n).group(2) or 0))
-    template_order = [name for _, name in _saved_names(model) if name in eg]
+    template_order = [name for _, name in saved_names(model) if name in eg]
     if len(template_order) != len(eg):
         return None
     mapping = {}
@@ -330,8 +340,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     twin = _twin(spec) if container == "h5" else None
     if twin is None:
         return None
-    from ._quant_files import quant_file_layers
-    if quant_file_layers(_h5_structure(path), path):
+    if any(0 in v and v[0][1] == "int8" for v in layer_groups(_h5_structure(path)).values()):
         return None  # quantized layers: Keras' own loader reads the file into a quantized template
     roles = _roles(twin)
     if roles is None:
@@ -383,7 +392,7 @@ def _roles(twin) -> dict[str, str] | None:
     layers, keyed = layers_of(twin)
     position = {id(layer): i for i, layer in enumerate(layers)}
     roles: dict[str, str] = {}
-    for layer, group in _saved_names(twin):
+    for layer, group in saved_names(twin):
         if id(layer) not in position:
             continue
         try:

@@ -19,45 +19,15 @@ from typing import Any
 from dense_bridge._errors import CheckpointError, ConversionError, SpecError
 from dense_bridge.quant import Quant
 
+from ._files import layer_groups, saved_names
 from ._params import quant_position_build
 from ._to_spec import layers_of
-
-
-def _groups(entries: dict) -> dict[str, dict[int, tuple]]:
-    """layer group -> {variable index: (shape, dtype)} of a ``.weights.h5``'s flat layers."""
-    out: dict[str, dict[int, tuple]] = {}
-    for name, info in entries.items():
-        parts = name.split("/")
-        if len(parts) == 4 and parts[0] == "layers" and parts[2] == "vars" and parts[3].isdigit():
-            out.setdefault(parts[1], {})[int(parts[3])] = (tuple(info[0]), info[1])
-    return out
-
-
-def _snake(name: str) -> str:
-    """Keras' own naming of saved layers: the class name in snake_case (keras.src.utils.naming)."""
-    import re
-
-    name = re.sub(r"\W+", "", name)
-    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
-
-
-def saved_names(model: Any) -> list[tuple[Any, str]]:
-    """(layer, the group Keras' ``save_weights`` writes it under) in layer order: snake_case(class
-    name), then ``_1``, ``_2``... for later layers of the same class (as ``_files`` reads them)."""
-    used: dict[str, int] = {}
-    out = []
-    for layer in getattr(model, "layers", [model]):
-        base = _snake(type(layer).__name__)
-        out.append((layer, base if base not in used else f"{base}_{used[base] + 1}"))
-        used[base] = used.get(base, -1) + 1
-    return out
 
 
 def quant_file_layers(entries: dict, path: str, config: dict | None = None) -> dict[str, None]:
     """{layer group: None} of every quantized Dense in a ``.weights.h5``'s datasets ``entries``
     (an int8 kernel); their schemes need the spec's widths (:func:`quant_file_template`)."""
-    return {group: None for group, v in _groups(entries).items() if 0 in v and v[0][1] == "int8"}
+    return {group: None for group, v in layer_groups(entries).items() if 0 in v and v[0][1] == "int8"}
 
 
 def scheme_of(path: str, group: str, variables: dict[int, tuple], in_features: int, units: int,
@@ -103,7 +73,7 @@ def quant_file_template(template: Any, entries: dict, path: str) -> Any:
     """``template`` (the float Keras model the spec compiles to) with each Dense the file stores
     quantized quantized the same way by Keras itself, so that ``load_weights`` finds Keras' own
     structure; returns it."""
-    groups = _groups(entries)
+    groups = layer_groups(entries)
     layers, keyed = layers_of(template)
     prefix_of = {id(layer): (f"{i}." if keyed else "") for i, layer in enumerate(layers)}
     for layer, group in saved_names(template):
