@@ -19,7 +19,7 @@ from dense_bridge import checkpoints
 from dense_bridge.checkpoints import _native
 
 FILES = [("torch", "m.pt"), ("torch", "m.safetensors"), ("mlx", "m.safetensors"), ("mlx", "m.npz"),
-         ("flax", "m.msgpack"), ("keras", "m.weights.h5")]
+         ("flax", "m.msgpack"), ("keras", "m.weights.h5"), ("equinox", "m.eqx")]
 
 
 def every_activation_spec() -> db.Sequential:
@@ -36,7 +36,8 @@ def _bits(params: dict) -> dict:
 
 @pytest.mark.parametrize("backend,name", FILES)
 def test_a_native_file_loads_onto_its_framework_without_a_drawn_template(tmp_path, monkeypatch, backend, name):
-    pytest.importorskip({"torch": "torch", "mlx": "mlx.core", "flax": "flax", "keras": "keras"}[backend])
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core", "flax": "flax", "keras": "keras",
+                         "equinox": "equinox"}[backend])
     spec = every_activation_spec()
     model = db.compile(spec, backend, seed=4)
     path = str(tmp_path / name)
@@ -116,3 +117,37 @@ def test_names_from_the_spec_are_the_frameworks_own(backend, spec):
     assert sorted(name for name, _ in plan.values()) == sorted(native)
     for name, (stored, axes) in plan.items():  # canonical = native.transpose(axes)
         assert np.array_equal(native[stored].transpose(axes), canonical[name]), name
+
+
+@pytest.mark.parametrize("spec", [every_activation_spec(), db.Dense(3, in_features=2, use_bias=False),
+                                  db.Bilinear(3, 4, 2)], ids=["chain", "dense", "bilinear"])
+def test_equinox_leaf_order_from_the_spec_is_equinox_own(spec):
+    """An .eqx file has no names: the record order must be jax's leaf order of the compiled model."""
+    pytest.importorskip("equinox")
+    import equinox as eqx
+    import jax
+
+    from dense_bridge.backends.equinox import _files
+
+    order = _files._plan(spec)
+    model = db.compile(spec, "equinox", seed=0)
+    leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(model) if eqx.is_array(leaf)]
+    canonical = db.get_params(model)
+    assert len(order) == len(leaves) and {name for name, _ in order} == set(canonical)
+    for (name, axes), leaf in zip(order, leaves):
+        assert np.array_equal(leaf.transpose(axes).astype(canonical[name].dtype), canonical[name]), name
+
+
+def test_an_eqx_record_written_big_endian_loads_as_the_same_values(tmp_path):
+    """np.save on a big-endian machine writes '>f4' records: mapped in place, they are served in this
+    machine's byte order with the same values (never the bytes reinterpreted)."""
+    pytest.importorskip("equinox")
+    spec = db.Dense(3, in_features=2)
+    params = db.get_params(db.compile(spec, "equinox", seed=1))
+    path = tmp_path / "be.eqx"
+    with open(path, "wb") as f:  # Equinox's leaf order: weight (units, in), then bias
+        np.save(f, np.ascontiguousarray(params["kernel"].T).astype(">f4"))
+        np.save(f, params["bias"].astype(">f4"))
+    _, loaded = db.load(str(path), spec=spec)
+    assert _bits(loaded) == _bits(params)
+    assert _bits(db.get_params(db.load(str(path), "equinox", spec=spec))) == _bits(params)

@@ -23,7 +23,7 @@ import equinox as eqx
 
 from ._arrays import from_numpy, to_numpy
 from ._capture import capture
-from ._files import file_info, read_file, write_file
+from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
 from ._params import get_params, set_params
@@ -31,7 +31,7 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace
 
 __all__ = ["DenseLinear", "Bilinear", "Flatten",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
+           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
 
 
 def owns(obj) -> bool:

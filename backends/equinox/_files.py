@@ -6,9 +6,14 @@ structure is the template you deserialise into). ``file_info`` therefore names t
 position ("leaf.0", "leaf.1", ...), read with ``np.load`` record by record; ``read_file`` checks
 them against the template's leaves the same way, then ``eqx.tree_deserialise_leaves``. The bool
 masks are leaves too and travel with the file. No metadata slot: a spec must come from the caller.
+
+``file_views`` serves the records without any model: the leaf order of what :func:`compile`
+builds is known from the spec alone (per layer: weight, then bias, then mask; activations,
+Identity and Flatten are static and hold no leaf), so each record is mapped in place.
 """
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Callable, Mapping
 
@@ -17,7 +22,9 @@ import jax
 import numpy as np
 
 from dense_bridge._errors import CheckpointError, first_line
+from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge.checkpoints._safetensors import open_readonly
+from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("eqx",)
@@ -28,7 +35,7 @@ _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.f
 _NOT_RECORDS = "cannot read {path} as an Equinox file (eqx.tree_serialise_leaves records)"
 
 
-def _records(path: str) -> Entries:
+def _records(path: str, offsets: dict | None = None) -> Entries:
     """Every record's (shape, dtype) from its .npy header alone: nothing is allocated, each
     record's data must lie inside the file (a header claiming more than the file holds is refused
     before anything reads it: a 2 KB file may not cost gigabytes), and object arrays are refused."""
@@ -44,7 +51,7 @@ def _records(path: str) -> Entries:
                 read_header = _HEADER_READERS.get(version)
                 if read_header is None:
                     raise CheckpointError(f"{bad}: {where}: unsupported .npy version {version}")
-                shape, _, dtype = read_header(f)  # numpy caps the header at 10000 bytes
+                shape, fortran, dtype = read_header(f)  # numpy caps the header at 10000 bytes
                 # a negative dimension would make the byte count negative and the seek below go
                 # back, reading the same records forever
                 if not all(type(d) is int and 0 <= d for d in shape) or len(shape) > 32:
@@ -56,6 +63,8 @@ def _records(path: str) -> Entries:
                 if f.tell() + nbytes > size:
                     raise CheckpointError(f"{bad}: {where}: its header claims {tuple(shape)} {dtype} ({nbytes} bytes) "
                                           f"but only {size - f.tell()} bytes are left in the file")
+                if offsets is not None:
+                    offsets[f"leaf.{len(out)}"] = (f.tell(), dtype, fortran)
                 f.seek(nbytes, 1)
                 out[f"leaf.{len(out)}"] = (tuple(int(d) for d in shape), dtype.name)
     except OSError as exc:
@@ -63,6 +72,78 @@ def _records(path: str) -> Entries:
     except (ValueError, EOFError, SyntaxError, TypeError) as exc:
         raise CheckpointError(f"{bad}: {first_line(exc)}") from None
     return out
+
+
+def _plan(spec) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(canonical name, axes) of each leaf of the model :func:`compile` builds for ``spec``, in
+    ``jax.tree_util`` leaf order (the order ``tree_serialise_leaves`` writes); None for a layer
+    these rules do not describe. A DenseLinear holds weight (units, in) = kernel.T, bias, then the
+    bool mask (units, in) = mask.T; a Bilinear weight (units, in1, in2) is the canonical kernel."""
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    plan = []
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        if isinstance(layer, Dense):
+            plan.append((prefix + "kernel", (1, 0)))
+            if layer.use_bias:
+                plan.append((prefix + "bias", (0,)))
+            if layer.mask is not None:
+                plan.append((prefix + "mask", (1, 0)))
+        elif isinstance(layer, Bilinear):
+            plan.append((prefix + "kernel", (0, 1, 2)))
+            if layer.use_bias:
+                plan.append((prefix + "bias", (0,)))
+        elif layer_param_shapes(layer):
+            return None
+    return plan
+
+
+def file_views(path: str, container: str, spec, *, files=None, check: Callable[[Entries, Entries], None]):
+    """Canonical views of an ``.eqx`` file for ``spec``, no Equinox model built: each record mapped
+    where it lies (read-only), named by its position in the leaf order :func:`_plan` gives.
+    ``check(got, expected)`` compares every record's shape and dtype first; a mask record (bool)
+    is served in the weight's dtype, as ``get_params`` gives it."""
+    order = _plan(spec)
+    if order is None:
+        return None
+    shapes = canonical_shapes(spec)
+    plan, expected, as_dtype = {}, {}, {}
+    for i, (canonical, axes) in enumerate(order):
+        shape, dtype = shapes[canonical]
+        native = tuple(shape[a] for a in np.argsort(axes))
+        name = f"leaf.{i}"
+        plan[canonical] = (name, axes)
+        is_mask = canonical.rsplit(".", 1)[-1] == "mask"
+        expected[name] = (native, "bool" if is_mask else dtype)
+        if is_mask:
+            as_dtype[name] = dtype
+    offsets: dict = {}
+    check(_records(path, offsets), expected)
+    mapped = _map_readonly(path) if offsets else None
+
+    def read(name: str) -> np.ndarray:
+        start, dtype, fortran = offsets[name]
+        shape = expected[name][0]
+        count = int(np.prod(shape, dtype=np.int64))
+        flat = np.frombuffer(mapped, dtype=dtype, count=count, offset=start)
+        array = flat.reshape(shape, order="F" if fortran else "C")
+        if name in as_dtype:
+            return array.astype(as_dtype[name])
+        # a record np.save wrote on a big-endian machine: the same values in this machine's order
+        return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
+
+    return FileViews(plan, read)
+
+
+def _map_readonly(path: str) -> mmap.mmap:
+    """The whole file mapped read-only, opened the safe way (a FIFO or a device refused)."""
+    fd = open_readonly(path)
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot map {path}: {first_line(exc)}") from None
+    finally:
+        os.close(fd)
 
 
 def _expected(template) -> Entries:
