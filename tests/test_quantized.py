@@ -11,7 +11,7 @@ import pytest
 import dense_bridge as db
 from dense_bridge.quant import reference_dequantize
 
-IN, OUT = 64, 8
+from _quant_helpers import IN, OUT, empty_mlx_quantized_mlp, float_mlp
 
 
 def _mx():
@@ -450,27 +450,8 @@ def test_mlx_lm_4bit_model_into_torchao_intx_requantizes_with_errors_per_layer(m
 
 
 # ----------------------------------------------------------------------------- compare_models, float vs quantized
-def _float_mlp():
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, IN), torch.nn.ReLU(), torch.nn.Linear(IN, OUT))
-
-
 def _mlx_quantized_mlp(float_model):
-    mx, nn = _mx()
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = [nn.QuantizedLinear(IN, IN, group_size=32, bits=4), nn.ReLU(),
-                           nn.QuantizedLinear(IN, OUT, group_size=32, bits=4)]
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    model = MLP()
+    model = empty_mlx_quantized_mlp()
     report = db.transfer(float_model, model)  # float into quantized: MLX's own quantizer
     assert set(report.quant_errors) == {"layers.0", "layers.2"}
     return model
@@ -483,7 +464,7 @@ def _inputs():
 def test_compare_models_float_vs_quantized_passes_and_reports_the_predicted_error():
     from dense_bridge.testing import compare_models
 
-    ref = _float_mlp()
+    ref = float_mlp()
     report = compare_models(_mlx_quantized_mlp(ref), ref, _inputs())
     assert report.passed, str(report)
     rows = [q for layer in report.layers for q in layer.quantities if q.quantity == "quantization"]
@@ -499,7 +480,7 @@ def test_compare_models_names_the_layer_whose_codes_moved_wrong(damage):
     mx, _ = _mx()
     from dense_bridge.testing import compare_models
 
-    ref = _float_mlp()
+    ref = float_mlp()
     model = _mlx_quantized_mlp(ref)
     layer = model.layers[2]
     scales, biases = np.array(layer.scales), np.array(layer.biases)
@@ -519,7 +500,7 @@ def test_compare_models_names_the_layer_whose_codes_moved_wrong(damage):
 def test_compare_models_keras_int8_and_torchao_ports_pass(make_dst):
     from dense_bridge.testing import compare_models
 
-    ref = _float_mlp()
+    ref = float_mlp()
     if make_dst == "keras-int8":
         keras = _keras()[0]
         model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(IN), keras.layers.ReLU(),
@@ -529,7 +510,7 @@ def test_compare_models_keras_int8_and_torchao_ports_pass(make_dst):
             layer.quantize("int8")                         # input each layer multiplies
     else:
         torch, tq, _, PerGroup, _ = _torchao()
-        model = _float_mlp()
+        model = float_mlp()
         tq.quantize_(model, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     report = compare_models(model, ref, _inputs())
     assert report.passed, str(report)
@@ -564,7 +545,7 @@ def test_compare_models_without_keras_input_quantization_would_fail(monkeypatch)
     from dense_bridge.testing import compare_models
 
     keras = _keras()[0]
-    ref = _float_mlp()
+    ref = float_mlp()
     model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(IN), keras.layers.ReLU(), keras.layers.Dense(OUT)])
     db.transfer(ref, model)
     for layer in (model.layers[0], model.layers[2]):

@@ -8,7 +8,7 @@ import pytest
 
 import dense_bridge as db
 
-IN, OUT = 64, 8
+from _quant_helpers import IN, OUT, empty_mlx_quantized_mlp, float_mlp
 
 
 def _mx():
@@ -19,28 +19,9 @@ def _mx():
     return mx, nn
 
 
-def float_mlp():
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, IN), torch.nn.ReLU(), torch.nn.Linear(IN, OUT))
-
-
 def mlx_port(float_model):
     """The float MLP's port into MLX QuantizedLinear layers (4-bit, group 32) by db.transfer."""
-    mx, nn = _mx()
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = [nn.QuantizedLinear(IN, IN, group_size=32, bits=4), nn.ReLU(),
-                           nn.QuantizedLinear(IN, OUT, group_size=32, bits=4)]
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    model = MLP()
+    model = empty_mlx_quantized_mlp()
     db.transfer(float_model, model, mapping={"0": "layers.0", "2": "layers.2"})
     return model
 
