@@ -31,3 +31,23 @@ def empty_mlx_quantized_mlp():
             return x
 
     return MLP()
+
+
+def tiny_llama_as_mlx_lm_4bit(root):
+    """A 1-layer random Llama saved by transformers under ``root/hf`` (with a word-level
+    tokenizer, which ``mlx_lm.convert`` requires), converted by ``mlx_lm.convert(quantize=True)``
+    to 4 bits, group 32, under ``root/mlx``. Returns the transformers config."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(root / "hf")
+    mlx_lm.convert(hf_path=str(root / "hf"), mlx_path=str(root / "mlx"), quantize=True, q_group_size=32, q_bits=4)
+    return config

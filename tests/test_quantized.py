@@ -11,7 +11,7 @@ import pytest
 import dense_bridge as db
 from dense_bridge.quant import reference_dequantize
 
-from _quant_helpers import IN, OUT, empty_mlx_quantized_mlp, float_mlp
+from _quant_helpers import IN, OUT, empty_mlx_quantized_mlp, float_mlp, tiny_llama_as_mlx_lm_4bit
 
 
 def _mx():
@@ -392,22 +392,11 @@ def test_quantized_into_float_dequantizes_and_float_into_quantized_quantizes():
 # ----------------------------------------------------------------------------- mlx-lm, 4-bit, group 32
 @pytest.fixture(scope="module")
 def mlx_lm_llama(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    _mx()
-    mlx_lm = pytest.importorskip("mlx_lm")
+    pytest.importorskip("mlx_lm")
     from mlx_lm.utils import load_model
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(root / "hf")
-    mlx_lm.convert(hf_path=str(root / "hf"), mlx_path=str(root / "mlx"), quantize=True, q_group_size=32, q_bits=4)
+    config = tiny_llama_as_mlx_lm_4bit(root)
     model, _ = load_model(root / "mlx")
     return model, config, root / "hf"
 

@@ -13,6 +13,8 @@ import dense_bridge as db
 from dense_bridge.checkpoints import convert_file
 from dense_bridge.cli import _main as cli
 
+from _quant_helpers import tiny_llama_as_mlx_lm_4bit
+
 IN, HID, OUT = 64, 32, 8
 CODE_KEYS = ("qkernel", "scale", "offset", "zero", "bias")
 
@@ -254,20 +256,8 @@ def test_cli_inspect_and_convert_show_and_carry_codes(tmp_path, capsys):
 # ----------------------------------------------------------------------------- mlx-lm directories
 @pytest.fixture(scope="module")
 def mlx_lm_dir(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    _mx()
-    mlx_lm = pytest.importorskip("mlx_lm")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(root / "hf")
-    mlx_lm.convert(hf_path=str(root / "hf"), mlx_path=str(root / "mlx"), quantize=True, q_group_size=32, q_bits=4)
+    tiny_llama_as_mlx_lm_4bit(root)
     return root / "mlx"
 
 
