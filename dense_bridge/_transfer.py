@@ -28,6 +28,11 @@ Removed because their median gain was under 10% where they run (four runs): a sh
 (threads are made per call: no fork handling), 2 MiB huge-page alignment (+8%); BLAS row sums
 for the finiteness test (slower than numpy's sum outside the transposes).
 
+- Where the optional C extension ``dense_bridge._fused`` is built (:data:`FUSED`), contiguous
+  copies test each word for NaN/Inf on its way through a register (``copy_count``) and the
+  scans count exponent bits in C (``count``): the check then costs no pass of its own. Without
+  it the numpy paths above give the same results. Measured: ``benchmarks/bench_scan_limits.py``.
+
 Copies move raw bits (through same-width unsigned views), so every dtype, bfloat16 and NaN
 payloads included, arrives bit-identical.
 """
@@ -40,7 +45,13 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ALIGN", "empty", "native_copy", "count_nonfinite", "is_aligned", "core_to_spare"]
+try:  # optional: built by setup.py where a C compiler is found (see _fused.c)
+    from . import _fused as FUSED
+except ImportError:  # pragma: no cover - exercised by forcing FUSED = None in the tests
+    FUSED = None
+
+__all__ = ["ALIGN", "FUSED", "empty", "native_copy", "copy_into", "count_nonfinite", "is_aligned",
+           "core_to_spare"]
 
 ALIGN = 64  # bytes: Eigen's (TF's) EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; torch allocates so too
 _COLS = 2048  # source columns per transposed tile
@@ -51,8 +62,9 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: and the largest array (cache-resident blocks) it does so for.
 _ROW_SUM_MAX = 1 << 16
 _ROW_SUM_BYTES = 4 << 20
-#: Exponent bits of the 2-byte floats: all set means Inf or NaN.
-_EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+#: Exponent bits of each float dtype: all set means Inf or NaN.
+_EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000,
+                   "float64": 0x7FF0000000000000}
 _BITS_CHUNK = 1 << 20  # elements per scratch buffer of the bit test (2 MiB)
 
 
@@ -99,6 +111,9 @@ def count_nonfinite(value: np.ndarray) -> int:
     """
     if value.dtype == bool or np.issubdtype(value.dtype, np.integer) or value.size == 0:
         return 0
+    mask = _EXPONENT_MASKS.get(value.dtype.name)
+    if FUSED is not None and mask is not None and value.flags.c_contiguous and value.flags.aligned:
+        return FUSED.count(_raw(value).reshape(-1), value.dtype.itemsize, mask)
     if value.dtype.itemsize == 2:
         return _count_nonfinite_bits(value)
     acc = np.float64 if value.dtype == np.float64 else np.float32
@@ -168,24 +183,52 @@ def blocked_transpose(out: np.ndarray, swapped: np.ndarray, check: bool) -> int:
 def native_copy(src: np.ndarray, perm: Sequence[int] | None = None, *,
                 check_finite: bool = False) -> tuple[np.ndarray, int]:
     """A fresh 64-byte aligned C-contiguous copy of ``src.transpose(perm)``, bit for bit,
-    and its number of NaN/Inf entries (0 unless ``check_finite``).
-
-    ``src`` may be any view, of any framework's memory: it is only read. Copies of at least
-    :data:`_THREADED` bytes are split over the machine's cores (row strips of the output, each
-    filled, page-faulted and checked on its own thread: numpy releases the GIL while copying).
-    """
+    and its number of NaN/Inf entries (0 unless ``check_finite``). See :func:`copy_into`."""
     src = np.asarray(src)
     view = src if perm is None else src.transpose(tuple(perm))
     out = empty(view.shape, view.dtype)
+    return out, copy_into(out, src, perm, check_finite=check_finite)
+
+
+def copy_into(out: np.ndarray, src: np.ndarray, perm: Sequence[int] | None = None, *,
+              check_finite: bool = False) -> int:
+    """Write ``src.transpose(perm)`` into ``out`` bit for bit; its NaN/Inf count (0 unless
+    ``check_finite``).
+
+    ``out``: writable and C-contiguous, of the transposed shape and ``src``'s dtype: fresh
+    memory from :func:`empty`, or memory a framework allocated for dense_bridge to fill (MLX's
+    reader hands it over so). ``src`` may be any view, of any framework's memory: it is only
+    read. Copies of at least :data:`_THREADED` bytes are split over the machine's cores (row
+    strips of the output, each filled, page-faulted and checked on its own thread: numpy and
+    :data:`FUSED` release the GIL while copying).
+    """
+    src = np.asarray(src)
+    view = src if perm is None else src.transpose(tuple(perm))
+    if out.shape != view.shape or out.dtype != view.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous {view.dtype} array of shape {view.shape}. "
+                         f"Received: out {out.dtype} {out.shape}, contiguous={out.flags.c_contiguous}, "
+                         f"writable={out.flags.writeable}")
     transposed = view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \
         and view.swapaxes(-1, -2).flags.c_contiguous  # e.g. torch's W.T
     cores = _cores()
     if cores > 1 and view.nbytes >= _THREADED and view.ndim >= 1 and (transposed or view.flags.c_contiguous):
-        return out, _on_cores(out, view, transposed, check_finite, cores)
+        return _on_cores(out, view, transposed, check_finite, cores)
     if transposed:
-        return out, blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
+        return blocked_transpose(out, view.swapaxes(-1, -2), check_finite)
+    if view.flags.c_contiguous:
+        return _copy_counting(out, view, check_finite)
     np.copyto(_raw(out), _raw(view))
-    return out, count_nonfinite(out) if check_finite else 0
+    return count_nonfinite(out) if check_finite else 0
+
+
+def _copy_counting(out: np.ndarray, src: np.ndarray, check: bool) -> int:
+    """out = src (both C-contiguous, same shape and dtype), with src's NaN/Inf count when ``check``:
+    in the copy's own pass where :data:`FUSED` is built, else a numpy copy and a scan of ``out``."""
+    mask = _EXPONENT_MASKS.get(src.dtype.name, 0) if check else 0
+    if FUSED is not None and src.dtype.itemsize in (2, 4, 8) and src.size and src.flags.aligned and out.flags.aligned:
+        return FUSED.copy_count(_raw(out).reshape(-1), _raw(src).reshape(-1), src.dtype.itemsize, mask)
+    np.copyto(_raw(out), _raw(src))
+    return count_nonfinite(out) if check else 0
 
 
 #: Bytes from which a copy is split over the cores: below it the threads' start-up (~50 us
@@ -223,12 +266,11 @@ def _on_cores(out: np.ndarray, view: np.ndarray, transposed: bool, check_finite:
             return blocked_transpose(out[..., a:a + step, :], swapped[..., a:a + step], check_finite)
         starts = range(0, rows, step)
     else:  # flat chunks of a plain copy
-        flat_out, flat_in = _raw(out).reshape(-1), _raw(view).reshape(-1)
+        flat_out, flat_in = out.reshape(-1), view.reshape(-1)
         step = -(-flat_out.size // (cores * 4096)) * 4096
 
         def job(a: int) -> int:
-            np.copyto(flat_out[a:a + step], flat_in[a:a + step])
-            return count_nonfinite(out.reshape(-1)[a:a + step]) if check_finite else 0
+            return _copy_counting(flat_out[a:a + step], flat_in[a:a + step], check_finite)
         starts = range(0, flat_out.size, step)
     counts: list[int] = []
     errors: list[BaseException] = []

@@ -1,0 +1,148 @@
+"""dense_bridge._fused, the optional C copy that counts NaN/Inf in the same pass, against numpy.
+
+Every 2-byte bit pattern, random and special 4- and 8-byte patterns, every length up to past
+the vector loops' tails with the bad value in each position, buffers that start off a vector
+boundary, and the errors for buffers that do not fit. Where no C compiler was found at install
+the extension is absent and these tests skip (the numpy fallback is tested wherever the copies
+are, with the extension switched off).
+"""
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dense_bridge import _transfer
+
+FUSED = _transfer.FUSED
+needs_fused = pytest.mark.skipif(FUSED is None, reason="dense_bridge._fused is not built here")
+
+MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+UINTS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _reference_count(bits: np.ndarray, dtype: str) -> int:
+    with np.errstate(invalid="ignore"):  # ml_dtypes' isfinite warns on its own NaN patterns
+        return int(np.count_nonzero(~np.isfinite(bits.view(DTYPES[dtype]))))
+
+
+def test_extension_is_built_where_a_compiler_is():
+    # setup.py builds it as optional: a broken build would otherwise pass unnoticed as the fallback
+    if shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert FUSED is not None, "a C compiler is here but dense_bridge._fused was not built"
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_two_byte_pattern(dtype):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty_like(bits)
+    assert FUSED.copy_count(out, bits, 2, MASKS[dtype]) == _reference_count(bits, dtype)
+    assert np.array_equal(out, bits)
+    assert FUSED.count(bits, 2, MASKS[dtype]) == _reference_count(bits, dtype)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_random_and_special_wide_patterns(dtype):
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    uint = UINTS[itemsize]
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, np.iinfo(uint).max, 1 << 18, dtype=uint, endpoint=True)
+    specials = np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, np.finfo(DTYPES[dtype]).max,
+                         np.finfo(DTYPES[dtype]).tiny / 2], DTYPES[dtype]).view(uint)
+    bits[rng.choice(bits.size, 64, replace=False)] = np.resize(specials, 64)
+    out = np.empty_like(bits)
+    assert FUSED.copy_count(out, bits, itemsize, MASKS[dtype]) == _reference_count(bits, dtype)
+    assert np.array_equal(out, bits)
+    assert FUSED.count(bits, itemsize, MASKS[dtype]) == _reference_count(bits, dtype)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", list(MASKS))
+def test_every_length_and_position(dtype):
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    uint = UINTS[itemsize]
+    inf = np.array([np.inf], DTYPES[dtype]).view(uint)[0]
+    for n in range(0, 70):
+        finite = np.ones(n, DTYPES[dtype]).view(uint)
+        out = np.zeros_like(finite)
+        assert FUSED.copy_count(out, finite, itemsize, MASKS[dtype]) == 0
+        assert np.array_equal(out, finite)
+        for k in range(n):
+            bad = finite.copy()
+            bad[k] = inf
+            assert FUSED.copy_count(out, bad, itemsize, MASKS[dtype]) == 1, (n, k)
+            assert out[k] == inf
+            assert FUSED.count(bad, itemsize, MASKS[dtype]) == 1, (n, k)
+
+
+@needs_fused
+@pytest.mark.parametrize("start", [0, 4, 8, 24, 40])
+def test_buffers_off_vector_boundaries(start):
+    raw = np.zeros(4096 + 128, np.uint8)
+    base = (-raw.ctypes.data) % 64
+    src = raw[base + start:base + start + 4096].view(np.uint32)
+    src[:] = np.arange(src.size, dtype=np.float32).view(np.uint32)
+    src[517] = 0xFF800000  # -Inf
+    dst_raw = np.zeros_like(raw)
+    dst = dst_raw[base + 24:base + 24 + 4096].view(np.uint32)  # where MLX's buffers start
+    assert FUSED.copy_count(dst, src, 4, MASKS["float32"]) == 1
+    assert np.array_equal(dst, src)
+
+
+@needs_fused
+def test_mask_zero_copies_without_counting():
+    src = np.array([np.nan, 1.0, np.inf], np.float32).view(np.uint32)
+    out = np.zeros_like(src)
+    assert FUSED.copy_count(out, src, 4, 0) == 0
+    assert np.array_equal(out, src)
+
+
+@needs_fused
+def test_buffers_that_do_not_fit_are_refused():
+    a = np.zeros(8, np.uint32)
+    with pytest.raises(ValueError, match="dst has 32 bytes and src 28"):
+        FUSED.copy_count(np.zeros(8, np.uint32), a[:7], 4, MASKS["float32"])
+    with pytest.raises(ValueError, match="itemsize must be 2, 4 or 8. Received: itemsize=3"):
+        FUSED.count(a, 3, 0x7F)
+    with pytest.raises(ValueError, match="not a multiple of itemsize=8"):
+        FUSED.count(np.zeros(3, np.uint32), 8, MASKS["float64"])
+    with pytest.raises(ValueError, match="wider than itemsize=2"):
+        FUSED.count(np.zeros(4, np.uint16), 2, MASKS["float32"])
+    readonly = np.zeros(8, np.uint32)
+    readonly.flags.writeable = False
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        FUSED.copy_count(readonly, a, 4, MASKS["float32"])
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        FUSED.count(np.zeros((4, 4), np.uint32)[:, ::2], 4, MASKS["float32"])  # not contiguous
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["C kernel", "numpy"])
+@pytest.mark.parametrize("dtype", list(MASKS))
+def test_transfer_gives_the_same_counts_either_way(monkeypatch, fused, dtype):
+    if fused and FUSED is None:
+        pytest.skip("dense_bridge._fused is not built here")
+    if not fused:
+        monkeypatch.setattr(_transfer, "FUSED", None)
+    rng = np.random.default_rng(3)
+    value = rng.uniform(-3, 3, (300, 70)).astype(DTYPES[dtype])
+    value[4, 9], value[299, 69], value[150, 0] = np.nan, np.inf, -np.inf
+    assert _transfer.count_nonfinite(value) == 3
+    for perm in (None, (1, 0)):
+        out, count = _transfer.native_copy(value, perm, check_finite=True)
+        expected = value if perm is None else value.T
+        assert count == 3 and np.array_equal(out.view(UINTS[out.itemsize]), np.ascontiguousarray(expected).view(
+            UINTS[out.itemsize]))
+    raw = np.zeros(value.nbytes + 1, np.uint8)  # one byte off: the C kernel is not given it
+    raw[1:] = value.reshape(-1).view(np.uint8)
+    misaligned = raw[1:].view(DTYPES[dtype]).reshape(value.shape)
+    assert not misaligned.flags.aligned
+    assert _transfer.count_nonfinite(misaligned) == 3
+    out, count = _transfer.native_copy(misaligned, check_finite=True)
+    assert count == 3 and np.array_equal(out.view(UINTS[out.itemsize]), value.view(UINTS[out.itemsize]))
