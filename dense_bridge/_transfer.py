@@ -2,8 +2,10 @@
 
 Adapters hand frameworks memory they no longer touch: :func:`native_copy` fills a FRESH
 buffer with the parameter in the target framework's layout, and the adapter gives it away
-through a supported zero-copy import (``torch.from_numpy``, TF DLPack). Nothing here ever
-writes into memory a framework owns.
+through a supported zero-copy import (``torch.from_numpy``, TF DLPack). A framework that makes
+its own copies instead can hand over memory it just allocated for the array it is building
+(MLX, through its stream reader: ``backends/mlx/_fill.py``): :func:`copy_into` fills that. No
+array anyone can see yet is ever written.
 
 Only what measurably pays is here (``python benchmarks/bench_convert.py --ablation``, single
 thread and all cores in the same run; ``benchmarks/results/transfer_ablation.md``):
@@ -44,6 +46,8 @@ import threading
 from typing import Sequence
 
 import numpy as np
+
+from ._errors import ConversionError
 
 try:  # optional: built by setup.py where a C compiler is found (see _fused.c)
     from . import _fused as FUSED
@@ -205,7 +209,7 @@ def copy_into(out: np.ndarray, src: np.ndarray, perm: Sequence[int] | None = Non
     src = np.asarray(src)
     view = src if perm is None else src.transpose(tuple(perm))
     if out.shape != view.shape or out.dtype != view.dtype or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out must be a writable C-contiguous {view.dtype} array of shape {view.shape}. "
+        raise ConversionError(f"out must be a writable C-contiguous {view.dtype} array of shape {view.shape}. "
                          f"Received: out {out.dtype} {out.shape}, contiguous={out.flags.c_contiguous}, "
                          f"writable={out.flags.writeable}")
     transposed = view.nbytes >= _SMALL and view.ndim >= 2 and not view.flags.c_contiguous \

@@ -163,5 +163,5 @@ def test_filled_arrays_every_dtype_and_no_empty_ones():
     got = _fill.filled_arrays(arrays, fill)
     for array, value in zip(got, values):
         assert np.array_equal(_bits(array), value.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[value.itemsize]))
-    with pytest.raises(ValueError, match="no empty arrays"):
+    with pytest.raises(db.ConversionError, match="no empty arrays"):
         _fill.filled_arrays([((0, 3), "float32")], fill)

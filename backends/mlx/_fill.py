@@ -19,9 +19,7 @@ then. Measured: ``benchmarks/bench_scan_limits.py``.
 from __future__ import annotations
 
 import io
-import json
 import queue
-import struct
 import threading
 from typing import Callable, Sequence
 
@@ -29,13 +27,15 @@ import mlx.core as mx
 import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
+from dense_bridge._errors import ConversionError
+from dense_bridge.checkpoints._safetensors import PendingTensor, header_bytes
 
-#: safetensors names of the dtypes filled this way (MLX's reader has no F64: float64 keeps mx.array)
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+#: dtypes filled this way (MLX's safetensors reader has no F64: float64 keeps mx.array)
+_FILLED_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def can_fill(dtype: str) -> bool:
-    return dtype in _SAFETENSORS_DTYPES
+    return dtype in _FILLED_DTYPES
 
 
 class _HandOverStream(io.RawIOBase):
@@ -45,18 +45,15 @@ class _HandOverStream(io.RawIOBase):
 
     def __init__(self, arrays: Sequence[tuple[tuple[int, ...], str]], handed: queue.SimpleQueue):
         super().__init__()
-        header, offset, starts = {}, 0, []
-        for i, (shape, dtype) in enumerate(arrays):
-            nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
-            header[str(i)] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                              "data_offsets": [offset, offset + nbytes]}
-            starts.append(offset)
-            offset += nbytes
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-        self._head = struct.pack("<Q", len(text)) + text
-        self._size = len(self._head) + offset
-        self._by_start = {len(self._head) + start: i for i, start in enumerate(starts)}
+        # the header comes from the one safetensors writer; the data is never produced here
+        tensors = {str(i): PendingTensor(numpy_dtype(dtype), tuple(shape), produce=None)
+                   for i, (shape, dtype) in enumerate(arrays)}
+        self._head, order = header_bytes(tensors, None)
+        self._by_start, start = {}, len(self._head)
+        for name in order:
+            self._by_start[start] = int(name)
+            start += tensors[name].nbytes
+        self._size = start
         self._arrays, self._handed, self._pos = list(arrays), handed, 0
 
     def readable(self) -> bool:
@@ -96,7 +93,8 @@ def filled_arrays(arrays: Sequence[tuple[tuple[int, ...], str]], fill: Callable[
     C-contiguous numpy array (bfloat16 as ml_dtypes) that ``fill`` must write completely.
     Whatever ``fill`` raises is raised here, once MLX has finished (the arrays are dropped)."""
     if any(int(np.prod(shape)) == 0 for shape, _ in arrays):
-        raise ValueError("filled_arrays makes no empty arrays (they would share a stream offset)")
+        raise ConversionError("filled_arrays makes no empty arrays (they would share a stream offset). "
+                              f"Received: shapes {[tuple(shape) for shape, _ in arrays]}")
     handed: queue.SimpleQueue = queue.SimpleQueue()
     loaded: dict = {}
     done = object()
