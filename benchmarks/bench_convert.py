@@ -740,6 +740,57 @@ def _scans_inline(convert: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def once_child(src: str, dst: str, variant: str, layers: int, width: int) -> float:
+    """Milliseconds of ONE call of ``variant`` ("convert" or "port") in this fresh process: the
+    frameworks and dense_bridge are imported and warmed up on a tiny model first (the same
+    variant), so only the conversion's own work is timed, on memory no earlier call touched."""
+    def call(n_layers: int, n_width: int) -> Callable[[], object]:
+        source = build(src, n_layers, n_width)
+        if variant == "convert":
+            return lambda: db.convert(source, to=dst)
+        return user_port(source, src, dst, n_layers, n_width)
+    call(1, 8)()  # imports, first calls
+    run = call(layers, width)
+    start = time.perf_counter()
+    out = run()
+    elapsed = time.perf_counter() - start
+    del out
+    return elapsed * 1e3
+
+
+def measure_once(pairs, layers: int, width: int, processes: int) -> dict[str, dict[str, list[float]]]:
+    """pair -> {"convert": [ms...], "port": [ms...]}: each the first call in its own process,
+    the two variants alternating so that drift hits both alike."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for src, dst in pairs:
+        times: dict[str, list[float]] = {"convert": [], "port": []}
+        for _ in range(processes):
+            for variant in times:
+                done = subprocess.run([sys.executable, __file__, "--once-child", f"{src},{dst},{variant}",
+                                       "--layers", str(layers), "--width", str(width)],
+                                      capture_output=True, text=True, check=True)
+                times[variant].append(json.loads(done.stdout.strip().splitlines()[-1])["ms"])
+        out[f"{src} -> {dst}"] = times
+        print(f"once: {src} -> {dst}: " + ", ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items()),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def once_rows(results: dict[str, dict[str, list[float]]]) -> list[list[str]]:
+    rows = []
+    for pair, t in results.items():
+        c, p = t["convert"], t["port"]
+        ratios = [b / a for a, b in zip(c, p)]
+        rows.append([pair, f"{statistics.median(c):.1f} ({', '.join(f'{x:.1f}' for x in c)})",
+                     f"{statistics.median(p):.1f} ({', '.join(f'{x:.1f}' for x in p)})",
+                     f"{statistics.median(ratios):.2f}x"])
+    return rows
+
+
+ONCE_HEADER = ["pair", "convert ms, first call in a fresh process", "user's port ms, the same",
+               "port / convert (median of pairs of processes)"]
+
+
 PLAIN_HEADER = ["pair", "convert ms", "user's port ms", "convert / port (into MLX >= 0.95x)",
                 "all-core limit ms", "convert / all-core (>= 0.8)", "scan's share of convert (<= 10%)",
                 "scans inline / beside the copy (time)"]
@@ -767,9 +818,13 @@ def plain_main(args, pairs, argv) -> int:
             results[f"{src} -> {dst}"].append(r)
             print(f"run {run + 1}: {src} -> {dst}: " + ", ".join(f"{k} {v:.3g}" for k, v in r.items()),
                   file=sys.stderr, flush=True)
+    once = measure_once(pairs, args.layers, args.width, args.once) if args.once else {}
     load_after = os.getloadavg()
     text = table([plain_row(pair, runs) for pair, runs in results.items()], PLAIN_HEADER)
     print(text)
+    once_text = table(once_rows(once), ONCE_HEADER) if once else ""
+    if once_text:
+        print("\n" + once_text)
     command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])
     mb = param_bytes(args.layers, args.width) / 1e6
     report = [
@@ -793,6 +848,11 @@ def plain_main(args, pairs, argv) -> int:
         "the calling thread after the framework's copy, over convert as shipped (each big array's scan started "
         "on a second thread just before `mx.array` copies it): > 1 means the second core pays.", "",
     ]
+    if once_text:
+        report += [f"## The first call in a fresh process (`--once {args.once}`)", "",
+                   "A model ported once: each variant is the first call of its kind in its own process (imports and "
+                   "first calls warmed up on a 1 x 8 model), so its memory is memory no earlier call touched. "
+                   "Processes alternate convert, port.", "", once_text, ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(report))
@@ -877,6 +937,10 @@ def main(argv=None) -> int:
                              "port, the all-core limit and convert with allow_nonfinite=True (the scan's share), "
                              "over --runs runs; default output benchmarks/results/convert_plain.md")
     parser.add_argument("--runs", type=int, default=3, help="with --plain: separate runs of every pair (>= 3)")
+    parser.add_argument("--once", type=int, default=0,
+                        help="with --plain: also time convert and the user's port as the first call in a fresh "
+                             "process, this many processes each (the one-off port of a model)")
+    parser.add_argument("--once-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
                         help="Keras on this engine (the run is repeated in a subprocess with KERAS_BACKEND set); "
@@ -889,6 +953,10 @@ def main(argv=None) -> int:
         return subprocess.run([sys.executable, __file__, *rest],
                               env={**os.environ, "KERAS_BACKEND": args.keras_backend}).returncode
 
+    if args.once_child:
+        src, dst, variant = args.once_child.split(",")
+        print(json.dumps({"ms": once_child(src, dst, variant, args.layers, args.width)}))
+        return 0
     if args.memory_child:
         src, dst = args.memory_child.split(",")
         print(json.dumps(memory_child(src, dst, args.layers, args.width)))

@@ -182,7 +182,8 @@ def _fillable(spec, source: ParamSource, index: int) -> bool:
     beside MLX's own copy costs less than numpy's check after dense_bridge's), and a kernel
     stored (out, in) like MLX's weight: for one stored (in, out) (Keras, canonical files) MLX's
     transposing copy in ``mx.array`` runs near memcpy speed, numpy's tiles at a fifth of it."""
-    if not (isinstance(spec, Dense) and not spec.lazy and spec.mask is None and source.given
+    if not (isinstance(spec, Dense) and not spec.lazy and spec.mask is None
+            and isinstance(source, ParamSource) and source.given
             and _transfer.FUSED is not None and can_fill(spec.dtype) and spec.units * spec.in_features > 0):
         return False
     return np.asarray(source.params[source.param_name(index, "kernel")]).T.flags.c_contiguous
