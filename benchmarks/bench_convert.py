@@ -186,13 +186,14 @@ def _cores() -> int:
 
 
 def _threaded_copy_jobs(out: np.ndarray, a: np.ndarray, transposing: bool, pieces: int) -> list[Callable[[], object]]:
-    """out = a.T (transposing, with dense_bridge's cache-blocked kernel) or out = a, split into
-    ``pieces`` column strips / flat chunks for a thread pool."""
+    """out = a.T (transposing, with dense_bridge's transpose: the C kernel's AVX2 blocks where
+    built, else numpy's cache-blocked tiles) or out = a, split into ``pieces`` column strips /
+    flat chunks for a thread pool."""
     from dense_bridge import _transfer
 
-    if transposing and a.ndim == 2:
+    if transposing and a.ndim == 2:  # dense_bridge's fastest transpose here: the C kernel's where built
         step = -(-a.shape[1] // pieces)
-        return [lambda j=j: _transfer.blocked_transpose(out[j:j + step], a[:, j:j + step], False)
+        return [lambda j=j: _transfer._transpose_rows(out, a, j, min(step, a.shape[1] - j), False)
                 for j in range(0, a.shape[1], step)]
     fo, fa = out.reshape(-1), a.reshape(-1)
     step = -(-fa.size // pieces)
@@ -221,7 +222,7 @@ def fresh_limits(weights, transposing: bool) -> dict[str, Callable[[], object]]:
         for a in srcs:
             if a.ndim == 2:
                 o = np.empty(a.T.shape, a.dtype)
-                _transfer.blocked_transpose(o, a, False)
+                _transfer._transpose_rows(o, a, 0, a.shape[1], False)
             else:
                 o = np.copy(a)
             out.append(o)
@@ -593,10 +594,12 @@ def _variant(name: str):
 
     @contextlib.contextmanager
     def patched():
-        saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose")}
+        saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose", "FUSED")}
         saved_params_copy = params_mod.native_copy
         try:
             copy = None
+            if name != "full":  # the numpy kernels' variants: the C kernel would bypass what they change
+                _transfer.FUSED = None
             if name == "plain copy (np.copyto + np.isfinite)":
                 copy = _plain_native_copy
             elif name == "no cache-blocked transpose":

@@ -18,12 +18,17 @@ every variant runs once (round-robin, so drift hits all alike):
    numpy's own integer loops (``np.positive`` on same-width unsigned views) copy the same bits
    without that trap.
 
-3. Into MLX (--layers x --width^2 float32, when MLX is installed): ``mx.array`` copies alone (the
+3. Into MLX (--layers x --width^2 float32, when MLX is installed; MLX's buffer cache raised so that
+   every variant gets recycled memory): ``mx.array`` copies alone (the
    user's port), the scan on the calling thread before the copies, the scan on a second core
-   beside each copy (what dense_bridge ships), and dense_bridge writing MLX's memory itself
-   through ``mx.load`` of a stream (MLX allocates each array and hands its memory to the
-   stream's ``readinto``): the copy alone, the copy with each 256 KiB piece checked right after
-   it (fused), and the copy with a second core checking each 4 MiB piece just copied (trailing).
+   beside each copy (what dense_bridge does for kernels stored (in, out)), and dense_bridge
+   writing MLX's memory itself (``backends/mlx/_fill.py``: ``mx.load`` of a stream, MLX allocates
+   each array and hands its memory over): the copy alone, the copy with each 256 KiB piece
+   checked in numpy right after it (fused), with a second core checking each 4 MiB piece just
+   copied (trailing), and with the C kernel counting in the copy's own pass (shipped).
+
+Where ``dense_bridge._fused`` is built (a C compiler at install), its count and its copy that
+counts are measured beside numpy's kernels.
 
 Run:  python benchmarks/bench_scan_limits.py [--layers 6] [--width 2048] [--repeats 15]
 Writes benchmarks/results/scan_limits.md (--out).
@@ -32,11 +37,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
-import json
 import os
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -44,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
+
+from dense_bridge import _transfer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import table  # noqa: E402
@@ -98,6 +102,17 @@ def kernel_table(repeats: int) -> tuple[list[list[str]], list[str]]:
     for name, k in kernels(zeros).items():
         fns[name] = {"l2": lambda k=k: k(small), "dram": lambda k=k: k(big),
                      "dram2": lambda k=k: two_threads(lambda i: k(bigs[i]))}
+    if _transfer.FUSED is not None:
+        fused = _transfer.FUSED
+        mask = 0x7F800000
+        fns["C count (dense_bridge._fused)"] = {
+            "l2": lambda: fused.count(small, 4, mask), "dram": lambda: fused.count(big, 4, mask),
+            "dram2": lambda: two_threads(lambda i: fused.count(bigs[i], 4, mask))}
+        fns["C copy + count (dense_bridge._fused)"] = {
+            "l2": lambda: fused.copy_count(small_out.view(np.uint32), small.view(np.uint32), 4, mask),
+            "dram": lambda: fused.copy_count(big_outs[0].view(np.uint32), bigs[0].view(np.uint32), 4, mask),
+            "dram2": lambda: two_threads(lambda i: fused.copy_count(big_outs[i].view(np.uint32),
+                                                                     bigs[i].view(np.uint32), 4, mask))}
     fns["copy (np.copyto)"] = {"l2": lambda: np.copyto(small_out, small),
                                "dram": lambda: np.copyto(big_outs[0], bigs[0]),
                                "dram2": lambda: two_threads(lambda i: np.copyto(big_outs[i], bigs[i]))}
@@ -143,57 +158,11 @@ def piece_table(repeats: int) -> tuple[list[list[str]], list[str]]:
 
 
 # ------------------------------------------------------------------ into MLX
-class _FillStream(io.RawIOBase):
-    """A safetensors stream whose tensor bytes are written by ``fill(index, out)`` straight into the
-    memory MLX allocated for the array (``mx.load`` calls ``readinto`` once per array)."""
-
-    def __init__(self, arrays: list[np.ndarray], fill: Callable[[int, np.ndarray], None]) -> None:
-        header, offset = {}, 0
-        for i, a in enumerate(arrays):
-            header[str(i)] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-            offset += a.nbytes
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        self._head = struct.pack("<Q", len(text)) + text
-        self._size = len(self._head) + offset
-        self._index, start = {}, len(self._head)
-        for i, a in enumerate(arrays):
-            self._index[start] = i
-            start += a.nbytes
-        self._arrays, self._fill, self._pos = arrays, fill, 0
-        self.errors: list[BaseException] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else self._size + offset if whence == 2 else self._pos + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer)
-        n = view.nbytes
-        try:  # an exception raised into MLX's reader thread would not come back as one
-            if self._pos < len(self._head):
-                view[:n] = self._head[self._pos:self._pos + n]
-            else:
-                i = self._index[self._pos]
-                self._fill(i, np.frombuffer(view, np.float32).reshape(self._arrays[i].shape))
-        except BaseException as exc:  # noqa: BLE001 - re-raised after mx.load returns
-            self.errors.append(exc)
-        self._pos += n
-        return n
-
-
 def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], list[str]] | None:
     try:
         import mlx.core as mx
+
+        from dense_bridge.backends.mlx._fill import filled_arrays
     except ImportError:
         return None
     srcs = [np.random.default_rng(i).standard_normal((width, width), dtype=np.float32) for i in range(layers)]
@@ -245,26 +214,31 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
             np.positive(s[c:c + TRAIL_BLOCK], out=o[c:c + TRAIL_BLOCK])
             trailing_checks.append(scanner.submit(max_min_finite, f[c:c + TRAIL_BLOCK]))
 
+    def shipped(i, out):  # what db.convert does: the C copy that counts, on every core for 8 MiB and more
+        bad.append(_transfer.copy_into(out, srcs[i], check_finite=True) > 0)
+
     def through_load(fill):
         def run():
-            stream = _FillStream(srcs, fill)
-            out = mx.load(stream, format="safetensors")
-            if stream.errors:
-                raise stream.errors[0]
+            out = filled_arrays([(s.shape, "float32") for s in srcs], fill)
             bad.extend(not ok.result() for ok in trailing_checks)
             trailing_checks.clear()
             return out
         return run
 
     check = through_load(copy_only)()
-    assert all(np.array_equal(np.asarray(check[str(i)]), s) for i, s in enumerate(srcs)), "mx.load fill is not exact"
+    assert all(np.array_equal(np.asarray(a), s) for a, s in zip(check, srcs)), "mx.load fill is not exact"
     del check
+    # every variant on recycled memory: this table weighs copies and checks, not page faults or which
+    # thread's malloc arena an allocation lands in (bench_convert.py --plain and --once measure those)
+    cache_limit = mx.set_cache_limit(4 * sum(s.nbytes for s in srcs))
     fns = {"mx.array copies (the user's port)": port,
            "scan, then mx.array (inline)": inline,
-           "scan on a 2nd core beside mx.array (shipped)": beside,
+           "scan on a 2nd core beside mx.array (kernels stored (in, out))": beside,
            "own copy into MLX memory via mx.load, no check": through_load(copy_only),
-           "own copy, each 256 KiB checked after it (fused)": through_load(fused),
-           "own copy, 2nd core checks 4 MiB pieces behind it": through_load(trailing)}
+           "own copy, each 256 KiB checked after it in numpy (fused)": through_load(fused),
+           "own copy, 2nd core checks 4 MiB pieces behind it in numpy": through_load(trailing)}
+    if _transfer.FUSED is not None:
+        fns["own copy, C kernel counts in the copy's pass (shipped)"] = through_load(shipped)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -275,6 +249,7 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
             samples[k].append(time.perf_counter() - start)
             del out
             gc.collect()
+    mx.set_cache_limit(cache_limit)
     assert not any(bad), "a finite source was judged non-finite"
     port_s = samples["mx.array copies (the user's port)"]
     rows = [[k, f"{statistics.median(v) * 1e3:.2f}", f"{statistics.median(p / t for p, t in zip(port_s, v)):.2f}x"]

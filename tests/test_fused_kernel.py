@@ -146,3 +146,46 @@ def test_transfer_gives_the_same_counts_either_way(monkeypatch, fused, dtype):
     assert _transfer.count_nonfinite(misaligned) == 3
     out, count = _transfer.native_copy(misaligned, check_finite=True)
     assert count == 3 and np.array_equal(out.view(UINTS[out.itemsize]), value.view(UINTS[out.itemsize]))
+
+
+needs_transpose = pytest.mark.skipif(FUSED is None or not FUSED.has_transpose(),
+                                     reason="the C transpose needs dense_bridge._fused and AVX2")
+
+
+@needs_transpose
+@pytest.mark.parametrize("shape", [(1, 1), (1, 9), (9, 1), (8, 8), (9, 17), (16, 130), (131, 257), (41, 6500)])
+def test_transpose_matches_numpy_in_strips(shape):
+    n, m = shape
+    rng = np.random.default_rng(n * 1000 + m)
+    src = rng.integers(0, 2**32, (n, m), dtype=np.uint64).astype(np.uint32)  # every bit pattern class
+    expected_bad = _reference_count(src, "float32")
+    for strip in (m, 1, 7, 8, 64):
+        dst = np.zeros((m, n), np.uint32)
+        bad = sum(FUSED.transpose_count(dst, src, n, m, MASKS["float32"], a, min(strip, m - a))
+                  for a in range(0, m, strip))
+        assert np.array_equal(dst, src.T), (shape, strip)
+        assert bad == expected_bad, (shape, strip)
+
+
+@needs_transpose
+def test_transpose_finds_every_position():
+    n, m = 19, 13  # 8 x 8 blocks, a ragged row tail and a ragged column tail
+    inf = np.array([np.inf], np.float32).view(np.uint32)[0]
+    for i in range(n):
+        for j in range(m):
+            src = np.ones((n, m), np.float32).view(np.uint32)
+            src[i, j] = inf
+            dst = np.zeros((m, n), np.uint32)
+            assert FUSED.transpose_count(dst, src, n, m, MASKS["float32"], 0, m) == 1, (i, j)
+            assert dst[j, i] == inf
+
+
+@needs_transpose
+def test_transpose_refuses_what_does_not_fit():
+    src, dst = np.zeros((4, 6), np.uint32), np.zeros((6, 4), np.uint32)
+    with pytest.raises(ValueError, match=r"rows \[first, first \+ count\) = \[5, 7\) must lie in \[0, m=6\)"):
+        FUSED.transpose_count(dst, src, 4, 6, MASKS["float32"], 5, 2)
+    with pytest.raises(ValueError, match="both must be n \\* m \\* 4 = 96"):
+        FUSED.transpose_count(np.zeros((6, 3), np.uint32), src, 4, 6, MASKS["float32"], 0, 6)
+    with pytest.raises(ValueError, match="wider than 4 bytes"):
+        FUSED.transpose_count(dst, src, 4, 6, MASKS["float64"], 0, 6)

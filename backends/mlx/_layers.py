@@ -180,8 +180,10 @@ def _fillable(spec, source: ParamSource, index: int) -> bool:
     """Is the Dense layer at ``index`` made by :func:`_filled_layers` rather than ``mx.array``?
     Given params (not drawn or streamed), no mask, the fused kernel built (without it a scan
     beside MLX's own copy costs less than numpy's check after dense_bridge's), and a kernel
-    stored (out, in) like MLX's weight: for one stored (in, out) (Keras, canonical files) MLX's
-    transposing copy in ``mx.array`` runs near memcpy speed, numpy's tiles at a fifth of it."""
+    stored (out, in) like MLX's weight. For one stored (in, out) (Keras, canonical files) MLX's
+    own transposing copy in ``mx.array`` with the scan beside it beat filling: 13.7 against
+    16.4 ms with the C kernel's AVX2 transpose on both cores, 6 x 2048^2 float32, recycled
+    memory (numpy's tiles run at a fifth of MLX's copy)."""
     if not (isinstance(spec, Dense) and not spec.lazy and spec.mask is None
             and isinstance(source, ParamSource) and source.given
             and _transfer.FUSED is not None and can_fill(spec.dtype) and spec.units * spec.in_features > 0):
