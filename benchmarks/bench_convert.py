@@ -743,10 +743,12 @@ def _scans_inline(convert: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def once_child(src: str, dst: str, variant: str, layers: int, width: int) -> float:
-    """Milliseconds of ONE call of ``variant`` ("convert" or "port") in this fresh process: the
-    frameworks and dense_bridge are imported and warmed up on a tiny model first (the same
-    variant), so only the conversion's own work is timed, on memory no earlier call touched."""
+def once_child(src: str, dst: str, variant: str, layers: int, width: int, loop: int = 7) -> dict[str, float]:
+    """One process, one variant ("convert" or "port"): the milliseconds of its first call (the
+    frameworks and dense_bridge imported and warmed up on a tiny model first, so only the
+    conversion's own work is timed, on memory no earlier call touched), then the median of
+    ``loop`` more calls in a plain loop, each result dropped before the next: a user's loop, with
+    no other variant sharing the process's allocators."""
     def call(n_layers: int, n_width: int) -> Callable[[], object]:
         source = build(src, n_layers, n_width)
         if variant == "convert":
@@ -754,44 +756,44 @@ def once_child(src: str, dst: str, variant: str, layers: int, width: int) -> flo
         return user_port(source, src, dst, n_layers, n_width)
     call(1, 8)()  # imports, first calls
     run = call(layers, width)
-    start = time.perf_counter()
-    out = run()
-    elapsed = time.perf_counter() - start
-    del out
-    return elapsed * 1e3
+    times = [plain_timed(run) for _ in range(loop + 1)]
+    return {"first": times[0] * 1e3, "loop": statistics.median(times[1:]) * 1e3}
 
 
-def measure_once(pairs, layers: int, width: int, processes: int) -> dict[str, dict[str, list[float]]]:
-    """pair -> {"convert": [ms...], "port": [ms...]}: each the first call in its own process,
-    the two variants alternating so that drift hits both alike."""
-    out: dict[str, dict[str, list[float]]] = {}
+def measure_once(pairs, layers: int, width: int, processes: int) -> dict[str, dict[str, list[dict]]]:
+    """pair -> {"convert": [child results...], "port": [...]}: each from its own process (see
+    :func:`once_child`), the two variants alternating so that drift hits both alike."""
+    out: dict[str, dict[str, list[dict]]] = {}
     for src, dst in pairs:
-        times: dict[str, list[float]] = {"convert": [], "port": []}
+        results: dict[str, list[dict]] = {"convert": [], "port": []}
         for _ in range(processes):
-            for variant in times:
+            for variant in results:
                 done = subprocess.run([sys.executable, __file__, "--once-child", f"{src},{dst},{variant}",
                                        "--layers", str(layers), "--width", str(width)],
                                       capture_output=True, text=True, check=True)
-                times[variant].append(json.loads(done.stdout.strip().splitlines()[-1])["ms"])
-        out[f"{src} -> {dst}"] = times
-        print(f"once: {src} -> {dst}: " + ", ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items()),
-              file=sys.stderr, flush=True)
+                results[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        out[f"{src} -> {dst}"] = results
+        print(f"once: {src} -> {dst}: " + ", ".join(
+            f"{k} first {statistics.median(r['first'] for r in v):.1f} ms, loop {statistics.median(r['loop'] for r in v):.1f} ms"
+            for k, v in results.items()), file=sys.stderr, flush=True)
     return out
 
 
-def once_rows(results: dict[str, dict[str, list[float]]]) -> list[list[str]]:
+def once_rows(results: dict[str, dict[str, list[dict]]]) -> list[list[str]]:
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ({', '.join(f'{x:.1f}' for x in values)})"
     rows = []
-    for pair, t in results.items():
-        c, p = t["convert"], t["port"]
-        ratios = [b / a for a, b in zip(c, p)]
-        rows.append([pair, f"{statistics.median(c):.1f} ({', '.join(f'{x:.1f}' for x in c)})",
-                     f"{statistics.median(p):.1f} ({', '.join(f'{x:.1f}' for x in p)})",
-                     f"{statistics.median(ratios):.2f}x"])
+    for pair, r in results.items():
+        row = [pair]
+        for key in ("first", "loop"):
+            c, p = [x[key] for x in r["convert"]], [x[key] for x in r["port"]]
+            row += [cell(c), cell(p), f"{statistics.median(b / a for a, b in zip(c, p)):.2f}x"]
+        rows.append(row)
     return rows
 
 
-ONCE_HEADER = ["pair", "convert ms, first call in a fresh process", "user's port ms, the same",
-               "port / convert (median of pairs of processes)"]
+ONCE_HEADER = ["pair", "convert ms, first call", "port ms, first call", "port / convert, first call",
+               "convert ms, own loop", "port ms, own loop", "port / convert, own loop"]
 
 
 PLAIN_HEADER = ["pair", "convert ms", "user's port ms", "convert / port (into MLX >= 0.95x)",
@@ -852,10 +854,14 @@ def plain_main(args, pairs, argv) -> int:
         "on a second thread just before `mx.array` copies it): > 1 means the second core pays.", "",
     ]
     if once_text:
-        report += [f"## The first call in a fresh process (`--once {args.once}`)", "",
-                   "A model ported once: each variant is the first call of its kind in its own process (imports and "
-                   "first calls warmed up on a 1 x 8 model), so its memory is memory no earlier call touched. "
-                   "Processes alternate convert, port.", "", once_text, ""]
+        report += [f"## Each variant in its own process (`--once {args.once}`)", "",
+                   "Every cell from its own process per run (processes alternate convert, port): the first call "
+                   "(imports and first calls warmed up on a 1 x 8 model), which is a model ported once, on memory "
+                   "no earlier call touched; then the median of 7 more calls in a plain loop, which is a user's "
+                   "loop with no other variant sharing the process's allocators (the round-robin table above "
+                   "interleaves convert and the port in one process, so each inherits the memory the other "
+                   "freed). Into torch and Keras the port loads into a model built before the timing.", "",
+                   once_text, ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(report))
@@ -941,8 +947,8 @@ def main(argv=None) -> int:
                              "over --runs runs; default output benchmarks/results/convert_plain.md")
     parser.add_argument("--runs", type=int, default=3, help="with --plain: separate runs of every pair (>= 3)")
     parser.add_argument("--once", type=int, default=0,
-                        help="with --plain: also time convert and the user's port as the first call in a fresh "
-                             "process, this many processes each (the one-off port of a model)")
+                        help="with --plain: also time convert and the user's port each in its own process, this many "
+                             "processes each: the first call (a model ported once) and a plain loop after it")
     parser.add_argument("--once-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keras-backend", choices=("tensorflow", "jax", "torch"), default=None,
@@ -958,7 +964,7 @@ def main(argv=None) -> int:
 
     if args.once_child:
         src, dst, variant = args.once_child.split(",")
-        print(json.dumps({"ms": once_child(src, dst, variant, args.layers, args.width)}))
+        print(json.dumps(once_child(src, dst, variant, args.layers, args.width)))
         return 0
     if args.memory_child:
         src, dst = args.memory_child.split(",")

@@ -21,11 +21,13 @@ every variant runs once (round-robin, so drift hits all alike):
 3. Into MLX (--layers x --width^2 float32, when MLX is installed; MLX's buffer cache raised so that
    every variant gets recycled memory): ``mx.array`` copies alone (the
    user's port), the scan on the calling thread before the copies, the scan on a second core
-   beside each copy (what dense_bridge does for kernels stored (in, out)), and dense_bridge
-   writing MLX's memory itself (``backends/mlx/_fill.py``: ``mx.load`` of a stream, MLX allocates
-   each array and hands its memory over): the copy alone, the copy with each 256 KiB piece
-   checked in numpy right after it (fused), with a second core checking each 4 MiB piece just
-   copied (trailing), and with the C kernel counting in the copy's own pass (shipped).
+   beside each copy (what dense_bridge ships), and dense_bridge writing MLX's memory itself
+   (:func:`filled_arrays`: ``mx.load`` of a stream, MLX allocates each array and hands its
+   memory over): the copy alone, the copy with each 256 KiB piece checked in numpy right after it
+   (fused), with a second core checking each 4 MiB piece just copied (trailing), and with the C
+   kernel counting in the copy's own pass. Filling is not shipped: MLX allocates that memory on
+   its stream thread, whose malloc arena hands freed memory back to the system, so in a plain
+   loop of conversions every call touches new pages (``bench_convert.py --plain --once``).
 
 Where ``dense_bridge._fused`` is built (a C compiler at install), its count and its copy that
 counts are measured beside numpy's kernels.
@@ -158,11 +160,73 @@ def piece_table(repeats: int) -> tuple[list[list[str]], list[str]]:
 
 
 # ------------------------------------------------------------------ into MLX
+def filled_arrays(arrays: list[tuple[tuple[int, ...], str]], fill: Callable[[int, np.ndarray], None]) -> list:
+    """MLX arrays whose memory MLX allocates and ``fill(index, out)`` writes: ``mx.load`` of an
+    in-memory safetensors stream, whose ``readinto`` (on MLX's reader thread) only hands each
+    array's memory over; the calling thread fills it while MLX allocates the next one. (Measured
+    here, not shipped: see docs/ARCHITECTURE.md on ``_fused.c``.)"""
+    import io
+    import queue
+
+    import mlx.core as mx
+
+    from dense_bridge.checkpoints._safetensors import PendingTensor, header_bytes
+
+    tensors = {str(i): PendingTensor(np.dtype(dtype), tuple(shape), produce=None)
+               for i, (shape, dtype) in enumerate(arrays)}
+    head, order = header_bytes(tensors, None)
+    starts, at = {}, len(head)
+    for name in order:
+        starts[at] = int(name)
+        at += tensors[name].nbytes
+    handed: queue.SimpleQueue = queue.SimpleQueue()
+
+    class Stream(io.RawIOBase):
+        pos = 0
+
+        def readable(self):
+            return True
+
+        def seekable(self):
+            return True
+
+        def seek(self, offset, whence=0):
+            self.pos = offset + (0, self.pos, at)[whence]
+            return self.pos
+
+        def tell(self):
+            return self.pos
+
+        def readinto(self, buffer):
+            view = memoryview(buffer).cast("B")
+            n = view.nbytes
+            if self.pos < len(head):
+                n = len(head[self.pos:self.pos + n])
+                view[:n] = head[self.pos:self.pos + n]
+            else:
+                i = starts[self.pos]
+                handed.put((i, np.frombuffer(view, arrays[i][1]).reshape(arrays[i][0])))
+            self.pos += n
+            return n
+    loaded: dict = {}
+    done = object()
+
+    def load():
+        try:
+            loaded.update(mx.load(Stream(), format="safetensors", stream=mx.cpu))
+        finally:
+            handed.put(done)
+    loader = threading.Thread(target=load)
+    loader.start()
+    while (item := handed.get()) is not done:
+        fill(*item)
+    loader.join()
+    return [loaded[str(i)] for i in range(len(arrays))]
+
+
 def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], list[str]] | None:
     try:
         import mlx.core as mx
-
-        from dense_bridge.backends.mlx._fill import filled_arrays
     except ImportError:
         return None
     srcs = [np.random.default_rng(i).standard_normal((width, width), dtype=np.float32) for i in range(layers)]
@@ -177,7 +241,7 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
     def inline():
         out = []
         for s in srcs:
-            bad.append(not np.isfinite(np.add.reduce(s, axis=None)))
+            bad.append(_transfer.count_nonfinite(s) > 0)  # dense_bridge's scan: the C count where built
             out.append(mx.array(s))
         mx.eval(out)
         return out
@@ -189,7 +253,7 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
 
             def scan(s=s, started=started):
                 started.set()
-                return not np.isfinite(np.add.reduce(s, axis=None))
+                return _transfer.count_nonfinite(s) > 0
             futures.append(scanner.submit(scan))
             started.wait()
             out.append(mx.array(s))
@@ -214,7 +278,7 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
             np.positive(s[c:c + TRAIL_BLOCK], out=o[c:c + TRAIL_BLOCK])
             trailing_checks.append(scanner.submit(max_min_finite, f[c:c + TRAIL_BLOCK]))
 
-    def shipped(i, out):  # what db.convert does: the C copy that counts, on every core for 8 MiB and more
+    def with_c_kernel(i, out):  # the C copy that counts, on every core for 8 MiB and more
         bad.append(_transfer.copy_into(out, srcs[i], check_finite=True) > 0)
 
     def through_load(fill):
@@ -233,12 +297,12 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
     cache_limit = mx.set_cache_limit(4 * sum(s.nbytes for s in srcs))
     fns = {"mx.array copies (the user's port)": port,
            "scan, then mx.array (inline)": inline,
-           "scan on a 2nd core beside mx.array (kernels stored (in, out))": beside,
+           "scan on a 2nd core beside mx.array (shipped)": beside,
            "own copy into MLX memory via mx.load, no check": through_load(copy_only),
            "own copy, each 256 KiB checked after it in numpy (fused)": through_load(fused),
            "own copy, 2nd core checks 4 MiB pieces behind it in numpy": through_load(trailing)}
     if _transfer.FUSED is not None:
-        fns["own copy, C kernel counts in the copy's pass (shipped)"] = through_load(shipped)
+        fns["own copy, C kernel counts in the copy's pass"] = through_load(with_c_kernel)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()

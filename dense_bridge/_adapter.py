@@ -205,6 +205,5 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
-    "_fill.py",      # a framework that makes its own copies (MLX): memory it allocates for dense_bridge to fill
 )
 

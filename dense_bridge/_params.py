@@ -13,7 +13,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ._dtypes import dtype_name, numpy_dtype
 from ._errors import ConversionError, SpecError, check_type, received
 from ._registry import array_adapter
 from ._memory import check_fits_in_memory
-from ._transfer import copy_into, core_to_spare, count_nonfinite, native_copy
+from ._transfer import core_to_spare, count_nonfinite, native_copy
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, layer_param_shapes
 
@@ -156,10 +156,6 @@ class ParamSource:
     def _prefix(self, index: int) -> str:
         return f"{index}." if isinstance(self.spec, Sequential) else ""
 
-    def param_name(self, index: int, key: str) -> str:
-        """The canonical name of param ``key`` of the layer at ``index`` (``"0.kernel"`` in a Sequential)."""
-        return self._prefix(index) + key
-
     def _given(self, index: int, layer) -> dict[str, np.ndarray]:
         prefix = self._prefix(index)
         out = {}
@@ -255,24 +251,6 @@ class ParamSource:
         if due:
             self._unchecked.difference_update(prefix + k for k in due)
         return out
-
-    @property
-    def given(self) -> bool:
-        """True when the parameters are the caller's own arrays (``params=``), validated here."""
-        return self.params is not None
-
-    def fill_param(self, index: int, layer, key: str, out: np.ndarray, perm: Sequence[int] | None = None) -> None:
-        """Write given param ``key`` of the layer at ``index``, transposed by ``perm``, into ``out``:
-        memory a framework allocated for it (writable, C-contiguous, the transposed shape and the
-        spec's dtype), bit for bit. A param still due its NaN/Inf check is tested in the same pass
-        (``_transfer.copy_into``); one holding NaN/Inf raises the error :meth:`finish` would."""
-        prefix = self._prefix(index)
-        name = prefix + key
-        due = name in self._unchecked and name not in self._pending
-        if copy_into(out, self._given(index, layer)[key], perm, check_finite=due):
-            self._raise_nonfinite()
-        if due:
-            self._unchecked.discard(name)
 
     def finish(self) -> None:
         """Collect the scans under way and scan the given params no adapter asked for; raise

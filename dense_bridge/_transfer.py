@@ -2,10 +2,8 @@
 
 Adapters hand frameworks memory they no longer touch: :func:`native_copy` fills a FRESH
 buffer with the parameter in the target framework's layout, and the adapter gives it away
-through a supported zero-copy import (``torch.from_numpy``, TF DLPack). A framework that makes
-its own copies instead can hand over memory it just allocated for the array it is building
-(MLX, through its stream reader: ``backends/mlx/_fill.py``): :func:`copy_into` fills that. No
-array anyone can see yet is ever written.
+through a supported zero-copy import (``torch.from_numpy``, TF DLPack). Nothing here ever
+writes into memory a framework owns.
 
 Only what measurably pays is here (``python benchmarks/bench_convert.py --ablation``, single
 thread and all cores in the same run; ``benchmarks/results/transfer_ablation.md``):
@@ -199,9 +197,8 @@ def copy_into(out: np.ndarray, src: np.ndarray, perm: Sequence[int] | None = Non
     """Write ``src.transpose(perm)`` into ``out`` bit for bit; its NaN/Inf count (0 unless
     ``check_finite``).
 
-    ``out``: writable and C-contiguous, of the transposed shape and ``src``'s dtype: fresh
-    memory from :func:`empty`, or memory a framework allocated for dense_bridge to fill (MLX's
-    reader hands it over so). ``src`` may be any view, of any framework's memory: it is only
+    ``out``: writable and C-contiguous, of the transposed shape and ``src``'s dtype (fresh
+    memory from :func:`empty`). ``src`` may be any view, of any framework's memory: it is only
     read. Copies of at least :data:`_THREADED` bytes are split over the machine's cores (row
     strips of the output, each filled, page-faulted and checked on its own thread: numpy and
     :data:`FUSED` release the GIL while copying).

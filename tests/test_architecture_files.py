@@ -54,8 +54,6 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
     ("backends/keras/_lora.py", "h5py.File"): "keras-hub's .lora.h5 adapter files, whose layout only Keras knows "
                                               "(db.load_adapter / db.save_adapter)",
     ("backends/keras/_manifest.py", "open"): "~/.keras/keras.json, the Keras engine's name: no checkpoint",
-    ("backends/mlx/_fill.py", "mx.load"): "a stream in memory, no file: MLX allocates each array and hands its "
-                                          "memory over for dense_bridge's copy to fill",
     ("backends/torch/_capture.py", "torch.load"): "load_model: a whole pickled model for `check --mapping`, "
                                                   "only with trust_pickle=True",
 }

@@ -1,10 +1,10 @@
 """The NaN/Inf check of compile(params=...) and convert, wherever the bad value sits.
 
-The check rides along with the copies (``dense_bridge._transfer``: in the C copy's own pass, or
-scanned per group of source rows inside the cache-blocked transpose, per strip on each core), into
-memory MLX allocated for dense_bridge to fill, or beside the framework's own copy
-(``ParamSource.for_layer``: MLX, Flax, Equinox), and 2-byte floats are tested through their bits.
-Every test runs with the C kernel and with the numpy fallback.
+The check rides along with the copies (``dense_bridge._transfer``: in the C kernel's own pass,
+copy or transpose, or scanned per group of source rows inside numpy's cache-blocked transpose, per
+strip on each core) or runs beside the framework's own copy (``ParamSource.for_layer``: MLX, Flax,
+Equinox), and 2-byte floats are tested through their bits. Every test runs with the C kernel
+and with the numpy fallback.
 Each of those splits an array into pieces, so a value in the wrong piece could slip through: these
 tests put one NaN, +Inf or -Inf in each class of position, on every ordered pair of backends and
 from canonical params, in float32, float16 and bfloat16, and check that it is refused and named,
@@ -43,8 +43,8 @@ _UINT = {4: np.uint32, 2: np.uint16}
 
 @pytest.fixture(autouse=True, params=["C kernel", "numpy"])
 def kernel(request, monkeypatch):
-    """Every test twice: with the C copy that counts in the same pass (``dense_bridge._fused``,
-    which also makes MLX targets fill their own memory) and with the numpy fallback."""
+    """Every test twice: with the C copy and transpose that count in the same pass
+    (``dense_bridge._fused``) and with the numpy fallback."""
     if request.param == "numpy":
         monkeypatch.setattr(_transfer, "FUSED", None)
     elif _transfer.FUSED is None:

@@ -15,14 +15,12 @@ from dense_bridge._errors import SpecError, received
 from dense_bridge._layouts import declared
 from dense_bridge._params import ParamSource
 from dense_bridge._spec_memory import remember_spec
-from dense_bridge import _transfer
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 from dense_bridge.specs import Flatten as FlattenSpec
 
 from ._activations import activation_fn, activation_module
 from ._arrays import check_dtype, to_mx
-from ._fill import can_fill, filled_arrays
 
 
 
@@ -176,43 +174,6 @@ def _dense_arrays(params: dict, dtype: str) -> tuple:
     return weight, bias, mask
 
 
-def _fillable(spec, source: ParamSource, index: int) -> bool:
-    """Is the Dense layer at ``index`` made by :func:`_filled_layers` rather than ``mx.array``?
-    Given params (not drawn or streamed), no mask, the fused kernel built (without it a scan
-    beside MLX's own copy costs less than numpy's check after dense_bridge's), and a kernel
-    stored (out, in) like MLX's weight. For one stored (in, out) (Keras, canonical files) MLX's
-    own transposing copy in ``mx.array`` with the scan beside it beat filling: 13.7 against
-    16.4 ms with the C kernel's AVX2 transpose on both cores, 6 x 2048^2 float32, recycled
-    memory (numpy's tiles run at a fifth of MLX's copy)."""
-    if not (isinstance(spec, Dense) and not spec.lazy and spec.mask is None
-            and isinstance(source, ParamSource) and source.given
-            and _transfer.FUSED is not None and can_fill(spec.dtype) and spec.units * spec.in_features > 0):
-        return False
-    return np.asarray(source.params[source.param_name(index, "kernel")]).T.flags.c_contiguous
-
-
-def _filled_layers(layers: list, source: ParamSource) -> dict[int, tuple]:
-    """index -> (weight, bias or None) for every fillable Dense layer of ``layers``, made at once:
-    MLX allocates each array, dense_bridge copies into it with the NaN/Inf check in the same
-    pass (``_fill``, ``ParamSource.fill_param``)."""
-    wanted = [(i, key, spec) for i, spec in enumerate(layers) if _fillable(spec, source, i)
-              for key in (("kernel", "bias") if spec.use_bias else ("kernel",))]
-    if not wanted:
-        return {}
-    shapes = [((spec.units, spec.in_features) if key == "kernel" else (spec.units,), spec.dtype)
-              for _, key, spec in wanted]
-
-    def fill(n: int, out: np.ndarray) -> None:
-        i, key, spec = wanted[n]
-        # MLX's weight (out, in) is the canonical kernel (in, out) transposed
-        source.fill_param(i, spec, key, out, (1, 0) if key == "kernel" else None)
-    arrays = filled_arrays(shapes, fill)
-    made: dict[int, dict] = {}
-    for (i, key, _), array in zip(wanted, arrays):
-        made.setdefault(i, {})[key] = array
-    return {i: (d["kernel"], d.get("bias")) for i, d in made.items()}
-
-
 def _bare(cls):
     """An instance of an mlx.nn class without its __init__ (no draws from MLX's random state)."""
     module = cls.__new__(cls)
@@ -220,15 +181,12 @@ def _bare(cls):
     return module
 
 
-def _compile_dense(spec: Dense, source: ParamSource, index: int, filled: tuple | None = None) -> nn.Module:
+def _compile_dense(spec: Dense, source: ParamSource, index: int) -> nn.Module:
     check_dtype(spec.dtype)
     if spec.lazy:
         layer = LazyDenseLinear(spec, source, index)
     else:
-        if filled is not None:  # (weight, bias) already made by _filled_layers
-            (weight, bias), mask = filled, None
-        else:
-            weight, bias, mask = _dense_arrays(source.for_layer(index, spec), spec.dtype)
+        weight, bias, mask = _dense_arrays(source.for_layer(index, spec), spec.dtype)
         if spec.activation.is_identity and mask is None:
             layer = _bare(nn.Linear)  # exactly nn.Linear, as the contract requires
             layer.weight = weight
@@ -262,9 +220,9 @@ class Flatten(nn.Module):
         return x.reshape(x.shape[0], -1) if x.ndim > 2 else x
 
 
-def _compile_layer(spec, source: ParamSource, index: int, filled: tuple | None = None):
+def _compile_layer(spec, source: ParamSource, index: int):
     if isinstance(spec, Dense):
-        return _compile_dense(spec, source, index, filled)
+        return _compile_dense(spec, source, index)
     if isinstance(spec, Bilinear):
         return _compile_bilinear(spec, source, index)
     if isinstance(spec, Identity):
@@ -278,16 +236,11 @@ def _compile_layer(spec, source: ParamSource, index: int, filled: tuple | None =
 
 def compile(spec, source: ParamSource):
     """The mlx.nn module for ``spec`` with parameters from ``source`` (see the module docstring)."""
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    for layer in layers:  # before any array is made: float64 needs MLX's CPU device
-        if isinstance(layer, (Dense, Bilinear)):
-            check_dtype(layer.dtype)
-    filled = _filled_layers(layers, source)
     if isinstance(spec, Sequential):
-        model = nn.Sequential(*[_compile_layer(layer, source, i, filled.get(i)) for i, layer in enumerate(layers)])
+        model = nn.Sequential(*[_compile_layer(layer, source, i) for i, layer in enumerate(spec.layers)])
         remember_spec(model, spec)
         return model
-    return _compile_layer(spec, source, 0, filled.get(0))
+    return _compile_layer(spec, source, 0)
 
 
 def is_dense(m) -> bool:
