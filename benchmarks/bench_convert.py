@@ -847,7 +847,8 @@ def plain_main(args, pairs, argv) -> int:
         "port into a model built once beforehand (`lin.weight.data = torch.tensor(k.T)`, `set_weights([k, b])`, "
         "`load_state_dict`). Ratio = port time / convert time, the median of per-round ratios.",
         "- all-core limit: the same bytes made in the target's layout in new memory on every core, the faster of "
-        "dense_bridge's kernels and (transposing) torch's `copy_` with its intra-op threads, per round.",
+        "dense_bridge's kernels (the C extension's AVX2 transpose where built) and (transposing) torch's `copy_` "
+        "with its intra-op threads, per round.",
         "- scan's share: 1 - (convert with `allow_nonfinite=True`) / convert, the median of per-round values.",
         "- scans inline / beside (targets that copy with their own framework): convert with every NaN/Inf scan on "
         "the calling thread after the framework's copy, over convert as shipped (each big array's scan started "
