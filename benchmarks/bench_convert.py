@@ -390,15 +390,10 @@ def settle_pages() -> None:
 
 
 def timed(fn: Callable[[], object]) -> float:
-    """Seconds for one call; the result is dropped (and garbage collected) outside the timing."""
+    """Seconds for one call on settled pages; the result is dropped (and garbage collected) outside the timing."""
     gc.collect()
     settle_pages()
-    start = time.perf_counter()
-    out = fn()
-    elapsed = time.perf_counter() - start
-    del out
-    gc.collect()
-    return elapsed
+    return plain_timed(fn)
 
 
 def measure_pair(source, src: str, dst: str, layers: int, width: int, repeats: int) -> dict:
