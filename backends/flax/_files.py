@@ -19,9 +19,8 @@ import numpy as np
 from flax import nnx, serialization
 
 from dense_bridge._errors import CheckpointError, first_line
-from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
+from dense_bridge.checkpoints._native import FileViews, layer_file_plan, planned_file_tensors
 from dense_bridge.checkpoints._safetensors import open_readonly
-from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("msgpack",)
@@ -134,20 +133,7 @@ def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     Flax's layouts are the canonical ones (kernel (in, units), a Bilinear kernel (units, in1,
     in2)): every ``axes`` is the identity.
     """
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for i, layer in enumerate(layers):
-        prefix = f"{i}." if isinstance(spec, Sequential) else ""
-        where = f"layers.{prefix}" if prefix else ""
-        if isinstance(layer, (Dense, Bilinear)):
-            plan[prefix + "kernel"] = (where + "kernel", (0, 1) if isinstance(layer, Dense) else (0, 1, 2))
-            if layer.use_bias:
-                plan[prefix + "bias"] = (where + "bias", (0,))
-            if isinstance(layer, Dense) and layer.mask is not None:
-                plan[prefix + "mask"] = (where + "mask", (0, 1))
-        elif layer_param_shapes(layer):
-            return None
-    return plan
+    return layer_file_plan(spec, container="layers.", kernel="kernel", dense_axes=(0, 1), bilinear_axes=(0, 1, 2))
 
 
 def write_file(model, path: str, kind: str, *, temp: str, metadata: Mapping[str, str] | None = None) -> None:

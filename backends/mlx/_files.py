@@ -19,12 +19,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
+from dense_bridge.checkpoints._native import FileViews, layer_file_plan, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
-from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 from ._arrays import dtype_name, to_numpy
 
@@ -110,20 +109,7 @@ def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     and Flatten hold none. Each Dense ``weight`` (out, in) is the canonical kernel transposed, its
     ``mask`` likewise, a Bilinear ``weight`` (units, in2, in1) is the kernel with axes 1 and 2 swapped.
     """
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for i, layer in enumerate(layers):
-        prefix = f"{i}." if isinstance(spec, Sequential) else ""
-        where = f"layers.{prefix}" if prefix else ""
-        if isinstance(layer, (Dense, Bilinear)):
-            plan[prefix + "kernel"] = (where + "weight", (1, 0) if isinstance(layer, Dense) else (0, 2, 1))
-            if layer.use_bias:
-                plan[prefix + "bias"] = (where + "bias", (0,))
-            if isinstance(layer, Dense) and layer.mask is not None:
-                plan[prefix + "mask"] = (where + "mask", (1, 0))
-        elif layer_param_shapes(layer):
-            return None
-    return plan
+    return layer_file_plan(spec, container="layers.", kernel="weight", dense_axes=(1, 0), bilinear_axes=(0, 2, 1))
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,

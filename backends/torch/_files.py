@@ -20,13 +20,13 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from dense_bridge.checkpoints._native import FileViews, planned_file_tensors
+from dense_bridge.checkpoints._native import FileViews, layer_file_plan, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 from dense_bridge.activations import Activation
-from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
+from dense_bridge.specs import Dense, Sequential
 
 from ._arrays import from_numpy, to_numpy
 
@@ -132,19 +132,7 @@ def _plan(spec) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     and Flatten hold none. ``weight`` (out, in) and the mask stored like it are the canonical
     kernel and mask transposed; a Bilinear ``weight`` (units, in1, in2) is the kernel as it is.
     """
-    layers = spec.layers if isinstance(spec, Sequential) else [spec]
-    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for i, layer in enumerate(layers):
-        prefix = f"{i}." if isinstance(spec, Sequential) else ""
-        if isinstance(layer, (Dense, Bilinear)):
-            plan[prefix + "kernel"] = (prefix + "weight", (1, 0) if isinstance(layer, Dense) else (0, 1, 2))
-            if layer.use_bias:
-                plan[prefix + "bias"] = (prefix + "bias", (0,))
-            if isinstance(layer, Dense) and layer.mask is not None:
-                plan[prefix + "mask"] = (prefix + "mask", (1, 0))
-        elif layer_param_shapes(layer):
-            return None
-    return plan
+    return layer_file_plan(spec, container="", kernel="weight", dense_axes=(1, 0), bilinear_axes=(0, 1, 2))
 
 
 def _pending(state: Mapping[str, torch.Tensor]) -> dict[str, PendingTensor]:

@@ -454,6 +454,32 @@ def _by_name_hint(got: dict, expected: dict) -> str:
             "pass like= (a model of the same architecture) to match them by name")
 
 
+def layer_file_plan(spec, *, container: str, kernel: str, dense_axes: tuple[int, int],
+                    bilinear_axes: tuple[int, int, int]) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """canonical name -> (the framework's own tensor name, axes between the canonical and the
+    framework's layout) for a model an adapter compiles from ``spec``; None when a layer holds
+    parameters these rules do not describe. The rules every adapter with plain names shares:
+    position ``i``'s tensors are ``<container><i>.<kernel>``, ``.bias`` and ``.mask`` (a lone
+    layer: no prefix at all), a mask stored in the Dense kernel's layout (``dense_axes``), and
+    activations, Identity and Flatten holding none. Adapters document their own names and axes."""
+    from ..specs import Bilinear, Dense, Sequential, layer_param_shapes
+
+    layers = spec.layers if isinstance(spec, Sequential) else [spec]
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for i, layer in enumerate(layers):
+        prefix = f"{i}." if isinstance(spec, Sequential) else ""
+        where = container + prefix if prefix else ""
+        if isinstance(layer, (Dense, Bilinear)):
+            plan[prefix + "kernel"] = (where + kernel, dense_axes if isinstance(layer, Dense) else bilinear_axes)
+            if layer.use_bias:
+                plan[prefix + "bias"] = (where + "bias", (0,))
+            if isinstance(layer, Dense) and layer.mask is not None:
+                plan[prefix + "mask"] = (where + "mask", dense_axes)
+        elif layer_param_shapes(layer):
+            return None
+    return plan
+
+
 def canonical_shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     """Canonical name ("3.kernel", or "kernel" for a lone layer) -> (shape, dtype name) of every
     parameter ``spec`` has: what a file of it must hold, in the canonical layout."""
