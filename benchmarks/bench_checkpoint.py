@@ -81,7 +81,7 @@ def worker(target: str, src: str, workdir: str, shard_size: str) -> dict:
     checkpoint = checkpoint_module()
     to, name = TARGETS[target]
     if target in NEEDS:
-        from dense_bridge._registry import get_adapter
+        from dense_bridge.registry._backends import get_adapter
 
         get_adapter(NEEDS[target])  # import the framework before the baseline
     if to == "keras":
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         return 0
 
     from dense_bridge.checkpoints._io import parse_size
-    from dense_bridge._registry import available_backends
+    from dense_bridge.registry._backends import available_backends
 
     workdir = tempfile.mkdtemp(prefix="bench-checkpoint-")
     try:
@@ -235,7 +235,7 @@ SLOPE_CASES = {  # name -> (source file, what runs, frameworks it needs, target)
 def slope_make(workdir: str, layers: int, width: int) -> int:
     """The same model as canonical, torch .pt and Keras .weights.h5 files in ``workdir``; its bytes."""
     import dense_bridge as db
-    from dense_bridge._registry import available_backends
+    from dense_bridge.registry._backends import available_backends
 
     checkpoint = checkpoint_module()
     spec = db.Sequential([db.Dense(width, in_features=width, kernel_init="normal") for _ in range(layers)])
@@ -254,7 +254,7 @@ def slope_worker(case: str, workdir: str) -> dict:
     import io
 
     from dense_bridge import cli
-    from dense_bridge._registry import get_adapter
+    from dense_bridge.registry._backends import get_adapter
 
     src, job, needs, _ = SLOPE_CASES[case]
     if "keras" in needs:
@@ -291,7 +291,7 @@ def slope_worker(case: str, workdir: str) -> dict:
 
 def slope_main(args, codes) -> int:
     """Peak-RSS growth per checkpoint byte between two sizes of the same model (imports cancel)."""
-    from dense_bridge._registry import available_backends
+    from dense_bridge.registry._backends import available_backends
 
     available = set(available_backends())
     widths = [int(w) for w in args.slope.split(",")]

@@ -189,7 +189,7 @@ def _threaded_copy_jobs(out: np.ndarray, a: np.ndarray, transposing: bool, piece
     """out = a.T (transposing, with dense_bridge's transpose: the C kernel's AVX2 blocks where
     built, else numpy's cache-blocked tiles) or out = a, split into ``pieces`` column strips /
     flat chunks for a thread pool."""
-    from dense_bridge import _transfer
+    from dense_bridge.params import _copy as _transfer
 
     if transposing and a.ndim == 2:  # dense_bridge's fastest transpose here: the C kernel's where built
         step = -(-a.shape[1] // pieces)
@@ -206,7 +206,7 @@ def fresh_limits(weights, transposing: bool) -> dict[str, Callable[[], object]]:
     plain copy (numpy asks for transparent huge pages). Transposing: torch's
     ``torch.empty(...).copy_(W.t())``, numpy's ``np.ascontiguousarray(W.T)`` and dense_bridge's
     cache-blocked transpose into ``np.empty``."""
-    from dense_bridge import _transfer
+    from dense_bridge.params import _copy as _transfer
 
     srcs = [a for pair in weights for a in pair]
     if not transposing:
@@ -452,7 +452,7 @@ def native_build(framework: str, layers: int, width: int) -> Callable[[], object
     calls, around unfilled 64-byte aligned buffers it adopts without a copy (Keras: Dense layers
     whose initializers return the DLPack-imported buffer, then Sequential; torch: nn.Linear
     made on the meta device, given Parameters over torch.from_numpy)."""
-    from dense_bridge import _transfer
+    from dense_bridge.params import _copy as _transfer
 
     def buffers():
         return [(_transfer.empty((width, width), np.float32), _transfer.empty((width,), np.float32))
@@ -497,8 +497,8 @@ def _decomposed(convert: Callable[[], object], without: str) -> Callable[[], obj
     - "no copy": ParamSource hands out unfilled 64-byte aligned buffers instead of copies, so
       what is left is planning, the target's own layer and variable creation and the adoption.
     """
-    from dense_bridge import _params as params_mod
-    from dense_bridge import _transfer
+    from dense_bridge.params import _source as params_mod
+    from dense_bridge.params import _copy as _transfer
 
     def no_copy(src, perm=None, *, check_finite=False):
         shape = np.shape(src) if perm is None else tuple(np.shape(src)[p] for p in perm)
@@ -546,12 +546,12 @@ def measure_memory(src: str, dst: str, layers: int, width: int) -> dict:
 
 
 # ------------------------------------------------------------------ ablation: does each piece of
-# dense_bridge._transfer pay? db.convert with one piece replaced by the plain alternative, on one
+# dense_bridge.params._copy pay? db.convert with one piece replaced by the plain alternative, on one
 # thread and on every core, round-robin in the same run.
 def _plain_native_copy(src, perm=None, *, check_finite=False):
     """The simplest correct native_copy: a 64-byte aligned buffer, numpy's own (strided) copy,
     then numpy's own NaN/Inf count over the result."""
-    from dense_bridge import _transfer
+    from dense_bridge.params import _copy as _transfer
 
     src = np.asarray(src)
     view = src if perm is None else src.transpose(tuple(perm))
@@ -569,32 +569,32 @@ _BASELINE = {}
 
 
 def _load_baseline(rev: str):
-    """dense_bridge/_transfer.py as it was at git revision ``rev``, as a module of its own."""
+    """dense_bridge/params/_copy.py as it was at git revision ``rev``, as a module of its own."""
     import types
 
-    src = subprocess.run(["git", "show", f"{rev}:dense_bridge/_transfer.py"], capture_output=True, text=True,
+    src = subprocess.run(["git", "show", f"{rev}:dense_bridge/params/_copy.py"], capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
     module = types.ModuleType(f"_transfer_{rev}")
-    exec(compile(src, f"{rev}:dense_bridge/_transfer.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:dense_bridge/params/_copy.py", "exec"), module.__dict__)
     _BASELINE[f"_transfer at {rev}"] = module
     return f"_transfer at {rev}"
 
 
 def _variant(name: str):
-    """A context manager patching dense_bridge._transfer / _params for one variant."""
+    """A context manager patching dense_bridge.params._copy / _params for one variant."""
     import contextlib
 
-    from dense_bridge import _params as params_mod
-    from dense_bridge import _transfer
+    from dense_bridge.params import _source as params_mod
+    from dense_bridge.params import _copy as _transfer
 
     @contextlib.contextmanager
     def patched():
-        saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose", "FUSED")}
+        saved = {k: getattr(_transfer, k) for k in ("native_copy", "blocked_transpose", "COPY_KERNELS")}
         saved_params_copy = params_mod.native_copy
         try:
             copy = None
             if name != "full":  # the numpy kernels' variants: the C kernel would bypass what they change
-                _transfer.FUSED = None
+                _transfer.COPY_KERNELS = None
             if name == "plain copy (np.copyto + np.isfinite)":
                 copy = _plain_native_copy
             elif name == "no cache-blocked transpose":
@@ -726,7 +726,7 @@ def measure_plain(source, src: str, dst: str, layers: int, width: int, repeats: 
 def _scans_inline(convert: Callable[[], object]) -> Callable[[], object]:
     """``convert`` with every NaN/Inf scan of ``ParamSource.for_layer`` on the calling thread, after
     the framework's copy, instead of beside it on a second core."""
-    from dense_bridge import _params as params_mod
+    from dense_bridge.params import _source as params_mod
 
     def run():
         saved = params_mod._SCAN_AHEAD_BYTES
@@ -928,11 +928,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "convert.md"))
     parser.add_argument("--ablation", action="store_true",
-                        help="instead: db.convert with each piece of dense_bridge._transfer replaced by the plain "
+                        help="instead: db.convert with each piece of dense_bridge.params._copy replaced by the plain "
                              "alternative, or with the transposes split over every core (GB/s; in brackets the variant's extra time "
                              "over 'full': + means the piece pays)")
     parser.add_argument("--baseline-rev", default=None,
-                        help="with --ablation: also time native_copy from dense_bridge/_transfer.py at this git "
+                        help="with --ablation: also time native_copy from dense_bridge/params/_copy.py at this git "
                              "revision (e.g. 9aaefc2, before issue 11), in the same run")
     parser.add_argument("--pages", choices=("warm", "cold", "as-is"), default="warm",
                         help="state of free memory before every sample (see settle_pages): warm = just freed by this "
@@ -988,7 +988,7 @@ def main(argv=None) -> int:
         load_after = os.getloadavg()
         text = table(rows, header)
         command = "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        report = ["# dense_bridge._transfer ablation", "",
+        report = ["# dense_bridge.params._copy ablation", "",
                   f"db.convert of {args.layers} Dense layers {args.width}x{args.width} float32; GB/s, medians of "
                   f"{args.repeats} runs round-robin; (+x%) = the variant's extra time over 'full' (+ means the piece of machinery pays).", "",
                   f"Command: `{command.strip()}`", "",

@@ -140,7 +140,7 @@ def convert_worker(job: str) -> float:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != repo]  # PYTHONPATH's copy, not this tree
     import_quietly()
-    from dense_bridge._registry import available_backends, get_adapter
+    from dense_bridge.registry._backends import available_backends, get_adapter
 
     for backend in available_backends():  # imports are not what is measured
         get_adapter(backend)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         seconds = convert_worker(args.convert_worker)  # imports the library: nothing before it may
         print(os.path.dirname(sys.modules["dense_bridge"].__file__), seconds)
         return 0
-    from dense_bridge._registry import available_backends
+    from dense_bridge.registry._backends import available_backends
 
     checkpoint = checkpoint_module()
     tree = baseline_tree(args.baseline_rev) if args.baseline_rev else None

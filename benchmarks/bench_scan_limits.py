@@ -29,7 +29,7 @@ every variant runs once (round-robin, so drift hits all alike):
    its stream thread, whose malloc arena hands freed memory back to the system, so in a plain
    loop of conversions every call touches new pages (``bench_convert.py --plain --once``).
 
-Where ``dense_bridge._fused`` is built (a C compiler at install), its count and its copy that
+Where ``dense_bridge.params._copy_kernels`` is built (a C compiler at install), its count and its copy that
 counts are measured beside numpy's kernels.
 
 Run:  python benchmarks/bench_scan_limits.py [--layers 6] [--width 2048] [--repeats 15]
@@ -49,7 +49,7 @@ from typing import Callable
 
 import numpy as np
 
-from dense_bridge import _transfer
+from dense_bridge.params import _copy as _transfer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import table  # noqa: E402
@@ -104,13 +104,13 @@ def kernel_table(repeats: int) -> tuple[list[list[str]], list[str]]:
     for name, k in kernels(zeros).items():
         fns[name] = {"l2": lambda k=k: k(small), "dram": lambda k=k: k(big),
                      "dram2": lambda k=k: two_threads(lambda i: k(bigs[i]))}
-    if _transfer.FUSED is not None:
-        fused = _transfer.FUSED
+    if _transfer.COPY_KERNELS is not None:
+        fused = _transfer.COPY_KERNELS
         mask = 0x7F800000
-        fns["C count (dense_bridge._fused)"] = {
+        fns["C count (dense_bridge.params._copy_kernels)"] = {
             "l2": lambda: fused.count(small, 4, mask), "dram": lambda: fused.count(big, 4, mask),
             "dram2": lambda: two_threads(lambda i: fused.count(bigs[i], 4, mask))}
-        fns["C copy + count (dense_bridge._fused)"] = {
+        fns["C copy + count (dense_bridge.params._copy_kernels)"] = {
             "l2": lambda: fused.copy_count(small_out.view(np.uint32), small.view(np.uint32), 4, mask),
             "dram": lambda: fused.copy_count(big_outs[0].view(np.uint32), bigs[0].view(np.uint32), 4, mask),
             "dram2": lambda: two_threads(lambda i: fused.copy_count(big_outs[i].view(np.uint32),
@@ -301,7 +301,7 @@ def mlx_table(layers: int, width: int, repeats: int) -> tuple[list[list[str]], l
            "own copy into MLX memory via mx.load, no check": through_load(copy_only),
            "own copy, each 256 KiB checked after it in numpy (fused)": through_load(fused),
            "own copy, 2nd core checks 4 MiB pieces behind it in numpy": through_load(trailing)}
-    if _transfer.FUSED is not None:
+    if _transfer.COPY_KERNELS is not None:
         fns["own copy, C kernel counts in the copy's pass"] = through_load(with_c_kernel)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():

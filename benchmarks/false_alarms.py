@@ -4,9 +4,9 @@ Not part of CI: it runs hundreds of whole-model passes. For the BERT (transforme
 GPT-2 and Llama (transformers vs mlx-lm) ports of tests/_compare_ports.py:
 
 1. correct ports over SEEDS seeds (model draws x input and cotangent draws, as
-   tests/test_compare_models.py draws them) in float32 and bfloat16, each in both modes: every
+   tests/testing/test_compare_models.py draws them) in float32 and bfloat16, each in both modes: every
    failing report is a false alarm (0 expected); the worst tolerance units seen are kept;
-2. every planted fault of tests/test_compare_models.py (a transposed square projection, a dropped
+2. every planted fault of tests/testing/test_compare_models.py (a transposed square projection, a dropped
    bias, a kernel rounded to bfloat16, gelu exact instead of tanh) in both modes: found when the
    report fails with its first divergence at the fault's path and row.
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from ._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError,
-                      SpecError)
+from ._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError
 from ._version import __version__
 
 # public name -> (module relative to this package, attribute in it; None: the module itself)
@@ -29,13 +28,13 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
-    "transfer": ("._auto_transfer", "transfer"), "auto": ("._auto_mapping", "auto"), "Quant": (".quant", "Quant"),
+    "transfer": (".models._transfer", "transfer"), "auto": (".models._infer", "auto"), "Quant": (".quant", "Quant"),
     "save": (".checkpoints", "save"), "load": (".checkpoints", "load"),
-    "register_backend": ("._registry", "register_backend"),
-    "lora": (".lora", None), "merge_lora": ("._lora_merge", "merge_lora"),
-    "load_adapter": (".checkpoints._adapter_files", "load_adapter"), "save_adapter": (".checkpoints._adapter_files", "save_adapter"),
-    "convert_adapter": (".checkpoints._adapter_files", "convert_adapter"),
-    "ADAPTER_DIRECTORY_FORMATS": (".checkpoints._adapter_files", "DIRECTORY_FORMATS"),
+    "register_backend": (".registry._backends", "register_backend"),
+    "lora": (".lora", None), "merge_lora": (".lora._merge", "merge_lora"),
+    "load_adapter": (".lora._files", "load_adapter"), "save_adapter": (".lora._files", "save_adapter"),
+    "convert_adapter": (".lora._files", "convert_adapter"),
+    "ADAPTER_DIRECTORY_FORMATS": (".lora._files", "DIRECTORY_FORMATS"),
 }
 
 __all__ = [

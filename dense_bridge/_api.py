@@ -12,11 +12,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from ._errors import ConversionError, SpecError, check_flag, received
-from ._memory import check_fits_in_memory
-from ._params import ParamSource, check_masks_match, validate_params
-from ._registry import adapter_for, backend_of, check_backend_name, get_adapter
-from ._registry import available_backends as installed_backends
-from ._spec_memory import remember_spec, remembered_spec
+from .params._memory_budget import check_fits_in_memory
+from .params._source import ParamSource, check_masks_match, validate_params
+from .registry._backends import adapter_for, backend_of, check_backend_name, get_adapter
+from .registry._backends import available_backends as installed_backends
+from .registry._remembered_spec import remember_spec, remembered_spec
 from .activations import Activation
 from .specs import Bilinear, Dense, Sequential, Spec
 
@@ -60,7 +60,7 @@ def build(backend: str, source: ParamSource):
     parameters come from (a seed, given canonical params, or a stream reading each layer from a
     file: ``ParamSource(spec, stream=...)``); the adapter asks it layer by layer. Afterwards the
     deferred NaN/Inf checks are collected (``source.finish()``) and the spec is remembered on
-    the object (``dense_bridge._spec_memory``).
+    the object (``dense_bridge.registry._remembered_spec``).
     """
     adapter = get_adapter(backend)
     check_fits_in_memory(source.spec)  # a SpecError now, not a MemoryError inside the framework

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import importlib
 
-#: The version of the adapter contract these names and ``dense_bridge._adapter`` describe.
+#: The version of the adapter contract these names and ``dense_bridge.registry._contract`` describe.
 CONTRACT_VERSION = 1
 
 _LAZY: dict[str, str] = {
-    "REQUIRED_VERBS": "._adapter", "OPTIONAL_VERBS": "._adapter", "PARALLEL_VERBS": "._adapter", "DCP_VERBS": "._adapter",
-    "Manifest": "._manifest", "FileFormat": "._manifest", "FileNames": "._manifest", "Probe": "._manifest",
-    "Match": "._manifest", "GRADIENTS": "._manifest", "PARALLEL": "._manifest", "DCP": "._manifest",
-    "ParamSource": "._params", "initial_layer_params": "._params",
-    "remember_spec": "._spec_memory", "remembered_spec": "._spec_memory",
-    "native_copy": "._transfer",
-    "Trace": "._trace", "LayerTrace": "._trace",
-    "Capture": ".testing._captures", "Call": ".testing._captures", "select_output": ".testing._captures",
-    "Entry": "._layouts", "Layout": "._layouts", "declared": "._layouts", "warn_dropout": "._layouts",
+    "REQUIRED_VERBS": ".registry._contract", "OPTIONAL_VERBS": ".registry._contract", "PARALLEL_VERBS": ".registry._contract", "DCP_VERBS": ".registry._contract",
+    "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
+    "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest",
+    "ParamSource": ".params._source", "initial_layer_params": ".params._source",
+    "remember_spec": ".registry._remembered_spec", "remembered_spec": ".registry._remembered_spec",
+    "native_copy": ".params._copy",
+    "Trace": ".registry._trace", "LayerTrace": ".registry._trace",
+    "Capture": ".registry._captures", "Call": ".registry._captures", "select_output": ".registry._captures",
+    "Entry": ".models._layouts", "Layout": ".models._layouts", "declared": ".models._layouts", "warn_dropout": ".models._layouts",
     "FileViews": ".checkpoints._native", "canonical_shapes": ".checkpoints._native",
     "planned_file_tensors": ".checkpoints._native", "structure_twin": ".checkpoints._native",
     "FileLayout": ".checkpoints._native_stream",

@@ -16,7 +16,7 @@ def require_backend(name: str):
     """Import the adapter for ``name`` or skip the test with the reason."""
     if name not in db.available_backends():
         pytest.skip(f"framework for backend {name!r} is not installed")
-    from dense_bridge._registry import get_adapter
+    from dense_bridge.registry._backends import get_adapter
 
     return get_adapter(name)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import Call, Capture
+from dense_bridge.registry._captures import Call, Capture
 
 from .arrays import to_jax
 

@@ -23,10 +23,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from dense_bridge.testing._captures import Capture, select_output
+from dense_bridge.registry._captures import Capture, select_output
 
-from .._jax.capture import (inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class,
-                            to_numpy_copy)
+from .._jax.capture import (inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
 from ._layers import Bilinear, DenseLinear
 
 

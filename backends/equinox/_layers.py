@@ -36,8 +36,8 @@ import equinox as eqx
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge._params import ParamSource
-from dense_bridge._spec_memory import remember_spec
+from dense_bridge.params._source import ParamSource
+from dense_bridge.registry._remembered_spec import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Identity as IdentitySpec, Sequential

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import equinox as eqx
 import numpy as np
 
-from dense_bridge._layouts import Entry
+from dense_bridge.models._layouts import Entry
 
 from ._arrays import dtype_name, to_jax, to_numpy
 from ._layers import Bilinear, is_dense

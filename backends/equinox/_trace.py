@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
 from ._arrays import to_jax

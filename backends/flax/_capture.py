@@ -19,10 +19,9 @@ from typing import Any, Callable
 import numpy as np
 from flax import nnx
 
-from dense_bridge.testing._captures import Capture, select_output
+from dense_bridge.registry._captures import Capture, select_output
 
-from .._jax.capture import (FLOATS, inputs_of, is_float, new_state, probed_capture, reached_paths,
-                            recording_class, to_numpy_copy)
+from .._jax.capture import (FLOATS, inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
 from ._layers import DenseLinear
 
 

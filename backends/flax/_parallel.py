@@ -31,8 +31,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from dense_bridge._errors import SpecError, received
 from dense_bridge.backends._jax.parallel import addressable_block, agree_seed, barrier, layout_problems
 from dense_bridge.parallel._plan import resolve_plan, split_axis
-from dense_bridge._params import ParamSource
-from dense_bridge._spec_memory import remember_spec
+from dense_bridge.params._source import ParamSource
+from dense_bridge.registry._remembered_spec import remember_spec
 from dense_bridge.specs import Bilinear, Dense, Sequential
 
 _STATE = "_dense_bridge_parallel"

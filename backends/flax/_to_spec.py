@@ -13,8 +13,8 @@ import numpy as np
 from flax import nnx
 
 from dense_bridge._errors import ConversionError, SpecError
-from dense_bridge._layouts import warn_dropout
-from dense_bridge._spec_memory import remembered_spec
+from dense_bridge.models._layouts import warn_dropout
+from dense_bridge.registry._remembered_spec import remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Identity as IdentitySpec, Sequential

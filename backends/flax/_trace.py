@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
 from ._arrays import to_jax

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._transfer import native_copy
+from dense_bridge.params._copy import native_copy
 
 from . import _engine
 from ._engine import ENGINE

@@ -12,7 +12,7 @@ received (after Keras' autocast to the compute dtype) and returned. Every Keras 
    variables to the differentiated values, with a zero "probe" added to each call's output by the
    wrapper: the gradient of a probe is dL/d(that call's output) (JAX has no gradient with respect
    to an intermediate value; the probe gives one on every engine).
-See ``dense_bridge.testing._captures``.
+See ``dense_bridge.registry._captures``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import HEAD_CALL, Call, Capture, select_output
+from dense_bridge.registry._captures import HEAD_CALL, Call, Capture, select_output
 
 from . import _engine
 from ._models import is_reversible, untied_reversible

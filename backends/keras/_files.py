@@ -28,7 +28,7 @@ import numpy as np
 from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
-from dense_bridge._memory import available_memory
+from dense_bridge.params._memory_budget import available_memory
 from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
 
 from ._params import layer_variables
@@ -373,7 +373,7 @@ def _twin(spec):
     (``structure_twin``), or None where that is no Sequential model. Keras names a weights file's
     groups after its layers' classes and counts, and writes them (attributes included) only
     through ``save_weights`` of a model of those classes: width 1 makes that model a few bytes."""
-    from dense_bridge._params import ParamSource
+    from dense_bridge.params._source import ParamSource
     from dense_bridge.checkpoints._native import structure_twin
 
     from ._layers import compile

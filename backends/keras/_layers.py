@@ -24,7 +24,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import SpecError, received
-from dense_bridge._params import ParamSource
+from dense_bridge.params._source import ParamSource
 from dense_bridge.activations import Activation
 from dense_bridge.initializers import Init
 from dense_bridge.specs import Bilinear as BilinearSpec

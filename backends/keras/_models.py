@@ -31,7 +31,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import ConversionError
-from dense_bridge._layouts import Entry, declared, register
+from dense_bridge.models._layouts import Entry, declared, register
 
 from ._arrays import assign_array, read_array
 

@@ -16,7 +16,7 @@ import keras
 
 from dense_bridge._dtypes import DTYPE_NAMES
 from dense_bridge._errors import ConversionError, SpecError
-from dense_bridge._layouts import declared, warn_dropout
+from dense_bridge.models._layouts import declared, warn_dropout
 from dense_bridge.specs import Bilinear as BilinearSpec
 from dense_bridge.specs import Dense, Flatten, Identity, Sequential
 

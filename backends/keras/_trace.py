@@ -12,7 +12,7 @@ from typing import Sequence
 import keras
 import numpy as np
 
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 
 from ._engine import layer_vjp, to_numpy, to_tensor
 from ._models import einsum_call, einsum_canonical_grads, is_reversible

@@ -61,14 +61,12 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace
 from ._capture import capture
 from ._models import walk
-from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized,  # mlx-lm LoRA
-                    lora_requantize, read_lora, replace_lora, write_lora)
+from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, write_lora)
 from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 from ._quant_files import quant_file_layers, quant_file_template  # MLX quantized safetensors: dense_bridge/checkpoints/_quantized.py
 
-from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile,  # mx.distributed
-                        parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
+from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",
            "lora_dequantize", "lora_requantize", "replace_lora",

@@ -10,7 +10,7 @@ twice, both in eval mode with training flags restored afterwards:
 2. ``mx.grad`` of L = sum(out * cotangent) with respect to the captured layers' parameters
    (swapped in with ``Module.update`` and swapped back) and one zero "probe" per call that the
    wrapper adds to the call's output: the gradient of a probe is dL/d(that call's output).
-See ``dense_bridge.testing._captures``.
+See ``dense_bridge.registry._captures``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import HEAD_CALL, Call, Capture, select_output
+from dense_bridge.registry._captures import HEAD_CALL, Call, Capture, select_output
 
 from ._arrays import dtype_name, to_mx as _to_mx, to_numpy as _to_numpy
 

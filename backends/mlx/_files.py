@@ -73,7 +73,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     """Canonical views of an MLX file for ``spec``, with no MLX model built: a ``.safetensors``
     straight from the core's mapped files, an ``.npz`` from ``mx.load`` (its headers checked
     first). A load onto MLX builds its model from these, layer by layer, as from a canonical
-    file; a conversion to another framework copies each layer once (see dense_bridge/_adapter.py).
+    file; a conversion to another framework copies each layer once (see dense_bridge/registry/_contract.py).
 
     Names are those of the model :func:`compile` builds (:func:`_plan`); ``check(got, expected)``
     compares the file's names, shapes and dtypes with them first. None for a spec holding a

@@ -12,9 +12,9 @@ import mlx.nn as nn
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge._layouts import declared
-from dense_bridge._params import ParamSource
-from dense_bridge._spec_memory import remember_spec
+from dense_bridge.models._layouts import declared
+from dense_bridge.params._source import ParamSource
+from dense_bridge.registry._remembered_spec import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 from dense_bridge.specs import Flatten as FlattenSpec

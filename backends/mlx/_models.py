@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dense_bridge._layouts import Entry
+from dense_bridge.models._layouts import Entry
 
 from ._arrays import MX_DTYPES, to_mx, to_numpy
 from ._layers import declared_arrays

@@ -43,7 +43,7 @@ from mlx.nn.layers.distributed import sum_gradients
 from dense_bridge._errors import ConversionError, SpecError, received
 from dense_bridge.parallel._plan import Shard as ShardView
 from dense_bridge.parallel._plan import elementwise, resolve_plan, shard_index
-from dense_bridge._spec_memory import remember_spec, remembered_spec
+from dense_bridge.registry._remembered_spec import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Sequential
 

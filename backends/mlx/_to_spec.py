@@ -10,8 +10,8 @@ import mlx.nn as nn
 import numpy as np
 
 from dense_bridge._errors import ConversionError, SpecError
-from dense_bridge._layouts import warn_dropout
-from dense_bridge._spec_memory import remembered_spec
+from dense_bridge.models._layouts import warn_dropout
+from dense_bridge.registry._remembered_spec import remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Identity, Sequential
 from dense_bridge.specs import Flatten as FlattenSpec

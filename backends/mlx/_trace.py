@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 
 from ._arrays import MX_DTYPES, dtype_name, to_mx, to_numpy
 from ._layers import declared_arrays, is_dense

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge.testing._captures import Call, Capture, select_output
+from dense_bridge.registry._captures import Call, Capture, select_output
 
 from ._arrays import to_numpy_dtype
 from ._graph import OnnxLinear

@@ -25,7 +25,7 @@ import re
 import numpy as np
 import onnx
 
-from dense_bridge._layouts import Entry
+from dense_bridge.models._layouts import Entry
 
 from ._arrays import FLOAT_TYPES
 from ._graph import Index, OnnxLinear, ParamSlots, Slot, find_linear, is_generated

@@ -15,7 +15,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from dense_bridge._errors import ConversionError
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 
 from ._arrays import to_numpy_dtype
 from ._graph import Index, OnnxLinear

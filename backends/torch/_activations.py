@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dense_bridge._errors import ConversionError, SpecError, received
-from dense_bridge._layouts import warn_dropout
+from dense_bridge.models._layouts import warn_dropout
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Flatten, Identity
 

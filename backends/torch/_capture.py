@@ -5,7 +5,7 @@ then one ``torch.autograd.grad`` of L = sum(out * cotangent) with respect to the
 parameters AND the recorded call outputs: dL/d(output) comes straight from autograd, per call,
 and nothing touches the parameters' ``.grad``. The model runs in eval mode (dropout is the
 inference identity) with its training flags restored afterwards; parameters of captured layers
-are made to require grad for the pass and restored. See ``dense_bridge.testing._captures``.
+are made to require grad for the pass and restored. See ``dense_bridge.registry._captures``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dense_bridge._errors import ConversionError
-from dense_bridge.testing._captures import Call, Capture, select_output
+from dense_bridge.registry._captures import Call, Capture, select_output
 
 from ._arrays import from_numpy as _from_numpy, to_numpy as _to_numpy
 from ._lora import is_lora

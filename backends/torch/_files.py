@@ -103,7 +103,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     mapped by ``torch.load(mmap=True)``, a torch-layout safetensors file mapped by the core, or a
     legacy pickle (read whole by ``torch.load``; it cannot be mapped). A load onto torch builds
     its model from these, layer by layer, as from a canonical file; a conversion to another
-    framework copies each layer once (see dense_bridge/_adapter.py).
+    framework copies each layer once (see dense_bridge/registry/_contract.py).
 
     Names are those ``torch.nn`` gives the model :func:`compile` builds (:func:`_plan`);
     ``check(got, expected)`` compares the file's names, shapes and dtypes with them first. None

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dense_bridge._errors import SpecError, received
-from dense_bridge._params import ParamSource
-from dense_bridge._spec_memory import remember_spec
+from dense_bridge.params._source import ParamSource
+from dense_bridge.registry._remembered_spec import remember_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential, from_config
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
-from dense_bridge._layouts import Entry, Layout, declared
+from dense_bridge.models._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
 from ._lora import is_lora, wrapper_params

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from dense_bridge._errors import DenseBridgeError, SpecError, received
 from dense_bridge.parallel._plan import Shard as ShardView
 from dense_bridge.parallel._plan import elementwise, resolve_plan, shard_index, split_axis
-from dense_bridge._spec_memory import remember_spec, remembered_spec
+from dense_bridge.registry._remembered_spec import remember_spec, remembered_spec
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Bilinear, Dense, Flatten, Sequential
 
@@ -473,7 +473,7 @@ def parallel_trace(native: nn.Module, inputs, grad_out):
     """The ``trace`` verb on a parallel model (collective): every layer's output, input gradient
     and canonical parameter gradients, gathered whole (DTensor all-gathers) on every rank, so
     ``db.testing.compare`` can hold a parallel model against a single-process one."""
-    from dense_bridge._trace import LayerTrace, Trace
+    from dense_bridge.registry._trace import LayerTrace, Trace
 
     state = native.__dict__[_STATE]
     plan, mesh = state["plan"], state["mesh"]

@@ -13,8 +13,7 @@ from dense_bridge.quant import Quant
 
 from ._arrays import copy_in, to_numpy
 from ._quant import TorchaoQuantLayer, quant_build, quant_layer
-from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params,
-                       is_container)
+from ._to_spec import (LINEAR_TYPES, chain, check_plain_params, declared_tensors, describe, has_params, is_container)
 
 
 def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:

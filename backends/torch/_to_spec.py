@@ -18,9 +18,9 @@ from torch.nn.utils import parametrize, prune
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dense_bridge._errors import ConversionError, SpecError, received
-from dense_bridge._layouts import declared, warn_dropout
+from dense_bridge.models._layouts import declared, warn_dropout
 from dense_bridge.activations import Activation
-from dense_bridge._spec_memory import remembered_spec
+from dense_bridge.registry._remembered_spec import remembered_spec
 from dense_bridge.specs import Bilinear, Dense, Flatten, Identity, Sequential
 
 from ._quant import quant_layer

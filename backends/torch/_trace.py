@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from dense_bridge._errors import SpecError
-from dense_bridge._trace import LayerTrace, Trace
+from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.specs import Identity
 
 from ._arrays import TORCH_DTYPES, from_numpy, to_numpy
-from dense_bridge._layouts import declared
+from dense_bridge.models._layouts import declared
 
 from ._to_spec import Step, chain, declared_tensors, has_params, identity, is_container, to_spec
 

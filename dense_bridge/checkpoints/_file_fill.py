@@ -27,7 +27,7 @@ import numpy as np
 
 from .._errors import CheckpointError
 from ._pages import FileMappings, prefetch, release_file_pages
-from .._transfer import blocked_transpose, count_nonfinite
+from ..params._copy import blocked_transpose, count_nonfinite
 
 #: Bytes per piece written: large enough that the per-piece Python work is noise, small enough
 #: that the buffers (one per piece in flight) stay a rounding error next to a checkpoint.

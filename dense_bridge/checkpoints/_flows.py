@@ -59,18 +59,15 @@ from . import _extensions as extensions
 from . import _native as native
 from ._meta import check_finite_params, mismatches as _mismatches, spec_from_json as _spec_from_json
 from ._meta import spec_json as _spec_json
-from ._io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size,
-                             reclaim_temporaries, shard_names, shard_pattern, temp_pattern,
-                             write_limit_cause)
+from ._io import (AtomicFiles, check_writable, directory_lock, index_and_stem, new_save_id, parse_size, reclaim_temporaries, shard_names, shard_pattern, temp_pattern, write_limit_cause)
 from .._dtypes import dtype_name
 from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
-from .._params import ParamSource, check_masks_match, expected_params, validate_params
-from .._memory import check_load_fits
+from ..params._source import ParamSource, check_masks_match, expected_params, validate_params
+from ..params._memory_budget import check_load_fits
 from ._native_stream import stream_native
 from ._validate import LayerStream
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite
-from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly,
-                           parse_json_object, pending, read_at, st_dtype, write_safetensors)
+from ._safetensors import (MAX_HEADER, RESERVED, PendingTensor, SafetensorsFile, is_safetensors, open_readonly, parse_json_object, pending, read_at, st_dtype, write_safetensors)
 from ..activations import Activation
 from ..specs import Dense, Sequential, Spec, from_config
 
@@ -104,7 +101,7 @@ def _spec_arg(spec: object, argument: str = "spec"):
 
 # ============================================================================ saving
 def _is_native(obj: object) -> bool:
-    from .._registry import backend_of
+    from ..registry._backends import backend_of
 
     try:
         backend_of(obj)
@@ -114,7 +111,7 @@ def _is_native(obj: object) -> bool:
 
 
 def _as_array(value: object, name: str, path: str) -> np.ndarray:
-    from .._params import array_to_numpy
+    from ..params._source import array_to_numpy
 
     arr = array_to_numpy(value) if not isinstance(value, (list, tuple, int, float)) else np.asarray(value)
     if arr is None:
@@ -145,7 +142,7 @@ def _resolve(obj: object, path: str, allow_nonfinite: bool = False) -> tuple[Any
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], (Spec, Activation)):
         spec, params = obj
         if getattr(spec, "lazy", False):
-            from .._params import fill_lazy_from_params
+            from ..params._source import fill_lazy_from_params
 
             spec = fill_lazy_from_params(spec, params)  # as db.compile does: the kernel fixes the width
         try:
@@ -399,7 +396,7 @@ def save(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str | None 
 
 def _model_file_backend(path: str) -> str | None:
     """The backend whose declared whole-model format (``carries_model``) the name of ``path`` ends in."""
-    from .._registry import formats
+    from ..registry._backends import formats
 
     lower = path.lower()
     return next((name for name, fmt in formats()
@@ -476,7 +473,7 @@ def _kind(path: str, fd: int) -> str:
 def _probe(path: str, files: list[SafetensorsFile], fd: int | None = None):
     """What the backends' declared formats sniff (``_manifest.Probe``): the head of the file, or
     the opened safetensors files' metadata and tensor names."""
-    from .._manifest import Probe
+    from ..registry._manifest import Probe
 
     if fd is not None:
         head, size = _head(path, fd)
@@ -723,7 +720,7 @@ def open_checkpoint(path: str | os.PathLike, *, spec=None, like=None, format: st
     spec = _spec_arg(spec)
     if like is not None:
         if not _is_native(like):
-            from .._registry import names
+            from ..registry._backends import names
 
             raise TypeError("like must be a native model or layer of the checkpoint's architecture (of a registered "
                             f"backend: {', '.join(names())}); pass a dense_bridge spec as spec= instead. "
@@ -798,7 +795,7 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     .safetensors or its index); each rank reads only its own blocks (dense_bridge/parallel/).
     """
     from .. import parallel as tensor_parallel
-    from .._registry import check_backend_name
+    from ..registry._backends import check_backend_name
 
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"allow_nonfinite must be True or False. {received('allow_nonfinite', allow_nonfinite)}")
@@ -852,7 +849,7 @@ def convert_file(src: str, to: str, out: str, *, spec=None, like=None, format: s
     parameters are refused (CheckpointError, nothing written) unless ``allow_nonfinite=True``.
     An ``out`` that is (or resolves to) one of the source's files is refused before anything is written.
     """
-    from .._registry import check_backend_name
+    from ..registry._backends import check_backend_name
 
     src = _path_arg(src, "src")
     out = _path_arg(out, "out")

@@ -11,7 +11,7 @@ import json
 from typing import Mapping
 
 from .._errors import CheckpointError
-from .._params import nonfinite_counts
+from ..params._source import nonfinite_counts
 from ._safetensors import parse_json_object, shorten
 from ..specs import from_config, layer_config
 

@@ -2,7 +2,7 @@
 
 Which backend a file belongs to is decided by the formats the backends declare in their
 manifests (``backends/<fw>/_manifest.py``: content sniffing, extensions, labels, temporary
-suffixes; see ``dense_bridge._manifest``), through the registry: :func:`identify`. Every
+suffixes; see ``dense_bridge.registry._manifest``), through the registry: :func:`identify`. Every
 framework detail is left to that adapter's file verbs (``backends/<fw>/_files.py``):
 
 - ``file_info(path, container, *, files)`` -> (name -> (native shape, dtype), metadata), no spec needed;
@@ -37,8 +37,8 @@ from . import _extensions as extensions
 from ._io import AtomicFiles, check_writable, write_limit_cause
 from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
 from .._dtypes import numpy_dtype
-from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line
-from .._manifest import FileFormat, Match, Probe
+from .._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line)
+from ..registry._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
 from ._validate import LayerStream
 
@@ -51,7 +51,7 @@ _UNASKED = object()  # NativeCheckpoint._file_views not computed yet (None is an
 
 
 def _backends():
-    from .._registry import backends
+    from ..registry._backends import backends
 
     return backends()
 
@@ -78,7 +78,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
     name) takes that backend's best format that fits at all; CheckpointError when none does or
     no format knows the file."""
     safetensors = probe.metadata is not None
-    from .._registry import formats
+    from ..registry._backends import formats
 
     scored = []
     for order, (backend, fmt) in enumerate(formats()):
@@ -117,7 +117,7 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
 def file_adapter(framework: str, what: str):
     """The adapter whose file verbs handle ``framework``'s files; BackendUnavailableError naming
     ``what`` (the file and the job) and the extra to install when the framework is missing or broken."""
-    from .._registry import get_adapter
+    from ..registry._backends import get_adapter
 
     try:
         return get_adapter(framework)
@@ -253,7 +253,7 @@ class NativeCheckpoint:
 
     def _new_template(self):
         from .. import _api
-        from .._params import ParamSource
+        from ..params._source import ParamSource
 
         if self.like is not None and _api.backend(self.like) == self.framework:
             return copy.deepcopy(self.like)  # the user's own class, whatever the spec would compile to
@@ -305,7 +305,7 @@ class NativeCheckpoint:
             return {name: views[name] for name in views}
         params = _api.get_params(self.template(), copy=False)
         if self.spec is not None and self.format.carries_model:
-            from .._params import validate_params
+            from ..params._source import validate_params
 
             try:  # a .keras file carries its own architecture: it must fit the spec given
                 validate_params(self.spec, params, allow_nonfinite=True)
@@ -343,7 +343,7 @@ class NativeCheckpoint:
         an Equinox file, a legacy Keras layout), the model it loads into is returned.
         """
         from .. import _api
-        from .._params import ParamSource
+        from ..params._source import ParamSource
 
         if backend == self.framework and self._file_views() is None:  # only the framework's own loader reads it
             model = self.template()

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._memory import available_memory
+from ..params._memory_budget import available_memory
 from ._safetensors import open_readonly
 
 __all__ = ["npz_records", "read_npz"]

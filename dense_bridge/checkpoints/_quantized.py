@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, received
+from .._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, received)
 from ..quant import Quant, code_range, move, reference_dequantize
 from . import _extensions
 from ._extensions import PASS
@@ -53,7 +53,7 @@ _CODE_KEYS = ("qkernel", "scale", "offset", "zero")
 
 # ============================================================================ adapters' verbs
 def _adapter(backend: str):
-    from .._registry import get_adapter
+    from ..registry._backends import get_adapter
 
     return get_adapter(backend)
 
@@ -103,7 +103,7 @@ def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, d
 
 
 def _is_native(obj: Any) -> bool:
-    from .._registry import backend_of
+    from ..registry._backends import backend_of
 
     try:
         backend_of(obj)
@@ -159,7 +159,7 @@ def _reads_own_codes(backend: str, path: str) -> bool:
 def _own_file_name(backend: str, path: str) -> bool:
     """Does ``path`` end in a file name only ``backend``'s own quantized files use (MLX ``.npz``,
     Keras ``.weights.h5``; ``.safetensors`` stays canonical unless ``format=`` says otherwise)?"""
-    from .._registry import formats
+    from ..registry._backends import formats
 
     if not _reads_own_codes(backend, path):
         return False
@@ -227,7 +227,7 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
 
     def _check(self, spec) -> None:
         from .._dtypes import dtype_name
-        from .._params import expected_params
+        from ..params._source import expected_params
         from ._meta import mismatches
 
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .._errors import DenseBridgeError
-from .._manifest import Probe
+from ..registry._manifest import Probe
 from ._native import identify
 from ._safetensors import open_readonly, read_at
 

@@ -22,8 +22,8 @@ from typing import Callable, Container, Mapping
 import numpy as np
 
 from .._errors import CheckpointError, ConversionError
-from .._params import check_masks_match, validate_params, validate_params_scan_later
-from .._transfer import count_nonfinite
+from ..params._source import check_masks_match, validate_params, validate_params_scan_later
+from ..params._copy import count_nonfinite
 from ..specs import Sequential, layer_param_shapes
 from ._pages import release_file_pages
 

@@ -25,7 +25,7 @@ IN, HIDDEN, OUT, N = 32, 64, 10, 256
 
 def native_files(backends: list[str]) -> dict[str, str]:
     """backend -> the demo's file name in its first declared writable format (from the registry)."""
-    from .._registry import manifest
+    from ..registry._backends import manifest
 
     out = {}
     for b in backends:
@@ -80,7 +80,7 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
 
     from .. import checkpoints
     from .._errors import check_type, received
-    from .._registry import get_adapter, has_capability
+    from ..registry._backends import get_adapter, has_capability
     from ..adapter_kit import GRADIENTS
     from ..testing import compare
     from ._text import table

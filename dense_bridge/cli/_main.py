@@ -10,7 +10,7 @@ Built on the public API: ``dense_bridge`` (db.*), ``dense_bridge.checkpoints`` (
 and the safe readers of small files), ``dense_bridge.testing`` and the public modules ``specs``
 and ``models``. The registry (``_registry``) is the one private module it reads: the backends
 table (names for the choices, manifests for help texts and quiet imports) and the adapters'
-optional verbs have no public face. ``tests/test_architecture.py`` holds it to that.
+optional verbs have no public face. ``tests/architecture/test_architecture.py`` holds it to that.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ._inspect import cmd_inspect
 
 def run_choices() -> tuple[str, ...]:
     """What --backend-a/-b accept: every registered backend (read from the registry at run time)."""
-    from .._registry import names
+    from ..registry._backends import names
 
     return names()
 
@@ -47,7 +47,7 @@ def format_choices() -> tuple[str, ...]:
 
 def _output_help() -> str:
     """The endings each backend writes, from the registry: ".pt/.pth/.bin/.safetensors (torch), ..."."""
-    from .._registry import backends
+    from ..registry._backends import backends
 
     parts = []
     for name, info in backends().items():
@@ -59,7 +59,7 @@ def _output_help() -> str:
 def _quiet_backends(args) -> list[str]:
     """Installed backends declaring ``quiet_import`` that this command will use: named by
     --to/--backend-a/-b, owning one of its files, or all of them for the demo."""
-    from .._registry import available_backends, backends
+    from ..registry._backends import available_backends, backends
 
     quiet = [n for n in available_backends() if backends()[n].manifest.quiet_import]
     if not quiet or args.command == "demo":
@@ -78,7 +78,7 @@ def import_quietly(names: Sequence[str] | None = None) -> None:
     Importing an adapter also registers its own classes with its framework (Keras'
     ``keras.saving`` needs dense_bridge's layer classes before it loads a file using them).
     """
-    from .._registry import available_backends, backends, get_adapter
+    from ..registry._backends import available_backends, backends, get_adapter
 
     if names is None:
         names = [n for n in available_backends() if backends()[n].manifest.quiet_import]
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=format_choices(), help="how to read ambiguous native files")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
-    from ._adapter import add_parser as add_adapter  # LoRA adapter directories
+    from ._lora_adapter import add_parser as add_adapter  # LoRA adapter directories
 
     add_adapter(sub)
     return parser

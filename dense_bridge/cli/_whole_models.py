@@ -37,7 +37,7 @@ __all__ = ["add_arguments", "load_model", "read_mapping", "read_inputs", "check_
 
 def _model_file_backends() -> dict[str, str]:
     """Name ending -> backend, for whole-model files (each manifest's ``model_files``)."""
-    from .._registry import backends
+    from ..registry._backends import backends
 
     return {ending: name for name, info in backends().items() for ending in info.manifest.model_files}
 
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(path: str, *, trust_pickle: bool = False) -> Any:
     """A whole native model from a file, by its suffix (see the module docstring)."""
-    from .._registry import optional_verb
+    from ..registry._backends import optional_verb
 
     readers = _model_file_backends()
     backend = next((b for ending, b in readers.items() if path.lower().endswith(ending)), None)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, received
-from .._memory import check_load_fits
+from ..params._memory_budget import check_load_fits
 from ..checkpoints._safetensors import read_json_file, shorten
 from ..checkpoints._validate import LayerValidator
 from ..specs import Sequential, from_config

@@ -1,9 +1,9 @@
 """The one place the core calls the adapters' tensor-parallel and distributed-checkpoint verbs.
 
 A backend declares tensor parallelism in its manifest (capability ``parallel``); its adapter then
-offers every verb of ``dense_bridge._adapter.PARALLEL_VERBS`` under those names, and each is looked
+offers every verb of ``dense_bridge.registry._contract.PARALLEL_VERBS`` under those names, and each is looked
 up through ``_registry.optional_verb`` (its error names the backend and the verb). Nothing else in
-the core names a parallel verb (tests/test_architecture.py checks it): ``db.get_params``,
+the core names a parallel verb (tests/architecture/test_architecture.py checks it): ``db.get_params``,
 ``set_params``, ``to_spec``, ``convert`` and ``testing.compare`` take their verbs from
 :func:`verbs_for`, which hands a parallel model's collective versions under the plain names, so
 no adapter wraps its plain verbs and no plain verb asks whether its model is parallel.
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError, DenseBridgeError, SpecError, received
-from .._manifest import DCP, PARALLEL
-from .._registry import backend_of, get_adapter, has_capability, names, optional_verb
+from ..registry._manifest import DCP, PARALLEL
+from ..registry._backends import backend_of, get_adapter, has_capability, names, optional_verb
 from ._plan import Shard, spec_layers
 
 _PURPOSE = "tensor parallelism (parallel=)"

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError, SpecError
-from .._memory import check_load_fits
+from ..params._memory_budget import check_load_fits
 from ..checkpoints._safetensors import shorten
 from ..checkpoints._validate import LayerValidator
 from ..specs import Sequential, from_config
 from . import _dispatch
 from ._plan import owned_index, params_plan
-from ._sharded_dir import INDEX_NAME, Reader, build_index, read_all, read_block, read_index, write_index, write_rank_file
+from ._sharded_dir import (INDEX_NAME, Reader, build_index, read_all, read_block, read_index, write_index, write_rank_file)
 
 
 # ------------------------------------------------------------------ save
@@ -58,7 +58,7 @@ def check_params(where: str, spec, params: dict, allow_nonfinite: bool) -> None:
     """What ``compile(params=)`` checks (and a file load): names, shapes, dtypes, NaN/Inf, masks
     against the spec; CheckpointError naming ``where``."""
     from .._errors import ConversionError
-    from .._params import check_masks_match, validate_params
+    from ..params._source import check_masks_match, validate_params
 
     try:
         validate_params(spec, params, allow_nonfinite=allow_nonfinite)
@@ -74,7 +74,7 @@ def load_directory(path: Any, backend: str | None, parallel: Any, group: Any, al
     load applies applies here, with and without a backend: tensors and dtypes against the spec,
     NaN/Inf (unless ``allow_nonfinite``), each mask against the spec's wiring."""
     from .._api import compile
-    from .._params import expected_params
+    from ..params._source import expected_params
     from ..checkpoints._meta import mismatches
 
     directory = os.fspath(path)

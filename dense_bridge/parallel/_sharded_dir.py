@@ -31,7 +31,7 @@ import numpy as np
 from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, SpecError
 from ..checkpoints._io import AtomicFiles, write_text
-from ..checkpoints._safetensors import MAX_RANK, SafetensorsFile, pending, read_json_file, shorten, write_safetensors
+from ..checkpoints._safetensors import (MAX_RANK, SafetensorsFile, pending, read_json_file, shorten, write_safetensors)
 from ..specs import from_config
 from ._plan import LayerPlan, owned_index, params_plan
 

@@ -23,7 +23,7 @@ a rounded value landing on the other side of a kink (relu' is 0 or 1). A lone la
 inputs gets exactly the docs/FACTS.md formula. Where a value's allowance is 0 (an all-zero
 reference), any difference fails.
 
-Empirical check (tests/test_compare.py): every framework pair in float32/float16/bfloat16 over
+Empirical check (tests/testing/test_compare.py): every framework pair in float32/float16/bfloat16 over
 random specs and seeds passes with margin, and every wrong port there (a transposed kernel, a
 missing bias, another activation, a perturbed weight) fails at its layer.
 
@@ -42,12 +42,12 @@ import numpy as np
 
 from .._dtypes import numpy_dtype
 from .._errors import ConversionError, SpecError, check_flag, received
-from .._params import array_to_numpy
-from .._registry import backend_of
+from ..params._source import array_to_numpy
+from ..registry._backends import backend_of
 from ..parallel._dispatch import verbs_for
 from ._gradients import computes_gradients, effective_grads
 from ..activations import Activation
-from .._trace import LayerTrace, Trace
+from ..registry._trace import LayerTrace, Trace
 from ..specs import Bilinear, Dense, Identity, Sequential
 from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failure
 from ._rounding import coarsest, round_common

@@ -30,14 +30,13 @@ import numpy as np
 from .._api import build
 from .._dtypes import numpy_dtype
 from .._errors import CheckpointError, ConversionError, SpecError
-from .._memory import return_freed_memory
-from .._params import ParamSource
-from .._manifest import GRADIENTS
-from .._registry import get_adapter, has_capability
+from ..params._memory_budget import return_freed_memory
+from ..params._source import ParamSource
+from ..registry._manifest import GRADIENTS
+from ..registry._backends import get_adapter, has_capability
 from ._gradients import effective_grads
 from ..specs import Dense, Sequential, layer_param_shapes
-from ._compare import (compare_layer, dx_names, feed_report, layer_label, layers_of, model_dtype,
-                       new_report, output_dtype, output_width)
+from ._compare import (compare_layer, dx_names, feed_report, layer_label, layers_of, model_dtype, new_report, output_dtype, output_width)
 from ._propagate import Propagation
 from ._report import Report, first_failure
 from ._tolerance import Tolerance

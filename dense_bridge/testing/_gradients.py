@@ -16,8 +16,8 @@ NOT_COMPARED = "gradients were NOT compared (grads=False): outputs only"
 def computes_gradients(backends: dict[str, str], grads: bool = False) -> dict[str, bool]:
     """Side ("a", "b") -> whether its backend's adapter computes gradients (``grads`` is unused:
     kept so every caller reads the same)."""
-    from .._manifest import GRADIENTS
-    from .._registry import has_capability
+    from ..registry._manifest import GRADIENTS
+    from ..registry._backends import has_capability
 
     return {side: has_capability(name, GRADIENTS) for side, name in backends.items()}
 

@@ -12,7 +12,7 @@ nobuco replays each converted node on the original node's inputs:
 - backward: from the cotangent a's layer received (dL/d(its output)), reshaped and cast the
   same way, giving b's dL/dx and parameter gradients; a's own dL/dx comes from ``run_layer`` on
   a's layer with the same input and cotangent (captures do not record input gradients);
-- a split/fused group (``_fused``) runs member by member on the common input, each with its
+- a split/fused group (``_split_groups``) runs member by member on the common input, each with its
   slice of the cotangent along units; outputs and parameter gradients are joined as the merged
   capture joins them and the members' dL/dx summed.
 
@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._dtypes import EPS
-from ._captures import Call, Capture
+from ..registry._captures import Call, Capture
 from ._tolerance import Tolerance, allowed_error
 
 __all__ = ["forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced", "forced_layer_traces",
@@ -81,7 +81,7 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
 
     ``acts(pa, pb)``: the activation each side's recorded output includes, a's and b's (None: the
     recorded output is the linear map alone). ``groups``: the split/fused groups by label
-    (``_fused.Group``), whose members run one by one (``_run_unit``); ``widths``: member path -> units.
+    (``_split_groups.Group``), whose members run one by one (``_run_unit``); ``widths``: member path -> units.
     """
     groups, widths = groups or {}, widths or {}
     forced = Forced()
@@ -162,7 +162,7 @@ def _run_unit(run, layers: dict, groups: dict, widths: dict[str, int], path: str
     """``run`` (an adapter's run_layer) on one compared side: (output, dL/dx, {layer path: its
     parameter gradients}).
 
-    A plain layer runs as it is. A split/fused group runs as the one virtual layer ``_fused.merge``
+    A plain layer runs as it is. A split/fused group runs as the one virtual layer ``_split_groups.merge``
     makes of its members: each member runs on ``x`` (their common input, the first member's native
     shape) with its slice of ``g`` along units (per head when the group declares heads), the outputs
     come back joined along units as (rows, units) like the merged capture's, and dL/dx is the sum of
@@ -171,8 +171,8 @@ def _run_unit(run, layers: dict, groups: dict, widths: dict[str, int], path: str
     if path not in groups:
         y, dx, pg = run(layers[path], x, g)
         return y, dx, {path: pg}
-    from .._mapping import split_arrays
-    from ._fused import as_units, join_units
+    from ..models._plan import split_arrays
+    from ._split_groups import as_units, join_units
 
     grp = groups[path]
     units = [widths[p] for p in grp.paths]
@@ -196,11 +196,11 @@ def _run_unit(run, layers: dict, groups: dict, widths: dict[str, int], path: str
 
 
 def _unit_grads(path: str, groups: dict, sums: dict[str, dict]) -> dict | None:
-    """The forced parameter gradients of a plain layer, or of a group joined like ``_fused.merge``
+    """The forced parameter gradients of a plain layer, or of a group joined like ``_split_groups.merge``
     joins the cascaded ones; None when some member has none."""
     if path not in groups:
         return sums.get(path)
-    from .._mapping import join_arrays
+    from ..models._plan import join_arrays
 
     pieces = [sums.get(p) for p in groups[path].paths]
     if any(pc is None for pc in pieces):
@@ -304,8 +304,8 @@ def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a,
     """
     from .._api import build
     from .._dtypes import numpy_dtype
-    from .._params import ParamSource
-    from .._registry import get_adapter
+    from ..params._source import ParamSource
+    from ..registry._backends import get_adapter
     from ..specs import Sequential
     from ._gradients import computes_gradients
     from ._propagate import allowances

@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import EPS
-from .._errors import ConversionError, check_flag, received
-from .._params import array_to_numpy as _to_numpy
-from .._registry import adapter_for, backend_of
+from .._errors import ConversionError, SpecError, check_flag, received
+from ..params._source import array_to_numpy as _to_numpy
+from ..registry._backends import adapter_for, backend_of
 from ._gradients import effective_grads
-from . import _fused
-from ._captures import Call, Capture, LeafOutput
+from . import _split_groups
+from ..registry._captures import Call, Capture, LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import element_stats, elementwise_units
 from ._structure import model_structure
@@ -56,7 +56,10 @@ from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failu
 from ._rounding import coarsest, round_common
 from ._tolerance import Tolerance, allowed_error, rms
 
-__all__ = ["compare_models", "ModelReport", "GROWTH"]
+__all__ = ["compare_models", "ModelReport", "GROWTH", "JUDGES"]
+
+#: How compare_models judges each layer: its own contribution, or as a value carried from its input.
+JUDGES = ("layers", "carried")
 
 #: How much the code between two linear layers (attention, norms, activations) may amplify the
 #: relative difference it is given before a layer's input counts as diverged (see the module doc).
@@ -287,7 +290,7 @@ def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, 
 
 def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=None, seed: int = 0,
                    tolerance: Tolerance | None = None, isolated: bool = False,
-                   _verify_only: bool = False) -> ModelReport:
+                   judge: str = "layers") -> ModelReport:
     """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
 
     ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
@@ -310,8 +313,9 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     Before anything runs, ``report.structure`` lists the parameters of either model left
     unmatched, tied or matched with another dtype, and both parameter counts.
 
-    ``_verify_only=True`` (private, for ``db.transfer(mapping="auto")``'s check of a transfer it
-    just made): a verdict at the cost of little more than the two forwards. Every call's input and
+    ``judge``: ``"layers"`` (default) judges every layer's own contribution as described above.
+    ``"carried"`` (what ``db.transfer(mapping="auto")`` uses to check a transfer it just made) gives
+    a verdict at the cost of little more than the two forwards. Every call's input and
     the model output are judged as above; each call's output is judged as a value computed from
     its input, like ``input`` (its difference allowed the formula's rounding plus GROWTH times what
     came before it), instead of as its own contribution, which needs x @ W in float64 per side.
@@ -326,6 +330,9 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     from ._compare import check_count, check_tolerance
 
     grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
+    if judge not in JUDGES:
+        raise SpecError(received("judge", judge, f"one of {', '.join(repr(j) for j in JUDGES)}"))
+    carried = judge == "carried"
     seed = check_count("seed", seed, 0)
     tol = check_tolerance(tolerance)
     if outputs is None:  # each side's first floating output, re-paired by shape below if they differ
@@ -344,7 +351,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     for side, given in (("inputs", in_a), ("inputs_b", in_b)):
         refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
-    from .. import _auto_mapping, models
+    from ..models import _infer as _auto_mapping
+    from .. import models
 
     walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
     walks = (walked[0].entries, walked[1].entries)
@@ -352,14 +360,14 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         mapping = _auto_mapping.inferred_rules(a, b, inputs, mapping, lambda *_: walked)
     layers_a, layers_b = ({e.path: e.layer for e in side.linear()} for side in walked)
     # matched (path in a, path in b): the linear layers db.transfer would pair with mapping, a split or
-    # concatenated side as one group labelled "path+path+..." (_fused), and the groups
-    pairs, groups = _fused.pairs_of(models.match_moves(a, b, mapping, walked=walked))
+    # concatenated side as one group labelled "path+path+..." (_split_groups), and the groups
+    pairs, groups = _split_groups.pairs_of(models.match_moves(a, b, mapping, walked=walked))
     from .._api import get_params
 
-    params_a = {pa: _fused.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
-    params_b = {pb: _fused.group_params(pb, groups, layers_b, get_params) for _, pb in pairs}
+    params_a = {pa: _split_groups.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}
+    params_b = {pb: _split_groups.group_params(pb, groups, layers_b, get_params) for _, pb in pairs}
     widths = {p: get_params(layers[p], copy=False)["kernel"].shape[-1] for layers in (layers_a, layers_b)
-              for p in _fused.members(groups, groups) if p in layers}
+              for p in _split_groups.members(groups, groups) if p in layers}
     dtypes = sorted({_dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
                      if "kernel" in p} or {"float32"})
     in_a, in_b = _round_inputs(in_a, dtypes), _round_inputs(in_b, dtypes)
@@ -373,11 +381,11 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
         return cache[size].reshape(shape)
 
     def run(select_a, select_b) -> tuple[Capture, Capture]:
-        cap_a = adapter_a.capture(a, in_a, {p: layers_a[p] for p in _fused.members([pa for pa, _ in pairs], groups)},
+        cap_a = adapter_a.capture(a, in_a, {p: layers_a[p] for p in _split_groups.members([pa for pa, _ in pairs], groups)},
                                   cotangent=cotangent, select=select_a, grads=grads)
-        cap_b = adapter_b.capture(b, in_b, {p: layers_b[p] for p in _fused.members([pb for _, pb in pairs], groups)},
+        cap_b = adapter_b.capture(b, in_b, {p: layers_b[p] for p in _split_groups.members([pb for _, pb in pairs], groups)},
                                   cotangent=cotangent, select=select_b, grads=grads)
-        return _fused.merge(cap_a, groups, widths), _fused.merge(cap_b, groups, widths)
+        return _split_groups.merge(cap_a, groups, widths), _split_groups.merge(cap_b, groups, widths)
 
     cap_a, cap_b = run(select_a, select_b)
     output_note = None
@@ -396,8 +404,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                          ModelInfo(backend_of(b, "b"), type(b).__name__, dt_b), coarsest([dt_a, dt_b]), tol,
                          _input_shapes(in_b), seed, True)
     report.pairs = pairs
-    for side, layers, matched in (("a", layers_a, set(_fused.members([pa for pa, _ in pairs], groups))),
-                                  ("b", layers_b, set(_fused.members([pb for _, pb in pairs], groups)))):
+    for side, layers, matched in (("a", layers_a, set(_split_groups.members([pa for pa, _ in pairs], groups))),
+                                  ("b", layers_b, set(_split_groups.members([pb for _, pb in pairs], groups)))):
         left = [p for p in layers if p not in matched]
         if left:
             report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
@@ -406,7 +414,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layers_a = {**layers_a, **{g: None for g in groups}}  # a group has no one native layer (no activation)
     layers_b = {**layers_b, **{g: None for g in groups}}
     report.notes += [f"a: {n}" for n in cap_a.notes] + [f"b: {n}" for n in cap_b.notes]
-    if not _verify_only:
+    if not carried:
         report.structure = model_structure(a, b, pairs, groups, entries=walks)
     if grads_note:
         report.notes.append(grads_note)
@@ -414,7 +422,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
 
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
     _judge(report, pairs, cap_a, cap_b, layers_a, layers_b, params_b, grads, tol, quant=quant, walks=walks,
-           verify_only=_verify_only)
+           verify_only=carried)
     if isolated:
         _teacher_forced(report, adapter_a, adapter_b, pairs, layers_a, layers_b, cap_a, cap_b, params_b, grads, tol,
                         quant=quant, walks=walks, groups=groups, widths=widths)
@@ -614,7 +622,7 @@ def _judge(report: ModelReport, pairs, cap_a: Capture, cap_b: Capture, layers_a:
 
 def _verdict_rows(idx, label, ca: Call, cb: Call, pa, pb, n_in, n_out, dtype, tol: Tolerance,
                   prev: float) -> tuple[tuple, float]:
-    """``_verify_only``'s rows of one call, (input row, output row), and the largest relative
+    """``judge="carried"``'s rows of one call, (input row, output row), and the largest relative
     difference so far. Each is judged as a value the code before it computed (``_carried``: the
     formula's rounding, K = in_features, plus GROWTH x ``prev``, the largest relative difference
     so far, which the output's row takes after adding its input's)."""

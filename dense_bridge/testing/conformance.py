@@ -34,14 +34,14 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def _adapter(name: str):
-    from .._registry import get_adapter
+    from ..registry._backends import get_adapter
 
     return get_adapter(name)
 
 
 def _gradients(name: str) -> bool:
-    from .._manifest import GRADIENTS
-    from .._registry import has_capability
+    from ..registry._manifest import GRADIENTS
+    from ..registry._backends import has_capability
 
     return has_capability(name, GRADIENTS)
 
@@ -156,9 +156,9 @@ class AdapterConformance:
 
     # ------------------------------------------------------------------ the contract
     def test_contract_verbs_and_manifest(self):
-        from .._adapter import REQUIRED_VERBS
-        from .._manifest import Manifest
-        from .._registry import manifest
+        from ..registry._contract import REQUIRED_VERBS
+        from ..registry._manifest import Manifest
+        from ..registry._backends import manifest
 
         missing = [v for v in REQUIRED_VERBS if not callable(getattr(self.adapter, v, None))]
         assert not missing, f"the adapter lacks the verbs {missing}"
@@ -270,7 +270,7 @@ class AdapterConformance:
     def test_every_declared_file_format_round_trips(self, tmp_path):
         from .. import checkpoints
         from ..checkpoints._native import write_native
-        from .._registry import manifest
+        from ..registry._backends import manifest
 
         writable = [f for f in manifest(self.backend).formats if f.write_kind and f.extensions]
         if not writable:

@@ -1,0 +1,339 @@
+"""``mapping="auto"``: a mapping inferred by watching two models run, checked before it is kept.
+
+Each model runs forward ONCE on the given inputs (the adapters' ``capture`` verb, forward only)
+while every layer holding parameters of its own records its calls: linear layers, norms,
+embedding tables (Keras' ReversibleEmbedding records its lookups under the table's path and its
+``reverse=True`` calls under its head's). From the calls:
+
+- each layer's **kind**: ``linear`` (the walk says so), ``embedding`` (one 2-D table), ``norm``
+  (1-D parameters only); anything else (a mixture-of-experts stack whose weights hold an expert
+  axis) is refused by name;
+- its **place**: the position of its first call in execution order (definition order does not
+  count: mlx-lm's Llama MLP defines gate, down, up and calls gate, up, down);
+- its **data flow**: a fingerprint of its input's exact values, so that calls that read the same
+  tensor (q, k and v of one attention; gate and up of one MLP) form one *run*.
+
+Pairing is per kind, never across kinds (transformers' Qwen3 interleaves q_norm between q_proj
+and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequences each agree):
+
+- linear runs in order: two runs with the same widths pair member by member (equal widths by
+  last path name when both runs use the same names, else by order); a run of ONE fused call
+  whose units are the sum of the other run's pairs as a split/concatenation (GPT-2 ``c_attn``
+  against keras-hub ``query``/``key``/``value``);
+- embeddings and norms by their parameter shapes, several of one shape by execution order
+  (BERT looks its three tables up in different orders on the two sides: their shapes differ);
+- a head tied to its embedding follows its tie; a tied source head is paired with an untied
+  destination head left over at the end.
+
+The result is a :class:`~dense_bridge.models._plan.Plan` (``LayerMove``s), so the transfer and
+its ``report.rules`` are the explicit mapping's. Equal-width layers read from one input (q and k)
+cannot be told apart by running the untrained pair: a wrong guess reproduces its partner layer
+by layer, which is why ``db.transfer`` (``_auto_transfer``) verifies the whole run (every matched layer's input
+and output, and the model output) before it keeps anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _plan as _mapping
+from .._errors import ConversionError, SpecError, received
+from ..params._source import array_to_numpy
+from ..registry._backends import adapter_for
+from ..registry._captures import HEAD_CALL
+
+__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "Inferred", "NEEDS_INPUTS"]
+
+NEEDS_INPUTS = ("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, or a pair "
+                "(src inputs, dst inputs)). Received: inputs=None")
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``db.auto(rules)``: explicit entries (any ``mapping=`` form) that take precedence; every
+    layer they leave is inferred as ``mapping="auto"`` infers it."""
+
+    explicit: Any = None
+
+
+def auto(rules: Any = None) -> Auto:
+    """A mapping that takes ``rules`` (a dict, a rule list or a callable, as ``mapping=`` takes
+    them) for the layers they name and infers the rest from execution (needs ``inputs=``)."""
+    _mapping.parse(rules)  # bad rules are refused here, by name, before any model runs
+    return Auto(rules)
+
+
+def is_auto(mapping: Any) -> bool:
+    return isinstance(mapping, Auto) or (isinstance(mapping, str) and mapping == "auto")
+
+
+# ----------------------------------------------------------------------------- recording
+@dataclass
+class _Layer:
+    """One parameterised layer as its model ran it: kind, first call's place, shapes, data flow."""
+
+    entry: Any
+    kind: str  # "linear", "embedding", "norm"
+    order: int  # position of its first call among all recorded calls
+    signature: tuple  # linear: (in_features, units); others: the parameter shapes
+    source: str  # fingerprint of its first call's input (calls reading one tensor share it)
+
+    @property
+    def path(self) -> str:
+        return self.entry.path
+
+    @property
+    def units(self) -> int:
+        return self.signature[1]
+
+
+def _fingerprint(x: np.ndarray) -> str:
+    arr = np.ascontiguousarray(np.asarray(x))
+    return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
+
+
+def _kernel_shape(e) -> tuple:
+    """A linear layer's canonical (in_features, units)."""
+    try:
+        return tuple(adapter_for(e.layer).get_params(e.layer)["kernel"].shape)
+    except SpecError as exc:  # an unbuilt lazy layer
+        raise ConversionError(str(exc)) from None
+
+
+def _numpy_inputs(value, argument: str):
+    def one(v, where):
+        arr = array_to_numpy(v)
+        if arr is None or np.asarray(arr).dtype == object:
+            raise TypeError(f"{where} must be a numeric array. {received(where, v)}")
+        return np.asarray(arr)
+    if isinstance(value, dict):
+        return {k: one(v, f"{argument}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [one(v, f"{argument}[{i}]") for i, v in enumerate(value)]
+    return [one(value, argument)]
+
+
+def split_inputs(inputs) -> tuple[Any, Any]:
+    """(src inputs, dst inputs) as numpy lists/dicts: a pair of lists/dicts is one per model,
+    anything else (a list, a dict, one array) feeds both (the forms ``compare_models`` takes)."""
+    if inputs is None:
+        raise TypeError(NEEDS_INPUTS)
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
+        return _numpy_inputs(inputs[0], "inputs[0]"), _numpy_inputs(inputs[1], "inputs[1]")
+    same = _numpy_inputs(inputs, "inputs")
+    return same, same
+
+
+def _kind(side, e) -> str | None:
+    """linear / embedding / norm, or None for a layer auto cannot pair (named in the refusal)."""
+    if e.kind == "linear":
+        return "linear"
+    shapes = [e.shapes[n] for n in e.names]
+    if len(shapes) == 1 and len(shapes[0]) == 2:
+        return "embedding"
+    if shapes and all(len(s) == 1 for s in shapes):
+        return "norm"
+    return None
+
+
+@dataclass
+class _Run:
+    """One model's recorded layers, by kind, in execution order; and the layers never called."""
+
+    layers: dict[str, list[_Layer]] = field(default_factory=dict)
+    uncalled: list[str] = field(default_factory=list)
+    tied_heads: list[_Layer] = field(default_factory=list)  # fully tied linear heads that were called
+    #: embedding tables called as the output head without a module of their own (HEAD_CALL)
+    table_heads: list[_Layer] = field(default_factory=list)
+
+
+def _record(model, side, inputs, skip: set[str]) -> _Run:
+    """One forward pass of ``model`` recording every call of its parameterised layers."""
+    adapter = adapter_for(model, side.argument)
+    verb = getattr(adapter, "capture", None)
+    if not callable(verb):
+        raise ConversionError(f"mapping='auto': the {side.backend!r} backend cannot record the calls of layers inside "
+                              f"a model (no capture verb). {received(side.argument, model)}")
+    unsupported = [e for e in side.entries if e.path not in skip and _kind(side, e) is None]
+    if unsupported:
+        listed = "; ".join(f"{e.path!r} ({type(e.layer).__name__}, parameters "
+                           f"{ {n: e.shapes[n] for n in e.names} })" for e in unsupported[:6])
+        raise ConversionError(
+            f"mapping='auto' pairs linear layers, norms and embedding tables; {side.argument} holds layers it cannot "
+            f"pair: {listed}. Mixture-of-experts stacks (weights with an expert axis) are out of its scope: give "
+            f"an explicit mapping")
+    wanted = {e.path: e for e in side.entries if e.path not in skip}
+    try:
+        captured = verb(model, inputs, {p: e.layer for p, e in wanted.items()},
+                        cotangent=lambda shape: np.zeros(shape), grads=False)
+    except (ConversionError, TypeError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own forward failed on the inputs given
+        raise ConversionError(f"mapping='auto': {side.argument} failed to run on the inputs given "
+                              f"({type(exc).__name__}: {exc}); pass inputs={side.argument} takes "
+                              f"(a pair (src inputs, dst inputs) when they differ)") from None
+    run = _Run()
+    seen: set[str] = set()
+    for i, call in enumerate(captured.calls):
+        table = call.path[:-len(HEAD_CALL)] if call.path.endswith(HEAD_CALL) else None
+        if table in wanted and call.path not in seen:
+            seen.add(call.path)
+            e = wanted[table]
+            rows, dim = e.shapes[e.names[0]]
+            run.table_heads.append(_Layer(e, "linear", i, (dim, rows), _fingerprint(call.inputs[0])))
+            continue
+        if call.path in seen or call.path not in wanted:
+            continue
+        seen.add(call.path)
+        e = wanted[call.path]
+        kind = _kind(side, e)
+        sig = _kernel_shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
+        layer = _Layer(e, kind, i, tuple(sig), source)
+        if kind == "linear" and side.fully_tied(e):
+            run.tied_heads.append(layer)  # moves with its embedding
+            continue
+        run.layers.setdefault(kind, []).append(layer)
+    run.uncalled = [p for p, e in wanted.items() if p not in seen and not side.fully_tied(e)]
+    return run
+
+
+# ----------------------------------------------------------------------------- pairing
+def _runs(layers: list[_Layer]) -> list[list[_Layer]]:
+    """Consecutive linear calls reading the same input with the same in_features: one run each."""
+    out: list[list[_Layer]] = []
+    for layer in layers:
+        if out and out[-1][-1].source == layer.source and out[-1][-1].signature[0] == layer.signature[0]:
+            out[-1].append(layer)
+        else:
+            out.append([layer])
+    return out
+
+
+def _last(path: str) -> str:
+    return re.split(r"[./]", path)[-1]
+
+
+def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
+    """Pair two runs read from one input each; False when their widths say they do not correspond."""
+    if sorted(x.signature for x in a) == sorted(x.signature for x in b):
+        for sig in dict.fromkeys(x.signature for x in a):
+            xs = [x for x in a if x.signature == sig]
+            ys = [y for y in b if y.signature == sig]
+            names_x, names_y = [_last(x.path) for x in xs], [_last(y.path) for y in ys]
+            if len(xs) > 1 and sorted(names_x) == sorted(names_y) and len(set(names_x)) == len(names_x):
+                ys = [ys[names_y.index(n)] for n in names_x]  # equal widths: the names agree, trust them
+            for x, y in zip(xs, ys):
+                plan.layers.append(_mapping.LayerMove((x.entry,), (y.entry,), rule="auto"))
+        return True
+    in_a, in_b = a[0].signature[0], b[0].signature[0]
+    if in_a != in_b:
+        return False
+    if len(a) == 1 and len(b) > 1 and a[0].units == sum(y.units for y in b):
+        plan.layers.append(_mapping.LayerMove((a[0].entry,), tuple(y.entry for y in b), rule="auto"))
+        return True
+    if len(b) == 1 and len(a) > 1 and b[0].units == sum(x.units for x in a):
+        plan.layers.append(_mapping.LayerMove(tuple(x.entry for x in a), (b[0].entry,), rule="auto"))
+        return True
+    return False
+
+
+def _describe(run: list[_Layer]) -> str:
+    return "[" + ", ".join(f"{x.path} {x.signature}" for x in run) + "]"
+
+
+def _pair_linear(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
+    """Runs in execution order; returns the layers left unpaired on each side."""
+    ra, rb = _runs(a), _runs(b)
+    i = 0
+    while i < min(len(ra), len(rb)):
+        if not _pair_run(ra[i], rb[i], plan):
+            plan.problems.append(
+                f"the models differ in structure at their linear call #{sum(len(r) for r in ra[:i]) + 1}: src runs "
+                f"{_describe(ra[i])} where dst runs {_describe(rb[i])} (widths (in_features, units) that neither "
+                f"pair one to one nor split/concatenate)")
+            break
+        i += 1
+    return [x for r in ra[i:] for x in r], [y for r in rb[i:] for y in r]
+
+
+def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
+    """Embeddings and norms: by parameter shapes, several of one shape in execution order."""
+    left_a, left_b = [], []
+    for sig in dict.fromkeys([x.signature for x in a] + [y.signature for y in b]):
+        xs = [x for x in a if x.signature == sig]
+        ys = [y for y in b if y.signature == sig]
+        for x, y in zip(xs, ys):
+            plan.layers.append(_mapping.LayerMove((x.entry,), (y.entry,), rule="auto"))
+        left_a += xs[len(ys):]
+        left_b += ys[len(xs):]
+    return left_a, left_b
+
+
+@dataclass
+class Inferred:
+    """The inferred plan (explicit entries first), and every parameterised layer left unpaired."""
+
+    plan: _mapping.Plan
+    unpaired_src: list[str]
+    unpaired_dst: list[str]
+
+    def unpaired_text(self) -> str:
+        parts = []
+        if self.unpaired_src:
+            parts.append(f"src layers left unpaired: {self.unpaired_src}")
+        if self.unpaired_dst:
+            parts.append(f"dst layers left unpaired: {self.unpaired_dst}")
+        return "; ".join(parts)
+
+
+def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
+    """Record both models on ``inputs`` and pair their layers (``a``/``b``: ``models.sides``)."""
+    explicit = mapping.explicit if isinstance(mapping, Auto) else None
+    plan = _mapping.Plan()
+    if explicit is not None:
+        plan = _mapping.build_plan(a, b, _mapping.parse(explicit))
+    taken_a = {e.path for m in plan.layers for e in m.src} | {a.params[p.src][0].path for p in plan.params}
+    taken_b = {e.path for m in plan.layers for e in m.dst} | {b.params[p.dst][0].path for p in plan.params}
+    in_a, in_b = split_inputs(inputs)
+    run_a = _record(src_model, a, in_a, taken_a)
+    run_b = _record(dst_model, b, in_b, taken_b)
+    left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
+    # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
+    if len(left_b) == 1 and not left_a and run_a.tied_heads \
+            and run_a.tied_heads[-1].signature == left_b[0].signature:
+        plan.layers.append(_mapping.LayerMove((run_a.tied_heads[-1].entry,), (left_b[0].entry,), rule="auto"))
+        left_b = []
+    # a table called as the head (x @ table.T) fills an untied destination head: its kernel is the
+    # table, transposed where the destination stores (in, out)
+    if len(left_b) == 1 and not left_a and run_a.table_heads \
+            and run_a.table_heads[-1].signature == left_b[0].signature and len(left_b[0].entry.names) == 1:
+        t, d = run_a.table_heads[-1].entry, left_b[0].entry
+        src_param, dst_param = t.param_path(t.names[0]), d.param_path(d.names[0])
+        same = t.shapes[t.names[0]] == d.shapes[d.names[0]]
+        plan.params.append(_mapping.ParamMove(src_param, b.param(dst_param), None if same else np.transpose,
+                                              rule="auto"))
+        left_b = []
+    for kind in ("embedding", "norm"):
+        la, lb = _pair_by_shape(run_a.layers.get(kind, []), run_b.layers.get(kind, []), plan)
+        left_a += la
+        left_b += lb
+    _mapping.record_ties(a, plan)
+    return Inferred(plan, [x.path for x in left_a] + run_a.uncalled, [y.path for y in left_b] + run_b.uncalled)
+
+
+def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:
+    """The inferred mapping as explicit rules (``compare_models(..., mapping="auto")``); ``sides``:
+    ``models.sides``. ConversionError when the models cannot be paired."""
+    if inputs is None:
+        raise TypeError(NEEDS_INPUTS)
+    a, b = sides(src_model, dst_model)
+    found = infer(src_model, dst_model, a, b, inputs, mapping)
+    if found.plan.problems:
+        raise ConversionError("mapping='auto' cannot pair the models:\n  - " + "\n  - ".join(
+            found.plan.problems + ([found.unpaired_text()] if found.unpaired_text() else [])))
+    return found.plan.rules({**a.stable, **b.stable})

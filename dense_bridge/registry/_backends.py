@@ -1,0 +1,338 @@
+"""Backend registry: names -> adapter modules, imported on first use.
+
+A backend is one adapter package plus one entry here, from one of three sources, in this order:
+
+- the built-in adapters (:data:`BUILTIN`: ``dense_bridge.backends.<name>``);
+- the ``dense_bridge.backends`` entry-point group of installed packages, read by name only the
+  first time the whole table is needed (listing the backends, identifying a file, finding an
+  object's owner, a name not found among the others: ``importlib.metadata``, about 0.1 s once;
+  compiling on a built-in backend by name never pays it), and nothing is imported until used;
+- :func:`register_backend` calls (a dotted module name, imported on first use, or a module).
+
+What the core may know of a backend before its framework is imported (the packages it needs,
+its install hint, its file formats, which adapter wins an object two of them own) is its
+manifest (``dense_bridge.registry._manifest``), loaded from the adapter package's ``_manifest.py``
+without running the package itself. Nothing here imports a framework: availability is checked
+with ``importlib.util.find_spec``, and a native object's backend is found among the frameworks
+already in ``sys.modules`` (an object of a framework that was never imported cannot exist).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from .._errors import BackendUnavailableError, SpecError, check_flag, received, suggest
+from ._manifest import FileFormat, Manifest
+
+__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
+           "has_capability", "available_backends", "check_backend_name", "get_adapter", "backend_of",
+           "array_adapter", "adapter_for", "formats", "optional_verb"]
+
+#: The built-in backends: name -> adapter package (one line per framework).
+BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
+                           for name in ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")}
+ENTRY_POINT_GROUP = "dense_bridge.backends"
+#: Names the command line and convert_file use for the canonical format, never a backend's.
+RESERVED = ("canonical", "dense_bridge")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass
+class BackendInfo:
+    """One registry entry. ``module``: the adapter's dotted name, or the module itself;
+    ``attr``: an attribute of that module holding the adapter (entry points written
+    ``pkg.mod:attr``), else None; ``source``: "built-in", "entry point" or "register_backend"."""
+
+    name: str
+    module: str | ModuleType
+    install_hint: str | None = None
+    source: str = "built-in"
+    attr: str | None = None
+    _manifest: Manifest | None = field(default=None, repr=False)
+
+    @property
+    def module_name(self) -> str:
+        return self.module.__name__ if isinstance(self.module, ModuleType) else self.module
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            found = _load_manifest(self.module)
+            if found is None:  # a plain module not imported yet: defaults until it is
+                return Manifest()
+            self._manifest = found
+        return self._manifest
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        return self.manifest.requires or (self.module_name.split(".")[0],)
+
+    def all_requires(self) -> tuple[str, ...]:
+        runtime = self.manifest.runtime_requires
+        extra = runtime() if runtime is not None else ()
+        return self.requires + tuple(m for m in extra if m not in self.requires)
+
+    @property
+    def install(self) -> str:
+        return self.install_hint or self.manifest.install or f"pip install {self.requires[0]}"
+
+    @property
+    def display(self) -> str:
+        return self.manifest.display or self.name
+
+
+def _load_manifest(module: str | ModuleType) -> Manifest | None:
+    """The MANIFEST of an adapter package's ``_manifest.py``, read without running the package
+    (its ``__init__`` imports the framework); a plain module's ``MANIFEST`` attribute once it is
+    imported (None before); an empty Manifest when there is none."""
+    name = module.__name__ if isinstance(module, ModuleType) else module
+    loaded = module if isinstance(module, ModuleType) else sys.modules.get(name)
+    if loaded is not None and not hasattr(loaded, "__path__"):
+        return _checked_manifest(getattr(loaded, "MANIFEST", Manifest()), name)
+    full = name + ".registry._manifest"
+    if full in sys.modules:
+        return _checked_manifest(sys.modules[full].MANIFEST, name)
+    if loaded is not None:
+        locations = list(loaded.__path__)
+    else:
+        try:
+            spec = importlib.util.find_spec(name)  # imports the parent packages only
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return Manifest()  # not installed: get_adapter says so
+        if spec.submodule_search_locations is None:
+            return None
+        locations = list(spec.submodule_search_locations)
+    path = next((p for p in (os.path.join(loc, "_manifest.py") for loc in locations) if os.path.isfile(p)), None)
+    if path is None:
+        return Manifest()
+    spec = importlib.util.spec_from_file_location(full, path)
+    mod = importlib.util.module_from_spec(spec)
+    # kept out of sys.modules: a submodule there without its package would confuse a later
+    # ``import <package>._manifest``; the package's own import of it makes a second, equal copy
+    spec.loader.exec_module(mod)
+    return _checked_manifest(getattr(mod, "MANIFEST", None), name)
+
+
+def _checked_manifest(found: object, name: str) -> Manifest:
+    if not isinstance(found, Manifest):
+        raise TypeError(f"the adapter {name} declares MANIFEST = {type(found).__name__}, not a "
+                        "dense_bridge.adapter_kit.Manifest")
+    return found
+
+
+# ----------------------------------------------------------------------------- the table
+BACKENDS: dict[str, BackendInfo] = {name: BackendInfo(name, module) for name, module in BUILTIN.items()}
+_entry_points_read = False
+
+
+def _read_entry_points() -> None:
+    """Add the ``dense_bridge.backends`` entry points (by name: nothing is imported). A name
+    already taken (a built-in, a register_backend call) keeps its entry."""
+    global _entry_points_read
+    if _entry_points_read:
+        return
+    _entry_points_read = True
+    from importlib.metadata import entry_points
+
+    try:
+        found = entry_points(group=ENTRY_POINT_GROUP)
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata must not break dense_bridge
+        return
+    for ep in found:
+        name = ep.name.lower()
+        if name in BACKENDS or not _NAME.match(name) or name in RESERVED or not _DOTTED.match(ep.module or ""):
+            continue
+        BACKENDS[name] = BackendInfo(name, ep.module, source="entry point", attr=ep.attr or None)
+
+
+def backends() -> dict[str, BackendInfo]:
+    """Every registered backend, in registry order (built-ins, entry points, register_backend)."""
+    _read_entry_points()
+    return BACKENDS
+
+
+def names() -> tuple[str, ...]:
+    return tuple(backends())
+
+
+def register_backend(name: str, module: str | ModuleType, *, install_hint: str | None = None,
+                     replace: bool = False) -> None:
+    """Register an adapter under ``name``: ``module`` is its dotted name (imported on first use,
+    like the built-ins) or the module itself. A name already registered (a built-in, an entry
+    point, an earlier call with another module) is replaced only with ``replace=True``.
+    ``install_hint``: what the error tells the user to run when the framework is missing."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a backend name (a str). {received('name', name)}")
+    key = name.lower()
+    if not _NAME.match(key) or key in RESERVED:
+        raise SpecError("name must be lower-case letters, digits and underscores, starting with a letter, and "
+                        f"not {' or '.join(map(repr, RESERVED))}. {received('name', name)}")
+    if isinstance(module, str):
+        if not _DOTTED.match(module):
+            raise SpecError(f"module must be a dotted module name such as 'my_pkg.adapter'. {received('module', module)}")
+    elif not isinstance(module, ModuleType):
+        raise TypeError(f"module must be a dotted module name (str) or a module. {received('module', module)}")
+    if install_hint is not None and not isinstance(install_hint, str):
+        raise TypeError(f"install_hint must be a str or None. {received('install_hint', install_hint)}")
+    check_flag("replace", replace)
+    table = backends()
+    old = table.get(key)
+    if old is not None and not replace:
+        same = (old.module is module) or (isinstance(module, str) and old.module == module)
+        if old.source == "built-in" or not same:
+            raise SpecError(f"{key!r} is already registered ({old.source}: {old.module_name}); pass replace=True to "
+                            f"replace it. {received('name', name)}")
+    if isinstance(module, ModuleType):
+        missing = _missing_verbs(module)
+        if missing:
+            raise TypeError(f"module {module.__name__} is not a dense_bridge adapter: it lacks {', '.join(missing)} "
+                            f"(see dense_bridge.adapter_kit.REQUIRED_VERBS). {received('module', module)}")
+    table[key] = BackendInfo(key, module, install_hint, source="register_backend")
+
+
+def _missing_verbs(adapter: object) -> list[str]:
+    from ._contract import REQUIRED_VERBS
+
+    return [v for v in REQUIRED_VERBS if not callable(getattr(adapter, v, None))]
+
+
+def manifest(name: str) -> Manifest:
+    return backends()[name].manifest
+
+
+def has_capability(name: str, capability: str) -> bool:
+    """Whether backend ``name`` declares ``capability`` (``dense_bridge.registry._manifest.GRADIENTS``)."""
+    return capability in manifest(name).capabilities
+
+
+def formats() -> list[tuple[str, FileFormat]]:
+    """(backend, format) of every registered backend's declared file formats, in registry order."""
+    return [(n, f) for n, info in backends().items() for f in info.manifest.formats]
+
+
+# ----------------------------------------------------------------------------- lookups
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose packages are installed, in registry order.
+
+    Decided by package lookup, importing no framework not yet imported (for keras: Keras plus
+    the package its ``KERAS_BACKEND`` names). ``dense_bridge.available_backends(check=True)``
+    also tries each one.
+    """
+    return [n for n, info in backends().items() if all(_installed(m) for m in info.all_requires())]
+
+
+def check_backend_name(name: object, argument: str = "backend") -> str:
+    if isinstance(name, str) and name.lower() in BACKENDS:
+        return name.lower()  # a built-in or registered name: no need to read the entry points yet
+    known = names()
+    if not isinstance(name, str):
+        raise TypeError(f"{argument} must be a backend name ({', '.join(known)}). {received(argument, name)}")
+    key = name.lower()
+    if key not in known:
+        raise SpecError(f"Unknown backend {name!r}.{suggest(name, known)} Known: {', '.join(known)}. "
+                        f"{received(argument, name)}")
+    return key
+
+
+def get_adapter(name: object, argument: str = "backend") -> ModuleType:
+    """The adapter module for a backend name, imported now; BackendUnavailableError if missing."""
+    info = BACKENDS[check_backend_name(name, argument)]
+    if isinstance(info.module, ModuleType):
+        return info.module
+    missing = [m for m in info.all_requires() if not _installed(m)]
+    if missing:
+        raise BackendUnavailableError(
+            f"Backend {info.name!r} needs {', '.join(missing)}, which is not installed. Install it with: "
+            f"{info.install}"
+        )
+    adapter = importlib.import_module(info.module)
+    if info.attr:
+        adapter = getattr(adapter, info.attr)
+    if info.source != "built-in":
+        lacking = _missing_verbs(adapter)
+        if lacking:
+            raise BackendUnavailableError(f"Backend {info.name!r} ({info.source}: {info.module_name}) is not a "
+                                          f"dense_bridge adapter: it lacks {', '.join(lacking)}")
+    return adapter
+
+
+def _imported(info: BackendInfo) -> bool:
+    """Could an object of this backend exist: its framework (or its adapter) is imported."""
+    return (isinstance(info.module, ModuleType) or info.module_name in sys.modules
+            or info.requires[0] in sys.modules)
+
+
+def backend_of(native: object, argument: str = "native") -> str:
+    """Name of the backend that owns ``native``; TypeError naming ``argument`` if none does.
+
+    Asked in the order of their declared ``owner_priority`` (then registry order): on its torch
+    engine a Keras layer is also a ``torch.nn.Module``, and the adapter declaring the higher
+    priority reads it as the layer it is.
+    """
+    table = backends()
+    order = sorted(table, key=lambda n: -table[n].manifest.owner_priority)
+    for name in order:
+        if not _imported(table[name]):  # only frameworks already imported can have made this object
+            continue
+        try:
+            adapter = get_adapter(name)
+        except BackendUnavailableError:
+            continue
+        if adapter.owns(native):
+            return name
+    raise TypeError(
+        f"{argument} must be a layer or model of a registered backend ({', '.join(table)}), got "
+        f"{type(native).__module__}.{type(native).__name__}. {received(argument, native)}"
+    )
+
+
+def array_adapter(value: object) -> ModuleType | None:
+    """The adapter of the framework that made the array ``value`` (tensor, variable), or None.
+
+    Found by the top-level module of its type among the frameworks already imported; None for
+    numpy and other array-likes, and when that adapter cannot load (``np.asarray`` serves then).
+    """
+    root = (getattr(type(value), "__module__", None) or "").split(".")[0]
+    if not root or root == "numpy" or root not in sys.modules:
+        return None
+    for name, info in backends().items():
+        if root in info.requires:
+            try:
+                return get_adapter(name)
+            except BackendUnavailableError:
+                return None
+    return None
+
+
+def optional_verb(name: str, verb: str, purpose: str):
+    """Backend ``name``'s optional ``verb`` (``dense_bridge.registry._contract.OPTIONAL_VERBS``), or a
+    ConversionError saying that ``purpose`` needs it and this adapter does not offer it."""
+    from .._errors import ConversionError
+
+    fn = getattr(get_adapter(name), verb, None)
+    if not callable(fn):
+        raise ConversionError(f"{purpose} needs the {verb!r} verb, which the {name!r} backend's adapter "
+                              f"({backends()[name].module_name}) does not offer")
+    return fn
+
+
+def adapter_for(native: object, argument: str = "native") -> ModuleType:
+    """The adapter module that owns ``native``."""
+    return get_adapter(backend_of(native, argument))
