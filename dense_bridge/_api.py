@@ -1,9 +1,10 @@
 """The public verbs: compile, get_params, set_params, to_spec, convert; and ``build``, the one
 compile path they and checkpoint loading share.
 
-Each one finds the adapter through the registry and leaves framework work to it; the
-checks that must hold for every backend (names, shapes, dtypes, all-or-nothing loading)
-live here, once.
+Each one resolves its native object once into a handle (``dense_bridge._handles``: plain,
+parallel, LoRA-wrapped, or quantized codes) and calls it; framework work is the adapter's.
+The checks that must hold for every backend (names, shapes, dtypes, all-or-nothing loading)
+live here and in the handles, once.
 """
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import ConversionError, SpecError, check_flag, received
+from ._errors import check_flag, received
+from ._handles import resolve
 from .params._memory_budget import check_fits_in_memory
-from .params._source import ParamSource, check_masks_match, validate_params
+from .params._source import ParamSource
 from .registry._backends import adapter_for, backend_of, check_backend_name, get_adapter
 from .registry._backends import available_backends as installed_backends
-from .registry._remembered_spec import remember_spec, remembered_spec
+from .registry._remembered_spec import remember_spec
 from .activations import Activation
-from .specs import Bilinear, Dense, Sequential, Spec
+from .specs import Dense, Spec
 
 
 def _check_spec(spec: object) -> None:
@@ -70,26 +72,6 @@ def build(backend: str, source: ParamSource):
     return native
 
 
-def _with_hint(read: Any, hint: Any) -> Any:
-    """``read`` (the spec read off the native object) with init/name metadata from ``hint``
-    wherever the two agree on everything the object itself can show."""
-    if isinstance(read, Sequential) and isinstance(hint, Sequential) and len(read.layers) == len(hint.layers):
-        layers = [_with_hint(r, h) for r, h in zip(read.layers, hint.layers)]
-        return Sequential(layers, in_features=read.in_features, name=read.name or hint.name)
-    if isinstance(read, Dense) and isinstance(hint, Dense):
-        candidate = read.replace(kernel_init=hint.kernel_init, bias_init=hint.bias_init,
-                                 name=read.name if read.name else hint.name)
-        filled = hint if hint.in_features is not None or read.in_features is None else \
-            hint.with_in_features(read.in_features)
-        if candidate.replace(name=None) == filled.replace(name=None):
-            return candidate
-    if isinstance(read, Bilinear) and isinstance(hint, Bilinear):
-        candidate = read.replace(init=hint.init, name=read.name or hint.name)
-        if candidate.replace(name=None) == hint.replace(name=None):
-            return candidate
-    return read
-
-
 def get_params(native: Any, *, copy: bool = True, local: bool = False,
                quantized: bool = False) -> dict[str, np.ndarray]:
     """Canonical parameters of a native layer or model: kernel (in, units), bias (units,), mask.
@@ -107,32 +89,8 @@ def get_params(native: Any, *, copy: bool = True, local: bool = False,
     """
     check_flag("copy", copy)
     check_flag("quantized", quantized)
-    if quantized:
-        from .quant import get_quantized
-
-        return get_quantized(native)
-    from .parallel._dispatch import ParallelModelVerbs, verbs_for
-    from .parallel._dispatch import get_params as get_params_parallel
-
-    adapter = verbs_for(native)
     check_flag("local", local)
-    if local or isinstance(adapter, ParallelModelVerbs):  # collective on a parallel model
-        return get_params_parallel(native, local=local, copy=copy)
-    from . import lora
-
-    try:
-        params = lora.read_params(adapter, native)  # an adapter-wrapped layer: its own + lora_* keys
-        if params is None:
-            params = adapter.get_params(native)
-    except SpecError as exc:  # an unbuilt lazy layer: no parameters exist yet
-        raise ConversionError(str(exc)) from None
-    if not params:  # never an empty answer for an object that has, or hides, parameters
-        from .models import empty_params_error
-
-        error = empty_params_error(adapter, native)
-        if error is not None:
-            raise error
-    return {k: np.array(v, copy=True) for k, v in params.items()} if copy else params
+    return resolve(native, codes=quantized).get(copy=copy, local=local)
 
 
 def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfinite: bool = False) -> None:
@@ -146,29 +104,10 @@ def set_params(native: Any, params: Mapping, *, strict: bool = True, allow_nonfi
     "quant" key, as ``get_params(quantized=True)`` gives them) move only where the layer
     dequantizes them to the same floats bit for bit, else ConversionError (dense_bridge/quant.py).
     """
-    if isinstance(params, Mapping) and "quant" in params:
-        from .quant import set_quantized
-
-        set_quantized(native, dict(params))
-        return
-    from .parallel._dispatch import verbs_for
-
-    adapter = verbs_for(native)  # a parallel model's: each rank keeps its block of the full params
-    spec = _read_spec(adapter, native)
     check_flag("strict", strict)
     check_flag("allow_nonfinite", allow_nonfinite)
-    from . import lora
-
-    own, adapter_keys = lora.split(params) if isinstance(params, Mapping) else (params, {})
-    checked = validate_params(spec, own, strict=strict, allow_nonfinite=allow_nonfinite)
-    check_masks_match(spec, checked)
-    wrapped = lora.spec_of(adapter, native) is not None
-    if adapter_keys or wrapped:  # a LoRA-wrapped layer: its own params and the adapter's
-        kernel = checked.get("kernel", np.zeros(0))
-        extra = lora.check_for_set(adapter, native, adapter_keys, kernel.shape, strict=strict)
-        lora.write_params(adapter, native, checked, extra)
-        return
-    adapter.set_params(native, checked)
+    codes = isinstance(params, Mapping) and "quant" in params
+    resolve(native, codes=codes).set(params, strict=strict, allow_nonfinite=allow_nonfinite)
 
 
 def to_spec(native: Any, *, example: Any = None):
@@ -181,35 +120,12 @@ def to_spec(native: Any, *, example: Any = None):
     """
     if isinstance(native, (Spec, Activation)):
         return native
-    from .parallel._dispatch import verbs_for
-
-    adapter = verbs_for(native)  # a parallel model's: the full spec
+    handle = resolve(native)  # a parallel model's: the full spec
     if example is not None:
         from .models import remember_example
 
         remember_example(native, example)
-    return _read_spec(adapter, native)
-
-
-#: Appended to every "cannot read this model" error: the verbs that work on any model.
-WHOLE_MODEL_HINT = ("dense_bridge reads chains of linear layers and activations as specs; for the linear layers "
-                    "inside any model use db.linear_layers(model), and db.transfer(src, dst, mapping=...) moves a "
-                    "whole model's weights")
-
-
-def _read_spec(adapter, native):
-    from .lora import spec_of
-
-    try:
-        read = spec_of(adapter, native)  # an adapter-wrapped layer: the wrapped layer's spec
-        if read is None:
-            read = adapter.to_spec(native)
-    except ConversionError as exc:
-        if "db.linear_layers(" in str(exc):
-            raise
-        raise ConversionError(f"{exc}. {WHOLE_MODEL_HINT}") from None
-    hint = remembered_spec(native)
-    return read if hint is None else _with_hint(read, hint)
+    return handle.spec()
 
 
 def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None, quant: Any = None,
@@ -230,19 +146,13 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
         check_quant(quant)
         return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
                                   quant, requantize)
-    from .parallel._dispatch import verbs_for
-
     target = check_backend_name(to, "to")
-    source = verbs_for(native)  # a parallel model's: full params gathered on every rank
+    handle = resolve(native)  # a parallel model's: full params gathered on every rank
     if example is not None:  # see to_spec
         from .models import remember_example
 
         remember_example(native, example)
-    from .lora import refuse_convert
-
-    refuse_convert(source, native)
-    spec = _read_spec(source, native)
-    params = source.get_params(native)
+    spec, params = handle.source()  # a LoRA-wrapped layer: a ConversionError (the adapter would be lost)
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)
 
 

@@ -35,6 +35,12 @@ def parallel_backend(backend: str) -> str:
     return backend
 
 
+def _state(backend: str, native: Any) -> dict | None:
+    """``parallel_state`` of ``native`` (owned by ``backend``): None for anything but a parallel model,
+    asked only of a backend whose manifest declares the capability."""
+    return _verb(backend, "parallel_state")(native) if has_capability(backend, PARALLEL) else None
+
+
 def _model_backend(obj: Any) -> str | None:
     """The backend of ``obj`` when it is a model ``parallel_compile`` made; None for anything
     else (a spec, params, a plain model, an object no backend owns)."""
@@ -42,9 +48,7 @@ def _model_backend(obj: Any) -> str | None:
         backend = backend_of(obj)
     except (TypeError, DenseBridgeError):
         return None
-    if not has_capability(backend, PARALLEL) or _verb(backend, "parallel_state")(obj) is None:
-        return None
-    return backend
+    return None if _state(backend, obj) is None else backend
 
 
 def is_parallel_model(obj: Any) -> bool:
@@ -54,14 +58,19 @@ def is_parallel_model(obj: Any) -> bool:
 
 def state_of(native: Any) -> dict | None:
     """``{"plan", "rank", "world_size", ...}`` of a parallel model, None for any other object."""
-    backend = _model_backend(native)
-    return None if backend is None else _verb(backend, "parallel_state")(native)
+    try:
+        backend = backend_of(native)
+    except (TypeError, DenseBridgeError):
+        return None
+    return _state(backend, native)
 
 
 class ParallelModelVerbs:
     """A parallel model's adapter as the core sees it: ``get_params``, ``set_params``, ``to_spec``
     and ``trace`` are the adapter's collective ``parallel_*`` verbs (full canonical arrays and
-    gathered traces on every rank); every other name is the adapter module's own."""
+    gathered traces on every rank); every other name is the adapter module's own. ``params``
+    is ``db.get_params``' side of it (``local`` blocks, ``copy``). The parallel kind of
+    ``dense_bridge._handles`` wraps it."""
 
     def __init__(self, backend: str, adapter) -> None:
         self.backend = backend
@@ -82,18 +91,32 @@ class ParallelModelVerbs:
     def trace(self, native, inputs, grad_out):
         return _verb(self.backend, "parallel_trace")(native, inputs, grad_out)
 
+    def params(self, native, *, local: bool, copy: bool) -> dict:
+        """Full arrays on every rank (collective), or with ``local`` this rank's blocks as
+        :class:`Shard`; with ``copy`` snapshots the caller owns."""
+        params = _verb(self.backend, "parallel_get_params")(native, local=local)
+        if not copy:
+            return params
+        if local:
+            return {k: Shard(np.array(v.array, copy=True), v.index) for k, v in params.items()}
+        return {k: np.array(v, copy=True) for k, v in params.items()}
+
+
+def parallel_verbs(backend: str, adapter, native: Any) -> ParallelModelVerbs | None:
+    """:class:`ParallelModelVerbs` for ``native`` when it is a parallel model of ``backend``
+    (whose ``adapter`` the caller resolved already), else None: the one parallel probe."""
+    return None if _state(backend, native) is None else ParallelModelVerbs(backend, adapter)
+
 
 def verbs_for(native: Any, argument: str = "native"):
     """The verbs to call on ``native``: its adapter module, or for a parallel model a
     :class:`ParallelModelVerbs` over it. TypeError naming ``argument`` when no backend owns it."""
     backend = backend_of(native, argument)
     adapter = get_adapter(backend)
-    if has_capability(backend, PARALLEL) and _verb(backend, "parallel_state")(native) is not None:
-        return ParallelModelVerbs(backend, adapter)
-    return adapter
+    return parallel_verbs(backend, adapter, native) or adapter
 
 
-# ------------------------------------------------------------------ compile, get_params, save
+# ------------------------------------------------------------------ compile, blocks, barrier
 def compile_blocks(backend: str, spec, block, parallel: Any, group: Any):
     """``parallel_compile`` on ``backend`` (``parallel`` None means "auto")."""
     return _verb(parallel_backend(backend), "parallel_compile")(spec, block, "auto" if parallel is None else parallel,
@@ -126,21 +149,6 @@ def compile_source(backend: str, source, parallel: Any, group: Any, agree_seed: 
     cache.clear()
     source.finish()
     return native
-
-
-def get_params(native: Any, *, local: bool, copy: bool) -> dict:
-    """``db.get_params`` of a parallel model: full arrays on every rank (collective), or with
-    ``local`` this rank's blocks as :class:`Shard`. ``copy``: snapshots the caller owns."""
-    backend = _model_backend(native)
-    if backend is None:
-        raise TypeError(f"local=True needs a parallel model (compiled with parallel=). "
-                        f"Received: native of type {type(native).__name__}")
-    params = _verb(backend, "parallel_get_params")(native, local=local)
-    if not copy:
-        return params
-    if local:
-        return {k: Shard(np.array(v.array, copy=True), v.index) for k, v in params.items()}
-    return {k: np.array(v, copy=True) for k, v in params.items()}
 
 
 def local_blocks(native: Any) -> dict[str, Shard]:

@@ -23,6 +23,7 @@ import importlib.util
 import os
 import re
 import sys
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -31,7 +32,7 @@ from ._manifest import FileFormat, Manifest
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
            "has_capability", "available_backends", "check_backend_name", "get_adapter", "backend_of",
-           "array_adapter", "adapter_for", "formats", "optional_verb"]
+           "array_adapter", "adapter_for", "formats", "optional_verb", "offers", "require"]
 
 #: The built-in backends: name -> adapter package (one line per framework).
 BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
@@ -131,6 +132,13 @@ def _checked_manifest(found: object, name: str) -> Manifest:
 # ----------------------------------------------------------------------------- the table
 BACKENDS: dict[str, BackendInfo] = {name: BackendInfo(name, module) for name, module in BUILTIN.items()}
 _entry_points_read = False
+#: type -> the BackendInfo whose adapter owns its objects. The contract has ``owns`` decide by
+#: type alone, so one answer serves every later object of the type; an entry whose backend was
+#: replaced or removed is not used, and register_backend empties the table (a new backend may
+#: win a type by its priority). Weak keys: a class defined on the fly does not live on here.
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Names of the outside backends whose adapters passed the contract check once imported.
+_CHECKED: set[str] = set()
 
 
 def _read_entry_points() -> None:
@@ -191,17 +199,20 @@ def register_backend(name: str, module: str | ModuleType, *, install_hint: str |
             raise SpecError(f"{key!r} is already registered ({old.source}: {old.module_name}); pass replace=True to "
                             f"replace it. {received('name', name)}")
     if isinstance(module, ModuleType):
-        missing = _missing_verbs(module)
-        if missing:
-            raise TypeError(f"module {module.__name__} is not a dense_bridge adapter: it lacks {', '.join(missing)} "
-                            f"(see dense_bridge.adapter_kit.REQUIRED_VERBS). {received('module', module)}")
+        broken = _contract_problems(module, _load_manifest(module) or Manifest())
+        if broken:
+            raise TypeError(f"module {module.__name__} is not a dense_bridge adapter: {'; '.join(broken)} (see "
+                            f"dense_bridge.adapter_kit.REQUIRED_VERBS and CAPABILITIES). {received('module', module)}")
     table[key] = BackendInfo(key, module, install_hint, source="register_backend")
+    _OWNERS.clear()  # the new backend may own, by a higher priority, types another one answered for
+    _CHECKED.discard(key)
 
 
-def _missing_verbs(adapter: object) -> list[str]:
-    from ._contract import REQUIRED_VERBS
+def _contract_problems(adapter: object, declared: Manifest) -> list[str]:
+    """What ``adapter`` breaks of the contract (``dense_bridge.registry._contract.problems``)."""
+    from ._contract import problems
 
-    return [v for v in REQUIRED_VERBS if not callable(getattr(adapter, v, None))]
+    return problems(adapter, declared.capabilities, bool(declared.formats))
 
 
 def manifest(name: str) -> Manifest:
@@ -265,11 +276,12 @@ def get_adapter(name: object, argument: str = "backend") -> ModuleType:
     adapter = importlib.import_module(info.module)
     if info.attr:
         adapter = getattr(adapter, info.attr)
-    if info.source != "built-in":
-        lacking = _missing_verbs(adapter)
-        if lacking:
+    if info.source != "built-in" and info.name not in _CHECKED:  # the built-ins: tests/architecture
+        broken = _contract_problems(adapter, info.manifest)
+        if broken:
             raise BackendUnavailableError(f"Backend {info.name!r} ({info.source}: {info.module_name}) is not a "
-                                          f"dense_bridge adapter: it lacks {', '.join(lacking)}")
+                                          f"dense_bridge adapter: {'; '.join(broken)}")
+        _CHECKED.add(info.name)
     return adapter
 
 
@@ -284,9 +296,13 @@ def backend_of(native: object, argument: str = "native") -> str:
 
     Asked in the order of their declared ``owner_priority`` (then registry order): on its torch
     engine a Keras layer is also a ``torch.nn.Module``, and the adapter declaring the higher
-    priority reads it as the layer it is.
+    priority reads it as the layer it is. The answer is kept per type (:data:`_OWNERS`).
     """
     table = backends()
+    kind = type(native)
+    known = _OWNERS.get(kind)
+    if known is not None and table.get(known.name) is known:
+        return known.name
     order = sorted(table, key=lambda n: -table[n].manifest.owner_priority)
     for name in order:
         if not _imported(table[name]):  # only frameworks already imported can have made this object
@@ -296,6 +312,7 @@ def backend_of(native: object, argument: str = "native") -> str:
         except BackendUnavailableError:
             continue
         if adapter.owns(native):
+            _OWNERS[kind] = table[name]
             return name
     raise TypeError(
         f"{argument} must be a layer or model of a registered backend ({', '.join(table)}), got "
@@ -331,6 +348,34 @@ def optional_verb(name: str, verb: str, purpose: str):
         raise ConversionError(f"{purpose} needs the {verb!r} verb, which the {name!r} backend's adapter "
                               f"({backends()[name].module_name}) does not offer")
     return fn
+
+
+def offers(name: str, capability: str) -> bool:
+    """Whether backend ``name`` has ``capability`` (a name of ``dense_bridge.registry._contract.CAPABILITIES``,
+    or ``gradients``). Manifest capabilities (``gradients``, ``parallel``, ``dcp``) are read from
+    the manifest without importing anything; the others from the adapter's verbs (imported now)."""
+    from ._contract import CAPABILITIES
+
+    group = CAPABILITIES.get(capability)
+    if group is None or group.manifest:
+        return has_capability(name, capability)
+    from ._contract import offered
+
+    return capability in offered(get_adapter(name))
+
+
+def require(name: str, capability: str, purpose: str) -> None:
+    """A ConversionError unless backend ``name`` has ``capability``: it names the backend, the
+    capability with its verbs, and ``purpose`` (what needed it)."""
+    if offers(name, capability):
+        return
+    from .._errors import ConversionError
+    from ._contract import CAPABILITIES
+
+    group = CAPABILITIES[capability]
+    raise ConversionError(f"{purpose} needs the {capability!r} capability ({group.purpose}: the verbs "
+                          f"{', '.join(group.verbs)}), which the {name!r} backend's adapter "
+                          f"({backends()[name].module_name}) does not offer")
 
 
 def adapter_for(native: object, argument: str = "native") -> ModuleType:

@@ -2,17 +2,42 @@
 
 An adapter is a package ``backends/<framework>/`` (installed as ``dense_bridge.backends.<fw>``)
 whose ``__init__.py`` exposes the verbs below as module-level functions. The registry imports it
-by name; the core calls these verbs and never the framework. ``tests/architecture/test_architecture.py`` checks
-that every registered adapter whose framework is installed has every verb in :data:`REQUIRED_VERBS`
-and that every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus those of
+by name; the core calls these verbs and never the framework.
+
+The contract in one breath: seven required verbs (:data:`REQUIRED_VERBS`: own, compile, read and
+write parameters and the spec, move arrays); everything else comes in capabilities
+(:data:`CAPABILITIES`), each a group of verbs offered all together or not at all, plus a few
+extras that may come only with their group. A backend offering one verb of a group offers every
+verb of it; ``parallel`` and ``dcp`` are also declared in the manifest, because the core asks
+about them before importing the framework. :func:`problems` says what an adapter breaks; the
+registry refuses such an adapter when it is registered as a module or first imported by name,
+and ``tests/architecture/test_architecture.py`` checks the built-in ones. A backend without a
+capability still works for everything that does not need it; what needs it raises an error
+naming the capability (``dense_bridge.registry._backends.require``).
+
+| capability | verbs (all or none) | extras (only with the group) | behind |
+|---|---|---|---|
+| ``running`` | trace, capture, walk, run_layer | train_sgd, inference | compare, compare_models, linear_layers, transfer |
+| ``files`` | file_info, read_file, write_file | file_views, file_layout, load_model | the framework's own checkpoint files |
+| ``lora`` | lora_base, read_lora, write_lora, lora_heads, attach_lora, detach_lora, lora_dora | lora_folds_scale, lora_leftovers, save_lora_h5, load_lora_h5 | LoRA-wrapped layers, adapter files |
+| ``quant`` | quant_layer, quant_build, quant_positions, quant_position_build | | quantized codes |
+| ``quant_lora`` (needs lora, quant) | lora_quantized, lora_dequantize, lora_requantize, replace_lora | | merging LoRA into a quantized base |
+| ``quant_files`` (needs quant, files) | quant_file_layers, quant_file_template | | quantized checkpoint files |
+| ``parallel`` (manifest) | PARALLEL_VERBS | | db.compile(parallel=) and parallel models |
+| ``dcp`` (manifest) | save_dcp, load_dcp | | distributed checkpoint directories |
+
+Files: every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus any of
 :data:`OPTIONAL_FILES`).
 
 Canonical parameters follow ``dense_bridge.params._source``: Dense ``kernel`` (in_features, units),
 ``bias`` (units,), ``mask`` (in_features, units); Bilinear ``kernel`` (units, in1, in2); in a
 Sequential every key is prefixed with the layer's position ("0.kernel").
 
+Required verbs (:data:`REQUIRED_VERBS`):
+
 - ``owns(obj) -> bool``: is ``obj`` a layer/model of this framework that the adapter handles.
-  Decided without importing anything new (an object of a framework exists only once it is imported).
+  Decided by ``type(obj)`` alone (the registry keeps the answer per type) and without importing
+  anything new (an object of a framework exists only once it is imported).
 - ``compile(spec, source: ParamSource) -> native``: the framework's own object for ``spec``
   (Dense, Bilinear, Identity, Activation or Sequential). Parameters come from
   ``source.for_layer(index, layer_spec)`` (index = position in the Sequential, 0 for a lone
@@ -28,6 +53,21 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
   finiteness) against ``to_spec(native)``; write them all. Partial dicts (strict=False) write
   only the keys present.
 - ``to_spec(native) -> spec``: the backend-neutral spec, activation parameters read exactly.
+- ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
+  (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
+- ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
+  (bfloat16 included); may share memory with ``array`` where the framework allows it (torch).
+
+The manifest (``_manifest.py``, framework-free, ``MANIFEST = dense_bridge.adapter_kit.Manifest(...)``)
+declares what the core may know before the framework is imported: packages required and the
+install hint, owner priority, capabilities (``gradients``), and the file formats with their
+sniffing, extensions, labels and temporary suffixes (``dense_bridge.registry._manifest``).
+
+Capability ``running`` (:data:`RUNNING`): running models and looking inside them. Without it a
+backend still compiles, converts, reads and writes parameters; ``compare``, ``compare_models``,
+``linear_layers`` and ``transfer`` on it name the missing capability. The manifest's
+``gradients`` capability refines it (a backend that runs but has no autograd leaves it out).
+
 - ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray | None) -> Trace``: run forward and
   backward with the framework's own autograd for L = sum(y * grad_out); report every layer
   (``dense_bridge.registry._trace``). An adapter whose manifest does not declare the ``gradients``
@@ -48,35 +88,16 @@ Sequential every key is prefixed with the layer's position ("0.kernel").
   each layer's parameter gradients in the canonical layout. ``inputs``: a list of numpy arrays
   (positional) or a dict (keyword); integer arrays stay integers. Layers are hooked or wrapped
   only for the pass and ALWAYS restored (``dense_bridge.registry._captures``): the model is left as it was.
-- ``to_numpy(array) -> np.ndarray``: a framework array (tensor, variable) as numpy, dtype kept
-  (bfloat16 as ``ml_dtypes.bfloat16``); may be a read-only view of the framework's memory.
-- ``from_numpy(array) -> framework array``: a numpy array as the framework's array, dtype kept
-  (bfloat16 included); may share memory with ``array`` where the framework allows it (torch).
-
-The manifest (``_manifest.py``, framework-free, ``MANIFEST = dense_bridge.adapter_kit.Manifest(...)``)
-declares what the core may know before the framework is imported: packages required and the
-install hint, owner priority, capabilities (``gradients``), and the file formats with their
-sniffing, extensions, labels and temporary suffixes (``dense_bridge.registry._manifest``).
-
-Optional verbs (:data:`OPTIONAL_VERBS`: offered by some adapters, used where present; whatever
-needs one asks ``dense_bridge.registry._backends.optional_verb``, which names the backend and the verb in
-its error when the adapter lacks it):
-
-- ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
+- ``run_layer(layer, x, grad_out) -> (y, dL/dx, canonical grads)``: one layer alone on given input and
+  cotangent, the output as ``capture`` records it (teacher forcing in ``compare_models``).
+- extra ``train_sgd(native, inputs, labels, *, steps, lr) -> (probs_before, probs_after)``: plain SGD
   with the framework's autograd on L = mean(-log p[label]) for a model whose output p is
   probabilities (the demo: torch, and numpy's reference backward).
-- ``inference(native) -> context manager``: a scope in which masked layers may reuse kernel *
+- extra ``inference(native) -> context manager``: a scope in which masked layers may reuse kernel *
   mask without a change signal (Keras on TensorFlow), behind ``db.inference``.
-- ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
-  framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
-  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``).
 
-- ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
-  framework's own dequantization and quantizer), None for a layer that is not quantized;
-  a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
-- ``quant_build(layer, quant) -> native``: the float linear ``layer`` quantized by the framework's
-  own quantizer with ``quant``'s bits, groups and scheme (in place or as another object, returned);
-  a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
+Capability ``files`` (:data:`FILES`): the framework's own checkpoint files. A manifest that
+declares file formats needs it.
 
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
@@ -91,7 +112,7 @@ its error when the adapter lacks it):
   ``check(got, expected)`` (both ``{name: (shape, dtype)}``) raises a CheckpointError listing
   every difference; the adapter calls it before loading. Every failure is a CheckpointError
   naming ``path``.
-- ``file_views(path, container, spec, *, files=None, check) -> Mapping | None`` (optional):
+- extra ``file_views(path, container, spec, *, files=None, check) -> Mapping | None`` (optional):
   the file's canonical parameters (a ``checkpoints._native.FileViews``: {canonical name: array},
   each read when first asked for) without building a model of the file's framework: a load
   onto that framework builds its model from them layer by layer (``ParamSource(stream=)``, as
@@ -100,7 +121,7 @@ its error when the adapter lacks it):
   as for ``read_file``. None where the adapter cannot serve this file so: the core falls back
   to ``read_file``. torch (zip, legacy pickle, safetensors), MLX (safetensors, ``.npz``) and
   Keras (``.weights.h5``) offer it.
-- ``file_layout(spec, path, kind, *, temp, metadata=None) -> FileLayout | None`` (optional):
+- extra ``file_layout(spec, path, kind, *, temp, metadata=None) -> FileLayout | None`` (optional):
   the skeleton of a ``kind`` file (final name ``path``, for messages) for ``spec`` written into ``temp`` with the framework's own writer,
   every tensor's bytes left to fill, and where each canonical tensor goes
   (``_native_stream.FileLayout``: offset, axes as ``file_views``', an optional ``finish`` given
@@ -111,8 +132,30 @@ its error when the adapter lacks it):
   format ``kind`` (from ``checkpoints._native.output_kind``: "torch-pickle", "safetensors", "npz",
   "keras-weights", "keras-model") into ``temp``, which the core renames to ``path`` atomically;
   ``metadata`` (strings: the spec, the backend) goes where the format keeps metadata.
+- extra ``load_model(path, *, trust_pickle=False) -> native``: a whole native model from the
+  framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
+  Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``).
 
-Tensor-parallel verbs (:data:`PARALLEL_VERBS`, in ``_parallel.py``): offered, all of them, by
+Capability ``lora`` (:data:`LORA`, in ``_lora.py``; the verbs are described in
+``dense_bridge/lora/__init__.py``): LoRA-wrapped layers read and written as the wrapped layer's
+params plus canonical ``lora_*`` keys. Extras: ``lora_folds_scale`` (the framework keeps no
+scale of its own), ``lora_leftovers``, ``save_lora_h5``/``load_lora_h5`` (adapter files of
+the framework's own). Capability ``quant_lora`` (:data:`QUANT_LORA`): merging an adapter into
+a quantized base (``dense_bridge/lora/_merge.py``).
+
+Capability ``quant`` (:data:`QUANT`): quantized linear layers in the canonical quantized form
+(``dense_bridge/quant/__init__.py``); ``quant_positions``/``quant_position_build`` give a chain's
+quantized positions for checkpoints holding codes, and capability ``quant_files``
+(:data:`QUANT_FILES`) the framework's quantized checkpoint files (``checkpoints/_quantized.py``).
+
+- ``quant_layer(layer) -> handle | None``: the layer's quantized-linear handle (codes, the
+  framework's own dequantization and quantizer), None for a layer that is not quantized;
+  a ConversionError naming the mode for a quantized layer it cannot read (``dense_bridge/quant.py``).
+- ``quant_build(layer, quant) -> native``: the float linear ``layer`` quantized by the framework's
+  own quantizer with ``quant``'s bits, groups and scheme (in place or as another object, returned);
+  a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
+
+Capability ``parallel`` (:data:`PARALLEL_VERBS`, in ``_parallel.py``): offered, all of them, by
 every adapter whose manifest declares the ``parallel`` capability (``dense_bridge.registry._manifest.PARALLEL``)
 and by no other. The core calls them from one module, ``dense_bridge/parallel/_dispatch.py``: a
 parallel model's get_params/set_params/to_spec/trace go to the ``parallel_*`` versions there, so
@@ -141,9 +184,9 @@ made, and every one but ``parallel_state`` is collective (every rank of the grou
 - ``parallel_agree_seed(group, seed) -> int``: rank 0's ``seed`` on every rank of ``group``
   (``compile(seed=None, parallel=...)``: every rank keeps its block of one random model).
 
-Distributed-checkpoint verbs (:data:`DCP_VERBS`): offered by an adapter whose manifest declares
-the ``dcp`` capability (``dense_bridge.registry._manifest.DCP``), for ``db.save(..., format="dcp")`` and
-``db.load`` of a directory holding a ``.metadata`` file (``dense_bridge/parallel/_dcp.py``):
+Capability ``dcp`` (:data:`DCP_VERBS`), declared in the manifest too: distributed-checkpoint
+directories, for ``db.save(..., format="dcp")`` and ``db.load`` of a directory holding a
+``.metadata`` file (``dense_bridge/parallel/_dcp.py``):
 
 - ``save_dcp(native, path)``: the model's state written into the directory ``path`` by the
   framework's distributed checkpoint (collective on a parallel model: each rank its own shards).
@@ -152,34 +195,110 @@ the ``dcp`` capability (``dense_bridge.registry._manifest.DCP``), for ``db.save(
 """
 from __future__ import annotations
 
-__all__ = ["REQUIRED_VERBS", "OPTIONAL_VERBS", "PARALLEL_VERBS", "DCP_VERBS", "REQUIRED_FILES", "OPTIONAL_FILES"]
+from dataclasses import dataclass
+
+__all__ = ["REQUIRED_VERBS", "OPTIONAL_VERBS", "Capability", "CAPABILITIES", "RUNNING", "FILES", "LORA", "QUANT",
+           "QUANT_LORA", "QUANT_FILES", "PARALLEL_VERBS", "DCP_VERBS", "capability", "offered", "problems",
+           "REQUIRED_FILES", "OPTIONAL_FILES"]
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
-REQUIRED_VERBS: tuple[str, ...] = (
-    "owns", "compile", "get_params", "set_params", "to_spec", "trace", "to_numpy", "from_numpy",
-    "capture",  # per-layer values inside a whole model (testing.compare_models)
-    "walk",  # every layer with parameters inside any model, by path
-    "file_info", "read_file", "write_file",  # the framework's native checkpoint files
-)
+REQUIRED_VERBS: tuple[str, ...] = ("owns", "compile", "get_params", "set_params", "to_spec", "to_numpy", "from_numpy")
 
+
+@dataclass(frozen=True)
+class Capability:
+    """One optional ability of a backend: ``verbs``, offered all together or not at all;
+    ``extras``, each optional but only beside the verbs; ``needs``, capabilities it builds on;
+    ``manifest``: it is also declared in the manifest's ``capabilities`` (the core asks about it
+    before the framework is imported); ``purpose``: what it is for, in words, for errors."""
+
+    name: str
+    verbs: tuple[str, ...]
+    purpose: str
+    extras: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    manifest: bool = False
+
+
+RUNNING = Capability("running", ("trace", "capture", "walk", "run_layer"),
+                     "running models and looking inside them (compare, compare_models, linear_layers, transfer)",
+                     extras=("train_sgd", "inference"))
+FILES = Capability("files", ("file_info", "read_file", "write_file"), "the framework's own checkpoint files",
+                   extras=("file_views", "file_layout", "load_model"))
+LORA = Capability("lora", ("lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
+                           "lora_dora"), "LoRA-wrapped layers and adapter files",
+                  extras=("lora_folds_scale", "lora_leftovers", "save_lora_h5", "load_lora_h5"))
+QUANT = Capability("quant", ("quant_layer", "quant_build", "quant_positions", "quant_position_build"),
+                   "quantized linear layers (codes)")
+QUANT_LORA = Capability("quant_lora", ("lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora"),
+                        "merging a LoRA adapter into a quantized base", needs=("lora", "quant"))
+QUANT_FILES = Capability("quant_files", ("quant_file_layers", "quant_file_template"),
+                         "the framework's quantized checkpoint files", needs=("quant", "files"))
 #: Tensor-parallel verbs: all of them in every adapter whose manifest declares ``parallel``, none elsewhere.
 PARALLEL_VERBS: tuple[str, ...] = ("parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params",
                                    "parallel_to_spec", "parallel_trace", "parallel_barrier", "parallel_agree_seed")
-
 #: Distributed-checkpoint verbs: both in every adapter whose manifest declares ``dcp``.
 DCP_VERBS: tuple[str, ...] = ("save_dcp", "load_dcp")
+_PARALLEL = Capability("parallel", PARALLEL_VERBS, "tensor parallelism (parallel=)", manifest=True)
+_DCP = Capability("dcp", DCP_VERBS, "distributed checkpoint directories (format='dcp')", manifest=True)
 
-#: Module-level functions some adapters offer; callers check with ``hasattr`` first (the
-#: parallel and DCP ones with the manifest's capability: ``dense_bridge/parallel/_dispatch.py``).
-OPTIONAL_VERBS: tuple[str, ...] = PARALLEL_VERBS + DCP_VERBS + ("train_sgd", "load_model", "file_views", "file_layout", "inference",
-                                   "run_layer",  # one layer alone on given x, grad_out: (y, dL/dx, canonical grads)
-                                   # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
-                                   "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
-                                   "lora_folds_scale", "save_lora_h5", "load_lora_h5",
-                                   "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
-                                   "quant_layer", "quant_build",
-                                   # a chain's quantized positions, for checkpoints holding codes (checkpoints/_quantized.py)
-                                   "quant_positions", "quant_position_build", "quant_file_layers", "quant_file_template")
+#: Every capability, by name. The names of the manifest-declared ones are
+#: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
+CAPABILITIES: dict[str, Capability] = {c.name: c for c in (RUNNING, FILES, LORA, QUANT, QUANT_LORA, QUANT_FILES,
+                                                           _PARALLEL, _DCP)}
+
+#: Every verb of every capability, extras included: an adapter may offer any of them (by the rules
+#: above); whatever needs one asks ``dense_bridge.registry._backends.optional_verb`` or ``require``.
+OPTIONAL_VERBS: tuple[str, ...] = tuple(v for c in CAPABILITIES.values() for v in c.verbs + c.extras)
+
+
+def capability(name: str) -> Capability:
+    return CAPABILITIES[name]
+
+
+def _has(adapter: object, verb: str) -> bool:
+    return callable(getattr(adapter, verb, None))
+
+
+def offered(adapter: object) -> frozenset[str]:
+    """The capabilities ``adapter`` offers: those with at least one of their verbs (a complete
+    group, once :func:`problems` finds nothing)."""
+    return frozenset(c.name for c in CAPABILITIES.values() if any(_has(adapter, v) for v in c.verbs))
+
+
+def problems(adapter: object, declared: frozenset[str] = frozenset(), formats: bool = False) -> list[str]:
+    """What ``adapter`` breaks of the contract, one sentence each (empty: it conforms).
+
+    ``declared``: its manifest's capabilities; ``formats``: its manifest declares file formats.
+    Checked: every required verb; every capability's verbs all or none; extras only beside their
+    group; a group's ``needs`` offered too; a manifest capability declared exactly when offered;
+    file formats only with the ``files`` capability.
+    """
+    out = []
+    missing = [v for v in REQUIRED_VERBS if not _has(adapter, v)]
+    if missing:
+        out.append(f"it lacks {', '.join(missing)} (every adapter offers {', '.join(REQUIRED_VERBS)})")
+    has = offered(adapter)
+    for c in CAPABILITIES.values():
+        present = [v for v in c.verbs if _has(adapter, v)]
+        if present and len(present) < len(c.verbs):
+            lacking = [v for v in c.verbs if v not in present]
+            out.append(f"it offers part of the {c.name!r} capability ({', '.join(present)}) but lacks "
+                       f"{', '.join(lacking)}: offer every verb of the group or none")
+        stray = [v for v in c.extras if _has(adapter, v)]
+        if stray and not present:
+            out.append(f"it offers {', '.join(stray)} without the {c.name!r} capability ({', '.join(c.verbs)})")
+        if present:
+            out += [f"its {c.name!r} capability needs the {n!r} capability ({', '.join(CAPABILITIES[n].verbs)})"
+                    for n in c.needs if n not in has]
+        if c.manifest and bool(present) != (c.name in declared):
+            out.append(f"its manifest {'declares' if c.name in declared else 'does not declare'} the {c.name!r} "
+                       f"capability but it offers {'none' if not present else 'the verbs'} of it "
+                       f"({', '.join(c.verbs)})")
+    if formats and FILES.name not in has:
+        out.append(f"its manifest declares file formats but it lacks the 'files' capability ({', '.join(FILES.verbs)})")
+    return out
+
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
