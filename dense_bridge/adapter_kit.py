@@ -1,18 +1,22 @@
 """The public adapter kit: everything an adapter package needs from dense_bridge, in the tree or
 outside it.
 
-An adapter is a package (say ``my_adapter``) whose ``__init__`` exposes the verbs of
-:data:`REQUIRED_VERBS` (and any of :data:`OPTIONAL_VERBS`) as module-level functions, and whose
-``_manifest.py`` imports no framework and defines ``MANIFEST = Manifest(...)`` (what the core
-may know before the framework is imported: packages needed, install hint, capabilities, file
-formats with their sniffing, owner priority). Register it with
+An adapter is a package (say ``my_adapter``) whose ``__init__`` exposes, as module-level
+functions, the verbs of :data:`REQUIRED_VERBS` and those of the capabilities it has
+(:data:`CAPABILITIES`: each group all or none, checked when the backend is registered as a
+module or first imported by name), and whose ``_manifest.py`` imports no framework and defines
+``MANIFEST = Manifest(...)`` (what the core may know before the framework is imported: packages
+needed, install hint, capabilities, file formats with their sniffing, owner priority). Register it with
 ``dense_bridge.register_backend("mine", "my_adapter")`` or, from an installed distribution, an
 entry point ``[project.entry-points."dense_bridge.backends"] mine = "my_adapter"``. Check it with
 the conformance suite, :mod:`dense_bridge.testing.conformance`.
 
 Names, by role (loaded on first use, so importing this module costs nothing):
 
-- the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``OPTIONAL_VERBS``, ``PARALLEL_VERBS``, ``DCP_VERBS``;
+- the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``CAPABILITIES`` (each a ``Capability``:
+  a group of verbs offered all or none, extras only beside them; ``RUNNING``, ``FILES``, ``LORA``,
+  ``QUANT``, ``QUANT_LORA``, ``QUANT_FILES``, and the manifest-declared ``parallel``/``dcp`` with
+  ``PARALLEL_VERBS``, ``DCP_VERBS``), ``OPTIONAL_VERBS`` (every capability's verbs);
 - declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
 - building: ``ParamSource`` (``for_layer``/``native_layer``: a layer's canonical parameters),
   ``initial_layer_params``, ``remember_spec``/``remembered_spec``, ``native_copy``;
@@ -34,10 +38,13 @@ from __future__ import annotations
 import importlib
 
 #: The version of the adapter contract these names and ``dense_bridge.registry._contract`` describe.
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 
 _LAZY: dict[str, str] = {
     "REQUIRED_VERBS": ".registry._contract", "OPTIONAL_VERBS": ".registry._contract", "PARALLEL_VERBS": ".registry._contract", "DCP_VERBS": ".registry._contract",
+    "Capability": ".registry._contract", "CAPABILITIES": ".registry._contract", "RUNNING": ".registry._contract",
+    "FILES": ".registry._contract", "LORA": ".registry._contract", "QUANT": ".registry._contract",
+    "QUANT_LORA": ".registry._contract", "QUANT_FILES": ".registry._contract",
     "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
     "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest",
     "ParamSource": ".params._source", "initial_layer_params": ".params._source",

@@ -28,6 +28,10 @@ def effective_grads(backends: dict[str, str], grads: bool) -> tuple[bool, str | 
     ``grads=True`` with a side whose backend runs forward only (an inference engine such as
     onnxruntime) compares outputs only: the note names that side, so a report can never read as
     if gradients had passed."""
+    from ..registry._backends import require
+
+    for side, name in backends.items():  # a backend that cannot run models cannot be compared
+        require(name, "running", f"comparing {side} (a {name!r} model)")
     if not grads:
         return False, NOT_COMPARED
     able = computes_gradients(backends)

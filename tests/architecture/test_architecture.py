@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dense_bridge
-from dense_bridge.registry._contract import OPTIONAL_FILES, REQUIRED_FILES, REQUIRED_VERBS
+from dense_bridge.registry._contract import OPTIONAL_FILES, OPTIONAL_VERBS, REQUIRED_FILES, REQUIRED_VERBS, problems
 from dense_bridge.registry._backends import BACKENDS, available_backends, get_adapter
 
 CORE = Path(dense_bridge.__file__).parent
@@ -75,8 +75,13 @@ def test_adapter_implements_the_whole_contract(name):
     assert not missing, f"adapter {adapter.__name__} lacks the verbs {missing}"
     stale = [v for (b, v) in PENDING_VERBS if b == name and callable(getattr(adapter, v, None))]
     assert not stale, f"{stale} exist in {adapter.__name__} now: remove them from PENDING_VERBS"
+    # every capability's verbs all or none, extras only beside them, manifest capabilities as declared
+    declared = BACKENDS[name].manifest
+    broken = [p for p in problems(adapter, declared.capabilities, bool(declared.formats))
+              if not any(f"lacks {v}" in p for (b, v) in PENDING_VERBS if b == name)]
+    assert not broken, f"adapter {adapter.__name__}: {broken}"
     # the verbs are the package's own (re-exported), not a framework function of the same name
-    for verb in REQUIRED_VERBS:
+    for verb in REQUIRED_VERBS + OPTIONAL_VERBS:
         fn = getattr(adapter, verb, None)
         if fn is not None:
             # its own package, or the family's shared one (backends/_jax for flax and equinox)
@@ -255,7 +260,27 @@ def test_the_adapter_kit_offers_every_name_it_lists():
     missing = [n for n in adapter_kit.__all__ if getattr(adapter_kit, n, None) is None]
     assert not missing, missing
     assert adapter_kit.ParamSource.__module__ == "dense_bridge.params._source"
-    assert set(adapter_kit.REQUIRED_VERBS) >= {"owns", "compile", "trace", "file_info"}
+    assert set(adapter_kit.REQUIRED_VERBS) >= {"owns", "compile", "get_params", "to_spec"}
+    assert {"running", "files", "lora", "quant", "parallel", "dcp"} <= set(adapter_kit.CAPABILITIES)
+    assert "trace" in adapter_kit.RUNNING.verbs and "file_info" in adapter_kit.FILES.verbs
+
+
+def test_the_contract_check_sees_half_groups_strays_and_missing_needs():
+    import types
+
+    module = types.ModuleType("probe")
+    for verb in REQUIRED_VERBS + ("trace", "walk", "lora_folds_scale", "quant_file_layers", "quant_file_template"):
+        setattr(module, verb, lambda *a: None)
+    found = problems(module)
+    assert any("part of the 'running' capability (trace, walk) but lacks capture, run_layer" in p for p in found), found
+    assert any("offers lora_folds_scale without the 'lora' capability" in p for p in found), found
+    assert any("'quant_files' capability needs the 'quant' capability" in p for p in found), found
+    assert any("'quant_files' capability needs the 'files' capability" in p for p in found), found
+    assert problems(module, frozenset({"dcp"})) != found  # a declared capability without its verbs
+    plain = types.ModuleType("plain")
+    for verb in REQUIRED_VERBS:
+        setattr(plain, verb, lambda *a: None)
+    assert problems(plain) == [] and problems(plain, formats=True) != []
 
 
 def test_import_with_an_entry_point_installed_imports_no_framework(tmp_path):

@@ -392,3 +392,154 @@ def test_a_missing_optional_verb_is_a_clear_error(forward_only):
 
     with pytest.raises(db.ConversionError, match="reading x needs the 'no_such_verb' verb.*'fwd' backend"):
         optional_verb("fwd", "no_such_verb", "reading x")
+
+
+# ------------------------------------------------------------------ capabilities: groups of verbs, all or none
+RUNNING_IMPORTS = ("from ._trace import run_layer, trace, train_sgd\nfrom ._capture import capture\n"
+                   "from ._models import walk\n")
+
+NORUN_SUITE = '''\
+import dense_bridge as db
+from dense_bridge.testing.conformance import AdapterConformance
+
+db.register_backend("norun", "norun_adapter")
+
+
+class TestNorun(AdapterConformance):
+    backend = "norun"
+'''
+
+
+@pytest.fixture(scope="module")
+def norun_site(tmp_path_factory) -> Path:
+    """``norun_adapter``: the numpy reference without the ``running`` capability (its ``__init__``
+    exports no trace, capture, walk, run_layer or train_sgd)."""
+    root = tmp_path_factory.mktemp("norun")
+    package = root / "norun_adapter"
+    shutil.copytree(ROOT / "backends" / "numpy", package, ignore=shutil.ignore_patterns("__pycache__"))
+    init = (package / "__init__.py").read_text()
+    assert RUNNING_IMPORTS in init
+    init = init.replace(RUNNING_IMPORTS, "")
+    for verb in ("trace", "capture", "walk", "train_sgd", "run_layer"):
+        init = init.replace(f'"{verb}", ', "").replace(f', "{verb}"', "")
+    (package / "__init__.py").write_text(init)
+    return root
+
+
+@pytest.fixture
+def norun(norun_site, monkeypatch):
+    from dense_bridge.registry import _backends as _registry
+
+    monkeypatch.syspath_prepend(str(norun_site))
+    db.register_backend("norun", "norun_adapter")
+    try:
+        yield "norun"
+    finally:
+        _registry.BACKENDS.pop("norun", None)
+
+
+def test_a_backend_that_cannot_run_models_compiles_converts_and_says_why_it_cannot_compare(norun):
+    from dense_bridge.registry._backends import get_adapter, offers
+
+    adapter = get_adapter("norun")
+    assert not hasattr(adapter, "trace") and not hasattr(adapter, "capture")
+    assert not offers("norun", "running") and offers("norun", "files") and offers("numpy", "running")
+    spec = db.Sequential([db.Dense(5, in_features=3, activation="relu", bias_init="normal"), db.Dense(2)])
+    model = db.compile(spec, "norun", seed=0)
+    assert db.backend(model) == "norun" and db.to_spec(model) == spec
+    ref = db.compile(spec, "numpy", seed=0)
+    want = db.get_params(ref)
+    assert all(np.array_equal(db.get_params(model)[k], want[k]) for k in want)
+    there = db.convert(model, to="numpy")
+    assert db.backend(there) == "numpy" and all(np.array_equal(db.get_params(there)[k], want[k]) for k in want)
+    back = db.convert(ref, to="norun")
+    assert db.backend(back) == "norun" and all(np.array_equal(db.get_params(back)[k], want[k]) for k in want)
+    db.set_params(model, {k: v + 1 for k, v in want.items()})
+    assert np.array_equal(db.get_params(model)["1.bias"], want["1.bias"] + 1)
+    needs = r"comparing a \(a 'norun' model\) needs the 'running' capability.*trace, capture, walk, run_layer.*'norun'"
+    with pytest.raises(db.ConversionError, match=needs):
+        db.testing.compare(model, ref)
+    with pytest.raises(db.ConversionError, match=needs):
+        db.testing.compare_models(model, ref, [np.ones((2, 3), np.float32)])
+    with pytest.raises(db.ConversionError, match="comparing b .*'running' capability"):
+        db.testing.compare(ref, model, grads=False)
+
+
+def test_the_conformance_suite_skips_the_running_checks_of_a_backend_without_them(norun_site, tmp_path):
+    (tmp_path / "test_norun_conformance.py").write_text(NORUN_SUITE)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rootdir",
+                          str(tmp_path), str(tmp_path)], cwd=tmp_path, env=_env(norun_site), capture_output=True,
+                         text=True, timeout=600)
+    tail = (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0 and re.search(r"\d+ passed", run.stdout), tail
+    assert "does not offer the 'running' capability" in run.stdout and " failed" not in run.stdout, tail
+
+
+def _reference_module(name: str, drop=(), **extra) -> types.ModuleType:
+    """The numpy reference adapter's verbs in a module of its own, less ``drop``, plus ``extra``."""
+    from dense_bridge.registry._backends import get_adapter
+
+    reference = get_adapter("numpy")
+    module = types.ModuleType(name)
+    for verb in dir(reference):
+        if not verb.startswith("_") and verb not in drop:
+            setattr(module, verb, getattr(reference, verb))
+    for verb, value in extra.items():
+        setattr(module, verb, value)
+    return module
+
+
+def _no_verb(*args, **kwargs):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("drop, extra, message", [
+    (("capture",), {}, r"part of the 'running' capability \(trace, walk, run_layer\) but lacks capture"),
+    (("file_info", "write_file"), {}, r"part of the 'files' capability \(read_file\) but lacks file_info, write_file"),
+    ((), {"lora_base": _no_verb, "read_lora": _no_verb}, r"part of the 'lora' capability \(lora_base, read_lora\) "
+                                                         r"but lacks write_lora, lora_heads"),
+    (("trace", "capture", "walk", "run_layer"), {}, r"offers train_sgd without the 'running' capability"),
+    ((), {"lora_quantized": _no_verb, "lora_dequantize": _no_verb, "lora_requantize": _no_verb,
+          "replace_lora": _no_verb}, r"'quant_lora' capability needs the 'lora' capability"),
+    ((), {"parallel_state": _no_verb}, r"part of the 'parallel' capability"),
+], ids=["running", "files", "lora", "extra-alone", "needs", "parallel"])
+def test_half_a_capability_is_refused_at_registration(drop, extra, message):
+    from dense_bridge.registry import _backends as _registry
+
+    module = _reference_module("half_adapter", drop, **extra)
+    with pytest.raises(TypeError, match=message):
+        db.register_backend("half", module)
+    assert "half" not in _registry.names()
+
+
+def test_a_manifest_capability_must_match_the_verbs():
+    from dense_bridge.registry import _backends as _registry
+    from dense_bridge.registry._manifest import PARALLEL, FileFormat, Manifest
+
+    module = _reference_module("declaring_adapter", MANIFEST=Manifest(capabilities=frozenset({PARALLEL})))
+    with pytest.raises(TypeError, match="manifest declares the 'parallel' capability but it offers none of it"):
+        db.register_backend("declaring", module)
+    module = _reference_module("formats_adapter", ("file_info", "read_file", "write_file"),
+                               MANIFEST=Manifest(formats=(FileFormat("x", container="x"),)))
+    with pytest.raises(TypeError, match="declares file formats but it lacks the 'files' capability"):
+        db.register_backend("formats", module)
+    assert "declaring" not in _registry.names() and "formats" not in _registry.names()
+
+
+def test_half_a_capability_registered_by_name_is_refused_when_first_imported(norun_site, tmp_path, monkeypatch):
+    """A dotted name is imported on first use, so the check runs then: the backend is unusable
+    with an error naming what it lacks."""
+    from dense_bridge.registry import _backends as _registry
+
+    package = tmp_path / "halfname_adapter"
+    shutil.copytree(norun_site / "norun_adapter", package, ignore=shutil.ignore_patterns("__pycache__"))
+    init = package / "__init__.py"
+    init.write_text(init.read_text() + "\nfrom ._capture import capture  # the running capability, half of it\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    db.register_backend("halfname", "halfname_adapter")
+    try:
+        with pytest.raises(db.BackendUnavailableError, match=r"'halfname'.*part of the 'running' capability "
+                                                             r"\(capture\) but lacks trace, walk, run_layer"):
+            db.compile(db.Dense(2, in_features=2), "halfname")
+    finally:
+        _registry.BACKENDS.pop("halfname", None)

@@ -159,3 +159,82 @@ def test_one_compile_path_remembers_the_spec_once():
             np.testing.assert_array_equal(v, db.get_params(native)[k])
     with pytest.raises(TypeError, match="not both"):
         ParamSource(spec, params={}, stream=stream)
+
+
+# ------------------------------------------------------------------ one resolution per call
+def _calls_while(fn, *functions):
+    """(fn's result, how many times each of ``functions`` was entered while it ran)."""
+    import sys
+
+    codes = {f.__code__: f.__name__ for f in functions}
+    counts = dict.fromkeys(codes.values(), 0)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, counts
+
+
+def test_each_verb_resolves_its_object_once(backend):
+    """get_params, set_params, to_spec and convert find the owning backend at most twice per call,
+    and decide ownership by asking the adapters at most once per type."""
+    from dense_bridge.registry import _backends
+
+    spec = db.Sequential([db.Dense(4, in_features=3, activation="relu"), db.Dense(2)])
+    model = db.compile(spec, backend, seed=0)
+    params = db.get_params(model)
+    verbs = {"get_params": lambda: db.get_params(model), "set_params": lambda: db.set_params(model, params),
+             "to_spec": lambda: db.to_spec(model), "convert": lambda: db.convert(model, "numpy")}
+    for name, call in verbs.items():
+        _, counts = _calls_while(call, _backends.backend_of)
+        assert counts["backend_of"] <= 2, (name, counts)
+    owns = _backends.get_adapter(backend).owns
+    _, counts = _calls_while(lambda: [db.get_params(model) for _ in range(3)], owns)
+    assert counts["owns"] == 0, counts  # the type's owner was kept from the first call
+
+
+def test_handles_say_what_an_object_is():
+    from dense_bridge import _handles
+
+    model = db.compile(db.Dense(2, in_features=3), "numpy", seed=0)
+    handle = _handles.resolve(model)
+    assert type(handle) is _handles.Plain and handle.backend == "numpy" and handle.spec() == db.to_spec(model)
+    assert _handles.resolve(model, codes=True).kind == "quantized"
+    with pytest.raises(db.ConversionError, match="not a quantized linear layer"):
+        db.get_params(model, quantized=True)
+    with pytest.raises(TypeError, match="local=True needs a parallel model"):
+        db.get_params(model, local=True)
+    with pytest.raises(db.ConversionError, match="adapter keys.*no adapter"):
+        db.set_params(model, {**db.get_params(model), "lora_a": np.zeros((3, 1))})
+    with pytest.raises(TypeError, match="native must be a layer or model"):
+        _handles.resolve(object())
+
+
+def test_a_backend_registered_later_wins_the_types_it_owns_first():
+    """Ownership is kept per type; registering a backend that claims the type by a higher
+    priority takes it over at once, and removing that backend gives it back."""
+    import types
+
+    from dense_bridge.registry import _backends
+    from dense_bridge.registry._manifest import Manifest
+
+    model = db.compile(db.Dense(2, in_features=3), "numpy", seed=0)
+    assert db.backend(model) == "numpy"  # the type's owner is now kept
+    reference = _backends.get_adapter("numpy")
+    module = types.ModuleType("claiming_adapter")
+    for verb in dir(reference):
+        if not verb.startswith("_"):
+            setattr(module, verb, getattr(reference, verb))
+    module.MANIFEST = Manifest(owner_priority=100)
+    db.register_backend("claiming", module)
+    try:
+        assert db.backend(model) == "claiming"
+    finally:
+        _backends.BACKENDS.pop("claiming", None)
+    assert db.backend(model) == "numpy"
