@@ -60,12 +60,12 @@ Required verbs (:data:`REQUIRED_VERBS`):
 
 The manifest (``_manifest.py``, framework-free, ``MANIFEST = dense_bridge.adapter_kit.Manifest(...)``)
 declares what the core may know before the framework is imported: packages required and the
-install hint, owner priority, capabilities (``gradients``), and the file formats with their
+install hint, owner priority, capabilities (``gradients``, ``parallel``, ``dcp``), and the file formats with their
 sniffing, extensions, labels and temporary suffixes (``dense_bridge.registry._manifest``).
 
 Capability ``running`` (:data:`RUNNING`): running models and looking inside them. Without it a
-backend still compiles, converts, reads and writes parameters; ``compare``, ``compare_models``,
-``linear_layers`` and ``transfer`` on it name the missing capability. The manifest's
+backend still compiles, converts, reads and writes parameters; ``compare`` and ``compare_models``
+on it name the missing capability, ``linear_layers`` and ``transfer`` the missing ``walk``. The manifest's
 ``gradients`` capability refines it (a backend that runs but has no autograd leaves it out).
 
 - ``trace(native, inputs: list[np.ndarray], grad_out: np.ndarray | None) -> Trace``: run forward and
