@@ -176,7 +176,11 @@ def register_backend(name: str, module: str | ModuleType, *, install_hint: str |
     """Register an adapter under ``name``: ``module`` is its dotted name (imported on first use,
     like the built-ins) or the module itself. A name already registered (a built-in, an entry
     point, an earlier call with another module) is replaced only with ``replace=True``.
-    ``install_hint``: what the error tells the user to run when the framework is missing."""
+    ``install_hint``: what the error tells the user to run when the framework is missing.
+
+    The adapter is checked against the contract (``dense_bridge.registry._contract.problems``: the
+    required verbs, each capability's verbs all or none): a module given itself now (TypeError
+    naming what it breaks), a dotted name when it is first imported (BackendUnavailableError)."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a backend name (a str). {received('name', name)}")
     key = name.lower()
