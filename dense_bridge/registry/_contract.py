@@ -176,6 +176,7 @@ OPTIONAL_VERBS: tuple[str, ...] = PARALLEL_VERBS + DCP_VERBS + ("train_sgd", "lo
                                    # LoRA adapters (``_lora.py``; the verbs are described in dense_bridge/lora.py)
                                    "lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
                                    "lora_folds_scale", "save_lora_h5", "load_lora_h5",
+                                   "lora_root",  # the path prefix under which an adapter wrapper holds its base model
                                    "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
                                    "quant_layer", "quant_build",
                                    # a chain's quantized positions, for checkpoints holding codes (checkpoints/_quantized.py)
@@ -203,6 +204,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
+    "_lora_files.py",  # its ecosystem's LoRA adapter directories, framework-free (registry._manifest.AdapterFormat)
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
