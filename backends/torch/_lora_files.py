@@ -27,6 +27,13 @@ import math
 import re
 from collections import Counter
 
+try:  # the stdlib's own regex parser: the tree re compiles, read to bound a file's patterns
+    import re._constants as _sre
+    import re._parser as _sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants as _sre
+    import sre_parse as _sre_parse
+
 import numpy as np
 
 from dense_bridge.adapter_kit import CheckpointError, ConversionError
@@ -45,8 +52,7 @@ PATH_LIMIT = 1024
 # ----------------------------------------------------------------------------- bounded patterns
 def _nested_repeat(items, inside: bool) -> bool:
     """Whether a parsed regex holds a repeat (max > 1) inside another one."""
-    from re import _constants as c  # the stdlib's own parse tree: what re compiles
-
+    c = _sre
     repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
     groups = {c.ASSERT, c.ASSERT_NOT, getattr(c, "ATOMIC_GROUP", c.ASSERT)}  # av: (direction, sub) or sub
     for op, av in items:
@@ -67,15 +73,13 @@ def _nested_repeat(items, inside: bool) -> bool:
 def checked_pattern(pattern, where: str, key: str) -> re.Pattern:
     """``pattern`` from the file ``where`` (its config key ``key``) compiled, or a CheckpointError:
     not a string, longer than :data:`PATTERN_LIMIT`, not a regex, or with nested quantifiers."""
-    from re import _parser
-
     if not isinstance(pattern, str):
         raise CheckpointError(f"{where}: {key}: a pattern must be a string. Received: {pattern!r}"[:400])
     if len(pattern) > PATTERN_LIMIT:
         raise CheckpointError(f"{where}: {key}: pattern of {len(pattern)} characters (at most {PATTERN_LIMIT}). "
                               f"Received: {pattern[:80]!r}...")
     try:
-        tree = _parser.parse(pattern)
+        tree = _sre_parse.parse(pattern)
     except re.error as exc:
         raise CheckpointError(f"{where}: {key}: {pattern!r} is not a regular expression ({exc})") from None
     if _nested_repeat(tree, False):
