@@ -52,6 +52,7 @@ MANIFEST = Manifest(
     file_names=FileNames("vars/0", "vars/1", "/", "in_out", "Keras stores Dense kernel as (in, out)"),
     model_files=(".keras",),
     # keras-hub's Backbone.save_lora_weights: one HDF5 file naming adapted layers by index (_lora.py)
-    adapter_formats=(AdapterFormat("keras-hub", suffix=".lora.h5", load_verb="load_lora_h5", save_verb="save_lora_h5"),),
+    adapter_formats=(AdapterFormat("keras-hub", suffix=".lora.h5", load_verb="load_lora_h5",
+                                   save_verb="save_lora_h5"),),
     quiet_import=True,  # TensorFlow's C++ start-up lines bypass TF_CPP_MIN_LOG_LEVEL
 )

@@ -102,6 +102,11 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
                 raise CheckpointError(f"{where}: layer {layer!r} has factors but lora_parameters.keys {keys[:8]} "
                                       f"names no module it is: mlx-lm would not adapt it")
         out[layer] = {**parts, "lora_scale": np.array(float(scale), dtype=np.float64)}
+    blocks = {int(m["index"]) for p in out if (m := BLOCK.match(p))}
+    if num_layers is not None and num_layers >= 0 and blocks and max(blocks) - min(blocks) + 1 > num_layers:
+        raise CheckpointError(f"{where}: num_layers {num_layers} (mlx-lm adapts the last {num_layers} blocks) but the "
+                              f"tensors adapt blocks {min(blocks)} to {max(blocks)}: mlx-lm would not adapt some "
+                              f"of them")
     dropout = params.get("dropout", 0.0) or 0.0
     return out, {"dropout": float(_number(dropout, where, "lora_parameters.dropout", integer=False)),
                  "num_layers": num_layers}

@@ -222,7 +222,8 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
         alpha = _number(alpha, where, f"alpha_pattern[{a_key!r}]" if a_key else "lora_alpha", integer=False)
         rank_a, rank_b = np.shape(parts["lora_a"])[0], np.shape(parts["lora_b"])[1]
         if rank_a != r or rank_b != r:
-            raise CheckpointError(f"{where}: {PREFIX}{layer}.lora_A.weight {np.shape(parts['lora_a'])} and lora_B.weight "
+            raise CheckpointError(f"{where}: {PREFIX}{layer}.lora_A.weight {np.shape(parts['lora_a'])} and "
+                                  f"lora_B.weight "
                                   f"{np.shape(parts['lora_b'])} have rank {rank_a}/{rank_b} but the config says "
                                   f"{'rank_pattern[' + repr(r_key) + ']' if r_key else 'r'}={r}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r

@@ -291,9 +291,18 @@ def test_configs_contradicting_their_tensors_are_refused(tmp_path):
         "magnitude": ({"tensors": {f"{PATHS[0]}.m": np.ones(OUT, np.float32)}}, r"holds m"),
         "full": ({"config": {"fine_tune_type": "full"}}, r"fine_tune_type 'full' is not an adapter"),
         "no_scale": ({"config": {"lora_parameters": {"rank": R}}}, r"no 'scale'"),
+        "num_layers": ({"config": {"num_layers": 1}}, r"num_layers 1 .* blocks 0 to 1"),
     }
     for name, (override, match) in mlx_cases.items():
         _refused(_adapter_dir(tmp_path / f"mlx_{name}" / "src", fmt="mlx-lm", **override), match, to="peft")
+
+
+def test_two_file_layers_onto_one_model_layer_are_refused(tmp_path):
+    src = _adapter_dir(tmp_path / "peft")
+    model = _plain_llama()
+    with pytest.raises(db.ConversionError, match=r"both map onto 'model\.layers\.0\.self_attn\.q_proj'"):
+        db.load_adapter(src, model, mapping=lambda p: "model.layers.0.self_attn.q_proj")
+    assert db.lora.lora_of(model.model.layers[0].self_attn.q_proj) is None
 
 
 def test_one_format_never_overwrites_another_formats_directory(tmp_path):
@@ -433,7 +442,8 @@ def test_hostile_keras_hub_files_are_refused_before_anything_is_attached(tmp_pat
         _factors(f, "0")
         f["lora/1/vars/lora_kernel_a"] = h5py.SoftLink("/lora/0/vars/lora_kernel_a")
 
-    cases = {"external_link": (external_link, "external link"), "external_storage": (external_storage, "external files"),
+    cases = {"external_link": (external_link, "external link"),
+             "external_storage": (external_storage, "external files"),
              "virtual": (virtual, "virtual dataset"), "huge": (huge, r"declares shape \(30000, 30000\)"),
              "soft": (soft, "soft link"),
              "negative": (lambda f: _factors(f, "-1"), r"lora/'-1' is not a layer index"),
