@@ -189,6 +189,8 @@ def _refuse_foreign(path: str, name: str, fmt: AdapterFormat) -> None:
     """Writing ``fmt``'s files into ``path`` must not overwrite another adapter's (two formats share
     a config file name): a directory holding one of ``fmt``'s files but not its weights file is
     someone else's."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file: a {name} adapter is a directory ({' + '.join(fmt.files)})")
     if not os.path.isdir(path):
         return
     names = set(os.listdir(path))

@@ -315,6 +315,9 @@ def test_one_format_never_overwrites_another_formats_directory(tmp_path):
     peft_dir = _adapter_dir(tmp_path / "peft")
     with pytest.raises(db.CheckpointError, match=r"adapter_config\.json"):
         db.save_adapter(model, peft_dir, format="mlx-lm")
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(db.CheckpointError, match=r"file: a peft adapter is a directory"):
+        db.save_adapter(model, tmp_path / "file", format="peft")
     db.save_adapter(model, peft_dir, format="peft")  # its own format: replaced whole
     _, layers, _ = lora_files.read_adapter_dir(peft_dir)
     assert sorted(layers) == [f"model.layers.{i}.self_attn.q_proj" for i in range(LAYERS)]
