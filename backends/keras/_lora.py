@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import keras
 import numpy as np
@@ -154,69 +155,183 @@ def replace_lora(model, path: str, m, layer):
 
 
 # ----------------------------------------------------------------------------- keras-hub .lora.h5
+# The file comes from outside: before a value is read, every object is checked (no external links,
+# soft links, external storage or virtual datasets: a file reads only its own bytes; no dataset
+# declaring more bytes than the file holds), layer keys are canonical indices ("0", "12", never
+# "-1" or "00"), and nothing is attached until every layer is validated.
+_INDEX = re.compile(r"^(0|[1-9][0-9]{0,8})$")
+_MAX_OBJECTS = 100_000  # objects visited in one file: keras-hub writes two per adapted layer
+
+
 def _weighted_layers(model) -> list:
     # keras-hub names adapted layers by index in this list (Backbone.save_lora_weights)
     return [lyr for lyr in model._flatten_layers(include_self=False) if lyr.weights]
 
 
-def save_lora_h5(model, path: str) -> None:
+def _nonfinite(name: str, value: np.ndarray) -> str | None:
+    bad = int(value.size - np.count_nonzero(np.isfinite(value.astype(np.float64))))
+    return f"{name} holds {bad} NaN/Inf value(s) (allow_nonfinite=True accepts them)" if bad else None
+
+
+def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
     """keras-hub's ``.lora.h5`` (Keras' H5IOStore layout): ``lora/vars/rank`` and
-    ``lora/<index>/vars/lora_kernel_a|b`` per adapted layer.
+    ``lora/<index>/vars/lora_kernel_a|b`` per adapted layer, ``<index>`` its place among the
+    model's layers holding weights (keras-hub's ``Backbone.save_lora_weights``).
 
     The format stores one rank and no alpha (keras-hub loads with scale 1): adapters of another
-    scale or of several ranks are refused, naming them."""
+    scale or of several ranks are refused, naming them, as are NaN/Inf factors unless
+    ``allow_nonfinite``. Written to a temporary file renamed into place: ``path`` holds the old
+    file or the whole new one."""
     import h5py
+
+    from dense_bridge.checkpoints._io import AtomicFiles
 
     if not str(path).endswith(".lora.h5"):
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. Received: path={path!r}")
     layers = _weighted_layers(model)
     found = [(i, lyr) for i, lyr in enumerate(layers) if is_lora(lyr)]
     if not found:
-        raise ConversionError("model holds no Keras LoRA adapters to save")
+        raise ConversionError(f"{path}: model holds no Keras LoRA adapters to save")
     ranks = {int(lyr.lora_rank) for _, lyr in found}
     bad = [lyr.name for _, lyr in found if float(lyr.lora_alpha) != float(lyr.lora_rank)]
     if len(ranks) > 1 or bad:
-        raise ConversionError(f"keras-hub's .lora.h5 holds one rank and no alpha (scale 1): ranks {sorted(ranks)}, "
-                              f"layers with another scale: {bad}")
-    with h5py.File(path, "w") as f:
-        group = f.create_group("lora")
-        group.create_group("vars")["rank"] = ranks.pop()
-        for i, lyr in found:
-            inner = group.create_group(str(i)).create_group("vars")
-            inner["lora_kernel_a"] = read_array(lyr.lora_kernel_a)
-            inner["lora_kernel_b"] = read_array(lyr.lora_kernel_b)
+        raise ConversionError(f"{path}: keras-hub's .lora.h5 holds one rank and no alpha (scale 1): ranks "
+                              f"{sorted(ranks)}, layers with another scale: {bad}")
+    data = {i: (read_array(lyr.lora_kernel_a), read_array(lyr.lora_kernel_b)) for i, lyr in found}
+    if not allow_nonfinite:
+        problems = [f"layer {i} ({layers[i].name}): {msg}" for i, (a, b) in data.items()
+                    for msg in (_nonfinite("lora_kernel_a", a), _nonfinite("lora_kernel_b", b)) if msg]
+        if problems:
+            raise ConversionError(f"{path}: nothing written:\n  - " + "\n  - ".join(problems))
+    with AtomicFiles(path) as tx:
+        with h5py.File(tx.temp_for(path, ".lora.h5"), "w") as f:
+            group = f.create_group("lora")
+            group.create_group("vars")["rank"] = ranks.pop()
+            for i, (a, b) in data.items():
+                inner = group.create_group(str(i)).create_group("vars")
+                inner["lora_kernel_a"] = a
+                inner["lora_kernel_b"] = b
 
 
-def load_lora_h5(model, path: str) -> dict:
-    """Read a keras-hub ``.lora.h5`` into ``model`` (layers by index; scale 1), enabling LoRA where needed."""
+def _checked_objects(f, path: str, size: int) -> list[str]:
+    """Problems with the objects of the open HDF5 file ``f`` (of ``size`` bytes): links that leave
+    the file or alias another object, external storage, virtual datasets, datasets declaring more
+    bytes than the file has."""
+    import h5py
+
+    problems, seen = [], 0
+    stack = [("", f)]
+    while stack:
+        prefix, group = stack.pop()
+        for key in group.keys():
+            seen += 1
+            if seen > _MAX_OBJECTS:
+                return problems + [f"more than {_MAX_OBJECTS} objects"]
+            name = f"{prefix}/{key}" if prefix else key
+            link = group.get(key, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                problems.append(f"{name!r} is an external link to {link.filename!r}:{link.path!r} (a file reads only "
+                                f"its own bytes)")
+                continue
+            if isinstance(link, h5py.SoftLink):
+                problems.append(f"{name!r} is a soft link to {link.path!r} (one object under two names)")
+                continue
+            obj = group.get(key)
+            if isinstance(obj, h5py.Group):
+                if len(name.split("/")) > 8:
+                    problems.append(f"{name!r}: groups nested deeper than keras-hub writes")
+                    continue
+                stack.append((name, obj))
+            elif isinstance(obj, h5py.Dataset):
+                if obj.is_virtual:
+                    problems.append(f"{name!r} is a virtual dataset (its values live in other files)")
+                elif obj.external:
+                    problems.append(f"{name!r} keeps its values in external files {[e[0] for e in obj.external]}")
+                elif obj.dtype.kind not in "biuf":
+                    problems.append(f"{name!r} holds {obj.dtype}, not numbers")
+                else:
+                    declared = int(np.prod(obj.shape, dtype=np.float64)) * obj.dtype.itemsize if obj.shape else 8
+                    if declared > size:
+                        problems.append(f"{name!r} declares shape {obj.shape} ({declared} bytes) but the file has "
+                                        f"{size} bytes")
+            else:
+                problems.append(f"{name!r} is a {type(obj).__name__}, not a group or dataset")
+    return problems
+
+
+def load_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> dict:
+    """Read a keras-hub ``.lora.h5`` into ``model`` (layers by index; scale 1), enabling LoRA where needed.
+
+    Every object of the file and every layer is checked before a value is attached (see above);
+    NaN/Inf factors are refused unless ``allow_nonfinite``. Returns {layer path: rank}."""
+    import os
+
     import h5py
 
     layers = _weighted_layers(model)
+    where = f"keras-hub adapter file {path}"
     try:
+        size = os.path.getsize(path)
         with h5py.File(path, "r") as f:
-            rank = int(f["lora/vars/rank"][()])
-            data = {int(k): (np.asarray(f[f"lora/{k}/vars/lora_kernel_a"]), np.asarray(f[f"lora/{k}/vars/lora_kernel_b"]))
-                    for k in f["lora"].keys() if k != "vars"}
-    except (OSError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"cannot read keras-hub adapter file {path}: {exc}") from None
+            problems = _checked_objects(f, path, size)
+            if problems:
+                raise CheckpointError(f"cannot read {where}:\n  - " + "\n  - ".join(problems))
+            if "lora" not in f or not isinstance(f["lora"], h5py.Group) or "lora/vars/rank" not in f:
+                raise CheckpointError(f"cannot read {where}: no lora/vars/rank (keras-hub's layout)")
+            rank_set = f["lora/vars/rank"]
+            if rank_set.shape != () or rank_set.dtype.kind not in "iu":
+                raise CheckpointError(f"{where}: lora/vars/rank must be one integer. Received: {rank_set.dtype} "
+                                      f"{rank_set.shape}")
+            rank = int(rank_set[()])
+            keys = [k for k in f["lora"].keys() if k != "vars"]
+            bad = [k for k in keys if not _INDEX.match(k)]
+            if bad:
+                raise CheckpointError(f"{where}: lora/{bad[0]!r} is not a layer index (0, 1, 2, ...: no sign, no "
+                                      f"leading zero). Received keys: {sorted(bad)[:8]}")
+            data = {}
+            for k in keys:
+                names = [f"lora/{k}/vars/lora_kernel_a", f"lora/{k}/vars/lora_kernel_b"]
+                absent = [n for n in names if n not in f or not isinstance(f[n], h5py.Dataset)]
+                if absent:
+                    raise CheckpointError(f"{where}: {absent[0]} is missing")
+                data[int(k)] = tuple(np.asarray(f[n][()]) for n in names)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"cannot read {where}: {exc}") from None
+    if len(data) != len(keys):
+        raise CheckpointError(f"{where}: two file layers name one model layer: {sorted(keys)}")
     problems = []
-    for i, (a, b) in data.items():
+    if rank < 1:
+        problems.append(f"lora/vars/rank: {rank} (a rank is at least 1)")
+    plan = []
+    for i, (a, b) in sorted(data.items()):
+        key = f"lora/{i}"
         if i >= len(layers) or not _lora_capable(layers[i]):
-            problems.append(f"layer index {i} is not a linear layer of the model")
+            problems.append(f"{key}: layer index {i} is not a Dense/EinsumDense layer of the model "
+                            f"({len(layers)} layers hold weights)")
             continue
         lyr = layers[i]
         want_a = tuple(lyr._kernel.shape[:-1]) + (rank,)
-        if a.shape != want_a or b.shape != (rank, lyr._kernel.shape[-1]):
-            problems.append(f"layer {i} ({lyr.name}): factors {a.shape}, {b.shape} do not fit {want_a}")
+        want_b = (rank, lyr._kernel.shape[-1])
+        if a.shape != want_a or b.shape != want_b:
+            problems.append(f"{key} ({lyr.name}): factors {a.shape}, {b.shape} do not fit {want_a}, {want_b}")
+            continue
+        if is_lora(lyr) and int(lyr.lora_rank) != rank:
+            problems.append(f"{key} ({lyr.name}): the layer holds an adapter of rank {lyr.lora_rank}, the file {rank}")
+            continue
+        if not allow_nonfinite:
+            problems += [f"{key}/vars/{msg}" for msg in (_nonfinite("lora_kernel_a", a), _nonfinite("lora_kernel_b", b))
+                         if msg]
+        # the dtype enable_lora gives the factors: the layer's variable dtype
+        dtype = read_array(lyr.lora_kernel_a).dtype if is_lora(lyr) else np.dtype(lyr.variable_dtype)
+        plan.append((lyr, np.ascontiguousarray(a.astype(dtype)), np.ascontiguousarray(b.astype(dtype))))
     if problems:
         raise ConversionError(f"cannot load adapter {path} (nothing was attached):\n  - " + "\n  - ".join(problems))
     out = {}
-    for i, (a, b) in data.items():
-        lyr = layers[i]
+    for lyr, a, b in plan:
         if not is_lora(lyr):
             lyr.enable_lora(rank)
-        assign_array(lyr.lora_kernel_a, np.ascontiguousarray(a.astype(read_array(lyr.lora_kernel_a).dtype)))
-        assign_array(lyr.lora_kernel_b, np.ascontiguousarray(b.astype(read_array(lyr.lora_kernel_b).dtype)))
+        assign_array(lyr.lora_kernel_a, a)
+        assign_array(lyr.lora_kernel_b, b)
         lyr.lora_alpha = float(rank)
         out[lyr.path] = rank
     return out

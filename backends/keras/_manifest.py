@@ -4,7 +4,7 @@ engine's own adapter, its ``.weights.h5``/``.keras`` files."""
 import json
 import os
 
-from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, FileFormat, FileNames, Manifest, Match, Probe
+from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, Probe
 
 
 def keras_backend_package() -> str:
@@ -51,5 +51,8 @@ MANIFEST = Manifest(
     # .weights.h5 names variables by position: "layers/dense/vars/0" is a Dense kernel, "vars/1" its bias
     file_names=FileNames("vars/0", "vars/1", "/", "in_out", "Keras stores Dense kernel as (in, out)"),
     model_files=(".keras",),
+    # keras-hub's Backbone.save_lora_weights: one HDF5 file naming adapted layers by index (_lora.py)
+    adapter_formats=(AdapterFormat("keras-hub", suffix=".lora.h5", load_verb="load_lora_h5",
+                                   save_verb="save_lora_h5"),),
     quiet_import=True,  # TensorFlow's C++ start-up lines bypass TF_CPP_MIN_LOG_LEVEL
 )

@@ -1,6 +1,7 @@
 """What the core knows of the MLX backend without importing mlx (see
-``dense_bridge.adapter_kit.Manifest``): MLX-layout safetensors and ``.npz`` files."""
-from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, FileFormat, FileNames, Manifest, Match, Probe
+``dense_bridge.adapter_kit.Manifest``): MLX-layout safetensors and ``.npz`` files, and mlx-lm's LoRA
+adapter directories (``_lora_files.py``)."""
+from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, Probe
 
 
 def _safetensors(probe: Probe) -> Match:
@@ -31,4 +32,7 @@ MANIFEST = Manifest(
     ),
     layout_note="MLX layout: Linear weight (out_features, in_features), Bilinear weight (out, in2, in1)",
     file_names=FileNames("weight", "bias", ".", "out_in", "MLX stores Linear weight as (out, in)"),
+    # mlx_lm.tuner.utils.load_adapters reads these two files of an adapter directory
+    adapter_formats=(AdapterFormat("mlx-lm", files=("adapters.safetensors", "adapter_config.json"),
+                                   module="_lora_files"),),
 )

@@ -126,6 +126,23 @@ def detach_lora(model, path: str, m):
     return m.base_layer
 
 
+def lora_root(model) -> str:
+    """The path prefix under which a PEFT wrapper holds the base model: ``"base_model.model."`` for a
+    ``PeftModel`` (its ``base_model``, a ``LoraModel``, holds it as ``model``), ``"model."`` for a
+    ``LoraModel`` alone, "" for any other model. Adapter files name layers by their path in the base
+    model (PEFT writes ``base_model.model.<base path>`` itself), so this prefix is not part of it."""
+    peft_model = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
+    prefix = ""
+    while True:
+        if peft_model is not None and isinstance(model, peft_model):
+            prefix, model = prefix + "base_model.", model.base_model
+        elif tuner is not None and isinstance(model, tuner):
+            prefix, model = prefix + "model.", model.model
+        else:
+            return prefix
+
+
 def wrapper_params(m) -> dict[str, torch.Tensor]:
     """Every parameter of a wrapper under its path inside it ("base_layer.weight", "lora_A.default.weight")."""
     return dict(m.named_parameters())

@@ -1,7 +1,8 @@
 """What the core knows of the torch backend without importing torch (see
 ``dense_bridge.adapter_kit.Manifest``): its state-dict files (zip, legacy pickle, safetensors)
-and how each is recognised by content."""
-from dense_bridge.adapter_kit import DCP, GRADIENTS, PARALLEL, FileFormat, FileNames, Manifest, Match, Probe
+and how each is recognised by content, and PEFT's LoRA adapter directories (``_lora_files.py``)."""
+from dense_bridge.adapter_kit import (DCP, GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match,
+                                      Probe)
 
 #: ``torch.save``'s legacy (non-zip) format begins with this number, pickled as a LONG1 of 10 bytes
 #: (little-endian) after the protocol marker, so an ordinary pickle (a PaddlePaddle ``.pdparams``,
@@ -32,6 +33,17 @@ def _safetensors(probe: Probe) -> Match:
 
 _PICKLE_ENDINGS = (".pt", ".pth", ".bin")
 
+#: PEFT's save_pretrained: the weights (safetensors by default) and the LoraConfig as JSON
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def _pickled_peft(names: frozenset) -> str | None:
+    """PEFT's ``safe_serialization=False`` writes ``adapter_model.bin``, a pickle: refused, never opened."""
+    pickled = sorted(n for n in names if n.startswith("adapter_model.") and n != PEFT_FILES[0])
+    return (f"it holds {pickled}, a pickled PEFT adapter, which dense_bridge does not unpickle: save it as "
+            f"safetensors (save_pretrained(safe_serialization=True))") if pickled else None
+
+
 MANIFEST = Manifest(
     requires=("torch",), install="pip install 'dense-bridge[torch]'", display="torch",
     # PARALLEL: DTensor tensor parallelism; DCP: torch.distributed.checkpoint directories (load_dcp/save_dcp)
@@ -46,4 +58,5 @@ MANIFEST = Manifest(
     layout_note="torch layout: Linear weight (out_features, in_features), mask like the weight",
     file_names=FileNames("weight", "bias", ".", "out_in", "torch stores Linear weight as (out, in)"),
     model_files=_PICKLE_ENDINGS,
+    adapter_formats=(AdapterFormat("peft", files=PEFT_FILES, module="_lora_files", refuse=_pickled_peft),),
 )

@@ -1,10 +1,11 @@
 """``dense-bridge adapter SRC_DIR --to FORMAT -o OUT_DIR``: convert a LoRA adapter directory between
-PEFT and mlx-lm without loading any model (json + safetensors in, json + safetensors out).
+the directory formats the backends declare (``db.ADAPTER_DIRECTORY_FORMATS``) without loading any
+model (json + safetensors in, json + safetensors out).
 
 The conversion is ``db.convert_adapter``. What the target cannot hold exactly is refused with
-exit 2 and a line naming it: per-module scales into mlx-lm's single ``scale``, DoRA on
-some layers only, adapters outside the last blocks of the stack. Per-module ranks into mlx-lm's
-single ``rank`` are zero-padded (the same update exactly).
+exit 2 and a line naming it (per-module scales into a format with one scale, DoRA on some layers
+only, adapters outside the blocks a format can place them in), and so are NaN/Inf factors, alphas
+and scales unless ``--allow-nonfinite``.
 """
 from __future__ import annotations
 
@@ -19,18 +20,19 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 def add_parser(sub) -> None:
     formats = db.ADAPTER_DIRECTORY_FORMATS  # format name -> the files its directory holds
-    PEFT, MLX_LM = formats  # noqa: N806 - the two format names, as the API spells them
+    names = " or ".join(formats)
     holds = "; ".join(f"{name}: {' + '.join(files)}" for name, files in formats.items())
-    p = sub.add_parser("adapter", help=f"convert a LoRA adapter directory between {PEFT} and {MLX_LM}",
+    p = sub.add_parser("adapter", help=f"convert a LoRA adapter directory between {names}",
                        description=f"Convert the LoRA adapter directory SRC_DIR ({holds}) to FORMAT in OUT_DIR. "
                                    f"Nothing in the files runs. What FORMAT cannot hold exactly is refused (exit 2).")
     p.add_argument("src", metavar="SRC_DIR", help="adapter directory")
-    p.add_argument("--to", required=True, choices=(PEFT, MLX_LM), metavar="FORMAT", help=f"{PEFT} or {MLX_LM}")
+    p.add_argument("--to", required=True, choices=tuple(formats), metavar="FORMAT", help=names)
     p.add_argument("-o", "--output", required=True, metavar="OUT_DIR", help="output directory (created; must not exist)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--base-config", metavar="CONFIG", help=f"the base model's config.json (its layer count: {MLX_LM}'s "
-                                                           f"num_layers counts from the end of the stack)")
+    g.add_argument("--base-config", metavar="CONFIG", help="the base model's config.json (its layer count: a format "
+                                                           "may count adapted blocks from the end of the stack)")
     g.add_argument("--num-layers", type=int, metavar="N", help="the base model's number of transformer blocks")
+    p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf factors, alphas and scales")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=cmd_adapter)
 
@@ -50,7 +52,8 @@ def _layer_count(args) -> int | None:
 
 
 def cmd_adapter(args) -> int:
-    summary = db.convert_adapter(args.src, args.output, to=args.to, num_layers=_layer_count(args))
+    summary = db.convert_adapter(args.src, args.output, to=args.to, num_layers=_layer_count(args),
+                                 allow_nonfinite=args.allow_nonfinite)
     print(json.dumps(summary) if args.json else
           f"{summary['from']} -> {args.to}: {summary['layers']} adapted layers written to {args.output}")
     return 0

@@ -1,32 +1,26 @@
-"""LoRA adapter files: PEFT and mlx-lm directories read into canonical adapters and written back.
+"""LoRA adapter files, the neutral flow: ``db.load_adapter``, ``db.save_adapter``, ``db.convert_adapter``.
 
-Files are read as JSON and safetensors only, through ``_safetensors`` (the one reader and
-writer: a malformed file is a CheckpointError naming it), and written atomically
-(``_io.AtomicFiles``): nothing in them runs. In memory an adapter set is
-``{layer path: {"lora_a" (in, r), "lora_b" (r, units), "lora_scale" 0-d float64[, "lora_magnitude"]}}``
-keyed by the model's layer paths (the torch module path of the base model for PEFT; MLX's dotted
-attribute path for mlx-lm: the same strings for transformers/mlx-lm twins such as Llama and Qwen2).
+In memory an adapter set is ``{layer path: {"lora_a" (in, r), "lora_b" (r, units), "lora_scale" 0-d
+float64[, "lora_magnitude" (units,)]}}`` keyed by the layer paths of the BASE model (a model a
+framework's adapter wrapper holds is reached through the adapter's ``lora_root`` verb: its path
+prefix is taken off on saving and put back on loading, so a wrapped model and its base save the
+same files).
 
-Naming, as data:
-
-- PEFT (``adapter_model.safetensors`` + ``adapter_config.json``): ``base_model.model.<path>.lora_A.weight``
-  (r, in), ``.lora_B.weight`` (out, r), ``.lora_magnitude_vector`` (out,) with ``use_dora``; scale
-  ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), per module through ``rank_pattern`` and
-  ``alpha_pattern`` (PEFT matches a pattern against a module path as ``(.*\\.)?pattern$``).
-- mlx-lm (``adapters.safetensors`` + ``adapter_config.json``): ``<path>.lora_a`` (in, r), ``.lora_b``
-  (r, out), ``.m`` (out,) for DoRA; ``fine_tune_type`` ("lora"/"dora"), ``num_layers`` (adapters sit
-  in the LAST ``num_layers`` blocks of ``model.layers``) and ``lora_parameters`` {``rank``, ``scale``
-  (absolute, one for every module), ``dropout``, ``keys`` (module paths inside one block)}.
-- keras-hub (``*.lora.h5``): layers by index, no alpha (scale 1); HDF5 is read and written by the
-  Keras adapter (``backends/keras/_lora.py``), the core names no framework.
+Every file format belongs to the backend of the framework whose ecosystem writes it and is
+declared in that backend's manifest (``registry._manifest.AdapterFormat``): its name, its files,
+and either a framework-free module converting a directory's contents (one safetensors weights
+file and one JSON config, read and written here: nothing in them runs) to and from canonical
+adapters, or, for a file naming layers of one model, the adapter's own load/save verbs. Here are
+only the flow, the checks every format shares (factor shapes, finite values) and the atomic
+writes (``_io.AtomicFiles``; a converted directory is built aside and renamed into place).
 """
 from __future__ import annotations
 
-import json
-import math
+import importlib.util
 import os
 import re
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -35,271 +29,250 @@ import numpy as np
 from .. import lora as _lora
 from ..checkpoints._io import AtomicFiles
 from ..checkpoints._safetensors import SafetensorsFile, pending, read_json_file, write_safetensors
-from .._errors import CheckpointError, ConversionError, SpecError, received
+from .._errors import CheckpointError, ConversionError, SpecError, check_flag, received
+from ..registry._manifest import LORA_FILE_VERBS, AdapterFormat
 
-__all__ = ["load_adapter", "save_adapter", "convert_adapter", "read_adapter_dir", "write_adapter_dir", "FORMATS",
-           "DIRECTORY_FORMATS", "AdapterRefused"]
-
-#: API.md's format names, the one place the core spells them (allowlisted in tests/architecture/test_architecture.py)
-FORMATS = ("peft", "mlx-lm", "keras-hub")
-PEFT, MLX_LM, KERAS_HUB = FORMATS
-PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
-MLX_FILES = ("adapters.safetensors", "adapter_config.json")
-#: what ``convert_adapter`` reads and writes: directory format -> the files such a directory holds
-DIRECTORY_FORMATS = {PEFT: PEFT_FILES, MLX_LM: MLX_FILES}
-PEFT_PREFIX = "base_model.model."
-_BLOCK = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<inner>.+)$")
+__all__ = ["load_adapter", "save_adapter", "convert_adapter", "read_adapter_dir", "write_adapter_dir",
+           "adapter_formats", "AdapterRefused"]
 
 
 class AdapterRefused(ConversionError):
     """The target format cannot hold this adapter exactly (the CLI exits 2 with its message)."""
 
 
-# ----------------------------------------------------------------------------- reading
-def _read_json(path: str) -> dict:
-    return read_json_file(path, "adapter config")
+# ----------------------------------------------------------------------------- the declared formats
+def adapter_formats() -> dict[str, tuple[str, AdapterFormat]]:
+    """{format name: (backend name, its declaration)} over every registered backend's manifest."""
+    from ..registry._backends import backends
+
+    out: dict[str, tuple[str, AdapterFormat]] = {}
+    for name, info in backends().items():
+        for fmt in info.manifest.adapter_formats:
+            out.setdefault(fmt.name, (name, fmt))
+    return out
 
 
+def __getattr__(name: str):
+    if name == "DIRECTORY_FORMATS":  # db.ADAPTER_DIRECTORY_FORMATS: format name -> the files its directory holds
+        return {n: f.files for n, (_, f) in adapter_formats().items() if f.files}
+    if name == "FORMATS":
+        return tuple(adapter_formats())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_MODULES: dict[tuple[str, str], Any] = {}
+
+
+def _format_module(backend: str, fmt: AdapterFormat):
+    """The module ``fmt.module`` of backend ``backend``'s package, loaded from its file without running
+    the package's ``__init__`` (which imports the framework) unless the package is imported already."""
+    from ..registry._backends import backends
+
+    key = (backend, fmt.module)
+    if key in _MODULES:
+        return _MODULES[key]
+    package = backends()[backend].module_name
+    full = f"{package}.{fmt.module}"
+    mod = sys.modules.get(full)
+    if mod is None:
+        spec = importlib.util.find_spec(package)  # imports the parent packages only
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = next((p for p in (os.path.join(loc, f"{fmt.module}.py") for loc in locations) if os.path.isfile(p)),
+                    None)
+        if path is None:
+            raise ConversionError(f"the {backend!r} backend declares the adapter format {fmt.name!r} in module "
+                                  f"{fmt.module!r}, which {package} does not have")
+        spec = importlib.util.spec_from_file_location(full, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # kept out of sys.modules, as the manifests are
+    missing = [v for v in LORA_FILE_VERBS if not callable(getattr(mod, v, None))]
+    if missing:
+        raise ConversionError(f"{full} (adapter format {fmt.name!r}) lacks {missing}")
+    _MODULES[key] = mod
+    return mod
+
+
+def _format(name: Any) -> tuple[str, AdapterFormat]:
+    found = adapter_formats()
+    if not isinstance(name, str) or name not in found:
+        raise SpecError(f"format must be one of {list(found)}. {received('format', name)}")
+    return found[name]
+
+
+def detect(path: str) -> tuple[str, str, AdapterFormat]:
+    """(format name, backend, declaration) of an adapter directory or single adapter file."""
+    p = os.fspath(path)
+    found = adapter_formats()
+    if os.path.isfile(p):
+        for name, (backend, fmt) in found.items():
+            if fmt.suffix and p.lower().endswith(fmt.suffix):
+                return name, backend, fmt
+    elif os.path.isdir(p):
+        names = frozenset(os.listdir(p))
+        hits = [(n, b, f) for n, (b, f) in found.items() if f.files and f.files[0] in names]
+        if len(hits) > 1:
+            raise CheckpointError(f"{p} holds the files of several adapter formats: "
+                                  f"{ {n: f.files[0] for n, _, f in hits} }; keep one per directory")
+        if hits:
+            return hits[0]
+        for n, (_, f) in found.items():
+            why = f.refuse(names) if f.refuse is not None else None
+            if why:
+                raise CheckpointError(f"{p}: {why}")
+    dirs = "; ".join(f"{n}: {list(f.files)}" for n, (_, f) in found.items() if f.files)
+    files = ", ".join(f"{n}: *{f.suffix}" for n, (_, f) in found.items() if f.suffix)
+    raise CheckpointError(f"{p} is not an adapter directory ({dirs}) nor an adapter file ({files})")
+
+
+# ----------------------------------------------------------------------------- shared checks
+def check_layers(layers: dict, where: str, *, allow_nonfinite: bool = False, error: type = CheckpointError) -> None:
+    """Every adapter of ``layers`` (plain or per-head form) has 2-D factors of one rank (>= 1) that
+    agree, a 0-d scale, a magnitude of ``units`` values where it has one, and (unless
+    ``allow_nonfinite``) finite factors, scale and magnitude; else ``error`` naming ``where``, the
+    layer and the key."""
+    problems = []
+    for layer, entry in layers.items():
+        missing = [k for k in ("lora_a", "lora_b", "lora_scale") if k not in entry]
+        if missing:
+            problems.append(f"layer {layer!r}: adapter keys missing: {missing}")
+            continue
+        a, b = _lora.plain_factors(entry)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or a.shape[1] < 1:
+            problems.append(f"layer {layer!r}: lora_a {np.shape(entry['lora_a'])} and lora_b "
+                            f"{np.shape(entry['lora_b'])} are not factors of one rank (in, r) @ (r, units)")
+            continue
+        if np.shape(entry["lora_scale"]) != ():
+            problems.append(f"layer {layer!r}: lora_scale must be 0-d, received shape {np.shape(entry['lora_scale'])}")
+        if "lora_magnitude" in entry and np.shape(entry["lora_magnitude"]) != (b.shape[1],):
+            problems.append(f"layer {layer!r}: lora_magnitude {np.shape(entry['lora_magnitude'])} does not fit "
+                            f"{b.shape[1]} units")
+        if not allow_nonfinite:
+            for key, value in entry.items():
+                v = np.asarray(value)
+                if v.dtype.kind in "fc" or v.dtype.kind == "V" or v.dtype.name == "bfloat16":
+                    bad = int(np.size(v) - np.count_nonzero(np.isfinite(v.astype(np.float64))))
+                    if bad:
+                        problems.append(f"layer {layer!r}: {key} holds {bad} NaN/Inf value(s)"
+                                        + (f" ({float(v)!r})" if v.ndim == 0 else ""))
+    if problems:
+        raise error(f"{where}: " + ("\n  - ".join([""] + problems) if len(problems) > 1 else problems[0])
+                    + ("\n(allow_nonfinite=True accepts NaN/Inf values)" if any("NaN" in p for p in problems) else ""))
+
+
+# ----------------------------------------------------------------------------- directories
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of the safetensors file ``path``, as in-memory copies (the file is closed after)."""
     with SafetensorsFile(path) as f:
         return {name: np.array(f.get(name)) for name in f.tensors}
 
 
-def detect(path: str) -> str:
-    """"peft", "mlx-lm" or "keras-hub" for an adapter directory or file."""
+def read_adapter_dir(path: str, *, allow_nonfinite: bool = False) -> tuple[str, dict, dict]:
+    """(format name, {layer path: canonical adapter}, extras such as dropout) of an adapter directory.
+
+    The directory's weights and config are read here (safetensors and JSON only) and turned into
+    canonical adapters by the format's module (``lora_from_files``), which checks the config against
+    the tensors; then every adapter is checked (:func:`check_layers`)."""
     p = os.fspath(path)
-    if os.path.isfile(p):
-        return KERAS_HUB  # the one single-file format (a .lora.h5 file, read by the model's adapter)
-    if os.path.isdir(p):
-        names = set(os.listdir(p))
-        if PEFT_FILES[0] in names:
-            return PEFT
-        if MLX_FILES[0] in names:
-            return MLX_LM
-        pickled = sorted(n for n in names if n.startswith("adapter_model.") and n != PEFT_FILES[0])
-        if pickled:
-            raise CheckpointError(f"{p} holds {pickled}, a pickled adapter, which dense_bridge does not unpickle: "
-                                  f"save it as safetensors (safe_serialization=True)")
-    raise CheckpointError(f"{p} is not an adapter directory ({PEFT}: {list(PEFT_FILES)}; {MLX_LM}: {list(MLX_FILES)}) "
-                          f"nor a {KERAS_HUB} adapter file")
-
-
-def _pattern_value(patterns: dict, path: str, default: Any) -> Any:
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", path):
-            return value
-    return default
-
-
-def _read_peft(path: str) -> tuple[dict, dict]:
-    config = _read_json(os.path.join(path, "adapter_config.json"))
-    tensors = _read_tensors(os.path.join(path, "adapter_model.safetensors"))
-    if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("lora_bias"):
-        raise CheckpointError(f"{path}: lora_bias=True (a bias update outside the low-rank form) is not supported")
-    layers: dict[str, dict] = {}
-    for key, value in tensors.items():
-        m = re.match(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|"
-                     r"lora_magnitude_vector)$", key)
-        if m is None:
-            raise CheckpointError(f"{path}: tensor {key!r} is not a LoRA factor (modules_to_save, embedding or "
-                                  f"token adapters are not read)")
-        part = {"lora_A.weight": "lora_a", "lora_B.weight": "lora_b", "lora_magnitude_vector": "lora_magnitude"}
-        layers.setdefault(m["path"], {})[part[m["part"]]] = value
-    out = {}
-    for layer, parts in layers.items():
-        if "lora_a" not in parts or "lora_b" not in parts:
-            raise CheckpointError(f"{path}: layer {layer!r} lacks {'lora_A' if 'lora_a' not in parts else 'lora_B'}")
-        r = _pattern_value(config.get("rank_pattern"), layer, config.get("r", 8))
-        alpha = _pattern_value(config.get("alpha_pattern"), layer, config.get("lora_alpha", 8))
-        if parts["lora_a"].shape[0] != r:
-            raise CheckpointError(f"{path}: {layer} lora_A has rank {parts['lora_a'].shape[0]} but the config says r={r}")
-        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        entry = {"lora_a": np.ascontiguousarray(parts["lora_a"].T), "lora_b": np.ascontiguousarray(parts["lora_b"].T),
-                 "lora_scale": np.array(scale, dtype=np.float64)}
-        if "lora_magnitude" in parts:
-            entry["lora_magnitude"] = parts["lora_magnitude"]
-        out[layer] = entry
-    return out, {"dropout": float(config.get("lora_dropout", 0.0) or 0.0)}
-
-
-def _read_mlx(path: str) -> tuple[dict, dict]:
-    config = _read_json(os.path.join(path, "adapter_config.json"))
-    tensors = _read_tensors(os.path.join(path, "adapters.safetensors"))
-    kind = config.get("fine_tune_type", "lora")
-    if kind not in ("lora", "dora"):
-        raise CheckpointError(f"{path}: fine_tune_type {kind!r} is not an adapter (lora or dora)")
-    params = config.get("lora_parameters") or {}
-    if "scale" not in params:
-        raise CheckpointError(f"{path}: lora_parameters has no 'scale' ({MLX_LM}'s LoRA needs it)")
-    layers: dict[str, dict] = {}
-    for key, value in tensors.items():
-        m = re.match(r"^(?P<path>.+)\.(?P<part>lora_a|lora_b|m)$", key)
-        if m is None:
-            raise CheckpointError(f"{path}: tensor {key!r} is not a LoRA factor")
-        part = {"lora_a": "lora_a", "lora_b": "lora_b", "m": "lora_magnitude"}[m["part"]]
-        layers.setdefault(m["path"], {})[part] = value
-    out = {}
-    for layer, parts in layers.items():
-        if "lora_a" not in parts or "lora_b" not in parts:
-            raise CheckpointError(f"{path}: layer {layer!r} lacks {'lora_a' if 'lora_a' not in parts else 'lora_b'}")
-        out[layer] = {**parts, "lora_scale": np.array(float(params["scale"]), dtype=np.float64)}
-    return out, {"dropout": float(params.get("dropout", 0.0) or 0.0), "num_layers": config.get("num_layers")}
-
-
-def read_adapter_dir(path: str) -> tuple[str, dict, dict]:
-    """(format, {layer path: canonical adapter}, extras such as dropout) of a PEFT or mlx-lm directory."""
-    fmt = detect(path)
-    if fmt == KERAS_HUB:
-        raise CheckpointError(f"{path}: a {KERAS_HUB} file names layers by index; it is read into a model "
+    name, backend, fmt = detect(p)
+    if not fmt.files:
+        raise CheckpointError(f"{p}: a {name} file names layers of one model: it is read into a model "
                               f"(db.load_adapter(path, model))")
-    layers, extra = _read_peft(path) if fmt == PEFT else _read_mlx(path)
-    return fmt, layers, extra
+    module = _format_module(backend, fmt)
+    config = read_json_file(os.path.join(p, fmt.files[1]), "adapter config")
+    tensors = _read_tensors(os.path.join(p, fmt.files[0]))
+    layers, extra = module.lora_from_files(tensors, config, p)
+    check_layers(layers, p, allow_nonfinite=allow_nonfinite)
+    return name, layers, extra
 
 
-# ----------------------------------------------------------------------------- writing
-def _write_files(path: str, weights: str, tensors: dict, config: dict, metadata: dict | None = None) -> None:
-    """The adapter directory ``path``: ``weights`` (safetensors of ``tensors``, string ``metadata``)
-    and ``adapter_config.json``, committed together (``AtomicFiles``): a reader sees the old pair
-    or the new one."""
+def _refuse_foreign(path: str, name: str, fmt: AdapterFormat) -> None:
+    """Writing ``fmt``'s files into ``path`` must not overwrite another adapter's (two formats share
+    a config file name): a directory holding one of ``fmt``'s files but not its weights file is
+    someone else's."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file: a {name} adapter is a directory ({' + '.join(fmt.files)})")
+    if not os.path.isdir(path):
+        return
+    names = set(os.listdir(path))
+    clash = sorted(f for f in fmt.files if f in names)
+    if clash and fmt.files[0] not in names:
+        raise CheckpointError(f"{path} already holds {clash} of another adapter (no {fmt.files[0]}): writing a {name} "
+                              f"adapter would overwrite {os.path.join(path, clash[0])}; choose another directory")
+
+
+def _write_files(path: str, files: tuple[str, ...], tensors: dict, config: dict, metadata: dict | None) -> None:
+    """The adapter directory ``path``: ``files[0]`` (safetensors of ``tensors``, string ``metadata``)
+    and ``files[1]`` (``config`` as JSON), committed together (``AtomicFiles``): a reader sees the
+    old pair or the new one."""
+    import json
+
     os.makedirs(path, exist_ok=True)
-    target = os.path.join(path, weights)
+    target = os.path.join(path, files[0])
     with AtomicFiles(target) as tx:
         with open(tx.temp_for(target), "wb") as f:
             write_safetensors(f, {k: pending(np.ascontiguousarray(v)) for k, v in tensors.items()}, metadata)
-        config_path = os.path.join(path, "adapter_config.json")
+        config_path = os.path.join(path, files[1])
         with open(tx.temp_for(config_path), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
 
 
-def _pad_rank(entry: dict, rank: int) -> dict:
-    """A rank-r adapter as rank ``rank`` >= r with zero columns/rows: the same update exactly."""
-    a, b = _lora.plain_factors(entry)
-    r = a.shape[1]
-    if r == rank:
-        return {**entry, "lora_a": a, "lora_b": b}
-    pa = np.zeros((a.shape[0], rank), dtype=a.dtype)
-    pa[:, :r] = a
-    pb = np.zeros((rank, b.shape[1]), dtype=b.dtype)
-    pb[:r] = b
-    return {**entry, "lora_a": pa, "lora_b": pb}
+def write_adapter_dir(layers: dict, path: str, fmt: str, *, extra: dict | None = None, num_layers: int | None = None,
+                      model_paths: list | None = None, allow_nonfinite: bool = False) -> None:
+    """Write canonical adapters ``{base layer path: adapter}`` as a ``fmt`` directory.
 
-
-def _write_peft(layers: dict, path: str, extra: dict) -> None:
-    ranks = {p: int(_lora.plain_factors(e)[0].shape[1]) for p, e in layers.items()}
-    dora = {("lora_magnitude" in e) for e in layers.values()}
-    if len(dora) > 1:
-        raise AdapterRefused("PEFT's use_dora is one flag for every module: DoRA on some layers only "
-                             f"({sorted(p for p, e in layers.items() if 'lora_magnitude' in e)}) cannot be written")
-    r = max(set(ranks.values()), key=list(ranks.values()).count)
-    rank_pattern, alpha_pattern, alphas = {}, {}, {}
-    for p, e in layers.items():
-        alpha = float(e["lora_scale"]) * ranks[p]
-        if alpha / ranks[p] != float(e["lora_scale"]):
-            raise AdapterRefused(f"{p}: lora_scale {float(e['lora_scale'])!r} is not exactly lora_alpha / r for any "
-                                 f"lora_alpha at r={ranks[p]}: PEFT cannot hold it")
-        alphas[p] = int(alpha) if alpha.is_integer() else alpha
-        if ranks[p] != r:
-            rank_pattern[re.escape(p)] = ranks[p]
-    lora_alpha = max(set(alphas.values()), key=list(alphas.values()).count)
-    for p, a in alphas.items():
-        if a != lora_alpha:
-            alpha_pattern[re.escape(p)] = a
-    tensors = {}
-    for p, e in layers.items():
+    ``num_layers``: the base model's block count where the format needs it; ``model_paths``: every
+    linear layer path of the base model, when there is one. AdapterRefused names what the format
+    cannot hold; nothing is written then."""
+    p = os.fspath(path)
+    found = adapter_formats()
+    entry = found.get(fmt) if isinstance(fmt, str) else None
+    if entry is None or not entry[1].files:
+        dirs = [n for n, (_, f) in found.items() if f.files]
+        raise AdapterRefused(f"format {fmt!r}: a directory is written as one of {dirs} (a single-file format names "
+                             f"layers by their place in a model: db.save_adapter(model, ...))")
+    backend, declared = entry
+    check_layers(layers, p, allow_nonfinite=allow_nonfinite, error=ConversionError)
+    plain = {}
+    for layer, e in layers.items():
         a, b = _lora.plain_factors(e)
-        tensors[f"{PEFT_PREFIX}{p}.lora_A.weight"] = a.T
-        tensors[f"{PEFT_PREFIX}{p}.lora_B.weight"] = b.T
-        if "lora_magnitude" in e:
-            tensors[f"{PEFT_PREFIX}{p}.lora_magnitude_vector"] = np.asarray(e["lora_magnitude"])
-    targets = sorted({p.rsplit(".", 1)[-1] for p in layers})
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "use_rslora": False,
-              "use_dora": bool(dora.pop()) if dora else False, "target_modules": targets,
-              "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-              "lora_dropout": float(extra.get("dropout", 0.0)), "fan_in_fan_out": False, "bias": "none",
-              "lora_bias": False, "task_type": None, "base_model_name_or_path": None, "inference_mode": True,
-              "init_lora_weights": True, "modules_to_save": None}
-    _write_files(path, PEFT_FILES[0], tensors, config, {"format": "pt"})
+        plain[layer] = {**e, "lora_a": a, "lora_b": b}
+    try:
+        tensors, config, metadata = _format_module(backend, declared).lora_to_files(
+            plain, extra or {}, num_layers=num_layers, model_paths=model_paths)
+    except AdapterRefused:
+        raise
+    except ConversionError as exc:
+        raise AdapterRefused(str(exc)) from None
+    _refuse_foreign(p, fmt, declared)
+    _write_files(p, declared.files, tensors, config, metadata)
 
 
-def _write_mlx(layers: dict, path: str, extra: dict, num_layers_total: int | None) -> None:
-    if not layers:
-        raise AdapterRefused("no adapters to write")
-    scales = {float(e["lora_scale"]) for e in layers.values()}
-    if len(scales) > 1:
-        by = {p: float(e["lora_scale"]) for p, e in layers.items()}
-        raise AdapterRefused(f"{MLX_LM}'s adapter_config holds one scale for every module; these layers differ: {by}")
-    dora = {("lora_magnitude" in e) for e in layers.values()}
-    if len(dora) > 1:
-        raise AdapterRefused(f"{MLX_LM}'s fine_tune_type is lora or dora for every module: DoRA on some layers "
-                             f"only cannot be written")
-    blocks, keys = set(), set()
-    for p in layers:
-        m = _BLOCK.match(p)
-        if m is None:
-            raise AdapterRefused(f"{p}: {MLX_LM} places adapters only inside the blocks of model.layers; this layer "
-                                 f"is outside them")
-        blocks.add(int(m["index"]))
-        keys.add(m["inner"])
-    if num_layers_total is None:
-        raise AdapterRefused(f"{MLX_LM}'s num_layers counts blocks from the END of the stack: give the base model's "
-                             f"layer count (--base-config config.json or --num-layers)")
-    first = min(blocks)
-    num_layers = num_layers_total - first
-    expected = {f"{stack}.{i}.{k}" for i in range(first, num_layers_total) for k in keys
-                for stack in {_BLOCK.match(p)["stack"] for p in layers}}
-    absent = sorted(expected - set(layers))
-    if max(blocks) >= num_layers_total:
-        raise AdapterRefused(f"adapters on block {max(blocks)} but the base model has {num_layers_total} blocks")
-    if absent:
-        raise AdapterRefused(f"{MLX_LM} puts an adapter on every key {sorted(keys)} of each of the last {num_layers} "
-                             f"blocks; these have none: {absent[:8]}{' ...' if len(absent) > 8 else ''}")
-    rank = max(int(_lora.plain_factors(e)[0].shape[1]) for e in layers.values())
-    tensors = {}
-    for p, e in layers.items():
-        padded = _pad_rank(e, rank)  # per-module ranks fit by zero-padding: the same update exactly
-        tensors[f"{p}.lora_a"] = padded["lora_a"]
-        tensors[f"{p}.lora_b"] = padded["lora_b"]
-        if "lora_magnitude" in e:
-            tensors[f"{p}.m"] = np.asarray(e["lora_magnitude"])
-    config = {"fine_tune_type": "dora" if dora.pop() else "lora", "num_layers": num_layers,
-              "lora_parameters": {"rank": rank, "scale": scales.pop(), "dropout": float(extra.get("dropout", 0.0)),
-                                  "keys": sorted(keys)}}
-    _write_files(path, MLX_FILES[0], tensors, config)
+def convert_adapter(src: str, output: str, *, to: str, num_layers: int | None = None,
+                    allow_nonfinite: bool = False) -> dict:
+    """Convert the adapter directory ``src`` to the directory format ``to`` in ``output``, with no
+    model loaded: read whole, written into a temporary sibling directory, then renamed, so a
+    refusal (``AdapterRefused``) or a failure leaves no partial ``output``.
 
+    Args:
+        src: an adapter directory (``db.ADAPTER_DIRECTORY_FORMATS`` names the formats and their files).
+        output: must not exist or be an empty directory.
+        to: the target format's name.
+        num_layers: the base model's block count (a format counting adapted blocks from the end needs it).
+        allow_nonfinite: accept NaN/Inf factors, scales and magnitudes.
 
-def write_adapter_dir(layers: dict, path: str, fmt: str, *, extra: dict | None = None,
-                      num_layers: int | None = None) -> None:
-    """Write canonical adapters ``{layer path: adapter}`` as a ``fmt`` ("peft"/"mlx-lm") directory."""
-    extra = extra or {}
-    if fmt == PEFT:
-        _write_peft(layers, os.fspath(path), extra)
-    elif fmt == MLX_LM:
-        _write_mlx(layers, os.fspath(path), extra, num_layers)
-    else:
-        raise AdapterRefused(f"format {fmt!r}: a directory conversion writes {PEFT!r} or {MLX_LM!r} ({KERAS_HUB} "
-                             f"files name layers by their index in a model: db.save_adapter(model, ...))")
-
-
-def convert_adapter(src: str, output: str, *, to: str, num_layers: int | None = None) -> dict:
-    """Convert the adapter directory ``src`` (PEFT or mlx-lm) to format ``to`` in ``output``, with
-    no model loaded: read whole, written into a temporary sibling directory, then renamed, so
-    a refusal (``AdapterRefused``) or a failure leaves no partial ``output``.
-
-    ``output`` must not exist or be an empty directory. ``num_layers``: the base model's block
-    count (mlx-lm counts adapted blocks from the end of the stack). Returns a summary
-    ``{"src", "from", "to", "output", "layers"}``.
+    Returns:
+        ``{"src", "from", "to", "output", "layers"}``.
     """
+    check_flag("allow_nonfinite", allow_nonfinite)
+    _format(to)
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise CheckpointError(f"-o {output} exists and is not an empty directory")
-    fmt, layers, extra = read_adapter_dir(src)
+    fmt, layers, extra = read_adapter_dir(src, allow_nonfinite=allow_nonfinite)
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     temp = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
     try:
-        write_adapter_dir(layers, temp, to, extra=extra, num_layers=num_layers)
+        write_adapter_dir(layers, temp, to, extra=extra, num_layers=num_layers, allow_nonfinite=allow_nonfinite)
         if os.path.isdir(output):
             os.rmdir(output)
         os.replace(temp, output)
@@ -309,56 +282,66 @@ def convert_adapter(src: str, output: str, *, to: str, num_layers: int | None = 
 
 
 # ----------------------------------------------------------------------------- models
-def _check_format(fmt: Any) -> str:
-    if fmt not in FORMATS:
-        raise SpecError(f"format must be one of {list(FORMATS)}. {received('format', fmt)}")
-    return fmt
+def _root(adapter: Any, model: Any) -> str:
+    """The path prefix under which ``model`` (a framework's adapter wrapper) holds its base model."""
+    verb = getattr(adapter, "lora_root", None)
+    return verb(model) if verb is not None else ""
+
+
+def _base_entries(model: Any, adapter: Any) -> tuple[str, dict]:
+    """(the wrapper's path prefix, {base model path: walk entry} of every linear layer of ``model``)."""
+    from ..models import walk
+
+    root = _root(adapter, model)
+    return root, {e.path[len(root):]: e for e in walk(model) if e.kind == "linear" and e.path.startswith(root)}
 
 
 def model_adapters(model: Any) -> dict[str, dict]:
-    """{layer path: canonical adapter} of every adapter-wrapped linear layer of ``model``."""
-    from ..models import walk
+    """{base model path: canonical adapter} of every adapter-wrapped linear layer of ``model``."""
+    from ..registry._backends import adapter_for
 
+    _, entries = _base_entries(model, adapter_for(model, "model"))
     out = {}
-    for e in walk(model):
-        if e.kind == "linear":
-            found = _lora.lora_of(e.layer)
-            if found is not None:
-                out[e.path] = {k: np.array(v, copy=True) for k, v in found.items()}
+    for path, e in entries.items():
+        found = _lora.lora_of(e.layer)
+        if found is not None:
+            out[path] = {k: np.array(v, copy=True) for k, v in found.items()}
     return out
 
 
-def _block_count(model: Any) -> int | None:
-    from ..models import walk
-
-    indices = {int(m["index"]) for e in walk(model) if (m := _BLOCK.match(e.path + ".x"))}
-    return max(indices) + 1 if indices else None
-
-
-def save_adapter(model: Any, path: Any, *, format: str) -> str:
-    """Write every adapter of ``model`` as a PEFT or mlx-lm directory, or a keras-hub ``.lora.h5`` file.
-
-    Layer paths are the model's own (torch module paths, MLX attribute paths). Raises
-    ConversionError naming what the format cannot hold (per-module scales in mlx-lm, DoRA on some
-    layers only, layers outside the last blocks of the stack for mlx-lm). Returns ``path``.
-    """
-    fmt = _check_format(format)
+def _check_path(path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a path. {received('path', path)}")
-    if fmt == KERAS_HUB:
-        from ..registry._backends import adapter_for
+    return os.fspath(path)
 
-        verb = getattr(adapter_for(model, "model"), "save_lora_h5", None)
+
+def save_adapter(model: Any, path: Any, *, format: str, allow_nonfinite: bool = False) -> str:
+    """Write every adapter of ``model`` as adapter files of ``format`` (``db.ADAPTER_DIRECTORY_FORMATS``
+    for directories; a single-file format is written by the model's framework adapter).
+
+    Layer paths are the base model's (a wrapper's prefix, ``lora_root``, is taken off). Raises
+    ConversionError naming what the format cannot hold, and for NaN/Inf values unless
+    ``allow_nonfinite``. Returns ``path``.
+    """
+    from ..registry._backends import adapter_for
+
+    name, (backend, fmt) = format, _format(format)
+    p = _check_path(path)
+    check_flag("allow_nonfinite", allow_nonfinite)
+    adapter = adapter_for(model, "model")
+    if not fmt.files:
+        verb = getattr(adapter, fmt.save_verb or "", None)
         if verb is None:
-            raise ConversionError(f"format {KERAS_HUB!r} is written by the adapter of the framework that reads it; "
-                                  f"{type(model).__name__}'s has no save_lora_h5 verb")
-        verb(model, os.fspath(path))
-        return os.fspath(path)
+            raise ConversionError(f"format {name!r} is written by the adapter of the framework that reads it "
+                                  f"({backend}); {type(model).__name__}'s has no {fmt.save_verb} verb")
+        verb(model, p, allow_nonfinite=allow_nonfinite)
+        return p
     layers = model_adapters(model)
     if not layers:
         raise ConversionError(f"model holds no LoRA adapters to save. {received('model', model)}"[:400])
-    write_adapter_dir(layers, path, fmt, num_layers=_block_count(model))
-    return os.fspath(path)
+    _, entries = _base_entries(model, adapter)
+    write_adapter_dir(layers, p, name, model_paths=list(entries), allow_nonfinite=allow_nonfinite)
+    return p
 
 
 def _map(mapping: Any, path: str) -> str | None:
@@ -375,40 +358,45 @@ def _map(mapping: Any, path: str) -> str | None:
     return None
 
 
-def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: bool = False) -> dict:
-    """Attach and load the adapters of a PEFT or mlx-lm directory (or keras-hub ``.lora.h5``) into ``model``.
+def load_adapter(path: Any, model: Any, *, mapping: Any = None, allow_rounding: bool = False,
+                 allow_nonfinite: bool = False) -> dict:
+    """Attach and load the adapters of an adapter directory (or single adapter file) into ``model``.
 
     Each file layer path goes through ``mapping`` (None: the same path; a dict, a list of
-    ``(regex, replacement)`` rules or a callable, as in ``transfer``) to a linear layer of
-    ``model``; a layer without an adapter gets the framework's own adapter class. Everything is
-    checked before anything is attached. Returns ``{model layer path: rank}``.
+    ``(regex, replacement)`` rules or a callable, as in ``transfer``) to a linear layer of the base
+    model (a wrapper's prefix, ``lora_root``, is put back); a layer without an adapter gets the
+    framework's own adapter class. Everything is checked before anything is attached; NaN/Inf
+    values are refused unless ``allow_nonfinite``. Returns ``{model layer path: rank}``.
     """
     from ..registry._backends import adapter_for
-    from ..models import walk
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a path. {received('path', path)}")
-    p = os.fspath(path)
-    fmt = detect(p)
+    p = _check_path(path)
+    check_flag("allow_nonfinite", allow_nonfinite)
+    name, backend, fmt = detect(p)
     adapter = adapter_for(model, "model")
-    if fmt == KERAS_HUB:
-        verb = getattr(adapter, "load_lora_h5", None)
+    if not fmt.files:
+        verb = getattr(adapter, fmt.load_verb or "", None)
         if verb is None:
-            raise ConversionError(f"{p}: a {KERAS_HUB} file loads through the adapter of the framework that reads it; "
-                                  f"{type(model).__name__}'s has no load_lora_h5 verb")
-        return verb(model, p)
-    _, layers, _ = read_adapter_dir(p)
-    entries = {e.path: e for e in walk(model) if e.kind == "linear"}
-    problems, plan = [], []
+            raise ConversionError(f"{p}: a {name} file loads through the adapter of the framework that reads it "
+                                  f"({backend}); {type(model).__name__}'s has no {fmt.load_verb} verb")
+        return verb(model, p, allow_nonfinite=allow_nonfinite)
+    _, layers, _ = read_adapter_dir(p, allow_nonfinite=allow_nonfinite)
+    _, entries = _base_entries(model, adapter)
+    problems, plan, targets = [], [], {}
     for file_path, entry in layers.items():
         target = _map(mapping, file_path)
         if target is None or target not in entries:
             problems.append(f"{file_path!r} -> {target!r}: no such linear layer in model")
             continue
+        if target in targets:
+            problems.append(f"{file_path!r} and {targets[target]!r} both map onto {target!r}")
+            continue
+        targets[target] = file_path
         e = entries[target]
         own, have = _lora.split(_lora.params_of(e.layer))
         heads = adapter.lora_heads(e.layer) if _lora.has_lora_verbs(adapter) else None
-        problems += _lora.check(entry, tuple(np.shape(own["kernel"])), f"{file_path!r}")
+        found = _lora.check(entry, tuple(np.shape(own["kernel"])), f"{file_path!r}")
+        problems += [x for x in found if not (allow_nonfinite and x.endswith("holds NaN or Inf"))]
         if "lora_magnitude" in entry and _lora.has_lora_verbs(adapter) and not adapter.lora_dora():
             problems.append(f"{file_path!r}: a DoRA adapter, and the model's framework has no DoRA adapter class")
         moved = _lora.to_form(entry, heads)

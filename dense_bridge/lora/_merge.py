@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import ConversionError
 from . import effective_kernel, has_lora_verbs, lora_of, merged_kernel, rank_of
 
 __all__ = ["merge_lora", "MergeReport", "SURVIVAL_WARNING"]
@@ -47,12 +48,25 @@ class MergeReport:
         return "\n".join(lines)
 
 
-def _quantized_plan(adapter: Any, base: Any, lora: dict) -> tuple[Any, tuple[float, float], float]:
+def _refuse_nonfinite(merged: np.ndarray, where: str) -> None:
+    """A merged kernel holding NaN/Inf (from the factors, or finite factors whose update overflows the
+    kernel's dtype) is never written: ConversionError naming the layer (nothing was merged yet)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad = int(merged.size - np.count_nonzero(np.isfinite(merged.astype(np.float64))))
+    if bad:
+        raise ConversionError(f"merge_lora: layer {where!r}: the merged kernel would hold {bad} NaN/Inf value(s) "
+                              f"(NaN/Inf factors, or an update beyond the kernel's dtype {merged.dtype}); nothing "
+                              f"was merged")
+
+
+def _quantized_plan(adapter: Any, base: Any, lora: dict, where: str) -> tuple[Any, tuple[float, float], float]:
     """(the requantized merged layer, (the surviving fraction of the update, the change ratio), the
     largest kernel change)."""
     w = adapter.lora_dequantize(base)
-    exact = effective_kernel(w, lora)
-    merged = exact.astype(w.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # refused just below, naming the layer
+        exact = effective_kernel(w, lora)
+        merged = exact.astype(w.dtype)
+    _refuse_nonfinite(merged, where)
     layer, deq_new = adapter.lora_requantize(base, merged)
     _, deq_base = adapter.lora_requantize(base, w)
     update = exact - w.astype(np.float64)
@@ -73,7 +87,9 @@ def merge_lora(model: Any) -> MergeReport:
     factors and rounded once to the kernel's dtype (DoRA: ``lora_magnitude * (kernel + update) /
     norm``, likewise). A quantized kernel is dequantized, merged and requantized in its own format,
     and the report says how much of each update survived (a warning under one half). Returns a
-    :class:`MergeReport`. All merged kernels are computed before the first one is written.
+    :class:`MergeReport`. All merged kernels are computed before the first one is written: one that
+    would hold NaN/Inf (NaN/Inf factors, or an update overflowing the kernel's dtype) is a
+    ConversionError naming the layer, and the model is left unchanged.
     """
     from ..registry._backends import adapter_for
     from ..models import walk
@@ -92,11 +108,13 @@ def merge_lora(model: Any) -> MergeReport:
         scale = float(np.asarray(lora["lora_scale"]))
         with adapter.lora_base(e.layer) as base:
             if getattr(adapter, "lora_quantized", None) is not None and adapter.lora_quantized(base):
-                layer, survived, delta = _quantized_plan(adapter, base, lora)
+                layer, survived, delta = _quantized_plan(adapter, base, lora, e.path)
                 plans.append((e, "quantized", layer, rank_of(lora), scale, delta, survived))
                 continue
             kernel = np.array(adapter.get_params(base)["kernel"], copy=True)
-        merged = merged_kernel(kernel, lora)
+        with np.errstate(invalid="ignore", over="ignore"):  # refused just below, naming the layer
+            merged = merged_kernel(kernel, lora)
+        _refuse_nonfinite(merged, e.path)
         delta = float(np.max(np.abs(merged.astype(np.float64) - kernel.astype(np.float64)))) if kernel.size else 0.0
         plans.append((e, "float", merged, rank_of(lora), scale, delta, None))
     report = MergeReport()

@@ -227,7 +227,8 @@ FILES = Capability("files", ("file_info", "read_file", "write_file"), "the frame
                    extras=("file_views", "file_layout", "load_model"))
 LORA = Capability("lora", ("lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
                            "lora_dora"), "LoRA-wrapped layers and adapter files",
-                  extras=("lora_folds_scale", "lora_leftovers", "save_lora_h5", "load_lora_h5"))
+                  extras=("lora_folds_scale", "lora_leftovers", "save_lora_h5", "load_lora_h5",
+                          "lora_root"))  # lora_root: the path prefix under which a wrapper holds its base model
 QUANT = Capability("quant", ("quant_layer", "quant_build", "quant_positions", "quant_position_build"),
                    "quantized linear layers (codes)")
 QUANT_LORA = Capability("quant_lora", ("lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora"),
@@ -322,6 +323,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
+    "_lora_files.py",  # its ecosystem's LoRA adapter directories, framework-free (registry._manifest.AdapterFormat)
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )

@@ -22,7 +22,8 @@ from typing import Callable
 
 from .._errors import CheckpointError, first_line
 
-__all__ = ["Match", "Probe", "FileFormat", "FileNames", "Manifest", "GRADIENTS", "PARALLEL", "DCP"]
+__all__ = ["Match", "Probe", "FileFormat", "FileNames", "AdapterFormat", "Manifest", "GRADIENTS", "PARALLEL", "DCP",
+           "LORA_FILE_VERBS"]
 
 #: Capability: ``trace``/``capture`` compute gradients (the framework has autograd, or the
 #: adapter a hand-written backward). Without it a backend runs forward only (``grads=False``).
@@ -125,6 +126,46 @@ class FileNames:
     why: str = "a 'weight' is (out, in) by the most common convention"
 
 
+#: What the module an :class:`AdapterFormat` names offers (importing no framework: numpy, json, re and
+#: ``dense_bridge.adapter_kit`` only, so a directory is read and converted where the framework is absent):
+#:
+#: - ``lora_from_files(tensors, config, where) -> (layers, extra)``: the directory's safetensors
+#:   ``tensors`` {key: array} and JSON ``config`` (checked against each other as the format's own
+#:   library would; ``where`` names the directory in errors) as canonical adapters
+#:   ``{layer path: {"lora_a" (in, r), "lora_b" (r, units), "lora_scale" 0-d float64[, "lora_magnitude" (units,)]}}``
+#:   keyed by the base model's layer paths, and ``extra`` {"dropout": float, ...};
+#: - ``lora_to_files(layers, extra, *, num_layers) -> (tensors, config, metadata)``: the same, written
+#:   (``num_layers``: the base model's block count, None when unknown; ``metadata``: the safetensors
+#:   header's string metadata or None). What the format cannot hold is a ConversionError naming it.
+LORA_FILE_VERBS = ("lora_from_files", "lora_to_files")
+
+
+@dataclass(frozen=True)
+class AdapterFormat:
+    """A LoRA adapter file format of the ecosystem that runs it (``db.load_adapter``,
+    ``db.save_adapter``, ``db.convert_adapter``), declared by the backend of that framework.
+
+    - ``name``: the ``format=`` name ("peft").
+    - A directory format: ``files`` = (its safetensors weights file, its JSON config file); a
+      directory holding ``files[0]`` is of this format. ``module``: the adapter package's module
+      (named relative to it, "_lora_files") offering :data:`LORA_FILE_VERBS`, loaded without the
+      package's ``__init__``. ``refuse(names) -> str | None``: why a directory holding ``names`` (a
+      frozenset) that lacks ``files[0]`` is still refused (a pickled adapter), None if it is not
+      this format at all.
+    - A single-file format whose file names layers of one model (keras-hub, by index): ``suffix``
+      (how its name ends) and the adapter package's verbs ``load_verb(model, path, *,
+      allow_nonfinite) -> {layer path: rank}`` and ``save_verb(model, path, *, allow_nonfinite)``.
+    """
+
+    name: str
+    files: tuple[str, ...] = ()
+    module: str | None = None
+    refuse: Callable[[frozenset], str | None] | None = None
+    suffix: str | None = None
+    load_verb: str | None = None
+    save_verb: str | None = None
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A backend's declarations (see the module docstring). Every field has a default, so an
@@ -142,6 +183,8 @@ class Manifest:
     - ``layout_note``: its native layout in words, for errors about files that do not match.
     - ``file_names``: :class:`FileNames` of its plain weights files (None: the common convention).
     - ``model_files``: name endings of whole-model files its ``load_model`` verb reads.
+    - ``adapter_formats``: the :class:`AdapterFormat` s of LoRA adapter files this framework's
+      ecosystem writes (PEFT for torch, mlx-lm for MLX, keras-hub for Keras).
     - ``quiet_import``: importing the framework writes C++ log lines to file descriptor 2
       (TensorFlow): the command line imports it with that descriptor silenced.
     """
@@ -156,4 +199,5 @@ class Manifest:
     layout_note: str = ""
     file_names: FileNames | None = None
     model_files: tuple[str, ...] = ()
+    adapter_formats: tuple[AdapterFormat, ...] = ()
     quiet_import: bool = False

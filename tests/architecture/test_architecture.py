@@ -187,8 +187,6 @@ def _forbidden_words() -> re.Pattern:
 FRAMEWORK_NAME_ALLOWLIST: dict[tuple[str, str], str] = {
     **{("registry/_backends.py", name): "the registry's one line per built-in backend" for name in
        ("torch", "keras", "mlx", "flax", "equinox", "onnx")},
-    **{("lora/_files.py", name): "API.md's LoRA adapter format names, spelled once" for name in
-       ("mlx-lm", "keras-hub")},
 }
 
 
