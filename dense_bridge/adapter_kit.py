@@ -13,7 +13,7 @@ the conformance suite, :mod:`dense_bridge.testing.conformance`.
 Names, by role (loaded on first use, so importing this module costs nothing):
 
 - the contract: ``CONTRACT_VERSION``, ``REQUIRED_VERBS``, ``OPTIONAL_VERBS``, ``PARALLEL_VERBS``, ``DCP_VERBS``;
-- declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
+- declarations: ``Manifest``, ``FileFormat``, ``ModelDir``, ``FileNames``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
 - building: ``ParamSource`` (``for_layer``/``native_layer``: a layer's canonical parameters),
   ``initial_layer_params``, ``remember_spec``/``remembered_spec``, ``native_copy``;
 - tracing: ``Trace``/``LayerTrace`` (the ``trace`` verb), ``Capture``/``Call``/``select_output``
@@ -38,7 +38,7 @@ CONTRACT_VERSION = 1
 
 _LAZY: dict[str, str] = {
     "REQUIRED_VERBS": ".registry._contract", "OPTIONAL_VERBS": ".registry._contract", "PARALLEL_VERBS": ".registry._contract", "DCP_VERBS": ".registry._contract",
-    "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
+    "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "ModelDir": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
     "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest",
     "ParamSource": ".params._source", "initial_layer_params": ".params._source",
     "remember_spec": ".registry._remembered_spec", "remembered_spec": ".registry._remembered_spec",

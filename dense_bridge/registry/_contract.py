@@ -78,6 +78,11 @@ its error when the adapter lacks it):
   own quantizer with ``quant``'s bits, groups and scheme (in place or as another object, returned);
   a ConversionError where the framework has no such scheme (``db.convert(..., quant=)``).
 
+- ``model_dir_layers(entries, path, settings) -> {layer name: (Quant, in_features, units)}``: the
+  quantized layers of the model directory ``path`` whose manifest ``ModelDir`` the core matched:
+  ``entries`` as ``file_info`` gives them for its weights file, ``settings`` what ``ModelDir.settings``
+  took from its config; every layer checked against both (a CheckpointError naming the tensor).
+
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
@@ -179,7 +184,9 @@ OPTIONAL_VERBS: tuple[str, ...] = PARALLEL_VERBS + DCP_VERBS + ("train_sgd", "lo
                                    "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora", "lora_leftovers", "lora_dora",
                                    "quant_layer", "quant_build",
                                    # a chain's quantized positions, for checkpoints holding codes (checkpoints/_quantized.py)
-                                   "quant_positions", "quant_position_build", "quant_file_layers", "quant_file_template")
+                                   "quant_positions", "quant_position_build", "quant_file_layers", "quant_file_template",
+                                   # a quantized model directory the manifest declares (ModelDir): its layers
+                                   "model_dir_layers")
 
 #: Files every adapter package has, one role each (the same names in every package).
 REQUIRED_FILES: tuple[str, ...] = (
