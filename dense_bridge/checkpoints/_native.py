@@ -258,8 +258,6 @@ class NativeCheckpoint:
         model is only read from and dropped (a conversion), so the adapter may leave its tensors
         in the file's mapping (torch zip files) instead of copying them."""
         if self._template is None:
-            if self.like is None and not self.format.carries_model:
-                self._need_spec()  # said before the framework is imported: the file alone is not enough
             adapter = self.adapter()
             model = None
             if not self.format.carries_model:
