@@ -347,7 +347,6 @@ def install_codes(model: Any, backend: str, codes: dict[str, dict], layer_specs:
 def canonical_codes(ckpt: Any) -> tuple[dict, dict] | None:
     """(tensors, metadata) of the canonical checkpoint with codes that ``ckpt`` converts into
     (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes."""
-
     if isinstance(ckpt, QuantizedCheckpoint):
         tensors = ckpt.pending()
         quant = {p: q.to_config() for p, q in ckpt.quant_layers.items()}
