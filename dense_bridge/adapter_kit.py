@@ -17,7 +17,7 @@ Names, by role (loaded on first use, so importing this module costs nothing):
   a group of verbs offered all or none, extras only beside them; ``RUNNING``, ``FILES``, ``LORA``,
   ``QUANT``, ``QUANT_LORA``, ``QUANT_FILES``, and the manifest-declared ``parallel``/``dcp`` with
   ``PARALLEL_VERBS``, ``DCP_VERBS``), ``OPTIONAL_VERBS`` (every capability's verbs);
-- declarations: ``Manifest``, ``FileFormat``, ``FileNames``, ``AdapterFormat``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
+- declarations: ``Manifest``, ``FileFormat``, ``ModelDir``, ``FileNames``, ``AdapterFormat``, ``Probe``, ``Match``, ``GRADIENTS``, ``PARALLEL``, ``DCP``;
 - building: ``ParamSource`` (``for_layer``/``native_layer``: a layer's canonical parameters),
   ``initial_layer_params``, ``remember_spec``/``remembered_spec``, ``native_copy``;
 - tracing: ``Trace``/``LayerTrace`` (the ``trace`` verb), ``Capture``/``Call``/``select_output``
@@ -45,7 +45,7 @@ _LAZY: dict[str, str] = {
     "Capability": ".registry._contract", "CAPABILITIES": ".registry._contract", "RUNNING": ".registry._contract",
     "FILES": ".registry._contract", "LORA": ".registry._contract", "QUANT": ".registry._contract",
     "QUANT_LORA": ".registry._contract", "QUANT_FILES": ".registry._contract",
-    "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
+    "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "ModelDir": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
     "AdapterFormat": ".registry._manifest", "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest",
     "ParamSource": ".params._source", "initial_layer_params": ".params._source",
     "remember_spec": ".registry._remembered_spec", "remembered_spec": ".registry._remembered_spec",

@@ -64,7 +64,7 @@ from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_dequantize, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, write_lora)
 from ._quant import quant_build, quant_layer  # quantized layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
-from ._quant_files import quant_file_layers, quant_file_template  # MLX quantized safetensors: dense_bridge/checkpoints/_quantized.py
+from ._quant_files import model_dir_layers, quant_file_layers, quant_file_template  # MLX quantized safetensors, mlx-lm directories
 
 from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
@@ -75,7 +75,7 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "parallel_trace", "parallel_barrier", "parallel_agree_seed",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
-           "quant_file_layers", "quant_file_template"]
+           "quant_file_layers", "quant_file_template", "model_dir_layers"]
 
 
 def owns(obj) -> bool:

@@ -8,14 +8,19 @@ shapes, given the float layer the spec describes (bits = 32 * words / in_feature
 in_features / scale columns, "affine" where ``biases`` is present, else the microscaling mode
 of those bits and groups). Every way those shapes can disagree is a CheckpointError naming the
 tensor and what it holds, before MLX sees the arrays.
+
+mlx-lm's quantized model directories (``config.json`` with "quantization" beside
+``model.safetensors`` or its index, declared in ``_manifest.py``): :func:`model_dir_layers`
+checks each quantized layer against the config and reads its widths from the packing.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.nn as nn
 
-from dense_bridge._errors import CheckpointError, ConversionError, SpecError
+from dense_bridge._errors import CheckpointError, ConversionError, SpecError, received
 from dense_bridge.quant import MICROSCALING, Quant
 
 from ._params import positions
@@ -93,13 +98,36 @@ def quant_file_template(template: Any, entries: dict, path: str) -> Any:
     return template
 
 
-def quant_file_layers(entries: dict, path: str, config: dict | None = None) -> dict[str, Quant | None]:
-    """{layer name ("layers.0", "model.layers.0.self_attn.q_proj", "" for a lone layer): its
-    Quant} of every quantized layer in an MLX file's tensors ``entries`` (a ``scales`` tensor
-    beside a ``weight``). Without ``config`` the scheme needs the spec's in_features, so the
-    values are None; with mlx-lm's ``config.json`` ``"quantization"`` ({"bits", "group_size",
-    "mode"?, per-layer overrides by name}) each layer's shapes are checked against it."""
-    out: dict[str, Quant | None] = {}
+def quant_file_layers(entries: dict, path: str) -> dict[str, None]:
+    """{layer name ("layers.0", "" for a lone layer): None} of every quantized layer in an MLX
+    file's tensors ``entries`` (a ``scales`` tensor beside a ``weight``): the scheme needs the
+    spec's in_features (:func:`quant_file_template`)."""
+    return {layer: None for layer in _quantized_layers(entries, path)}
+
+
+def model_dir_layers(entries: dict, path: str, settings: object) -> dict[str, tuple[Quant, int, int]]:
+    """{layer name ("model.layers.0.self_attn.q_proj"): (Quant, in_features, units)} of every
+    quantized layer of the mlx-lm model directory ``path``, whose weight files hold ``entries``
+    (name -> (shape, dtype name)) and whose config.json says ``settings`` (its "quantization":
+    {"bits", "group_size", "mode"?, per-layer overrides by name}; the manifest's ``ModelDir``).
+    in_features is read from the packing: ``weight`` is (units, in_features * bits / 32) uint32
+    words. Each layer's shapes are checked against the config: a CheckpointError naming the
+    tensor or the setting."""
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: \"quantization\" must be an object with bits "
+                              f"and group_size. {received('quantization', settings)}")
+    out = {}
+    for layer, where in _quantized_layers(entries, path).items():
+        quant = _configured(path, where, entries, settings, layer)
+        units, words = entries[where + "weight"][0]
+        out[layer] = (quant, int(words) * 32 // quant.bits, int(units))
+    return out
+
+
+def _quantized_layers(entries: dict, path: str) -> dict[str, str]:
+    """{layer name: its tensors' prefix ("layers.0." or "")} of every ``scales`` tensor in
+    ``entries``; a CheckpointError where the ``weight`` beside it is missing."""
+    out = {}
     for name in entries:
         if not (name == "scales" or name.endswith(".scales")):
             continue
@@ -108,7 +136,7 @@ def quant_file_layers(entries: dict, path: str, config: dict | None = None) -> d
         if where + "weight" not in entries:
             raise CheckpointError(f"{path}: tensor {name!r} holds quantization scales but the file has no "
                                   f"{where + 'weight'!r}")
-        out[layer] = None if config is None else _configured(path, where, entries, config, layer)
+        out[layer] = where
     return out
 
 

@@ -1,24 +1,34 @@
 """Checkpoints: every file dense_bridge reads or writes, and its one face.
 
 ``save``/``load`` (also ``db.save``/``db.load``), ``open_checkpoint`` (a file, shard index or
-directory as tensors and spec, nothing built) and ``convert_file`` (file to file, no model built).
-The modules behind it: the one safetensors reader/writer (``_safetensors``), the one atomic writer
-(``_io.AtomicFiles``, ``_io.write_text``), the one layer-by-layer check of streamed tensors
-(``_validate``: ``LayerValidator``, also for a tensor-parallel load's blocks), framework files
-through each backend's ``_files.py`` (``_native``), files streamed into another framework's
-format (``_native_stream``, ``_file_fill``, ``_pages``), the spec in a file's metadata
-(``_meta``), npz records (``_npz``), PEFT and mlx-lm adapter directories (``_adapter_files``)
-and the guard that keeps outputs off inputs (``_path_guard``).
+model directory as tensors and spec, nothing built) and ``convert_file`` (file to file, no model
+built). The modules behind them, one job each:
+
+- the verbs: ``_save`` (save), ``_load`` (load, open_checkpoint: which checkpoint a path is),
+  ``_convert_file`` (convert_file);
+- the canonical checkpoint: its format, metadata and reader (``_canonical``), its atomic,
+  shard-aware writer (``_canonical_write``), codes of quantized layers kept (``_quantized``);
+- native files through each backend's ``_files.py`` (``_native``), quantized model directories a
+  backend's manifest declares (``_model_dir``), files streamed into another framework's format
+  (``_native_stream``, ``_file_fill``, ``_pages``);
+- the plumbing: the one safetensors reader/writer (``_safetensors``), opening a path's files
+  consistently against concurrent saves (``_open_files``), the one atomic writer
+  (``_io.AtomicFiles``, ``_io.write_text``), the one layer-by-layer check of streamed tensors
+  (``_validate``: ``LayerValidator``, also for a tensor-parallel load's blocks), npz records
+  (``_npz``), a file's first bytes (``_sniff``) and the guard that keeps outputs off inputs
+  (``_path_guard``).
 """
-from ._flows import CanonicalCheckpoint, convert_file, load, open_checkpoint, save
-from . import _quantized  # noqa: F401  registers itself in _extensions: checkpoints keeping quantized codes
+from ._canonical import CanonicalCheckpoint
+from ._convert_file import convert_file
+from ._load import load, open_checkpoint
+from ._save import save
 from ._validate import LayerValidator
 
 __all__ = ["save", "load", "open_checkpoint", "convert_file", "CanonicalCheckpoint", "LayerValidator"]
 
 # What the command line needs besides the verbs: small JSON and .npz files read the safe way (a FIFO
 # or device refused, never waited on), which format a file is, and the guard that keeps outputs off inputs.
-from ._flows import CANONICAL_TARGETS
+from ._convert_file import CANONICAL_TARGETS
 from ._native import format_names, supported_formats
 from ._npz import read_npz
 from ._path_guard import canonical_outputs, input_files, refuse_overwrite

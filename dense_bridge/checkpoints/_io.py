@@ -1,4 +1,4 @@
-"""Atomic file writes and checkpoint paths for dense_bridge.checkpoints._flows.
+"""Atomic file writes and checkpoint paths for dense_bridge.checkpoints (``_save``, ``_canonical_write``).
 
 Every file is written to ``<target>.tmp-<random>`` beside its target (same directory, so the
 final ``os.replace`` is an atomic rename on one filesystem), flushed and fsynced, and only then
@@ -21,9 +21,9 @@ import stat
 import struct
 import time
 
-from .._errors import CheckpointError, SpecError
+from .._errors import CheckpointError, SpecError, received
 
-__all__ = ["AtomicFiles", "write_text", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
+__all__ = ["AtomicFiles", "write_text", "path_arg", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
            "RECLAIM_MIN_AGE_S"]
 
@@ -354,6 +354,15 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
           "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def path_arg(path: object, argument: str = "path") -> str:
+    """``path`` (a str or os.PathLike naming a file) as a str; a TypeError naming ``argument`` otherwise."""
+    if isinstance(path, (str, os.PathLike)):
+        text = os.fspath(path)
+        if isinstance(text, str) and text:
+            return text
+    raise TypeError(f"{argument} must be a file path (str or os.PathLike). {received(argument, path)}")
 
 
 def parse_size(value: object, argument: str = "max_shard_size") -> int | None:

@@ -33,21 +33,20 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import _extensions as extensions
+from ._canonical import check_finite_params, mismatches, spec_from_json, spec_json
 from ._io import AtomicFiles, check_writable, write_limit_cause
-from ._meta import check_finite_params, mismatches, spec_from_json, spec_json
 from .._dtypes import numpy_dtype
 from .._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line)
 from ..registry._manifest import FileFormat, Match, Probe
 from ._safetensors import SafetensorsFile
 from ._validate import LayerStream
 
-__all__ = ["SPEC_KEY", "NativeCheckpoint", "FileViews", "open_native", "identify", "supported_formats",
+__all__ = ["SPEC_KEY", "NativeCheckpoint", "is_native", "FileViews", "open_native", "identify", "supported_formats",
            "format_names", "file_adapter", "output_kind", "temp_suffix", "write_native", "structure_twin",
            "canonical_shapes"]
 
 SPEC_KEY = "dense_bridge_spec"
-_UNASKED = object()  # NativeCheckpoint._file_views not computed yet (None is an answer)
+_UNASKED = object()  # NativeCheckpoint._file_views / held_codes not computed yet (None is an answer)
 
 
 def _backends():
@@ -114,6 +113,17 @@ def identify(probe: Probe, format: str | None = None) -> tuple[str, FileFormat]:
     return backend, fmt
 
 
+def is_native(obj: object) -> bool:
+    """Is ``obj`` a model or layer of a registered backend (not a spec, dict or array)?"""
+    from ..registry._backends import backend_of
+
+    try:
+        backend_of(obj)
+    except TypeError:
+        return False
+    return True
+
+
 def file_adapter(framework: str, what: str):
     """The adapter whose file verbs handle ``framework``'s files; BackendUnavailableError naming
     ``what`` (the file and the job) and the extra to install when the framework is missing or broken."""
@@ -150,11 +160,13 @@ class NativeCheckpoint:
         self.path, self.framework, self.format = path, framework, file_format
         # what the adapter's file verbs receive: the declared container ("safetensors-index": sharded)
         self.container = file_format.container + ("-index" if index else "")
+        self.index = index
         self.files = files
         self.like = like
         self._info: tuple[dict, dict] | None = None
         self._template = None
         self._views = _UNASKED
+        self._codes = _UNASKED
         self.kind = file_format.label + (", sharded with an index" if index else "")
         self.spec = spec if spec is not None else self._embedded_spec()
         if self.spec is None and file_format.carries_model:
@@ -175,12 +187,15 @@ class NativeCheckpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _adapter(self):
+    def adapter(self):
+        """The adapter of the file's framework (imported now); BackendUnavailableError naming
+        the file and what to install when the framework is missing."""
         return file_adapter(self.framework, f"reading {self.path} ({self.kind})")
 
     # -- what the file says about itself
-    def _file_info(self) -> tuple[dict, dict]:
-        """(name -> (native shape, dtype name), metadata), from the adapter (cached)."""
+    def file_info(self) -> tuple[dict, dict]:
+        """(name -> (native shape, dtype name), metadata) in the file's own names, without a spec
+        (cached): from the safetensors headers the core parsed, else the adapter's ``file_info``."""
         if self._info is None:
             if self.files:  # the core parsed these headers already: no framework needed
                 from .._dtypes import dtype_name
@@ -188,14 +203,14 @@ class NativeCheckpoint:
                 self._info = ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in self.files
                                for n, i in f.tensors.items()}, dict(self.files[0].metadata))
             else:
-                self._info = self._adapter().file_info(self.path, self.container, files=None)
+                self._info = self.adapter().file_info(self.path, self.container, files=None)
         return self._info
 
     def _embedded_spec(self):
         if self.files:
             text = self.files[0].metadata.get(SPEC_KEY)
         elif self.format.stores_metadata:
-            text = self._file_info()[1].get(SPEC_KEY)
+            text = self.file_info()[1].get(SPEC_KEY)
         else:
             text = None
         return spec_from_json(text, self.path) if text else None
@@ -217,7 +232,7 @@ class NativeCheckpoint:
             from .. import _api
 
             return [(k, tuple(v.shape), v.dtype.name) for k, v in _api.get_params(self.template(), copy=False).items()]
-        return [(n, tuple(s), d) for n, (s, d) in self._file_info()[0].items()]
+        return [(n, tuple(s), d) for n, (s, d) in self.file_info()[0].items()]
 
     @property
     def source_backend(self) -> str:
@@ -243,7 +258,7 @@ class NativeCheckpoint:
         model is only read from and dropped (a conversion), so the adapter may leave its tensors
         in the file's mapping (torch zip files) instead of copying them."""
         if self._template is None:
-            adapter = self._adapter()
+            adapter = self.adapter()
             model = None
             if not self.format.carries_model:
                 model = self._new_template()
@@ -262,7 +277,21 @@ class NativeCheckpoint:
             model = _api.build(self.framework, ParamSource(self.spec, seed=0))
         except DenseBridgeError as exc:
             raise CheckpointError(f"{self.path}: cannot build a {self.framework} model for the spec: {exc}") from None
-        return extensions.quantized.quantized_template(self, model)  # the quantized layers the file holds
+        if self.held_codes() is not None:  # the file's quantized layers, built as the framework reads them
+            model = self.adapter().quant_file_template(model, self.file_info()[0], self.path)
+        return model
+
+    def held_codes(self) -> dict | None:
+        """{layer name: Quant or None (the scheme needs the spec)} of the quantized layers whose
+        codes the file holds (the adapter's ``quant_file_layers``, asked once); None when it holds
+        none, or its framework reads none or is not installed here (no codes we could rebuild)."""
+        if self._codes is _UNASKED:
+            try:
+                verb = getattr(self.adapter(), "quant_file_layers", None)
+            except BackendUnavailableError:
+                return None
+            self._codes = (verb(self.file_info()[0], self.path) or None) if verb is not None else None
+        return self._codes
 
     def _check(self, got: dict, expected: dict) -> None:
         problems = mismatches(got, expected)
@@ -392,7 +421,7 @@ class NativeCheckpoint:
         """
         if self.spec is None or self.format.carries_model:
             return
-        if extensions.quantized.native_holds_codes(self) is not None:
+        if self.held_codes() is not None:
             self.template()  # quantized layers: their shapes checked as the framework's model loads them
             return
         if self._file_views() is not None:
@@ -411,10 +440,11 @@ class NativeCheckpoint:
         the one compile path, and a conversion holds the target and one layer of the file."""
         if self._views is _UNASKED:
             self._views = None
-            serve = getattr(self._adapter(), "file_views", None)
             # like=: the user's own class, which only its framework's loader reads
-            if serve is not None and self.like is None and self.spec is not None and not self.format.carries_model:
-                self._views = serve(self.path, self.container, self.spec, files=self.files, check=self._check)
+            if self.like is None and self.spec is not None and not self.format.carries_model:
+                serve = getattr(self.adapter(), "file_views", None)
+                if serve is not None:
+                    self._views = serve(self.path, self.container, self.spec, files=self.files, check=self._check)
         return self._views
 
 

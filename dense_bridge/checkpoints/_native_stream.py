@@ -55,7 +55,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     file and changes nothing at ``out``.
     """
     from ._io import AtomicFiles, check_writable
-    from ._meta import spec_json
+    from ._canonical import spec_json
     from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix
     from ._file_fill import Slot, fill
     from ._validate import TensorsByLayer

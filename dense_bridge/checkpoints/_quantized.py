@@ -1,7 +1,9 @@
-"""Checkpoints that keep a quantized model's codes: the canonical checkpoint with codes, the
-framework's own quantized files (MLX safetensors), and mlx-lm's quantized model directories.
+"""Checkpoints that keep a quantized model's codes: the canonical checkpoint with codes, and the
+frameworks' own quantized files (read by their adapters' ``quant_file_*`` verbs through
+``_native.NativeCheckpoint.held_codes``). A quantized model directory (mlx-lm's) is
+``_model_dir.QuantizedDirectory``; :func:`summary` describes all three for ``dense-bridge inspect``.
 
-Canonical checkpoint with codes (format_version 1, every key of ``_flows``' module doc, plus):
+Canonical checkpoint with codes (format_version 1, every key of ``_canonical``'s module doc, plus):
 
 - a quantized linear layer at chain position ``p`` stores its canonical codes
   (``dense_bridge/quant.py``) instead of ``p.kernel``: ``p.qkernel`` (in_features, units), one
@@ -32,20 +34,20 @@ tensor and the value.
 from __future__ import annotations
 
 import json
-import os
-import sys
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, received)
+from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ..quant import Quant, code_range, move, reference_dequantize
-from . import _extensions
-from ._extensions import PASS
-from ._flows import CanonicalCheckpoint
+from ._canonical import CanonicalCheckpoint, check_finite_params, metadata, mismatches
+from ._canonical_write import write_canonical
+from ._model_dir import QuantizedDirectory
+from ._native import NativeCheckpoint, file_adapter, format_names, is_native, write_native
+from ._safetensors import pending
 
-__all__ = ["META_KEY", "QuantizedCheckpoint", "canonical_checkpoint", "save_hook", "canonical_codes",
-           "convert_codes", "quantized_template", "native_holds_codes", "open_model_dir", "summary", "PASS"]
+__all__ = ["META_KEY", "QuantizedCheckpoint", "canonical_checkpoint", "save_codes", "canonical_codes",
+           "convert_codes", "summary", "format_summary", "correct_linear_rows"]
 
 META_KEY = "quant"
 _CODE_KEYS = ("qkernel", "scale", "offset", "zero")
@@ -80,7 +82,6 @@ def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, d
     """(spec, tensors to write, {position: Quant config}) of a native model holding quantized
     layers: their codes, every other parameter as ``get_params`` reads it; None without any."""
     from .. import _api
-    from ._safetensors import pending
 
     positions = quantized_positions(native)
     if not positions:
@@ -102,28 +103,16 @@ def codes_tensors(native: Any, spec: Any = None) -> tuple[Any, dict, dict[str, d
     return spec, tensors, quant
 
 
-def _is_native(obj: Any) -> bool:
-    from ..registry._backends import backend_of
-
-    try:
-        backend_of(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metadata: Callable) -> Any:
+def save_codes(obj: Any, path: str, limit: int | None, format: str | None) -> list[str] | None:
     """``db.save`` of a native model holding quantized layers: its codes in a canonical checkpoint,
     or with ``format`` naming its own backend (or a file name only that backend writes: MLX
     ``.npz``, Keras ``.weights.h5``), that framework's own file (MLX: ``weight`` uint32 packed,
-    ``scales``, ``biases``; Keras: int8 ``kernel``, ``kernel_scale``, ...). ``PASS`` for
-    anything else. ``metadata(spec, tensors, source)``: the canonical checkpoint's metadata."""
+    ``scales``, ``biases``; Keras: int8 ``kernel``, ``kernel_scale``, ...). Returns the files
+    written; None for anything else (a plain save)."""
     from .. import _api
-    from ._flows import write_canonical
-    from ._native import format_names, write_native
 
-    if not _is_native(obj) or not quantized_positions(obj):
-        return PASS
+    if not is_native(obj) or not quantized_positions(obj):
+        return None
     backend = _api.backend(obj)
     try:
         spec = _api.to_spec(obj)
@@ -133,7 +122,7 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metada
         format = backend
     if format not in (None, "dense_bridge"):
         if format not in format_names():
-            return PASS
+            return None
         if format != backend:
             why = f"its codes go into {backend} files only (or canonical ones)"
         elif not _reads_own_codes(backend, path):
@@ -151,8 +140,6 @@ def save_hook(obj: Any, path: str, limit: int | None, format: str | None, metada
 
 def _reads_own_codes(backend: str, path: str) -> bool:
     """Does ``backend``'s adapter read its own quantized files back (``quant_file_template``)?"""
-    from ._native import file_adapter
-
     return getattr(file_adapter(backend, f"writing {path}"), "quant_file_template", None) is not None
 
 
@@ -228,7 +215,6 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
     def _check(self, spec) -> None:
         from .._dtypes import dtype_name
         from ..params._source import expected_params
-        from ._meta import mismatches
 
         try:
             expected = {k: (tuple(s), d) for k, (s, d) in expected_params(spec).items()}
@@ -310,8 +296,6 @@ class QuantizedCheckpoint(CanonicalCheckpoint):
 
     def check_loaded(self, params: dict, allow_nonfinite: bool) -> None:
         """``db.load(path)``'s checks on what it hands out (the shapes were checked on opening)."""
-        from ._meta import check_finite_params
-
         if not allow_nonfinite:
             check_finite_params({k: v for k, v in params.items() if not isinstance(v, Quant)}, self.path)
 
@@ -360,45 +344,14 @@ def install_codes(model: Any, backend: str, codes: dict[str, dict], layer_specs:
 
 
 # ============================================================================ native files
-def native_holds_codes(ckpt: Any) -> dict | None:
-    """{layer name: Quant or None} of a native file's quantized layers (the adapter's
-    ``quant_file_layers``), None when it holds none or its framework's adapter reads none."""
-    from ._native import file_adapter
-
-    if getattr(ckpt, "framework", None) is None or getattr(ckpt, "format", None) is None:
-        return None
-    try:
-        adapter = file_adapter(ckpt.framework, f"reading {ckpt.path}")
-    except BackendUnavailableError:  # a framework not installed here holds no codes we could rebuild
-        return None
-    verb = getattr(adapter, "quant_file_layers", None)
-    if verb is None:
-        return None
-    layers = verb(ckpt._file_info()[0], ckpt.path)
-    return layers or None
-
-
-def quantized_template(ckpt: Any, template: Any) -> Any:
-    """``template`` (the float model of a native file's spec) with the quantized layers the file
-    holds (``quant_file_template``), ready for the framework's own loader."""
-    if native_holds_codes(ckpt) is None:
-        return template
-    from ._native import file_adapter
-
-    return file_adapter(ckpt.framework, f"reading {ckpt.path}").quant_file_template(
-        template, ckpt._file_info()[0], ckpt.path)
-
-
-def canonical_codes(ckpt: Any, metadata: Callable) -> tuple[dict, dict] | None:
+def canonical_codes(ckpt: Any) -> tuple[dict, dict] | None:
     """(tensors, metadata) of the canonical checkpoint with codes that ``ckpt`` converts into
-    (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes.
-    ``metadata(spec, tensors, source)``: the canonical checkpoint's metadata."""
-
+    (``dense-bridge convert --to canonical``); None where ``ckpt`` holds no codes."""
     if isinstance(ckpt, QuantizedCheckpoint):
         tensors = ckpt.pending()
         quant = {p: q.to_config() for p, q in ckpt.quant_layers.items()}
         source = ckpt.meta.get("source_backend", "numpy")
-    elif ckpt.spec is not None and native_holds_codes(ckpt) is not None:
+    elif isinstance(ckpt, NativeCheckpoint) and ckpt.spec is not None and ckpt.held_codes() is not None:
         found = codes_tensors(ckpt.template(), ckpt.spec)
         if found is None:
             return None
@@ -415,8 +368,6 @@ def convert_codes(ckpt: Any, src: str, target: str, out: str, progress=None, all
     """``dense-bridge convert`` of a checkpoint with codes into ``target``'s file: the codes where
     that framework's files hold quantized layers (``quant_file_template``), else the exact
     dequantization."""
-    from ._native import file_adapter, write_native
-
     model = ckpt.native(target, progress, allow_nonfinite=allow_nonfinite)
     if getattr(file_adapter(target, f"writing {out}"), "quant_file_template", None) is None:
         from .. import _api
@@ -425,56 +376,6 @@ def convert_codes(ckpt: Any, src: str, target: str, out: str, progress=None, all
     files = write_native(model, target, out, spec=ckpt.spec)
     return {"src": src, "out": files, "to": target, "spec": True, "tensors": len(ckpt.entries()),
             "bytes": ckpt.total_bytes}
-
-
-# ============================================================================ model directories
-#: The weight files a model directory (mlx-lm's, a hub's) holds, in the order they are looked for.
-DIR_WEIGHTS = ("model.safetensors.index.json", "model.safetensors")
-
-
-def open_model_dir(path: str) -> Any:
-    """An mlx-lm quantized model directory (``config.json`` with ``"quantization"`` beside
-    ``model.safetensors`` or its index) opened as its weight file, the quantization checked
-    against every quantized layer's shapes; None for any other directory."""
-    config_path = os.path.join(path, "config.json")
-    weights = next((os.path.join(path, n) for n in DIR_WEIGHTS if os.path.isfile(os.path.join(path, n))), None)
-    if weights is None or not os.path.isfile(config_path):
-        return None
-    from ._safetensors import MAX_HEADER, parse_json_object
-
-    try:
-        with open(config_path, "rb") as f:
-            raw = f.read(MAX_HEADER + 1)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {config_path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_HEADER:
-        raise CheckpointError(f"cannot read {config_path}: larger than {MAX_HEADER} bytes")
-    config = parse_json_object(raw, lambda why: CheckpointError(f"cannot read {config_path}: {why}"), "config")
-    quantization = config.get("quantization", config.get("quantization_config"))
-    if quantization is None:
-        return None
-    if not isinstance(quantization, dict):
-        raise CheckpointError(f"{config_path}: \"quantization\" must be an object with bits and group_size. "
-                              f"{received('quantization', quantization)}")
-    from ._flows import open_checkpoint
-
-    ckpt = open_checkpoint(weights)
-    try:
-        verb = getattr(ckpt._adapter(), "quant_file_layers", None)
-        layers = {} if verb is None else verb(ckpt._file_info()[0], path, quantization)
-    except BaseException:
-        ckpt.close()
-        raise
-    ckpt.quant_config = {name: q for name, q in layers.items()}
-    ckpt.kind = (f"quantized model directory ({len(layers)} quantized layers; {os.path.basename(weights)} "
-                 f"+ config.json)")
-    ckpt.params = lambda: _raw_tensors(ckpt)
-    return ckpt
-
-
-def _raw_tensors(ckpt: Any) -> dict[str, np.ndarray]:
-    """Every tensor of the directory's weight files as stored (packed codes included), copies."""
-    return {n: np.array(f.get(n)) for f in ckpt.files or [] for n in f.tensors}
 
 
 # ============================================================================ inspect
@@ -488,14 +389,11 @@ def summary(ckpt: Any) -> list[dict] | None:
             layer = ckpt._layer_spec(position)
             rows.append({"layer": position, **quant.to_config(), "in_features": layer.in_features,
                          "units": layer.units})
-    elif getattr(ckpt, "quant_config", None) is not None:  # an mlx-lm directory: widths from the packing
-        info = ckpt._file_info()[0]
-        for name, quant in ckpt.quant_config.items():
-            units, words = info[(name + "." if name else "") + "weight"][0]
-            rows.append({"layer": name, **quant.to_config(), "in_features": int(words) * 32 // quant.bits,
-                         "units": int(units)})
+    elif isinstance(ckpt, QuantizedDirectory):  # widths as the adapter reads them from the packing
+        for name, (quant, in_features, units) in ckpt.quant_layers.items():
+            rows.append({"layer": name, **quant.to_config(), "in_features": in_features, "units": units})
     else:
-        found = native_holds_codes(ckpt)
+        found = ckpt.held_codes() if isinstance(ckpt, NativeCheckpoint) else None
         if not found:
             return None
         if ckpt.spec is None:
@@ -535,6 +433,3 @@ def format_summary(rows: list[dict]) -> str:
         widths = "" if r["in_features"] is None else f"  in={r['in_features']} units={r['units']}"
         lines.append(f"  {r['layer'] or '<root>':<{width}}  {what}{widths}")
     return "\n".join(lines)
-
-
-_extensions.quantized = sys.modules[__name__]  # the flows' hooks find this module here

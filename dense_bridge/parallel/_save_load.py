@@ -75,7 +75,7 @@ def load_directory(path: Any, backend: str | None, parallel: Any, group: Any, al
     NaN/Inf (unless ``allow_nonfinite``), each mask against the spec's wiring."""
     from .._api import compile
     from ..params._source import expected_params
-    from ..checkpoints._meta import mismatches
+    from ..checkpoints._canonical import mismatches
 
     directory = os.fspath(path)
     index = read_index(directory)

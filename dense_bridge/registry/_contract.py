@@ -99,6 +99,11 @@ on it name the missing capability, ``linear_layers`` and ``transfer`` the missin
 Capability ``files`` (:data:`FILES`): the framework's own checkpoint files. A manifest that
 declares file formats needs it.
 
+- ``model_dir_layers(entries, path, settings) -> {layer name: (Quant, in_features, units)}``: the
+  quantized layers of the model directory ``path`` whose manifest ``ModelDir`` the core matched:
+  ``entries`` as ``file_info`` gives them for its weights file, ``settings`` what ``ModelDir.settings``
+  took from its config; every layer checked against both (a CheckpointError naming the tensor).
+
 - ``file_info(path, container, *, files=None) -> (entries, metadata)``: a native checkpoint file
   of this framework read without a spec: ``{name: (native shape, dtype name)}`` in the file's own
   names, and its string metadata (the spec dense_bridge stored there, if any). ``container`` is
@@ -234,7 +239,8 @@ QUANT = Capability("quant", ("quant_layer", "quant_build", "quant_positions", "q
 QUANT_LORA = Capability("quant_lora", ("lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora"),
                         "merging a LoRA adapter into a quantized base", needs=("lora", "quant"))
 QUANT_FILES = Capability("quant_files", ("quant_file_layers", "quant_file_template"),
-                         "the framework's quantized checkpoint files", needs=("quant", "files"))
+                         "the framework's quantized checkpoint files", needs=("quant", "files"),
+                         extras=("model_dir_layers",))  # the layers of a quantized model directory (ModelDir)
 #: Tensor-parallel verbs: all of them in every adapter whose manifest declares ``parallel``, none elsewhere.
 PARALLEL_VERBS: tuple[str, ...] = ("parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params",
                                    "parallel_to_spec", "parallel_trace", "parallel_barrier", "parallel_agree_seed")

@@ -22,8 +22,8 @@ from typing import Callable
 
 from .._errors import CheckpointError, first_line
 
-__all__ = ["Match", "Probe", "FileFormat", "FileNames", "AdapterFormat", "Manifest", "GRADIENTS", "PARALLEL", "DCP",
-           "LORA_FILE_VERBS"]
+__all__ = ["Match", "Probe", "FileFormat", "ModelDir", "FileNames", "AdapterFormat", "Manifest", "GRADIENTS", "PARALLEL",
+           "DCP", "LORA_FILE_VERBS"]
 
 #: Capability: ``trace``/``capture`` compute gradients (the framework has autograd, or the
 #: adapter a hand-written backward). Without it a backend runs forward only (``grads=False``).
@@ -113,6 +113,27 @@ class FileFormat:
 
 
 @dataclass(frozen=True)
+class ModelDir:
+    """A quantized model directory of a backend's ecosystem: a weights file beside a JSON config
+    that says how its layers are quantized (mlx-lm's). The core opens such a directory as its
+    weights file read as this backend's (``checkpoints._model_dir.QuantizedDirectory``) and
+    hands ``settings`` to the adapter's ``model_dir_layers`` verb, which names its quantized layers.
+
+    - ``label``: what ``inspect`` prints ("mlx-lm quantized model directory").
+    - ``config``: the config file's name in the directory ("config.json"), a JSON object.
+    - ``weights``: the weights file's possible names, the first present wins (a safetensors
+      file or its index, opened by the core).
+    - ``settings(config) -> object | None``: what in the parsed config makes the directory this
+      format (handed to the adapter as it is, checked there); None: not this format.
+    """
+
+    label: str
+    config: str
+    weights: tuple[str, ...]
+    settings: Callable[[dict], object]
+
+
+@dataclass(frozen=True)
 class FileNames:
     """How a framework's plain weights files name a linear layer's tensors, for ``inspect`` on a
     file without a spec: ``<layer><sep><kernel>`` of rank 2 stored ``layout`` ("out_in": (units,
@@ -180,6 +201,7 @@ class Manifest:
       torch engine is a ``torch.nn.Module`` too): higher first, then registry order.
     - ``capabilities``: optional abilities, :data:`GRADIENTS` by default.
     - ``formats``: its :class:`FileFormat` s, tried by ``Match`` across every backend.
+    - ``model_dirs``: its :class:`ModelDir` s, tried in order for a directory given as a checkpoint.
     - ``layout_note``: its native layout in words, for errors about files that do not match.
     - ``file_names``: :class:`FileNames` of its plain weights files (None: the common convention).
     - ``model_files``: name endings of whole-model files its ``load_model`` verb reads.
@@ -196,6 +218,7 @@ class Manifest:
     owner_priority: int = 0
     capabilities: frozenset[str] = field(default_factory=lambda: frozenset({GRADIENTS}))
     formats: tuple[FileFormat, ...] = ()
+    model_dirs: tuple[ModelDir, ...] = ()
     layout_note: str = ""
     file_names: FileNames | None = None
     model_files: tuple[str, ...] = ()

@@ -542,10 +542,10 @@ def test_the_command_line_uses_only_the_public_api():
 
 
 def test_the_public_api_check_sees_private_modules_and_attributes():
-    graph = {"dense_bridge.cli._x": {"dense_bridge.checkpoints._flows", "dense_bridge.cli._text", "dense_bridge",
+    graph = {"dense_bridge.cli._x": {"dense_bridge.checkpoints._load", "dense_bridge.cli._text", "dense_bridge",
                                      "dense_bridge.registry._backends"}}
     found = _cli_reaches_private(graph, {"dense_bridge.cli._x": "import dense_bridge as db\ndb._api.get_params\n"})
-    assert found == ["dense_bridge.cli._x imports dense_bridge.checkpoints._flows", "dense_bridge.cli._x:2 reads ._api"]
+    assert found == ["dense_bridge.cli._x imports dense_bridge.checkpoints._load", "dense_bridge.cli._x:2 reads ._api"]
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

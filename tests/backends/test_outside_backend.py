@@ -157,7 +157,7 @@ def same(params):
 
 # its own file: written, recognised by content (any name), read back with and without a spec
 path = os.path.join(out, "m.npzx")
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 from dense_bridge.checkpoints._native import write_native
 write_native(model, "npx", path, spec=spec)
 renamed = os.path.join(out, "renamed.bin")

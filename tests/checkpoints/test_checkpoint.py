@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 from dense_bridge.checkpoints._io import parse_size
+from dense_bridge.params._source import expected_params
 from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
 from conftest import require_backend
@@ -528,7 +529,7 @@ def test_keras_file_with_dense_bridge_layers_loads_in_a_fresh_process(tmp_path):
 # ----------------------------------------------------------------------------- concurrent saves and loads
 def _filled(spec, value: float) -> tuple:
     """(spec, params) with every parameter equal to ``value``: a mixed read shows as two values."""
-    return spec, {k: np.full(s, value, d) for k, (s, d) in checkpoint.expected_params(spec).items()}
+    return spec, {k: np.full(s, value, d) for k, (s, d) in expected_params(spec).items()}
 
 
 def _open_fds() -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 from dense_bridge.checkpoints._native import identify, supported_formats
 from dense_bridge.registry._manifest import Match, Probe
 

@@ -174,7 +174,7 @@ def test_mlx_file_streams_bit_exact_without_an_mlx_model(tmp_path, monkeypatch, 
     require_backend("mlx")
     if target != "canonical":
         require_backend(target)
-    from dense_bridge.checkpoints import _flows as checkpoint
+    from dense_bridge import checkpoints as checkpoint
 
     spec = _spec(dtype)
     model = db.compile(spec, "mlx", seed=2)
@@ -199,7 +199,7 @@ def test_torch_file_streams_bit_exact_without_a_torch_model(tmp_path, monkeypatc
     require_backend("torch")
     if target != "canonical":
         require_backend(target)
-    from dense_bridge.checkpoints import _flows as checkpoint
+    from dense_bridge import checkpoints as checkpoint
 
     spec = _spec(dtype)
     model = db.compile(spec, "torch", seed=3)
@@ -236,7 +236,7 @@ def test_a_conversion_that_fails_mid_stream_leaves_nothing_behind(tmp_path, monk
     file is left where the output would have gone."""
     if target != "canonical":
         require_backend(target)
-    from dense_bridge.checkpoints import _flows as checkpoint
+    from dense_bridge import checkpoints as checkpoint
 
     spec = _spec("float32")
     _, path = _weights_file(tmp_path, spec)

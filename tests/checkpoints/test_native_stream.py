@@ -13,7 +13,9 @@ import pytest
 
 import dense_bridge as db
 from dense_bridge.checkpoints import _file_fill
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
+from dense_bridge.checkpoints._canonical import metadata
+from dense_bridge.checkpoints._canonical_write import write_canonical
 from dense_bridge.checkpoints import _native as native_files
 from conftest import require_backend
 
@@ -133,7 +135,7 @@ def test_a_mask_that_is_not_the_specs_wiring_is_refused(tmp_path, target, name):
     from dense_bridge.checkpoints._safetensors import pending
 
     tensors = {k: pending(v) for k, v in params.items()}
-    checkpoint.write_canonical(str(src), tensors, checkpoint._metadata(spec, tensors, "numpy"))
+    write_canonical(str(src), tensors, metadata(spec, tensors, "numpy"))
     with pytest.raises(db.CheckpointError, match="mask"):
         convert_streaming(str(src), target, str(tmp_path / name))
     assert not (tmp_path / name).exists()

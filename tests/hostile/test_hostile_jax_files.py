@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 
 from conftest import require_backend
 

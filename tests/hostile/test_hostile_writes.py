@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 from dense_bridge.checkpoints._io import RECLAIM_MIN_AGE_S
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
@@ -194,7 +194,7 @@ def test_write_past_the_file_size_limit_is_one_clear_error(tmp_path, to, name):
 # ------------------------------------------------------------------ killed converts, every output kind
 WORKER = textwrap.dedent("""
     import sys
-    from dense_bridge.checkpoints import _flows as checkpoint
+    from dense_bridge import checkpoints as checkpoint
     srcs, to, out = sys.argv[1:3], sys.argv[3], sys.argv[4]
     checkpoint.convert_file(srcs[0], to, out, max_shard_size=SHARD)  # imports done, the old output written
     print("ready", flush=True)

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import dense_bridge as db  # noqa: E402
 from dense_bridge.parallel._plan import resolve_plan  # noqa: E402
 from dense_bridge.parallel._sharded_dir import INDEX_NAME, read_index  # noqa: E402
-from dense_bridge.checkpoints._flows import open_checkpoint  # noqa: E402
+from dense_bridge.checkpoints import open_checkpoint  # noqa: E402
 
 WORLD = 4
 

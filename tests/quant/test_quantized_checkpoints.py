@@ -1,6 +1,6 @@
 """Checkpoints that keep quantized codes (dense_bridge/checkpoints/_quantized.py): the canonical
 checkpoint with codes, MLX's quantized safetensors/.npz, Keras' quantized .weights.h5, mlx-lm's
-quantized model directories, through db.save/db.load/convert_file and the command line; every
+quantized model directories (checkpoints/_model_dir.py, backends/mlx/_quant_files.py), through db.save/db.load/convert_file and the command line; every
 malformed scheme or shape a CheckpointError naming the tensor and the value."""
 from __future__ import annotations
 
@@ -276,6 +276,26 @@ def test_mlx_lm_quantized_directory_reads_as_tensors_and_inspects_with_its_schem
     assert "model.embed_tokens" in rows and "lm_head" in rows
     linear = {r["layer"]: r for r in doc["linear_layers"]}
     assert linear["model.layers.0.self_attn.k_proj"]["in_features"] == 64  # not the packed 8 words
+
+
+def test_mlx_lm_directory_opens_as_a_quantized_directory_of_its_own_class(mlx_lm_dir):
+    """The directory is a QuantizedDirectory (a NativeCheckpoint subclass) whose behaviour is its
+    class's: nothing is assigned over a method from outside, and the layers come from the MLX
+    adapter's model_dir_layers verb (widths read from the packing, not the packed words)."""
+    from dense_bridge.checkpoints import open_checkpoint
+    from dense_bridge.checkpoints._model_dir import QuantizedDirectory
+
+    with open_checkpoint(mlx_lm_dir) as ckpt:
+        assert type(ckpt) is QuantizedDirectory and ckpt.framework == "mlx" and ckpt.spec is None
+        methods = {n for n in dir(QuantizedDirectory) if callable(getattr(QuantizedDirectory, n))}
+        assert not set(vars(ckpt)) & methods, set(vars(ckpt)) & methods
+        # mlx-lm writes an index beside its shards: the directory reads as that index
+        assert ckpt.directory == str(mlx_lm_dir) and ckpt.path == str(mlx_lm_dir / "model.safetensors.index.json")
+        assert ckpt.index and ckpt.container == "safetensors-index"
+        assert ckpt.quant_layers["model.layers.0.self_attn.k_proj"] == (db.Quant(4, 32, "affine"), 64, 32)
+        assert ckpt.kind == (f"quantized model directory ({len(ckpt.quant_layers)} quantized layers; "
+                             "model.safetensors.index.json + config.json)")
+        assert set(ckpt.params()) == {n for n, _, _ in ckpt.entries()}
 
 
 def _copy_dir(src, dst, config_edit=None):

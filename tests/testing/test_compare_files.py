@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge.checkpoints import _flows as checkpoint
+from dense_bridge import checkpoints as checkpoint
 from dense_bridge.checkpoints import _native as native_files
 from dense_bridge.testing import compare
 from dense_bridge.testing._compare_files import compare_checkpoints, segments
