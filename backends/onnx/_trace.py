@@ -18,12 +18,18 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.registry._trace import LayerTrace, Trace
 
 from ._arrays import to_numpy_dtype
+from ._files import all_tensors
 from ._graph import Index, OnnxLinear
 from ._to_spec import chain_of
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     """An onnxruntime CPU session for ``model`` (serialized: the caller's model is never changed)."""
+    for t, what in all_tensors(model):  # onnxruntime would read it relative to the current directory
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            raise ConversionError(f"{what} keeps its data in an external file that was not loaded: dense_bridge "
+                                  f"does not let onnxruntime read it from the current directory; load the model "
+                                  f"with db.load(path), which checks and reads its external data")
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # run the graph as written
