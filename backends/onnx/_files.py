@@ -173,13 +173,13 @@ def read_model(path: str) -> onnx.ModelProto:
         raise CheckpointError(f"cannot open {path}: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refused")
-    if st.st_size > _PROTO_LIMIT:
-        raise CheckpointError(f"{path} is {st.st_size:,} bytes, past protobuf's 2 GiB limit ({_PROTO_LIMIT:,}): not "
-                              f"a readable ONNX model (a model this large keeps its tensors in external data)")
     available = _available_memory()
     if 2 * st.st_size > available:  # the file's bytes and the parsed model hold it twice
         raise CheckpointError(f"{path} is {st.st_size:,} bytes; reading it takes about {2 * st.st_size:,} bytes, more "
                               f"than the {available:,} bytes of memory available: refused before reading")
+    if st.st_size > _PROTO_LIMIT:
+        raise CheckpointError(f"{path} is {st.st_size:,} bytes, past protobuf's 2 GiB limit ({_PROTO_LIMIT:,}): not "
+                              f"a readable ONNX model (a model this large keeps its tensors in external data)")
     with open(path, "rb") as f:
         data = f.read(st.st_size + 1)
     model = onnx.ModelProto()

@@ -322,6 +322,9 @@ class _Segment:
         if kind == "Clip" and self.opset < 11:  # min and max were attributes
             lo, hi = a.pop("min", -3.4028234663852886e38), a.pop("max", 3.4028234663852886e38)
             return Expr("Clip", [arg(0), const(lo, _TOL[1]), const(hi, _TOL[1])], tuple(sorted(a.items())), tensor=name)
+        if kind in ("MatMul", "Gemm"):
+            raise _refuse(node, f"multiplies by {node.input[1] if len(node.input) > 1 else ''!r}, which is no weight "
+                                f"(a float initializer or Constant, possibly behind Transpose/Identity/Cast)")
         if kind not in _ELEMENTWISE:
             raise _refuse(node, "is no operator of an activation")
         return Expr(kind, [arg(i) for i in range(len(node.input))], tuple(sorted(a.items())), tensor=name)
@@ -407,6 +410,10 @@ def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_node
     found = {t for t in [cur] + [o for n in reached for o in n.output] if t in stops}
     candidates = sorted(found, key=lambda t: -1 if t == cur else index.order[id(index.producer[t])])
     if not candidates:
+        late = index.producer.get(out)
+        if late is not None and all(late is not n for n in reached):
+            raise _refuse(late, f"computes the graph's output {out!r} from something other than the chain's value "
+                                f"{cur!r}")
         raise _refuse(reached[0] if reached else None, f"is where the chain's value {cur!r} goes, but it never "
                                                        f"reaches the graph's output {out!r} or a linear layer")
     if len(candidates) > 1:
