@@ -253,8 +253,8 @@ def _forms() -> dict[str, list[Expr]]:
         "softplus": [op("Softplus", X), op("Where", op("Greater", X, 20.0), X, op("Softplus", X)), softplus_stable],
         "softsign": [op("Softsign", X), op("Div", X, add(1.0, op("Abs", X)))],
         "mish": [op("Mish", X), mul(X, op("Tanh", op("Softplus", X))), mul(X, op("Tanh", softplus_stable))],
-        "softmax": [op("Softmax", X, axis=-1)],
-        "log_softmax": [op("LogSoftmax", X, axis=-1)],
+        "softmax": [op("Softmax", X, axis=P("axis"))],
+        "log_softmax": [op("LogSoftmax", X, axis=P("axis"))],
     }
 
 
@@ -286,7 +286,7 @@ def _match(t: Expr, e: Expr, binds: dict) -> dict | None:
         return None
     for (_, tv), (_, ev) in zip(t.attrs, e.attrs):
         if isinstance(tv, Expr):  # a parameter
-            binds = _bind(tv.attrs[0][1], ev, _F32, binds) if isinstance(ev, float) else None
+            binds = _bind(tv.attrs[0][1], ev, _F32, binds) if isinstance(ev, (int, float)) else None
         elif isinstance(tv, str) or isinstance(ev, str) or isinstance(tv, int) and isinstance(ev, int):
             binds = binds if tv == ev else None
         elif not isinstance(ev, (int, float)) or not _close(float(ev), float(tv), _F32):
@@ -307,7 +307,10 @@ def _match(t: Expr, e: Expr, binds: dict) -> dict | None:
 
 def _clean(value: float, default: float | None) -> float:
     """A parameter read from the graph (float32 or coarser): the table's default where it rounds to
-    the same float32, else the shortest decimal that is the same float32 (0.7, not 0.699999988)."""
+    the same float32, else the shortest decimal that is the same float32 (0.7, not 0.699999988).
+    An integer (an axis) is itself."""
+    if isinstance(value, int):
+        return value
     if default is not None and np.float32(default) == np.float32(value):
         return float(default)
     if float(np.float32(value)) == value:

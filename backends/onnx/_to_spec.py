@@ -188,8 +188,9 @@ def _refuse(node, why: str) -> ConversionError:
                            f"Its linear layers are still found by db.linear_layers(model)")
 
 
-#: ONNX's attribute defaults for the operators an activation is read from (Softmax's axis: by opset)
-_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5},
+#: ONNX's attribute defaults (opset 13 on) for the operators an activation is read from
+_DEFAULTS = {"Softmax": {"axis": -1}, "LogSoftmax": {"axis": -1}, "LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0},
+             "HardSigmoid": {"alpha": 0.2, "beta": 0.5},
              "Selu": {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
              "Gelu": {"approximate": "none"}, "Flatten": {"axis": 1}, "Swish": {"alpha": 1.0}}
 #: operators read as themselves inside an activation (their inputs read in turn)
@@ -220,8 +221,10 @@ def _attr_value(a) -> object:
 class _Segment:
     """Reads the nodes between two positions of a chain as an :class:`Expr` of the value ``start``."""
 
-    def __init__(self, model: onnx.ModelProto, index: Index, start: str, linear_nodes: set[int]) -> None:
+    def __init__(self, model: onnx.ModelProto, index: Index, start: str, linear_nodes: set[int],
+                 rank: int | None) -> None:
         self.model, self.index, self.start, self.linear_nodes = model, index, start, linear_nodes
+        self.rank = rank  # of the value entering the segment, where the graph tells it
         self.opset = _opset(model)
         self.memo: dict[str, Expr] = {}
         self.used: set[int] = set()
@@ -282,8 +285,13 @@ class _Segment:
         if name != node.output[0]:
             raise _refuse(node, f"is read through its output {name!r}, which no activation uses")
         a = {**_DEFAULTS.get(kind, {}), **{x.name: _attr_value(x) for x in node.attribute}}
-        if kind in ("Softmax", "LogSoftmax"):
-            a.setdefault("axis", -1 if self.opset >= 13 else 1)
+        if kind in ("Softmax", "LogSoftmax") and self.opset < 13:  # before 13: over the axes from axis on
+            rank = 2 if _has(self.expr(node.input[0], node), "Flatten") else self.rank
+            axis = next((x.i for x in node.attribute if x.name == "axis"), 1)
+            if axis != -1 and (rank is None or axis != rank - 1):
+                raise _refuse(node, f"normalizes over the axes from {axis} on (opset {self.opset}), of a value of "
+                                    f"rank {rank}: not one axis")
+            a["axis"] = -1
 
         def arg(i: int) -> Expr:
             return self.expr(node.input[i], node) if i < len(node.input) else Expr("none")
@@ -330,6 +338,15 @@ class _Segment:
         return Expr(kind, [arg(i) for i in range(len(node.input))], tuple(sorted(a.items())), tensor=name)
 
 
+def _has(e: Expr, op_type: str) -> bool:
+    return e.op == op_type or any(_has(a, op_type) for a in e.args)
+
+
+def _rank(info: onnx.ValueInfoProto) -> int | None:
+    t = info.type.tensor_type
+    return len(t.shape.dim) if t.HasField("shape") else None
+
+
 def read_exported(model: onnx.ModelProto) -> tuple[list, list, list]:
     """(specs, holders, output tensors) of an exported chain of linear layers and activations."""
     g = model.graph
@@ -350,6 +367,7 @@ def read_exported(model: onnx.ModelProto) -> tuple[list, list, list]:
     specs, holders, ends = [], [], []
     claimed: set[int] = set()
     cur = inputs[0]
+    rank = next((_rank(i) for i in g.input if i.name == cur), None)
     while cur != out:
         users = index.consumers.get(cur, [])
         lin = linears.get(id(users[0][0])) if len(users) == 1 and users[0][1] == 0 else None
@@ -368,8 +386,9 @@ def read_exported(model: onnx.ModelProto) -> tuple[list, list, list]:
             holders.append(lin)
             ends.append(lin.output)
             cur = lin.output
+            rank = 2 if lin.matmul.op_type == "Gemm" else rank  # Gemm is rank 2; MatMul keeps the leading axes
             continue
-        cur = _segment(model, index, cur, out, linears, linear_nodes, why, claimed, specs, holders, ends)
+        cur, rank = _segment(model, index, cur, out, linears, linear_nodes, why, claimed, specs, holders, ends, rank)
     left = [n for n in g.node if id(n) not in claimed and n.op_type != "Constant"]
     if left:
         raise _refuse(left[0], "computes nothing the chain's output depends on (a second branch or a dead end)")
@@ -387,8 +406,9 @@ def read_exported(model: onnx.ModelProto) -> tuple[list, list, list]:
 
 
 def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_nodes: set, why: dict,
-             claimed: set, specs: list, holders: list, ends: list) -> str:
-    """Read the activations from ``cur`` to the next linear layer or the output; returns where they end."""
+             claimed: set, specs: list, holders: list, ends: list, rank: int | None) -> tuple[str, int | None]:
+    """Read the activations from ``cur`` to the next linear layer or the output, appending them to
+    ``specs``/``holders``/``ends``; returns where they end and the rank there (Flatten: 2)."""
     # the tensors where this segment can end: the graph output and the inputs of linear layers
     stops = {out} | {lin.input for lin in linears.values() if id(lin.matmul) not in claimed}
     seen, frontier, reached = set(), [cur], []
@@ -420,7 +440,7 @@ def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_node
         raise _refuse(index.producer[candidates[1]], f"computes {candidates[1]!r}, a second value leaving the "
                                                      f"activations after {cur!r} (a branch)")
     end = candidates[0]
-    seg = _Segment(model, index, cur, linear_nodes)
+    seg = _Segment(model, index, cur, linear_nodes, rank)
     try:
         e = seg.expr(end, index.producer.get(end))
         layers = _activations.peel(e)
@@ -439,7 +459,7 @@ def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_node
         specs.append(spec)
         holders.append(None)
         ends.append(tensor or end)
-    return end
+    return end, 2 if any(isinstance(spec, Flatten) for spec, _ in layers) else rank
 
 
 def _strip(spec):

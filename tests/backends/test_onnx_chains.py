@@ -31,13 +31,13 @@ from conftest import require_backend  # noqa: E402
 EXPORTERS = ["legacy", "dynamo"]
 
 
-def export(model, x, path, exporter: str, opset: int = 18) -> str:
+def export(model, x, path, exporter: str, opset: int = 18, **kw) -> str:
     """torch.onnx.export, offline and quiet (both exporters print and warn)."""
     logging.disable(logging.WARNING)  # the dynamo exporter logs skipped torchvision ops
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, (x,), str(path), dynamo=exporter == "dynamo", opset_version=opset)
+            torch.onnx.export(model, (x,), str(path), dynamo=exporter == "dynamo", opset_version=opset, **kw)
     finally:
         logging.disable(logging.NOTSET)
     return str(path)
@@ -104,11 +104,11 @@ def test_an_exported_mlp_with_every_activation_loads_as_torchs_spec(tmp_path, ex
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("case", ["rank3-no-bias", "float16", "bfloat16", "opset17", "opset20", "lone-linear",
-                                  "two-activations", "flatten"])
+                                  "two-activations", "flatten", "softmax-dim1-unfolded"])
 def test_exported_layouts_dtypes_and_opsets(tmp_path, exporter, case):
     require_backend("onnx")
     torch.manual_seed(1)
-    x, opset, atol = torch.randn(4, 3), 18, 0.0
+    x, opset, atol, kw = torch.randn(4, 3), 18, 0.0, {}
     if case == "rank3-no-bias":  # MatMul on a folded (in, out) initializer, then Add
         model, x = nn.Sequential(nn.Linear(3, 5, bias=False), nn.GELU(), nn.Linear(5, 2)), torch.randn(2, 4, 3)
     elif case == "float16":
@@ -125,13 +125,18 @@ def test_exported_layouts_dtypes_and_opsets(tmp_path, exporter, case):
         model = nn.Linear(3, 5)
     elif case == "two-activations":
         model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Tanh(), nn.Linear(5, 2))
+    elif case == "softmax-dim1-unfolded":  # axis 1 of a rank-2 value; without folding: MatMul on Transpose(W)
+        model = nn.Sequential(nn.Linear(3, 5), nn.Softmax(dim=1), nn.Linear(5, 2, bias=False))
+        kw = {"do_constant_folding": False} if exporter == "legacy" else {}
     else:
         if exporter == "dynamo":
             pytest.skip("the dynamo exporter writes nn.Flatten as a Reshape to the example's batch size")
         model, x = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Sigmoid(), nn.Linear(5, 2)), torch.randn(4, 2, 3)
     model = model.eval()
-    path = export(model, x, tmp_path / "m.onnx", exporter, opset)
+    path = export(model, x, tmp_path / "m.onnx", exporter, opset, **kw)
     spec, params = _check_read(model, path, x, atol=atol)
+    if kw:
+        assert "Transpose" in [n.op_type for n in onnx.load(path).graph.node]
     if case == "lone-linear":
         assert isinstance(spec, db.Dense) and sorted(params) == ["bias", "kernel"]
     if case in ("float16", "bfloat16"):
@@ -234,6 +239,10 @@ def test_hand_built_layouts_constant_weights_and_refusals():
     z = x @ new["0.kernel"] + new["0.bias"]
     want = np.where(z > 0, z, 0.3 * z) @ new["2.kernel"]
     np.testing.assert_allclose(require_backend("onnx").capture(model, [x], {}).output, want, rtol=1e-5, atol=1e-5)
+    gemm = _model([helper.make_node("Gemm", ["x", "W", "b"], ["z"], name="g", transB=0),
+                   helper.make_node("Tanh", ["z"], ["y"], name="t")], {"W": w1, "b": b1})
+    assert db.to_spec(gemm) == db.Sequential([db.Dense(5, in_features=3, kernel_init="zeros"), db.Activation("tanh")])
+    assert db.get_params(gemm)["0.kernel"].tobytes() == w1.tobytes()
     alpha = _model([helper.make_node("Gemm", ["x", "W"], ["y"], name="g", alpha=2.0)], {"W": w1})
     with pytest.raises(db.ConversionError, match=r"node 'g' \(Gemm\).*alpha=2"):
         db.to_spec(alpha)
