@@ -198,7 +198,9 @@ _ELEMENTWISE = {"Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Gelu", "Softplus", "El
                 "HardSigmoid", "HardSwish", "Mish", "Softsign", "Softmax", "LogSoftmax", "Abs", "Log", "Where",
                 "Greater", "Min", "Max", "Swish", "Flatten", "Sqrt", "Clip", "Div"}
 #: the longest path of nodes read inside one run of activations (deeper is refused, not recursed)
-_MAX_DEPTH = 200
+_MAX_DEPTH = 100
+#: element types a scalar constant is read from: floats, integers, bool
+_NUMERIC = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16})
 #: relative rounding of a constant stored in each dtype (two ulps)
 _TOL = {1: 2.0 ** -22, 10: 2.0 ** -9, 16: 2.0 ** -6, 11: 2.0 ** -51}
 
@@ -228,7 +230,7 @@ class _Segment:
         self.opset = _opset(model)
         self.memo: dict[str, Expr] = {}
         self.used: set[int] = set()
-        self.open: list[str] = []  # tensors being read (a cycle, or a depth past MAX_EXPR, is refused)
+        self.open: list[str] = []  # tensors being read (a cycle, or a path past _MAX_DEPTH, is refused)
 
     def constant(self, name: str, reader) -> Expr | None:
         """A scalar constant (initializer or Constant node), or None where ``name`` is computed."""
@@ -248,6 +250,9 @@ class _Segment:
             t = a.t
         else:
             return None
+        if t.data_type not in _NUMERIC:
+            raise _refuse(reader, f"reads {name!r}, a constant of element type "
+                                  f"{onnx.TensorProto.DataType.Name(t.data_type)}, where an activation reads a number")
         if int(np.prod(t.dims)) != 1 or len(t.dims) > 1:
             raise _refuse(reader, f"reads {name!r}, a constant of shape {tuple(t.dims)}: inside a chain only "
                                   f"scalar constants (activation parameters) are read, so this is no activation")

@@ -262,6 +262,23 @@ def test_hand_built_layouts_constant_weights_and_refusals():
                     {"W": np.eye(3), "c": np.ones(())})
     with pytest.raises(db.ConversionError, match=r"node 'branch' \(If\)"):
         db.to_spec(branch)
+    # built to exhaust: 3000 activations in a row, and products that double at every step when unfolded
+    deep = _model([helper.make_node("MatMul", ["x", "W"], ["t0"], name="mm")]
+                  + [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"r{i}") for i in range(3000)]
+                  + [helper.make_node("Identity", ["t3000"], ["y"], name="out")], {"W": np.eye(3)})
+    with pytest.raises(db.ConversionError, match="a path too long"):
+        db.to_spec(deep)
+    wide = _model([helper.make_node("MatMul", ["x", "W"], ["t0"], name="mm")]
+                  + [helper.make_node("Mul", [f"t{i}", f"t{i}"], [f"t{i + 1}"], name=f"m{i}") for i in range(60)]
+                  + [helper.make_node("Identity", ["t60"], ["y"], name="out")], {"W": np.eye(3)})
+    with pytest.raises(db.ConversionError, match="node 'm0' \\(Mul\\) begins activations.*more than 512 terms"):
+        db.to_spec(wide)
+    text = _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+                   helper.make_node("Constant", [], ["s"], name="s", value=helper.make_tensor("s", TensorProto.STRING,
+                                                                                            [], [b"x"])),
+                   helper.make_node("Mul", ["h", "s"], ["y"], name="odd")], {"W": np.eye(3)})
+    with pytest.raises(db.ConversionError, match="node 'odd' \\(Mul\\) reads 's', a constant of element type STRING"):
+        db.to_spec(text)
 
 
 # ------------------------------------------------------------------ hostile files
