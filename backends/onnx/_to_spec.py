@@ -197,6 +197,8 @@ _DEFAULTS = {"Softmax": {"axis": -1}, "LogSoftmax": {"axis": -1}, "LeakyRelu": {
 _ELEMENTWISE = {"Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Gelu", "Softplus", "Elu", "Selu", "LeakyRelu",
                 "HardSigmoid", "HardSwish", "Mish", "Softsign", "Softmax", "LogSoftmax", "Abs", "Log", "Where",
                 "Greater", "Min", "Max", "Swish", "Flatten", "Sqrt", "Clip", "Div"}
+#: every operator read inside a run of activations (the others refuse the graph as a chain)
+_READ = _ELEMENTWISE | {"Identity", "Dropout", "Cast", "CastLike", "Mul", "Add", "Sub", "Neg", "Pow", "Constant"}
 #: the longest path of nodes read inside one run of activations (deeper is refused, not recursed)
 _MAX_DEPTH = 100
 #: element types a scalar constant is read from: floats, integers, bool
@@ -335,10 +337,7 @@ class _Segment:
         if kind == "Clip" and self.opset < 11:  # min and max were attributes
             lo, hi = a.pop("min", -3.4028234663852886e38), a.pop("max", 3.4028234663852886e38)
             return Expr("Clip", [arg(0), const(lo, _TOL[1]), const(hi, _TOL[1])], tuple(sorted(a.items())), tensor=name)
-        if kind in ("MatMul", "Gemm"):
-            raise _refuse(node, f"multiplies by {node.input[1] if len(node.input) > 1 else ''!r}, which is no weight "
-                                f"(a float initializer or Constant, possibly behind Transpose/Identity/Cast)")
-        if kind not in _ELEMENTWISE:
+        if kind not in _ELEMENTWISE:  # (reached from elsewhere than the chain's value: _segment names these first)
             raise _refuse(node, "is no operator of an activation")
         return Expr(kind, [arg(i) for i in range(len(node.input))], tuple(sorted(a.items())), tensor=name)
 
@@ -432,6 +431,13 @@ def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_node
     odd = next((n for n in reached if id(n) in why), None)  # a Gemm/MatMul that is no linear layer: say why
     if odd is not None:
         raise _refuse(odd, why[id(odd)])
+    foreign = next((n for n in reached if n.domain not in ("", "ai.onnx") or n.op_type not in _READ), None)
+    if foreign is not None:  # the first node no activation is made of (an embedding's Gather, a Conv...)
+        if foreign.op_type in ("MatMul", "Gemm"):
+            weight = foreign.input[1] if len(foreign.input) > 1 else ""
+            raise _refuse(foreign, f"multiplies by {weight!r}, which is no weight (a float initializer or Constant, "
+                                   f"possibly behind Transpose/Identity/Cast)")
+        raise _refuse(foreign, "is no operator of an activation")
     found = {t for t in [cur] + [o for n in reached for o in n.output] if t in stops}
     candidates = sorted(found, key=lambda t: -1 if t == cur else index.order[id(index.producer[t])])
     if not candidates:
