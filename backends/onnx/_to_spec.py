@@ -406,7 +406,39 @@ def read_exported(model: onnx.ModelProto) -> tuple[list, list, list]:
     for h in holders:
         if isinstance(h, OnnxLinear):
             h.path, h.generated = linear_path(h)
-    return specs, holders, ends
+    return _positions(index, inputs[0], specs, holders, ends)
+
+
+def _positions(index: Index, x: str, specs: list, holders: list, ends: list) -> tuple[list, list, list]:
+    """The chain with ``Identity()`` where the exported ``nn.Sequential`` had a position the graph
+    lost (an ``nn.Dropout``, an ``nn.Identity``), so that parameter keys ("3.kernel") are torch's.
+
+    Each position's nodes record the module they came from (the dynamo exporter's name scopes, the
+    legacy exporter's node names "/3/Gemm"); only where every position names a distinct top-level
+    index, increasing along the chain, are the gaps filled. A trailing lost position leaves no trace.
+    """
+    from ._models import legacy_scope, torch_scope
+
+    found = []
+    for spec, holder, end in zip(specs, holders, ends):
+        node = holder.matmul if isinstance(holder, OnnxLinear) else index.producer.get(end)
+        scope = None if node is None else torch_scope(node) or legacy_scope(node)
+        if scope is None or not scope.isdigit():
+            return specs, holders, ends
+        found.append(int(scope))
+    if any(b <= a for a, b in zip(found, found[1:])) or found == list(range(len(found))):
+        return specs, holders, ends
+    out_specs, out_holders, out_ends, last = [], [], [], x
+    for position, spec, holder, end in zip(found, specs, holders, ends):
+        while len(out_specs) < position:
+            out_specs.append(Identity())
+            out_holders.append(None)
+            out_ends.append(last)
+        out_specs.append(spec)
+        out_holders.append(holder)
+        out_ends.append(end)
+        last = end
+    return out_specs, out_holders, out_ends
 
 
 def _segment(model, index: Index, cur: str, out: str, linears: dict, linear_nodes: set, why: dict,
