@@ -12,7 +12,9 @@ weight initializer. The patterns exporters write for ``y = x @ kernel + bias``:
 - ``MatMul(x, Mul(W, M))``: dense_bridge's own masked layers (M the 0/1 mask initializer);
 - a bias as ``Add(y, b)`` or ``Add(b, y)`` with b a (units,) initializer, the MatMul's only consumer;
 - a ``Cast`` (dense_bridge's float16 layers compute in float32) or an ``Identity`` (the legacy
-  exporter's merged initializers) between an initializer and its use.
+  exporter's merged initializers) between an initializer and its use;
+- a weight or bias held by a ``Constant`` node instead of an initializer (read and written in
+  its ``value`` tensor, in place).
 """
 from __future__ import annotations
 
