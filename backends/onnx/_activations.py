@@ -6,6 +6,10 @@ reference in ``dense_bridge.activations`` writes them; parameters are float64 co
 ``_graph.Builder``). Exact gelu needs Erf: in float64 it is refused. Reading back is by pattern:
 the operators of a layer's activation name the candidate, its constants give the parameters,
 and the candidate is written again and compared node for node with what the graph holds.
+
+Graphs other tools exported write activations their own way (an operator, or decomposed into
+arithmetic): those are read by :func:`peel`, which matches a normalized expression of the
+operators against :data:`FORMS`, the forms each activation of the table is exported in.
 """
 from __future__ import annotations
 
