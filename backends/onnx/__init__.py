@@ -7,7 +7,9 @@
 | ``mask`` (in_features, units) | ``Mul(kernel, mask)`` before the MatMul |
 | Bilinear ``kernel`` (units, in1, in2) | ``Einsum("...i,kij,...j->...k")`` on it |
 
-``compile`` writes a spec as such a graph (``_layers``, opset :data:`OPSET`); ``db.linear_layers``
+``compile`` writes a spec as such a graph (``_layers``, opset :data:`OPSET`); ``to_spec`` reads it
+back, and reads any graph that is a chain of linear layers and activations (an MLP exported by
+``torch.onnx.export``, either exporter) as a spec too (``_to_spec``); ``db.linear_layers``
 finds linear layers in any graph, exported ones included (``_models``), each an
 :class:`OnnxLinear` that works as a lone layer; writes go to initializers in place (``_graph``).
 onnxruntime has no autograd: the manifest (``_manifest.py``) declares no ``gradients`` capability,

@@ -1,9 +1,14 @@
 """``.onnx`` files: read and write whole models, external data included, hostile files refused.
 
-Reading never follows the file anywhere it should not go: the protobuf is parsed without its
-external data, every external reference is checked (a relative path that stays inside the
-model's directory, no ``..``, no absolute path, no symlink leaving the directory, a regular
-file, an offset and length inside it, a size the machine's memory can hold) and only then read.
+Reading never follows the file anywhere it should not go: the file's size is checked against the
+memory available before it is read, the protobuf is parsed without its external data, and every
+tensor anywhere in it (initializers, sparse initializers, Constant and other tensor attributes,
+in the main graph, in every nested graph of If/Loop/Scan nodes and in model functions) is
+checked: two initializers of one name in a graph are refused (onnxruntime would use one of them),
+and every external reference must be a relative path that stays inside the model's directory
+(no ``..``, no absolute path, no symlink leaving the directory), a regular file, with an offset
+and length inside it and a size the machine's memory can hold; only then is it read into the
+tensor, so nothing is left for onnxruntime to resolve against the current directory.
 Writing goes through a temporary the core renames; tensors from ``external_threshold`` bytes go
 to ``<name>.data`` next to the model (as torch's dynamo exporter writes them).
 """
@@ -19,21 +24,28 @@ from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 
 from dense_bridge._errors import CheckpointError
+from dense_bridge.params._memory_budget import available_memory
 
 from ._arrays import to_numpy_dtype
 
+#: element types stored one whole number of bytes per value (sub-byte and string types are packed otherwise)
+_WHOLE_BYTES = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20})
 #: protobuf's own limit: larger models must keep tensors in external data
 _PROTO_LIMIT = 2 ** 31 - 1
 
 
 def _available_memory() -> int:
+    """Bytes a read may take: ``MemAvailable`` (the memory budget's reading), else physical memory."""
+    available = available_memory()
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
 
 
-def _tensor_bytes(t: TensorProto, path: str) -> int:
+def _tensor_bytes(t: TensorProto, path: str, what: str = "") -> int:
     try:
         item = np.dtype(to_numpy_dtype(t.data_type)).itemsize
     except Exception:  # noqa: BLE001 - an unknown element type
@@ -41,18 +53,68 @@ def _tensor_bytes(t: TensorProto, path: str) -> int:
     n = 1
     for d in t.dims:
         if d < 0:
-            raise CheckpointError(f"{path}: tensor {t.name!r} has a negative dimension {d}: corrupted")
+            raise CheckpointError(f"{path}: {what or repr(t.name)} has a negative dimension {d}: corrupted")
         n *= int(d)
     return n * item
 
 
-def _external_tensors(model: onnx.ModelProto) -> list[TensorProto]:
-    out = [t for t in model.graph.initializer if uses_external_data(t)]
-    for node in model.graph.node:
+def _graph_tensors(graph: onnx.GraphProto, where: str):
+    """(tensor, what it is) for every tensor of ``graph`` and of the graphs nested in its nodes."""
+    inside = f" of {where}" if where else ""
+    for t in graph.initializer:
+        yield t, f"initializer {t.name!r}{inside}"
+    for sp in graph.sparse_initializer:
+        yield sp.values, f"sparse initializer {sp.values.name!r}{inside}"
+        yield sp.indices, f"the indices of sparse initializer {sp.values.name!r}{inside}"
+    yield from _node_tensors(graph.node, where)
+
+
+def _node_tensors(nodes, where: str):
+    inside = f" of {where}" if where else ""
+    for node in nodes:
         for a in node.attribute:
-            if a.type == onnx.AttributeProto.TENSOR and uses_external_data(a.t):
-                out.append(a.t)
-    return out
+            what = f"attribute {a.name!r} of node {node.name!r} ({node.op_type}){inside}"
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield a.t, f"the tensor in {what}"
+            elif a.type == onnx.AttributeProto.TENSORS:
+                yield from ((t, f"a tensor in {what}") for t in a.tensors)
+            elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+                yield a.sparse_tensor.values, f"the sparse tensor in {what}"
+                yield a.sparse_tensor.indices, f"the sparse tensor's indices in {what}"
+            elif a.type == onnx.AttributeProto.GRAPH:
+                yield from _graph_tensors(a.g, f"the graph in {what}")
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for k, g in enumerate(a.graphs):
+                    yield from _graph_tensors(g, f"graph {k} in {what}")
+
+
+def all_tensors(model: onnx.ModelProto):
+    """(tensor, what it is) for every tensor ``model`` holds: main graph, nested graphs, functions."""
+    yield from _graph_tensors(model.graph, "")
+    for f in model.functions:
+        yield from _node_tensors(f.node, f"function {f.name!r}")
+
+
+def _graphs(graph: onnx.GraphProto, where: str):
+    """(graph, what it is) for ``graph`` and every graph nested in its nodes."""
+    yield graph, where or "the main graph"
+    for node in graph.node:
+        for a in node.attribute:
+            what = f"the graph in attribute {a.name!r} of node {node.name!r} ({node.op_type})"
+            for k, g in enumerate([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                                  a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
+                yield from _graphs(g, what if a.type == onnx.AttributeProto.GRAPH else f"{what} (graph {k})")
+
+
+def _check_names(path: str, model: onnx.ModelProto) -> None:
+    """CheckpointError for two initializers of one name in a graph (onnxruntime uses one of them)."""
+    for graph, where in _graphs(model.graph, ""):
+        seen: set[str] = set()
+        for name in [t.name for t in graph.initializer] + [sp.values.name for sp in graph.sparse_initializer]:
+            if name in seen:
+                raise CheckpointError(f"{path}: {where} holds two initializers named {name!r}: onnxruntime would "
+                                      f"use one of them and dense_bridge could read the other; refused")
+            seen.add(name)
 
 
 def _read_external(path: str, model: onnx.ModelProto) -> None:
@@ -60,42 +122,44 @@ def _read_external(path: str, model: onnx.ModelProto) -> None:
     base = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     budget = _available_memory()
     total = 0
-    for t in _external_tensors(model):
+    for t, what in list(all_tensors(model)):
+        if not uses_external_data(t):
+            continue
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
         if not loc or os.path.isabs(loc) or loc.startswith(("/", "\\")) or ".." in loc.replace("\\", "/").split("/"):
-            raise CheckpointError(f"{path}: tensor {t.name!r} points at external data {loc!r} outside the model's "
+            raise CheckpointError(f"{path}: {what} points at external data {loc!r} outside the model's "
                                   f"directory: refused (only relative paths inside {base} are read)")
         full = os.path.join(base, loc)
         real = os.path.realpath(full)
         if os.path.commonpath([real, base]) != base:
-            raise CheckpointError(f"{path}: tensor {t.name!r}'s external data {loc!r} is a link leading outside "
+            raise CheckpointError(f"{path}: {what}'s external data {loc!r} is a link leading outside "
                                   f"the model's directory ({real}): refused")
         try:
             st = os.stat(real)
         except OSError as exc:
-            raise CheckpointError(f"{path}: tensor {t.name!r}'s external data {loc!r} cannot be opened "
+            raise CheckpointError(f"{path}: {what}'s external data {loc!r} cannot be opened "
                                   f"({exc.strerror})") from None
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: tensor {t.name!r}'s external data {loc!r} is not a regular file "
+            raise CheckpointError(f"{path}: {what}'s external data {loc!r} is not a regular file "
                                   f"(a FIFO, device or directory): refused")
         try:
-            offset, need = int(info.get("offset", 0)), _tensor_bytes(t, path)
+            offset, need = int(info.get("offset", 0)), _tensor_bytes(t, path, what)
             length = int(info.get("length", need))
         except ValueError as exc:
-            raise CheckpointError(f"{path}: tensor {t.name!r} has a malformed external-data entry ({exc})") from None
+            raise CheckpointError(f"{path}: {what} has a malformed external-data entry ({exc})") from None
         total += need
         if need > budget or total > budget:
-            raise CheckpointError(f"{path}: tensor {t.name!r} claims {need} bytes ({total} in all), more memory than "
+            raise CheckpointError(f"{path}: {what} claims {need} bytes ({total} in all), more memory than "
                                   f"this machine has ({budget}): refused")
         if offset < 0 or length != need or offset + length > st.st_size:
-            raise CheckpointError(f"{path}: tensor {t.name!r} wants bytes {offset}..{offset + length} of {loc!r} "
+            raise CheckpointError(f"{path}: {what} wants bytes {offset}..{offset + length} of {loc!r} "
                                   f"({st.st_size} bytes) for a tensor of {need} bytes: truncated or corrupted")
         with open(real, "rb") as f:
             f.seek(offset)
             data = f.read(length)
         if len(data) != length:
-            raise CheckpointError(f"{path}: {loc!r} ended early reading tensor {t.name!r}")
+            raise CheckpointError(f"{path}: {loc!r} ended early reading {what}")
         t.raw_data = data
         del t.external_data[:]
         t.data_location = TensorProto.DEFAULT
@@ -109,6 +173,13 @@ def read_model(path: str) -> onnx.ModelProto:
         raise CheckpointError(f"cannot open {path}: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refused")
+    available = _available_memory()
+    if 2 * st.st_size > available:  # the file's bytes and the parsed model hold it twice
+        raise CheckpointError(f"{path} is {st.st_size:,} bytes; reading it takes about {2 * st.st_size:,} bytes, more "
+                              f"than the {available:,} bytes of memory available: refused before reading")
+    if st.st_size > _PROTO_LIMIT:
+        raise CheckpointError(f"{path} is {st.st_size:,} bytes, past protobuf's 2 GiB limit ({_PROTO_LIMIT:,}): not "
+                              f"a readable ONNX model (a model this large keeps its tensors in external data)")
     with open(path, "rb") as f:
         data = f.read(st.st_size + 1)
     model = onnx.ModelProto()
@@ -119,12 +190,13 @@ def read_model(path: str) -> onnx.ModelProto:
                               f"{type(exc).__name__})") from None
     if not model.HasField("graph") or (not model.graph.node and not model.graph.initializer):
         raise CheckpointError(f"{path} holds no ONNX graph (an empty or foreign protobuf)")
-    for t in model.graph.initializer:
-        if not uses_external_data(t):
-            need = _tensor_bytes(t, path)
+    _check_names(path, model)
+    for t, what in all_tensors(model):
+        if not uses_external_data(t) and t.data_type in _WHOLE_BYTES:
+            need = _tensor_bytes(t, path, what)
             if t.raw_data and len(t.raw_data) != need:
-                raise CheckpointError(f"{path}: initializer {t.name!r} holds {len(t.raw_data)} bytes for a tensor of "
-                                      f"{need}: corrupted")
+                raise CheckpointError(f"{path}: {what} holds {len(t.raw_data)} bytes for a tensor of {need}: "
+                                      f"corrupted")
     _read_external(path, model)
     return model
 

@@ -12,7 +12,9 @@ weight initializer. The patterns exporters write for ``y = x @ kernel + bias``:
 - ``MatMul(x, Mul(W, M))``: dense_bridge's own masked layers (M the 0/1 mask initializer);
 - a bias as ``Add(y, b)`` or ``Add(b, y)`` with b a (units,) initializer, the MatMul's only consumer;
 - a ``Cast`` (dense_bridge's float16 layers compute in float32) or an ``Identity`` (the legacy
-  exporter's merged initializers) between an initializer and its use.
+  exporter's merged initializers) between an initializer and its use;
+- a weight or bias held by a ``Constant`` node instead of an initializer (read and written in
+  its ``value`` tensor, in place).
 """
 from __future__ import annotations
 
@@ -38,22 +40,44 @@ def is_generated(name: str) -> bool:
 
 
 class Index:
-    """Lookups over one graph, built on demand (the graph may have changed since the last one)."""
+    """Lookups over one graph, built on demand (the graph may have changed since the last one).
+
+    ``inits``: initializers by name, and the float tensors ``Constant`` nodes hold by their output's
+    name (an exporter may write a weight as a Constant node). Two initializers (or an initializer
+    and a node output) of one name are refused: onnxruntime would use one of them and dense_bridge
+    could read or write the other.
+    """
 
     def __init__(self, model: onnx.ModelProto) -> None:
         g = model.graph
         self.model = model
-        self.inits: dict[str, TensorProto] = {t.name: t for t in g.initializer}
+        self.inits: dict[str, TensorProto] = {}
+        self.consts: dict[str, NodeProto] = {}  # a Constant node's output -> the node
+        for t in g.initializer:
+            if t.name in self.inits:
+                raise ConversionError(f"the ONNX graph holds two initializers named {t.name!r}: onnxruntime would "
+                                      f"use one of them and dense_bridge could read the other; refused")
+            self.inits[t.name] = t
         self.producer: dict[str, NodeProto] = {}
         self.consumers: dict[str, list[tuple[NodeProto, int]]] = {}
         self.order: dict[int, int] = {}
         for i, node in enumerate(g.node):
             self.order[id(node)] = i
             for out in node.output:
-                self.producer[out] = node
+                if out and out in self.inits:
+                    raise ConversionError(f"node {node.name!r} ({node.op_type}) writes the tensor {out!r}, the name "
+                                          f"of an initializer too: which one onnxruntime uses is not defined; refused")
+                if out:
+                    self.producer[out] = node
             for j, name in enumerate(node.input):
                 if name:
                     self.consumers.setdefault(name, []).append((node, j))
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+                value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR),
+                             None)
+                if value is not None and value.data_type in FLOAT_TYPES:
+                    self.consts[node.output[0]] = node
+                    self.inits[node.output[0]] = value
         self.outputs = {o.name for o in g.output}
 
     def uses(self, name: str) -> int:
@@ -96,6 +120,9 @@ class ParamSlots:
         slot = self.slots[name]
         wanted = slot.node.input[slot.pos]
         tensor = next((t for t in self.model.graph.initializer if t.name == wanted), None)
+        if tensor is None:  # a weight an exporter wrote as a Constant node: its value attribute, in place
+            tensor = next((a.t for n in self.model.graph.node if n.op_type == "Constant" and list(n.output) == [wanted]
+                           for a in n.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
         if tensor is None:
             raise ConversionError(f"{self.path or 'the layer'}: its {name} initializer "
                                   f"{slot.node.input[slot.pos]!r} is no longer in the graph")
@@ -116,19 +143,20 @@ class ParamSlots:
         planned = []
         for name, value in arrays.items():
             slot = self.slots[name]
-            old = index.inits[slot.node.input[slot.pos]]
+            read = slot.node.input[slot.pos]
+            old = index.inits[read]
             value = np.asarray(value)
             stored = value.T if canonical and slot.transposed else value
             stored = np.ascontiguousarray(stored).astype(to_numpy(old).dtype, copy=False)
-            planned.append((slot, old, stored))
-        for slot, old, stored in planned:
-            if index.uses(old.name) > 1:
+            planned.append((slot, read, old, stored))
+        for slot, read, old, stored in planned:
+            if index.uses(read) > 1:
                 current = to_numpy(old)
                 if current.shape == stored.shape and current.tobytes() == stored.tobytes():
                     continue
                 copy = self.model.graph.initializer.add()
                 copy.CopyFrom(old)
-                copy.name = _unique(index, f"{old.name}.{self.path or slot.node.name or 'split'}")
+                copy.name = _unique(index, f"{read}.{self.path or slot.node.name or 'split'}")
                 index.inits[copy.name] = copy
                 slot.node.input[slot.pos] = copy.name
                 write_initializer(copy, stored)

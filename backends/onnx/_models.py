@@ -33,7 +33,7 @@ from ._graph import Index, OnnxLinear, ParamSlots, Slot, find_linear, is_generat
 _PARAM_TAIL = re.compile(r"\.(weight|kernel|bias|mask)$")
 
 
-def _scope(node: onnx.NodeProto) -> str | None:
+def torch_scope(node: onnx.NodeProto) -> str | None:
     """The module path the dynamo exporter recorded on ``node`` (None when it recorded none)."""
     for p in node.metadata_props:
         if p.key == "pkg.torch.onnx.name_scopes":
@@ -46,7 +46,7 @@ def _scope(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _legacy_scope(node: onnx.NodeProto) -> str | None:
+def legacy_scope(node: onnx.NodeProto) -> str | None:
     """The module path in a legacy exporter node name ("/encoder/layer.0/query/MatMul")."""
     if not node.name.startswith("/"):
         return None
@@ -71,13 +71,13 @@ def _init_name(holder: ParamSlots, key: str) -> str:
 
 def linear_path(layer: OnnxLinear) -> tuple[str, bool]:
     """(path, generated) of a linear layer found in a graph (rules in the module docstring)."""
-    scope = _scope(layer.matmul)
+    scope = torch_scope(layer.matmul)
     if scope is not None:
         return scope, False
     kept = _kept(_init_name(layer, "kernel"))
     if kept is not None:
         return kept, False
-    legacy = _legacy_scope(layer.matmul)
+    legacy = legacy_scope(layer.matmul)
     if legacy is not None:
         return legacy, False
     return _init_name(layer, "kernel"), True
@@ -113,7 +113,7 @@ def _others(model: onnx.ModelProto, index: Index, taken: set[int]) -> list[Param
             t = index.inits.get(name)
             if t is None or t.data_type not in FLOAT_TYPES or not t.dims:
                 continue
-            path = _scope(node) or _kept(name) or _legacy_scope(node) or name
+            path = torch_scope(node) or _kept(name) or legacy_scope(node) or name
             tail = name.rsplit(".", 1)[-1] if not is_generated(name) and "." in name else f"input{pos}"
             holder = groups.setdefault(path, ParamSlots(model, path, {}))
             key, k = tail, 1
@@ -207,4 +207,4 @@ def walk(model) -> list[Entry]:
     return sorted(out, key=first)
 
 
-__all__ = ["walk", "find_linears", "linear_path"]
+__all__ = ["walk", "find_linears", "linear_path", "torch_scope", "legacy_scope"]

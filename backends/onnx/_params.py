@@ -17,17 +17,15 @@ import numpy as np
 from dense_bridge._errors import ConversionError
 
 from ._graph import ParamSlots
-from ._layers import CHAIN_KEY
-from ._to_spec import read_chain
+from ._to_spec import chain_of
 
 
 def _holders(native) -> list[tuple[str, ParamSlots]]:
     """(canonical key prefix, parameters) of each layer holding some: "0.", "2."... in a chain."""
     if isinstance(native, ParamSlots):
         return [("", native)]
-    _, holders = read_chain(native)
-    seq = any(p.key == CHAIN_KEY and p.value == "sequential" for p in native.metadata_props)
-    return [(f"{i}." if seq else "", h) for i, h in enumerate(holders) if h is not None]
+    c = chain_of(native)
+    return [(f"{i}." if c.seq else "", h) for i, h in enumerate(c.holders) if h is not None]
 
 
 def get_params(native) -> dict[str, np.ndarray]:

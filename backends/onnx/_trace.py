@@ -18,12 +18,18 @@ from dense_bridge._errors import ConversionError
 from dense_bridge.registry._trace import LayerTrace, Trace
 
 from ._arrays import to_numpy_dtype
+from ._files import all_tensors
 from ._graph import Index, OnnxLinear
-from ._to_spec import read_chain
+from ._to_spec import chain_of
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     """An onnxruntime CPU session for ``model`` (serialized: the caller's model is never changed)."""
+    for t, what in all_tensors(model):  # onnxruntime would read it relative to the current directory
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            raise ConversionError(f"{what} keeps its data in an external file that was not loaded: dense_bridge "
+                                  f"does not let onnxruntime read it from the current directory; load the model "
+                                  f"with db.load(path), which checks and reads its external data")
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # run the graph as written
@@ -65,7 +71,13 @@ def layer_graph(layer: OnnxLinear) -> onnx.ModelProto:
     for new, old in zip(nodes, layer.nodes):
         new.CopyFrom(old)
     used = {n for node in nodes for n in node.input}
-    inits = [index.inits[n] for n in used if n in index.inits]
+    inits = []
+    for n in sorted(used):
+        if n in index.inits:  # an initializer, or the tensor of a Constant node, as an initializer of its name
+            t = onnx.TensorProto()
+            t.CopyFrom(index.inits[n])
+            t.name = n
+            inits.append(t)
     kslot = layer.slots["kernel"]
     compute = kernel.data_type
     if kslot.node.op_type == "Cast":
@@ -94,26 +106,15 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray | None = No
         out = run(model, {model.graph.input[0].name: x})[model.graph.output[0].name]
         out = out.reshape(lead + out.shape[-1:])
         return Trace([LayerTrace(out, ())])
-    specs, _ = read_chain(native)
+    ends = chain_of(native).ends
     g = native.graph
     feeds = {}
-    for spec_in, x in zip(g.input, inputs):
+    inits = {t.name for t in g.initializer}
+    for spec_in, x in zip([i for i in g.input if i.name not in inits], inputs):
         dtype = to_numpy_dtype(spec_in.type.tensor_type.elem_type)
         feeds[spec_in.name] = np.asarray(x).astype(dtype, copy=False)
-    ends = _layer_outputs(native, len(specs))
     values = run(native, feeds, [e for e in ends if e not in feeds])
     return Trace([LayerTrace(values[e] if e not in feeds else feeds[e], ()) for e in ends])
-
-
-def _layer_outputs(model: onnx.ModelProto, n: int) -> list[str]:
-    """The output tensor of each layer of a compiled chain (its last node's output)."""
-    seq = any(p.key == "dense_bridge_chain" and p.value == "sequential" for p in model.metadata_props)
-    if not seq:
-        return [model.graph.output[0].name]
-    last: dict[int, str] = {}
-    for node in model.graph.node:
-        last[int(node.name.partition("/")[0])] = node.output[0]
-    return [last[i] for i in range(n)]
 
 
 def run_layer(layer: OnnxLinear, x: np.ndarray, grad_out: np.ndarray | None = None):
