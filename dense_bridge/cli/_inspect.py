@@ -16,7 +16,7 @@ from ._text import table
 def whole_model(entries, framework) -> tuple[list[dict], list[tuple[str, tuple, str]]]:
     """(linear layers recognised by name, the other tensors) of a file without a spec: other
     tensors (embedding tables, norms) say it holds a whole model, which no spec describes."""
-    from ..models._file_layers import file_linear_layers
+    from ..models import file_linear_layers
 
     rows = file_linear_layers(entries, framework)
     taken = {t for r in rows for t in r["tensors"]}
@@ -77,8 +77,8 @@ def cmd_inspect(args) -> int:
     if isinstance(ckpt, checkpoints.CanonicalCheckpoint):
         doc["format_version"] = ckpt.meta.get("format_version")
     doc["quantized_layers"] = checkpoints.quantized_layers(ckpt)  # codes kept: bits, groups, scheme per layer
-    if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models._file_layers)
-        from ..models._file_layers import file_linear_layers, format_file_linear_layers
+    if ckpt.spec is None:  # a plain weights file: linear layers by name, layouts assumed (models.py)
+        from ..models import file_linear_layers, format_file_linear_layers
 
         doc["linear_layers"] = checkpoints.quantized_linear_rows(file_linear_layers(entries, ckpt.framework),
                                                                  doc["quantized_layers"])

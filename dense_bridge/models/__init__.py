@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._file_layers import file_linear_layers, format_file_linear_layers  # dense-bridge inspect's listing
 from ._hints import empty_params_error, remember_example
 from ._layouts import Layout, register
 from ._report import TransferReport

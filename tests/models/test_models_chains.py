@@ -275,7 +275,7 @@ def test_keras_regularizers_and_constraints_are_named_when_dropped():
 def test_inspect_lists_linear_layers_of_a_plain_state_dict_with_assumed_layouts(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     from dense_bridge.cli import _main as cli
-    from dense_bridge.models._file_layers import file_linear_layers
+    from dense_bridge.models import file_linear_layers
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8),
                                 torch.nn.Linear(8, 8, bias=False))
