@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._file_layers import file_linear_layers, format_file_linear_layers  # dense-bridge inspect's listing
+# also read from here by the rest of the package: the CLI's file listing (it imports public modules
+# only), _api's hints, testing's walk of both models (sides)
+from ._file_layers import file_linear_layers, format_file_linear_layers
 from ._hints import empty_params_error, remember_example
 from ._layouts import Layout, register
 from ._report import TransferReport
