@@ -28,7 +28,7 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
 The result is a :class:`~dense_bridge.models._plan.Plan` (``LayerMove``s), so the transfer and
 its ``report.rules`` are the explicit mapping's. Equal-width layers read from one input (q and k)
 cannot be told apart by running the untrained pair: a wrong guess reproduces its partner layer
-by layer, which is why ``db.transfer`` (``_auto_transfer``) verifies the whole run (every matched layer's input
+by layer, which is why ``db.transfer`` (``_transfer``) verifies the whole run (every matched layer's input
 and output, and the model output) before it keeps anything.
 """
 from __future__ import annotations
@@ -41,12 +41,11 @@ from typing import Any
 import numpy as np
 
 from . import _plan as _mapping
-from .._errors import ConversionError, SpecError, received
+from .._errors import ConversionError, received
 from ..params._source import array_to_numpy
-from ..registry._backends import adapter_for
 from ..registry._captures import HEAD_CALL
 
-__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "Inferred", "NEEDS_INPUTS"]
+__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "one_dict", "Inferred", "NEEDS_INPUTS"]
 
 NEEDS_INPUTS = ("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, or a pair "
                 "(src inputs, dst inputs)). Received: inputs=None")
@@ -96,12 +95,14 @@ def _fingerprint(x: np.ndarray) -> str:
     return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
 
 
-def _kernel_shape(e) -> tuple:
-    """A linear layer's canonical (in_features, units)."""
-    try:
-        return tuple(adapter_for(e.layer).get_params(e.layer)["kernel"].shape)
-    except SpecError as exc:  # an unbuilt lazy layer
-        raise ConversionError(str(exc)) from None
+def one_dict(inputs):
+    """``inputs`` with a list holding one dict of keyword arrays read as that dict (on each side of
+    a pair too): ``[{"input_ids": ids}]`` is keyword inputs, as ``{"input_ids": ids}`` is."""
+    def one(v):
+        return v[0] if isinstance(v, (list, tuple)) and len(v) == 1 and isinstance(v[0], dict) else v
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
+        return one(inputs[0]), one(inputs[1])
+    return one(inputs)
 
 
 def _numpy_inputs(value, argument: str):
@@ -110,6 +111,8 @@ def _numpy_inputs(value, argument: str):
         if arr is None or np.asarray(arr).dtype == object:
             raise TypeError(f"{where} must be a numeric array. {received(where, v)}")
         return np.asarray(arr)
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], dict):
+        value = value[0]  # a list holding one dict: keyword inputs
     if isinstance(value, dict):
         return {k: one(v, f"{argument}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -153,8 +156,7 @@ class _Run:
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
     """One forward pass of ``model`` recording every call of its parameterised layers."""
-    adapter = adapter_for(model, side.argument)
-    verb = getattr(adapter, "capture", None)
+    verb = getattr(side.adapter, "capture", None)
     if not callable(verb):
         raise ConversionError(f"mapping='auto': the {side.backend!r} backend cannot record the calls of layers inside "
                               f"a model (no capture verb). {received(side.argument, model)}")
@@ -191,7 +193,7 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        sig = _kernel_shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        sig = tuple(side.linear_params(e)["kernel"].shape) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
         layer = _Layer(e, kind, i, tuple(sig), source)
         if kind == "linear" and side.fully_tied(e):
@@ -292,7 +294,7 @@ class Inferred:
 
 
 def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
-    """Record both models on ``inputs`` and pair their layers (``a``/``b``: ``models.sides``)."""
+    """Record both models on ``inputs`` and pair their layers (``a``/``b``: ``_walk.sides``)."""
     explicit = mapping.explicit if isinstance(mapping, Auto) else None
     plan = _mapping.Plan()
     if explicit is not None:
@@ -328,7 +330,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:
     """The inferred mapping as explicit rules (``compare_models(..., mapping="auto")``); ``sides``:
-    ``models.sides``. ConversionError when the models cannot be paired."""
+    ``_walk.sides``. ConversionError when the models cannot be paired."""
     if inputs is None:
         raise TypeError(NEEDS_INPUTS)
     a, b = sides(src_model, dst_model)

@@ -90,8 +90,12 @@ def test_regex_rules_and_callable_mapping_and_parameter_paths():
     np.testing.assert_array_equal(fresh.get_layer("ln").gamma.numpy(), src.norm.weight.detach().numpy())
     # a parameter path named directly moves as stored (shapes must agree)
     other = _keras_encoder()
-    report = db.transfer(src, other, mapping={"up": "ff_in", "down": "ff_out", "embed.weight": "tok/embeddings",
-                                              "norm.weight": "ln/gamma"}, strict=True)
+    partial = {"up": "ff_in", "down": "ff_out", "embed.weight": "tok/embeddings", "norm.weight": "ln/gamma"}
+    gamma = other.get_layer("ln").gamma.numpy().copy()
+    with pytest.raises(db.ConversionError, match=r"left unwritten: \['ln/beta'\]"):  # strict: complete
+        db.transfer(src, other, mapping=partial, strict=True)
+    np.testing.assert_array_equal(other.get_layer("ln").gamma.numpy(), gamma)  # nothing written
+    report = db.transfer(src, other, mapping=partial, strict=False)
     assert ("norm.weight", "ln/gamma", "parameter") in report.moved
     assert report.not_moved_src == ["norm.bias"] and report.not_moved_dst == ["ln/beta"]
 

@@ -2,7 +2,7 @@
 walk of each model, and ``transfer(mapping="auto")`` carries out the inferred plan on the walks the
 inference used (the verification's ``compare_models`` walks once more, no further).
 
-Real torch models; the walk is counted by wrapping ``dense_bridge.models.walk``, which every
+Real torch models; the walk is counted by wrapping ``dense_bridge.models._walk.walk``, which every
 reader of a model's layers goes through, and calling the real one.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dense_bridge as db
-from dense_bridge import models
+from dense_bridge.models import _walk
 
 
 def _mlp(torch, seed: int):
@@ -25,13 +25,13 @@ def _mlp(torch, seed: int):
 def walks(monkeypatch):
     """Counter: id(model) -> how many times it was walked."""
     counts: Counter = Counter()
-    real = models.walk
+    real = _walk.walk
 
-    def counting(model, argument="model"):
+    def counting(model, argument="model", adapter=None):
         counts[id(model)] += 1
-        return real(model, argument)
+        return real(model, argument, adapter)
 
-    monkeypatch.setattr(models, "walk", counting)
+    monkeypatch.setattr(_walk, "walk", counting)
     return counts
 
 
