@@ -28,7 +28,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("._api", "compile"), "convert": ("._api", "convert"), "get_params": ("._api", "get_params"),
     "set_params": ("._api", "set_params"), "to_spec": ("._api", "to_spec"), "inference": ("._api", "inference"),
     "linear_layers": (".models", "linear_layers"), "register_layout": (".models", "register_layout"),
-    "transfer": (".models._transfer", "transfer"), "auto": (".models._infer", "auto"), "Quant": (".quant", "Quant"),
+    "transfer": ("._transfer", "transfer"), "auto": (".models._infer", "auto"), "Quant": (".quant", "Quant"),
     "save": (".checkpoints", "save"), "load": (".checkpoints", "load"),
     "register_backend": (".registry._backends", "register_backend"),
     "lora": (".lora", None), "merge_lora": (".lora._merge", "merge_lora"),

@@ -1,5 +1,7 @@
 """Linear layers inside any model: find them (:func:`linear_layers`), declare third-party
-layouts (:func:`register_layout`) and move whole models' weights (:func:`transfer`).
+layouts (:func:`register_layout`), and plan and carry out the moves of whole models' weights.
+``db.transfer`` itself, which also verifies an inferred mapping with ``dense_bridge.testing``,
+is the front-door module ``dense_bridge/_transfer.py``: nothing in this package imports testing.
 
 Paths are each framework's own naming:
 
@@ -16,7 +18,8 @@ The package, one job a module:
 - ``_plan``: every explicit ``mapping=`` form parsed into a plan; ``_by_order``: the plan of
   ``mapping=None``; ``_infer``: the plan of ``mapping="auto"`` (one forward pass of each model);
 - ``_execute``: a plan carried out, one function per kind of move, all-or-nothing;
-- ``_transfer``: ``db.transfer``, the one pipeline (plan -> execute -> verify);
+- ``_resolve``: any mapping form resolved into a plan on two walked models (``plan_for``), the
+  linear moves as a transfer plans them (``match_moves``), transfer's argument checks;
 - ``_report``: ``TransferReport``;
 - ``_hints``, ``_file_layers``: the errors that point lone-layer verbs at models, and the linear
   layers of a plain weights file (``dense-bridge inspect``).
@@ -35,9 +38,8 @@ from ._walk import LINEAR_KINDS, linear_layers, sides, walk
 
 __all__ = ["linear_layers", "register_layout", "transfer", "auto", "walk", "TransferReport"]
 
-#: Names whose modules build on ``dense_bridge.testing`` (the verification of an inferred
-#: mapping), imported on first use so that importing this package does not import testing.
-_LATER = {"transfer": "._transfer", "match_moves": "._transfer", "match_layers": "._transfer",
+#: Names imported on first use (``transfer`` from the front door, which imports testing).
+_LATER = {"transfer": "dense_bridge._transfer", "match_moves": "._resolve", "match_layers": "._resolve",
           "auto": "._infer", "NAME_TABLE": "._execute"}
 
 

@@ -28,7 +28,7 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
 The result is a :class:`~dense_bridge.models._plan.Plan` (``LayerMove``s), so the transfer and
 its ``report.rules`` are the explicit mapping's. Equal-width layers read from one input (q and k)
 cannot be told apart by running the untrained pair: a wrong guess reproduces its partner layer
-by layer, which is why ``db.transfer`` (``_transfer``) verifies the whole run (every matched layer's input
+by layer, which is why ``db.transfer`` (``dense_bridge/_transfer.py``) verifies the whole run (every matched layer's input
 and output, and the model output) before it keeps anything.
 """
 from __future__ import annotations
