@@ -58,5 +58,8 @@ MANIFEST = Manifest(
     layout_note="torch layout: Linear weight (out_features, in_features), mask like the weight",
     file_names=FileNames("weight", "bias", ".", "out_in", "torch stores Linear weight as (out, in)"),
     model_files=_PICKLE_ENDINGS,
+    # transformers' GPT-style Conv1D stores weight (nx, nf) = (in, out) and computes
+    # addmm(bias, x, weight) (transformers/pytorch_utils.py)
+    linear_layouts=(("transformers.pytorch_utils.Conv1D", "weight", "bias", "in_out"),),
     adapter_formats=(AdapterFormat("peft", files=PEFT_FILES, module="_lora_files", refuse=_pickled_peft),),
 )

@@ -68,7 +68,7 @@ def _whole_model_advice(src: str, format: str | None, target: str) -> str | None
     return (f"{src} holds a whole model ({len(entries)} tensors), not a chain of Dense layers: no dense_bridge spec "
             f"describes it, so --spec cannot help and convert cannot rebuild it. Build the model in {target} with its "
             f"own library, then move the weights in Python:\n"
-            f"    src = transformers.AutoModel.from_pretrained(DIR)  # the model this file belongs to\n"
+            f"    src = ...  # the model this file belongs to, loaded by its own library\n"
             f"    db.transfer(src, dst, mapping=[(r\"(.*)\", r\"\\1\")])  # dst: the same architecture in {target}\n"
             f"(README \"Port a real model\": rules for differing paths, fused layers, tied heads.)\n"
             f"Found {found}")

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--to", required=True, choices=tuple(formats), metavar="FORMAT", help=names)
     p.add_argument("-o", "--output", required=True, metavar="OUT_DIR", help="output directory (created; must not exist)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--base-config", metavar="CONFIG", help="the base model's config.json (its layer count: a format "
+    g.add_argument("--base-config", metavar="CONFIG", help="the base model's JSON config file (its layer count: a format "
                                                            "may count adapted blocks from the end of the stack)")
     g.add_argument("--num-layers", type=int, metavar="N", help="the base model's number of transformer blocks")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf factors, alphas and scales")

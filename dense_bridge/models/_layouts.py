@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .._errors import SpecError, check_type, received
+from .._errors import DenseBridgeError, SpecError, check_type, received
 
 LAYOUTS = ("in_out", "out_in")
 
@@ -72,22 +72,41 @@ def register(cls: Any, *, kernel: str, bias: str | None = None, layout: str) -> 
     return decl
 
 
+_read_from: set[str] = set()  # backends whose manifests' layouts are in _DECLARED
+
+
+def _read_manifests() -> None:
+    """Add the layouts the registered backends' manifests declare (``Manifest.linear_layouts``),
+    each backend's once (one registered later is read at the next lookup); a user's own
+    declaration of the same class wins."""
+    from ..registry._backends import manifest, names
+
+    new = [name for name in names() if name not in _read_from]
+    if not new:
+        return
+    found = []
+    for name in new:
+        try:
+            found += manifest(name).linear_layouts
+        except DenseBridgeError:  # a backend whose manifest cannot load declares nothing usable
+            pass
+    with _lock:
+        for cls, kernel, bias, layout in found:
+            _DECLARED.setdefault(cls, Layout(cls, kernel, bias, layout))
+        _read_from.update(new)
+
+
 def declared(obj: Any) -> Layout | None:
     """The declaration for ``obj``'s own class (exact class: a subclass may change the forward)."""
-    if not _DECLARED:
-        return None
+    _read_manifests()
     return _DECLARED.get(_dotted(type(obj)))
 
 
 def declarations() -> dict[str, Layout]:
     """A snapshot of every declaration, by dotted class name."""
+    _read_manifests()
     with _lock:
         return dict(_DECLARED)
-
-
-# Built in: transformers' GPT-style Conv1D stores weight (nx, nf) = (in, out) and computes
-# addmm(bias, x, weight) (transformers/pytorch_utils.py). Declared by name: no import.
-register("transformers.pytorch_utils.Conv1D", kernel="weight", bias="bias", layout="in_out")
 
 
 @dataclass

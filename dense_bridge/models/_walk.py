@@ -49,7 +49,7 @@ def refuse_quantized(entries: list[Entry], argument: str) -> None:
         listed = "; ".join(f"{e.where()}{': ' + e.note if e.note else ''}" for e in bad)
         raise ConversionError(
             f"{argument} holds quantized linear layers dense_bridge cannot read: "
-            f"{listed}. Dequantize the model first (load it in float16/float32, or mlx_lm's dequantize), "
+            f"{listed}. Dequantize the model first (load it in float16/float32, or with its library's own dequantization), "
             f"then list or transfer its layers")
 
 

@@ -207,6 +207,10 @@ class Manifest:
     - ``model_files``: name endings of whole-model files its ``load_model`` verb reads.
     - ``adapter_formats``: the :class:`AdapterFormat` s of LoRA adapter files this framework's
       ecosystem writes (PEFT for torch, mlx-lm for MLX, keras-hub for Keras).
+    - ``linear_layouts``: linear classes of the framework's ecosystem that dense_bridge does not
+      build, by dotted name, as ``(class, kernel attribute, bias attribute or None, "in_out" or
+      "out_in")``: what ``db.register_layout`` would declare (``models/_layouts.py``), read on
+      first use without importing the class.
     - ``quiet_import``: importing the framework writes C++ log lines to file descriptor 2
       (TensorFlow): the command line imports it with that descriptor silenced.
     """
@@ -223,4 +227,5 @@ class Manifest:
     file_names: FileNames | None = None
     model_files: tuple[str, ...] = ()
     adapter_formats: tuple[AdapterFormat, ...] = ()
+    linear_layouts: tuple[tuple[str, str, str | None, str], ...] = ()
     quiet_import: bool = False

@@ -688,3 +688,110 @@ def test_the_dispatch_check_sees_calls_and_lookups():
            'optional_verb(b, "save_dcp", "why")\nfrom x import parallel_barrier\nparallel_barrier(m)\n')
     found = _verb_mentions(ast.parse(src), {"parallel_state", "parallel_trace", "save_dcp", "parallel_barrier"})
     assert sorted(found) == [(2, "parallel_trace"), (3, "save_dcp"), (5, "parallel_barrier")], found
+
+
+# ------------------------------------------------------------------ the core names no ecosystem format
+#: Libraries of the model ecosystems, and the file names, key grammars and config keys of their
+#: formats. A format lives with the framework that runs it (backends/<fw>/), reached through the
+#: manifest and the optional verbs; the core sees only what a backend declares.
+ECOSYSTEM_WORDS = ("transformers", "peft", "mlx_lm", "mlx-lm", "keras_hub", "keras-hub", "torchao", "gguf",
+                   "llama.cpp", "llama_cpp", "config.json", "adapter_config", "adapter_model", "adapters.safetensors",
+                   "pytorch_model", "base_model", "lora_A", "lora_B", "lora_magnitude_vector", "lora_alpha",
+                   "rank_pattern", "alpha_pattern", "fine_tune_type", "lora_parameters", "quantization_config",
+                   "model_type", "auto_map", "rope_theta", "tie_word_embeddings", "Conv1D")
+
+#: Core string literals allowed to name an ecosystem word: {(file, literal): why}. Keep it short.
+ECOSYSTEM_NAME_ALLOWLIST: dict[tuple[str, str], str] = {}
+
+
+def _ecosystem_words() -> re.Pattern:
+    # case-sensitive: dense_bridge's own canonical adapter names are lora_a/lora_b
+    return re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(re.escape(w) for w in ECOSYSTEM_WORDS) + r")(?![A-Za-z0-9])")
+
+
+def test_no_core_string_names_an_ecosystem_library_or_its_file_format():
+    """PEFT and mlx-lm adapter directories, transformers and mlx-lm model directories, keras-hub
+    presets, GGUF: their file names, key grammars and config keys are backend knowledge.
+    Docstrings and comments may explain with examples; code may not depend on them."""
+    words = _ecosystem_words()
+    offenders, used = [], set()
+    for path in _core_files():
+        rel = path.relative_to(CORE).as_posix()
+        for line, text in _string_literals(ast.parse(path.read_text(), str(path))):
+            if words.search(text):
+                if (rel, text) in ECOSYSTEM_NAME_ALLOWLIST:
+                    used.add((rel, text))
+                    continue
+                offenders.append(f"dense_bridge/{rel}:{line}: {text[:90]!r}")
+    assert not offenders, "declare it in backends/<fw>/ instead:\n" + "\n".join(offenders)
+    assert not set(ECOSYSTEM_NAME_ALLOWLIST) - used, f"stale: {set(ECOSYSTEM_NAME_ALLOWLIST) - used}"
+
+
+def test_the_ecosystem_check_sees_file_names_and_key_grammar():
+    words = _ecosystem_words()
+    src = ('NAME = "adapter_config.json"\nKEY = f"base_model.model.{p}.lora_A.weight"\nlib = "mlx-lm"\n'
+           'ok = "transformed"\nok2 = "model_types_seen"\n')
+    hits = [t for _, t in _string_literals(ast.parse(src)) if words.search(t)]
+    assert sorted(hits) == sorted(["adapter_config.json", "base_model.model.", ".lora_A.weight", "mlx-lm"]), hits
+
+
+# ------------------------------------------------------------------ imports point down the layer order
+def _layer_order() -> list[tuple[str, list[str]]]:
+    """The layers of docs/ARCHITECTURE.md's "Layers" table, bottom first: (name, module prefixes).
+
+    The table sits between ``<!-- layers -->`` and ``<!-- /layers -->``; each row is
+    ``| n | layer name | module prefixes, space-separated, relative to dense_bridge |``.
+    """
+    doc = (CORE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    table = doc.split("<!-- layers -->", 1)[1].split("<!-- /layers -->", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            rows.append((cells[1], [("dense_bridge" if p == "(package)" else f"dense_bridge.{p}")
+                                    for p in cells[2].replace("`", "").split()]))
+    return rows
+
+
+def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The index of the layer whose longest prefix names ``module`` (a module-level entry such as
+    ``checkpoints._io`` wins over its package's)."""
+    best = None
+    for i, (_, prefixes) in enumerate(layers):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def _upward_imports(graph: dict[str, set[str]], layers) -> list[str]:
+    out = []
+    for module, targets in sorted(graph.items()):
+        if module.startswith("dense_bridge.backends"):
+            continue  # adapters sit on top of the whole core (and the core never imports them)
+        here = _layer_of(module, layers)
+        if here is None:
+            out.append(f"{module} is in no layer of docs/ARCHITECTURE.md")
+            continue
+        for target in sorted(targets):
+            there = _layer_of(target, layers)
+            if there is not None and there > here:
+                out.append(f"{module} ({layers[here][0]}) imports {target} ({layers[there][0]})")
+    return out
+
+
+def test_every_import_points_down_the_layer_order():
+    """Each module imports only its own layer and those below it (function-level imports
+    included), in the order docs/ARCHITECTURE.md writes down."""
+    layers = _layer_order()
+    assert len(layers) >= 6, layers
+    offenders = _upward_imports(_import_graph(), layers)
+    assert not offenders, "imports against the layer order of docs/ARCHITECTURE.md:\n" + "\n".join(offenders)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    layers = [("low", ["dense_bridge.a", "dense_bridge.b._io"]), ("high", ["dense_bridge.b"])]
+    graph = {"dense_bridge.a.x": {"dense_bridge.b.y", "dense_bridge.b._io"}, "dense_bridge.b.y": {"dense_bridge.a.x"},
+             "dense_bridge.c": set()}
+    assert _upward_imports(graph, layers) == ["dense_bridge.a.x (low) imports dense_bridge.b.y (high)",
+                                              "dense_bridge.c is in no layer of docs/ARCHITECTURE.md"]
