@@ -184,7 +184,7 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
     file or the whole new one."""
     import h5py
 
-    from dense_bridge.checkpoints._io import AtomicFiles
+    from dense_bridge.checkpoints._io import AtomicFiles, check_room
 
     if not str(path).endswith(".lora.h5"):
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. Received: path={path!r}")
@@ -203,6 +203,8 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
                     for msg in (_nonfinite("lora_kernel_a", a), _nonfinite("lora_kernel_b", b)) if msg]
         if problems:
             raise ConversionError(f"{path}: nothing written:\n  - " + "\n  - ".join(problems))
+    # HDF5 crashes the process when the system refuses a write mid-file: ask for the room first
+    check_room(path, sum(a.nbytes + b.nbytes for a, b in data.values()))
     with AtomicFiles(path) as tx:
         with h5py.File(tx.temp_for(path, ".lora.h5"), "w") as f:
             group = f.create_group("lora")

@@ -23,7 +23,7 @@ import time
 
 from .._errors import CheckpointError, SpecError, received
 
-__all__ = ["AtomicFiles", "write_text", "path_arg", "check_writable", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
+__all__ = ["AtomicFiles", "write_text", "path_arg", "check_writable", "check_room", "WRITER_OVERHEAD", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
            "RECLAIM_MIN_AGE_S"]
 
@@ -64,6 +64,43 @@ def write_limit_cause(path: str) -> str:
     except (AttributeError, OSError):  # pragma: no cover - no statvfs (Windows)
         pass
     return "; ".join(causes)
+
+
+#: Room asked for beyond a file's tensor bytes before a framework's own writer starts: headers,
+#: HDF5 metadata, alignment padding.
+WRITER_OVERHEAD = 1 << 20
+
+
+def check_room(path: str, nbytes: int) -> None:
+    """CheckpointError naming ``path`` when a file of about ``nbytes`` bytes cannot be written
+    there: this process's file-size limit (RLIMIT_FSIZE) or its filesystem's free space is below it.
+
+    Frameworks' own writers do not all fail cleanly when the system refuses a write mid-file (HDF5
+    under a file-size limit or on a full disk crashes the process: exit -11), so a write that
+    hands ``path`` to one asks first, with :data:`WRITER_OVERHEAD` added to ``nbytes``.
+
+    Args:
+        path: the file to be written (its directory's filesystem is asked).
+        nbytes: the bytes of the tensors it will hold.
+    """
+    need = int(nbytes) + WRITER_OVERHEAD
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            raise CheckpointError(f"cannot write {path}: it needs about {need:,} bytes and this process may write "
+                                  f"files of at most {soft:,} bytes (RLIMIT_FSIZE); nothing was changed on disk")
+    except (ImportError, OSError, ValueError):  # pragma: no cover - platforms without rlimits
+        pass
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+    except (AttributeError, OSError):  # pragma: no cover - no statvfs (Windows)
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise CheckpointError(f"cannot write {path}: it needs about {need:,} bytes and its filesystem has {free:,} "
+                              f"bytes free; nothing was changed on disk")
 
 
 def check_writable(path: str) -> None:

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ._canonical import check_finite_params, mismatches, spec_from_json, spec_json
-from ._io import AtomicFiles, check_writable, write_limit_cause
+from ._io import AtomicFiles, check_room, check_writable, write_limit_cause
 from .._dtypes import numpy_dtype
 from .._errors import (BackendUnavailableError, CheckpointError, ConversionError, DenseBridgeError, SpecError, first_line)
 from ..registry._manifest import FileFormat, Match, Probe
@@ -587,6 +587,8 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
     kind = output_kind(backend, out)
     check_writable(out)
     adapter = file_adapter(backend, f"writing {out}")
+    # the framework's own writer fills the file: it must not meet a refused write (HDF5 crashes)
+    check_room(out, _tensor_bytes(spec))
     metadata = {"dense_bridge_backend": backend}
     if spec is not None:
         metadata[SPEC_KEY] = spec_json(spec)
@@ -600,3 +602,13 @@ def write_native(model, backend: str, out: str, *, spec=None) -> list[str]:
         raise CheckpointError(f"cannot write {out}: {type(exc).__name__}: {first_line(exc)}"
                               f"{f' ({cause})' if cause else ''} (nothing was changed on disk)") from exc
     return [out]
+
+
+def _tensor_bytes(spec) -> int:
+    """The bytes of ``spec``'s canonical tensors (0 without a spec)."""
+    if spec is None:
+        return 0
+    from .._dtypes import numpy_dtype
+
+    return sum(int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
+               for shape, dtype in canonical_shapes(spec).values())

@@ -54,7 +54,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     caller then builds the model and lets the framework write it). Atomic: a failure leaves no
     file and changes nothing at ``out``.
     """
-    from ._io import AtomicFiles, check_writable
+    from ._io import AtomicFiles, check_room, check_writable
     from ._canonical import spec_json
     from ._native import SPEC_KEY, canonical_shapes, file_adapter, output_kind, temp_suffix
     from ._file_fill import Slot, fill
@@ -72,6 +72,7 @@ def stream_native(tensors: Mapping[str, object], spec, backend: str, out: str, *
     metadata = {"dense_bridge_backend": backend, SPEC_KEY: spec_json(spec)}
     checked = TensorsByLayer(spec, tensors)
     total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(_numpy(d)).itemsize for s, d in shapes.values())
+    check_room(out, total)  # the framework writes the file's skeleton: it must not meet a refused write
     done = [0]
 
     def tick(_name: str, nbytes: int) -> None:

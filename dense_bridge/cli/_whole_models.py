@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import checkpoints
-from .._errors import CheckpointError, SpecError
+from .._errors import CheckpointError, ConversionError, SpecError
 
 __all__ = ["add_arguments", "load_model", "read_mapping", "read_inputs", "check_models"]
 
@@ -121,8 +121,15 @@ def check_models(args) -> int:
     b = load_model(args.b, trust_pickle=args.trust_pickle)
     inputs_a = read_inputs(args.inputs)
     inputs = inputs_a if args.inputs_b is None else (inputs_a, read_inputs(args.inputs_b, "--inputs-b"))
-    report = compare_models(a, b, inputs, mapping=read_mapping(args.mapping), grads=not args.no_grads,
-                            seed=args.seed, isolated=args.isolated)
+    mapping = read_mapping(args.mapping)
+    try:
+        report = compare_models(a, b, inputs, mapping=mapping, grads=not args.no_grads, seed=args.seed,
+                                isolated=args.isolated)
+    except ConversionError as exc:
+        if args.mapping is None:
+            raise
+        # the rules come from a file: say which, so a wrong rule can be found in it
+        raise ConversionError(f"comparing {args.a} and {args.b} with --mapping {args.mapping}: {exc}") from None
     if args.html:
         report.to_html(args.html)
     if args.json:

@@ -71,6 +71,11 @@ def test_check_model_files_refuses_what_it_cannot_read(files, capsys):
     (files / "bad.json").write_text('{"a": 1}')
     assert _check(files, "port.keras", "--mapping", str(files / "bad.json")) == 2
     assert "--mapping" in capsys.readouterr().err
+    # well-formed rules that pair nothing: the error names the file they came from
+    (files / "nomatch.json").write_text('{"no.such.layer": "transformer_layer_0/self_attention_layer/value"}')
+    assert _check(files, "port.keras", "--mapping", str(files / "nomatch.json")) == 2
+    err = capsys.readouterr().err
+    assert f"--mapping {files / 'nomatch.json'}" in err and "no.such.layer" in err
     code = cli.main(["check", str(files / "bert.pt"), str(files / "map.json"), "--inputs",
                      str(files / "torch_in.npz"), "--trust-pickle"])
     assert code == 2 and "whole model" in capsys.readouterr().err

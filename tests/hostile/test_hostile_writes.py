@@ -191,6 +191,19 @@ def test_write_past_the_file_size_limit_is_one_clear_error(tmp_path, to, name):
     assert snapshot(tmp_path) == before  # the old output intact, no partial file, no temporary
 
 
+@pytest.mark.parametrize("to,name", KINDS)
+def test_a_limit_below_the_file_header_is_refused_before_the_framework_writes(tmp_path, to, name):
+    """Under a 100-byte limit HDF5 itself crashed (exit -11) when its first write was refused:
+    the room is asked for before any framework's writer starts."""
+    _require(to)
+    src = tmp_path / "src.safetensors"
+    db.save((SPEC, params_of(5)), src)
+    before = snapshot(tmp_path)
+    run = cli("convert", src, "--to", to, "-o", tmp_path / name, preexec_fn=_limit_file_size(100))
+    one_line_error(run, f"cannot write {tmp_path / name}", "RLIMIT_FSIZE", "nothing was changed on disk")
+    assert snapshot(tmp_path) == before
+
+
 # ------------------------------------------------------------------ killed converts, every output kind
 WORKER = textwrap.dedent("""
     import sys
