@@ -61,6 +61,7 @@ _LAZY: dict[str, str] = {
     "DenseBridgeError": "._errors", "SpecError": "._errors", "ConversionError": "._errors",
     "CheckpointError": "._errors", "StateError": "._errors", "BackendUnavailableError": "._errors",
     "received": "._errors",
+    "bounded_pattern": ".models._patterns", "PATTERN_LIMIT": ".models._patterns", "PATH_LIMIT": ".models._patterns",
 }
 
 __all__ = ["CONTRACT_VERSION", *_LAZY]

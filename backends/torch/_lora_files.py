@@ -27,65 +27,22 @@ import math
 import re
 from collections import Counter
 
-try:  # the stdlib's own regex parser: the tree re compiles, read to bound a file's patterns
-    import re._constants as _sre
-    import re._parser as _sre_parse
-except ImportError:  # Python 3.10
-    import sre_constants as _sre
-    import sre_parse as _sre_parse
-
 import numpy as np
 
-from dense_bridge.adapter_kit import CheckpointError, ConversionError
+from dense_bridge.adapter_kit import PATH_LIMIT, CheckpointError, ConversionError, bounded_pattern
 
 #: PEFT's prefix of every key: PeftModel.base_model (LoraModel).model (the base model)
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|"
                   r"lora_magnitude_vector)$")
 _PARTS = {"lora_A.weight": "lora_a", "lora_B.weight": "lora_b", "lora_magnitude_vector": "lora_magnitude"}
-#: the longest pattern (rank_pattern, alpha_pattern, target_modules, exclude_modules) read from a file
-PATTERN_LIMIT = 512
-#: the longest layer path a file's pattern is matched against
-PATH_LIMIT = 1024
 
 
 # ----------------------------------------------------------------------------- bounded patterns
-def _nested_repeat(items, inside: bool) -> bool:
-    """Whether a parsed regex holds a repeat (max > 1) inside another one."""
-    c = _sre
-    repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
-    groups = {c.ASSERT, c.ASSERT_NOT, getattr(c, "ATOMIC_GROUP", c.ASSERT)}  # av: (direction, sub) or sub
-    for op, av in items:
-        if op in repeats:
-            _, hi, sub = av
-            many = hi == c.MAXREPEAT or hi > 1
-            if (many and inside) or _nested_repeat(sub, inside or many):
-                return True
-        elif op == c.SUBPATTERN and _nested_repeat(av[-1], inside):
-            return True
-        elif op == c.BRANCH and any(_nested_repeat(b, inside) for b in av[1]):
-            return True
-        elif op in groups and _nested_repeat(av[1] if isinstance(av, tuple) else av, inside):
-            return True
-    return False
-
-
 def checked_pattern(pattern, where: str, key: str) -> re.Pattern:
     """``pattern`` from the file ``where`` (its config key ``key``) compiled, or a CheckpointError:
-    not a string, longer than :data:`PATTERN_LIMIT`, not a regex, or with nested quantifiers."""
-    if not isinstance(pattern, str):
-        raise CheckpointError(f"{where}: {key}: a pattern must be a string. Received: {pattern!r}"[:400])
-    if len(pattern) > PATTERN_LIMIT:
-        raise CheckpointError(f"{where}: {key}: pattern of {len(pattern)} characters (at most {PATTERN_LIMIT}). "
-                              f"Received: {pattern[:80]!r}...")
-    try:
-        tree = _sre_parse.parse(pattern)
-    except re.error as exc:
-        raise CheckpointError(f"{where}: {key}: {pattern!r} is not a regular expression ({exc})") from None
-    if _nested_repeat(tree, False):
-        raise CheckpointError(f"{where}: {key}: {pattern!r} nests one quantifier inside another (its matching time "
-                              f"grows exponentially with the input); write it without")
-    return re.compile(pattern)
+    not a string, too long, not a regex, or with nested quantifiers (``bounded_pattern``)."""
+    return bounded_pattern(pattern, f"{where}: {key}", CheckpointError)
 
 
 def _bounded(path: str, where: str) -> str:

@@ -44,7 +44,7 @@ from ._canonical import CanonicalCheckpoint, check_finite_params, metadata, mism
 from ._canonical_write import write_canonical
 from ._model_dir import QuantizedDirectory
 from ._native import NativeCheckpoint, file_adapter, format_names, is_native, write_native
-from ._safetensors import pending
+from ._safetensors import parse_json, pending
 
 __all__ = ["META_KEY", "QuantizedCheckpoint", "canonical_checkpoint", "save_codes", "canonical_codes",
            "convert_codes", "summary", "format_summary", "correct_linear_rows"]
@@ -164,11 +164,11 @@ def canonical_checkpoint(path: str, files: list, meta: dict, spec: Any, index_pa
 
 def parse_quant_meta(text: Any, path: str) -> dict[str, Quant]:
     """The metadata ``quant`` JSON as {position: Quant}; a CheckpointError naming what is wrong."""
-    try:
-        config = json.loads(text) if isinstance(text, str) else text
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: metadata {META_KEY!r} is not valid JSON ({exc}). "
-                              f"{received(META_KEY, str(text)[:200])}") from None
+    if isinstance(text, str):  # one reading of a position: a key named twice is refused
+        config = parse_json(text.encode("utf-8", "surrogatepass"), CheckpointError,
+                            f"{path}: metadata {META_KEY!r}")
+    else:
+        config = text
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: metadata {META_KEY!r} must be a JSON object {{position: "
                               f"{{bits, group_size, scheme}}}}. {received(META_KEY, str(text)[:200])}")

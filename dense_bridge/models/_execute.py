@@ -435,4 +435,7 @@ def _transformed(pm: _mapping.ParamMove, value: np.ndarray) -> tuple[Any, str | 
     if not isinstance(out, np.ndarray):
         return None, (f"mapping[{pm.src!r}]: the transform must return a numpy array; it returned "
                       f"{type(out).__name__}")
+    if out.dtype.kind not in "fiub":  # complex (its imaginary part would be dropped), objects, strings
+        return None, (f"mapping[{pm.src!r}]: the transform must return real numbers; it returned an array of "
+                      f"dtype {out.dtype} (a parameter holds real values: nothing would keep the rest)")
     return out, None

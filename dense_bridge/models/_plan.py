@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._patterns import bounded_pattern
 from .._errors import SpecError, received
 
 __all__ = ["Target", "Rule", "LayerMove", "ParamMove", "Plan", "parse", "build_plan", "finish", "in_source_order",
@@ -113,11 +114,10 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
 
 
 def _compile(pattern: str, mapping: Any):
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise SpecError(f"mapping rule {pattern!r} is not a valid regular expression ({exc}). "
-                        f"{received('mapping', mapping)}") from None
+    def refuse(message: str) -> SpecError:
+        return SpecError(f"{message}. {received('mapping', mapping)}"[:1200])
+
+    return bounded_pattern(pattern, f"mapping rule {pattern!r}", refuse)
 
 
 def _check_replacement(rx: re.Pattern, replacement: str, mapping: Any) -> None:

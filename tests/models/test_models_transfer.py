@@ -163,6 +163,29 @@ def test_all_or_nothing_on_a_misfit():
     np.testing.assert_array_equal(dst.get_layer("ln").gamma.numpy(), before["ln/gamma"])
 
 
+def test_a_transform_returning_complex_values_is_refused_and_nothing_is_written():
+    """A parameter holds real values: a complex result would lose its imaginary part in the cast."""
+    src, dst = _torch_encoder(), _keras_encoder()
+    before = {w.path: w.numpy().copy() for w in dst.weights}
+    mapping = {**MAP, "norm.weight": ("ln/gamma", lambda a: a * (1 + 1j))}
+    with pytest.raises(db.ConversionError, match=r"norm\.weight.*real numbers.*complex"):
+        db.transfer(src, dst, mapping=mapping)
+    for w in dst.weights:
+        np.testing.assert_array_equal(w.numpy(), before[w.path])
+
+
+@pytest.mark.parametrize("rule", [r"(a+)+$", r"((\w+)\.)*up", r"(?:x|(?:y+))*z", "a" * 600])
+def test_mapping_rules_that_could_backtrack_for_ages_are_refused_before_any_match(rule):
+    """A nested quantifier backtracks exponentially on a path that almost matches (``(a+)+$`` on
+    30 a's and a '!' runs for minutes): such a rule, or one longer than the bound, is refused
+    naming it before it meets any path."""
+    src, dst = _torch_encoder(), _keras_encoder()
+    with pytest.raises(db.SpecError, match=r"mapping rule .*(nests one quantifier|characters)"):
+        db.transfer(src, dst, mapping=[(rule, r"x")])
+    with pytest.raises(db.SpecError, match=r"mapping rule"):
+        db.testing.compare_models(src, dst, [np.zeros((1, 3), np.int64)], mapping=[(rule, r"x")])
+
+
 def test_tied_parameters_move_once():
     torch = _torch()
     require_backend("mlx")

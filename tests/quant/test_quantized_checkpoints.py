@@ -456,3 +456,22 @@ def test_malformed_keras_quantized_weights_are_checkpoint_errors(tmp_path, repla
     bad = _rewrite_h5(path, tmp_path / "bad.weights.h5", replace)
     with pytest.raises(db.CheckpointError, match=message):
         db.load(bad, "keras")
+
+
+def test_a_quant_position_named_twice_is_refused_naming_the_file_and_the_position(tmp_path):
+    """JSON keeps the last of two equal keys: which scheme a layer's codes follow would be the
+    reader's accident. The metadata's ``quant`` object is read refusing duplicate keys."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src = mlx_model()
+    path = tmp_path / "q.safetensors"
+    db.save(src, path)
+    with safe_open(str(path), "np") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta["quant"] = ('{"0": {"bits": 4, "group_size": 32, "scheme": "affine"}, '
+                     '"0": {"bits": 8, "group_size": 32, "scheme": "affine"}}')
+    twice = tmp_path / "twice.safetensors"
+    save_file(tensors, str(twice), metadata=meta)
+    with pytest.raises(db.CheckpointError, match=r"twice\.safetensors.*quant.*'0' appears twice"):
+        db.load(twice)
