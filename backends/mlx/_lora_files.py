@@ -19,6 +19,7 @@ mlx-lm's grammar:
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -175,8 +176,10 @@ def lora_to_files(layers: dict, extra: dict, *, num_layers: int | None = None,
     if max(blocks) >= num_layers:
         raise ConversionError(f"adapters on block {max(blocks)} but the base model has {num_layers} blocks")
     first = min(blocks)
-    expected = {f"{stack}.{i}.{k}" for i in range(first, num_layers) for k in keys for stack in stacks}
-    absent = sorted(expected - set(layers))
+    # the keys mlx-lm expects, walked lazily (a layer count from a flag or a file may be huge): the
+    # first ones missing are named, and nothing of the size of the count is ever built
+    expected = (f"{stack}.{i}.{k}" for i in range(first, num_layers) for k in sorted(keys) for stack in sorted(stacks))
+    absent = list(itertools.islice((name for name in expected if name not in layers), 9))
     if absent:
         raise ConversionError(f"mlx-lm puts an adapter on every key {sorted(keys)} of each of the last "
                               f"{num_layers - first} blocks; these have none: {absent[:8]}"

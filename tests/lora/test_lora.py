@@ -595,5 +595,10 @@ def test_convert_adapter_writes_whole_directories_or_nothing(tmp_path):
     with pytest.raises(db.ConversionError, match="model.layers.1"):
         db.convert_adapter(str(tmp_path / "first"), str(tmp_path / "out"), to="mlx-lm", num_layers=LAYERS)
     assert sorted(os.listdir(tmp_path)) == ["back", "first", "mlx", "peft"]
+    # a layer count of 10^8 (a flag, a config): the first blocks without adapters are named; nothing
+    # of the count's size is built (a set of every expected key took gigabytes)
+    with pytest.raises(db.ConversionError, match=r"100000000 blocks.*model\.layers\.2\."):
+        db.convert_adapter(str(tmp_path / "peft"), str(tmp_path / "huge"), to="mlx-lm", num_layers=10**8)
+    assert sorted(os.listdir(tmp_path)) == ["back", "first", "mlx", "peft"]
     with pytest.raises(db.CheckpointError, match="not an empty directory"):
         db.convert_adapter(str(tmp_path / "peft"), str(tmp_path / "back"), to="mlx-lm", num_layers=LAYERS)
