@@ -212,15 +212,12 @@ def _as_array(value, argument: str) -> np.ndarray:
 
 def _given_inputs(inputs, n_inputs: int) -> tuple[list[np.ndarray], list[tuple[int, ...]]]:
     """The user's inputs as float64 arrays (one, or a pair (x1, x2) for a Bilinear) and their
-    shapes as given. A 1-D input is one sample (Keras' Dense rejects 1-D, min_ndim=2;
-    torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
-    if n_inputs == 2:
-        if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
-            raise SpecError(f"inputs must be a pair (x1, x2) for a Bilinear layer. "
-                            f"Received: inputs of type {type(inputs).__name__}")
-        arrays = [_as_array(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
-    else:
-        arrays = [_as_array(inputs, "inputs")]
+    shapes as given, in any form ``_inputs`` reads (an array of any framework, a list holding it,
+    a dict, a list holding one dict). A 1-D input is one sample (Keras' Dense rejects 1-D,
+    min_ndim=2; torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
+    from ._inputs import layer_inputs
+
+    arrays = [x.astype(np.float64) for x in layer_inputs(inputs, n_inputs)]
     names = ["inputs"] if n_inputs == 1 else ["inputs[0]", "inputs[1]"]
     for name, x in zip(names, arrays):
         if x.ndim < 1 or x.shape[-1] == 0 or x.size == 0:
