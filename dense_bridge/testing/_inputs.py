@@ -49,10 +49,14 @@ def _is_array(value) -> bool:
     return not isinstance(value, (list, tuple, dict, str, bytes)) and value is not None
 
 
-def _array(value, argument: str) -> np.ndarray:
-    """``value`` as a numeric numpy array with at least one element."""
-    if isinstance(value, (str, bytes, dict, set)) or value is None:
-        raise TypeError(f"{argument} must be a numeric array. {received(argument, value)}")
+def _array(value, argument: str, whole: tuple[str, object] | None = None) -> np.ndarray:
+    """``value`` as a numeric numpy array with at least one element. ``whole``: (name, value) of
+    the list or dict ``value`` came from, echoed in the message too."""
+    plain_number = isinstance(value, numbers.Number) and not isinstance(value, np.generic)
+    if isinstance(value, (str, bytes, dict, set)) or plain_number or value is None:
+        kind = "a plain number" if plain_number else type(value).__name__
+        raise TypeError(f"{argument} must be a numeric array, not {kind}. {received(argument, value)}"
+                        + ("" if whole is None else f" (in {received(*whole)})"))
     arr = array_to_numpy(value)
     if arr is None or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
                            or np.issubdtype(arr.dtype, np.bool_)
@@ -95,7 +99,7 @@ def normalise(value, argument: str = "inputs") -> list[np.ndarray] | dict[str, n
             raise SpecError(f"{argument} must name at least one input. {received(argument, value)}")
         if not all(isinstance(k, str) for k in value):
             raise TypeError(f"{argument} keys must be argument names (str). {received(argument, value)}")
-        return {k: _array(v, f"{argument}[{k!r}]") for k, v in value.items()}
+        return {k: _array(v, f"{argument}[{k!r}]", (argument, value)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if not value:
             raise SpecError(f"{argument} must hold at least one input. {received(argument, value)}")
@@ -104,7 +108,7 @@ def normalise(value, argument: str = "inputs") -> list[np.ndarray] | dict[str, n
         if any(isinstance(v, dict) for v in value):
             raise TypeError(f"{argument} must be {FORMS}; a dict inside a list of several inputs has no position. "
                             f"{received(argument, value)}")
-        return [_array(v, f"{argument}[{i}]") for i, v in enumerate(value)]
+        return [_array(v, f"{argument}[{i}]", (argument, value)) for i, v in enumerate(value)]
     if value is None or isinstance(value, (str, bytes, set)):
         raise TypeError(f"{argument} must be {FORMS}. {received(argument, value)}")
     return [_array(value, argument)]
