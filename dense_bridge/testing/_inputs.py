@@ -110,7 +110,7 @@ def normalise(value, argument: str = "inputs") -> list[np.ndarray] | dict[str, n
                             f"{received(argument, value)}")
         return [_array(v, f"{argument}[{i}]", (argument, value)) for i, v in enumerate(value)]
     if value is None or isinstance(value, (str, bytes, set)):
-        raise TypeError(f"{argument} must be {FORMS}. {received(argument, value)}")
+        raise TypeError(f"{argument} must be {FORMS}; got {type(value).__name__}. {received(argument, value)}")
     return [_array(value, argument)]
 
 
