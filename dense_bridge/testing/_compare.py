@@ -53,7 +53,7 @@ from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failu
 from ._rounding import coarsest, round_common
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import coarser_dtype, element_stats, elementwise_units
-from ._isolated import LAYER_NOTE, forced_layer_traces
+from ._isolated import LAYER_NOTE, Traced, forced_layer_traces
 from ._structure import params_structure
 from ._propagate import allowances
 from ._tolerance import Tolerance
@@ -470,8 +470,8 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     traced_b = trace_b.layers
     if isolated:
         forced = "the layers of a and b do not line up" if len(trace_a.layers) != len(lb) or empty else \
-            forced_layer_traces(backend_of(b, "b"), lb, params_b, trace_a, trace_b, xs, g, in_b, dtype, tolerance,
-                                grads)
+            forced_layer_traces(Traced(backend_of(b, "b"), lb, params_b, trace_a, trace_b, xs, g, in_b, dtype,
+                                       tolerance, grads))
         if isinstance(forced, str):
             report.notes.append(f"isolated: not applied ({forced}); compared as cascaded")
         else:

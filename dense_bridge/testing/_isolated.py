@@ -28,6 +28,7 @@ cascaded rows and the report names it and why.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from ._report import first_failure
 from ._tolerance import Tolerance, allowed_error
 
 __all__ = ["teacher_forced", "forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced",
-           "forced_layer_traces", "LAYER_NOTE"]
+           "forced_layer_traces", "Traced", "LAYER_NOTE"]
 
 LAYER_NOTE = ("isolated: every layer of b (with the activations after it) ran alone, compiled from b's parameters "
               "on b's backend, on the input and output gradient its counterpart in a received (teacher forcing)")
@@ -306,17 +307,38 @@ def _segments(layers: list) -> list[tuple[int, int]] | None:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a, trace_b, xs: list[np.ndarray],
-                        g: np.ndarray, in_dtype_b: str, dtype: str, tol: Tolerance,
-                        grads: bool) -> tuple[list, list] | str:
+@dataclass
+class Traced:
+    """What ``compare`` traced of two spec models, for teacher forcing b's layers.
+
+    ``layers_b``/``params_b``: b's layer specs and canonical params ("0.kernel", ...);
+    ``trace_a``/``trace_b``: the cascaded traces (a's values are fed; b's give the dtype each of
+    its layers received); ``xs``/``g``: the model's input and upstream gradient (float64);
+    ``in_dtype_b``: the dtype b takes its input in; ``dtype``: the compared dtype.
+    """
+
+    backend_b: str
+    layers_b: list
+    params_b: dict
+    trace_a: Any
+    trace_b: Any
+    xs: list
+    g: np.ndarray | None
+    in_dtype_b: str
+    dtype: str
+    tol: Tolerance
+    grads: bool
+
+
+def forced_layer_traces(run: Traced) -> tuple[list, list] | str:
     """b's layers traced one segment at a time (a layer with parameters and the activations after
     it, compiled alone on b's backend from b's parameters) on the input a's segment received and
     backward from the gradient a's segment received: (b's LayerTrace per layer, the allowances per
     layer for exact inputs), or why b's layers cannot be forced.
-
-    ``xs``/``g``: the model's input and upstream gradient (float64); ``trace_a``/``trace_b``: the
-    cascaded traces (a's values are fed; b's give the dtype each of its layers received).
     """
+    backend_b, layers_b, params_b = run.backend_b, run.layers_b, run.params_b
+    trace_a, trace_b, xs, g, in_dtype_b = run.trace_a, run.trace_b, run.xs, run.g, run.in_dtype_b
+    dtype, tol, grads = run.dtype, run.tol, run.grads
     from .._api import build
     from .._dtypes import numpy_dtype
     from ..params._source import ParamSource

@@ -21,12 +21,24 @@ What is judged, per call of each matched layer (b is the reference; float64 on t
   formula's rounding (K = in_features) plus G = 32 times the largest relative difference
   (elementwise |a - b| / (|b| + rms b)) of anything computed before it in execution order, or
   of the dtype's roundoff where that is more: the code in between may amplify what it is given
-  and its own rounding, but creates no differences of its own. An activation swapped between two linear layers (gelu exact vs tanh) is
-  named at the input of the layer after it.
+  and its own rounding, but creates no differences of its own. Over T positions per example
+  (the value's native (batch, *positions, features) shape) attention normalises over T positions
+  and sums over T positions: K grows by 2 T and the carried part by sqrt(T) (``_judge``). An
+  activation swapped between two linear layers (gelu exact vs tanh) is named at the input of the
+  layer after it.
 - with ``grads``: ``dL/dy`` (dL/d(output), judged like ``input`` but in backward order, against
   everything after it in the backward pass and the whole forward pass, C = 10), and per layer
   ``dL/dkernel`` / ``dL/dbias`` on their own contribution, like ``output``: autograd's
   gradient minus sum over calls of x^T dL/dy (resp. sum of dL/dy), each side, in quadrature.
+
+A layer holding a low-rank adapter (LoRA, rsLoRA, DoRA) is judged through its effective kernel
+(W + s A B, DoRA's scaled per unit), and each side's allowance adds the rounding of its own
+adapter path (x @ A over in_features, then @ B over the rank, the scale and the add; DoRA's norm:
+``_adapters``).
+
+The state of one comparison (pairs, groups, parameters, captures, tolerance, flags) is one
+``_comparison.Comparison``; ``_judge`` computes the rows from it and ``_isolated`` the teacher-forced
+ones; ``_inputs`` reads the inputs in every form a user writes.
 
 The first divergence is the first failing row in execution order (forward: each call's input,
 then its output; then the model output; then the backward in reverse: dL/dy, then the layer's
@@ -118,10 +130,13 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                    judge: str = "layers") -> ModelReport:
     """Compare two whole models (any frameworks) linear layer by linear layer; ``b`` is the reference.
 
-    ``inputs``: a list of numpy arrays (positional), a dict (keyword, as keras-hub's
-    ``BertBackbone`` takes ``token_ids``/``segment_ids``/``padding_mask``), or a pair
-    ``(inputs_a, inputs_b)`` when the models take different signatures. Integer arrays (token
-    ids) stay integers; floating ones are rounded once to values both models' dtypes hold.
+    ``inputs``: an array of any framework (numpy, torch on any device, jax, mx; token ids may be
+    a nested Python list), a list of them (positional), a dict (keyword, as keras-hub's
+    ``BertBackbone`` takes ``token_ids``/``segment_ids``/``padding_mask``), a list holding one
+    dict, or a pair ``(inputs_a, inputs_b)`` when the models take different signatures
+    (``_inputs``); any other form is a TypeError naming it, an input without rows a SpecError.
+    Integer arrays (token ids) stay integers; floating ones are rounded once to values both
+    models' dtypes hold.
     ``mapping``: pairs a's linear layers with b's, as ``db.transfer`` takes it (a dict of paths,
     ``(regex, replacement)`` rules, a callable, or None for by-order matching); a split or a
     concatenation compares the fused layer with its counterparts joined along units (per head
