@@ -146,15 +146,15 @@ class Comparison:
         self._acts.clear()
 
 
-def prepare(a, b, inputs, mapping, *, grads: bool, tol: Tolerance, seed: int, carried: bool,
+def prepare(a, b, mapping, *, grads: bool, tol: Tolerance, seed: int, carried: bool,
             adapter_a, adapter_b, inputs_a, inputs_b) -> Comparison:
     """The :class:`Comparison` of ``a`` and ``b`` before anything runs: both models walked once,
     their linear layers paired by ``mapping`` (``"auto"`` inferred from one forward pass of
     each), the pairs' parameters read, the quantized pairs found and the inputs rounded.
 
     Args:
-        inputs: the user's inputs as given (``mapping="auto"`` infers from them).
-        inputs_a, inputs_b: each model's inputs as numpy (``_inputs.model_inputs``).
+        inputs_a, inputs_b: each model's inputs as numpy (``_inputs.model_inputs``); ``mapping="auto"``
+            infers from them.
     """
     from .. import models
     from .._api import get_params
@@ -165,7 +165,8 @@ def prepare(a, b, inputs, mapping, *, grads: bool, tol: Tolerance, seed: int, ca
     walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
     walks = (walked[0].entries, walked[1].entries)
     if _infer.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
-        mapping = _infer.inferred_rules(a, b, inputs, mapping, lambda *_: walked)
+        # the inputs as read here (every form alike), one per model
+        mapping = _infer.inferred_rules(a, b, (inputs_a, inputs_b), mapping, lambda *_: walked)
     layers_a, layers_b = ({e.path: e.layer for e in side.linear()} for side in walked)
     pairs, groups = _split_groups.pairs_of(models.match_moves(a, b, mapping, walked=walked))
     params_a = {pa: _split_groups.group_params(pa, groups, layers_a, get_params) for pa, _ in pairs}

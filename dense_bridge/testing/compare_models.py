@@ -187,7 +187,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     for side, given in (("inputs", in_a), ("inputs_b", in_b)):
         refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
-    cmp = prepare(a, b, inputs, mapping, grads=grads, tol=tol, seed=seed, carried=judge == "carried",
+    cmp = prepare(a, b, mapping, grads=grads, tol=tol, seed=seed, carried=judge == "carried",
                   adapter_a=adapter_a, adapter_b=adapter_b, inputs_a=in_a, inputs_b=in_b)
     cmp.capture(select_a, select_b)
     output_note = None
