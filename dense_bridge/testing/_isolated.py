@@ -254,7 +254,7 @@ def dx_rows(report, forced: Forced, cmp) -> dict[int, Any]:
                 + adapter_allowance(dz, params, dtype, tol, tol.c_gradient, transpose=True)
                 for v, params in ((a_rows, cmp.params_a[pa]), (b_rows, params_b))]
         label = report.layers[idx].layer_type
-        out[idx] = row(idx, label, "dL/dx", a_rows, b_rows, np.sqrt(each[0] ** 2 + each[1] ** 2), n_out,
+        out[idx] = row((idx, label), "dL/dx", a_rows, b_rows, np.sqrt(each[0] ** 2 + each[1] ** 2), n_out,
                        dtype=dtype)
     return out
 
