@@ -19,7 +19,7 @@ from ..registry._captures import Capture, LeafOutput
 from ._rounding import coarsest, round_common
 from ._tolerance import Tolerance
 
-__all__ = ["Comparison", "prepare", "dtype_name"]
+__all__ = ["Comparison", "Options", "prepare", "dtype_name"]
 
 
 def dtype_name(arr) -> str:
@@ -53,6 +53,18 @@ def _activation(layer):
     return None if act is None or act.is_identity else act
 
 
+@dataclass(frozen=True)
+class Options:
+    """How a comparison runs and judges: ``grads`` (a backward pass too), ``tol`` (the formula's
+    scales), ``seed`` (of the cotangent), ``carried`` (``judge="carried"``: values only where
+    that suffices)."""
+
+    grads: bool
+    tol: Tolerance
+    seed: int
+    carried: bool = False
+
+
 @dataclass
 class Comparison:
     """Everything one comparison of models ``a`` and ``b`` (b the reference) pairs, reads and captures.
@@ -78,10 +90,7 @@ class Comparison:
     inputs_a: list | dict
     inputs_b: list | dict
     dtypes: list[str]
-    grads: bool
-    tol: Tolerance
-    seed: int
-    carried: bool = False  # judge="carried": values only where that suffices
+    options: Options
     walks: tuple | None = None  # each model's walk entries (quantized embeddings, structure)
     quant: dict = field(default_factory=dict)  # path in b -> _quantized.QuantPair
     cap_a: Capture | None = None
@@ -90,6 +99,22 @@ class Comparison:
     _cotangents: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ derived
+    @property
+    def grads(self) -> bool:
+        return self.options.grads
+
+    @property
+    def tol(self) -> Tolerance:
+        return self.options.tol
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def carried(self) -> bool:
+        return self.options.carried
+
     @property
     def b_to_a(self) -> dict[str, str]:
         return {pb: pa for pa, pb in self.pairs}
@@ -146,15 +171,15 @@ class Comparison:
         self._acts.clear()
 
 
-def prepare(a, b, mapping, *, grads: bool, tol: Tolerance, seed: int, carried: bool,
-            adapter_a, adapter_b, inputs_a, inputs_b) -> Comparison:
+def prepare(a, b, mapping, inputs: tuple, options: Options) -> Comparison:
     """The :class:`Comparison` of ``a`` and ``b`` before anything runs: both models walked once,
     their linear layers paired by ``mapping`` (``"auto"`` inferred from one forward pass of
     each), the pairs' parameters read, the quantized pairs found and the inputs rounded.
 
     Args:
-        inputs_a, inputs_b: each model's inputs as numpy (``_inputs.model_inputs``); ``mapping="auto"``
-            infers from them.
+        inputs: (inputs_a, inputs_b), each model's inputs as numpy (``_inputs.model_inputs``);
+            ``mapping="auto"`` infers from them.
+        options: how it runs and judges.
     """
     from .. import models
     from .._api import get_params
@@ -162,6 +187,9 @@ def prepare(a, b, mapping, *, grads: bool, tol: Tolerance, seed: int, carried: b
     from . import _split_groups
     from ._quantized import quantized_pairs
 
+    from ..registry._backends import adapter_for
+
+    inputs_a, inputs_b = inputs
     walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
     walks = (walked[0].entries, walked[1].entries)
     if _infer.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
@@ -176,9 +204,9 @@ def prepare(a, b, mapping, *, grads: bool, tol: Tolerance, seed: int, carried: b
     dtypes = sorted({dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
                      if "kernel" in p} or {"float32"})
     quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
-    return Comparison(a, b, adapter_a, adapter_b, pairs, groups, widths, layers_a, layers_b, params_a, params_b,
-                      _round_inputs(inputs_a, dtypes), _round_inputs(inputs_b, dtypes), dtypes, grads, tol, seed,
-                      carried, walks, quant)
+    return Comparison(a, b, adapter_for(a, "a"), adapter_for(b, "b"), pairs, groups, widths, layers_a, layers_b,
+                      params_a, params_b, _round_inputs(inputs_a, dtypes), _round_inputs(inputs_b, dtypes), dtypes,
+                      options, walks, quant)
 
 
 def default_selects(outputs) -> tuple:

@@ -168,7 +168,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     layer where the models part. See the module docstring for what each row measures.
     """
     from ._compare import check_count, check_tolerance
-    from ._comparison import default_selects, prepare
+    from ._comparison import Options, default_selects, prepare
     from ._inputs import model_inputs
 
     grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
@@ -187,8 +187,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     for side, given in (("inputs", in_a), ("inputs_b", in_b)):
         refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
-    cmp = prepare(a, b, mapping, grads=grads, tol=tol, seed=seed, carried=judge == "carried",
-                  adapter_a=adapter_a, adapter_b=adapter_b, inputs_a=in_a, inputs_b=in_b)
+    cmp = prepare(a, b, mapping, (in_a, in_b), Options(grads, tol, seed, carried=judge == "carried"))
     cmp.capture(select_a, select_b)
     output_note = None
     if outputs is None and cmp.cap_a.output is not None and cmp.cap_b.output is not None \
