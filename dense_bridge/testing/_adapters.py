@@ -79,29 +79,24 @@ def adapter_allowance(x: np.ndarray, params: dict, dtype: str, tol: Tolerance, c
     lora = adapter_of(params)
     if lora is None:
         return 0.0
-    a, b = (np.asarray(f, dtype=np.float64) for f in plain_factors(lora))
-    if transpose:
-        a, b = b.T, a.T
+    fa, fb = (np.asarray(f, dtype=np.float64) for f in plain_factors(lora))
     s = float(np.asarray(lora["lora_scale"]))
-    eps = EPS[dtype]
+    eps, c_norm = EPS[dtype], c * (EPS[dtype] + EPS["float32"] * math.sqrt(fa.shape[0]))
+    if "lora_magnitude" in lora:
+        w = np.asarray(params["kernel"], dtype=np.float64)
+        v = w + s * (fa @ fb)
+        f = np.asarray(lora["lora_magnitude"], dtype=np.float64) / np.linalg.norm(v, axis=0)  # (units,)
+        plain = {k: val for k, val in params.items() if k != "lora_magnitude"}
+        if transpose:  # dL/dx = (g * f) @ V^T (the norm is not differentiated): the factor on g's units first
+            g = x * f
+            return c_norm * (np.abs(g) @ np.abs(v.T)) + adapter_allowance(g, plain, dtype, tol, c, transpose=True)
+        base = x @ w
+        y = f * (base + s * ((x @ fa) @ fb))
+        return np.abs(f) * adapter_allowance(x, plain, dtype, tol, c) + c_norm * np.abs(y) + c * eps * np.abs(base)
+    a, b = (fb.T, fa.T) if transpose else (fa, fb)
     h = x @ a
     a_h = allowed_error(h, dtype, a.shape[0], c, tol.atol) + c * eps * (np.abs(x) @ np.abs(a))
     p = h @ b
     a_p = (np.sqrt(np.square(a_h) @ np.square(b)) + allowed_error(p, dtype, b.shape[0], c, tol.atol)
            + c * eps * (np.abs(h) @ np.abs(b)))
-    u = s * p
-    a_u = abs(s) * a_p + c * eps * np.abs(u)
-    if "lora_magnitude" not in lora:
-        return a_u
-    w = np.asarray(params["kernel"], dtype=np.float64)
-    v = w + s * (np.asarray(plain_factors(lora)[0], np.float64) @ np.asarray(plain_factors(lora)[1], np.float64))
-    f = np.asarray(lora["lora_magnitude"], dtype=np.float64) / np.linalg.norm(v, axis=0)  # (units,)
-    base = x @ (w.T if transpose else w)
-    if transpose:  # dL/dx = (g * f) @ V^T: the factor sits on g's units, before the products
-        g = x * f
-        return (np.abs(g) @ np.abs(v.T)) * c * (eps + EPS["float32"] * math.sqrt(w.shape[0])) + \
-            adapter_allowance(g, {k: val for k, val in params.items() if k != "lora_magnitude"}, dtype, tol, c,
-                              transpose=True)
-    y = f * (base + u)
-    return (np.abs(f) * a_u + c * (eps + EPS["float32"] * math.sqrt(w.shape[0])) * np.abs(y)
-            + c * eps * np.abs(base))
+    return abs(s) * a_p + c * eps * np.abs(s * p)
