@@ -400,8 +400,10 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     """Run native models ``a`` and ``b`` (any backends, the same one too) on identical data and
     compare every layer's output, dL/dx, dL/dkernel and dL/dbias (``b`` is the reference).
 
-    ``inputs``: an array (*, in_features), or ``(x1, x2)`` for a Bilinear; a 1-D array is one
-    sample and gets a batch axis (1, in_features) for both models (noted in the report).
+    ``inputs``: an array (*, in_features) of any framework (numpy, torch, jax, mx; or a nested
+    Python list), alone, in a list or in a dict of one entry (a list holding one dict too), or
+    ``(x1, x2)`` for a Bilinear (``_inputs``); an input without rows is a SpecError. A 1-D array
+    is one sample and gets a batch axis (1, in_features) for both models (noted in the report).
     Default: standard normal of shape (batch_size, in_features) from ``seed``. ``grad_out``
     (dL/dy of the final output) defaults to standard normal from ``seed`` too. Both are rounded
     once to values that both models' dtypes hold exactly. ``grads=False`` compares outputs only.
