@@ -199,27 +199,34 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
     refuse_nonfinite_outputs(cmp.cap_a.output, cmp.cap_b.output)
+    report = _new_report(cmp, [output_note] if output_note else [], [grads_note] if grads_note else [])
+    judge_rows(report, cmp, carried_only=cmp.carried)
+    if isolated:
+        from ._isolated import teacher_forced
+
+        teacher_forced(report, cmp)
+    return report
+
+
+def _new_report(cmp, before: list[str], after: list[str]) -> ModelReport:
+    """The empty report of a captured comparison: the models, dtypes, pairs and the notes (layers
+    left unpaired, ``before``, what the captures say, ``after``), with the parameter structure
+    unless ``judge="carried"``."""
+    a, b = cmp.a, cmp.b
     report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, cmp.dtype_a),
                          ModelInfo(backend_of(b, "b"), type(b).__name__, cmp.dtype_b),
-                         coarsest([cmp.dtype_a, cmp.dtype_b]), tol, _input_shapes(cmp.inputs_b), seed, True)
+                         coarsest([cmp.dtype_a, cmp.dtype_b]), cmp.tol, _input_shapes(cmp.inputs_b), cmp.seed, True)
     report.pairs = cmp.pairs
     for side, layers in (("a", cmp.layers_a), ("b", cmp.layers_b)):
         matched = set(cmp.members(side))
         left = [p for p in layers if p not in matched]
         if left:
             report.notes.append(f"{side}'s linear layers the mapping does not pair (not compared): {', '.join(left)}")
-    if output_note:
-        report.notes.append(output_note)
+    report.notes += before
     report.notes += [f"a: {n}" for n in cmp.cap_a.notes] + [f"b: {n}" for n in cmp.cap_b.notes]
     if not cmp.carried:
         report.structure = model_structure(a, b, cmp.pairs, cmp.groups, entries=cmp.walks)
-    if grads_note:
-        report.notes.append(grads_note)
-    judge_rows(report, cmp, carried_only=cmp.carried)
-    if isolated:
-        from ._isolated import teacher_forced
-
-        teacher_forced(report, cmp)
+    report.notes += after
     return report
 
 
