@@ -28,8 +28,8 @@ from ..params._source import array_to_numpy
 __all__ = ["normalise", "model_inputs", "layer_inputs", "FORMS"]
 
 #: what the messages say a user may pass
-FORMS = ("an array (numpy, torch, jax, mx or TF; token ids may be a nested Python list), a list of them "
-         "(positional), a dict name -> array (keyword) or a list holding one such dict")
+FORMS = ("an array (of any installed backend, on any device; token ids may be a nested Python list), a list "
+         "of them (positional), a dict name -> array (keyword) or a list holding one such dict")
 
 
 def _depth(value) -> int | None:
