@@ -53,7 +53,7 @@ from ._report import LayerResult, ModelInfo, QuantityResult, Report, first_failu
 from ._rounding import coarsest, round_common
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._elements import coarser_dtype, element_stats, elementwise_units
-from ._isolated import LAYER_NOTE, forced_layer_traces
+from ._isolated import LAYER_NOTE, Traced, forced_layer_traces
 from ._structure import params_structure
 from ._propagate import allowances
 from ._tolerance import Tolerance
@@ -212,15 +212,12 @@ def _as_array(value, argument: str) -> np.ndarray:
 
 def _given_inputs(inputs, n_inputs: int) -> tuple[list[np.ndarray], list[tuple[int, ...]]]:
     """The user's inputs as float64 arrays (one, or a pair (x1, x2) for a Bilinear) and their
-    shapes as given. A 1-D input is one sample (Keras' Dense rejects 1-D, min_ndim=2;
-    torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
-    if n_inputs == 2:
-        if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
-            raise SpecError(f"inputs must be a pair (x1, x2) for a Bilinear layer. "
-                            f"Received: inputs of type {type(inputs).__name__}")
-        arrays = [_as_array(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
-    else:
-        arrays = [_as_array(inputs, "inputs")]
+    shapes as given, in any form ``_inputs`` reads (an array of any framework, a list holding it,
+    a dict, a list holding one dict). A 1-D input is one sample (Keras' Dense rejects 1-D,
+    min_ndim=2; torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
+    from ._inputs import layer_inputs
+
+    arrays = [x.astype(np.float64) for x in layer_inputs(inputs, n_inputs)]
     names = ["inputs"] if n_inputs == 1 else ["inputs[0]", "inputs[1]"]
     for name, x in zip(names, arrays):
         if x.ndim < 1 or x.shape[-1] == 0 or x.size == 0:
@@ -403,8 +400,10 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     """Run native models ``a`` and ``b`` (any backends, the same one too) on identical data and
     compare every layer's output, dL/dx, dL/dkernel and dL/dbias (``b`` is the reference).
 
-    ``inputs``: an array (*, in_features), or ``(x1, x2)`` for a Bilinear; a 1-D array is one
-    sample and gets a batch axis (1, in_features) for both models (noted in the report).
+    ``inputs``: an array (*, in_features) of any framework (numpy, torch, jax, mx; or a nested
+    Python list), alone, in a list or in a dict of one entry (a list holding one dict too), or
+    ``(x1, x2)`` for a Bilinear (``_inputs``); an input without rows is a SpecError. A 1-D array
+    is one sample and gets a batch axis (1, in_features) for both models (noted in the report).
     Default: standard normal of shape (batch_size, in_features) from ``seed``. ``grad_out``
     (dL/dy of the final output) defaults to standard normal from ``seed`` too. Both are rounded
     once to values that both models' dtypes hold exactly. ``grads=False`` compares outputs only.
@@ -473,8 +472,8 @@ def compare(a, b, *, inputs=None, grads: bool = True, seed: int = 0, tolerance: 
     traced_b = trace_b.layers
     if isolated:
         forced = "the layers of a and b do not line up" if len(trace_a.layers) != len(lb) or empty else \
-            forced_layer_traces(backend_of(b, "b"), lb, params_b, trace_a, trace_b, xs, g, in_b, dtype, tolerance,
-                                grads)
+            forced_layer_traces(Traced(backend_of(b, "b"), lb, params_b, trace_a, trace_b, xs, g, in_b, dtype,
+                                       tolerance, grads))
         if isinstance(forced, str):
             report.notes.append(f"isolated: not applied ({forced}); compared as cascaded")
         else:

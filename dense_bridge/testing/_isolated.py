@@ -28,16 +28,18 @@ cascaded rows and the report names it and why.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .._dtypes import EPS
 from ..registry._captures import Call, Capture
+from ._report import first_failure
 from ._tolerance import Tolerance, allowed_error
 
-__all__ = ["forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced", "forced_layer_traces",
-           "LAYER_NOTE"]
+__all__ = ["teacher_forced", "forced_capture", "merge_rows", "ISOLATED_NOTE", "dx_rows", "Forced",
+           "forced_layer_traces", "Traced", "LAYER_NOTE"]
 
 LAYER_NOTE = ("isolated: every layer of b (with the activations after it) ran alone, compiled from b's parameters "
               "on b's backend, on the input and output gradient its counterpart in a received (teacher forcing)")
@@ -65,25 +67,34 @@ def _name(adapter) -> str:
     return adapter.__name__.rsplit(".", 1)[-1]
 
 
-def _same_semantics(pa: str, pb: str, acts: Callable[[str, str], tuple]) -> bool:
-    """Do a's recorded output and b's run_layer output mean the same thing (both before the
-    layer's own activation, or both after the same one)?"""
-    fa, fb = acts(pa, pb)
-    return (fa is None) == (fb is None) and (fa is None or fa == fb)
+def teacher_forced(report, cmp) -> None:
+    """Judge b's layers run alone on a's recorded inputs and cotangents and put their output,
+    dL/dx and parameter-gradient rows in place of ``report``'s cascaded ones (judged from
+    ``cmp``, a captured :class:`~dense_bridge.testing._comparison.Comparison`); a split/fused
+    group runs member by member."""
+    from ._judge import judge
+
+    report.isolated = True
+    forced_cap, forced = forced_capture(cmp)
+    twin = judge_copy(report)
+    judge(twin, cmp, forced_cap)
+    rows = {i for i, c in enumerate(cmp.cap_b.calls) if c.path in forced.forced_paths}
+    dx = dx_rows(report, forced, cmp)
+    report.layers = merge_rows(report.layers, twin.layers, dx, rows)
+    report.notes += [ISOLATED_NOTE] + forced.notes
+    report.first_failure = first_failure(report.layers)
 
 
-def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a: dict,
-                   layers_b: dict, cap_a: Capture, cap_b: Capture, grads: bool,
-                   acts: Callable[[str, str], tuple], groups: dict | None = None,
-                   widths: dict[str, int] | None = None) -> tuple[Capture, Forced]:
+def forced_capture(cmp) -> tuple[Capture, Forced]:
     """A Capture of b whose calls are b's layers run alone on a's recorded inputs and cotangents
     (a call that cannot be forced is b's own cascaded call), and what the forcing saw.
 
-    ``acts(pa, pb)``: the activation each side's recorded output includes, a's and b's (None: the
-    recorded output is the linear map alone). ``groups``: the split/fused groups by label
-    (``_split_groups.Group``), whose members run one by one (``_run_unit``); ``widths``: member path -> units.
+    ``cmp``: the captured comparison; its ``acts(pa, pb)`` gives the activation each side's
+    recorded output includes (None: the linear map alone); its split/fused ``groups`` run member
+    by member (``_run_unit``, member units in ``widths``).
     """
-    groups, widths = groups or {}, widths or {}
+    adapter_a, adapter_b, cap_a, cap_b = cmp.adapter_a, cmp.adapter_b, cmp.cap_a, cmp.cap_b
+    layers_a, layers_b, groups, widths, grads = cmp.layers_a, cmp.layers_b, cmp.groups, cmp.widths, cmp.grads
     forced = Forced()
     run_b, run_a = getattr(adapter_b, "run_layer", None), getattr(adapter_a, "run_layer", None)
     for adapter, run, side in ((adapter_b, run_b, "b"), (adapter_a, run_a, "a")):
@@ -93,17 +104,17 @@ def forced_capture(adapter_a, adapter_b, pairs: list[tuple[str, str]], layers_a:
     if run_b is None or (grads and run_a is None):
         return cap_b, forced
     by_a = cap_a.by_path()
-    b_to_a = {pb: pa for pa, pb in pairs}
+    b_to_a = cmp.b_to_a
     counts_b = cap_b.call_counts()
     refused: dict[str, str] = {}
-    for pa, pb in pairs:
+    for pa, pb in cmp.pairs:
         missing = [p for p in _members(pa, groups) if layers_a.get(p) is None] + \
             [p for p in _members(pb, groups) if layers_b.get(p) is None]
         if missing:
             refused[pb] = f"no native layer to run alone for {', '.join(missing)}"
         elif len(by_a.get(pa, [])) != counts_b.get(pb, 0):
             refused[pb] = f"called {counts_b.get(pb, 0)} time(s) in b but {len(by_a.get(pa, []))} in a"
-        elif not _same_semantics(pa, pb, acts):
+        elif not cmp.same_activation(pa, pb):
             refused[pb] = "one side records its output before an activation applied inside the layer, the other after"
     calls: list[Call] = []
     sums: dict[str, dict[str, np.ndarray]] = {}
@@ -209,36 +220,41 @@ def _unit_grads(path: str, groups: dict, sums: dict[str, dict]) -> dict | None:
     return None if problem else joined
 
 
-def dx_rows(report, forced: Forced, params_b: dict, acts: Callable[[str, str], tuple], calls: list,
-            tol: Tolerance, row: Callable, rows_of: Callable, quant: dict | None = None) -> dict[int, Any]:
+def dx_rows(report, forced: Forced, cmp) -> dict[int, Any]:
     """The ``dL/dx`` row of every forced call with a cotangent: a's and b's dL/dx on the same
     input and cotangent, each allowed its rounding of dL/dz @ W^T (K = units), in quadrature.
-    A pair with a quantized side (``quant``, testing/_quantized.py) multiplies two kernels: a's
-    dL/dx is judged with that difference, dL/dz @ (Wa - Wb)^T, taken out."""
+    A layer with an adapter sends dL/dz through its update too (W is the effective kernel) and
+    each side's adapter path adds its rounding (``_adapters``, transposed). A pair with a
+    quantized side (``cmp.quant``, testing/_quantized.py) multiplies two kernels: a's dL/dx is
+    judged with that difference, dL/dz @ (Wa - Wb)^T, taken out."""
+    from ._adapters import adapter_allowance, effective_kernel
+    from ._judge import row, rows_of
     from ._propagate import activation_vjp
 
     out = {}
-    dtype = report.dtype
+    dtype, tol = report.dtype, cmp.tol
     for idx, (dxa, dxb, g, x) in forced.dx.items():
-        pa, pb, _ = calls[idx]
-        w = np.asarray(params_b[pb]["kernel"], dtype=np.float64)
+        pa, pb, _ = report.calls[idx]
+        params_b = cmp.params_b[pb]
+        w = effective_kernel(params_b)
         n_in, n_out = w.shape
         a_rows, b_rows = rows_of(dxa, n_in, f"{pa} dL/dx"), rows_of(dxb, n_in, f"{pb} dL/dx")
         dz = rows_of(g, n_out, f"{pa} dL/dy")
-        act = acts(pa, pb)[1]
+        act = cmp.acts(pa, pb)[1]
         if act is not None:  # the recorded output is after the activation: dL/dz = f'(z) dL/dy
             z = rows_of(x, n_in, f"{pa} input") @ w
-            if "bias" in params_b[pb]:
-                z = z + np.asarray(params_b[pb]["bias"], dtype=np.float64)
+            if "bias" in params_b:
+                z = z + np.asarray(params_b["bias"], dtype=np.float64)
             dz = activation_vjp(act, z, dz, dtype)[0]
-        if quant and pb in quant:
+        if pb in cmp.quant:
             from ._quantized import without_kernel_difference
-            a_rows = without_kernel_difference(quant[pb], a_rows, dz, w)
+            a_rows = without_kernel_difference(cmp.quant[pb], a_rows, dz, w)
         terms = np.abs(dz) @ np.abs(w.T)
         each = [allowed_error(v, dtype, n_out, tol.c_gradient, tol.atol) + tol.c_gradient * EPS[dtype] * terms
-                for v in (a_rows, b_rows)]
+                + adapter_allowance(dz, params, dtype, tol, tol.c_gradient, transpose=True)
+                for v, params in ((a_rows, cmp.params_a[pa]), (b_rows, params_b))]
         label = report.layers[idx].layer_type
-        out[idx] = row(idx, label, "dL/dx", a_rows, b_rows, np.sqrt(each[0] ** 2 + each[1] ** 2), n_out,
+        out[idx] = row((idx, label), "dL/dx", a_rows, b_rows, np.sqrt(each[0] ** 2 + each[1] ** 2), n_out,
                        dtype=dtype)
     return out
 
@@ -291,17 +307,38 @@ def _segments(layers: list) -> list[tuple[int, int]] | None:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forced_layer_traces(backend_b: str, layers_b: list, params_b: dict, trace_a, trace_b, xs: list[np.ndarray],
-                        g: np.ndarray, in_dtype_b: str, dtype: str, tol: Tolerance,
-                        grads: bool) -> tuple[list, list] | str:
+@dataclass
+class Traced:
+    """What ``compare`` traced of two spec models, for teacher forcing b's layers.
+
+    ``layers_b``/``params_b``: b's layer specs and canonical params ("0.kernel", ...);
+    ``trace_a``/``trace_b``: the cascaded traces (a's values are fed; b's give the dtype each of
+    its layers received); ``xs``/``g``: the model's input and upstream gradient (float64);
+    ``in_dtype_b``: the dtype b takes its input in; ``dtype``: the compared dtype.
+    """
+
+    backend_b: str
+    layers_b: list
+    params_b: dict
+    trace_a: Any
+    trace_b: Any
+    xs: list
+    g: np.ndarray | None
+    in_dtype_b: str
+    dtype: str
+    tol: Tolerance
+    grads: bool
+
+
+def forced_layer_traces(run: Traced) -> tuple[list, list] | str:
     """b's layers traced one segment at a time (a layer with parameters and the activations after
     it, compiled alone on b's backend from b's parameters) on the input a's segment received and
     backward from the gradient a's segment received: (b's LayerTrace per layer, the allowances per
     layer for exact inputs), or why b's layers cannot be forced.
-
-    ``xs``/``g``: the model's input and upstream gradient (float64); ``trace_a``/``trace_b``: the
-    cascaded traces (a's values are fed; b's give the dtype each of its layers received).
     """
+    backend_b, layers_b, params_b = run.backend_b, run.layers_b, run.params_b
+    trace_a, trace_b, xs, g, in_dtype_b = run.trace_a, run.trace_b, run.xs, run.g, run.in_dtype_b
+    dtype, tol, grads = run.dtype, run.tol, run.grads
     from .._api import build
     from .._dtypes import numpy_dtype
     from ..params._source import ParamSource
