@@ -68,6 +68,10 @@ class Counts:
         self.reads: Counter = Counter()  # id(layer) -> get_params calls on it
         self.reads_outside: Counter = Counter()  # the same, not under dense_bridge/testing
         self.testing = tuple(os.path.join(r, "testing") + os.sep for r in roots if r.endswith("dense_bridge" + os.sep))
+        self.models = tuple(os.path.join(r, "models") + os.sep for r in roots if r.endswith("dense_bridge" + os.sep)) \
+            + tuple(os.path.join(r, n) for r in roots if r.endswith("dense_bridge" + os.sep)
+                    for n in ("models.py", "_mapping.py", "_auto_mapping.py", "_auto_transfer.py"))  # the old layout
+        self.models_to_testing = 0  # calls into testing made by models code itself
 
     def hook(self, frame, event, arg):
         if event != "call":
@@ -76,6 +80,9 @@ class Counts:
         if not code.co_filename.startswith(self.roots):
             return
         self.calls += 1
+        if code.co_filename.startswith(self.testing) and frame.f_back is not None \
+                and frame.f_back.f_code.co_filename.startswith(self.models):
+            self.models_to_testing += 1
         self.functions.add(code)
         self.modules.add(code.co_filename)
         name = self.watched.get(code)
@@ -134,7 +141,7 @@ def measure(fn, layers: list) -> dict:
             "backend_of": f"{named['backend_of']} ({named['backend_of outside']})",
             "get_adapter": f"{named['get_adapter']} ({named['get_adapter outside']})",
             "walks": named["walk"], "get_params": f"{named['get_params']} ({named['get_params outside']})",
-            "reads/layer": f"{per_layer} ({outside})"}
+            "reads/layer": f"{per_layer} ({outside})", "models->testing": counts.models_to_testing}
 
 
 # ----------------------------------------------------------------------------- models
@@ -203,10 +210,43 @@ def compare_models(pair):
     return measure(lambda: db.testing.compare_models(a, b, x), _linear(a) + _linear(b))
 
 
+def mlx_lm_dir():
+    """A 1-block random Llama saved by transformers and converted by ``mlx_lm.convert(quantize=True)``
+    (4 bits, group 32) into a temporary directory; its path (None without MLX)."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        return None
+    import tokenizers
+    import torch
+    import transformers
+    from mlx_lm import convert as mlx_convert
+
+    root = tempfile.mkdtemp(prefix="bench_flows_")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(root, "hf"))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(os.path.join(root, "hf"))
+    mlx_convert(hf_path=os.path.join(root, "hf"), mlx_path=os.path.join(root, "mlx"), quantize=True,
+                q_group_size=32, q_bits=4)
+    return os.path.join(root, "mlx")
+
+
+def load_dir(path):
+    """``db.load(directory)`` of a quantized mlx-lm directory: (spec, params) with the codes."""
+    import dense_bridge as db
+
+    return measure(lambda: db.load(path), [])
+
+
 FLOWS = {"convert": convert, "transfer explicit": transfer_explicit, "transfer auto": transfer_auto,
          "compare_models": compare_models}
 PAIRS = {"numpy MLP (2 layers)": numpy_pair, "transformers Llama (2 decoder layers)": llama_pair}
-COLUMNS = ["calls", "functions", "modules", "backend_of", "get_adapter", "walks", "get_params", "reads/layer"]
+COLUMNS = ["calls", "functions", "modules", "backend_of", "get_adapter", "walks", "get_params", "reads/layer",
+           "models->testing"]
 
 
 def main() -> None:
@@ -229,6 +269,13 @@ def main() -> None:
             rows.append([name] + (["n/a"] * len(COLUMNS) if row is None else [row[c] for c in COLUMNS]))
         print(f"### {title}\n")
         print(table(rows, ["flow"] + COLUMNS))
+        print()
+    path = mlx_lm_dir()
+    if path is not None:
+        load_dir(path)  # warm
+        row = load_dir(path)
+        print("### a 4-bit mlx-lm directory (mlx_lm.convert of a 1-block Llama)\n")
+        print(table([["load"] + [row[c] for c in COLUMNS]], ["flow"] + COLUMNS))
         print()
 
 

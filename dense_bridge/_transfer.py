@@ -106,9 +106,9 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
     rules = None
     if auto:
         check_flag("verify", verify)
-        inputs = _infer.one_dict(inputs)
         if inputs is None:
             raise TypeError(_infer.NEEDS_INPUTS)
+        _infer.split_inputs(inputs)  # every form compare_models takes, or one error naming it, before any run
     else:
         rules = _mapping.parse(mapping)
     a, b = sides(src, dst)

@@ -109,8 +109,8 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     def back(a):
         return np.array(a).reshape(lead + a.shape[1:])
 
-    if grad_out is None:
-        return back(jax.jit(fn)(dynamic, xj)), None, {}
+    if grad_out is None:  # op by op like jax.vjp's primal below (a jit fuses differently: 1 ULP apart)
+        return back(fn(dynamic, xj)), None, {}
     y, vjp = jax.vjp(fn, dynamic, xj)
     g = np.asarray(grad_out)
     gdyn, dx = vjp(to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype)).astype(y.dtype))

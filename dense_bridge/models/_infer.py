@@ -42,10 +42,10 @@ import numpy as np
 
 from . import _plan as _mapping
 from .._errors import ConversionError, received
-from ..params._source import array_to_numpy
 from ..registry._captures import HEAD_CALL
+from ._inputs import model_inputs
 
-__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "one_dict", "Inferred", "NEEDS_INPUTS"]
+__all__ = ["Auto", "auto", "is_auto", "infer", "split_inputs", "Inferred", "NEEDS_INPUTS"]
 
 NEEDS_INPUTS = ("mapping='auto' infers the mapping by running both models: pass inputs= (a list, a dict, or a pair "
                 "(src inputs, dst inputs)). Received: inputs=None")
@@ -95,40 +95,12 @@ def _fingerprint(x: np.ndarray) -> str:
     return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
 
 
-def one_dict(inputs):
-    """``inputs`` with a list holding one dict of keyword arrays read as that dict (on each side of
-    a pair too): ``[{"input_ids": ids}]`` is keyword inputs, as ``{"input_ids": ids}`` is."""
-    def one(v):
-        return v[0] if isinstance(v, (list, tuple)) and len(v) == 1 and isinstance(v[0], dict) else v
-    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
-        return one(inputs[0]), one(inputs[1])
-    return one(inputs)
-
-
-def _numpy_inputs(value, argument: str):
-    def one(v, where):
-        arr = array_to_numpy(v)
-        if arr is None or np.asarray(arr).dtype == object:
-            raise TypeError(f"{where} must be a numeric array. {received(where, v)}")
-        return np.asarray(arr)
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], dict):
-        value = value[0]  # a list holding one dict: keyword inputs
-    if isinstance(value, dict):
-        return {k: one(v, f"{argument}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [one(v, f"{argument}[{i}]") for i, v in enumerate(value)]
-    return [one(value, argument)]
-
-
 def split_inputs(inputs) -> tuple[Any, Any]:
-    """(src inputs, dst inputs) as numpy lists/dicts: a pair of lists/dicts is one per model,
-    anything else (a list, a dict, one array) feeds both (the forms ``compare_models`` takes)."""
+    """(src inputs, dst inputs) as numpy lists/dicts, read as ``compare_models`` reads them
+    (``_inputs.model_inputs``: a pair of lists/dicts is one per model, anything else feeds both)."""
     if inputs is None:
         raise TypeError(NEEDS_INPUTS)
-    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(v, (list, tuple, dict)) for v in inputs):
-        return _numpy_inputs(inputs[0], "inputs[0]"), _numpy_inputs(inputs[1], "inputs[1]")
-    same = _numpy_inputs(inputs, "inputs")
-    return same, same
+    return model_inputs(inputs)
 
 
 def _kind(side, e) -> str | None:

@@ -215,7 +215,7 @@ def _given_inputs(inputs, n_inputs: int) -> tuple[list[np.ndarray], list[tuple[i
     shapes as given, in any form ``_inputs`` reads (an array of any framework, a list holding it,
     a dict, a list holding one dict). A 1-D input is one sample (Keras' Dense rejects 1-D,
     min_ndim=2; torch, numpy and MLX accept it), so every backend gets it as (1, in_features)."""
-    from ._inputs import layer_inputs
+    from ..models._inputs import layer_inputs
 
     arrays = [x.astype(np.float64) for x in layer_inputs(inputs, n_inputs)]
     names = ["inputs"] if n_inputs == 1 else ["inputs[0]", "inputs[1]"]

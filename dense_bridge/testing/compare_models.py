@@ -169,7 +169,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     """
     from ._compare import check_count, check_tolerance
     from ._comparison import Options, default_selects, prepare
-    from ._inputs import model_inputs
+    from ..models._inputs import model_inputs
 
     grads, isolated = check_flag("grads", grads), check_flag("isolated", isolated)
     if judge not in JUDGES:

@@ -158,3 +158,25 @@ def test_auto_takes_a_list_holding_one_dict_of_keyword_inputs():
     c = _llama(2)
     db.transfer(a, c, mapping="auto", inputs=([{"input_ids": IDS}], [{"input_ids": IDS}]))
     np.testing.assert_array_equal(_logits(c, IDS), _logits(a, IDS))
+
+
+@pytest.mark.parametrize("form", ["numpy list", "torch tensor", "python lists", "dict", "bare array"])
+def test_auto_reads_inputs_in_every_form_compare_models_reads(form):
+    """transfer(mapping="auto") and compare_models read inputs through one reader: the forms a
+    user writes work alike, and a form that is none of them is one TypeError naming it."""
+    torch = _torch()
+    inputs = {"numpy list": [IDS], "torch tensor": [torch.from_numpy(IDS)], "python lists": IDS.tolist(),
+              "dict": {"input_ids": IDS}, "bare array": IDS}[form]
+    a, b = _llama(0), _llama(1)
+    db.transfer(a, b, mapping="auto", inputs=inputs)
+    np.testing.assert_array_equal(_logits(b, IDS), _logits(a, IDS))
+
+
+def test_auto_refuses_inputs_of_no_form_and_empty_inputs_before_any_model_runs():
+    a, b = _llama(0), _llama(1)
+    before = _state(b)
+    with pytest.raises(TypeError, match="inputs must be"):
+        db.transfer(a, b, mapping="auto", inputs="input_ids")
+    with pytest.raises(db.SpecError, match="at least one element|no rows|empty|shape"):
+        db.transfer(a, b, mapping="auto", inputs=[IDS[:0]])
+    _assert_same_state(b, before)
