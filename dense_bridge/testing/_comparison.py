@@ -92,6 +92,8 @@ class Comparison:
     dtypes: list[str]
     options: Options
     walks: tuple | None = None  # each model's walk entries (quantized embeddings, structure)
+    backends: tuple[str, str] = ("", "")  # each model's backend, resolved once by its walk
+    read: Any = None  # a linear layer object -> its canonical params, read once through its model's adapter
     quant: dict = field(default_factory=dict)  # path in b -> _quantized.QuantPair
     cap_a: Capture | None = None
     cap_b: Capture | None = None
@@ -182,15 +184,13 @@ def prepare(a, b, mapping, inputs: tuple, options: Options) -> Comparison:
         options: how it runs and judges.
     """
     from .. import models
-    from .._api import get_params
     from ..models import _infer
     from . import _split_groups
     from ._quantized import quantized_pairs
 
-    from ..registry._backends import adapter_for
-
     inputs_a, inputs_b = inputs
     walked = models.sides(a, b, ("a", "b"))  # each model walked once: pairing, inference, judging, structure
+    get_params = reader(walked)
     walks = (walked[0].entries, walked[1].entries)
     if _infer.is_auto(mapping):  # inferred from one forward pass of each model, compared as rules
         # the inputs as read here (every form alike), one per model
@@ -203,10 +203,29 @@ def prepare(a, b, mapping, inputs: tuple, options: Options) -> Comparison:
               for p in _split_groups.members(groups, groups) if p in layers}
     dtypes = sorted({dtype_name(p["kernel"]) for p in list(params_a.values()) + list(params_b.values())
                      if "kernel" in p} or {"float32"})
-    quant = quantized_pairs(pairs, layers_a, layers_b, params_a)
-    return Comparison(a, b, adapter_for(a, "a"), adapter_for(b, "b"), pairs, groups, widths, layers_a, layers_b,
+    quant = quantized_pairs(pairs, layers_a, layers_b, params_a, adapters=(walked[0].adapter, walked[1].adapter))
+    return Comparison(a, b, walked[0].adapter, walked[1].adapter, pairs, groups, widths, layers_a, layers_b,
                       params_a, params_b, _round_inputs(inputs_a, dtypes), _round_inputs(inputs_b, dtypes), dtypes,
-                      options, walks, quant)
+                      options, walks, (walked[0].backend, walked[1].backend), get_params, quant)
+
+
+def reader(walked: tuple) -> Any:
+    """``get_params(layer, copy=False)`` for the linear layers of two walked models: each read once,
+    through the adapter its model's walk resolved (a LoRA-wrapped layer with its ``lora_*`` keys,
+    as ``db.get_params`` gives it); any other object through ``db.get_params``."""
+    from .._api import get_params
+
+    owners = {id(e.layer): (side, e) for side in walked for e in side.linear()}
+
+    def read(layer: Any, copy: bool = False) -> dict:
+        found = owners.get(id(layer))
+        if found is None:
+            return get_params(layer, copy=copy)
+        side, e = found
+        params = side.linear_params(e)
+        return {k: np.array(v, copy=True) for k, v in params.items()} if copy else params
+
+    return read
 
 
 def default_selects(outputs) -> tuple:

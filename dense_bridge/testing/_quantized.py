@@ -67,15 +67,20 @@ def _input_fn(handle: Any) -> Callable[[np.ndarray], np.ndarray] | None:
     return handle.effective_input if getattr(handle, "quantizes_inputs", False) else None
 
 
-def quantized_pairs(pairs, layers_a: dict, layers_b: dict, params_a: dict) -> dict[str, QuantPair]:
-    """path in b -> QuantPair for every matched pair where either side is a quantized layer."""
-    from ..quant import describe
+def quantized_pairs(pairs, layers_a: dict, layers_b: dict, params_a: dict, adapters: tuple | None = None
+                    ) -> dict[str, QuantPair]:
+    """path in b -> QuantPair for every matched pair where either side is a quantized layer.
+    ``adapters``: (a's adapter, b's), resolved once by the caller (else each layer's owner is looked up)."""
+    from ..quant import describe, quant_layer
+
+    def handle(layer, side: int, argument: str):
+        return handle_of(layer, argument) if adapters is None else quant_layer(adapters[side], layer)
 
     out = {}
     for pa, pb in pairs:
         if layers_a.get(pa) is None or layers_b.get(pb) is None:  # a split/concatenated group ("p+q"): float layers only
             continue
-        ha, hb = handle_of(layers_a[pa], "a"), handle_of(layers_b[pb], "b")
+        ha, hb = handle(layers_a[pa], 0, "a"), handle(layers_b[pb], 1, "b")
         if ha is None and hb is None:
             continue
         handles = [h for h in (ha, hb) if h is not None]

@@ -127,14 +127,18 @@ def _signature(side: _Params, e) -> tuple:
 
 
 def model_structure(a: Any, b: Any, pairs: list[tuple[str, str]],
-                    groups: dict[str, Any] | None = None, entries: tuple[list, list] | None = None) -> Structure:
+                    groups: dict[str, Any] | None = None, entries: tuple[list, list] | None = None,
+                    read: Any = None) -> Structure:
     """The :class:`Structure` of two whole models whose linear layers ``pairs`` matches.
 
     ``groups``: split or fused sides by label ("q+k+v", with ``.paths``): every member's
     parameters count as matched with the other side's (their joined arrays are compared).
-    ``entries``: both models' walks when the caller has them (each model is walked once)."""
+    ``entries``: both models' walks when the caller has them (each model is walked once);
+    ``read``: ``get_params(layer, copy=False)`` of the caller that has read them already."""
     groups = groups or {}
     from .._api import get_params
+
+    get_params = read or get_params
 
     walked_a, walked_b = entries or (None, None)
     sa, sb = _Params(a, "a", walked_a), _Params(b, "b", walked_b)

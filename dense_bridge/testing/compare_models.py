@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConversionError, SpecError, check_flag, received
-from ..registry._backends import adapter_for, backend_of
+from ..registry._backends import backend_of, get_adapter
 from ..registry._captures import LeafOutput
 from ._degenerate import refuse_nonfinite_inputs, refuse_nonfinite_outputs
 from ._gradients import effective_grads
@@ -177,8 +177,9 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     seed = check_count("seed", seed, 0)
     tol = check_tolerance(tolerance)
     select_a, select_b = default_selects(outputs)  # first floating outputs, re-paired by shape below if they differ
-    adapter_a, adapter_b = adapter_for(a, "a"), adapter_for(b, "b")
-    grads, grads_note = effective_grads({"a": backend_of(a, "a"), "b": backend_of(b, "b")}, grads)
+    backends = {"a": backend_of(a, "a"), "b": backend_of(b, "b")}  # once here, once by each model's walk
+    adapter_a, adapter_b = get_adapter(backends["a"]), get_adapter(backends["b"])
+    grads, grads_note = effective_grads(backends, grads)
     for name, adapter in (("a", adapter_a), ("b", adapter_b)):
         if not callable(getattr(adapter, "capture", None)):
             raise ConversionError(f"the {adapter.__name__.rsplit('.', 1)[-1]!r} backend cannot capture layers "
@@ -213,8 +214,8 @@ def _new_report(cmp, before: list[str], after: list[str]) -> ModelReport:
     left unpaired, ``before``, what the captures say, ``after``), with the parameter structure
     unless ``judge="carried"``."""
     a, b = cmp.a, cmp.b
-    report = ModelReport(ModelInfo(backend_of(a, "a"), type(a).__name__, cmp.dtype_a),
-                         ModelInfo(backend_of(b, "b"), type(b).__name__, cmp.dtype_b),
+    report = ModelReport(ModelInfo(cmp.backends[0], type(a).__name__, cmp.dtype_a),
+                         ModelInfo(cmp.backends[1], type(b).__name__, cmp.dtype_b),
                          coarsest([cmp.dtype_a, cmp.dtype_b]), cmp.tol, _input_shapes(cmp.inputs_b), cmp.seed, True)
     report.pairs = cmp.pairs
     for side, layers in (("a", cmp.layers_a), ("b", cmp.layers_b)):
@@ -225,7 +226,7 @@ def _new_report(cmp, before: list[str], after: list[str]) -> ModelReport:
     report.notes += before
     report.notes += [f"a: {n}" for n in cmp.cap_a.notes] + [f"b: {n}" for n in cmp.cap_b.notes]
     if not cmp.carried:
-        report.structure = model_structure(a, b, cmp.pairs, cmp.groups, entries=cmp.walks)
+        report.structure = model_structure(a, b, cmp.pairs, cmp.groups, entries=cmp.walks, read=cmp.read)
     report.notes += after
     return report
 
