@@ -8,6 +8,7 @@ the port passes between libraries (transformers 5 keeps rope settings under ``ro
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -38,6 +39,26 @@ def _transformers():
         raise BackendUnavailableError("transformers model directories need the transformers package: "
                                       "pip install 'dense-bridge[port]'") from None
     return transformers
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' progress bars off and the log records of what it imports on first use (torchao's
+    missing CUDA kernels, torch's pytree notices) held back: a port reports in its own words."""
+    import logging
+
+    from transformers.utils import logging as tlog
+
+    bars = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+        if bars:
+            tlog.enable_progress_bar()
 
 
 def _weight_files(path: str) -> list[str]:
@@ -241,7 +262,8 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
 
     cfg = _config(config)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with _quiet():
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     except ValueError as exc:
         raise ConversionError(f"transformers {transformers.__version__} has no causal language model for "
                               f"model_type {config.get('model_type')!r}: {str(exc).splitlines()[0][:300]}") from None
@@ -252,7 +274,9 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
 
 def port_save(fmt: str, model, path: str) -> None:
     """``model`` written into the directory ``path`` by transformers' own ``save_pretrained``."""
-    model.save_pretrained(path)
+    _transformers()
+    with _quiet():
+        model.save_pretrained(path)
 
 
 def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
@@ -262,7 +286,7 @@ def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
     import torch
 
     cfg = _config(config)
-    with torch.device("meta"):
+    with torch.device("meta"), _quiet():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
@@ -283,15 +307,17 @@ def port_example(fmt: str, path: str, seed: int = 0) -> None:
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    rope_theta=500000.0, tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    _randomize(model, seed)
-    model.save_pretrained(path)
+    with _quiet():
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        _randomize(model, seed)
+        model.save_pretrained(path)
 
 
 def port_load(fmt: str, path: str):
     """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode."""
     transformers = _transformers()
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with _quiet():
+        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
