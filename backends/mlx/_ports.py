@@ -95,10 +95,30 @@ def port_contents(fmt: str, path: str) -> dict:
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
-    """mlx-lm's config.json is already in the Hugging Face form: the interchange form, minus what only
-    mlx-lm keeps (its own quantization entry)."""
+    """What mlx-lm reads in its config.json, in the interchange form: the keys of :data:`READS_AS` as
+    its ``ModelArgs`` take them (a rope base it does not find is its default, which is what it
+    computes with) written back under ``rope_parameters``, minus what only mlx-lm keeps (its own
+    quantization entry)."""
     out = dict(config)
     out.pop("quantization", None)
+    try:
+        _, args_class = _classes(out)
+        args = args_class.from_dict(out)
+    except (ConversionError, TypeError, KeyError, ValueError, AttributeError):
+        return out  # refused later, by name, when its model is built
+    rope = out.get("rope_parameters")
+    if rope is not None and (not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values())):
+        return out  # per-layer-type rope settings: read by the models that declare them, as they are
+    rope = dict(rope or {})
+    for inner, outer in READS_AS.items():
+        value = getattr(args, outer, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (inner in rope or outer in out
+                                                                                or inner == "rope_theta"):
+            rope[inner] = value
+            out[outer] = value
+    if rope:
+        rope.setdefault("rope_type", "default")
+        out["rope_parameters"] = rope
     return out
 
 

@@ -206,3 +206,31 @@ def test_a_cache_snapshot_of_symlinks_with_its_tokenizer_loads_with_mlx_lm_load(
     ref = transformers.AutoModelForCausalLM.from_pretrained(plain).eval()
     _close(_torch_logits(ref, ids), _mlx_logits(model, ids), "mlx_lm.load logits")
     assert db.verify_port(tmp_path / "out").passed
+
+
+def test_a_directory_mlx_lm_convert_wrote_ports_back_to_transformers(tmp_path):
+    """The way back from a directory mlx-lm's own converter wrote (not one dense_bridge wrote): every
+    tensor transformers loads equals what mlx-lm loads, bit for bit, in the dtype mlx-lm stored, and
+    the config says what mlx-lm computes with (verified on the full models)."""
+    transformers = transformers_or_skip()
+    mlx_lm_or_skip()
+    import torch
+    from mlx_lm import convert
+
+    save(transformers, "llama", tmp_path / "hf")
+    _tiny_tokenizer(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), mlx_path=str(tmp_path / "mlx"))
+    report = db.port(tmp_path / "mlx", tmp_path / "back", to="transformers")
+    assert report.source == "mlx-lm" and report.verification["passed"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    theirs, _ = _mlx_load(tmp_path / "mlx")
+    want = _mlx_params(theirs)
+    got = back.state_dict()
+    assert set(want) == set(got)
+    for k, v in got.items():
+        bits = v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v.numpy()
+        assert np.array_equal(bits, np.asarray(want[k])), k
+    assert (tmp_path / "back" / "tokenizer.json").exists()
+    # mlx-lm 0.32 computes with rope base 10000 for this transformers-5 config (it reads rope_theta
+    # only at the top level): the port writes the model mlx-lm runs, and says nothing else
+    assert theirs.args.rope_theta == 10000 and back.config.rope_parameters["rope_theta"] == 10000
