@@ -26,6 +26,8 @@ INDEX = "model.safetensors.index.json"
 EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
           "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
           "added_tokens.json")
+#: Sub-configs of a multimodal checkpoint's other towers: only its text part would be written.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config")
 #: Keys of config.json that make mlx-lm import code stored in the directory.
 REMOTE_CODE_KEYS = ("model_file", "auto_map", "trust_remote_code")
 #: Interchange keys inside ``rope_parameters`` that mlx-lm reads at the top level, under these names;
@@ -75,6 +77,11 @@ def port_contents(fmt: str, path: str) -> dict:
     if config.get("quantization"):
         raise ConversionError(f"{path} is a quantized mlx-lm directory ({received('quantization', config['quantization'])}): "
                               "ports of quantized directories are not implemented yet")
+    towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
+    if towers:
+        raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
+                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
+                              "are not implemented yet; nothing was written)")
     weights: dict[str, str] = {}
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):

@@ -26,6 +26,8 @@ INDEX = "model.safetensors.index.json"
 EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
           "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
           "added_tokens.json")
+#: Sub-configs of a multimodal checkpoint's other towers: only its text part would be written.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config")
 #: Keys of config.json that ask for code stored outside the installed library.
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
 #: The twin's sizes: per-head width, vocabulary, layers (at least; a per-layer pattern keeps one period).
@@ -110,6 +112,11 @@ def port_contents(fmt: str, path: str) -> dict:
             raise ConversionError(f"{os.path.join(path, CONFIG)} asks for code from outside the installed libraries "
                                   f"({key}={config[key]!r}): refused, never run (port only models transformers "
                                   "implements itself)")
+    towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
+    if towers:
+        raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
+                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
+                              "are not implemented yet; nothing was written)")
     weights: dict[str, str] = {}
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):

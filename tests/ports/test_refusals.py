@@ -136,3 +136,11 @@ def test_a_bin_pickle_holding_anything_but_tensors(tmp_path, llama_dir):
     _refused(src, tmp_path / "out", db.CheckpointError, "pytorch_model.bin")
     torch.save({"model.norm.weight": torch.ones(3)}, src / "pytorch_model.bin")  # tensors only: named, not ported
     _refused(src, tmp_path / "out", db.ConversionError, "weights_only=True.*streams safetensors only")
+
+
+def test_a_multimodal_checkpoint(tmp_path, llama_dir):
+    src = _copy(llama_dir, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vision_config"] = {"hidden_size": 16, "num_hidden_layers": 1}
+    (src / "config.json").write_text(json.dumps(cfg))
+    _refused(src, tmp_path / "out", db.ConversionError, "multimodal checkpoint.*vision_config.*only its text part")
