@@ -126,6 +126,10 @@ def test_the_port_command_exit_codes(ported, tmp_path, capsys, monkeypatch):
                  "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ported"] and doc["destination"] == "mlx-lm" and doc["verification"]["passed"]
+    assert main(["port", str(base / "one"), "--to", "mlx-lm", "-o", str(tmp_path / "p"), "--verify", "twins",
+                 "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "tensors" in captured.err and "MB" in captured.err and "ported transformers -> mlx-lm" in captured.out
     assert main(["port", str(base / "one"), "--to", "mlx-lm", "-o", str(tmp_path / "a")]) == 2  # not empty
     assert "not empty" in capsys.readouterr().err
     from dense_bridge.backends.mlx import _ports as _model_dirs
