@@ -35,13 +35,14 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "load_adapter": (".lora._files", "load_adapter"), "save_adapter": (".lora._files", "save_adapter"),
     "convert_adapter": (".lora._files", "convert_adapter"),
     "ADAPTER_DIRECTORY_FORMATS": (".lora._files", "DIRECTORY_FORMATS"),
+    "port": (".ports", "port"), "verify_port": (".ports", "verify_port"),
 }
 
 __all__ = [
     "Dense", "Bilinear", "Identity", "Flatten", "Sequential", "Activation", "Init", "wiring", "from_config",
     "available_backends", "backend", "compile", "get_params", "set_params", "to_spec", "convert",
     "save", "load", "testing", "linear_layers", "register_layout", "transfer", "inference", "register_backend", "Quant",
-    "merge_lora", "load_adapter", "save_adapter", "convert_adapter", "ADAPTER_DIRECTORY_FORMATS", "auto",
+    "merge_lora", "load_adapter", "save_adapter", "convert_adapter", "ADAPTER_DIRECTORY_FORMATS", "auto", "port", "verify_port",
     "DenseBridgeError", "SpecError", "ConversionError", "CheckpointError", "BackendUnavailableError",
 ]
 

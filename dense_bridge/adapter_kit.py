@@ -46,7 +46,7 @@ _LAZY: dict[str, str] = {
     "FILES": ".registry._contract", "LORA": ".registry._contract", "QUANT": ".registry._contract",
     "QUANT_LORA": ".registry._contract", "QUANT_FILES": ".registry._contract",
     "Manifest": ".registry._manifest", "FileFormat": ".registry._manifest", "ModelDir": ".registry._manifest", "FileNames": ".registry._manifest", "Probe": ".registry._manifest",
-    "AdapterFormat": ".registry._manifest", "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest",
+    "AdapterFormat": ".registry._manifest", "Match": ".registry._manifest", "GRADIENTS": ".registry._manifest", "PARALLEL": ".registry._manifest", "DCP": ".registry._manifest", "PORTS": ".registry._manifest",
     "ParamSource": ".params._source", "initial_layer_params": ".params._source",
     "remember_spec": ".registry._remembered_spec", "remembered_spec": ".registry._remembered_spec",
     "native_copy": ".params._copy",

@@ -1,7 +1,7 @@
 """What the core knows of the MLX backend without importing mlx (see
 ``dense_bridge.adapter_kit.Manifest``): MLX-layout safetensors and ``.npz`` files, mlx-lm's quantized
 model directories and its LoRA adapter directories (``_lora_files.py``)."""
-from dense_bridge.adapter_kit import (GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, ModelDir,
+from dense_bridge.adapter_kit import (PORTS, GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, ModelDir,
                                       Probe)
 
 
@@ -30,7 +30,8 @@ def _quantization(config: dict) -> object:
 
 MANIFEST = Manifest(
     requires=("mlx",), install="pip install 'dense-bridge[mlx]'", display="MLX",
-    capabilities=frozenset({GRADIENTS, PARALLEL}),  # PARALLEL: mx.distributed column/row layers
+    capabilities=frozenset({GRADIENTS, PARALLEL, PORTS}),  # PARALLEL: mx.distributed column/row layers
+    port_formats=("mlx-lm",),  # whole model directories (db.port): _ports.py
     formats=(
         FileFormat("MLX safetensors file", container="safetensors", sniff=_safetensors, safetensors=True,
                    extensions=(".safetensors",), write_kind="safetensors", temp_suffix=".safetensors"),

@@ -1,7 +1,7 @@
 """What the core knows of the torch backend without importing torch (see
 ``dense_bridge.adapter_kit.Manifest``): its state-dict files (zip, legacy pickle, safetensors)
 and how each is recognised by content, and PEFT's LoRA adapter directories (``_lora_files.py``)."""
-from dense_bridge.adapter_kit import (DCP, GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match,
+from dense_bridge.adapter_kit import (PORTS, DCP, GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match,
                                       Probe)
 
 #: ``torch.save``'s legacy (non-zip) format begins with this number, pickled as a LONG1 of 10 bytes
@@ -47,7 +47,8 @@ def _pickled_peft(names: frozenset) -> str | None:
 MANIFEST = Manifest(
     requires=("torch",), install="pip install 'dense-bridge[torch]'", display="torch",
     # PARALLEL: DTensor tensor parallelism; DCP: torch.distributed.checkpoint directories (load_dcp/save_dcp)
-    capabilities=frozenset({GRADIENTS, PARALLEL, DCP}),
+    capabilities=frozenset({GRADIENTS, PARALLEL, DCP, PORTS}),
+    port_formats=("transformers",),  # whole model directories (db.port): _ports.py
     formats=(
         FileFormat("torch state dict", container="torch-zip", sniff=_zip_state_dict, extensions=_PICKLE_ENDINGS,
                    write_kind="torch-pickle"),

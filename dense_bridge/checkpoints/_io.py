@@ -25,7 +25,7 @@ from .._errors import CheckpointError, SpecError, received
 
 __all__ = ["AtomicFiles", "write_text", "path_arg", "check_writable", "check_room", "WRITER_OVERHEAD", "write_limit_cause", "describe_os_error", "directory_lock", "parse_size",
            "shard_names", "shard_pattern", "new_save_id", "temp_name", "temp_pattern", "reclaim_temporaries",
-           "RECLAIM_MIN_AGE_S"]
+           "RECLAIM_MIN_AGE_S", "replace_directory"]
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -460,3 +460,19 @@ def shard_pattern(path: str) -> re.Pattern:
     save id. The hub's own names (no save id) never match."""
     _, stem = index_and_stem(path)
     return re.compile("^" + re.escape(os.path.basename(stem)) + "-(?P<id>" + _TOKEN + r")-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+def replace_directory(tmp: str, final: str, *, previous: str | None = None) -> None:
+    """Move the finished directory ``tmp`` onto ``final`` (same filesystem: one rename), after
+    moving an existing ``final`` to ``previous`` when given (the caller removes it afterwards);
+    the parent directory is fsynced. A whole model directory written file by file through
+    :class:`AtomicFiles` into ``tmp`` appears at ``final`` at once, or not at all."""
+    if previous is not None:
+        os.replace(final, previous)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if previous is not None:
+            os.replace(previous, final)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))

@@ -52,6 +52,10 @@ def _max_abs_diff(a, b) -> tuple[float, bool]:
 
 def cmd_check(args) -> int:
     from ..testing import compare, compare_checkpoints, rows_structure
+    from ._port import check_model_dirs, given_model_dirs
+
+    if given_model_dirs(args):  # two model directories (db.port's formats): dense_bridge/ports
+        return check_model_dirs(args)
 
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)

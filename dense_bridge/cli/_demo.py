@@ -129,6 +129,11 @@ def run(json_output: bool = False, steps: int = 60, seed: int = 0, keep: str | N
                      f"{len(report.rows)} quantities" if report.passed else report.verdict(),
                      None if worst is None else worst.max_abs_error, None if worst is None else worst.units)
 
+        from ..ports import headline  # whole model directories: one library's own into another's and back
+
+        for r in headline(os.path.join(workdir, "ports"), seed=seed):
+            rows.add(r["step"], r["backends"], r["passed"], r["seconds"], r["detail"], r["max_abs_error"])
+
         path = os.path.join(workdir, "demo.safetensors")
         t = time.perf_counter()
         db.save(model, path)

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Port Dense/MLP models between frameworks ({', '.join(run_choices())}): convert checkpoints, "
                     "check equivalence, inspect files. Exit codes: 0 ok, 1 not equivalent, 2 bad input.")
     parser.add_argument("--version", action="version", version=f"dense-bridge {db.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,convert,check,inspect,adapter}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,port,verify,convert,check,inspect,adapter}")
     sub.required = True
 
     p = sub.add_parser("demo", help="build, train, port, check and save an MLP on every installed framework",
@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher forcing: run each layer of B on the input and output gradient its counterpart in A "
                         "received, so each layer's own error is judged with nothing carried from before it")
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
+    p.add_argument("--positions", type=int, default=256, help="token positions for two model directories (default 256)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
     from ._whole_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ._lora_adapter import add_parser as add_adapter  # LoRA adapter directories
 
     add_adapter(sub)
+    from . import _port, _verify  # whole model directories (db.port, db.verify_port)
+
+    _port.add_parser(sub)
+    _verify.add_parser(sub)
     return parser
 
 

@@ -203,7 +203,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["REQUIRED_VERBS", "OPTIONAL_VERBS", "Capability", "CAPABILITIES", "RUNNING", "FILES", "LORA", "QUANT",
-           "QUANT_LORA", "QUANT_FILES", "PARALLEL_VERBS", "DCP_VERBS", "capability", "offered", "problems",
+           "QUANT_LORA", "QUANT_FILES", "PORTS", "PARALLEL_VERBS", "DCP_VERBS", "capability", "offered", "problems",
            "REQUIRED_FILES", "OPTIONAL_FILES"]
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
@@ -248,11 +248,16 @@ PARALLEL_VERBS: tuple[str, ...] = ("parallel_compile", "parallel_state", "parall
 DCP_VERBS: tuple[str, ...] = ("save_dcp", "load_dcp")
 _PARALLEL = Capability("parallel", PARALLEL_VERBS, "tensor parallelism (parallel=)", manifest=True)
 _DCP = Capability("dcp", DCP_VERBS, "distributed checkpoint directories (format='dcp')", manifest=True)
+#: Whole model directories of the libraries built on the framework (``_ports.py``; the verbs are
+#: described in dense_bridge/ports/_dirs.py), declared with the formats in ``Manifest.port_formats``.
+PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save",
+                             "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"),
+                   "whole model directories of the libraries built on the framework (db.port)", manifest=True)
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
 CAPABILITIES: dict[str, Capability] = {c.name: c for c in (RUNNING, FILES, LORA, QUANT, QUANT_LORA, QUANT_FILES,
-                                                           _PARALLEL, _DCP)}
+                                                           _PARALLEL, _DCP, PORTS)}
 
 #: Every verb of every capability, extras included: an adapter may offer any of them (by the rules
 #: above); whatever needs one asks ``dense_bridge.registry._backends.optional_verb`` or ``require``.
@@ -331,6 +336,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_lora.py",      # LoRA adapters: the framework's adapter classes as canonical lora_* params
     "_lora_files.py",  # its ecosystem's LoRA adapter directories, framework-free (registry._manifest.AdapterFormat)
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
+    "_ports.py",     # PORTS: the whole model directories of the libraries built on it (db.port)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
 

@@ -23,7 +23,7 @@ from typing import Callable
 from .._errors import CheckpointError, first_line
 
 __all__ = ["Match", "Probe", "FileFormat", "ModelDir", "FileNames", "AdapterFormat", "Manifest", "GRADIENTS", "PARALLEL",
-           "DCP", "LORA_FILE_VERBS"]
+           "DCP", "PORTS", "LORA_FILE_VERBS"]
 
 #: Capability: ``trace``/``capture`` compute gradients (the framework has autograd, or the
 #: adapter a hand-written backward). Without it a backend runs forward only (``grads=False``).
@@ -34,6 +34,9 @@ PARALLEL = "parallel"
 #: Capability: the adapter reads and writes distributed-checkpoint directories (a ``.metadata``
 #: file beside the data) with the verbs of ``dense_bridge.registry._contract.DCP_VERBS`` (``format="dcp"``).
 DCP = "dcp"
+#: Capability: the adapter reads and writes whole model directories of the libraries its manifest
+#: names in ``port_formats`` (db.port), with the verbs of ``dense_bridge.registry._contract.PORTS``.
+PORTS = "ports"
 
 
 class Match(enum.IntEnum):
@@ -211,6 +214,8 @@ class Manifest:
       build, by dotted name, as ``(class, kernel attribute, bias attribute or None, "in_out" or
       "out_in")``: what ``db.register_layout`` would declare (``models/_layouts.py``), read on
       first use without importing the class.
+    - ``port_formats``: the model-directory formats (``db.port``'s ``to=`` names) its adapter reads and
+      writes with the verbs of the :data:`PORTS` capability (``_ports.py``).
     - ``quiet_import``: importing the framework writes C++ log lines to file descriptor 2
       (TensorFlow): the command line imports it with that descriptor silenced.
     """
@@ -229,3 +234,4 @@ class Manifest:
     adapter_formats: tuple[AdapterFormat, ...] = ()
     linear_layouts: tuple[tuple[str, str, str | None, str], ...] = ()
     quiet_import: bool = False
+    port_formats: tuple[str, ...] = ()

@@ -1,0 +1,251 @@
+"""mlx-lm model directories (``config.json``, ``model*.safetensors`` tagged ``format: mlx`` and
+``model.safetensors.index.json``, as ``mlx_lm.utils.save_model`` writes them), the model-directory
+verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
+
+mlx-lm reads a Hugging Face style ``config.json`` but under the names its ``ModelArgs`` declare:
+transformers 5 keeps rope settings under ``rope_parameters``, which mlx-lm 0.32's Llama reads as
+``rope_theta`` (silently 10000 when absent). :data:`READS_AS` is that one table, for the library,
+not per architecture; the port builds its destination twin from the config as written, so a setting
+lost here fails the twins' verification.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+
+from dense_bridge.adapter_kit import BackendUnavailableError, CheckpointError, ConversionError, Match, SafetensorsFile, \
+    received
+from dense_bridge.checkpoints._safetensors import read_json_file
+
+FORMAT = "mlx-lm"
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+#: Files besides the weights mlx-lm's ``load`` reads (its tokenizer is transformers').
+EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+          "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+          "added_tokens.json")
+#: Sub-configs of a multimodal checkpoint's other towers: only its text part would be written.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config")
+#: Keys of config.json that make mlx-lm import code stored in the directory.
+REMOTE_CODE_KEYS = ("model_file", "auto_map", "trust_remote_code")
+#: Interchange keys inside ``rope_parameters`` that mlx-lm reads at the top level, under these names;
+#: what is left of a non-default ``rope_parameters`` is read as ``rope_scaling``.
+READS_AS = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor"}
+#: Top-level interchange keys mlx-lm reads under another name: {name mlx-lm reads: interchange name}.
+ALIASES = {"n_ctx": "n_positions"}
+
+
+def _mlx_lm():
+    try:
+        import mlx_lm.utils
+    except ImportError:
+        raise BackendUnavailableError("mlx-lm model directories need the mlx-lm package: "
+                                      "pip install 'dense-bridge[port]'") from None
+    return mlx_lm.utils
+
+
+def _weight_files(path: str) -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "model*.safetensors")))
+
+
+def port_detect(fmt: str, path: str) -> int:
+    """CERTAIN for a config.json beside safetensors tagged ``format: mlx`` (mlx-lm's ``save_model``),
+    FITS for any config.json beside ``model*.safetensors`` (what mlx-lm's loader globs), else NO."""
+    if not os.path.isfile(os.path.join(path, CONFIG)):
+        return Match.NO
+    files = _weight_files(path)
+    if not files:
+        return Match.NO
+    try:
+        with SafetensorsFile(os.path.join(path, files[0])) as f:
+            tag = (f.metadata or {}).get("format", "")
+    except CheckpointError:
+        return Match.NO
+    return Match.CERTAIN if tag == "mlx" else Match.FITS
+
+
+def port_contents(fmt: str, path: str) -> dict:
+    """``{"config", "weights": {tensor name: file relative to path}, "extras"}``; ConversionError
+    for a config that asks for code in the directory (``model_file``) or a quantized one."""
+    config = read_json_file(os.path.join(path, CONFIG), "mlx-lm config")
+    for key in REMOTE_CODE_KEYS:
+        if config.get(key):
+            raise ConversionError(f"{os.path.join(path, CONFIG)} asks for code from outside the installed libraries "
+                                  f"({key}={config[key]!r}): refused, never run")
+    if config.get("quantization"):
+        raise ConversionError(f"{path} is a quantized mlx-lm directory ({received('quantization', config['quantization'])}): "
+                              "ports of quantized directories are not implemented yet")
+    towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
+    if towers:
+        raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
+                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
+                              "are not implemented yet; nothing was written)")
+    weights: dict[str, str] = {}
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        wm = read_json_file(index, "safetensors index").get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise CheckpointError(f"{index}: 'weight_map' is not an object of tensor name -> file name. "
+                                  f"{received('weight_map', wm)}")
+        weights = dict(wm)
+    else:
+        for name in _weight_files(path):
+            with SafetensorsFile(os.path.join(path, name)) as f:
+                for key in f.keys():
+                    weights[key] = name
+    if not weights:
+        raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
+    extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
+    return {"config": config, "weights": weights, "extras": extras}
+
+
+def port_common_config(fmt: str, config: dict) -> dict:
+    """What mlx-lm reads in its config.json, in the interchange form: the keys of :data:`READS_AS` as
+    its ``ModelArgs`` take them (a rope base it does not find is its default, which is what it
+    computes with) written back under ``rope_parameters``, minus what only mlx-lm keeps (its own
+    quantization entry)."""
+    out = dict(config)
+    out.pop("quantization", None)
+    try:
+        _, args_class = _classes(out)
+        args = args_class.from_dict(out)
+    except (ConversionError, TypeError, KeyError, ValueError, AttributeError):
+        return out  # refused later, by name, when its model is built
+    rope = out.get("rope_parameters")
+    if rope is not None and (not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values())):
+        return out  # per-layer-type rope settings: read by the models that declare them, as they are
+    rope = dict(rope or {})
+    for inner, outer in READS_AS.items():
+        value = getattr(args, outer, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (inner in rope or outer in out
+                                                                                or inner == "rope_theta"):
+            rope[inner] = value
+            out[outer] = value
+    if rope:
+        rope.setdefault("rope_type", "default")
+        out["rope_parameters"] = rope
+    return out
+
+
+def port_own_config(fmt: str, common: dict) -> dict:
+    """``common`` with every key mlx-lm reads under another name carried under that name
+    (:data:`READS_AS`): ``rope_parameters`` flattened to ``rope_theta`` (and ``rope_scaling`` when
+    its type is not the default), the original kept for the models that read it."""
+    out = dict(common)
+    for theirs, ours in ALIASES.items():
+        if ours in out and theirs not in out:
+            out[theirs] = out[ours]
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values()):
+        for inner, outer in READS_AS.items():
+            if inner in rope and outer not in out:
+                out[outer] = rope[inner]
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in (None, "default") and out.get("rope_scaling") is None:
+            rest = {k: v for k, v in rope.items() if k not in READS_AS}
+            out["rope_scaling"] = {**rest, "type": kind, "rope_type": kind}
+    return out
+
+
+def port_shrink(fmt: str, common: dict) -> dict:
+    """Not offered here: the interchange config's sizes are shrunk by transformers' own config classes."""
+    raise ConversionError("mlx-lm does not shrink interchange configs: install transformers (pip install "
+                          "'dense-bridge[port]')")
+
+
+def _classes(config: dict):
+    utils = _mlx_lm()
+    try:
+        return utils._get_classes(config)
+    except ValueError:
+        import pkgutil
+
+        import mlx_lm.models
+
+        offered = sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__) if not m.name.startswith("_"))
+        raise ConversionError(f"mlx-lm does not implement model_type {config.get('model_type')!r} (it offers "
+                              f"{len(offered)} model types: {', '.join(offered)})") from None
+
+
+def _build(config: dict):
+    model_class, args_class = _classes(config)
+    try:
+        return model_class(args_class.from_dict(config))
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config: "
+                              f"{type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def port_twin(fmt: str, config: dict, seed: int = 0):
+    """mlx-lm's own model for ``config`` (its ``_get_classes``, as ``load_model`` does), float32,
+    every parameter random (seeded)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    model = _build(config)
+    rng = np.random.default_rng(seed)
+    new = []
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if len(shape) == 1:
+            value = 1.0 + 0.2 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / shape[-1] ** 0.5
+        new.append((name, mx.array(value.astype(np.float32))))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+    return model
+
+
+def port_save(fmt: str, model, path: str) -> None:
+    """``model``'s weights written into ``path`` by mlx-lm's own ``save_model``."""
+    _mlx_lm().save_model(path, model)
+
+
+def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter of mlx-lm's model for ``config`` with its shape (MLX builds lazily: the
+    initial values are never computed)."""
+    from mlx.utils import tree_flatten
+
+    model = _build(config)
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+
+
+def port_layout(fmt: str, count: int) -> dict:
+    """File names as ``mlx_lm.utils.save_model`` writes them (an index always)."""
+    shards = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                         for i in range(count)]
+    return {"shards": shards, "index": INDEX, "metadata": {"format": "mlx"}, "config": CONFIG, "extras": EXTRAS}
+
+
+def port_example(fmt: str, path: str, seed: int = 0) -> None:
+    """Not offered: the demo's example model comes from a library that writes the interchange config."""
+    raise ConversionError("mlx-lm directories offer no example model of their own")
+
+
+def port_load(fmt: str, path: str):
+    """The model as mlx-lm's own loader reads the directory (``mlx_lm.utils.load_model``)."""
+    from pathlib import Path
+
+    model, _ = _mlx_lm().load_model(Path(path))
+    return model
+
+
+def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
+    """Float32 logits (batch, positions, vocab) for the token ids ``ids`` (batch, positions)."""
+    import mlx.core as mx
+
+    out = model(mx.array(np.asarray(ids, np.int32)))
+    return np.asarray(out.astype(mx.float32))
+
+
+def port_describe(fmt: str, config: dict) -> dict:
+    """``{"architecture", "vocab_size", "max_positions"}`` of an mlx-lm config (Hugging Face names);
+    None where it does not say."""
+    vocab = config.get("vocab_size")
+    limits = [config[k] for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(config.get(k), int)]
+    arch = config.get("architectures") or [config.get("model_type")]
+    return {"architecture": arch, "kind": config.get("model_type"),
+            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None}

@@ -1,0 +1,348 @@
+"""transformers model directories (``save_pretrained``: ``config.json`` and ``model*.safetensors``,
+with or without an index), the model-directory verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
+
+Everything about transformers directories lives here: which files make one, their names, how a
+config is read and written, and how the tiny twin is made. The config given to and returned by
+these verbs is transformers' own ``config.json`` dictionary, which is also the interchange form
+the port passes between libraries (transformers 5 keeps rope settings under ``rope_parameters``).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+
+import numpy as np
+
+from dense_bridge.adapter_kit import BackendUnavailableError, CheckpointError, ConversionError, Match, SafetensorsFile, \
+    received
+from dense_bridge.checkpoints._safetensors import read_json_file
+
+FORMAT = "transformers"
+CONFIG = "config.json"
+#: The weight index transformers writes beside sharded safetensors files.
+INDEX = "model.safetensors.index.json"
+#: Files besides the weights that transformers' loaders read (tokenizers, generation settings).
+EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+          "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+          "added_tokens.json")
+#: Sub-configs of a multimodal checkpoint's other towers: only its text part would be written.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config")
+#: Keys of config.json that ask for code stored outside the installed library.
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
+#: The twin's sizes: per-head width, vocabulary, layers (at least; a per-layer pattern keeps one period).
+TWIN_HEAD_DIM, TWIN_VOCAB, TWIN_LAYERS, TWIN_POSITIONS, TWIN_WINDOW = 8, 64, 2, 512, 48
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise BackendUnavailableError("transformers model directories need the transformers package: "
+                                      "pip install 'dense-bridge[port]'") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' progress bars off and the log records of what it imports on first use (torchao's
+    missing CUDA kernels, torch's pytree notices) held back: a port reports in its own words."""
+    import logging
+
+    from transformers.utils import logging as tlog
+
+    bars = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+def _weight_files(path: str) -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "model*.safetensors")))
+
+
+def _pickle_files(path: str) -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "pytorch_model*.bin")))
+
+
+def _check_pickles(path: str, names: list[str]) -> None:
+    """Each ``pytorch_model*.bin`` read by ``torch.load(weights_only=True)`` (the adapter's
+    ``file_info``): anything but named tensors is refused there, by name, and never run."""
+    import zipfile
+
+    from ._files import file_info
+
+    for name in names:
+        full = os.path.join(path, name)
+        file_info(full, "torch-zip" if zipfile.is_zipfile(full) else "torch-legacy")
+
+
+def port_detect(fmt: str, path: str) -> int:
+    """How sure it is that ``path`` is a transformers directory (``Match``): a config.json and
+    safetensors weights not tagged by another library (DEFAULT), else NO."""
+    if not os.path.isfile(os.path.join(path, CONFIG)):
+        return Match.NO
+    files = _weight_files(path)
+    if not files:
+        return Match.DEFAULT if _pickle_files(path) else Match.NO
+    try:
+        with SafetensorsFile(os.path.join(path, files[0])) as f:
+            tag = (f.metadata or {}).get("format", "")
+    except CheckpointError:
+        return Match.FITS  # a damaged file: read as transformers' to say what is wrong with it
+    return Match.LIKELY if tag == "pt" else Match.DEFAULT if tag in ("", "np", "pytorch") else Match.FITS
+
+
+def port_contents(fmt: str, path: str) -> dict:
+    """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names]}``.
+
+    The weight map comes from the index when there is one, else from every ``model*.safetensors``
+    file's header. CheckpointError for a directory without weights; ConversionError for a config
+    asking for remote code (``auto_map``, ``trust_remote_code``), which is never run.
+    """
+    config = read_json_file(os.path.join(path, CONFIG), "transformers config")
+    for key in REMOTE_CODE_KEYS:
+        if config.get(key):
+            raise ConversionError(f"{os.path.join(path, CONFIG)} asks for code from outside the installed libraries "
+                                  f"({key}={config[key]!r}): refused, never run (port only models transformers "
+                                  "implements itself)")
+    towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
+    if towers:
+        raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
+                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
+                              "are not implemented yet; nothing was written)")
+    weights: dict[str, str] = {}
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        data = read_json_file(index, "safetensors index")
+        wm = data.get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise CheckpointError(f"{index}: 'weight_map' is not an object of tensor name -> file name. "
+                                  f"{received('weight_map', wm)}")
+        weights = dict(wm)
+    else:
+        files = _weight_files(path)
+        if not files and _pickle_files(path):
+            _check_pickles(path, _pickle_files(path))
+            raise ConversionError(f"{path} holds its weights as pickles ({_pickle_files(path)}): they hold only tensors "
+                                  "(checked with torch.load(weights_only=True)), but this port streams safetensors "
+                                  "only; save the model with safe_serialization (the default) first")
+        if not files:
+            raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
+        for name in files:
+            with SafetensorsFile(os.path.join(path, name)) as f:
+                for key in f.keys():
+                    weights[key] = name
+    extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
+    return {"config": config, "weights": weights, "extras": extras}
+
+
+def port_common_config(fmt: str, config: dict) -> dict:
+    """transformers' config is the interchange form: unchanged."""
+    return dict(config)
+
+
+def _config_class(config: dict):
+    transformers = _transformers()
+    model_type = config.get("model_type")
+    try:
+        return transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ConversionError(f"transformers {transformers.__version__} does not implement model_type {model_type!r} "
+                              f"(it offers {len(transformers.CONFIG_MAPPING)} model types, e.g. "
+                              f"{sorted(transformers.CONFIG_MAPPING)[:12]})") from None
+
+
+def _config(config: dict):
+    cls = _config_class(config)
+    rest = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    return cls(**rest)
+
+
+def port_own_config(fmt: str, common: dict) -> dict:
+    """The config.json transformers writes for ``common`` (its own standardisation: rope settings
+    under ``rope_parameters``), the dictionary ``save_pretrained`` would write."""
+    cfg = _config(common)
+    out = cfg.to_diff_dict()
+    out.pop("transformers_version", None)
+    return out
+
+
+def _period(values: list) -> int:
+    for p in range(1, len(values) + 1):
+        if all(values[i] == values[i % p] for i in range(len(values))):
+            return p
+    return len(values)
+
+
+def port_shrink(fmt: str, common: dict) -> dict:
+    """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
+    structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
+    period of a per-layer pattern, a sliding window the inputs reach, special-token ids inside the
+    shrunk vocabulary. Names go through the config class's ``attribute_map`` (GPT-2's ``n_embd``)."""
+    cls = _config_class(common)
+    amap = dict(getattr(cls, "attribute_map", {}) or {})
+    out = dict(common)
+
+    def key(name):
+        return amap.get(name, name)
+
+    def get(name, default=None):
+        return out.get(key(name), default)
+
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        raise ConversionError(f"cannot shrink the {common.get('model_type')!r} config into a twin: it has no integer "
+                              f"num_attention_heads/hidden_size ({received('num_attention_heads', heads)})")
+    head_dim = out.get("head_dim")
+    small_hidden = heads * TWIN_HEAD_DIM
+    if isinstance(head_dim, int):
+        out["head_dim"] = TWIN_HEAD_DIM
+        if head_dim * heads != hidden:  # widths that differ stay different
+            small_hidden = heads * TWIN_HEAD_DIM + TWIN_HEAD_DIM
+    out[key("hidden_size")] = small_hidden
+    if isinstance(get("intermediate_size"), int):
+        out[key("intermediate_size")] = 2 * small_hidden + 16
+    if isinstance(out.get("n_inner"), int):
+        out["n_inner"] = 2 * small_hidden + 16
+    if isinstance(out.get("moe_intermediate_size"), int):
+        out["moe_intermediate_size"] = small_hidden + 16
+    layers = TWIN_LAYERS
+    types = out.get("layer_types")
+    if isinstance(types, list) and types:
+        layers = max(layers, _period(types))
+        out["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    for pattern_key in ("sliding_window_pattern", "sliding_window_layers"):
+        if isinstance(out.get(pattern_key), int):
+            layers = max(layers, out[pattern_key])
+    out[key("num_hidden_layers")] = min(layers, get("num_hidden_layers", layers))
+    if isinstance(out.get("sliding_window"), int):
+        out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
+    vocab = get("vocab_size")
+    if isinstance(vocab, int) and vocab > TWIN_VOCAB:
+        out[key("vocab_size")] = TWIN_VOCAB
+        ids = sorted({v for k, v in out.items() if k.endswith("_token_id") and isinstance(v, int)}
+                     | {i for k, v in out.items() if k.endswith("_token_id") and isinstance(v, list) for i in v})
+        remap = {old: TWIN_VOCAB - 1 - n for n, old in enumerate(ids)}
+        for k, v in list(out.items()):
+            if k.endswith("_token_id") and isinstance(v, int):
+                out[k] = remap[v]
+            elif k.endswith("_token_id") and isinstance(v, list):
+                out[k] = [remap[i] for i in v]
+    if isinstance(get("max_position_embeddings"), int):
+        out[key("max_position_embeddings")] = max(TWIN_POSITIONS, get("max_position_embeddings"))
+    if isinstance(out.get("n_ctx"), int):
+        out["n_ctx"] = max(TWIN_POSITIONS, out["n_ctx"])
+    out["dtype"] = "float32"
+    out.pop("torch_dtype", None)
+    for drop in ("quantization_config", "quantization"):
+        out.pop(drop, None)
+    return out
+
+
+def _randomize(model, seed: int) -> None:
+    """Every parameter drawn at random (seeded): a library's ones and zeros would make the twins'
+    tensors indistinguishable (a swapped norm or a dropped bias would go unseen)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def port_twin(fmt: str, config: dict, seed: int = 0):
+    """transformers' own causal LM for ``config`` (``AutoModelForCausalLM.from_config``), float32,
+    eval mode, every parameter random."""
+    transformers = _transformers()
+    import torch
+
+    cfg = _config(config)
+    try:
+        with _quiet():
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    except ValueError as exc:
+        raise ConversionError(f"transformers {transformers.__version__} has no causal language model for "
+                              f"model_type {config.get('model_type')!r}: {str(exc).splitlines()[0][:300]}") from None
+    model.eval()
+    _randomize(model, seed)
+    return model
+
+
+def port_save(fmt: str, model, path: str) -> None:
+    """``model`` written into the directory ``path`` by transformers' own ``save_pretrained``."""
+    _transformers()
+    with _quiet():
+        model.save_pretrained(path)
+
+
+def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter (state-dict key) of transformers' model for ``config`` with its shape, from a
+    model built on the meta device (no memory)."""
+    transformers = _transformers()
+    import torch
+
+    cfg = _config(config)
+    with torch.device("meta"), _quiet():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def port_layout(fmt: str, count: int) -> dict:
+    """File names for ``count`` weight files: ``{"shards", "index" (None for one file),
+    "metadata" (the safetensors header metadata transformers writes), "config", "index_metadata"}``."""
+    shards = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                         for i in range(count)]
+    return {"shards": shards, "index": None if count == 1 else INDEX, "metadata": {"format": "pt"},
+            "config": CONFIG, "extras": EXTRAS}
+
+
+def port_example(fmt: str, path: str, seed: int = 0) -> None:
+    """A tiny random transformers Llama (grouped-query attention, rope base 500000 as Llama 3 has it)
+    saved into ``path`` by ``save_pretrained``: the demo's source."""
+    transformers = _transformers()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=500000.0, tie_word_embeddings=False)
+    with _quiet():
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        _randomize(model, seed)
+        model.save_pretrained(path)
+
+
+def port_load(fmt: str, path: str):
+    """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode."""
+    transformers = _transformers()
+    with _quiet():
+        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
+    """Float32 logits (batch, positions, vocab) of ``model`` for the token ids ``ids`` (batch, positions)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.as_tensor(np.asarray(ids, np.int64))).logits
+    return out.float().numpy()
+
+
+def port_describe(fmt: str, config: dict) -> dict:
+    """``{"architecture", "vocab_size", "max_positions"}`` of a transformers config (names through the
+    config class's ``attribute_map``: GPT-2's ``n_positions``); None where it does not say."""
+    amap = dict(getattr(_config_class(config), "attribute_map", {}) or {})
+    vocab = config.get(amap.get("vocab_size", "vocab_size"))
+    limits = [config[k] for k in (amap.get("max_position_embeddings", "max_position_embeddings"), "n_ctx")
+              if isinstance(config.get(k), int)]
+    arch = config.get("architectures") or [config.get("model_type")]
+    return {"architecture": arch, "kind": config.get("model_type"),
+            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None}

@@ -1,0 +1,300 @@
+"""The certificate of a port (``out/port_certificate.json``, API.md "Whole checkpoints") and its
+check (``db.verify_port``): the destination tensors streamed from their sources with the
+operations recorded, and every entry confirmed again later from the files alone.
+
+A tensor entry: ``{"sources": [{"file", "tensor", "slice", "transpose"}], "axis", "ops", "dtypes",
+"exact", "max_ulp", "codes", "file"}``; ``slice`` is one ``[start, stop]`` per axis of the source
+tensor as stored; each source is sliced, then transposed when ``transpose``, then the pieces are
+concatenated along ``axis`` (a single piece: taken as it is), then cast to ``dtypes[-1]``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError
+from .._version import __version__
+from ..checkpoints import _port_files as files
+from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
+from . import _rules
+
+NAME = "port_certificate.json"
+VERSION = 1
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    from .._dtypes import dtype_name
+
+    return dtype_name(dt)
+
+
+def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, start: int, stop: int | None):
+    """The slice of the stored source (one [start, stop] per axis) a piece takes."""
+    full = [[0, n] for n in shape]
+    if axis is None or stop is None:
+        return full
+    stored_axis = (len(shape) - 1 - axis) if transpose else axis
+    full[stored_axis] = [start, stop]
+    return full
+
+
+def make(sources: list[tuple[np.ndarray, list, bool]], axis: int | None, dtype: np.dtype) -> np.ndarray:
+    """A destination tensor from its source pieces ``(array, slice, transpose)`` (see the module
+    docstring). Views where the recipe allows (a single transposed piece is written from its view)."""
+    parts = []
+    for arr, sl, transpose in sources:
+        piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
+        parts.append(piece.T if transpose else piece)
+    out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _ops(entry_sources: list[dict], axis, src_dt: np.dtype, dst_dt: np.dtype) -> list[str]:
+    ops = []
+    for s in entry_sources:
+        shape_slice = s["slice"]
+        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, s["shape"])):
+            ops.append(f"slice {s['tensor']} " + "[" + ", ".join(f"{a}:{b}" for a, b in shape_slice) + "]")
+        if s["transpose"]:
+            ops.append(f"transpose {s['tensor']}")
+    if len(entry_sources) > 1:
+        ops.append(f"concatenate axis {axis}")
+    if src_dt != dst_dt:
+        ops.append(f"cast {_dtype_name(src_dt)} -> {_dtype_name(dst_dt)}")
+    return ops or ["copy"]
+
+
+def _exact(src_dt: np.dtype, dst_dt: np.dtype) -> bool:
+    return src_dt == dst_dt or (src_dt.itemsize < dst_dt.itemsize and dst_dt.kind == "f")
+
+
+def _max_ulp(a: np.ndarray, dtype: np.dtype) -> int:
+    """Largest rounding, in units in the last place of ``dtype``, of ``a`` cast to ``dtype``."""
+    wide = np.asarray(a, np.float64)
+    narrow = np.asarray(a).astype(dtype).astype(np.float64)
+    spacing = np.abs(np.spacing(np.asarray(narrow, np.float32).astype(dtype)).astype(np.float64))
+    spacing[spacing == 0] = np.finfo(np.float64).tiny
+    return int(np.ceil(np.max(np.abs(wide - narrow) / spacing))) if a.size else 0
+
+
+def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile], weights: dict[str, str],
+              out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None) -> tuple[dict, int]:
+    """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written)."""
+    bar = _Progress(progress, sum(len(s) for s in shards), total)
+    entries: dict[str, dict] = {}
+    weight_map: dict[str, str] = {}
+    written = 0
+    for moves, name in zip(shards, layout["shards"]):
+        tensors = {}
+        for m in moves:
+            pieces = []
+            for s_key, transpose, start, stop in m.sources:
+                info = opened[weights[s_key]].tensors[s_key]
+                pieces.append({"file": weights[s_key], "tensor": s_key, "shape": list(info.shape),
+                               "slice": _source_slice(tuple(info.shape), transpose, m.axis, start, stop),
+                               "transpose": transpose})
+            src_dt = opened[weights[m.sources[0][0]]].tensors[m.sources[0][0]].numpy_dtype
+            dst_dt = out_dtype[m.target]
+            entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose")} for p in pieces],
+                     "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
+                     "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
+                     "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
+            entries[m.target] = entry
+
+            def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
+                arrays = [(opened[weights[p["tensor"]]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
+                value = make(arrays, m.axis, dst_dt)
+                if not entry["exact"]:
+                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype), dst_dt)
+                    entry["exact"] = entry["max_ulp"] == 0
+                return value
+
+            tensors[m.target] = PendingTensor(dst_dt, tuple(m.shape), produce)
+            weight_map[m.target] = name
+        written += files.write_weights(os.path.join(tmp, name), tensors, layout["metadata"],
+                                       on_tensor=bar.tensor)
+        if hashes is not None:
+            hashes.add(("destination", name), os.path.join(tmp, name))
+    if layout["index"]:
+        files.write_json(os.path.join(tmp, layout["index"]),
+                         {"metadata": {"total_size": sum(nbytes(m) for s in shards for m in s)},
+                          "weight_map": dict(sorted(weight_map.items()))})
+    bar.close()
+    return entries, written
+
+
+class _Progress:
+    """Bytes and tensors written, on stderr when asked (True, or a terminal by default) or to a callable."""
+
+    def __init__(self, progress, tensors: int, total: int) -> None:
+        import sys
+
+        self.fn = progress if callable(progress) else None
+        self.show = progress is True or (progress is None and sys.stderr.isatty())
+        self.tensors, self.total, self.done_t, self.done_b = tensors, total, 0, 0
+
+    def tensor(self, name: str, nbytes: int) -> None:
+        self.done_t += 1
+        self.done_b += nbytes
+        if self.fn:
+            self.fn(self.done_t, self.tensors, self.done_b, self.total)
+        elif self.show:
+            import sys
+
+            sys.stderr.write(f"\rport: {self.done_t}/{self.tensors} tensors, {self.done_b / 1e6:.1f}/"
+                             f"{self.total / 1e6:.1f} MB")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.show and not self.fn:
+            import sys
+
+            sys.stderr.write("\n")
+
+
+def _libraries(*fmts) -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"dense_bridge": __version__, "python": platform.python_version(), "numpy": np.__version__}
+    for fmt in fmts:
+        try:
+            out[fmt.name] = metadata.version(fmt.name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _hashes(directory: str, names, hashes=None, where: str = "") -> dict[str, str]:
+    if hashes is None:
+        return {n: files.sha256_file(os.path.join(directory, n)) for n in sorted(names)}
+    for n in names:
+        hashes.add((where, n), os.path.join(directory, n))
+    return {n: hashes.get((where, n)) for n in sorted(names)}
+
+
+def source_names(src_fmt, src_paths, extras) -> list[str]:
+    """The source files a certificate hashes: weights, config, carried extras."""
+    return list(dict.fromkeys(list(src_paths) + [src_fmt.port_layout(1)["config"]] + list(extras)))
+
+
+def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], contents: dict, report, rules,
+          verification: dict, tensors: dict, discrepancies: list[str], extras: list[str], hashes=None) -> dict:
+    """The certificate object (every destination file hashed as it lies in ``tmp``)."""
+    dst_names = [n for n in os.listdir(tmp) if n != NAME and not n.startswith(".")]
+    described = src_fmt.port_describe(contents["config"])
+    return {
+        "version": VERSION,
+        "source": {"format": src_fmt.name, "path": os.path.abspath(src),
+                   "architecture": described["architecture"], "kind": described["kind"],
+                   "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source")},
+        "destination": {"format": dst_fmt.name, "files": _hashes(tmp, dst_names, hashes, "destination")},
+        "libraries": _libraries(src_fmt, dst_fmt),
+        "rules": [[list(s) if isinstance(s, tuple) else s, d] for s, d in rules],
+        "verification": verification,
+        "discrepancies": discrepancies,
+        "tensors": tensors,
+    }
+
+
+# ------------------------------------------------------------------------------ checking
+@dataclass
+class VerifyReport:
+    """``db.verify_port``: ``passed``; ``problems`` (one line per tensor or file that does not
+    hold, naming it); ``tensors`` and ``files`` checked."""
+
+    out: str
+    passed: bool
+    problems: list[str] = field(default_factory=list)
+    tensors: int = 0
+    files: int = 0
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "passed": self.passed, "problems": self.problems, "tensors": self.tensors,
+                "files": self.files}
+
+    def __str__(self) -> str:
+        head = (f"{self.out}: {'all' if self.passed else 'NOT all'} entries hold ({self.tensors} tensors, "
+                f"{self.files} files checked)")
+        return "\n".join([head] + [f"  - {p}" for p in self.problems])
+
+
+def verify_port(out: Any) -> VerifyReport:
+    """Re-read ``out`` and the source files its certificate names; confirm every file hash and every
+    tensor (recomputed from its sources with the recorded operations, compared bit for bit).
+
+    Args:
+        out: a directory written by ``db.port``.
+
+    Returns:
+        A :class:`VerifyReport`. CheckpointError when ``out`` is no port (no readable certificate).
+    """
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be a path. Received: out={out!r} ({type(out).__name__})")
+    out = os.fspath(out)
+    path = os.path.join(out, NAME)
+    if not os.path.isdir(out) or not os.path.isfile(path):
+        raise CheckpointError(f"{out} holds no {NAME}: not a directory written by db.port")
+    cert = files.read_json(path, "port certificate")
+    try:
+        src_dir = cert["source"]["path"]
+        src_files, dst_files, tensors = cert["source"]["files"], cert["destination"]["files"], cert["tensors"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{path} is not a port certificate (source/destination/tensors missing)") from None
+    problems: list[str] = []
+    bad_files: set[str] = set()
+    for where, directory, names in (("destination", out, dst_files), ("source", src_dir, src_files)):
+        for name, digest in names.items():
+            full = os.path.join(directory, name)
+            if not os.path.isfile(full):
+                problems.append(f"{where} file {name!r} is missing ({full})")
+                bad_files.add(f"{where}:{name}")
+            elif files.sha256_file(full) != digest:
+                problems.append(f"{where} file {name!r} does not hold: its sha256 differs from the certificate's")
+                bad_files.add(f"{where}:{name}")
+    opened: dict[tuple[str, str], SafetensorsFile | None] = {}
+
+    def open_(directory: str, name: str, where: str):
+        key = (where, name)
+        if key not in opened:
+            try:
+                opened[key] = SafetensorsFile(os.path.join(directory, name))
+            except CheckpointError as exc:
+                if f"{where}:{name}" not in bad_files:
+                    problems.append(f"{where} file {name!r} cannot be read: {exc}")
+                opened[key] = None
+        return opened[key]
+
+    for target, entry in tensors.items():
+        dst = open_(out, entry.get("file", ""), "destination")
+        if dst is None:
+            problems.append(f"tensor {target!r}: its file {entry.get('file')!r} cannot be read")
+            continue
+        if target not in dst.tensors:
+            problems.append(f"tensor {target!r} is missing from {entry.get('file')!r}")
+            continue
+        arrays = []
+        for s in entry["sources"]:
+            f = open_(src_dir, s["file"], "source")
+            if f is None or s["tensor"] not in f.tensors:
+                arrays = None
+                problems.append(f"tensor {target!r}: its source {s['tensor']!r} in {s['file']!r} cannot be read")
+                break
+            arrays.append((f.get(s["tensor"]), s["slice"], s["transpose"]))
+        if arrays is None:
+            continue
+        got = dst.get(target)
+        want = make(arrays, entry["axis"], got.dtype)
+        if want.shape != got.shape or want.tobytes() != got.tobytes():
+            problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
+                            f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")
+    for f in opened.values():
+        if f is not None:
+            f.close()
+    return VerifyReport(out, not problems, problems, len(tensors), len(src_files) + len(dst_files))

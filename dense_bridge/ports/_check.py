@@ -1,0 +1,37 @@
+"""``dense-bridge check A B`` for two model directories: each loaded by its own library's loader,
+run on the same generated tokens, compared layer by layer with the mapping inferred."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _dirs
+
+
+def is_model_dir(path) -> bool:
+    """Whether ``path`` is a directory some installed library's model-directory adapter reads."""
+    try:
+        return os.path.isdir(path) and _dirs.detect(os.fspath(path)) is not None
+    except Exception:  # noqa: BLE001 - any failure to recognise it means "not one"
+        return False
+
+
+def check_dirs(a, b, *, positions: int = 256, seed: int = 0, isolated: bool = False):
+    """The ``compare_models`` report of the two model directories ``a`` and ``b`` (b the reference),
+    on ``positions`` generated token positions, the mapping inferred (``mapping="auto"``).
+
+    Returns:
+        ``(report, {"a": format, "b": format, "positions": n})``.
+    """
+    from ..testing import compare_models
+    from ._port import positions_for, token_ids, vocab_of
+
+    fa, fb = _dirs.detect(os.fspath(a), "A"), _dirs.detect(os.fspath(b), "B")
+    ca = fa.port_contents(os.fspath(a))["config"]
+    ma, mb = fa.port_load(os.fspath(a)), fb.port_load(os.fspath(b))
+    vocab = vocab_of(fa, ca, {"": (32, 1)})
+    n = positions_for(fa, ca, positions)
+    ids = token_ids(vocab, n, seed)
+    report = compare_models(ma, mb, [np.asarray(ids)], mapping="auto", grads=False, isolated=isolated)
+    return report, {"a": fa.name, "b": fb.name, "positions": n}

@@ -1,0 +1,102 @@
+"""The model-directory formats, as the backends' manifests declare them, and their adapters' verbs.
+
+A backend whose manifest declares the ``ports`` capability names its formats in
+``Manifest.port_formats`` and offers every verb of ``dense_bridge.registry._contract.PORTS``
+(in its ``_ports.py``); each verb takes the format name first:
+
+- ``port_detect(fmt, path) -> Match``: how sure it is that the directory ``path`` is one of its;
+- ``port_contents(fmt, path) -> {"config", "weights": {tensor: relative file}, "extras"}``,
+  refusing configs that ask for code from outside the installed libraries;
+- ``port_common_config(fmt, config)`` / ``port_own_config(fmt, common)``: its config to
+  and from the interchange form (one key table per library);
+- ``port_shrink(fmt, common)``: the interchange config of the tiny twin (offered by one
+  library at least; the others raise ConversionError);
+- ``port_twin(fmt, config, seed)``: the library's own model for ``config``, every parameter
+  random; ``port_save(fmt, model, path)``: written by the library's own saver;
+- ``port_shapes(fmt, config) -> {parameter: shape}`` of the model for ``config`` built
+  without memory (meta device, lazy arrays);
+- ``port_layout(fmt, count) -> {"shards", "index", "metadata", "config", "extras"}``: file names;
+- ``port_load(fmt, path)``: the library's own loader; ``port_logits(fmt, model, ids)``;
+- ``port_describe(fmt, config) -> {"architecture", "kind", "vocab_size", "max_positions"}``: what the
+  port reports and sizes its inputs by (None where the config does not say);
+- ``port_example(fmt, path, seed)``: a tiny random model saved into ``path`` (the demo's
+  source; ConversionError where the library offers none).
+"""
+from __future__ import annotations
+
+import os
+
+from .._errors import ConversionError, DenseBridgeError, received
+from ..registry._backends import available_backends, backends, has_capability, optional_verb
+from ..registry._manifest import PORTS
+
+_PURPOSE = "a model-directory port"
+
+
+def formats() -> dict[str, str]:
+    """Every declared model-directory format -> its backend, in registry order."""
+    out: dict[str, str] = {}
+    for name, info in backends().items():
+        if has_capability(name, PORTS):
+            for fmt in info.manifest.port_formats:
+                out.setdefault(fmt, name)
+    return out
+
+
+class Format:
+    """One model-directory format and its adapter's verbs (``self.verb(...)`` passes the format name)."""
+
+    def __init__(self, name: str) -> None:
+        known = formats()
+        if name not in known:
+            raise ConversionError(f"unknown model-directory format: {received('to', name)} (known: {sorted(known)})")
+        self.name, self.backend = name, known[name]
+
+    def __getattr__(self, verb: str):
+        if not verb.startswith("port_"):
+            raise AttributeError(verb)
+        fn = optional_verb(self.backend, verb, _PURPOSE)
+        return lambda *args, **kw: fn(self.name, *args, **kw)
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r})"
+
+
+def detect(path: str, argument: str = "src") -> Format:
+    """The format of the model directory ``path``, asked of every installed adapter that reads
+    model directories; CheckpointError/ConversionError naming what was found otherwise."""
+    from .._errors import CheckpointError
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{argument} must be a model directory: {received(argument, path)} "
+                              f"({'a file' if os.path.exists(path) else 'does not exist'})")
+    best, score = None, 0
+    installed = set(available_backends())
+    for fmt, backend in formats().items():
+        if backend not in installed:
+            continue
+        try:
+            s = int(Format(fmt).port_detect(path))
+        except DenseBridgeError:
+            continue
+        if s > score:
+            best, score = fmt, s
+    if best is None:
+        try:
+            listing = sorted(os.listdir(path))[:12]
+        except OSError:
+            listing = []
+        raise CheckpointError(f"{path} is no model directory any installed library reads (known formats: "
+                              f"{sorted(formats())}; it holds {listing})")
+    return Format(best)
+
+
+def shrink(common: dict, *sides: Format) -> dict:
+    """The twin's interchange config, from the first side whose library shrinks configs."""
+    errors = []
+    for side in sides:
+        try:
+            return side.port_shrink(common)
+        except ConversionError as exc:
+            errors.append(str(exc))
+    raise ConversionError("no installed library can shrink this config into a twin: " + "; ".join(errors))

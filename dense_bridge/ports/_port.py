@@ -1,0 +1,424 @@
+"""``db.port``: a whole model directory of one library written as another library's own directory.
+
+The flow, with no per-architecture table and no library named here (each format's facts come
+from its adapter's model-directory verbs, ``_dirs``):
+
+1. refusals before any byte is written: the output (existing, inside the source), the source's
+   files (index entries outside it, safetensors headers that lie), its config (remote code,
+   an architecture the destination library does not build, named with what it offers);
+2. tiny twins: the source config shrunk (structure kept), each side's model built by its own
+   library from its own config, the destination's from the config exactly as it will be
+   written; ``db.transfer(mapping="auto")`` between them, verified on generated tokens;
+3. the recipes (``_rules``): every tensor the destination twin's saver wrote found among those the
+   source twin's saver wrote, generalised over layer indices, applied to the real names and shapes;
+4. streaming: each destination tensor made from its memory-mapped sources and written through
+   the atomic writer into a directory beside ``out``, moved into place only when everything,
+   the verification included, has passed; a certificate of every tensor (``_certificate``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError, ConversionError, DenseBridgeError, received
+from ..checkpoints import _port_files as files
+from ..checkpoints._io import parse_size
+from ..checkpoints._safetensors import SafetensorsFile
+from . import _certificate, _dirs, _rules
+
+#: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
+POSITIONS = 256
+_VERIFY = ("auto", "twins", "full")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class PortMismatch(ConversionError):
+    """The twins or the full models disagree beyond what the libraries' own differences explain:
+    the mapping is wrong or a setting was lost; nothing was written (the command exits 1)."""
+
+
+@dataclass
+class PortReport:
+    """What ``db.port`` did: ``out``, the ``source``/``destination`` formats, ``rules`` (the twins'
+    layer mapping, generalised), ``tensors`` written, ``bytes`` written, ``verification`` (as in
+    the certificate), ``discrepancies`` (library differences found and ported), ``certificate``
+    (the whole certificate object), ``seconds``."""
+
+    out: str
+    source: str
+    destination: str
+    rules: list
+    tensors: int
+    bytes: int
+    verification: dict
+    certificate: dict
+    discrepancies: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        v = self.verification
+        lines = [f"ported {self.source} -> {self.destination}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
+                 f"into {self.out} in {self.seconds:.1f} s",
+                 f"verification: {v.get('mode')} ({'passed' if v.get('passed') else 'FAILED'}) on "
+                 f"{v.get('positions')} positions; worst layer {v.get('worst_layer')} at "
+                 f"{v.get('worst_tolerance_units')} tolerance units"]
+        if v.get("kl_divergence") is not None:
+            lines.append(f"next-token KL divergence {v['kl_divergence']:.3g}, top-1 agreement {v['top1_agreement']:.4f}")
+        exact = sum(1 for t in self.certificate["tensors"].values() if t["exact"])
+        lines.append(f"{exact}/{len(self.certificate['tensors'])} tensors bit-identical to their sources")
+        lines += [f"library discrepancy: {d}" for d in self.discrepancies]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "source": self.source, "destination": self.destination, "rules": self.rules,
+                "tensors": self.tensors, "bytes": self.bytes, "verification": self.verification,
+                "discrepancies": self.discrepancies, "seconds": self.seconds}
+
+
+# ------------------------------------------------------------------------------ refusals
+def _is_within(inner: str, outer: str) -> bool:
+    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def _check_out(src: str, out: str, overwrite: bool) -> None:
+    if _is_within(out, src):
+        raise CheckpointError(f"out {out!r} lies inside src {src!r}: refused (nothing was written)")
+    if _is_within(src, out):
+        raise CheckpointError(f"out {out!r} holds src {src!r}: refused, even with overwrite (nothing was written)")
+    if os.path.lexists(out):
+        if not os.path.isdir(out) or os.path.islink(out):
+            raise CheckpointError(f"out {out!r} exists and is not a directory: refused (nothing was written)")
+        if os.listdir(out) and not overwrite:
+            raise CheckpointError(f"out {out!r} exists and is not empty: refused (pass overwrite=True, or "
+                                  "--overwrite, to replace it; nothing was written)")
+
+
+def _source_files(src: str, weights: dict[str, str]) -> dict[str, str]:
+    """Each weight file named by the source, checked to lie inside ``src``: relative name -> path."""
+    out = {}
+    for key, rel in weights.items():
+        if rel in out:
+            continue
+        if os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in rel.replace("\\", "/").split("/"):
+            raise CheckpointError(f"{src}: the weight index names {rel!r} for tensor {key!r}: an absolute path or one "
+                                  "climbing out of the directory: refused (nothing was written)")
+        path = os.path.join(src, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{src}: the weight index names {rel!r} for tensor {key!r}, which does not exist "
+                                  "(a missing shard; nothing was written)")
+        out[rel] = path
+    return out
+
+
+# ------------------------------------------------------------------------------ twins
+def token_ids(vocab: int, positions: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, (1, positions)).astype(np.int64)
+
+
+def vocab_of(fmt, config: dict, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The vocabulary size ``fmt``'s adapter reads in ``config``, else the smallest first axis of a matrix."""
+    v = fmt.port_describe(config)["vocab_size"]
+    if isinstance(v, int) and v > 0:
+        return v
+    return min(s[0] for s in shapes.values() if len(s) == 2)
+
+
+def positions_for(fmt, config: dict, wanted: int) -> int:
+    """``wanted`` token positions, or fewer where the model's positions end sooner."""
+    limit = fmt.port_describe(config)["max_positions"]
+    return min(wanted, limit) if isinstance(limit, int) and limit > 0 else wanted
+
+
+def _read_all(path: str) -> dict[str, np.ndarray]:
+    """Every tensor the saver wrote into the directory ``path`` (float32)."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with SafetensorsFile(os.path.join(path, name)) as f:
+                for key in f.keys():
+                    out[key] = np.array(f.get(key), np.float32)
+    return out
+
+
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models):
+    """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
+    twin parameter templates, discrepancies, twin verification dict)."""
+    small = _dirs.shrink(common, src_fmt, dst_fmt)
+    src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
+    a = src_fmt.port_twin(src_cfg, seed=0)
+    b = dst_fmt.port_twin(dst_cfg, seed=1)
+    vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
+    positions = positions_for(src_fmt, src_cfg, POSITIONS)
+    ids = token_ids(vocab, positions)
+    discrepancies: list[str] = []
+    try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
+        report = transfer(a, b, mapping="auto", inputs=[ids], verify=False)
+    except ConversionError as exc:
+        raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
+    compared = compare_models(a, b, [ids], mapping=report.rules, grads=False, judge="carried")
+    verification = {"mode": "twins", "passed": True, "positions": positions}
+    if not compared.passed:
+        # the mapping may be right while the libraries compute different functions: judge every
+        # linear layer alone; if each agrees, the difference lies in the code between them
+        try:
+            where = _library_difference(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models)
+        except DenseBridgeError:
+            where = None
+        if where is None:
+            raise PortMismatch(f"the twins disagree, so the mapping is wrong or a setting was lost (nothing was "
+                               f"written): {compared.verdict()}") from None
+        discrepancies.append(f"twins: {where}")
+        verification["isolated"] = True
+    verification.update(_measure(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models, compared))
+    with tempfile.TemporaryDirectory(prefix="dense-bridge-twins-") as tmp:
+        sa, sb = os.path.join(tmp, "src"), os.path.join(tmp, "dst")
+        src_fmt.port_save(a, sa)
+        dst_fmt.port_save(b, sb)
+        src_tensors, dst_tensors = _read_all(sa), _read_all(sb)
+    recipes = _rules.learn(src_tensors, dst_tensors)
+    stored = {_rules.template(k)[0] for k in dst_tensors}
+    twin_params = {_rules.template(k)[0] for k in dst_fmt.port_shapes(dst_cfg)}
+    return report, recipes, stored, twin_params, discrepancies, verification
+
+
+#: A difference between the libraries is ported (and named) only when the next-token distributions
+#: still agree this closely; a setting lost in translation (a rope base) moves them far more.
+_KL_LIMIT, _TOP1_LIMIT = 1e-3, 0.98
+
+
+def _measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report=None) -> dict:
+    """The worst layer (in tolerance units) and the next-token KL and top-1 agreement of two models
+    (``report``: their comparison, when already made)."""
+    if report is None:
+        report = compare_models(a, b, [ids], mapping=rules, grads=False, judge="carried")
+    worst = report.worst
+    la, lb = src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids)
+    kl, top1 = _kl_top1(la, lb)
+    return {"worst_layer": None if worst is None else f"{worst.layer_type} ({worst.quantity})",
+            "worst_tolerance_units": None if worst is None else float(worst.units),
+            "kl_divergence": kl, "top1_agreement": top1,
+            "max_abs_logit_error": float(np.max(np.abs(la.astype(np.float64) - lb)))}
+
+
+def _library_difference(a, b, ids, rules, src_fmt, dst_fmt, compare_models) -> str | None:
+    """Words for where two models that the mapping pairs right compute different functions, or
+    None when the mapping itself is at fault: every linear layer of b run alone on what its
+    counterpart in a received agrees (isolated comparison), only the code between them differs, and
+    the next-token distributions stay close (KL, top-1)."""
+    iso = compare_models(a, b, [ids], mapping=rules, grads=False, isolated=True)
+    rows = [q for layer in iso.layers for q in layer.quantities]
+    own = [q for q in rows if q.quantity != "input" and q.layer is not None]
+    if not own or not all(q.passed for q in own):
+        return None
+    kl, top1 = _kl_top1(src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids))
+    if kl > _KL_LIMIT or top1 < _TOP1_LIMIT:
+        return None
+    enters = next((q for q in rows if q.quantity == "input" and not q.passed), None)
+    place = f"between the linear layer before {enters.layer_type!r} and it ({enters.units:.3g} tolerance units)" \
+        if enters is not None else "after the last linear layer"
+    return (f"every linear layer agrees run alone, but the {src_fmt.name} and {dst_fmt.name} models compute different "
+            f"functions {place}: next-token KL {kl:.3g}, top-1 agreement {top1:.4f}")
+
+
+# ------------------------------------------------------------------------------ writing
+def _shard(moves: list[_rules.Move], count: int, nbytes) -> list[list[_rules.Move]]:
+    total = sum(nbytes(m) for m in moves)
+    target = total / max(count, 1)
+    shards: list[list[_rules.Move]] = [[]]
+    size = 0
+    for m in moves:
+        if size and size + nbytes(m) > target * 1.0001 and len(shards) < count:
+            shards.append([])
+            size = 0
+        shards[-1].append(m)
+        size += nbytes(m)
+    return shards
+
+
+def _check_args(to, verify, dtype, overwrite, max_shard_size, progress):
+    if not isinstance(to, str):
+        raise TypeError(f"to must be a format name (str). {received('to', to)}")
+    if verify not in _VERIFY:
+        raise ConversionError(f"verify must be one of {_VERIFY}. {received('verify', verify)}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConversionError(f"dtype must be one of {_DTYPES} or None. {received('dtype', dtype)}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool. {received('overwrite', overwrite)}")
+    parse_size(max_shard_size)
+    if progress is not None and not isinstance(progress, bool) and not callable(progress):
+        raise TypeError(f"progress must be None, a bool or a callable. {received('progress', progress)}")
+
+
+def _unsupported(**given) -> None:
+    for name, (value, default) in given.items():
+        if value != default:
+            raise ConversionError(f"{name}= is not implemented by this port yet: {received(name, value)}")
+
+
+def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None = None, quantize=None,
+         adapter=None, adapter_mode: str = "merge", keep_codes: bool = False, outtype=None,
+         requantize: bool = False, max_shard_size=None, overwrite: bool = False, device=None,
+         progress=None) -> PortReport:
+    """Write the model directory ``src`` as the library ``to``'s own directory ``out`` (API.md,
+    "Whole checkpoints").
+
+    Args:
+        src: a model directory of any format an installed adapter declares (detected from its content).
+        out: the directory to create; it must not exist or be empty (``overwrite=True`` replaces it).
+        to: the destination format, one of :func:`dense_bridge.ports.formats` (transformers, mlx-lm).
+        verify: ``"twins"`` (always done), ``"full"`` (also both full models, loaded by their own
+            loaders, on generated inputs of 256 positions), ``"auto"`` (full when both fit in the
+            memory available).
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or None (keep each tensor's).
+        max_shard_size: bytes or ``"5GB"``; default: as many files as the source.
+        progress: True/False, or a callable ``(tensors_done, tensors_total, bytes_done, bytes_total)``.
+
+    Returns:
+        A :class:`PortReport`; ``out/port_certificate.json`` holds its certificate.
+    """
+    t0 = time.perf_counter()
+    _check_args(to, verify, dtype, overwrite, max_shard_size, progress)
+    _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
+                 outtype=(outtype, None), requantize=(requantize, False), device=(device, None))
+    if adapter_mode not in ("merge", "keep"):
+        raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
+    src, out = os.fspath(src), os.fspath(out)
+    dst_fmt = _dirs.Format(to)
+    src_fmt = _dirs.detect(src)
+    _check_out(src, out, overwrite)
+
+    contents = src_fmt.port_contents(src)
+    src_paths = _source_files(src, contents["weights"])
+    opened = {rel: SafetensorsFile(path) for rel, path in src_paths.items()}  # lying headers refused here
+    real_src: dict[str, tuple[int, ...]] = {}
+    src_dtype: dict[str, np.dtype] = {}
+    for key, rel in contents["weights"].items():
+        info = opened[rel].tensors.get(key)
+        if info is None:
+            raise CheckpointError(f"{src_paths[rel]} lacks tensor {key!r}, which the index places there "
+                                  "(nothing was written)")
+        real_src[key], src_dtype[key] = tuple(info.shape), info.numpy_dtype
+    hashes = files.Hashes()  # the source's hashes run while the twins are built and checked
+    for rel in _certificate.source_names(src_fmt, src_paths, contents["extras"]):
+        hashes.add(("source", rel), os.path.join(src, rel))
+    try:
+        return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
+                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    finally:
+        hashes.close()
+        for f in opened.values():
+            f.close()
+
+
+def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
+          max_shard_size, overwrite, progress) -> PortReport:
+    from .._transfer import transfer
+    from ..testing import compare_models
+
+    common = src_fmt.port_common_config(contents["config"])
+    dst_config = dst_fmt.port_own_config(common)
+    real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
+
+    report, recipes, stored, twin_params, discrepancies, verification = _twins(
+        src_fmt, dst_fmt, common, transfer, compare_models)
+    moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
+    rules = _rules.generalise_layer_rules(report.rules)
+
+    out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else src_dtype[m.sources[0][0]]) for m in moves}
+
+    def nbytes(m):
+        return out_dtype[m.target].itemsize * int(np.prod(m.shape))
+
+    total = sum(nbytes(m) for m in moves)
+    limit = parse_size(max_shard_size)
+    count = max(1, -(-total // limit)) if limit else len(src_paths)
+    free = files.free_bytes(os.path.dirname(os.path.abspath(out)) or ".")
+    if free is not None and free < total + (64 << 20):
+        raise CheckpointError(f"not enough free disk space for {out}: {total:,} bytes needed, {free:,} free "
+                              "(nothing was written)")
+    shards = _shard(moves, count, nbytes)
+    layout = dst_fmt.port_layout(len(shards))
+
+    tmp = files.new_output_dir(out)
+    try:
+        cert_tensors, written = _certificate.write_all(tmp, shards, layout, opened, contents["weights"], out_dtype,
+                                                       nbytes, total, progress, hashes)
+        files.write_json(os.path.join(tmp, layout["config"]), dst_config)
+        shared = [n for n in contents["extras"] if n in layout["extras"]]
+        for name in shared:
+            files.copy_file(os.path.join(src, name), os.path.join(tmp, name))
+        verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
+                                    verification, compare_models, discrepancies)
+        certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
+                                         verification, cert_tensors, discrepancies, shared, hashes)
+        files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
+        if not verification.get("passed"):
+            raise PortMismatch(f"the full models disagree (nothing was written): {verification.get('detail')}")
+        files.finish_output_dir(tmp, out, overwrite=overwrite)
+    except BaseException:
+        files.discard_dir(tmp)
+        raise
+    return PortReport(out, src_fmt.name, dst_fmt.name, rules, len(moves), written, verification, certificate,
+                      discrepancies, time.perf_counter() - t0)
+
+
+def _numpy_dtype(name: str):
+    from .._dtypes import numpy_dtype
+
+    return numpy_dtype(name)
+
+
+# ------------------------------------------------------------------------------ full verification
+def _fits(real_src, src_dtype) -> bool:
+    from ..params._memory_budget import available_memory
+
+    need = sum(4 * int(np.prod(s)) for s in real_src.values()) * 2 + (512 << 20)  # both models, float32
+    have = available_memory()
+    return have is not None and need <= have * 0.8
+
+
+def _kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
+    """Mean next-token KL(p || q) and top-1 agreement over every position."""
+    p = p_logits.astype(np.float64).reshape(-1, p_logits.shape[-1])
+    q = q_logits.astype(np.float64).reshape(-1, q_logits.shape[-1])
+    lp = p - p.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq = q - q.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    kl = float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+    top1 = float(np.mean(p.argmax(-1) == q.argmax(-1)))
+    return max(kl, 0.0), top1
+
+
+def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules, twins, compare_models,
+                 discrepancies):
+    out = dict(twins)
+    out["twins"] = dict(twins)
+    if verify == "twins" or (verify == "auto" and not _fits(real_src, src_dtype)):
+        out["mode"] = "twins"
+        out["full_skipped"] = "verify='twins'" if verify == "twins" else "the two full models do not fit in memory"
+        return out
+    a = src_fmt.port_load(src)
+    b = dst_fmt.port_load(tmp)
+    positions = positions_for(src_fmt, common, POSITIONS)
+    ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)
+    report = compare_models(a, b, [ids], mapping=rules, grads=False, judge="carried")
+    out.update({"mode": "full", "positions": positions, "passed": bool(report.passed)})
+    out.update(_measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report))
+    if not report.passed:
+        where = _library_difference(a, b, ids, rules, src_fmt, dst_fmt, compare_models)
+        if where is None:
+            out["passed"] = False
+            out["detail"] = report.verdict()[:500] if callable(report.verdict) else str(report.verdict)[:500]
+        else:
+            out["passed"] = True
+            out["isolated"] = True
+            discrepancies.append(f"full models: {where}")
+    return out

@@ -1,0 +1,276 @@
+"""Tensor recipes learnt from the twins' files, generalised over indices, applied to real names.
+
+After the twins' verified transfer, every tensor the destination library's own saver wrote is a
+rearrangement of tensors the source library's saver wrote. Their values are random and distinct,
+so each destination tensor is found among the source tensors by value: the same tensor, its
+transpose, a run of slices of one or several (split, concatenation), each exactly. A
+:class:`Recipe` says which, with file keys in which every integer path component (a layer, an
+expert) is a placeholder: the twin's two layers give one recipe for every layer of the real model.
+
+:func:`learn` does the matching; :func:`plan` applies the recipes to a real checkpoint's names
+and shapes: every source tensor used, every destination tensor written exactly once, shapes
+agreeing, the slices of a split sized from the real destination shapes (a per-head split takes
+its widths from the real config, not the twin's).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._errors import ConversionError
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def template(name: str) -> tuple[str, tuple[int, ...]]:
+    """``"model.layers.3.mlp.w"`` -> ``("model.layers.{}.mlp.w", (3,))``."""
+    indices = tuple(int(m.group()) for m in _INDEX.finditer(name))
+    return _INDEX.sub("{}", name), indices
+
+
+def fill(tmpl: str, indices: tuple[int, ...]) -> str:
+    return tmpl.format(*indices)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One source tensor's part of a destination tensor: ``source`` (a template), transposed
+    first when ``transpose``, then the run ``[start, stop)`` along the recipe's axis of the
+    (transposed) source; ``whole``: the run is the whole axis."""
+
+    source: str
+    transpose: bool
+    start: int
+    stop: int
+    whole: bool
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A destination tensor (template) made of ``pieces`` concatenated along ``axis`` (None: one
+    piece, the whole source, maybe transposed)."""
+
+    target: str
+    axis: int | None
+    pieces: tuple[Piece, ...]
+
+    def describe(self) -> str:
+        parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
+                 for p in self.pieces]
+        return f"{self.target} <- " + (parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})")
+
+
+def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
+    return a.T if transpose else a
+
+
+class _Index:
+    """Where a float32 value lies among the source tensors, found by a vectorised scan of their bit
+    patterns (no table of every value: a twin holds millions)."""
+
+    def __init__(self, src: dict[str, np.ndarray]) -> None:
+        self.src = src
+        self.bits = {n: np.ascontiguousarray(a, np.float32).reshape(-1).view(np.uint32) for n, a in src.items()}
+
+    def find(self, value) -> list[tuple[str, int]]:
+        b = np.float32(value).view(np.uint32)
+        out = []
+        for name, bits in self.bits.items():
+            out += [(name, int(i)) for i in np.flatnonzero(bits == b)[:64]]
+        return out
+
+
+def _cover(d: np.ndarray, axis: int, src: dict[str, np.ndarray], where: _Index):
+    """``d`` as runs along ``axis`` of source tensors (or their transposes), or None."""
+    pieces, cursor, n = [], 0, d.shape[axis]
+    while cursor < n:
+        lead = [0] * d.ndim
+        lead[axis] = cursor
+        found = None
+        for name, flat in where.find(d[tuple(lead)]):
+            s = src[name]
+            for transpose in ((False, True) if s.ndim == 2 else (False,)):
+                so = _oriented(s, transpose)
+                if so.ndim != d.ndim:
+                    continue
+                coord = list(np.unravel_index(flat, s.shape))
+                if transpose:
+                    coord = coord[::-1]
+                if any(coord[k] != 0 or so.shape[k] != d.shape[k] for k in range(d.ndim) if k != axis):
+                    continue
+                start = int(coord[axis])
+                length = min(n - cursor, so.shape[axis] - start)
+                a = np.take(d, range(cursor, cursor + length), axis=axis)
+                b = np.take(so, range(start, start + length), axis=axis)
+                if np.array_equal(a, b):
+                    found = (name, transpose, start, start + length, start == 0 and length == so.shape[axis])
+                    break
+            if found:
+                break
+        if not found:
+            return None
+        pieces.append(found)
+        cursor += found[3] - found[2]
+    return pieces
+
+
+def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> tuple[int | None, list]:
+    for s_name, s in src.items():  # the whole tensor, or its transpose: the usual case, checked first
+        if s.shape == d.shape and s.reshape(-1)[:1].tobytes() == d.reshape(-1)[:1].tobytes() and np.array_equal(s, d):
+            return None, [(s_name, False, 0, d.shape[0] if d.ndim else 1, True)]
+    for s_name, s in src.items():
+        if s.ndim == 2 and s.T.shape == d.shape and s[0, 0] == d[0, 0] and np.array_equal(s.T, d):
+            return None, [(s_name, True, 0, d.shape[0], True)]
+    for axis in range(d.ndim):
+        pieces = _cover(d, axis, src, where)
+        if pieces is not None:
+            return axis, pieces
+    raise ConversionError(f"the destination twin's tensor {name!r} {tuple(d.shape)} is no rearrangement (copy, "
+                          "transpose, split, concatenation) of the source twin's tensors: its library computes it "
+                          "(nothing was written)")
+
+
+def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, Recipe]:
+    """One recipe per destination template, from the twins' saved tensors (``src``/``dst``: file
+    key -> float32 array). ConversionError when a tensor has no recipe or two layers of one
+    template disagree (the rule depends on the index in a way that does not generalise)."""
+    where = _Index(src)
+    recipes: dict[str, Recipe] = {}
+    for name, d in dst.items():
+        d = np.asarray(d, np.float32)
+        axis, found = _match(name, d, src, where)
+        t, idx = template(name)
+        pieces = []
+        for s_name, transpose, start, stop, whole in found:
+            st, s_idx = template(s_name)
+            if s_idx != idx[:len(s_idx)] or len(s_idx) > len(idx):
+                raise ConversionError(f"the twins' tensor {name!r} comes from {s_name!r}: indices that do not "
+                                      "carry over to the real model's layers (nothing was written)")
+            pieces.append(Piece(st, transpose, start, stop, whole))
+        if axis is not None and len(pieces) > 1 and not all(p.whole for p in pieces):
+            raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({p.source for p in pieces})}: "
+                                  "per-head interleaving is not generalised yet (nothing was written)")
+        recipe = Recipe(t, axis, tuple(pieces))
+        if t in recipes and recipes[t] != recipe:
+            raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
+                                  f"{recipe.describe()} (nothing was written)")
+        recipes[t] = recipe
+    return recipes
+
+
+@dataclass
+class Move:
+    """One destination tensor of the real checkpoint: its name and shape, and its sources as
+    (source name, transpose, slice start, slice stop or None for whole) along ``axis``."""
+
+    target: str
+    shape: tuple[int, ...]
+    axis: int | None
+    sources: list[tuple[str, bool, int, int | None]] = field(default_factory=list)
+
+
+def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+    return tuple(shape[::-1]) if transpose else tuple(shape)
+
+
+def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_templates: set[str],
+         real_src: dict[str, tuple[int, ...]], real_dst: dict[str, tuple[int, ...]]) -> list[Move]:
+    """The moves for a real checkpoint: ``real_src`` (source file key -> shape), ``real_dst``
+    (every parameter of the destination model built for the real config -> shape).
+
+    A destination parameter whose template the destination twin's file did not hold but its model
+    did (a tied head) is not written, as the library's saver does not write it. ConversionError
+    naming what does not fit: a destination tensor no recipe makes, a missing or unused source
+    tensor, a shape that disagrees.
+    """
+    moves: list[Move] = []
+    used: set[str] = set()
+    splits: dict[tuple[str, bool, int], list[tuple[int, Move, int]]] = {}
+    problems: list[str] = []
+    for key, shape in real_dst.items():
+        t, idx = template(key)
+        recipe = recipes.get(t)
+        if recipe is None:
+            if t in twin_param_templates and t not in stored_templates:
+                continue  # the library does not save it (tied to another parameter)
+            problems.append(f"destination tensor {key!r}: no twin tensor of its kind (template {t!r})")
+            continue
+        move = Move(key, tuple(shape), recipe.axis)
+        want_len = 0
+        for p in recipe.pieces:
+            s_key = fill(p.source, idx[:p.source.count("{}")])
+            if s_key not in real_src:
+                problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
+                continue
+            used.add(s_key)
+            s_shape = _shape_of(real_src[s_key], p.transpose)
+            if recipe.axis is None:
+                move.sources.append((s_key, p.transpose, 0, None))
+                if s_shape != tuple(shape):
+                    problems.append(f"destination tensor {key!r} {tuple(shape)} from {s_key!r} "
+                                    f"{'transposed ' if p.transpose else ''}{s_shape}: shapes disagree")
+            elif p.whole and len(recipe.pieces) > 1:
+                move.sources.append((s_key, p.transpose, 0, None))
+                want_len += s_shape[recipe.axis]
+            else:  # one slice of a split: its start comes from its siblings' real widths
+                move.sources.append((s_key, p.transpose, -1, None))
+                splits.setdefault((s_key, p.transpose, recipe.axis), []).append((p.start, move, len(move.sources) - 1))
+        if recipe.axis is not None and len(recipe.pieces) > 1 and not problems:
+            if want_len != shape[recipe.axis]:
+                problems.append(f"destination tensor {key!r} {tuple(shape)}: its sources concatenate to "
+                                f"{want_len} along axis {recipe.axis}")
+        moves.append(move)
+    for (s_key, transpose, axis), members in splits.items():
+        s_shape = _shape_of(real_src[s_key], transpose)
+        at = 0
+        for _, move, i in sorted(members, key=lambda m: m[0]):
+            width = move.shape[axis]
+            name, tr, _, _ = move.sources[i]
+            move.sources[i] = (name, tr, at, at + width)
+            at += width
+        if at != s_shape[axis]:
+            problems.append(f"source tensor {s_key!r} {real_src[s_key]} splits into destination tensors "
+                            f"{[m.target for _, m, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
+    unused = sorted(set(real_src) - used)
+    if unused:
+        problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
+                        f"{' and %d more' % (len(unused) - 8) if len(unused) > 8 else ''}")
+    if problems:
+        raise ConversionError("the twins' rules do not fit the real checkpoint (nothing was written):\n  - "
+                              + "\n  - ".join(problems[:20]))
+    return moves
+
+
+def generalise_layer_rules(rules: list) -> list:
+    """``report.rules`` of the twins' transfer with every index generalised (``layers\\.0\\.`` ->
+    ``layers\\.(\\d+)\\.`` and ``\\1`` in the target), duplicates dropped: rules for the full models."""
+    out, seen = [], set()
+    for src, dst in rules:
+        def pat(p):
+            n = [0]
+
+            def sub(_m):
+                n[0] += 1
+                return r"(\d+)"
+            return re.sub(r"(?<=\\\.)\d+(?=\\\.|$)", sub, p), n[0]
+
+        def tgt(t):
+            n = [0]
+
+            def sub(_m):
+                n[0] += 1
+                return f"\\{n[0]}"
+            return re.sub(r"(?<=\.)\d+(?=\.|$)", sub, t)
+
+        if isinstance(src, (list, tuple)) and not isinstance(src, str):
+            new_src = tuple(pat(s)[0] for s in src)
+        else:
+            new_src = pat(src)[0]
+        new_dst = [tgt(d) for d in dst] if isinstance(dst, list) else tgt(dst)
+        key = repr((new_src, new_dst))
+        if key not in seen:
+            seen.add(key)
+            out.append((new_src, new_dst))
+    return out
