@@ -96,7 +96,7 @@ def _load_manifest(module: str | ModuleType) -> Manifest | None:
     loaded = module if isinstance(module, ModuleType) else sys.modules.get(name)
     if loaded is not None and not hasattr(loaded, "__path__"):
         return _checked_manifest(getattr(loaded, "MANIFEST", Manifest()), name)
-    full = name + ".registry._manifest"
+    full = name + "._manifest"
     if full in sys.modules:
         return _checked_manifest(sys.modules[full].MANIFEST, name)
     if loaded is not None:

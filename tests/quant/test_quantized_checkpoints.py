@@ -354,7 +354,7 @@ def _quant_meta(bits=4, group_size=32, scheme="affine"):
     (dict(meta=_quant_meta(bits=0)), r"quant\['0'\].*bits.*0.*bits must be an integer from 1 to 8"),
     (dict(meta=_quant_meta(group_size=48)), r"'0.qkernel': group_size 48 does not divide in_features 64"),
     (dict(meta=_quant_meta(scheme="nf4")), r"quant\['0'\].*scheme must be one of.*'nf4'"),
-    (dict(meta={"quant": "{not json"}), r"metadata 'quant' is not valid JSON"),
+    (dict(meta={"quant": "{not json"}), r"metadata 'quant' \(not valid JSON"),
     (dict(meta={"quant": json.dumps({"5": {"bits": 4, "group_size": 32, "scheme": "affine"}})}),
      r"names position '5', which the spec \(a Sequential of 3 layers\) does not have"),
     (dict(meta={"quant": json.dumps({"1": {"bits": 4, "group_size": 32, "scheme": "affine"}})}),
