@@ -1,5 +1,6 @@
 """transformers model directories (``save_pretrained``: ``config.json`` and ``model*.safetensors``,
-with or without an index), the model-directory verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
+with or without an index, or the ``pytorch_model*.bin`` pickles transformers wrote before
+safetensors, with or without ``pytorch_model.bin.index.json``), the model-directory verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
 
 Everything about transformers directories lives here: which files make one, their names, how a
 config is read and written, and how the tiny twin is made. The config given to and returned by
@@ -22,6 +23,8 @@ FORMAT = "transformers"
 CONFIG = "config.json"
 #: The weight index transformers writes beside sharded safetensors files.
 INDEX = "model.safetensors.index.json"
+#: The weight index transformers wrote beside sharded ``pytorch_model*.bin`` pickles.
+PICKLE_INDEX = "pytorch_model.bin.index.json"
 #: Files besides the weights that transformers' loaders read (tokenizers, generation settings).
 EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
           "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
@@ -71,16 +74,81 @@ def _pickle_files(path: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "pytorch_model*.bin")))
 
 
-def _check_pickles(path: str, names: list[str]) -> None:
-    """Each ``pytorch_model*.bin`` read by ``torch.load(weights_only=True)`` (the adapter's
-    ``file_info``): anything but named tensors is refused there, by name, and never run."""
-    import zipfile
+class _TensorInfo:
+    __slots__ = ("shape", "numpy_dtype")
 
-    from ._files import file_info
+    def __init__(self, shape: tuple[int, ...], numpy_dtype: np.dtype) -> None:
+        self.shape, self.numpy_dtype = shape, numpy_dtype
 
-    for name in names:
-        full = os.path.join(path, name)
-        file_info(full, "torch-zip" if zipfile.is_zipfile(full) else "torch-legacy")
+
+class PickleWeights:
+    """The tensors of one ``pytorch_model*.bin`` as the port reads a safetensors file (``tensors``:
+    name -> info with ``shape`` and ``numpy_dtype``; ``get(name)``: a read-only numpy view, bfloat16
+    as ml_dtypes; ``keys``, ``metadata``, ``close``).
+
+    Read only by ``torch.load(weights_only=True, mmap=True)`` (``_files._state``): no code from the
+    file runs, and anything but named tensors is refused by name. The zip format is memory-mapped,
+    so a tensor's bytes are read when it is made into a destination tensor, not before. A legacy
+    (pre-zip) pickle cannot be mapped and is refused, naming the file and how to re-save it.
+    Tensors that share one storage (a tied head that ``torch.save`` kept beside its embedding) are
+    one tensor: the first name holds it, the others are listed in ``aliases`` (name -> kept name),
+    as ``save_pretrained`` drops them from safetensors files.
+    """
+
+    def __init__(self, path: str) -> None:
+        import zipfile
+
+        from ._files import _state
+
+        self.path, self.metadata = path, {}
+        if not zipfile.is_zipfile(path):
+            raise CheckpointError(f"{path} is a legacy (pre-zip) torch pickle, which cannot be memory-mapped, so the "
+                                  "port would have to read it whole: refused (nothing was written). Re-save the model "
+                                  "with transformers' save_pretrained(..., safe_serialization=True), or torch.save it "
+                                  "again with a torch of 1.6 or later, then port that")
+        self._state = _state(path, "torch-zip", None)
+        self.tensors: dict[str, _TensorInfo] = {}
+        self.aliases: dict[str, str] = {}
+        seen: dict[tuple, str] = {}
+        import torch
+
+        from ._arrays import to_numpy
+
+        for name, t in self._state.items():
+            sig = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel() and sig in seen:
+                self.aliases[name] = seen[sig]
+                continue
+            seen[sig] = name
+            self.tensors[name] = _TensorInfo(tuple(t.shape), to_numpy(torch.empty(0, dtype=t.dtype)).dtype)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a read-only numpy view of the mapped file (a copy only for a
+        non-contiguous tensor)."""
+        from ._arrays import to_numpy
+
+        t = self._state[name]
+        return to_numpy(t if t.is_contiguous() else t.contiguous())
+
+    def close(self) -> None:
+        self._state, self.tensors = {}, {}
+
+    def __enter__(self) -> "PickleWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def port_open(fmt: str, path: str):
+    """The weight file ``path`` of a transformers directory opened for streaming: a
+    :class:`SafetensorsFile` (headers checked), or :class:`PickleWeights` for a ``.bin`` pickle."""
+    if path.endswith(".bin"):
+        return PickleWeights(path)
+    return SafetensorsFile(path)
 
 
 def port_detect(fmt: str, path: str) -> int:
@@ -100,10 +168,13 @@ def port_detect(fmt: str, path: str) -> int:
 
 
 def port_contents(fmt: str, path: str) -> dict:
-    """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names]}``.
+    """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names],
+    "aliases": {name: the name it shares its storage with}}``.
 
     The weight map comes from the index when there is one, else from every ``model*.safetensors``
-    file's header. CheckpointError for a directory without weights; ConversionError for a config
+    file's header; without safetensors, from ``pytorch_model.bin.index.json`` or every
+    ``pytorch_model*.bin`` (read by :class:`PickleWeights`: ``weights_only``, memory-mapped). Names
+    a pickle stores as another's storage (``aliases``) are left out of ``weights``. CheckpointError for a directory without weights; ConversionError for a config
     asking for remote code (``auto_map``, ``trust_remote_code``), which is never run.
     """
     config = read_json_file(os.path.join(path, CONFIG), "transformers config")
@@ -118,29 +189,36 @@ def port_contents(fmt: str, path: str) -> dict:
                               "part would be written, so it is refused (text-only ports of multimodal checkpoints "
                               "are not implemented yet; nothing was written)")
     weights: dict[str, str] = {}
-    index = os.path.join(path, INDEX)
+    pickles = not _weight_files(path) and not os.path.isfile(os.path.join(path, INDEX)) and (
+        bool(_pickle_files(path)) or os.path.isfile(os.path.join(path, PICKLE_INDEX)))
+    index = os.path.join(path, PICKLE_INDEX if pickles else INDEX)
     if os.path.isfile(index):
-        data = read_json_file(index, "safetensors index")
+        data = read_json_file(index, "pytorch_model.bin index" if pickles else "safetensors index")
         wm = data.get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise CheckpointError(f"{index}: 'weight_map' is not an object of tensor name -> file name. "
                                   f"{received('weight_map', wm)}")
         weights = dict(wm)
     else:
-        files = _weight_files(path)
-        if not files and _pickle_files(path):
-            _check_pickles(path, _pickle_files(path))
-            raise ConversionError(f"{path} holds its weights as pickles ({_pickle_files(path)}): they hold only tensors "
-                                  "(checked with torch.load(weights_only=True)), but this port streams safetensors "
-                                  "only; save the model with safe_serialization (the default) first")
+        files = _pickle_files(path) if pickles else _weight_files(path)
         if not files:
-            raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
+            raise CheckpointError(f"{path} holds no model*.safetensors (nor pytorch_model*.bin) weights beside its "
+                                  f"{CONFIG}")
         for name in files:
-            with SafetensorsFile(os.path.join(path, name)) as f:
+            with port_open(fmt, os.path.join(path, name)) as f:
                 for key in f.keys():
                     weights[key] = name
+    aliases: dict[str, str] = {}
+    if pickles:  # a tensor torch.save stored once under two names is one source tensor
+        for name in sorted(set(weights.values())):
+            full = os.path.join(path, name)
+            if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/") or not os.path.isfile(full):
+                continue  # the port refuses it, naming the entry
+            with port_open(fmt, full) as f:
+                aliases.update(f.aliases)
+        weights = {k: v for k, v in weights.items() if k not in aliases}
     extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
-    return {"config": config, "weights": weights, "extras": extras}
+    return {"config": config, "weights": weights, "extras": extras, "aliases": aliases}
 
 
 def port_common_config(fmt: str, config: dict) -> dict:

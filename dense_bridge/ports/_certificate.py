@@ -20,7 +20,7 @@ from .._errors import CheckpointError
 from .._version import __version__
 from ..checkpoints import _port_files as files
 from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
-from . import _rules
+from . import _dirs, _rules
 
 NAME = "port_certificate.json"
 VERSION = 1
@@ -190,7 +190,9 @@ def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], conte
         "version": VERSION,
         "source": {"format": src_fmt.name, "path": os.path.abspath(src),
                    "architecture": described["architecture"], "kind": described["kind"],
-                   "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source")},
+                   "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source"),
+                   # names the source stores as another tensor's storage (a tied head in a pickle)
+                   **({"aliases": contents["aliases"]} if contents.get("aliases") else {})},
         "destination": {"format": dst_fmt.name, "files": _hashes(tmp, dst_names, hashes, "destination")},
         "libraries": _libraries(src_fmt, dst_fmt),
         "rules": [[list(s) if isinstance(s, tuple) else s, d] for s, d in rules],
@@ -223,6 +225,16 @@ class VerifyReport:
         head = (f"{self.out}: {'all' if self.passed else 'NOT all'} entries hold ({self.tensors} tensors, "
                 f"{self.files} files checked)")
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
+
+
+def _source_format(cert: dict):
+    """The certificate's source format, where an installed adapter knows it (else None: read as safetensors)."""
+    from .._errors import DenseBridgeError
+
+    try:
+        return _dirs.Format(cert["source"]["format"])
+    except (DenseBridgeError, KeyError, TypeError):
+        return None
 
 
 def verify_port(out: Any) -> VerifyReport:
@@ -258,13 +270,18 @@ def verify_port(out: Any) -> VerifyReport:
             elif files.sha256_file(full) != digest:
                 problems.append(f"{where} file {name!r} does not hold: its sha256 differs from the certificate's")
                 bad_files.add(f"{where}:{name}")
-    opened: dict[tuple[str, str], SafetensorsFile | None] = {}
+    opened: dict[tuple[str, str], Any] = {}
+    src_fmt = _source_format(cert)
 
     def open_(directory: str, name: str, where: str):
         key = (where, name)
         if key not in opened:
             try:
-                opened[key] = SafetensorsFile(os.path.join(directory, name))
+                full = os.path.join(directory, name)
+                # the source's files are read as its format's adapter reads them (a .bin pickle:
+                # weights_only, memory-mapped), never by running code from them
+                opened[key] = _dirs.open_weights(src_fmt, full) if where == "source" and src_fmt else \
+                    SafetensorsFile(full)
             except CheckpointError as exc:
                 if f"{where}:{name}" not in bad_files:
                     problems.append(f"{where} file {name!r} cannot be read: {exc}")

@@ -296,7 +296,14 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
     contents = src_fmt.port_contents(src)
     src_paths = _source_files(src, contents["weights"])
-    opened = {rel: SafetensorsFile(path) for rel, path in src_paths.items()}  # lying headers refused here
+    opened = {}
+    try:  # lying headers, and pickles holding anything but tensors, refused here
+        for rel, path in src_paths.items():
+            opened[rel] = _dirs.open_weights(src_fmt, path)
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
     real_src: dict[str, tuple[int, ...]] = {}
     src_dtype: dict[str, np.dtype] = {}
     for key, rel in contents["weights"].items():
