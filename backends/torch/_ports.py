@@ -86,7 +86,7 @@ class PickleWeights:
     name -> info with ``shape`` and ``numpy_dtype``; ``get(name)``: a read-only numpy view, bfloat16
     as ml_dtypes; ``keys``, ``metadata``, ``close``).
 
-    Read only by ``torch.load(weights_only=True, mmap=True)`` (``_files._state``): no code from the
+    Read only by ``torch.load(weights_only=True, mmap=True)`` (``_files.read_state``): no code from the
     file runs, and anything but named tensors is refused by name. The zip format is memory-mapped,
     so a tensor's bytes are read when it is made into a destination tensor, not before. A legacy
     (pre-zip) pickle cannot be mapped and is refused, naming the file and how to re-save it.
@@ -98,7 +98,7 @@ class PickleWeights:
     def __init__(self, path: str) -> None:
         import zipfile
 
-        from ._files import _state
+        from ._files import read_state
 
         self.path, self.metadata = path, {}
         if not zipfile.is_zipfile(path):
@@ -106,7 +106,7 @@ class PickleWeights:
                                   "port would have to read it whole: refused (nothing was written). Re-save the model "
                                   "with transformers' save_pretrained(..., safe_serialization=True), or torch.save it "
                                   "again with a torch of 1.6 or later, then port that")
-        self._state = _state(path, "torch-zip", None)
+        self._state = read_state(path, "torch-zip", None)
         self.tensors: dict[str, _TensorInfo] = {}
         self.aliases: dict[str, str] = {}
         seen: dict[tuple, str] = {}
