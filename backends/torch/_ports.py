@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 
 import numpy as np
 
@@ -167,14 +168,20 @@ def port_detect(fmt: str, path: str) -> int:
     return Match.LIKELY if tag == "pt" else Match.DEFAULT if tag in ("", "np", "pytorch") else Match.FITS
 
 
-def port_contents(fmt: str, path: str) -> dict:
+def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names],
     "aliases": {name: the name it shares its storage with}}``.
 
     The weight map comes from the index when there is one, else from every ``model*.safetensors``
     file's header; without safetensors, from ``pytorch_model.bin.index.json`` or every
     ``pytorch_model*.bin`` (read by :class:`PickleWeights`: ``weights_only``, memory-mapped). Names
-    a pickle stores as another's storage (``aliases``) are left out of ``weights``. CheckpointError for a directory without weights; ConversionError for a config
+    a pickle stores as another's storage (``aliases``) are left out of ``weights``.
+
+    A multimodal checkpoint (a config naming another tower, :data:`MULTIMODAL_KEYS`) is refused
+    unless ``text_only``; then the text model alone is described (:func:`_text_part`): ``config``
+    is its text sub-config, ``weights`` are keyed by the names the text model's own saver writes,
+    ``file_keys`` maps those names to the keys stored in the files, ``dropped`` lists the stored
+    keys of the other towers, which are not ported. CheckpointError for a directory without weights; ConversionError for a config
     asking for remote code (``auto_map``, ``trust_remote_code``), which is never run.
     """
     config = read_json_file(os.path.join(path, CONFIG), "transformers config")
@@ -184,10 +191,10 @@ def port_contents(fmt: str, path: str) -> dict:
                                   f"({key}={config[key]!r}): refused, never run (port only models transformers "
                                   "implements itself)")
     towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
-    if towers:
+    if towers and not text_only:
         raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
-                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
-                              "are not implemented yet; nothing was written)")
+                              "part would be written, so it is refused unless asked (pass text_only=True, or "
+                              "--text-only, to port the text model alone; nothing was written)")
     weights: dict[str, str] = {}
     pickles = not _weight_files(path) and not os.path.isfile(os.path.join(path, INDEX)) and (
         bool(_pickle_files(path)) or os.path.isfile(os.path.join(path, PICKLE_INDEX)))
@@ -218,7 +225,106 @@ def port_contents(fmt: str, path: str) -> dict:
                 aliases.update(f.aliases)
         weights = {k: v for k, v in weights.items() if k not in aliases}
     extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
-    return {"config": config, "weights": weights, "extras": extras, "aliases": aliases}
+    out = {"config": config, "weights": weights, "extras": extras, "aliases": aliases}
+    if towers and text_only:
+        text_config, file_keys, dropped = _text_part(path, config, weights)
+        out.update(config=text_config, weights={k: weights[f] for k, f in file_keys.items()}, file_keys=file_keys,
+                   dropped=dropped)
+    return out
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _index_template(key: str) -> tuple[str, tuple[str, ...]]:
+    """``key`` with each dotted integer (a layer, expert or head index) replaced by ``{}``, and the integers."""
+    return _INDEX.sub("{}", key), tuple(_INDEX.findall(key))
+
+
+def _saved(model, tmp: str) -> dict[str, bytes]:
+    """Every tensor ``save_pretrained`` writes for ``model``: file key -> (shape, bytes)."""
+    model.save_pretrained(tmp)
+    out = {}
+    for name in sorted(os.listdir(tmp)):
+        if name.endswith(".safetensors"):
+            with SafetensorsFile(os.path.join(tmp, name)) as f:
+                for k in f.keys():
+                    a = f.get(k)
+                    out[k] = (tuple(a.shape), a.tobytes())
+    return out
+
+
+def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, dict[str, str], list[str]]:
+    """The text model of the multimodal checkpoint ``path``: (its config, {text model file key: key
+    stored in the checkpoint}, [stored keys not ported]).
+
+    Which stored tensor is which text-model tensor is learnt on tiny twins, as the port learns
+    everything else: the whole model built by transformers from the config with every sub-config
+    shrunk, its random parameters saved by ``save_pretrained``; the text model built from the shrunk
+    text sub-config, given the whole model's decoder (``get_decoder``) and output head, saved too;
+    each tensor of the second found by its bytes in the first. The pairs are generalised over
+    dotted indices (layers, experts) and applied to the checkpoint's stored keys.
+    """
+    import tempfile
+
+    import torch
+
+    transformers = _transformers()
+    whole = _config(config)
+    text = whole.get_text_config()
+    if text is whole:
+        raise ConversionError(f"{path}: text_only=True, but transformers finds no text sub-config in its {CONFIG} "
+                              f"(keys {sorted(config)[:16]})")
+    text_key = next((k for k in (getattr(whole, "sub_configs", None) or {}) if getattr(whole, k, None) is text),
+                    "text_config")
+    text_dict = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    small = dict(config)
+    small[text_key] = port_shrink(FORMAT, text_dict)
+    for k in MULTIMODAL_KEYS:
+        if isinstance(config.get(k), dict) and config[k].get("model_type") in transformers.CONFIG_MAPPING:
+            try:
+                small[k] = port_shrink(FORMAT, config[k])
+            except ConversionError:
+                pass  # kept as it is: a tower without heads to shrink by
+    small.pop("quantization_config", None)
+    try:
+        with _quiet(), tempfile.TemporaryDirectory(prefix="dense-bridge-text-part-") as tmp:
+            a = transformers.AutoModelForCausalLM.from_config(_config(small), dtype=torch.float32).eval()
+            _randomize(a, seed=0)
+            b = transformers.AutoModelForCausalLM.from_config(_config(small[text_key]), dtype=torch.float32).eval()
+            b.get_decoder().load_state_dict(a.get_decoder().state_dict())
+            head_a, head_b = a.get_output_embeddings(), b.get_output_embeddings()
+            if head_b is not None and head_a is not None and head_b.weight is not b.get_input_embeddings().weight:
+                with torch.no_grad():
+                    head_b.weight.copy_(head_a.weight)
+            saved_a = _saved(a, os.path.join(tmp, "whole"))
+            saved_b = _saved(b, os.path.join(tmp, "text"))
+    except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise ConversionError(f"{path}: transformers cannot build the text model of this {config.get('model_type')!r} "
+                              f"checkpoint alone: {str(exc).splitlines()[0][:300]}") from None
+    by_bytes: dict[tuple, list[str]] = {}
+    for k, v in saved_a.items():
+        by_bytes.setdefault(v, []).append(k)
+    rules: dict[str, str] = {}  # stored template -> text model template
+    for k, v in saved_b.items():
+        found = by_bytes.get(v, [])
+        if len(found) != 1:
+            raise ConversionError(f"{path}: the text model's tensor {k!r} is {'not' if not found else 'ambiguously'} "
+                                  f"found among the whole model's on the twins ({found[:4]}): text_only cannot port it")
+        (t_text, i_text), (t_whole, i_whole) = _index_template(k), _index_template(found[0])
+        if i_text != i_whole:
+            raise ConversionError(f"{path}: the text model's {k!r} is stored as {found[0]!r}, with other indices: "
+                                  "text_only cannot generalise it")
+        rules[t_whole] = t_text
+    file_keys: dict[str, str] = {}
+    dropped: list[str] = []
+    for key in weights:
+        t, idx = _index_template(key)
+        if t in rules:
+            file_keys[rules[t].format(*idx)] = key
+        else:
+            dropped.append(key)
+    return text_dict, file_keys, sorted(dropped)
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
@@ -398,11 +504,24 @@ def port_example(fmt: str, path: str, seed: int = 0) -> None:
         model.save_pretrained(path)
 
 
-def port_load(fmt: str, path: str):
-    """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode."""
+def port_load(fmt: str, path: str, text_only: bool = False):
+    """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode.
+    ``text_only``: the text model of a multimodal checkpoint, built from its text sub-config and
+    given the loaded model's decoder (``get_decoder``) and output head."""
     transformers = _transformers()
     with _quiet():
-        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        if not text_only:
+            return whole
+        text = transformers.AutoModelForCausalLM.from_config(whole.config.get_text_config(), dtype=whole.dtype)
+    text.get_decoder().load_state_dict(whole.get_decoder().state_dict())
+    head_w, head_t = whole.get_output_embeddings(), text.get_output_embeddings()
+    if head_t is not None and head_w is not None and head_t.weight is not text.get_input_embeddings().weight:
+        import torch
+
+        with torch.no_grad():
+            head_t.weight.copy_(head_w.weight)
+    return text.eval()
 
 
 def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:

@@ -82,8 +82,12 @@ def _max_ulp(a: np.ndarray, dtype: np.dtype) -> int:
 
 
 def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile], weights: dict[str, str],
-              out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None) -> tuple[dict, int]:
-    """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written)."""
+              out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None,
+              file_keys: dict[str, str] | None = None) -> tuple[dict, int]:
+    """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written).
+    ``file_keys``: a source name the moves use -> the key stored in its file, where they differ
+    (the certificate names the stored key)."""
+    file_keys = file_keys or {}
     bar = _Progress(progress, sum(len(s) for s in shards), total)
     entries: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
@@ -93,11 +97,12 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
         for m in moves:
             pieces = []
             for s_key, transpose, start, stop in m.sources:
-                info = opened[weights[s_key]].tensors[s_key]
-                pieces.append({"file": weights[s_key], "tensor": s_key, "shape": list(info.shape),
+                stored = file_keys.get(s_key, s_key)
+                info = opened[weights[s_key]].tensors[stored]
+                pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
                                "slice": _source_slice(tuple(info.shape), transpose, m.axis, start, stop),
                                "transpose": transpose})
-            src_dt = opened[weights[m.sources[0][0]]].tensors[m.sources[0][0]].numpy_dtype
+            src_dt = opened[weights[m.sources[0][0]]].tensors[file_keys.get(m.sources[0][0], m.sources[0][0])].numpy_dtype
             dst_dt = out_dtype[m.target]
             entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose")} for p in pieces],
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
@@ -106,7 +111,7 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
             entries[m.target] = entry
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
-                arrays = [(opened[weights[p["tensor"]]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
+                arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
                 value = make(arrays, m.axis, dst_dt)
                 if not entry["exact"]:
                     entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype), dst_dt)
@@ -192,7 +197,11 @@ def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], conte
                    "architecture": described["architecture"], "kind": described["kind"],
                    "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source"),
                    # names the source stores as another tensor's storage (a tied head in a pickle)
-                   **({"aliases": contents["aliases"]} if contents.get("aliases") else {})},
+                   **({"aliases": contents["aliases"]} if contents.get("aliases") else {}),
+                   # a text-only port of a multimodal source: the stored tensors of the other towers left out
+                   **({"text_only": True, "dropped": {"count": len(contents.get("dropped", [])),
+                                                      "tensors": list(contents.get("dropped", []))}}
+                      if contents.get("file_keys") else {})},
         "destination": {"format": dst_fmt.name, "files": _hashes(tmp, dst_names, hashes, "destination")},
         "libraries": _libraries(src_fmt, dst_fmt),
         "rules": [[list(s) if isinstance(s, tuple) else s, d] for s, d in rules],
