@@ -4,9 +4,9 @@ listed in the certificate and said in the command's output.
 
 Tested with transformers' Gemma 3 (``Gemma3ForConditionalGeneration``: a SigLIP vision tower,
 a projector and a Gemma 3 text model whose stored keys, ``language_model.model.*``, differ from
-its parameter paths), built tiny and random, into transformers (``Gemma3ForCausalLM``). Into
-mlx-lm the port stops at the twins for Gemma 3's text model (as it does for a plain ``gemma3_text``
-directory): mlx-lm's Gemma 3 text model does not run on the shrunk twin.
+its parameter paths), built tiny and random, into transformers (``Gemma3ForCausalLM``) and into
+mlx-lm (``gemma3_text``). Six text layers: mlx-lm's Gemma 3 reads one full-attention layer every
+``sliding_window_pattern`` (6) and cannot run fewer layers than that.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import pytest
 import dense_bridge as db
 from dense_bridge.cli._main import main
 
-from _port_helpers import randomize, transformers_or_skip
+from _port_helpers import mlx_lm_or_skip, randomize, transformers_or_skip
 
 
 def _gemma3(transformers, path):
     import torch
 
-    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=48, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -101,3 +101,26 @@ def test_the_command_line_text_only(gemma3, tmp_path, capsys):
     assert got["text_only"] is True and got["dropped"] and all("vision" in k or "projector" in k for k in got["dropped"])
     cert = json.loads((tmp_path / "out2" / "port_certificate.json").read_text())
     assert cert["source"]["text_only"] is True and cert["source"]["dropped"]["count"] == len(got["dropped"])
+
+
+def test_text_only_into_mlx_lm(gemma3, tmp_path):
+    _, whole, src = gemma3
+    mlx_lm_or_skip()
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    report = db.port(src, tmp_path / "mlx", to="mlx-lm", verify="full", text_only=True)
+    assert report.verification["passed"] and report.verification["top1_agreement"] == 1.0
+    # mlx-lm's Gemma MLP uses exact gelu where transformers uses the tanh form: named, as for Gemma
+    assert any("different functions" in d for d in report.discrepancies)
+    assert report.certificate["source"]["text_only"] is True and report.dropped
+    model, _ = load_model(Path(tmp_path / "mlx"))  # mlx-lm's own loader
+    got = dict(tree_flatten(model.parameters()))
+    decoder = {f"model.{k}": v.numpy() for k, v in whole.get_decoder().state_dict().items()}
+    decoder["lm_head.weight"] = whole.get_output_embeddings().weight.detach().numpy()  # mlx-lm holds the tied head
+    assert got.keys() == decoder.keys()
+    for k, v in got.items():
+        assert np.array_equal(np.asarray(v), decoder[k]), k
+    assert db.verify_port(tmp_path / "mlx").passed
