@@ -181,7 +181,7 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     unless ``text_only``; then the text model alone is described (:func:`_text_part`): ``config``
     is its text sub-config, ``weights`` are keyed by the names the text model's own saver writes,
     ``file_keys`` maps those names to the keys stored in the files, ``dropped`` lists the stored
-    keys of the other towers, which are not ported. CheckpointError for a directory without weights; ConversionError for a config
+    keys of the other towers, which are not ported, ``whole_config`` is the checkpoint's own config. CheckpointError for a directory without weights; ConversionError for a config
     asking for remote code (``auto_map``, ``trust_remote_code``), which is never run.
     """
     config = read_json_file(os.path.join(path, CONFIG), "transformers config")
@@ -229,7 +229,7 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     if towers and text_only:
         text_config, file_keys, dropped = _text_part(path, config, weights)
         out.update(config=text_config, weights={k: weights[f] for k, f in file_keys.items()}, file_keys=file_keys,
-                   dropped=dropped)
+                   dropped=dropped, whole_config=config)
     return out
 
 

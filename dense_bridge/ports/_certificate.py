@@ -199,7 +199,9 @@ def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], conte
                    # names the source stores as another tensor's storage (a tied head in a pickle)
                    **({"aliases": contents["aliases"]} if contents.get("aliases") else {}),
                    # a text-only port of a multimodal source: the stored tensors of the other towers left out
-                   **({"text_only": True, "dropped": {"count": len(contents.get("dropped", [])),
+                   **({"text_only": True, "multimodal_architecture": src_fmt.port_describe(
+                       contents["whole_config"])["architecture"] if contents.get("whole_config") else None,
+                       "dropped": {"count": len(contents.get("dropped", [])),
                                                       "tensors": list(contents.get("dropped", []))}}
                       if contents.get("file_keys") else {})},
         "destination": {"format": dst_fmt.name, "files": _hashes(tmp, dst_names, hashes, "destination")},

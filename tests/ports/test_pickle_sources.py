@@ -101,3 +101,28 @@ def test_a_legacy_pickle_is_refused_naming_the_file_and_what_to_do(tmp_path):
         db.port(tmp_path / "src", tmp_path / "out", to="mlx-lm", verify="twins")
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "st"]
+
+
+def test_a_pickle_is_memory_mapped_not_read(tmp_path):
+    """Opening a 128 MB ``.bin`` for the port reads its pickle, not its tensors' bytes."""
+    torch = pytest.importorskip("torch")
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("resident memory is read from /proc/self/status")
+    from dense_bridge.ports._dirs import Format, open_weights
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"big": torch.ones(32, 1 << 20)}, path)
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    torch.save({"small": torch.ones(3)}, tmp_path / "small.bin")
+    open_weights(Format("transformers"), str(tmp_path / "small.bin")).close()  # first-use imports done
+    before = rss()
+    f = open_weights(Format("transformers"), str(path))
+    assert f.tensors["big"].shape == (32, 1 << 20) and f.tensors["big"].numpy_dtype == np.float32
+    view = f.get("big")
+    assert rss() - before < (16 << 20)  # the tensor's 128 MB are mapped, not read
+    assert float(view[31, -1]) == 1.0  # and read where touched
+    f.close()

@@ -75,7 +75,8 @@ def test_text_only_ports_the_text_model_and_says_what_it_left_out(gemma3, tmp_pa
     with safe_open(str(src / "model.safetensors"), "np") as f:
         stored = set(f.keys())
     source = report.certificate["source"]
-    assert source["text_only"] is True
+    assert source["text_only"] is True and source["kind"] == "gemma3_text"
+    assert source["multimodal_architecture"] == ["Gemma3ForConditionalGeneration"]
     dropped = set(source["dropped"]["tensors"])
     assert source["dropped"]["count"] == len(dropped) > 0 and report.dropped == sorted(dropped)
     assert all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in dropped)
