@@ -30,7 +30,8 @@ def _weights(path) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("name,dtype,shard", [("qwen2", None, None), ("llama", "bfloat16", "40KB")])
+@pytest.mark.parametrize("name,dtype,shard", [("qwen2", None, None), ("qwen2", None, "40KB"),
+                                              ("llama", "bfloat16", "40KB")])
 def test_a_pickled_source_ports_bit_identical_to_its_safetensors_twin(tmp_path, name, dtype, shard):
     transformers = transformers_or_skip()
     mlx_lm_or_skip()
@@ -51,6 +52,7 @@ def test_a_pickled_source_ports_bit_identical_to_its_safetensors_twin(tmp_path, 
     for k in a:
         assert a[k] == b[k], k
     cert = report.certificate
+    assert cert["source"].get("aliases") == ({"lm_head.weight": "model.embed_tokens.weight"} if name == "qwen2" else None)
     assert set(cert["source"]["files"]) >= set(bins)
     files = {s["file"] for t in cert["tensors"].values() for s in t["sources"]}
     assert files == set(bins)
