@@ -66,9 +66,10 @@ def port_detect(fmt: str, path: str) -> int:
     return Match.CERTAIN if tag == "mlx" else Match.FITS
 
 
-def port_contents(fmt: str, path: str) -> dict:
+def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     """``{"config", "weights": {tensor name: file relative to path}, "extras"}``; ConversionError
-    for a config that asks for code in the directory (``model_file``) or a quantized one."""
+    for a config that asks for code in the directory (``model_file``), a quantized one, or a
+    multimodal one (``text_only`` is not implemented for mlx-lm directories: refused, saying so)."""
     config = read_json_file(os.path.join(path, CONFIG), "mlx-lm config")
     for key in REMOTE_CODE_KEYS:
         if config.get(key):
@@ -80,8 +81,11 @@ def port_contents(fmt: str, path: str) -> dict:
     towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
     if towers:
         raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
-                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
-                              "are not implemented yet; nothing was written)")
+                              "part would be written, so it is refused "
+                              + ("(text_only=True is implemented for transformers sources only, not yet for mlx-lm "
+                                 "directories; nothing was written)" if text_only else
+                                 "unless asked (text_only=True, or --text-only, ports the text model alone where the "
+                                 "source's library separates it; nothing was written)"))
     weights: dict[str, str] = {}
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):

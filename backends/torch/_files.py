@@ -37,7 +37,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _state(path: str, container: str, files: list[SafetensorsFile] | None) -> dict[str, torch.Tensor]:
+def read_state(path: str, container: str, files: list[SafetensorsFile] | None) -> dict[str, torch.Tensor]:
     """The file's tensors by their torch names; zip files are mapped (``mmap``), not read."""
     if files:
         # views of the mapped (copy-on-write) safetensors pages; load_state_dict copies them in
@@ -71,7 +71,7 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
 
         return ({n: (i.shape, dtype_name(i.numpy_dtype)) for f in files for n, i in f.tensors.items()},
                 dict(files[0].metadata))
-    state = _state(path, container, None)
+    state = read_state(path, container, None)
     return {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, {}
 
 
@@ -87,7 +87,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
     """
     if template is None:
         raise CheckpointError(f"{path}: a torch state dict needs the model's structure (spec= or like=)")
-    state = _state(path, container, files)
+    state = read_state(path, container, files)
     expected = {k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in template.state_dict().items()}
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
     try:
@@ -118,7 +118,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
         check(got, expected)
         where = {n: f for f in files for n in f.tensors}
         return FileViews(plan, lambda name: where[name].get(name))
-    state = _state(path, container, None)  # a zip file is mapped, not read
+    state = read_state(path, container, None)  # a zip file is mapped, not read
     check({k: (tuple(v.shape), _dtype_name(v.dtype)) for k, v in state.items()}, expected)
     return FileViews(plan, lambda name: to_numpy(state[name]))
 

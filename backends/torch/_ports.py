@@ -1,5 +1,6 @@
 """transformers model directories (``save_pretrained``: ``config.json`` and ``model*.safetensors``,
-with or without an index), the model-directory verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
+with or without an index, or the ``pytorch_model*.bin`` pickles transformers wrote before
+safetensors, with or without ``pytorch_model.bin.index.json``), the model-directory verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
 
 Everything about transformers directories lives here: which files make one, their names, how a
 config is read and written, and how the tiny twin is made. The config given to and returned by
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 
 import numpy as np
 
@@ -22,6 +24,8 @@ FORMAT = "transformers"
 CONFIG = "config.json"
 #: The weight index transformers writes beside sharded safetensors files.
 INDEX = "model.safetensors.index.json"
+#: The weight index transformers wrote beside sharded ``pytorch_model*.bin`` pickles.
+PICKLE_INDEX = "pytorch_model.bin.index.json"
 #: Files besides the weights that transformers' loaders read (tokenizers, generation settings).
 EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
           "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
@@ -71,16 +75,81 @@ def _pickle_files(path: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "pytorch_model*.bin")))
 
 
-def _check_pickles(path: str, names: list[str]) -> None:
-    """Each ``pytorch_model*.bin`` read by ``torch.load(weights_only=True)`` (the adapter's
-    ``file_info``): anything but named tensors is refused there, by name, and never run."""
-    import zipfile
+class _TensorInfo:
+    __slots__ = ("shape", "numpy_dtype")
 
-    from ._files import file_info
+    def __init__(self, shape: tuple[int, ...], numpy_dtype: np.dtype) -> None:
+        self.shape, self.numpy_dtype = shape, numpy_dtype
 
-    for name in names:
-        full = os.path.join(path, name)
-        file_info(full, "torch-zip" if zipfile.is_zipfile(full) else "torch-legacy")
+
+class PickleWeights:
+    """The tensors of one ``pytorch_model*.bin`` as the port reads a safetensors file (``tensors``:
+    name -> info with ``shape`` and ``numpy_dtype``; ``get(name)``: a read-only numpy view, bfloat16
+    as ml_dtypes; ``keys``, ``metadata``, ``close``).
+
+    Read only by ``torch.load(weights_only=True, mmap=True)`` (``_files.read_state``): no code from the
+    file runs, and anything but named tensors is refused by name. The zip format is memory-mapped,
+    so a tensor's bytes are read when it is made into a destination tensor, not before. A legacy
+    (pre-zip) pickle cannot be mapped and is refused, naming the file and how to re-save it.
+    Tensors that share one storage (a tied head that ``torch.save`` kept beside its embedding) are
+    one tensor: the first name holds it, the others are listed in ``aliases`` (name -> kept name),
+    as ``save_pretrained`` drops them from safetensors files.
+    """
+
+    def __init__(self, path: str) -> None:
+        import zipfile
+
+        from ._files import read_state
+
+        self.path, self.metadata = path, {}
+        if not zipfile.is_zipfile(path):
+            raise CheckpointError(f"{path} is a legacy (pre-zip) torch pickle, which cannot be memory-mapped, so the "
+                                  "port would have to read it whole: refused (nothing was written). Re-save the model "
+                                  "with transformers' save_pretrained(..., safe_serialization=True), or torch.save it "
+                                  "again with a torch of 1.6 or later, then port that")
+        self._state = read_state(path, "torch-zip", None)
+        self.tensors: dict[str, _TensorInfo] = {}
+        self.aliases: dict[str, str] = {}
+        seen: dict[tuple, str] = {}
+        import torch
+
+        from ._arrays import to_numpy
+
+        for name, t in self._state.items():
+            sig = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel() and sig in seen:
+                self.aliases[name] = seen[sig]
+                continue
+            seen[sig] = name
+            self.tensors[name] = _TensorInfo(tuple(t.shape), to_numpy(torch.empty(0, dtype=t.dtype)).dtype)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a read-only numpy view of the mapped file (a copy only for a
+        non-contiguous tensor)."""
+        from ._arrays import to_numpy
+
+        t = self._state[name]
+        return to_numpy(t if t.is_contiguous() else t.contiguous())
+
+    def close(self) -> None:
+        self._state, self.tensors = {}, {}
+
+    def __enter__(self) -> "PickleWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def port_open(fmt: str, path: str):
+    """The weight file ``path`` of a transformers directory opened for streaming: a
+    :class:`SafetensorsFile` (headers checked), or :class:`PickleWeights` for a ``.bin`` pickle."""
+    if path.endswith(".bin"):
+        return PickleWeights(path)
+    return SafetensorsFile(path)
 
 
 def port_detect(fmt: str, path: str) -> int:
@@ -99,11 +168,20 @@ def port_detect(fmt: str, path: str) -> int:
     return Match.LIKELY if tag == "pt" else Match.DEFAULT if tag in ("", "np", "pytorch") else Match.FITS
 
 
-def port_contents(fmt: str, path: str) -> dict:
-    """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names]}``.
+def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
+    """``{"config": dict, "weights": {tensor name: file name relative to path}, "extras": [names],
+    "aliases": {name: the name it shares its storage with}}``.
 
     The weight map comes from the index when there is one, else from every ``model*.safetensors``
-    file's header. CheckpointError for a directory without weights; ConversionError for a config
+    file's header; without safetensors, from ``pytorch_model.bin.index.json`` or every
+    ``pytorch_model*.bin`` (read by :class:`PickleWeights`: ``weights_only``, memory-mapped). Names
+    a pickle stores as another's storage (``aliases``) are left out of ``weights``.
+
+    A multimodal checkpoint (a config naming another tower, :data:`MULTIMODAL_KEYS`) is refused
+    unless ``text_only``; then the text model alone is described (:func:`_text_part`): ``config``
+    is its text sub-config, ``weights`` are keyed by the names the text model's own saver writes,
+    ``file_keys`` maps those names to the keys stored in the files, ``dropped`` lists the stored
+    keys of the other towers, which are not ported, ``whole_config`` is the checkpoint's own config. CheckpointError for a directory without weights; ConversionError for a config
     asking for remote code (``auto_map``, ``trust_remote_code``), which is never run.
     """
     config = read_json_file(os.path.join(path, CONFIG), "transformers config")
@@ -113,34 +191,140 @@ def port_contents(fmt: str, path: str) -> dict:
                                   f"({key}={config[key]!r}): refused, never run (port only models transformers "
                                   "implements itself)")
     towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
-    if towers:
+    if towers and not text_only:
         raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
-                              "part would be written, so it is refused (text-only ports of multimodal checkpoints "
-                              "are not implemented yet; nothing was written)")
+                              "part would be written, so it is refused unless asked (pass text_only=True, or "
+                              "--text-only, to port the text model alone; nothing was written)")
     weights: dict[str, str] = {}
-    index = os.path.join(path, INDEX)
+    pickles = not _weight_files(path) and not os.path.isfile(os.path.join(path, INDEX)) and (
+        bool(_pickle_files(path)) or os.path.isfile(os.path.join(path, PICKLE_INDEX)))
+    index = os.path.join(path, PICKLE_INDEX if pickles else INDEX)
     if os.path.isfile(index):
-        data = read_json_file(index, "safetensors index")
+        data = read_json_file(index, "pytorch_model.bin index" if pickles else "safetensors index")
         wm = data.get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise CheckpointError(f"{index}: 'weight_map' is not an object of tensor name -> file name. "
                                   f"{received('weight_map', wm)}")
         weights = dict(wm)
     else:
-        files = _weight_files(path)
-        if not files and _pickle_files(path):
-            _check_pickles(path, _pickle_files(path))
-            raise ConversionError(f"{path} holds its weights as pickles ({_pickle_files(path)}): they hold only tensors "
-                                  "(checked with torch.load(weights_only=True)), but this port streams safetensors "
-                                  "only; save the model with safe_serialization (the default) first")
+        files = _pickle_files(path) if pickles else _weight_files(path)
         if not files:
-            raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
+            raise CheckpointError(f"{path} holds no model*.safetensors (nor pytorch_model*.bin) weights beside its "
+                                  f"{CONFIG}")
         for name in files:
-            with SafetensorsFile(os.path.join(path, name)) as f:
+            with port_open(fmt, os.path.join(path, name)) as f:
                 for key in f.keys():
                     weights[key] = name
+    aliases: dict[str, str] = {}
+    if pickles:  # a tensor torch.save stored once under two names is one source tensor
+        for name in sorted(set(weights.values())):
+            full = os.path.join(path, name)
+            if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/") or not os.path.isfile(full):
+                continue  # the port refuses it, naming the entry
+            with port_open(fmt, full) as f:
+                aliases.update(f.aliases)
+        weights = {k: v for k, v in weights.items() if k not in aliases}
     extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
-    return {"config": config, "weights": weights, "extras": extras}
+    out = {"config": config, "weights": weights, "extras": extras, "aliases": aliases}
+    if towers and text_only:
+        text_config, file_keys, dropped = _text_part(path, config, weights)
+        out.update(config=text_config, weights={k: weights[f] for k, f in file_keys.items()}, file_keys=file_keys,
+                   dropped=dropped, whole_config=config)
+    return out
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _index_template(key: str) -> tuple[str, tuple[str, ...]]:
+    """``key`` with each dotted integer (a layer, expert or head index) replaced by ``{}``, and the integers."""
+    return _INDEX.sub("{}", key), tuple(_INDEX.findall(key))
+
+
+def _saved(model, tmp: str) -> dict[str, bytes]:
+    """Every tensor ``save_pretrained`` writes for ``model``: file key -> (shape, bytes)."""
+    model.save_pretrained(tmp)
+    out = {}
+    for name in sorted(os.listdir(tmp)):
+        if name.endswith(".safetensors"):
+            with SafetensorsFile(os.path.join(tmp, name)) as f:
+                for k in f.keys():
+                    a = f.get(k)
+                    out[k] = (tuple(a.shape), a.tobytes())
+    return out
+
+
+def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, dict[str, str], list[str]]:
+    """The text model of the multimodal checkpoint ``path``: (its config, {text model file key: key
+    stored in the checkpoint}, [stored keys not ported]).
+
+    Which stored tensor is which text-model tensor is learnt on tiny twins, as the port learns
+    everything else: the whole model built by transformers from the config with every sub-config
+    shrunk, its random parameters saved by ``save_pretrained``; the text model built from the shrunk
+    text sub-config, given the whole model's decoder (``get_decoder``) and output head, saved too;
+    each tensor of the second found by its bytes in the first. The pairs are generalised over
+    dotted indices (layers, experts) and applied to the checkpoint's stored keys.
+    """
+    import tempfile
+
+    import torch
+
+    transformers = _transformers()
+    whole = _config(config)
+    text = whole.get_text_config()
+    if text is whole:
+        raise ConversionError(f"{path}: text_only=True, but transformers finds no text sub-config in its {CONFIG} "
+                              f"(keys {sorted(config)[:16]})")
+    text_key = next((k for k in (getattr(whole, "sub_configs", None) or {}) if getattr(whole, k, None) is text),
+                    "text_config")
+    text_dict = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    small = dict(config)
+    small[text_key] = port_shrink(FORMAT, text_dict)
+    for k in MULTIMODAL_KEYS:
+        if isinstance(config.get(k), dict) and config[k].get("model_type") in transformers.CONFIG_MAPPING:
+            try:
+                small[k] = port_shrink(FORMAT, config[k])
+            except ConversionError:
+                pass  # kept as it is: a tower without heads to shrink by
+    small.pop("quantization_config", None)
+    try:
+        with _quiet(), tempfile.TemporaryDirectory(prefix="dense-bridge-text-part-") as tmp:
+            a = transformers.AutoModelForCausalLM.from_config(_config(small), dtype=torch.float32).eval()
+            _randomize(a, seed=0)
+            b = transformers.AutoModelForCausalLM.from_config(_config(small[text_key]), dtype=torch.float32).eval()
+            b.get_decoder().load_state_dict(a.get_decoder().state_dict())
+            head_a, head_b = a.get_output_embeddings(), b.get_output_embeddings()
+            if head_b is not None and head_a is not None and head_b.weight is not b.get_input_embeddings().weight:
+                with torch.no_grad():
+                    head_b.weight.copy_(head_a.weight)
+            saved_a = _saved(a, os.path.join(tmp, "whole"))
+            saved_b = _saved(b, os.path.join(tmp, "text"))
+    except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise ConversionError(f"{path}: transformers cannot build the text model of this {config.get('model_type')!r} "
+                              f"checkpoint alone: {str(exc).splitlines()[0][:300]}") from None
+    by_bytes: dict[tuple, list[str]] = {}
+    for k, v in saved_a.items():
+        by_bytes.setdefault(v, []).append(k)
+    rules: dict[str, str] = {}  # stored template -> text model template
+    for k, v in saved_b.items():
+        found = by_bytes.get(v, [])
+        if len(found) != 1:
+            raise ConversionError(f"{path}: the text model's tensor {k!r} is {'not' if not found else 'ambiguously'} "
+                                  f"found among the whole model's on the twins ({found[:4]}): text_only cannot port it")
+        (t_text, i_text), (t_whole, i_whole) = _index_template(k), _index_template(found[0])
+        if i_text != i_whole:
+            raise ConversionError(f"{path}: the text model's {k!r} is stored as {found[0]!r}, with other indices: "
+                                  "text_only cannot generalise it")
+        rules[t_whole] = t_text
+    file_keys: dict[str, str] = {}
+    dropped: list[str] = []
+    for key in weights:
+        t, idx = _index_template(key)
+        if t in rules:
+            file_keys[rules[t].format(*idx)] = key
+        else:
+            dropped.append(key)
+    return text_dict, file_keys, sorted(dropped)
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
@@ -320,11 +504,24 @@ def port_example(fmt: str, path: str, seed: int = 0) -> None:
         model.save_pretrained(path)
 
 
-def port_load(fmt: str, path: str):
-    """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode."""
+def port_load(fmt: str, path: str, text_only: bool = False):
+    """The model as transformers' own loader reads the directory (``from_pretrained``), eval mode.
+    ``text_only``: the text model of a multimodal checkpoint, built from its text sub-config and
+    given the loaded model's decoder (``get_decoder``) and output head."""
     transformers = _transformers()
     with _quiet():
-        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        if not text_only:
+            return whole
+        text = transformers.AutoModelForCausalLM.from_config(whole.config.get_text_config(), dtype=whole.dtype)
+    text.get_decoder().load_state_dict(whole.get_decoder().state_dict())
+    head_w, head_t = whole.get_output_embeddings(), text.get_output_embeddings()
+    if head_t is not None and head_w is not None and head_t.weight is not text.get_input_embeddings().weight:
+        import torch
+
+        with torch.no_grad():
+            head_t.weight.copy_(head_w.weight)
+    return text.eval()
 
 
 def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cast every tensor (default: keep)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="bytes or e.g. 5GB (default: as many files as SRC)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (never one holding SRC)")
+    p.add_argument("--text-only", action="store_true",
+                   help="port only the text model of a multimodal checkpoint (refused otherwise); the certificate "
+                        "lists the tensors left out")
     for flag in ("--quantize", "--adapter", "--outtype", "--device"):
         p.add_argument(flag, help="not implemented by this port yet")
     p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge", help="not implemented yet")
@@ -43,7 +46,7 @@ def cmd_port(args) -> int:
                             max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                             quantize=args.quantize, adapter=args.adapter, adapter_mode=args.adapter_mode,
                             keep_codes=args.keep_codes, outtype=args.outtype, requantize=args.requantize,
-                            device=args.device, progress=show_progress(args))
+                            device=args.device, progress=show_progress(args), text_only=args.text_only)
     except ports.PortMismatch as exc:
         print(f"dense-bridge port: {one_line(exc)}", file=sys.stderr)
         if args.json:

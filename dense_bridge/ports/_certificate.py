@@ -20,7 +20,7 @@ from .._errors import CheckpointError
 from .._version import __version__
 from ..checkpoints import _port_files as files
 from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
-from . import _rules
+from . import _dirs, _rules
 
 NAME = "port_certificate.json"
 VERSION = 1
@@ -82,8 +82,12 @@ def _max_ulp(a: np.ndarray, dtype: np.dtype) -> int:
 
 
 def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile], weights: dict[str, str],
-              out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None) -> tuple[dict, int]:
-    """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written)."""
+              out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None,
+              file_keys: dict[str, str] | None = None) -> tuple[dict, int]:
+    """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written).
+    ``file_keys``: a source name the moves use -> the key stored in its file, where they differ
+    (the certificate names the stored key)."""
+    file_keys = file_keys or {}
     bar = _Progress(progress, sum(len(s) for s in shards), total)
     entries: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
@@ -93,11 +97,12 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
         for m in moves:
             pieces = []
             for s_key, transpose, start, stop in m.sources:
-                info = opened[weights[s_key]].tensors[s_key]
-                pieces.append({"file": weights[s_key], "tensor": s_key, "shape": list(info.shape),
+                stored = file_keys.get(s_key, s_key)
+                info = opened[weights[s_key]].tensors[stored]
+                pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
                                "slice": _source_slice(tuple(info.shape), transpose, m.axis, start, stop),
                                "transpose": transpose})
-            src_dt = opened[weights[m.sources[0][0]]].tensors[m.sources[0][0]].numpy_dtype
+            src_dt = opened[weights[m.sources[0][0]]].tensors[file_keys.get(m.sources[0][0], m.sources[0][0])].numpy_dtype
             dst_dt = out_dtype[m.target]
             entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose")} for p in pieces],
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
@@ -106,7 +111,7 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
             entries[m.target] = entry
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
-                arrays = [(opened[weights[p["tensor"]]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
+                arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
                 value = make(arrays, m.axis, dst_dt)
                 if not entry["exact"]:
                     entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype), dst_dt)
@@ -190,7 +195,15 @@ def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], conte
         "version": VERSION,
         "source": {"format": src_fmt.name, "path": os.path.abspath(src),
                    "architecture": described["architecture"], "kind": described["kind"],
-                   "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source")},
+                   "files": _hashes(src, source_names(src_fmt, src_paths, extras), hashes, "source"),
+                   # names the source stores as another tensor's storage (a tied head in a pickle)
+                   **({"aliases": contents["aliases"]} if contents.get("aliases") else {}),
+                   # a text-only port of a multimodal source: the stored tensors of the other towers left out
+                   **({"text_only": True, "multimodal_architecture": src_fmt.port_describe(
+                       contents["whole_config"])["architecture"] if contents.get("whole_config") else None,
+                       "dropped": {"count": len(contents.get("dropped", [])),
+                                                      "tensors": list(contents.get("dropped", []))}}
+                      if contents.get("file_keys") else {})},
         "destination": {"format": dst_fmt.name, "files": _hashes(tmp, dst_names, hashes, "destination")},
         "libraries": _libraries(src_fmt, dst_fmt),
         "rules": [[list(s) if isinstance(s, tuple) else s, d] for s, d in rules],
@@ -223,6 +236,16 @@ class VerifyReport:
         head = (f"{self.out}: {'all' if self.passed else 'NOT all'} entries hold ({self.tensors} tensors, "
                 f"{self.files} files checked)")
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
+
+
+def _source_format(cert: dict):
+    """The certificate's source format, where an installed adapter knows it (else None: read as safetensors)."""
+    from .._errors import DenseBridgeError
+
+    try:
+        return _dirs.Format(cert["source"]["format"])
+    except (DenseBridgeError, KeyError, TypeError):
+        return None
 
 
 def verify_port(out: Any) -> VerifyReport:
@@ -258,13 +281,18 @@ def verify_port(out: Any) -> VerifyReport:
             elif files.sha256_file(full) != digest:
                 problems.append(f"{where} file {name!r} does not hold: its sha256 differs from the certificate's")
                 bad_files.add(f"{where}:{name}")
-    opened: dict[tuple[str, str], SafetensorsFile | None] = {}
+    opened: dict[tuple[str, str], Any] = {}
+    src_fmt = _source_format(cert)
 
     def open_(directory: str, name: str, where: str):
         key = (where, name)
         if key not in opened:
             try:
-                opened[key] = SafetensorsFile(os.path.join(directory, name))
+                full = os.path.join(directory, name)
+                # the source's files are read as its format's adapter reads them (a .bin pickle:
+                # weights_only, memory-mapped), never by running code from them
+                opened[key] = _dirs.open_weights(src_fmt, full) if where == "source" and src_fmt else \
+                    SafetensorsFile(full)
             except CheckpointError as exc:
                 if f"{where}:{name}" not in bad_files:
                     problems.append(f"{where} file {name!r} cannot be read: {exc}")

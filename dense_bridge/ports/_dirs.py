@@ -19,6 +19,9 @@ A backend whose manifest declares the ``ports`` capability names its formats in
 - ``port_load(fmt, path)``: the library's own loader; ``port_logits(fmt, model, ids)``;
 - ``port_describe(fmt, config) -> {"architecture", "kind", "vocab_size", "max_positions"}``: what the
   port reports and sizes its inputs by (None where the config does not say);
+- ``port_open(fmt, path)`` (optional): one of its weight files opened for streaming, an object
+  read like :class:`~dense_bridge.checkpoints._safetensors.SafetensorsFile` (``tensors``: name ->
+  ``shape``, ``numpy_dtype``; ``get``, ``keys``, ``close``); without it files are read as safetensors;
 - ``port_example(fmt, path, seed)``: a tiny random model saved into ``path`` (the demo's
   source; ConversionError where the library offers none).
 """
@@ -60,6 +63,16 @@ class Format:
 
     def __repr__(self) -> str:
         return f"Format({self.name!r})"
+
+
+def open_weights(fmt: "Format", path: str):
+    """The weight file ``path`` of a ``fmt`` directory opened for streaming: by its adapter's
+    ``port_open`` where it offers one, else as a safetensors file (headers checked)."""
+    from ..checkpoints._safetensors import SafetensorsFile
+    from ..registry._backends import get_adapter
+
+    opener = getattr(get_adapter(fmt.backend), "port_open", None)
+    return opener(fmt.name, path) if callable(opener) else SafetensorsFile(path)
 
 
 def detect(path: str, argument: str = "src") -> Format:

@@ -60,6 +60,8 @@ class PortReport:
     certificate: dict
     discrepancies: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: ``text_only`` ports of a multimodal source: the stored source tensors not ported (other towers).
+    dropped: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         v = self.verification
@@ -73,12 +75,16 @@ class PortReport:
         exact = sum(1 for t in self.certificate["tensors"].values() if t["exact"])
         lines.append(f"{exact}/{len(self.certificate['tensors'])} tensors bit-identical to their sources")
         lines += [f"library discrepancy: {d}" for d in self.discrepancies]
+        if self.certificate["source"].get("text_only"):
+            lines.append(f"text only: the text model alone was ported; {len(self.dropped)} source tensors of the other "
+                         f"towers were not (e.g. {self.dropped[:3]}; all listed in the certificate)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"out": self.out, "source": self.source, "destination": self.destination, "rules": self.rules,
                 "tensors": self.tensors, "bytes": self.bytes, "verification": self.verification,
-                "discrepancies": self.discrepancies, "seconds": self.seconds}
+                "discrepancies": self.discrepancies, "seconds": self.seconds,
+                "text_only": bool(self.certificate["source"].get("text_only")), "dropped": self.dropped}
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -242,7 +248,9 @@ def _shard(moves: list[_rules.Move], count: int, nbytes) -> list[list[_rules.Mov
     return shards
 
 
-def _check_args(to, verify, dtype, overwrite, max_shard_size, progress):
+def _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only=False):
+    if not isinstance(text_only, bool):
+        raise TypeError(f"text_only must be a bool. {received('text_only', text_only)}")
     if not isinstance(to, str):
         raise TypeError(f"to must be a format name (str). {received('to', to)}")
     if verify not in _VERIFY:
@@ -265,7 +273,7 @@ def _unsupported(**given) -> None:
 def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None = None, quantize=None,
          adapter=None, adapter_mode: str = "merge", keep_codes: bool = False, outtype=None,
          requantize: bool = False, max_shard_size=None, overwrite: bool = False, device=None,
-         progress=None) -> PortReport:
+         progress=None, text_only: bool = False) -> PortReport:
     """Write the model directory ``src`` as the library ``to``'s own directory ``out`` (API.md,
     "Whole checkpoints").
 
@@ -279,12 +287,14 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or None (keep each tensor's).
         max_shard_size: bytes or ``"5GB"``; default: as many files as the source.
         progress: True/False, or a callable ``(tensors_done, tensors_total, bytes_done, bytes_total)``.
+        text_only: port only the text model of a multimodal checkpoint (refused otherwise); the
+            certificate's ``source`` then says ``"text_only": true`` and lists the tensors ``"dropped"``.
 
     Returns:
         A :class:`PortReport`; ``out/port_certificate.json`` holds its certificate.
     """
     t0 = time.perf_counter()
-    _check_args(to, verify, dtype, overwrite, max_shard_size, progress)
+    _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
     _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
                  outtype=(outtype, None), requantize=(requantize, False), device=(device, None))
     if adapter_mode not in ("merge", "keep"):
@@ -294,15 +304,23 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     src_fmt = _dirs.detect(src)
     _check_out(src, out, overwrite)
 
-    contents = src_fmt.port_contents(src)
+    contents = src_fmt.port_contents(src, text_only=True) if text_only else src_fmt.port_contents(src)
+    file_keys = contents.setdefault("file_keys", {})  # a name the port uses -> the key stored in the file
     src_paths = _source_files(src, contents["weights"])
-    opened = {rel: SafetensorsFile(path) for rel, path in src_paths.items()}  # lying headers refused here
+    opened = {}
+    try:  # lying headers, and pickles holding anything but tensors, refused here
+        for rel, path in src_paths.items():
+            opened[rel] = _dirs.open_weights(src_fmt, path)
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
     real_src: dict[str, tuple[int, ...]] = {}
     src_dtype: dict[str, np.dtype] = {}
     for key, rel in contents["weights"].items():
-        info = opened[rel].tensors.get(key)
+        info = opened[rel].tensors.get(file_keys.get(key, key))
         if info is None:
-            raise CheckpointError(f"{src_paths[rel]} lacks tensor {key!r}, which the index places there "
+            raise CheckpointError(f"{src_paths[rel]} lacks tensor {file_keys.get(key, key)!r}, which the index places there "
                                   "(nothing was written)")
         real_src[key], src_dtype[key] = tuple(info.shape), info.numpy_dtype
     hashes = files.Hashes()  # the source's hashes run while the twins are built and checked
@@ -349,13 +367,13 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     tmp = files.new_output_dir(out)
     try:
         cert_tensors, written = _certificate.write_all(tmp, shards, layout, opened, contents["weights"], out_dtype,
-                                                       nbytes, total, progress, hashes)
+                                                       nbytes, total, progress, hashes, contents["file_keys"])
         files.write_json(os.path.join(tmp, layout["config"]), dst_config)
         shared = [n for n in contents["extras"] if n in layout["extras"]]
         for name in shared:
             files.copy_file(os.path.join(src, name), os.path.join(tmp, name))
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
-                                    verification, compare_models, discrepancies)
+                                    verification, compare_models, discrepancies, bool(contents["file_keys"]))
         certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
@@ -366,7 +384,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         files.discard_dir(tmp)
         raise
     return PortReport(out, src_fmt.name, dst_fmt.name, rules, len(moves), written, verification, certificate,
-                      discrepancies, time.perf_counter() - t0)
+                      discrepancies, time.perf_counter() - t0, list(contents.get("dropped", [])))
 
 
 def _numpy_dtype(name: str):
@@ -398,14 +416,14 @@ def _kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
 
 
 def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules, twins, compare_models,
-                 discrepancies):
+                 discrepancies, text_only=False):
     out = dict(twins)
     out["twins"] = dict(twins)
     if verify == "twins" or (verify == "auto" and not _fits(real_src, src_dtype)):
         out["mode"] = "twins"
         out["full_skipped"] = "verify='twins'" if verify == "twins" else "the two full models do not fit in memory"
         return out
-    a = src_fmt.port_load(src)
+    a = src_fmt.port_load(src, text_only=True) if text_only else src_fmt.port_load(src)  # its text model alone
     b = dst_fmt.port_load(tmp)
     positions = positions_for(src_fmt, common, POSITIONS)
     ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)

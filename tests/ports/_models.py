@@ -41,3 +41,26 @@ def save(transformers, name: str, path, seed: int = 0, dtype=None):
         model = model.to(dtype)
     model.save_pretrained(path)
     return model
+
+
+def save_as_pickles(model, path, max_shard_size=None) -> list[str]:
+    """``model`` saved as transformers 4 saved it with ``safe_serialization=False`` (transformers 5
+    writes safetensors only): ``config.json`` and ``torch.save`` of the state dict, tied tensors
+    kept under both names (one storage), sharded by huggingface_hub's own splitter into
+    ``pytorch_model-XXXXX-of-YYYYY.bin`` with ``pytorch_model.bin.index.json``. Returns the .bin names."""
+    import json
+
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    state = model.state_dict()
+    split = split_torch_state_dict_into_shards(state, filename_pattern="pytorch_model{suffix}.bin",
+                                               max_shard_size=max_shard_size or "5GB")
+    for name, keys in split.filename_to_tensors.items():
+        torch.save({k: state[k] for k in keys}, os.path.join(path, name))
+    if split.is_sharded:
+        with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f)
+    return sorted(split.filename_to_tensors)
