@@ -206,18 +206,24 @@ def test_no_core_string_names_a_framework_or_its_file_format():
     """Tables keyed by framework names or file endings, sniffing by framework, messages listing
     frameworks: all of it belongs in the backends' manifests, which the core reads through the
     registry. Docstrings and comments may explain with examples; code may not depend on them."""
-    words = _forbidden_words()
+    offenders, stale = _core_literals_naming(_forbidden_words(), FRAMEWORK_NAME_ALLOWLIST)
+    assert not offenders, "declare it in backends/<fw>/_manifest.py instead:\n" + "\n".join(offenders)
+    assert not stale, f"stale: {stale}"
+
+
+def _core_literals_naming(words: re.Pattern, allowed: dict) -> tuple[list[str], set]:
+    """Core string literals (docstrings aside) that ``words`` finds and ``allowed`` does not
+    excuse, as "file:line: text"; and the ``allowed`` entries nothing used (stale)."""
     offenders, used = [], set()
     for path in _core_files():
         rel = path.relative_to(CORE).as_posix()
         for line, text in _string_literals(ast.parse(path.read_text(), str(path))):
             if words.search(text):
-                if (rel, text) in FRAMEWORK_NAME_ALLOWLIST:
+                if (rel, text) in allowed:
                     used.add((rel, text))
                     continue
                 offenders.append(f"dense_bridge/{rel}:{line}: {text[:90]!r}")
-    assert not offenders, "declare it in backends/<fw>/_manifest.py instead:\n" + "\n".join(offenders)
-    assert not set(FRAMEWORK_NAME_ALLOWLIST) - used, f"stale: {set(FRAMEWORK_NAME_ALLOWLIST) - used}"
+    return offenders, set(allowed) - used
 
 
 def test_the_name_check_sees_tables_and_messages():
@@ -713,18 +719,9 @@ def test_no_core_string_names_an_ecosystem_library_or_its_file_format():
     """PEFT and mlx-lm adapter directories, transformers and mlx-lm model directories, keras-hub
     presets, GGUF: their file names, key grammars and config keys are backend knowledge.
     Docstrings and comments may explain with examples; code may not depend on them."""
-    words = _ecosystem_words()
-    offenders, used = [], set()
-    for path in _core_files():
-        rel = path.relative_to(CORE).as_posix()
-        for line, text in _string_literals(ast.parse(path.read_text(), str(path))):
-            if words.search(text):
-                if (rel, text) in ECOSYSTEM_NAME_ALLOWLIST:
-                    used.add((rel, text))
-                    continue
-                offenders.append(f"dense_bridge/{rel}:{line}: {text[:90]!r}")
+    offenders, stale = _core_literals_naming(_ecosystem_words(), ECOSYSTEM_NAME_ALLOWLIST)
     assert not offenders, "declare it in backends/<fw>/ instead:\n" + "\n".join(offenders)
-    assert not set(ECOSYSTEM_NAME_ALLOWLIST) - used, f"stale: {set(ECOSYSTEM_NAME_ALLOWLIST) - used}"
+    assert not stale, f"stale: {stale}"
 
 
 def test_the_ecosystem_check_sees_file_names_and_key_grammar():
