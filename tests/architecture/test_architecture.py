@@ -792,3 +792,16 @@ def test_the_layer_check_sees_an_upward_import():
              "dense_bridge.c": set()}
     assert _upward_imports(graph, layers) == ["dense_bridge.a.x (low) imports dense_bridge.b.y (high)",
                                               "dense_bridge.c is in no layer of docs/ARCHITECTURE.md"]
+
+
+def test_tests_and_benchmarks_import_the_adapters_by_their_installed_name():
+    """``backends`` is installed as ``dense_bridge.backends``: importing it as a top-level
+    ``backends`` (the checkout's folder on sys.path) makes a second copy of an adapter whose classes
+    re-register with Keras, so a model saved afterwards loads as the copy's classes."""
+    root = CORE.parent
+    offenders = []
+    for path in sorted(list((root / "tests").rglob("*.py")) + list((root / "benchmarks").rglob("*.py"))):
+        for line, name in _imported_names(ast.parse(path.read_text(), str(path))):
+            if name == "backends" or name.startswith("backends."):
+                offenders.append(f"{path.relative_to(root)}:{line} imports {name}")
+    assert not offenders, "import dense_bridge.backends.<fw> instead:\n" + "\n".join(offenders)

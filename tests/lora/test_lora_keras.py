@@ -154,7 +154,7 @@ def test_merge_lora_into_a_quantized_keras_dense_requantizes_in_the_same_mode(mo
     the float64 update, requantizes with Keras' own quantizer in the same mode, and reports how much of
     the update survived; an update far below one quantization step is erased and warned about."""
     keras = pytest.importorskip("keras")
-    from backends.keras._quant import KerasQuantLayer
+    from dense_bridge.backends.keras._quant import KerasQuantLayer
 
     dense = keras.layers.Dense(24, dtype="float32")
     model = keras.Sequential([keras.Input((32,)), dense])
