@@ -60,6 +60,21 @@ def check_type(name: str, value: object, types, what: str) -> None:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}. {received(name, value)}")
 
 
+def file_number(value: object, where: str, key: str, *, integer: bool) -> int | float:
+    """``value``, read from a file's config under ``key``, when it is a number (an integer with
+    ``integer``; never a bool: ``"r": true`` is not a rank of 1); else CheckpointError naming
+    the file (``where``) and the key.
+
+    Returns:
+        ``value`` unchanged.
+    """
+    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
+    if not ok:
+        raise CheckpointError(f"{where}: {key} must be {'an integer' if integer else 'a number'}. "
+                              f"Received: {value!r}"[:400])
+    return value
+
+
 def check_flag(name: str, value: object) -> bool:
     """Return ``value`` as a bool when it is True or False (numpy's bools too); else TypeError
     naming ``name``: a truthy stand-in such as ``strict="no"`` is a bug, not True."""

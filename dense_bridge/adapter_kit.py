@@ -60,7 +60,7 @@ _LAZY: dict[str, str] = {
     "DTYPE_NAMES": "._dtypes", "numpy_dtype": "._dtypes", "compute_dtype": "._dtypes", "dtype_name": "._dtypes",
     "DenseBridgeError": "._errors", "SpecError": "._errors", "ConversionError": "._errors",
     "CheckpointError": "._errors", "StateError": "._errors", "BackendUnavailableError": "._errors",
-    "received": "._errors",
+    "received": "._errors", "file_number": "._errors",
     "bounded_pattern": ".models._patterns", "PATTERN_LIMIT": ".models._patterns", "PATH_LIMIT": ".models._patterns",
 }
 

@@ -24,20 +24,12 @@ import re
 
 import numpy as np
 
-from dense_bridge.adapter_kit import CheckpointError, ConversionError
+from dense_bridge.adapter_kit import CheckpointError, ConversionError, file_number
 
 _KEY = re.compile(r"^(?P<path>.+)\.(?P<part>lora_a|lora_b|m)$")
 _PARTS = {"lora_a": "lora_a", "lora_b": "lora_b", "m": "lora_magnitude"}
 #: a module inside block ``index`` of a model's ``layers`` stack
 BLOCK = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<inner>.+)$")
-
-
-def _number(value, where: str, key: str, *, integer: bool):
-    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
-    if not ok:
-        raise CheckpointError(f"{where}: {key} must be {'an integer' if integer else 'a number'}. Received: {value!r}"
-                              [:400])
-    return value
 
 
 # ----------------------------------------------------------------------------- reading
@@ -65,16 +57,16 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
         raise CheckpointError(f"{where}: lora_parameters must be an object. Received: {params!r}"[:400])
     if "scale" not in params:
         raise CheckpointError(f"{where}: lora_parameters has no 'scale' (mlx-lm's LoRA needs it)")
-    scale = _number(params["scale"], where, "lora_parameters.scale", integer=False)
+    scale = file_number(params["scale"], where, "lora_parameters.scale", integer=False)
     rank = params.get("rank")
     if rank is not None:
-        rank = _number(rank, where, "lora_parameters.rank", integer=True)
+        rank = file_number(rank, where, "lora_parameters.rank", integer=True)
     keys = params.get("keys")
     if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
         raise CheckpointError(f"{where}: lora_parameters.keys must be a list of module paths. Received: {keys!r}"[:400])
     num_layers = config.get("num_layers")
     if num_layers is not None:
-        num_layers = _number(num_layers, where, "num_layers", integer=True)
+        num_layers = file_number(num_layers, where, "num_layers", integer=True)
     layers: dict[str, dict] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
@@ -109,7 +101,7 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
                               f"tensors adapt blocks {min(blocks)} to {max(blocks)}: mlx-lm would not adapt some "
                               f"of them")
     dropout = params.get("dropout", 0.0) or 0.0
-    return out, {"dropout": float(_number(dropout, where, "lora_parameters.dropout", integer=False)),
+    return out, {"dropout": float(file_number(dropout, where, "lora_parameters.dropout", integer=False)),
                  "num_layers": num_layers}
 
 

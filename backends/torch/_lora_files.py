@@ -29,7 +29,7 @@ from collections import Counter
 
 import numpy as np
 
-from dense_bridge.adapter_kit import PATH_LIMIT, CheckpointError, ConversionError, bounded_pattern
+from dense_bridge.adapter_kit import PATH_LIMIT, CheckpointError, ConversionError, bounded_pattern, file_number
 
 #: PEFT's prefix of every key: PeftModel.base_model (LoraModel).model (the base model)
 PREFIX = "base_model.model."
@@ -61,7 +61,7 @@ def _patterns(config: dict, key: str, where: str, *, integer: bool) -> dict:
     out = {}
     for pattern, value in found.items():
         checked_pattern(pattern, where, f"{key}[{pattern[:40]!r}]")
-        value = _number(value, where, f"{key}[{pattern[:40]!r}]", integer=integer)
+        value = file_number(value, where, f"{key}[{pattern[:40]!r}]", integer=integer)
         out[pattern] = (re.compile(rf"(.*\.)?({pattern})$"), value)
     return out
 
@@ -73,14 +73,6 @@ def _pattern_value(patterns: dict, path: str, default, where: str):
         if compiled.match(_bounded(path, where)):
             return value, pattern
     return default, None
-
-
-def _number(value, where: str, key: str, *, integer: bool):
-    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
-    if not ok:
-        raise CheckpointError(f"{where}: {key} must be {'an integer' if integer else 'a number'}. Received: {value!r}"
-                              [:400])
-    return value
 
 
 def _targeted(config: dict, path: str, where: str) -> str | None:
@@ -174,9 +166,9 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
             raise CheckpointError(f"{where}: layer {layer!r} has factors but {problem}: PEFT would not adapt it "
                                   f"(its factors would be dropped)")
         r, r_key = _pattern_value(rank_pattern, layer, r_default, where)
-        r = _number(r, where, f"rank_pattern[{r_key!r}]" if r_key else "r", integer=True)
+        r = file_number(r, where, f"rank_pattern[{r_key!r}]" if r_key else "r", integer=True)
         alpha, a_key = _pattern_value(alpha_pattern, layer, alpha_default, where)
-        alpha = _number(alpha, where, f"alpha_pattern[{a_key!r}]" if a_key else "lora_alpha", integer=False)
+        alpha = file_number(alpha, where, f"alpha_pattern[{a_key!r}]" if a_key else "lora_alpha", integer=False)
         rank_a, rank_b = np.shape(parts["lora_a"])[0], np.shape(parts["lora_b"])[1]
         if rank_a != r or rank_b != r:
             raise CheckpointError(f"{where}: {PREFIX}{layer}.lora_A.weight {np.shape(parts['lora_a'])} and "
@@ -191,7 +183,7 @@ def lora_from_files(tensors: dict, config: dict, where: str) -> tuple[dict, dict
             entry["lora_magnitude"] = np.asarray(parts["lora_magnitude"])
         out[layer] = entry
     dropout = config.get("lora_dropout", 0.0) or 0.0
-    return out, {"dropout": float(_number(dropout, where, "lora_dropout", integer=False))}
+    return out, {"dropout": float(file_number(dropout, where, "lora_dropout", integer=False))}
 
 
 # ----------------------------------------------------------------------------- writing
