@@ -138,3 +138,24 @@ def finish_output_dir(tmp: str, out: str, *, overwrite: bool) -> None:
             discard_dir(previous)
         else:
             os.remove(previous)
+
+
+def finish_output_file(tmp: str, out: str, certificate: str, *, overwrite: bool) -> None:
+    """A one-file port built in the directory ``tmp`` (the file named as ``out``, and
+    ``port_certificate.json``) moved into place: the certificate to ``certificate``, then the file
+    to ``out`` (each one rename), then ``tmp`` removed. An existing ``out`` is replaced only with
+    ``overwrite``."""
+    name = os.path.join(tmp, os.path.basename(out))
+    for path in (out, certificate):
+        if os.path.lexists(path) and not overwrite:
+            raise CheckpointError(f"{path} appeared while the port ran: refused to replace it (nothing was written)")
+    try:
+        os.replace(os.path.join(tmp, "port_certificate.json"), certificate)
+        try:
+            os.replace(name, out)
+        except OSError:
+            os.remove(certificate)
+            raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot move the finished port into {out}: {exc.strerror or exc}") from None
+    discard_dir(tmp)

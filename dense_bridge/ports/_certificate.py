@@ -83,10 +83,12 @@ def _max_ulp(a: np.ndarray, dtype: np.dtype) -> int:
 
 def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile], weights: dict[str, str],
               out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None,
-              file_keys: dict[str, str] | None = None) -> tuple[dict, int]:
+              file_keys: dict[str, str] | None = None, write=None) -> tuple[dict, int]:
     """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written).
     ``file_keys``: a source name the moves use -> the key stored in its file, where they differ
-    (the certificate names the stored key)."""
+    (the certificate names the stored key). ``write(path, tensors, metadata, on_tensor) -> bytes``:
+    the shard writer (default: safetensors; a format writing its own file passes its own)."""
+    write = write or files.write_weights
     file_keys = file_keys or {}
     bar = _Progress(progress, sum(len(s) for s in shards), total)
     entries: dict[str, dict] = {}
@@ -120,8 +122,7 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
 
             tensors[m.target] = PendingTensor(dst_dt, tuple(m.shape), produce)
             weight_map[m.target] = name
-        written += files.write_weights(os.path.join(tmp, name), tensors, layout["metadata"],
-                                       on_tensor=bar.tensor)
+        written += write(os.path.join(tmp, name), tensors, layout["metadata"], on_tensor=bar.tensor)
         if hashes is not None:
             hashes.add(("destination", name), os.path.join(tmp, name))
     if layout["index"]:
@@ -183,7 +184,13 @@ def _hashes(directory: str, names, hashes=None, where: str = "") -> dict[str, st
 
 def source_names(src_fmt, src_paths, extras) -> list[str]:
     """The source files a certificate hashes: weights, config, carried extras."""
-    return list(dict.fromkeys(list(src_paths) + [src_fmt.port_layout(1)["config"]] + list(extras)))
+    config = src_fmt.port_layout(1)["config"]  # None: the weights file carries the config
+    return list(dict.fromkeys(list(src_paths) + ([config] if config else []) + list(extras)))
+
+
+def file_certificate(out: str) -> str:
+    """Where the certificate of a one-file destination ``out`` lies: beside it."""
+    return out + "." + NAME
 
 
 def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], contents: dict, report, rules,

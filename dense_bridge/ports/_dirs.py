@@ -24,13 +24,25 @@ A backend whose manifest declares the ``ports`` capability names its formats in
   ``shape``, ``numpy_dtype``; ``get``, ``keys``, ``close``); without it files are read as safetensors;
 - ``port_example(fmt, path, seed)``: a tiny random model saved into ``path`` (the demo's
   source; ConversionError where the library offers none).
+- ``port_write(fmt, path, config, tensors, *, outtype, extras, on_tensor)`` (optional): the format
+  writes its own files, and its destination is ONE file: ``out`` is that file (the certificate
+  beside it, ``<out>.port_certificate.json``), written as ``path`` inside a directory beside
+  ``out`` and renamed into place when everything has passed. ``config`` is the format's own config,
+  ``tensors`` {name: PendingTensor} the logical destination tensors (the format applies its own
+  encoding), ``outtype`` the format's storage type (None: its default), ``extras`` {name: path}
+  of the source's extra files (tokenizers), ``on_tensor(name, nbytes)`` after each; it returns
+  {name: {"codes", ...}} merged into the certificate's tensor entries. Its ``port_detect`` and
+  ``port_contents`` then take a file as well (the source may be one file).
+
+A format may also belong to a file-format backend (``registry._backends.FILE_FORMATS``): a
+package offering these verbs alone, for a file format that no framework runs here.
 """
 from __future__ import annotations
 
 import os
 
 from .._errors import ConversionError, DenseBridgeError, received
-from ..registry._backends import available_backends, backends, has_capability, optional_verb
+from ..registry._backends import available_backends, backends, file_format_backends, port_adapter
 from ..registry._manifest import PORTS
 
 _PURPOSE = "a model-directory port"
@@ -39,11 +51,18 @@ _PURPOSE = "a model-directory port"
 def formats() -> dict[str, str]:
     """Every declared model-directory format -> its backend, in registry order."""
     out: dict[str, str] = {}
-    for name, info in backends().items():
-        if has_capability(name, PORTS):
+    for name, info in list(backends().items()) + list(file_format_backends().items()):
+        if PORTS in info.manifest.capabilities:
             for fmt in info.manifest.port_formats:
                 out.setdefault(fmt, name)
     return out
+
+
+def _installed_backends() -> set[str]:
+    from ..registry._backends import _installed
+
+    return set(available_backends()) | {n for n, info in file_format_backends().items()
+                                        if all(_installed(m) for m in info.all_requires())}
 
 
 class Format:
@@ -58,8 +77,15 @@ class Format:
     def __getattr__(self, verb: str):
         if not verb.startswith("port_"):
             raise AttributeError(verb)
-        fn = optional_verb(self.backend, verb, _PURPOSE)
+        fn = getattr(port_adapter(self.backend), verb, None)
+        if not callable(fn):
+            raise ConversionError(f"{_PURPOSE} needs the {verb!r} verb, which the {self.backend!r} backend's adapter "
+                                  "does not offer")
         return lambda *args, **kw: fn(self.name, *args, **kw)
+
+    def offers(self, verb: str) -> bool:
+        """Whether its adapter offers the optional ``verb`` (``port_open``, ``port_write``)."""
+        return callable(getattr(port_adapter(self.backend), verb, None))
 
     def __repr__(self) -> str:
         return f"Format({self.name!r})"
@@ -69,22 +95,21 @@ def open_weights(fmt: "Format", path: str):
     """The weight file ``path`` of a ``fmt`` directory opened for streaming: by its adapter's
     ``port_open`` where it offers one, else as a safetensors file (headers checked)."""
     from ..checkpoints._safetensors import SafetensorsFile
-    from ..registry._backends import get_adapter
 
-    opener = getattr(get_adapter(fmt.backend), "port_open", None)
+    opener = getattr(port_adapter(fmt.backend), "port_open", None)
     return opener(fmt.name, path) if callable(opener) else SafetensorsFile(path)
 
 
 def detect(path: str, argument: str = "src") -> Format:
-    """The format of the model directory ``path``, asked of every installed adapter that reads
-    model directories; CheckpointError/ConversionError naming what was found otherwise."""
+    """The format of the model directory (or one-file model) ``path``, asked of every installed
+    adapter that reads them; CheckpointError/ConversionError naming what was found otherwise."""
     from .._errors import CheckpointError
 
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{argument} must be a model directory: {received(argument, path)} "
-                              f"({'a file' if os.path.exists(path) else 'does not exist'})")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{argument} must be a model directory or file: {received(argument, path)} "
+                              "(does not exist)")
     best, score = None, 0
-    installed = set(available_backends())
+    installed = _installed_backends()
     for fmt, backend in formats().items():
         if backend not in installed:
             continue
@@ -94,6 +119,9 @@ def detect(path: str, argument: str = "src") -> Format:
             continue
         if s > score:
             best, score = fmt, s
+    if best is None and not os.path.isdir(path):
+        raise CheckpointError(f"{argument} must be a model directory or a model file some installed library reads "
+                              f"(known formats: {sorted(formats())}): {received(argument, path)}")
     if best is None:
         try:
             listing = sorted(os.listdir(path))[:12]

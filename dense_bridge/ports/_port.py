@@ -93,7 +93,17 @@ def _is_within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def _check_out(src: str, out: str, overwrite: bool) -> None:
+def _check_out(src: str, out: str, overwrite: bool, one_file: bool = False) -> None:
+    if one_file:  # the format writes one file: out is that file (its certificate beside it)
+        if os.path.isdir(out) or (os.path.lexists(out) and not os.path.isfile(out)):
+            raise CheckpointError(f"out {out!r} must be a file name for this format, and it is a directory or "
+                                  "something else (nothing was written)")
+        if os.path.realpath(out) == os.path.realpath(src) or _is_within(out, src):
+            raise CheckpointError(f"out {out!r} is or lies inside src {src!r}: refused (nothing was written)")
+        if os.path.lexists(out) and not overwrite:
+            raise CheckpointError(f"out {out!r} exists: refused (pass overwrite=True, or --overwrite, to replace it; "
+                                  "nothing was written)")
+        return
     if _is_within(out, src):
         raise CheckpointError(f"out {out!r} lies inside src {src!r}: refused (nothing was written)")
     if _is_within(src, out):
@@ -142,9 +152,17 @@ def positions_for(fmt, config: dict, wanted: int) -> int:
     return min(wanted, limit) if isinstance(limit, int) and limit > 0 else wanted
 
 
-def _read_all(path: str) -> dict[str, np.ndarray]:
-    """Every tensor the saver wrote into the directory ``path`` (float32)."""
+def _read_all(path: str, fmt=None) -> dict[str, np.ndarray]:
+    """Every tensor the saver wrote into the directory ``path`` (float32); read by ``fmt``'s own
+    reader where it offers one (``port_open``: a format whose files hold an encoding of their own)."""
     out = {}
+    if fmt is not None and fmt.offers("port_open"):
+        contents = fmt.port_contents(path)
+        for rel in sorted(set(contents["weights"].values())):
+            with _dirs.open_weights(fmt, os.path.join(path, rel)) as f:
+                for key in f.keys():
+                    out[key] = np.array(f.get(key), np.float32)
+        return out
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             with SafetensorsFile(os.path.join(path, name)) as f:
@@ -187,7 +205,7 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models):
         sa, sb = os.path.join(tmp, "src"), os.path.join(tmp, "dst")
         src_fmt.port_save(a, sa)
         dst_fmt.port_save(b, sb)
-        src_tensors, dst_tensors = _read_all(sa), _read_all(sb)
+        src_tensors, dst_tensors = _read_all(sa, src_fmt), _read_all(sb, dst_fmt)
     recipes = _rules.learn(src_tensors, dst_tensors)
     stored = {_rules.template(k)[0] for k in dst_tensors}
     twin_params = {_rules.template(k)[0] for k in dst_fmt.port_shapes(dst_cfg)}
@@ -296,17 +314,22 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     t0 = time.perf_counter()
     _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
     _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
-                 outtype=(outtype, None), requantize=(requantize, False), device=(device, None))
+                 requantize=(requantize, False), device=(device, None))
     if adapter_mode not in ("merge", "keep"):
         raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
     src, out = os.fspath(src), os.fspath(out)
     dst_fmt = _dirs.Format(to)
+    one_file = dst_fmt.offers("port_write")
+    if outtype is not None and not one_file:
+        raise ConversionError(f"outtype is the storage type of a format that writes its own file; {to!r} does not: "
+                              f"{received('outtype', outtype)}")
     src_fmt = _dirs.detect(src)
-    _check_out(src, out, overwrite)
+    _check_out(src, out, overwrite, one_file)
+    root = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))  # a one-file source's directory
 
     contents = src_fmt.port_contents(src, text_only=True) if text_only else src_fmt.port_contents(src)
     file_keys = contents.setdefault("file_keys", {})  # a name the port uses -> the key stored in the file
-    src_paths = _source_files(src, contents["weights"])
+    src_paths = _source_files(root, contents["weights"])
     opened = {}
     try:  # lying headers, and pickles holding anything but tensors, refused here
         for rel, path in src_paths.items():
@@ -325,10 +348,11 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         real_src[key], src_dtype[key] = tuple(info.shape), info.numpy_dtype
     hashes = files.Hashes()  # the source's hashes run while the twins are built and checked
     for rel in _certificate.source_names(src_fmt, src_paths, contents["extras"]):
-        hashes.add(("source", rel), os.path.join(src, rel))
+        hashes.add(("source", rel), os.path.join(root, rel))
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
-                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                     outtype=outtype)
     finally:
         hashes.close()
         for f in opened.values():
@@ -336,7 +360,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress) -> PortReport:
+          max_shard_size, overwrite, progress, outtype=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
@@ -361,25 +385,48 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     if free is not None and free < total + (64 << 20):
         raise CheckpointError(f"not enough free disk space for {out}: {total:,} bytes needed, {free:,} free "
                               "(nothing was written)")
+    root = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    one_file = dst_fmt.offers("port_write")
+    notes: dict[str, dict] = {}
+    write = files.write_weights
+    if one_file:  # the format writes its one file itself, in its own encoding
+        count = 1
+        extras = {n: os.path.join(root, n) for n in contents["extras"]}
+
+        def write(path, tensors, metadata, on_tensor=None):
+            notes.update(dst_fmt.port_write(path, dst_config, tensors, outtype=outtype, extras=extras,
+                                            on_tensor=on_tensor) or {})
+            return os.path.getsize(path)
     shards = _shard(moves, count, nbytes)
     layout = dst_fmt.port_layout(len(shards))
+    if one_file:
+        layout = dict(layout, shards=[os.path.basename(out)], index=None, config=None, extras=())
 
     tmp = files.new_output_dir(out)
     try:
         cert_tensors, written = _certificate.write_all(tmp, shards, layout, opened, contents["weights"], out_dtype,
-                                                       nbytes, total, progress, hashes, contents["file_keys"])
-        files.write_json(os.path.join(tmp, layout["config"]), dst_config)
+                                                       nbytes, total, progress, hashes, contents["file_keys"],
+                                                       write=write)
+        for name, note in notes.items():  # what the format's own encoding did to each tensor
+            cert_tensors[name].update(note)
+        if layout["config"]:
+            files.write_json(os.path.join(tmp, layout["config"]), dst_config)
         shared = [n for n in contents["extras"] if n in layout["extras"]]
         for name in shared:
-            files.copy_file(os.path.join(src, name), os.path.join(tmp, name))
+            files.copy_file(os.path.join(root, name), os.path.join(tmp, name))
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]))
-        certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
+        certificate = _certificate.build(root, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
+        if one_file:
+            certificate["destination"]["outtype"] = outtype
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
         if not verification.get("passed"):
             raise PortMismatch(f"the full models disagree (nothing was written): {verification.get('detail')}")
-        files.finish_output_dir(tmp, out, overwrite=overwrite)
+        if one_file:
+            files.finish_output_file(tmp, out, _certificate.file_certificate(out), overwrite=overwrite)
+        else:
+            files.finish_output_dir(tmp, out, overwrite=overwrite)
     except BaseException:
         files.discard_dir(tmp)
         raise

@@ -30,13 +30,17 @@ from types import ModuleType
 from .._errors import BackendUnavailableError, SpecError, check_flag, received, suggest
 from ._manifest import FileFormat, Manifest
 
-__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
+__all__ = ["BUILTIN", "FILE_FORMATS", "file_format_backends", "port_adapter", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
            "has_capability", "available_backends", "check_backend_name", "get_adapter", "backend_of",
            "array_adapter", "adapter_for", "formats", "optional_verb", "offers", "require"]
 
 #: The built-in backends: name -> adapter package (one line per framework).
 BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
                            for name in ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")}
+#: File-format backends: formats that no framework runs here, whose adapter packages offer the port
+#: verbs alone (``dense_bridge.registry._contract.PORTS``: no layers, nothing owned or compiled, so
+#: no REQUIRED_VERBS); kept out of :data:`BACKENDS`, read through :func:`file_format_backends`.
+FILE_FORMATS: dict[str, str] = {name: f"dense_bridge.backends.{name}" for name in ("gguf",)}
 ENTRY_POINT_GROUP = "dense_bridge.backends"
 #: Names the command line and convert_file use for the canonical format, never a backend's.
 RESERVED = ("canonical", "dense_bridge")
@@ -165,6 +169,29 @@ def backends() -> dict[str, BackendInfo]:
     """Every registered backend, in registry order (built-ins, entry points, register_backend)."""
     _read_entry_points()
     return BACKENDS
+
+
+_FILE_FORMAT_INFOS: dict[str, BackendInfo] = {}
+
+
+def file_format_backends() -> dict[str, BackendInfo]:
+    """The file-format backends (:data:`FILE_FORMATS`), each with its manifest."""
+    for name, module in FILE_FORMATS.items():
+        _FILE_FORMAT_INFOS.setdefault(name, BackendInfo(name, module))
+    return _FILE_FORMAT_INFOS
+
+
+def port_adapter(name: str) -> ModuleType:
+    """The adapter module of backend ``name``, a framework's or a file format's, imported now;
+    BackendUnavailableError naming what to install when its packages are missing."""
+    info = file_format_backends().get(name)
+    if info is None:
+        return get_adapter(name)
+    missing = [m for m in info.all_requires() if not _installed(m)]
+    if missing:
+        raise BackendUnavailableError(f"{info.display} files need {', '.join(missing)}, which is not installed. "
+                                      f"Install it with: {info.install}")
+    return importlib.import_module(info.module_name)
 
 
 def names() -> tuple[str, ...]:

@@ -1,0 +1,380 @@
+"""GGUF files (llama.cpp's format), the port verbs of ``db.port`` (see dense_bridge/ports/_dirs.py).
+
+No framework runs GGUF here, so its twin is the model transformers' own GGUF loader makes of a file:
+the "config" these verbs take and give is the file's hyperparameter metadata (``{"metadata":
+{key: value}, "tied": bool}``), read into transformers' config by its GGUF loader (``_config``);
+the twin is transformers' causal LM for that config; ``port_save`` writes it as a GGUF file with
+llama.cpp's tensor names (gguf-py's name map) and llama.cpp's encoding of each tensor.
+
+The tensors the port core sees are logical: numpy order (GGUF's dimensions reversed, so a weight
+matrix is (out, in) as transformers holds it) and transformers' row order. What llama.cpp's file
+does to them (the q/k row permutation of llama-family models, the reversed dimensions, the
+quantization) is applied in this adapter's writer (``port_write``) and undone in its reader
+(``port_open``), so the port's recipes, learnt by value between the twins' saved files, are copies.
+
+The core writes a file format that writes its own files through the optional ``port_write`` verb.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dense_bridge.adapter_kit import BackendUnavailableError, CheckpointError, ConversionError, Match, received
+
+from . import _config
+
+FORMAT = "gguf"
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+#: outtype -> the GGUF tensor type of the matrices (norms, biases and other 1-D tensors stay F32, as
+#: llama.cpp's converter and reader expect).
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "keep")
+
+
+def _need():
+    try:
+        import gguf  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError(f"GGUF files need the gguf and transformers packages ({exc.name} is missing): "
+                                      "pip install 'dense-bridge[port]'") from None
+
+
+def _open(path: str):
+    try:
+        from ._file import open_gguf
+    except ImportError:
+        from ._shim import open_gguf
+    return open_gguf(path)
+
+
+def _output():
+    try:
+        from ._writer import GGUFOutput
+    except ImportError:
+        from ._shim import GGUFOutput
+    return GGUFOutput
+
+
+def _tp():
+    from dense_bridge.backends.torch import _ports as tp
+
+    return tp
+
+
+def _files(path: str) -> list[str]:
+    """The GGUF file ``path`` (or the one in the directory ``path``) and its split siblings, first first."""
+    if os.path.isdir(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith(SUFFIX))
+        if not found:
+            raise CheckpointError(f"{path} holds no {SUFFIX} file")
+        path = os.path.join(path, found[0])
+    base = os.path.basename(path)
+    import re
+
+    m = re.match(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", base)
+    if not m:
+        return [path]
+    count = int(m.group(3))
+    names = [f"{m.group(1)}-{i + 1:05d}-of-{count:05d}{SUFFIX}" for i in range(count)]
+    missing = [n for n in names if not os.path.isfile(os.path.join(os.path.dirname(path), n))]
+    if missing:
+        raise CheckpointError(f"{path} is one of {count} split GGUF files, but {missing} are missing")
+    return [os.path.join(os.path.dirname(path), n) for n in names]
+
+
+def port_detect(fmt: str, path: str) -> int:
+    """CERTAIN for a file beginning with GGUF's magic, else NO (directories are other formats')."""
+    if not os.path.isfile(path):
+        return Match.NO
+    try:
+        with open(path, "rb") as f:
+            return Match.CERTAIN if f.read(4) == MAGIC else Match.NO
+    except OSError:
+        return Match.NO
+
+
+def _own_config(meta: dict, tensor_names) -> dict:
+    keep = {k: v for k, v in meta.items() if not k.startswith(_config.NOT_CONFIG)}
+    return {"metadata": keep, "tied": "output.weight" not in set(tensor_names)}
+
+
+def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
+    """``{"config", "weights": {GGUF tensor name: file name}, "extras": []}`` of the GGUF file
+    ``path`` (or of the one in the directory ``path``), split files included."""
+    _need()
+    if text_only:
+        raise ConversionError(f"{path}: text_only is not implemented for GGUF sources (nothing was written)")
+    weights: dict[str, str] = {}
+    meta = None
+    for full in _files(path):
+        with _open(full) as f:
+            if meta is None:
+                meta = dict(f.metadata)
+            for name in f.keys():
+                if name in weights:
+                    raise CheckpointError(f"{full}: tensor {name!r} appears twice among the split files")
+                weights[name] = os.path.basename(full)
+    return {"config": _own_config(meta, weights), "weights": weights, "extras": [], "gguf_metadata_keys": len(meta)}
+
+
+def port_common_config(fmt: str, config: dict) -> dict:
+    """transformers' config of a file holding this metadata, as its GGUF loader reads it."""
+    _need()
+    return _config.config_of_metadata(config["metadata"], config["tied"])
+
+
+def port_own_config(fmt: str, common: dict) -> dict:
+    """The GGUF metadata of the transformers config ``common`` (ConversionError for an architecture
+    transformers' GGUF loader does not map, or a setting it would not read back)."""
+    _need()
+    meta, tied = _config.metadata_of_config(common)
+    return {"metadata": meta, "tied": tied}
+
+
+def port_shrink(fmt: str, common: dict) -> dict:
+    raise ConversionError("GGUF does not shrink interchange configs: transformers does")
+
+
+def port_twin(fmt: str, config: dict, seed: int = 0):
+    """transformers' causal LM for the file's config, float32, every parameter random."""
+    return _tp().port_twin("transformers", port_common_config(fmt, config), seed)
+
+
+def _arch(config: dict) -> str:
+    return config["metadata"]["general.architecture"]
+
+
+def _processor(config: dict):
+    return _config.processor_for(_arch(config), port_common_config(FORMAT, config))
+
+
+def _model_names(model, config: dict) -> dict[str, str]:
+    """{transformers key: GGUF name} for every parameter of ``model``; ConversionError naming one
+    gguf-py's map does not name."""
+    names = _config.names_of(model, _arch(config), model.config.to_dict())
+    inverse = {hf: g for g, hf in names.items()}
+    state = model.state_dict()
+    missing = [k for k in state if k not in inverse]
+    if missing:
+        raise ConversionError(f"gguf-py's tensor names for architecture {_arch(config)!r} do not name the "
+                              f"transformers parameters {missing[:6]}: such a model cannot be written as GGUF")
+    return inverse
+
+
+def _stored(model) -> list[str]:
+    """The state-dict keys ``save_pretrained`` would write: a parameter tied to an earlier one is not."""
+    seen, out = set(), []
+    for k, v in model.state_dict().items():
+        ptr = (v.data_ptr(), tuple(v.shape))
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out.append(k)
+    return out
+
+
+def port_save(fmt: str, model, path: str) -> None:
+    """``model`` written into the directory ``path`` as ``model.gguf``: llama.cpp's names, F32,
+    the permutation applied where transformers' reader undoes it, a tied head not written."""
+    import torch
+
+    config = port_own_config(fmt, _tp().port_own_config("transformers", model.config.to_dict()))
+    names = _model_names(model, config)
+    state = model.state_dict()
+    tensors = {}
+    for k in _stored(model):
+        with torch.no_grad():
+            tensors[names[k]] = state[k].detach().float().numpy()
+    os.makedirs(path, exist_ok=True)
+    _write(os.path.join(path, "model" + SUFFIX), config, tensors, "f32", extras=None)
+
+
+def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the GGUF file for ``config`` (a tied head included, though not stored) with
+    its logical shape, from transformers' model built on the meta device."""
+    import torch
+
+    tp = _tp()
+    common = port_common_config(fmt, config)
+    with torch.device("meta"), tp._quiet():
+        model = tp._transformers().AutoModelForCausalLM.from_config(tp._config(common))
+    names = _model_names(model, config)
+    return {names[k]: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def port_layout(fmt: str, count: int) -> dict:
+    """One file: the destination is the file itself (``port_write``)."""
+    return {"shards": ["model" + SUFFIX], "index": None, "metadata": None, "config": None, "extras": ()}
+
+
+def port_load(fmt: str, path: str):
+    """The model transformers' own GGUF loader makes of the file (``from_pretrained(gguf_file=)``)."""
+    tp = _tp()
+    first = _files(path)[0]
+    with tp._quiet():
+        return tp._transformers().AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first)).eval()
+
+
+def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
+    return _tp().port_logits("transformers", model, ids)
+
+
+def port_describe(fmt: str, config: dict) -> dict:
+    """``{"architecture", "kind", "vocab_size", "max_positions"}`` of the file's config (the GGUF
+    architecture name), or of an interchange config (the port's full verification passes that)."""
+    if "metadata" not in config:
+        return _tp().port_describe("transformers", config)
+    out = _tp().port_describe("transformers", port_common_config(fmt, config))
+    out["architecture"] = [_arch(config)]
+    return out
+
+
+def port_example(fmt: str, path: str, seed: int = 0) -> None:
+    raise ConversionError("GGUF offers no example model of its own")
+
+
+# ------------------------------------------------------------------ reading
+class _Logical:
+    """A GGUF file read as the port core reads weight files (``tensors``: name -> info with the
+    logical ``shape`` and ``numpy_dtype``; ``get``; ``keys``; ``close``): dequantized by gguf, the
+    permutation undone by transformers' tensor processor for the file's architecture."""
+
+    def __init__(self, path: str) -> None:
+        self.file = _open(path)
+        first = _files(path)[0]
+        if first == path:
+            meta = self.file.metadata
+        else:
+            with _open(first) as f:
+                meta = dict(f.metadata)
+        arch = meta.get("general.architecture")
+        config = _config.config_of_file(first)
+        self.processor = _config.processor_for(arch, config)
+        self.tensors = self.file.tensors
+
+    def keys(self):
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        return _config.unpermute(self.processor, name, self.file.get(name))
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def port_open(fmt: str, path: str):
+    """The GGUF file ``path`` opened for streaming, in logical order (see :class:`_Logical`)."""
+    _need()
+    return _Logical(path)
+
+
+# ------------------------------------------------------------------ writing
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
+    """The GGUF type llama.cpp's converter gives the tensor ``name``: F32 for 1-D tensors, norms and
+    anything but a ``.weight``; else ``outtype``, falling back to F16 where a row does not fill
+    quantization blocks (as the converter does)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return T.F32
+    kind = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}[outtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if shape[-1] % block:
+        return T.F16
+    return kind
+
+
+def encode(data: np.ndarray, kind) -> np.ndarray:
+    """``data`` (float) in the GGUF type ``kind``, by gguf's own quantizers."""
+    import gguf
+
+    arr = np.asarray(data)
+    if arr.dtype != np.float32 and arr.dtype != np.float16:
+        arr = arr.astype(np.float32)
+    if kind == gguf.GGMLQuantizationType.F16 and arr.dtype == np.float16:
+        return np.ascontiguousarray(arr)
+    if kind == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(arr, np.float32)
+    return gguf.quants.quantize(arr, kind)
+
+
+def _exactness(logical: np.ndarray, stored: np.ndarray, kind) -> dict:
+    """``exact`` (the file's values equal the logical tensor's) and ``max_ulp`` (of a float type;
+    None for quantized blocks, whose error is not a rounding of each value)."""
+    import gguf
+
+    back = gguf.quants.dequantize(stored, kind).reshape(logical.shape)
+    exact = bool(np.array_equal(back, np.asarray(logical, np.float32)))
+    if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
+        return {"exact": exact, "max_ulp": None}
+    if exact:
+        return {"exact": True, "max_ulp": 0}
+    wide = np.asarray(logical, np.float64)
+    spacing = np.abs(np.spacing(np.asarray(back, np.float32)).astype(np.float64))
+    scale = {gguf.GGMLQuantizationType.F16: 2.0 ** 13, gguf.GGMLQuantizationType.BF16: 2.0 ** 16}.get(kind, 1.0)
+    ulp = np.abs(wide - back) / np.maximum(spacing * scale, np.finfo(np.float64).tiny)
+    return {"exact": False, "max_ulp": int(np.ceil(ulp.max()))}
+
+
+def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, on_tensor=None) -> dict:
+    """Write the GGUF file ``path``: ``tensors`` {GGUF name: logical array, or a callable giving it}
+    in order; returns {name: {"ggml_type", "permuted", "codes"}}."""
+    from . import _tokenizer
+
+    processor = _processor(config)
+    import gguf
+
+    typed = _config.typed(config["metadata"])
+    typed.update(_tokenizer.metadata(extras, config))
+
+    typed["general.file_type"] = (int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                                       "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                                       "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
+                                      [outtype]), gguf.GGUFValueType.UINT32, None)
+    typed["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None)
+    plan, notes = [], {}
+    for name, t in tensors.items():
+        shape = tuple(t.shape)
+        kind = tensor_type(name, shape, outtype)
+        plan.append((name, shape, kind))
+        notes[name] = {"ggml_type": kind.name, "permuted": _config.row_order(processor, name, shape) is not None,
+                       "codes": None if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                                                 gguf.GGMLQuantizationType.BF16) else "quantized"}
+    out = _output()(path, typed, plan)
+    try:
+        for name, shape, kind in plan:
+            t = tensors[name]
+            value = t.produce() if hasattr(t, "produce") else t
+            arranged = _config.permute(processor, name, np.asarray(value))
+            stored = encode(arranged, kind)
+            out.write(name, stored)
+            notes[name].update(_exactness(arranged, stored, kind))
+            if on_tensor is not None:
+                on_tensor(name, stored.nbytes)
+    finally:
+        out.close()
+    return notes
+
+
+def port_write(fmt: str, path: str, config: dict, tensors: dict, *, outtype=None, extras=None, on_tensor=None):
+    """The destination file ``path`` written from ``tensors`` {GGUF name: PendingTensor (logical)}:
+    llama.cpp's encoding of each (permutation, ``outtype``: f32 (default), f16, bf16, q8_0, q4_0,
+    q4_1), the hyperparameters of ``config`` and the tokenizer metadata made from ``extras`` {file
+    name: path} (the source's tokenizer files). Returns {name: {"ggml_type", "permuted", "codes"}}."""
+    outtype = "f32" if outtype is None else outtype
+    if outtype not in OUTTYPES:
+        raise ConversionError(f"outtype must be one of {OUTTYPES}. {received('outtype', outtype)}")
+    if outtype == "keep":
+        raise ConversionError("outtype='keep' (an MLX 4-bit source's codes moved into Q4_1 blocks) is not "
+                              "implemented yet: choose f32, f16, bf16, q8_0, q4_0 or q4_1")
+    return _write(path, config, tensors, outtype, dict(extras or {}), on_tensor)
