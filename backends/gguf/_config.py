@@ -138,7 +138,7 @@ def _value_in(cfg, key: str):
 def metadata_of_config(common: dict) -> tuple[dict, bool]:
     """(GGUF metadata, tied head) for the transformers config ``common``: transformers' own key table
     for its model type, inverted. ConversionError naming a setting the loader would not read back."""
-    from dense_bridge.backends.torch import _ports as tp
+    import dense_bridge.backends.torch._ports as tp
 
     ggml, _ = _ggml()
     model_type = common.get("model_type")

@@ -58,7 +58,7 @@ def _output():
 
 
 def _tp():
-    from dense_bridge.backends.torch import _ports as tp
+    import dense_bridge.backends.torch._ports as tp
 
     return tp
 

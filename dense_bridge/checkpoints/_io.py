@@ -476,3 +476,23 @@ def replace_directory(tmp: str, final: str, *, previous: str | None = None) -> N
             os.replace(previous, final)
         raise
     _fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def replace_files(moves: list[tuple[str, str]]) -> None:
+    """Move each finished file ``(tmp, final)`` onto ``final`` (same filesystem: one rename each),
+    in order; when one fails, those already moved are removed again (a one-file port and its
+    certificate appear together or not at all). The parent directories are fsynced."""
+    done = []
+    try:
+        for tmp, final in moves:
+            os.replace(tmp, final)
+            done.append(final)
+    except OSError:
+        for final in done:
+            try:
+                os.remove(final)
+            except OSError:
+                pass
+        raise
+    for final in {os.path.dirname(os.path.abspath(f)) for _, f in moves}:
+        _fsync_dir(final)

@@ -15,7 +15,7 @@ import shutil
 from typing import Callable, Mapping
 
 from .._errors import CheckpointError
-from ._io import AtomicFiles, replace_directory
+from ._io import AtomicFiles, replace_directory, replace_files
 from ._safetensors import PendingTensor, open_readonly, read_json_file, write_safetensors
 
 __all__ = ["Hashes", "sha256_file", "write_weights", "write_json", "copy_file", "new_output_dir", "finish_output_dir",
@@ -150,12 +150,7 @@ def finish_output_file(tmp: str, out: str, certificate: str, *, overwrite: bool)
         if os.path.lexists(path) and not overwrite:
             raise CheckpointError(f"{path} appeared while the port ran: refused to replace it (nothing was written)")
     try:
-        os.replace(os.path.join(tmp, "port_certificate.json"), certificate)
-        try:
-            os.replace(name, out)
-        except OSError:
-            os.remove(certificate)
-            raise
+        replace_files([(os.path.join(tmp, "port_certificate.json"), certificate), (name, out)])
     except OSError as exc:
         raise CheckpointError(f"cannot move the finished port into {out}: {exc.strerror or exc}") from None
     discard_dir(tmp)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 
 from .._errors import ConversionError, DenseBridgeError, received
-from ..registry._backends import available_backends, backends, file_format_backends, port_adapter
+from ..registry._backends import available_backends, available_file_formats, backends, file_format_backends, port_adapter
 from ..registry._manifest import PORTS
 
 _PURPOSE = "a model-directory port"
@@ -59,10 +59,7 @@ def formats() -> dict[str, str]:
 
 
 def _installed_backends() -> set[str]:
-    from ..registry._backends import _installed
-
-    return set(available_backends()) | {n for n, info in file_format_backends().items()
-                                        if all(_installed(m) for m in info.all_requires())}
+    return set(available_backends()) | set(available_file_formats())
 
 
 class Format:

@@ -30,17 +30,13 @@ from types import ModuleType
 from .._errors import BackendUnavailableError, SpecError, check_flag, received, suggest
 from ._manifest import FileFormat, Manifest
 
-__all__ = ["BUILTIN", "FILE_FORMATS", "file_format_backends", "port_adapter", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
+__all__ = ["BUILTIN", "file_format_backends", "available_file_formats", "port_adapter", "ENTRY_POINT_GROUP", "BackendInfo", "register_backend", "names", "backends", "manifest",
            "has_capability", "available_backends", "check_backend_name", "get_adapter", "backend_of",
            "array_adapter", "adapter_for", "formats", "optional_verb", "offers", "require"]
 
 #: The built-in backends: name -> adapter package (one line per framework).
 BUILTIN: dict[str, str] = {name: f"dense_bridge.backends.{name}"
                            for name in ("numpy", "torch", "keras", "mlx", "flax", "equinox", "onnx")}
-#: File-format backends: formats that no framework runs here, whose adapter packages offer the port
-#: verbs alone (``dense_bridge.registry._contract.PORTS``: no layers, nothing owned or compiled, so
-#: no REQUIRED_VERBS); kept out of :data:`BACKENDS`, read through :func:`file_format_backends`.
-FILE_FORMATS: dict[str, str] = {name: f"dense_bridge.backends.{name}" for name in ("gguf",)}
 ENTRY_POINT_GROUP = "dense_bridge.backends"
 #: Names the command line and convert_file use for the canonical format, never a backend's.
 RESERVED = ("canonical", "dense_bridge")
@@ -172,13 +168,36 @@ def backends() -> dict[str, BackendInfo]:
 
 
 _FILE_FORMAT_INFOS: dict[str, BackendInfo] = {}
+_file_formats_read = False
 
 
 def file_format_backends() -> dict[str, BackendInfo]:
-    """The file-format backends (:data:`FILE_FORMATS`), each with its manifest."""
-    for name, module in FILE_FORMATS.items():
-        _FILE_FORMAT_INFOS.setdefault(name, BackendInfo(name, module))
+    """The file-format backends: packages of ``dense_bridge.backends`` that are no built-in
+    framework adapter and whose manifest declares the ``ports`` capability alone (a file format
+    no framework runs here, offering the port verbs only: no layers, nothing owned or compiled,
+    so no REQUIRED_VERBS). Kept out of :data:`BACKENDS`; found once, by their manifests (nothing
+    is imported)."""
+    global _file_formats_read
+    if not _file_formats_read:
+        _file_formats_read = True
+        try:
+            spec = importlib.util.find_spec(BUILTIN["numpy"].rsplit(".", 1)[0])
+        except (ImportError, ValueError):
+            spec = None
+        for root in list(spec.submodule_search_locations or []) if spec else []:
+            for name in sorted(os.listdir(root)):
+                if name in BUILTIN or name.startswith("_") or not _NAME.match(name) \
+                        or not os.path.isfile(os.path.join(root, name, "_manifest.py")):
+                    continue
+                info = BackendInfo(name, f"{spec.name}.{name}")
+                if "ports" in info.manifest.capabilities and info.manifest.port_formats:
+                    _FILE_FORMAT_INFOS.setdefault(name, info)
     return _FILE_FORMAT_INFOS
+
+
+def available_file_formats() -> list[str]:
+    """Names of the file-format backends whose packages are installed."""
+    return [n for n, info in file_format_backends().items() if all(_installed(m) for m in info.all_requires())]
 
 
 def port_adapter(name: str) -> ModuleType:

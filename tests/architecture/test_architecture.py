@@ -42,9 +42,32 @@ KNOWN_BACK_EDGES: dict[tuple[str, str], str] = {
 
 # ------------------------------------------------------------------ the adapter contract
 def _adapter_packages() -> list[Path]:
-    # backends/_<name>/ is code several adapters of one family share (backends/_jax), not an adapter
+    # backends/_<name>/ is code several adapters of one family share (backends/_jax), not an adapter;
+    # a file-format backend (FILE_FORMATS) runs nothing and is checked on its own below
+    from dense_bridge.registry._backends import file_format_backends
+
     return sorted(p for p in ADAPTERS.iterdir()
-                  if p.is_dir() and (p / "__init__.py").exists() and not p.name.startswith("_"))
+                  if p.is_dir() and (p / "__init__.py").exists() and not p.name.startswith("_")
+                  and p.name not in file_format_backends())
+
+
+def test_file_format_backends_offer_the_port_verbs_alone():
+    """A file-format backend (a format no framework runs here) is a package with its manifest and
+    port verbs: every verb of the ports capability, declared in its manifest, and no layer verbs."""
+    from dense_bridge.registry._backends import available_file_formats, file_format_backends, port_adapter
+    from dense_bridge.registry._contract import PORTS as PORT_VERBS
+    from dense_bridge.registry._manifest import PORTS
+
+    for name, info in file_format_backends().items():
+        path = ADAPTERS / name
+        assert {"__init__.py", "_manifest.py", "_ports.py"} <= {f.name for f in path.glob("*.py")}, name
+        assert PORTS in info.manifest.capabilities and info.manifest.port_formats, name
+        if name not in available_file_formats():
+            continue
+        adapter = port_adapter(name)
+        lacking = [v for v in PORT_VERBS.verbs if not callable(getattr(adapter, v, None))]
+        assert not lacking, f"{name} lacks {lacking}"
+        assert not any(callable(getattr(adapter, v, None)) for v in REQUIRED_VERBS), name
 
 
 def test_every_backend_is_a_package_of_the_same_files():
@@ -175,9 +198,9 @@ def _forbidden_words() -> re.Pattern:
     """Framework names (the built-in backends but the numpy reference, and the packages they run on)
     as whole words ("torch_default", an initializer's name, is another word), and the file endings
     the built-in manifests declare."""
-    from dense_bridge.registry._backends import BUILTIN
+    from dense_bridge.registry._backends import BUILTIN, file_format_backends
 
-    names = sorted((set(BUILTIN) - {"numpy"}) | FRAMEWORKS)
+    names = sorted((set(BUILTIN) - {"numpy"}) | FRAMEWORKS | set(file_format_backends()))
     endings = sorted(re.escape(e) for e in _builtin_extensions())
     return re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(names) + r")(?![A-Za-z0-9_])|(" + "|".join(endings)
                       + r")(?![A-Za-z0-9_])", re.IGNORECASE)

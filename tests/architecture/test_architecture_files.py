@@ -56,6 +56,9 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
     ("backends/keras/_lora.py", "h5py.File"): "keras-hub's .lora.h5 adapter files, whose layout only Keras knows "
                                               "(db.load_adapter / db.save_adapter)",
     ("backends/keras/_manifest.py", "open"): "~/.keras/keras.json, the Keras engine's name: no checkpoint",
+    ("backends/gguf/_ports.py", "open"): "the first four bytes of a file, GGUF's magic, for port_detect",
+    ("backends/gguf/_tokenizer.py", "open"): "llama.cpp's converter source, read for its pre-tokenizer table: "
+                                             "no checkpoint",
     ("backends/torch/_capture.py", "torch.load"): "load_model: a whole pickled model for `check --mapping`, "
                                                   "only with trust_pickle=True",
 }
