@@ -100,7 +100,47 @@ def config_of_metadata(metadata: dict, tied: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="dense-bridge-gguf-") as tmp:
         path = os.path.join(tmp, "probe.gguf")
         write_metadata_only(path, metadata, () if tied else ("output.weight",))
-        return config_of_file(path)
+        config = with_head_dim(config_of_file(path), metadata)
+    return inside_vocabulary(config)
+
+
+def inside_vocabulary(config: dict) -> dict:
+    """``config`` with every special-token id the file's vocabulary does not hold unset: the loader
+    leaves the config class's defaults (Phi-3's pad id 32000), which refer to another vocabulary."""
+    import dense_bridge.backends.torch._ports as tp
+
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int):
+        return config
+    cls = tp._config_class(config)
+    defaults = cls().to_dict()
+    out = dict(config)
+    for key, value in defaults.items():
+        if key.endswith("_token_id") and key not in out and isinstance(value, int) and value >= vocab:
+            out[key] = None
+    for key, value in list(out.items()):
+        if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
+            out[key] = None
+    return out
+
+
+def _key_length(arch: str) -> str:
+    import gguf
+
+    return gguf.Keys.Attention.KEY_LENGTH.format(arch=arch)
+
+
+def with_head_dim(config: dict, metadata: dict) -> dict:
+    """``config`` with ``head_dim`` from llama.cpp's ``attention.key_length`` (gguf-py's key) where
+    transformers' key table for the model type does not read it (Qwen3: its loader would take the
+    class default)."""
+    ggml, _ = _ggml()
+    arch = metadata.get("general.architecture")
+    value = metadata.get(_key_length(arch)) if arch else None
+    table = ggml.GGUF_CONFIG_MAPPING.get(config.get("model_type"), {})
+    if isinstance(value, int) and "head_dim" not in table.values():
+        config = dict(config, head_dim=value)
+    return config
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +193,12 @@ def metadata_of_config(common: dict) -> tuple[dict, bool]:
         if isinstance(value, (bool, int, float, str)) or (isinstance(value, list) and value):
             meta[f"{arch}.{gguf_key}"] = value
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    head_dim = getattr(cfg, "head_dim", None)
+    if isinstance(head_dim, int) and "head_dim" not in table.values():  # llama.cpp's key, as its converter writes it
+        import gguf
+
+        meta[_key_length(arch)] = head_dim
+        meta[gguf.Keys.Attention.VALUE_LENGTH.format(arch=arch)] = head_dim
     back = config_of_metadata(meta, tied)
     back_cfg = tp._config(back)
     lost = []
@@ -160,6 +206,8 @@ def metadata_of_config(common: dict) -> tuple[dict, bool]:
         if key.startswith("_") or key in IGNORED or key.endswith("_token_id"):  # ids: the tokenizer's metadata
             continue
         a, b = _value_in(cfg, key), _value_in(back_cfg, key)
+        if a is None:  # unset in the source (no window, no scaling): the loader's default is its own reading
+            continue
         if a != b and not (isinstance(a, float) and isinstance(b, float) and np.float32(a) == np.float32(b)):
             lost.append(f"{key}={a!r} (read back as {b!r})")
     if lost:
@@ -180,7 +228,7 @@ def names_of(model, arch: str, config: dict) -> dict[str, str]:
     transformers' ``get_gguf_hf_weights_map``)."""
     _, utils = _ggml()
     try:
-        return dict(utils.get_gguf_hf_weights_map(model, processor_for(arch, config)))
+        return dict(utils.get_gguf_hf_weights_map(model, processor_for(arch, config), model_type=arch))
     except NotImplementedError as exc:
         raise ConversionError(f"gguf-py names no tensors for this model: {str(exc).splitlines()[0][:200]}") from None
 

@@ -213,9 +213,46 @@ def port_load(fmt: str, path: str):
     """The model transformers' own GGUF loader makes of the file (``from_pretrained(gguf_file=)``)."""
     tp = _tp()
     first = _files(path)[0]
+    try:
+        with tp._quiet():
+            return tp._transformers().AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first)).eval()
+    except (NotImplementedError, RuntimeError):
+        # transformers 5 maps a Mistral file (llama.cpp's "llama" named "mistral") to its config but
+        # then asks gguf-py for a "mistral" architecture to name the tensors, which gguf-py lacks; it
+        # reads no head_dim for Qwen3 (the class default, mismatching the tensors): the same steps,
+        # with the file's own architecture and key_length
+        return _load_by_parts(first)
+
+
+def _load_by_parts(path: str):
+    """transformers' model of the GGUF file ``path`` built as its GGUF loader builds it (its config,
+    its tensor processor, gguf-py's names for the file's architecture), float32."""
+    import torch
+
+    tp = _tp()
+    with _open(path) as f:
+        config = _config.with_head_dim(_config.config_of_file(path), f.metadata)
     with tp._quiet():
-        return tp._transformers().AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first)).eval()
+        model = tp._transformers().AutoModelForCausalLM.from_config(tp._config(config), dtype=torch.float32).eval()
+    reader = _Logical(path)
+    try:
+        arch = reader.file.metadata.get("general.architecture")
+        names = _config.names_of(model, arch, config)
+        state = {names[n]: torch.from_numpy(np.array(reader.get(n), np.float32)) for n in reader.keys() if n in names}
+    finally:
+        reader.close()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    left = [k for k in missing if k not in state and not any(k in t for t in _tied_keys(model))]
+    if left or unexpected:
+        raise CheckpointError(f"{path}: the GGUF file lacks {left[:6]} or holds {list(unexpected)[:6]}")
+    return model
+
+
+def _tied_keys(model) -> list[str]:
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return list(keys) if not isinstance(keys, str) else [keys]
 
 
 def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
@@ -251,7 +288,7 @@ class _Logical:
             with _open(first) as f:
                 meta = dict(f.metadata)
         arch = meta.get("general.architecture")
-        config = _config.config_of_file(first)
+        config = _config.with_head_dim(_config.config_of_file(first), meta)
         self.processor = _config.processor_for(arch, config)
         self.tensors = self.file.tensors
 

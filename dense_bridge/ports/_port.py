@@ -391,7 +391,10 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     write = files.write_weights
     if one_file:  # the format writes its one file itself, in its own encoding
         count = 1
-        extras = {n: os.path.join(root, n) for n in contents["extras"]}
+        extras = {n: os.path.join(root, n) for n in contents["extras"]}  # the source's files besides weights
+        config_name = src_fmt.port_layout(1)["config"]
+        if config_name and os.path.isfile(os.path.join(root, config_name)):
+            extras[config_name] = os.path.join(root, config_name)
 
         def write(path, tensors, metadata, on_tensor=None):
             notes.update(dst_fmt.port_write(path, dst_config, tensors, outtype=outtype, extras=extras,

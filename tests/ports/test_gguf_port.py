@@ -1,0 +1,235 @@
+"""GGUF (llama.cpp's format) as a port destination and source, against the oracles:
+
+- writing: llama.cpp's own converter (``convert_hf_to_gguf.py``, run offline as a subprocess from
+  a llama.cpp source tree: ``DENSE_BRIDGE_LLAMA_CPP``, or the llama-cpp-python sdist unpacked under
+  /work/wheels/src) writes the same tiny random models; every tensor's bytes and type are identical;
+- reading: a converter-made file ported to transformers equals transformers' own GGUF loading bit
+  for bit; a file we write reads back to the source's tensors exactly;
+- running: llama.cpp (``llama_cpp``, where installed) computes the logits transformers computes.
+
+Tiny random Llama, Mistral, Qwen2, Qwen3 and Phi-3 models (tied and untied heads) are built by
+transformers, each with a real SentencePiece tokenizer trained here on a few sentences.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+spm = pytest.importorskip("sentencepiece")
+torch = pytest.importorskip("torch")
+
+import dense_bridge as db  # noqa: E402
+from dense_bridge._errors import CheckpointError, ConversionError  # noqa: E402
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "A port moves every tensor exactly.",
+             "llama.cpp runs GGUF files on laptops.", "Hello world, hello tensors.", "Numbers 123 456 and symbols !?",
+             "dense bridge writes certificates"]
+VOCAB = 320
+MODELS = {  # model type -> (config class, extra settings)
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+}
+
+
+def llama_cpp_dir() -> str | None:
+    from dense_bridge.backends.gguf._tokenizer import llama_cpp_dir as found
+
+    if found():
+        return found()
+    hits = sorted(glob.glob("/work/wheels/src/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    return os.path.dirname(hits[-1]) if hits else None
+
+
+def _tokenizer(path: str) -> None:
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SENTENCES * 20), model_writer=buf, vocab_size=VOCAB,
+                                   model_type="bpe", character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2,
+                                   unk_id=0, pad_id=-1, minloglevel=2)
+    with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+        f.write(buf.getvalue())
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "add_bos_token": True, "add_eos_token": False,
+                   "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+
+
+def make_model(root, kind: str, tied: bool, seed: int = 0) -> str:
+    """A tiny random transformers model of ``kind`` saved with a SentencePiece tokenizer."""
+    from dense_bridge.backends.torch._ports import _randomize
+
+    path = os.path.join(str(root), f"{kind}-{'tied' if tied else 'untied'}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    cls, extra = MODELS[kind]
+    cfg = getattr(transformers, cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+                                     **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    _tokenizer(path)
+    return path
+
+
+def convert(src: str, out: str, outtype: str) -> str:
+    """llama.cpp's converter run on ``src`` (offline, its own gguf-py first on the path)."""
+    root = llama_cpp_dir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(root, "gguf-py"))
+    res = subprocess.run([sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), src, "--outfile", out,
+                          "--outtype", outtype], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def tensors_of(path: str) -> dict:
+    r = gguf.GGUFReader(path)
+    return {t.name: (t.tensor_type.name, tuple(int(n) for n in t.shape), t.data.tobytes()) for t in r.tensors}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf-models")
+
+
+needs_converter = pytest.mark.skipif(llama_cpp_dir() is None, reason="llama.cpp's converter (convert_hf_to_gguf.py) "
+                                     "not found: set DENSE_BRIDGE_LLAMA_CPP to a llama.cpp source tree")
+
+CASES = [("llama", False, "f32"), ("llama", False, "f16"), ("llama", False, "bf16"), ("llama", False, "q8_0"),
+         ("llama", True, "f32"), ("mistral", False, "f32"), ("mistral", True, "q8_0"), ("qwen2", False, "f32"),
+         ("qwen2", True, "q8_0"), ("qwen3", False, "f32"), ("qwen3", True, "q8_0"), ("phi3", False, "f32"),
+         ("phi3", False, "q8_0")]
+
+
+@needs_converter
+@pytest.mark.parametrize("kind,tied,outtype", CASES, ids=[f"{k}-{'tied' if t else 'untied'}-{o}" for k, t, o in CASES])
+def test_writes_the_tensor_bytes_llama_cpps_converter_writes(models, tmp_path, kind, tied, outtype):
+    src = make_model(models, kind, tied)
+    ours = str(tmp_path / "ours.gguf")
+    report = db.port(src, ours, to="gguf", outtype=outtype, verify="twins")
+    theirs = tensors_of(convert(src, str(tmp_path / "theirs.gguf"), outtype))
+    mine = tensors_of(ours)
+    assert sorted(mine) == sorted(theirs)
+    assert ("output.weight" in mine) == (not tied)
+    differ = [n for n in mine if mine[n] != theirs[n]]
+    assert not differ, [(n, mine[n][:2], theirs[n][:2]) for n in differ]
+    # every hyperparameter and tokenizer key we write is the converter's, with its value
+    ra, rb = gguf.GGUFReader(ours), gguf.GGUFReader(str(tmp_path / "theirs.gguf"))
+    from dense_bridge.backends.gguf._shim import _value
+
+    for key, field in ra.fields.items():
+        if key.startswith("GGUF.") or key == "general.name":
+            continue
+        assert key in rb.fields, key
+        assert _value(field) == _value(rb.fields[key]) and field.types == rb.fields[key].types, key
+    cert = json.load(open(ours + ".port_certificate.json"))
+    assert set(cert["tensors"]) == set(mine) and cert["destination"]["outtype"] == outtype
+    q = cert["tensors"]["blk.0.attn_q.weight"]
+    assert q["permuted"] == (gguf.GGUFReader(ours).fields["general.architecture"].parts[-1].tobytes() == b"llama")
+    if outtype == "f32":
+        assert all(t["exact"] for t in cert["tensors"].values()) and report.tensors == len(mine)
+    if outtype == "q8_0":
+        assert q["codes"] == "quantized" and q["ggml_type"] == "Q8_0"
+
+
+@needs_converter
+@pytest.mark.parametrize("kind,outtype", [("llama", "f32"), ("llama", "q8_0"), ("qwen2", "f16"), ("phi3", "bf16")])
+def test_reads_a_converter_file_as_transformers_gguf_loader_does(models, tmp_path, kind, outtype):
+    src = make_model(models, kind, tied=False)
+    path = convert(src, str(tmp_path / "m.gguf"), outtype)
+    out = str(tmp_path / "hf")
+    db.port(path, out, to="transformers", verify="twins")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf").state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for k in theirs:
+        assert theirs[k].dtype == torch.float32 or ours[k].dtype == theirs[k].dtype
+        assert torch.equal(ours[k].float(), theirs[k].float()), k
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("mistral", True), ("qwen3", True), ("phi3", False)])
+def test_round_trip_through_gguf_is_exact(models, tmp_path, kind, tied):
+    src = make_model(models, kind, tied)
+    path = str(tmp_path / "m.gguf")
+    report = db.port(src, path, to="gguf")
+    assert report.verification["mode"] == "full" and report.verification["passed"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left beside it
+    back = str(tmp_path / "back")
+    db.port(path, back, to="transformers")
+    a = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(back).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_refusals_leave_nothing(models, tmp_path):
+    src = make_model(models, "llama", tied=False)
+    path = str(tmp_path / "m.gguf")
+    with pytest.raises(ConversionError, match="outtype"):
+        db.port(src, path, to="gguf", outtype="q3_k")
+    with pytest.raises(ConversionError, match="outtype"):
+        db.port(src, str(tmp_path / "dir"), to="transformers", outtype="f16")
+    bare = str(tmp_path / "bare")
+    os.makedirs(bare)
+    for n in os.listdir(src):
+        if n not in ("tokenizer.model", "tokenizer_config.json"):
+            os.link(os.path.join(src, n), os.path.join(bare, n))
+    with pytest.raises(ConversionError, match="tokenizer"):
+        db.port(bare, path, to="gguf", verify="twins")
+    assert os.listdir(tmp_path) == ["bare"]
+    open(path, "wb").close()
+    with pytest.raises(CheckpointError, match="exists"):
+        db.port(src, path, to="gguf")
+    assert os.path.getsize(path) == 0
+
+
+def test_an_architecture_the_gguf_loader_does_not_map_is_refused_by_name(tmp_path):
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=128)
+    src = str(tmp_path / "neox")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    with pytest.raises(ConversionError, match="gpt_neox") as exc:
+        db.port(src, str(tmp_path / "m.gguf"), to="gguf")
+    assert "llama" in str(exc.value)  # what it does offer
+    assert not os.path.exists(tmp_path / "m.gguf")
+
+
+def test_not_a_gguf_file_is_refused(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 24)
+    with pytest.raises(CheckpointError):
+        db.port(str(bad), str(tmp_path / "out"), to="transformers")
+    assert not os.path.exists(tmp_path / "out")
+
+
+llama_cpp = pytest.importorskip if False else None
+
+
+@pytest.mark.parametrize("kind,outtype,bound", [("llama", "f32", 1e-4), ("qwen2", "f32", 1e-4), ("phi3", "f32", 1e-4),
+                                                ("llama", "q8_0", 0.05), ("llama", "q4_1", 0.5)])
+def test_llama_cpp_computes_the_logits_transformers_computes(models, tmp_path, kind, outtype, bound):
+    lc = pytest.importorskip("llama_cpp")
+    src = make_model(models, kind, tied=False)
+    path = str(tmp_path / "m.gguf")
+    db.port(src, path, to="gguf", outtype=outtype, verify="twins")
+    ids = np.random.default_rng(0).integers(3, VOCAB, 48).tolist()
+    llm = lc.Llama(model_path=path, n_ctx=64, logits_all=True, flash_attn=False, type_k=0, type_v=0, verbose=False,
+                   n_threads=2)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)], np.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        ours = model(torch.tensor([ids])).logits[0].float().numpy()
+    err = float(np.max(np.abs(theirs - ours)))
+    assert err <= bound, err
