@@ -97,6 +97,10 @@ def port_detect(fmt: str, path: str) -> int:
 
 def _own_config(meta: dict, tensor_names) -> dict:
     keep = {k: v for k, v in meta.items() if not k.startswith(_config.NOT_CONFIG)}
+    arch = meta.get("general.architecture")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if f"{arch}.vocab_size" not in keep and isinstance(tokens, list):
+        keep[f"{arch}.vocab_size"] = len(tokens)  # where transformers' loader takes it when the key is absent
     return {"metadata": keep, "tied": "output.weight" not in set(tensor_names)}
 
 
@@ -122,7 +126,11 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
 def port_common_config(fmt: str, config: dict) -> dict:
     """transformers' config of a file holding this metadata, as its GGUF loader reads it."""
     _need()
-    return _config.config_of_metadata(config["metadata"], config["tied"])
+    common = _config.config_of_metadata(config["metadata"], config["tied"])
+    # transformers' GGUF loader computes in float32 (every GGUF type dequantizes exactly into it);
+    # a directory holding F16 matrices beside F32 norms is read so too, not as its first tensor's dtype
+    common.setdefault("dtype", "float32")
+    return common
 
 
 def port_own_config(fmt: str, common: dict) -> dict:
