@@ -219,20 +219,36 @@ def test_not_a_gguf_file_is_refused(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.parametrize("kind,outtype,bound", [("llama", "f32", 1e-4), ("qwen2", "f32", 1e-4), ("phi3", "f32", 1e-4),
-                                                ("llama", "q8_0", 0.05), ("llama", "q4_1", 0.5)])
-def test_llama_cpp_computes_the_logits_transformers_computes(models, tmp_path, kind, outtype, bound):
+#: (model, outtype, tied, bound on the largest logit difference relative to the logits' spread). For f32
+#: files, float32 agreement; for quantized files llama.cpp also quantizes the activations (to Q8 blocks) in
+#: each product, so it is compared with transformers running the file's own (dequantized) weights, within
+#: about twice what was measured (q8_0 0.083, q4_1 0.124 of the logits' std; f32 4e-6). Phi-3 is left out: llama.cpp refuses this tiny SentencePiece
+#: vocabulary for it (unordered_map::at while loading the vocabulary), for the converter's own file too.
+LOGIT_CASES = [("llama", "f32", False, 1e-5), ("qwen2", "f32", True, 1e-5), ("qwen3", "f32", False, 1e-5),
+               ("mistral", "f32", True, 1e-5), ("llama", "q8_0", False, 0.2), ("llama", "q4_1", False, 0.3)]
+
+
+@pytest.mark.parametrize("kind,outtype,tied,bound", LOGIT_CASES, ids=[f"{k}-{o}" for k, o, _, _ in LOGIT_CASES])
+def test_llama_cpp_computes_the_logits_transformers_computes(models, tmp_path, kind, outtype, tied, bound):
     lc = pytest.importorskip("llama_cpp")
-    src = make_model(models, kind, tied=False)
+    src = make_model(models, kind, tied=tied)
     path = str(tmp_path / "m.gguf")
     db.port(src, path, to="gguf", outtype=outtype, verify="twins")
     ids = np.random.default_rng(0).integers(3, VOCAB, 48).tolist()
     llm = lc.Llama(model_path=path, n_ctx=64, logits_all=True, flash_attn=False, type_k=0, type_v=0, verbose=False,
-                   n_threads=2)
+                   n_threads=2, n_batch=64)
     llm.eval(ids)
     theirs = np.array(llm.scores[:len(ids)], np.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    # transformers runs the float source (f32) or the file's own dequantized weights (quantized types)
+    reference = src if outtype == "f32" else None
+    if reference is None:
+        from dense_bridge.backends.gguf._ports import port_load
+
+        model = port_load("gguf", path)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
     with torch.no_grad():
         ours = model(torch.tensor([ids])).logits[0].float().numpy()
-    err = float(np.max(np.abs(theirs - ours)))
+    err = float(np.max(np.abs(theirs - ours)) / np.std(ours))
+    print(f"{kind} {outtype}: max |llama.cpp - transformers| / std(logits) = {err:.3g}")
     assert err <= bound, err
