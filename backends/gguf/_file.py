@@ -234,8 +234,28 @@ class _Reader:
                         raise self.error(f"{what} is a BOOL array holding {int(arr.max())} (only 0 or 1)")
                     return [bool(x) for x in arr]
                 return arr.tolist()
+            if etype == _STRING:
+                return self._strings(count, what)
             return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
         raise self.error(f"{what} has unknown value type {vtype} (known: {sorted(_TYPE_NAMES)})")
+
+    def _strings(self, count: int, what: str) -> list[str]:
+        """A string array's ``count`` elements (a vocabulary: hundreds of thousands), in one tight loop."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack = struct.Struct("<Q").unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.error(f"truncated: {what}[{i}] needs 8 bytes at byte {pos} but the file has {size - pos} left")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > MAX_STRING or pos + n > size:
+                raise self.error(f"truncated: {what}[{i}] claims {n} bytes at byte {pos} but the file has "
+                                 f"{size - pos} left")
+            out.append(str(buf[pos:pos + n], "utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
 
     def value_type(self, vtype: int) -> tuple:
         """(value type, element type or None) of the value about to be read (peeks an array's element type)."""
