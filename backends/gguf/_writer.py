@@ -162,6 +162,14 @@ def _numeric(arr: np.ndarray, vtype: int, key: str) -> np.ndarray:
     return arr.astype(_NUMPY[vtype])
 
 
+def _typed(value) -> bool:
+    """Whether a metadata value is given with its type: ``(value, GGUFValueType)`` or
+    ``(value, GGUFValueType, element type or None)`` (gguf-py's own ``GGUFValue`` triple)."""
+    VT = _vt()
+    return (isinstance(value, tuple) and len(value) in (2, 3) and type(value[1]) is VT
+            and (len(value) == 2 or value[2] is None or type(value[2]) is VT))
+
+
 def encode_metadata(metadata: dict, types: dict | None = None) -> tuple[bytes, int]:
     """(the metadata section's bytes, its entry count) for ``metadata`` (see the module docstring)."""
     out: list[bytes] = []
@@ -169,8 +177,13 @@ def encode_metadata(metadata: dict, types: dict | None = None) -> tuple[bytes, i
     for key, value in metadata.items():
         if not isinstance(key, str) or not key:
             raise SpecError(f"metadata keys must be non-empty strings. {received('key', key)}")
-        if key in types:
-            vtype, etype = _type_arg(types[key], key)
+        explicit = types.get(key)
+        if _typed(value):  # (value, GGUFValueType[, element type]): typed in place
+            value, explicit = value[0], (value[1], value[2] if len(value) == 3 else None)
+            if explicit[0] != _ARRAY and explicit[1] is not None:
+                explicit = explicit[0]
+        if explicit is not None:
+            vtype, etype = _type_arg(explicit, key)
             if vtype != _ARRAY and isinstance(value, (list, tuple, np.ndarray)) and np.ndim(value) > 0:
                 vtype, etype = _ARRAY, vtype  # a list declared by its element type
         else:
@@ -195,7 +208,8 @@ class GGUFOutput:
         plan: ``[(name, numpy_shape, ggml_type), ...]``: every tensor, in the order written; the
             shape in numpy order (a torch ``(out, in)`` weight as ``(out, in)``; stored reversed).
         types: key -> ``gguf.GGUFValueType`` (a list's element type) or (type, element type), for
-            keys whose inferred type is not what llama.cpp reads.
+            keys whose inferred type is not what llama.cpp reads. A metadata value may also carry
+            its type itself: ``(value, GGUFValueType[, element type or None])``.
 
     ``write(name, data)``: ``data`` is the tensor's stored bytes (bytes or a uint8 array of
     exactly its size: codes moved as they are) or an array of its shape (floats: converted to

@@ -338,7 +338,8 @@ def test_writer_quantizes_and_infers_types(tmp_path):
     meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.rope.freq_base": 1e4,
             "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1],
             "tokenizer.ggml.scores": [0.0, -1.0], "tokenizer.ggml.add_bos_token": True, "neg": -3,
-            "tokenizer.ggml.bos_token_id": 1, "split.count": 1}
+            "tokenizer.ggml.bos_token_id": 1, "split.count": 1,
+            "typed": (5, VT.UINT8, None), "typed.arr": ([1, 2], VT.ARRAY, VT.UINT16), "typed.f": (2.5, VT.FLOAT64)}
     plan = [(f"t.{n}", (4, 64), n) for n in codes.QUANTIZABLE] + [("raw.q4_k", (2, 256), "Q4_K"), ("ids", (3,), "I32")]
     path = tmp_path / "out.gguf"
     q4k = valid_q4_k(2, 256)
@@ -355,6 +356,8 @@ def test_writer_quantizes_and_infers_types(tmp_path):
     assert ref.fields["tokenizer.ggml.token_type"].types == [VT.ARRAY, VT.INT32]
     assert ref.fields["tokenizer.ggml.scores"].types == [VT.ARRAY, VT.FLOAT32]
     assert ref.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
+    assert types["typed"] == VT.UINT8 and ref.fields["typed"].contents() == 5 and types["typed.f"] == VT.FLOAT64
+    assert ref.fields["typed.arr"].types == [VT.ARRAY, VT.UINT16] and ref.fields["typed.arr"].contents() == [1, 2]
     by_name = {t.name: t for t in ref.tensors}
     for n in codes.QUANTIZABLE:
         t = by_name[f"t.{n}"]
