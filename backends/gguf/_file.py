@@ -43,7 +43,7 @@ from dense_bridge._errors import CheckpointError, ConversionError
 from dense_bridge.checkpoints._safetensors import open_readonly, read_at, shorten
 
 __all__ = ["GGUF_MAGIC", "TensorInfo", "GGUFFile", "open_gguf", "is_gguf", "split_parts", "type_sizes",
-           "numpy_dtype_of", "file_info", "MAX_DIMS"]
+           "numpy_dtype_of", "file_info", "describe", "MAX_DIMS"]
 
 GGUF_MAGIC = b"GGUF"
 #: The versions read: 2 and 3 (uint64 counts; version 1's uint32 counts are long obsolete).
@@ -584,3 +584,49 @@ def file_info(path: str, container: str | None = None, *, files=None) -> tuple[d
     (name -> (numpy shape, ggml type name in lower case: "q4_k", "f16"), metadata)."""
     with open_gguf(path) as f:
         return ({n: (t.shape, t.type_name.lower()) for n, t in f.tensors.items()}, dict(f.metadata))
+
+
+_BLOCK = re.compile(r"^blk\.\d+\.")
+
+
+def _embedding_names() -> frozenset[str]:
+    """gguf-py's names of embedding tables ("token_embd", "position_embd", ...): rank-2 weights that
+    are looked up, not multiplied, so no linear layer."""
+    gguf = _gguf()
+    return frozenset(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSOR if t in gguf.TENSOR_NAMES
+                     and ("EMBD" in t.name and "UNEMBD" not in t.name or t.name == "TOKEN_TYPES"))
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """What ``dense-bridge inspect`` shows of a GGUF file (or split model), read from its header only.
+
+    Returns:
+        ``{"path", "kind", "files", "bytes", "architecture", "metadata_count",
+        "tensors": [{"name", "shape", "dtype"}], "linear_layers": [...]}``: ``dtype`` is the ggml
+        type's name ("Q4_K", "F16"); ``linear_layers`` rows as the core's ``file_linear_layers``
+        gives them (``layer``, ``in_features``, ``units``, ``bias``, ``dtype``, ``layout``,
+        ``layout_source``, ``tensors``): every rank-2 ``<layer>.weight`` but the embedding tables
+        gguf-py names, its layout known (ggml stores a matrix as ``ne = [in, out]``: numpy ``(out, in)``).
+    """
+    with open_gguf(path) as f:
+        embeddings = _embedding_names()
+        tensors = [{"name": n, "shape": list(t.shape), "dtype": t.type_name} for n, t in f.tensors.items()]
+        layers = []
+        for n, t in f.tensors.items():
+            if not n.endswith(".weight") or len(t.shape) != 2:
+                continue
+            layer = n[: -len(".weight")]
+            if _BLOCK.sub("blk.{bid}.", layer) in embeddings:
+                continue
+            bias = f.tensors.get(layer + ".bias")
+            has_bias = bias is not None and bias.shape == (t.shape[0],)
+            layers.append({"layer": layer, "in_features": int(t.shape[1]), "units": int(t.shape[0]), "bias": has_bias,
+                           "dtype": t.type_name, "layout": "out_in",
+                           "layout_source": "GGUF stores every matrix as ne = [in, out] (ggml's convention)",
+                           "tensors": [n] + ([layer + ".bias"] if has_bias else [])})
+        sizes = [os.path.getsize(p) for p in f.paths]
+        version = f.version
+        return {"path": os.fspath(path), "kind": f"GGUF file (version {version}"
+                + (f", split into {len(f.paths)} files)" if len(f.paths) > 1 else ")"),
+                "files": list(f.paths), "bytes": sum(sizes), "architecture": f.metadata.get("general.architecture"),
+                "metadata_count": len(f.metadata), "tensors": tensors, "linear_layers": layers}

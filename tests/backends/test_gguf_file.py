@@ -419,3 +419,49 @@ def test_split_model_opens_every_part(tmp_path):
     (tmp_path / parts[1]).rename(tmp_path / "lone.gguf")
     with pytest.raises(CheckpointError, match="lone.gguf is part 1 .* split into 3 files"):
         open_gguf(tmp_path / "lone.gguf")
+
+
+# --------------------------------------------------------------------------- inspect
+def test_describe_lists_linear_layers_with_their_types(tmp_path):
+    from dense_bridge.backends.gguf._file import describe
+
+    rng = _rng(9)
+    a = rng.standard_normal((64, 32)).astype(np.float32)
+    tensors = {"token_embd.weight": (a, None), "blk.0.attn_q.weight": (gguf.quants.quantize(a, T.Q8_0), T.Q8_0),
+               "blk.0.attn_q.bias": (np.zeros(64, np.float32), None), "blk.0.ffn_down.weight": (valid_q4_k(4, 256), T.Q4_K),
+               "blk.0.attn_norm.weight": (np.ones(32, np.float32), None), "output.weight": (a.astype(np.float16), None)}
+    path = tmp_path / "m.gguf"
+    write_with_gguf_py(path, tensors, [])
+    doc = describe(path)
+    assert doc["kind"] == "GGUF file (version 3)" and doc["architecture"] == "llama"
+    assert doc["bytes"] == path.stat().st_size and doc["files"] == [str(path)]
+    rows = {r["layer"]: r for r in doc["linear_layers"]}
+    assert sorted(rows) == ["blk.0.attn_q", "blk.0.ffn_down", "output"]  # no embedding table, no norm
+    assert rows["blk.0.attn_q"] == {"layer": "blk.0.attn_q", "in_features": 32, "units": 64, "bias": True,
+                                    "dtype": "Q8_0", "layout": "out_in", "layout_source": rows["blk.0.attn_q"]["layout_source"],
+                                    "tensors": ["blk.0.attn_q.weight", "blk.0.attn_q.bias"]}
+    assert (rows["blk.0.ffn_down"]["in_features"], rows["blk.0.ffn_down"]["units"], rows["blk.0.ffn_down"]["dtype"]) \
+        == (256, 4, "Q4_K")
+    assert rows["output"]["dtype"] == "F16"
+    assert {t["name"]: t["dtype"] for t in doc["tensors"]}["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_cli_inspect_reads_gguf(tmp_path, capsys):
+    """``dense-bridge inspect model.gguf``: through the port format's ``port_inspect`` verb (the GGUF
+    port format is registered by the port layer's backend)."""
+    from dense_bridge.ports._dirs import formats
+
+    if "gguf" not in formats():
+        pytest.skip("the gguf port format is not registered in this tree (backends/gguf/_manifest.py)")
+    from dense_bridge.cli._main import main
+
+    a = _rng(10).standard_normal((64, 32)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    write_with_gguf_py(path, {"blk.0.attn_q.weight": (gguf.quants.quantize(a, T.Q4_0), T.Q4_0)}, [])
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF file (version 3)" in out and "blk.0.attn_q" in out and "Q4_0" in out
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(path.read_bytes()[:100])
+    assert main(["inspect", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
