@@ -37,7 +37,7 @@ __all__ = ["QUANTIZABLE", "MLX_AFFINE_BITS", "quantize", "dequantize", "to_mlx_a
            "from_mlx_affine_q4", "ggml_type_of"]
 
 #: Values per processed chunk: quantizing or dequantizing a large tensor holds a few chunks' temporaries.
-_CHUNK = 1 << 22
+CHUNK = 1 << 22
 
 #: The types ``quantize`` writes (gguf-py's own quantizers; K-quants need llama.cpp's).
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -90,7 +90,7 @@ def _check_shape(shape, gtype, argument: str = "shape") -> tuple[int, ...]:
 
 def _rows(n_values_per_row: int) -> int:
     """Rows per chunk for rows of ``n_values_per_row`` values."""
-    return max(1, _CHUNK // max(n_values_per_row, 1))
+    return max(1, CHUNK // max(n_values_per_row, 1))
 
 
 # ----------------------------------------------------------------------------- gguf's own codecs

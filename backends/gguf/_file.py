@@ -530,7 +530,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except (KeyError, TypeError):
-            raise KeyError(f"{self.path} holds no tensor {shorten(name)}") from None
+            raise CheckpointError(f"{self.path} holds no tensor {shorten(name)}") from None
 
     def _map(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a uint8 array on a private copy-on-write map of just those bytes."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from dense_bridge._errors import CheckpointError, SpecError, received
 
-from ._codes import _CHUNK, ggml_type_of, quantize
+from ._codes import CHUNK, ggml_type_of, quantize
 
 __all__ = ["GGUFOutput", "encode_metadata", "MAX_NAME_BYTES"]
 
@@ -342,7 +342,7 @@ class GGUFOutput:
                 f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
             else:
                 rows = arr.reshape(-1, shape[-1])
-                step = max(1, _CHUNK // shape[-1])
+                step = max(1, CHUNK // shape[-1])
                 for start in range(0, rows.shape[0], step):
                     f.write(memoryview(quantize(rows[start:start + step], gtype)).cast("B"))
         end = f.tell()

@@ -61,7 +61,9 @@ def cmd_inspect(args) -> int:
     try:
         ckpt = checkpoints.open_checkpoint(args.src, spec=spec, format=args.format)
     except db.CheckpointError:
-        doc = one_file_model(args.src) if spec is None and args.format is None else None
+        from .. import ports
+
+        doc = ports.describe_file(args.src) if spec is None and args.format is None else None
         if doc is None:
             raise
         return _print_one_file_model(doc, args)
@@ -128,30 +130,6 @@ def cmd_inspect(args) -> int:
     else:
         print("NaN/Inf: none")
     return EXIT_OK
-
-
-def one_file_model(path: str) -> dict | None:
-    """What a port format's adapter says of the one-file model ``path`` that no checkpoint reader
-    knows (its optional ``port_inspect`` verb: ``{"kind", "files", "bytes", "tensors": [{"name",
-    "shape", "dtype"}], "linear_layers": [...]}`` with the stored types); None when no format
-    claims it. A format that claims the file and finds it damaged raises its CheckpointError."""
-    import os
-
-    from .._errors import DenseBridgeError
-    from ..ports._dirs import Format, formats
-
-    if not os.path.isfile(path):
-        return None
-    for fmt in formats():
-        try:
-            side = Format(fmt)
-            if int(side.port_detect(path)) <= 0:
-                continue
-            verb = side.port_inspect  # a ConversionError where the adapter offers none
-        except (DenseBridgeError, OSError):
-            continue
-        return verb(path)
-    return None
 
 
 def _print_one_file_model(doc: dict, args) -> int:

@@ -134,7 +134,7 @@ def test_get_returns_stored_floats_mapped_and_dequantizes_codes(written):
     got[0, 0] = 99.0  # copy-on-write: the file is untouched
     with open_gguf(path) as f:
         assert f.get("f32")[0, 0] == a[0, 0]
-        with pytest.raises(KeyError, match="no tensor 'nope'"):
+        with pytest.raises(CheckpointError, match="no tensor 'nope'"):
             f.get("nope")
     with pytest.raises(CheckpointError, match="closed"):
         f.get("f32")
@@ -162,7 +162,7 @@ def test_quantize_and_dequantize_are_gguf_own(name, monkeypatch):
     rng = _rng(2)
     x = rng.standard_normal((9, 96)).astype(np.float32) * 3
     x[0, :32] = 0.0  # an all-zero block
-    monkeypatch.setattr(codes, "_CHUNK", 200)  # several chunks of rows: chunking changes nothing
+    monkeypatch.setattr(codes, "CHUNK", 200)  # several chunks of rows: chunking changes nothing
     raw = codes.quantize(x, name)
     ref = gguf.quants.quantize(x, T[name])
     assert raw.dtype == np.uint8
