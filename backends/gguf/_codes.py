@@ -11,7 +11,7 @@ unless said:
   ``sc`` and sub-mins ``m`` (8 of each, one per 32 values), 128 bytes of codes; value
   ``(d * sc) * q - (dmin * m)``.
 - MXFP4 (17 bytes): one E8M0 exponent byte ``e``, 16 bytes of FP4 (E2M1) codes; value
-  ``e2m1(q) * 2**(e - 127)``.
+  ``e2m1(q) * 2**(e - 127)`` (gguf reads code 8, E2M1's -0, as +0.0).
 
 In a 32-value block of 16 code bytes, byte ``j`` holds value ``j`` in its low nibble and value
 ``j + 16`` in its high nibble (Q4_K: 32 bytes hold two 32-value sub-blocks, low then high
@@ -246,10 +246,15 @@ def to_mlx_mxfp4(raw: np.ndarray, shape) -> tuple[np.ndarray, np.ndarray]:
 
     Returns:
         ``(w, scales)``: ``w`` uint32 ``(..., in // 8)``, ``scales`` uint8 ``(..., in // 32)``;
-        ``mx.dequantize(w, scales, group_size=32, bits=4, mode="mxfp4")`` equals gguf's dequantization.
+        ``mx.dequantize(w, scales, group_size=32, bits=4, mode="mxfp4")`` equals gguf's dequantization
+        in value (bit for bit but the sign of zero: FP4 code 8 is -0.0 to MLX, +0.0 to gguf). A block
+        whose exponent byte is 255 (NaN in the MX spec, 2**127 in ggml) is a ConversionError.
     """
     gtype = _gguf().GGMLQuantizationType.MXFP4
     blocks, shape = _blocks(raw, gtype, shape)
+    if (blocks[:, 0] == 255).any():  # E8M0 255 is NaN to MLX (the MX spec), 2**127 to ggml
+        raise ConversionError("keep_codes: an MXFP4 block has the exponent byte 255, which MLX reads as NaN and "
+                              "ggml as 2**127: its codes cannot move; dequantize instead")
     rows, width = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
     w = _pack(_nibbles(blocks[:, 1:17]).reshape(rows, width), 4)
     return w.reshape(*shape[:-1], width // 8), np.ascontiguousarray(blocks[:, 0]).reshape(*shape[:-1], width // 32)

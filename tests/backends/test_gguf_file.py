@@ -260,6 +260,16 @@ def test_mxfp4_moves_into_mlx_mxfp4():
     assert scales.dtype == np.uint8 and np.array_equal(scales.reshape(-1), raw.reshape(-1, 17)[:, 0])  # copied
     got = np.array(mx.dequantize(mx.array(w), mx.array(scales), group_size=32, bits=4, mode="mxfp4", dtype=mx.float32))
     assert np.array_equal(_bits(got), _bits(ref))
+    # any bytes (exponents 0..254, every code): equal in value, bits differing only in zeros' sign
+    blocks = _rng(11).integers(0, 256, (64, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(64) * 4  # 0 .. 252
+    ref = gguf.quants.dequantize(blocks.reshape(4, -1), T.MXFP4)
+    w, scales = codes.to_mlx_mxfp4(blocks.reshape(4, -1), (4, 512))
+    got = np.array(mx.dequantize(mx.array(w), mx.array(scales), group_size=32, bits=4, mode="mxfp4", dtype=mx.float32))
+    assert np.array_equal(got, ref) and np.all(ref[_bits(got) != _bits(ref)] == 0)
+    blocks[3, 0] = 255
+    with pytest.raises(ConversionError, match="exponent byte 255"):
+        codes.to_mlx_mxfp4(blocks.reshape(4, -1), (4, 512))
     # and MLX's own mxfp4 codes are laid out the same way: moved into GGUF blocks they dequantize alike
     wq, sq = mx.quantize(mx.array(x), group_size=32, bits=4, mode="mxfp4")
     blocks = np.empty((5 * 8, 17), np.uint8)

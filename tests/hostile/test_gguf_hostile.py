@@ -219,3 +219,19 @@ def test_split_parts_that_lie(tmp_path):
     check(tmp_path, gguf_bytes([], [], b""), "lacks the integer 'split.no'", name="m-00001-of-00002.gguf")
     check(tmp_path, part(0, 2, 2, ["a"]), "part 0 (counted from 0) of a GGUF model split into 2", name="alone.gguf")
     check(tmp_path, part(0, 2, 2, ["a"]), "cannot be", name="m-00003-of-00002.gguf")
+
+
+def test_not_a_regular_file(tmp_path):
+    """A FIFO is refused, never waited on; a directory or a missing file named."""
+    import os
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="pipe.gguf: it is a FIFO"):
+        open_gguf(fifo)
+    assert time.perf_counter() - start < SECONDS
+    with pytest.raises(CheckpointError, match="not a regular file|directory"):
+        open_gguf(tmp_path)
+    with pytest.raises(CheckpointError, match="missing.gguf: no such file"):
+        open_gguf(tmp_path / "missing.gguf")
