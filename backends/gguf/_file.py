@@ -448,8 +448,15 @@ class GGUFFile:
         parts = split_parts(self.path)
         self._parts: list[_Part] = []
         try:
+            if parts is not None and len(parts) == 1:  # "-00001-of-00001": split metadata or none
+                self._parts.append(_Part(parts[0]))
+                if "split.no" in self._parts[0].metadata:
+                    self._parts.pop().close()
+                else:
+                    parts = None
             if parts is None:
-                self._parts.append(_Part(self.path))
+                if not self._parts:
+                    self._parts.append(_Part(self.path))
                 self._check_not_split(self._parts[0])
             else:
                 self.path = parts[0]

@@ -423,6 +423,10 @@ def test_split_model_opens_every_part(tmp_path):
             assert np.array_equal(f.get("f32"), a)
             assert np.array_equal(f.get("cube"), tensors["cube"][0])
             assert f.tensors["cube"].path.endswith("00003-of-00003.gguf")
+    # a single file that is merely named like one part of one
+    write_with_gguf_py(tmp_path / "one-00001-of-00001.gguf", {"f32": tensors["f32"]}, [])
+    with open_gguf(tmp_path / "one-00001-of-00001.gguf") as f:
+        assert f.keys() == ["f32"] and np.array_equal(f.get("f32"), a)
     (tmp_path / parts[2]).unlink()
     with pytest.raises(CheckpointError, match="model-00003-of-00003.gguf: no such file"):
         open_gguf(tmp_path / parts[0])
