@@ -19,8 +19,9 @@ count and length is checked against the bytes present before anything is allocat
 bounded, and every problem is a ``CheckpointError`` naming the file and the key or tensor.
 
 Reading is consistent against a concurrent atomic save: each part is opened once and the header
-and every tensor are read from that descriptor. Each tensor gets its own small private map (as
-``SafetensorsFile`` does), so its pages are released with the array.
+and every tensor are read from that descriptor. The header is read with ``pread`` as far as the
+parse gets (no map: a file truncated meanwhile is an error, never a SIGBUS); each tensor gets
+its own small private map (as ``SafetensorsFile`` does), so its pages are released with the array.
 
 Shapes are given in NUMPY order (``ne`` reversed): ``TensorInfo.shape`` of a torch ``(out, in)``
 weight is ``(out, in)``. Split models (``name-00001-of-00003.gguf``, ``split.*`` metadata, as
@@ -58,6 +59,7 @@ MAX_ARRAY_ITEMS = 1 << 23      # every metadata array's elements together
 MAX_ARRAY_DEPTH = 4            # arrays of arrays of ...
 MAX_STRING = 1 << 26           # one metadata string (a chat template is a few kB)
 MAX_NAME = 1 << 12             # a key or tensor name (llama.cpp: tensor names < 64 bytes)
+MAX_HEADER = 1 << 30           # metadata and tensor infos together
 #: The largest tensor accepted (2**62 bytes): the product of hostile dimensions is refused
 #: long before it could matter, and every size below it is compared to the file, never allocated.
 MAX_TENSOR_BYTES = 1 << 62
@@ -150,19 +152,39 @@ class TensorInfo:
 
 
 class _Reader:
-    """A bounds-checked cursor over a header's bytes; every error names the file and what was read."""
+    """A bounds-checked cursor over a header's bytes, read from the descriptor with ``pread`` as far
+    as the parse has come (never mapped: a file truncated meanwhile is an error, not a SIGBUS);
+    every error names the file and what was read. ``size``: the file's size, the bound of every
+    length and count; ``buf``: the bytes read so far, from byte 0."""
 
-    def __init__(self, buf, path: str) -> None:
-        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+    def __init__(self, fd: int, size: int, path: str) -> None:
+        self.fd, self.path, self.pos, self.size = fd, path, 0, size
+        self.buf = b""
         self.items = 0  # metadata array elements read so far (MAX_ARRAY_ITEMS)
 
     def error(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path} is not a readable GGUF file: {what}")
 
+    def fill(self, end: int) -> None:
+        """``buf`` holds the file's bytes up to ``end`` at least (``end`` within the file): read doubling."""
+        if end <= len(self.buf):
+            return
+        want = min(self.size, max(end, 2 * len(self.buf), 1 << 16))
+        if want > MAX_HEADER:
+            raise self.error(f"the header runs past {MAX_HEADER} bytes (refused: no model's header is that large)")
+        try:
+            more = read_at(self.fd, want - len(self.buf), len(self.buf))
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        self.buf += more
+        if len(self.buf) < end:
+            raise self.error(f"truncated while being read: it ends at byte {len(self.buf)}")
+
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
             raise self.error(f"truncated: {what} needs {n} bytes at byte {self.pos} but the file has "
                              f"{max(self.size - self.pos, 0)} left")
+        self.fill(self.pos + n)
 
     def scalar(self, code: str, n: int, what: str):
         self.need(n, what)
@@ -226,8 +248,8 @@ class _Reader:
                                  "(refused: no model's metadata is that large)")
             if etype in _NUMPY_SCALARS:
                 n = count * _SCALARS[etype][1]
-                # copied out of the map (bounded by the check above), so no view pins it
-                arr = np.frombuffer(bytes(self.buf[self.pos:self.pos + n]), dtype=_NUMPY_SCALARS[etype], count=count)
+                self.need(n, what)
+                arr = np.frombuffer(self.buf, dtype=_NUMPY_SCALARS[etype], count=count, offset=self.pos)
                 self.pos += n
                 if etype == _BOOL:
                     if count and int(arr.max()) > 1:
@@ -247,11 +269,17 @@ class _Reader:
             if pos + 8 > size:
                 self.pos = pos
                 raise self.error(f"truncated: {what}[{i}] needs 8 bytes at byte {pos} but the file has {size - pos} left")
+            if pos + 8 > len(buf):
+                self.fill(pos + 8)
+                buf = self.buf
             (n,) = unpack(buf, pos)
             pos += 8
             if n > MAX_STRING or pos + n > size:
                 raise self.error(f"truncated: {what}[{i}] claims {n} bytes at byte {pos} but the file has "
                                  f"{size - pos} left")
+            if pos + n > len(buf):
+                self.fill(pos + n)
+                buf = self.buf
             out.append(str(buf[pos:pos + n], "utf-8", "surrogateescape"))
             pos += n
         self.pos = pos
@@ -260,6 +288,7 @@ class _Reader:
     def value_type(self, vtype: int) -> tuple:
         """(value type, element type or None) of the value about to be read (peeks an array's element type)."""
         if vtype == _ARRAY and self.pos + 4 <= self.size:
+            self.fill(self.pos + 4)
             return (vtype, struct.unpack_from("<I", self.buf, self.pos)[0])
         return (vtype, None)
 
@@ -308,13 +337,7 @@ class _Part:
             raise CheckpointError(f"{path} is GGUF version {version}, which is not read (versions read: "
                                   f"{', '.join(map(str, VERSIONS))}){note}")
         self.version = version
-        # the header is parsed from a read-only map of the whole file (no copy; pages read on demand)
-        with open(self.fd, "rb", closefd=False) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            buf = memoryview(mm)
-            try:
-                self._parse_header(_Reader(buf, path))
-            finally:
-                buf.release()
+        self._parse_header(_Reader(self.fd, size, path))
 
     def _parse_header(self, r: _Reader) -> None:
         r.pos = 8
