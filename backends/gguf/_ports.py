@@ -42,19 +42,23 @@ def _need():
 
 
 def _open(path: str):
-    try:
-        from ._file import open_gguf
-    except ImportError:
-        from ._shim import open_gguf
+    from ._file import open_gguf
+
     return open_gguf(path)
 
 
 def _output():
-    try:
-        from ._writer import GGUFOutput
-    except ImportError:
-        from ._shim import GGUFOutput
+    from ._writer import GGUFOutput
+
     return GGUFOutput
+
+
+def port_inspect(fmt: str, path: str) -> dict:
+    """What ``dense-bridge inspect`` shows of the GGUF file ``path`` (``_file.describe``): its
+    tensors and linear layers with their stored types."""
+    from ._file import describe
+
+    return describe(path)
 
 
 def _tp():
@@ -110,16 +114,9 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     _need()
     if text_only:
         raise ConversionError(f"{path}: text_only is not implemented for GGUF sources (nothing was written)")
-    weights: dict[str, str] = {}
-    meta = None
-    for full in _files(path):
-        with _open(full) as f:
-            if meta is None:
-                meta = dict(f.metadata)
-            for name in f.keys():
-                if name in weights:
-                    raise CheckpointError(f"{full}: tensor {name!r} appears twice among the split files")
-                weights[name] = os.path.basename(full)
+    with _open(_files(path)[0]) as f:  # every part of a split model, checked by the file layer
+        meta = dict(f.metadata)
+        weights = {name: os.path.basename(f.tensors[name].path) for name in f.keys()}
     return {"config": _own_config(meta, weights), "weights": weights, "extras": [], "gguf_metadata_keys": len(meta)}
 
 
@@ -288,15 +285,10 @@ class _Logical:
     permutation undone by transformers' tensor processor for the file's architecture."""
 
     def __init__(self, path: str) -> None:
-        self.file = _open(path)
-        first = _files(path)[0]
-        if first == path:
-            meta = self.file.metadata
-        else:
-            with _open(first) as f:
-                meta = dict(f.metadata)
+        self.file = _open(path)  # a part of a split model opens every part
+        meta = self.file.metadata
         arch = meta.get("general.architecture")
-        config = _config.with_head_dim(_config.config_of_file(first), meta)
+        config = _config.with_head_dim(_config.config_of_file(self.file.path), meta)
         self.processor = _config.processor_for(arch, config)
         self.tensors = self.file.tensors
 
@@ -402,7 +394,7 @@ def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, o
             value = t.produce() if hasattr(t, "produce") else t
             arranged = _config.permute(processor, name, np.asarray(value))
             stored = encode(arranged, kind)
-            out.write(name, stored)
+            out.write(name, np.ascontiguousarray(stored).reshape(-1).view(np.uint8))  # the stored bytes
             notes[name].update(_exactness(arranged, stored, kind))
             if on_tensor is not None:
                 on_tensor(name, stored.nbytes)

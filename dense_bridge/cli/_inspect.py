@@ -58,7 +58,15 @@ def cmd_inspect(args) -> int:
     from ..specs import layer_config
 
     spec = read_spec(args.spec)
-    ckpt = checkpoints.open_checkpoint(args.src, spec=spec, format=args.format)
+    try:
+        ckpt = checkpoints.open_checkpoint(args.src, spec=spec, format=args.format)
+    except db.CheckpointError:
+        from .. import ports
+
+        doc = ports.describe_file(args.src) if spec is None and args.format is None else None
+        if doc is None:
+            raise
+        return _print_one_file_model(doc, args)
     if hasattr(ckpt, "verify_structure"):  # a native file and its spec must agree before it is shown
         ckpt.verify_structure()
     entries = ckpt.entries()
@@ -121,6 +129,26 @@ def cmd_inspect(args) -> int:
               + " (loads and conversions refuse them unless allow_nonfinite / --allow-nonfinite)")
     else:
         print("NaN/Inf: none")
+    return EXIT_OK
+
+
+def _print_one_file_model(doc: dict, args) -> int:
+    if args.json:
+        emit_json(doc)
+        return EXIT_OK
+    nfiles = len(doc["files"])
+    print(f"{args.src}: {doc['kind']}, {nfiles} file{'s' if nfiles != 1 else ''}, {human_bytes(doc['bytes'])}")
+    rows = doc["linear_layers"]
+    print(f"linear layers ({len(rows)}):" if rows else "linear layers: none recognised by name")
+    if rows:
+        print(table(["layer", "in", "units", "bias", "type", "layout"],
+                    [[r["layer"], r["in_features"], r["units"], "yes" if r["bias"] else "no", r["dtype"], r["layout"]]
+                     for r in rows], right=(1, 2)))
+    print()
+    print(table(["tensor", "shape", "type", "values"],
+                [[t["name"], "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")",
+                  t["dtype"], f"{math.prod(t['shape']):,}"] for t in doc["tensors"]], right=(3,)))
+    print(f"total: {len(doc['tensors'])} tensors, {sum(math.prod(t['shape']) for t in doc['tensors']):,} stored values")
     return EXIT_OK
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._certificate import VerifyReport, verify_port
 from ._check import check_dirs, is_model_dir
 from ._demo import headline
+from ._one_file import describe_file
 from ._port import PortMismatch, PortReport, port
 
 
@@ -22,4 +23,4 @@ def formats() -> tuple[str, ...]:
 
 
 __all__ = ["port", "verify_port", "PortReport", "VerifyReport", "PortMismatch", "formats", "check_dirs",
-           "is_model_dir", "headline"]
+           "is_model_dir", "headline", "describe_file"]

@@ -255,7 +255,8 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
                    # port_open: a weight file opened for streaming (else read as safetensors);
                    # port_write: the format writes its own one-file destination (else safetensors shards)
-                   extras=("port_open", "port_write"))
+                   # port_inspect: what `inspect` shows of a one-file model of the format
+                   extras=("port_open", "port_write", "port_inspect"))
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.

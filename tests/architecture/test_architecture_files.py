@@ -61,7 +61,13 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
                                              "no checkpoint",
     ("backends/torch/_capture.py", "torch.load"): "load_model: a whole pickled model for `check --mapping`, "
                                                   "only with trust_pickle=True",
+    ("backends/gguf/_file.py", "mmap.mmap"): "GGUF tensors mapped from the descriptor open_readonly opened (the "
+                                             "file layer of a format no framework reads here)",
+    ("backends/gguf/_writer.py", "open"): "the GGUF file a port writes (into the port's atomic temporary)",
 }
+#: Modules that pack u64 fields of another binary format (not safetensors headers), with the reason.
+HEADER_ALLOWLIST = {"backends/gguf/_file.py": "GGUF's header (u64 counts, lengths and dimensions)",
+                    "backends/gguf/_writer.py": "GGUF's header (u64 counts, lengths and dimensions)"}
 
 
 def _sources() -> list[Path]:
@@ -121,7 +127,7 @@ def header_work(source: str) -> list[str]:
 
 def test_one_module_reads_and_writes_safetensors_headers():
     where = {_rel(p): header_work(p.read_text()) for p in _sources()}
-    offenders = {f: w for f, w in where.items() if w and f != SAFETENSORS_MODULE}
+    offenders = {f: w for f, w in where.items() if w and f != SAFETENSORS_MODULE and f not in HEADER_ALLOWLIST}
     assert not offenders, f"read and write safetensors through {SAFETENSORS_MODULE}: {offenders}"
     assert where[SAFETENSORS_MODULE], "the reader/writer itself must be seen by the check"
 

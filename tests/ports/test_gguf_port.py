@@ -126,18 +126,18 @@ def test_writes_the_tensor_bytes_llama_cpps_converter_writes(models, tmp_path, k
     differ = [n for n in mine if mine[n] != theirs[n]]
     assert not differ, [(n, mine[n][:2], theirs[n][:2]) for n in differ]
     # every hyperparameter and tokenizer key we write is the converter's, with its value
-    ra, rb = gguf.GGUFReader(ours), gguf.GGUFReader(str(tmp_path / "theirs.gguf"))
-    from dense_bridge.backends.gguf._shim import _value
+    from dense_bridge.backends.gguf._file import open_gguf
 
-    arch = _value(ra.fields["general.architecture"])
-    for key, field in ra.fields.items():
-        if key.startswith("GGUF.") or key == "general.name":
-            continue
-        if key == f"{arch}.vocab_size" and key not in rb.fields:  # transformers' key, read where present
-            assert _value(field) == len(_value(rb.fields["tokenizer.ggml.tokens"]))
-            continue
-        assert key in rb.fields, key
-        assert _value(field) == _value(rb.fields[key]) and field.types == rb.fields[key].types, key
+    with open_gguf(ours) as ra, open_gguf(str(tmp_path / "theirs.gguf")) as rb:
+        arch = ra.metadata["general.architecture"]
+        for key, value in ra.metadata.items():
+            if key == "general.name":
+                continue
+            if key == f"{arch}.vocab_size" and key not in rb.metadata:  # transformers' key, read where present
+                assert value == len(rb.metadata["tokenizer.ggml.tokens"])
+                continue
+            assert key in rb.metadata, key
+            assert value == rb.metadata[key] and ra.metadata_types[key] == rb.metadata_types[key], key
     with open(ours + ".port_certificate.json") as f:
         cert = json.load(f)
     assert set(cert["tensors"]) == set(mine) and cert["destination"]["outtype"] == outtype
