@@ -1,4 +1,4 @@
-"""``dense-bridge check A B`` for two model directories: each loaded by its own library's loader,
+"""``dense-bridge check A B`` for two model directories (or one-file models): each loaded by its own library's loader,
 run on the same generated tokens, compared layer by layer with the mapping inferred."""
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from . import _dirs
 
 
 def is_model_dir(path) -> bool:
-    """Whether ``path`` is a directory some installed library's model-directory adapter reads."""
+    """Whether ``path`` is a directory some installed library's model-directory adapter reads, or a
+    one-file model a port format claims (its ``port_detect`` takes files)."""
     try:
-        return os.path.isdir(path) and _dirs.detect(os.fspath(path)) is not None
+        return os.path.exists(path) and _dirs.detect(os.fspath(path)) is not None
     except Exception:  # noqa: BLE001 - any failure to recognise it means "not one"
         return False
 

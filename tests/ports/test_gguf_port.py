@@ -252,3 +252,26 @@ def test_llama_cpp_computes_the_logits_transformers_computes(models, tmp_path, k
     err = float(np.max(np.abs(theirs - ours)) / np.std(ours))
     print(f"{kind} {outtype}: max |llama.cpp - transformers| / std(logits) = {err:.3g}")
     assert err <= bound, err
+
+
+def test_a_quantizing_outtype_is_measured_and_certified(models, tmp_path):
+    src = make_model(models, "llama", tied=False)
+    path = str(tmp_path / "m.gguf")
+    report = db.port(src, path, to="gguf", outtype="q8_0")  # verify="auto": the full models run
+    v = report.verification
+    assert v["mode"] == "full" and v["passed"] and v["lossy"]["tensors"] > 0
+    assert v["kl_divergence"] < 1e-2 and v["top1_agreement"] > 0.9
+    cert = report.certificate["tensors"]
+    assert cert["blk.0.ffn_down.weight"]["codes"] == "quantized" and not cert["blk.0.ffn_down.weight"]["exact"]
+    assert cert["blk.0.attn_norm.weight"]["ggml_type"] == "F32" and cert["blk.0.attn_norm.weight"]["exact"]
+
+
+def test_check_and_inspect_read_gguf_files(models, tmp_path):
+    src = make_model(models, "qwen2", tied=True)
+    path = str(tmp_path / "m.gguf")
+    db.port(src, path, to="gguf", verify="twins")
+    cli = [sys.executable, "-m", "dense_bridge.cli"]
+    res = subprocess.run(cli + ["check", path, src, "--positions", "32"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "bit-identical" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    res = subprocess.run(cli + ["inspect", path], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "blk.0.attn_q.weight" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
