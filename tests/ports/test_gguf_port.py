@@ -275,3 +275,61 @@ def test_check_and_inspect_read_gguf_files(models, tmp_path):
     assert res.returncode == 0 and "bit-identical" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
     res = subprocess.run(cli + ["inspect", path], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "blk.0.attn_q.weight" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def _minimal_gguf_writer_file(src_gguf: str, out: str) -> None:
+    """The tensors of ``src_gguf`` rewritten by gguf-py's own GGUFWriter with only the
+    hyperparameters (no tokenizer): the minimal file transformers' GGUF loader reads."""
+    from dense_bridge.backends.gguf._file import open_gguf
+
+    with open_gguf(src_gguf) as f:
+        arch = f.metadata["general.architecture"]
+        w = gguf.GGUFWriter(out, arch)
+        for k, v in f.metadata.items():
+            if k.startswith(arch + ".") or k == "general.name":
+                t, e = f.metadata_types[k]
+                w.add_key_value(k, v, t, sub_type=e)
+        w.add_uint32(f"{arch}.vocab_size", VOCAB)
+        for name in f.keys():
+            w.add_tensor(name, np.array(f.get(name), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_reads_a_gguf_writer_file_as_transformers_gguf_loader_does(models, tmp_path, kind):
+    src = make_model(models, kind, tied=False)
+    first = str(tmp_path / "first.gguf")
+    db.port(src, first, to="gguf", verify="twins")
+    path = str(tmp_path / "m.gguf")
+    _minimal_gguf_writer_file(first, path)
+    out = str(tmp_path / "hf")
+    db.port(path, out, to="transformers", verify="twins")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    if kind == "qwen3":  # transformers' loader reads no head_dim for Qwen3: compared with the source instead
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    else:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf").state_dict()
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@needs_converter
+def test_reads_split_gguf_files(models, tmp_path):
+    src = make_model(models, "llama", tied=False)
+    root = llama_cpp_dir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(root, "gguf-py"))
+    res = subprocess.run([sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), src, "--outfile",
+                          str(tmp_path / "m.gguf"), "--outtype", "f32", "--split-max-tensors", "8"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    parts = sorted(glob.glob(str(tmp_path / "m-*-of-*.gguf")))
+    assert len(parts) == 3, parts
+    out = str(tmp_path / "hf")
+    report = db.port(parts[1], out, to="transformers", verify="twins")  # any part names the model
+    assert sorted(report.certificate["source"]["files"]) == sorted(os.path.basename(p) for p in parts)
+    a = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
