@@ -40,8 +40,7 @@ INDEX = "model.safetensors.index.json"
 CODE_LEAVES = ("scales", "biases")
 #: ``quantize=`` modes besides "affine:BITS:GROUP" (mlx_lm.utils.quantize_model's table: bits, group).
 MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUPS = (32, 64, 128)
+from ._quant_files import AFFINE_BITS, AFFINE_GROUPS  # noqa: E402  what mx.quantize offers (measured)
 
 
 class _Info:
@@ -273,6 +272,7 @@ class QuantizedWeights:
         out = {k: q[k] for k in ("bits", "group_size", "mode")}
         for leaf in q["files"]:
             out[leaf] = self._raw(layer, leaf)
+        out.update(_canonical(out))
         out["tensors"] = {leaf: f"{layer}.{leaf}" for leaf in q["files"]}
         out["files"] = dict(q["files"])
         out["dtype"] = q["dtype"]
@@ -296,6 +296,23 @@ class QuantizedWeights:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _canonical(codes: dict) -> dict:
+    """The codes unpacked: ``qcodes`` (units, in) unsigned, one per weight; ``scale`` (units, G)
+    (a microscaling mode's decoded to float32) and, affine, ``offset`` (units, G): the layer
+    dequantizes as f(f(scale * q) + offset) (affine)."""
+    from ._quant import _decode_scales, unpack
+
+    words = np.asarray(codes["weight"])
+    lead, n = words.shape[:-1], words.shape[-1] * 32 // codes["bits"]
+    q = unpack(words.reshape(-1, words.shape[-1]), codes["bits"], n).reshape(*lead, n)
+    out = {"qcodes": q}
+    if codes["mode"] == "affine":
+        out["scale"], out["offset"] = np.asarray(codes["scales"]), np.asarray(codes["biases"])
+    else:
+        out["scale"] = _decode_scales(np.asarray(codes["scales"]), codes["mode"])
+    return out
 
 
 def dequantize(codes: dict) -> np.ndarray:

@@ -122,12 +122,8 @@ def keep(tmp: str, dst_fmt, entries: dict, opened: dict, requantize: bool, hashe
         layers[target] = codes
     done = dst_fmt.port_keep_codes(tmp, layers, requantize)
     _rewrote(tmp, entries, done, hashes)
-    per = {}
-    for target, info in done["tensors"].items():
-        entry = entries.get(target)
-        if entry is None:
-            continue
-        per[target] = {"codes": info["codes"], "max_abs_error": info["max_abs_error"]}
+    per = {target: {"codes": info["codes"], "max_abs_error": info["max_abs_error"]}
+           for target, info in done["tensors"].items()}
     for target, why in reasons.items():
         entries[target]["codes_kept"] = f"no: {why}"
     return {"kept": per, "dequantized": sorted(t for t, e in entries.items() if e.get("codes") == "dequantized"),
