@@ -184,7 +184,7 @@ def active(quantize, keep_codes) -> bool:
 
 
 def finish(tmp: str, src_fmt, dst_fmt, entries: dict, opened: dict, *, quantize, keep_codes, requantize,
-           source_config: dict, dtype, hashes, float_model_logits) -> dict:
+           source_config: dict, dtype, hashes, float_model_logits, verification: dict | None = None) -> dict:
     """The codes written into the verified float directory ``tmp`` (``keep_codes`` or ``quantize``),
     then the destination loaded by its own loader and its next-token distribution compared with the
     float model's (``float_model_logits(model) -> (kl, top1, max_abs_logit_error)``). Returns the
@@ -201,7 +201,22 @@ def finish(tmp: str, src_fmt, dst_fmt, entries: dict, opened: dict, *, quantize,
                 "max_abs_logit_error_vs_float": worst,
                 "judged": "the full comparison ran on the exact float model before the codes were written; the "
                           "codes' own error is the largest_error bound, per tensor in the certificate"})
+    new = any(e.get("codes") == "quantized" for e in entries.values())
+    # codes moved exactly compute the float model's function: the loaded destination must agree with it
+    # (new codes move it by their stated error, which is reported, not judged)
+    out["passed"] = bool(np.isfinite(kl)) and (new or (kl <= MOVED_KL and top1 >= MOVED_TOP1))
+    if verification is not None:
+        verification["codes"] = out
+        if not out["passed"]:
+            verification["passed"] = False
+            verification["detail"] = (f"the destination with its codes, loaded by its own library, departs from the "
+                                      f"float model it was written from: next-token KL {kl:.3g}, top-1 {top1:.4f}")
     return out
+
+
+#: Codes moved bit for bit leave the function unchanged: the loaded destination's next-token
+#: distribution agrees with the float model's this closely or the port fails.
+MOVED_KL, MOVED_TOP1 = 1e-6, 0.999
 
 
 quantize_ = quantize

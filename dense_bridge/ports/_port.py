@@ -383,9 +383,9 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]))
         if codes and _codes.active(codes["quantize"], codes["keep_codes"]):
-            verification["codes"] = _codes.finish(
-                tmp, src_fmt, dst_fmt, cert_tensors, opened, **codes, source_config=contents["config"], dtype=dtype,
-                hashes=hashes, float_model_logits=_float_logits(dst_fmt, tmp, common, real_src))
+            _codes.finish(tmp, src_fmt, dst_fmt, cert_tensors, opened, **codes, source_config=contents["config"],
+                          dtype=dtype, hashes=hashes, float_model_logits=_float_logits(dst_fmt, tmp, common, real_src),
+                          verification=verification)
         certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)

@@ -192,3 +192,118 @@ def test_quantize_into_a_destination_without_a_quantizer_is_refused(dirs, tmp_pa
         db.port(dirs["llama-q4"], tmp_path / "out", to="transformers", quantize="affine:4:64")
     assert "mlx-lm" in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ keep_codes
+def _exact_in_torchao(src, dst) -> None:
+    """``src`` (an affine mlx-lm directory) copied to ``dst`` with every scale a positive power of two and
+    every bias ``-zero * scale`` for an integer zero: codes whose MLX dequantization f(f(scale * q) +
+    bias) and torchao's f((q - zero) * scale) agree bit for bit (every product and sum is exact)."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(src, dst)
+    for name in sorted(os.listdir(dst)):
+        if not name.endswith(".safetensors"):
+            continue
+        t = mx.load(str(dst / name))
+        for key in [k for k in t if k.endswith(".biases")]:
+            layer = key[: -len("biases")]
+            s, b = np.array(t[layer + "scales"]), np.array(t[key])
+            s2 = (2.0 ** np.round(np.log2(np.abs(s)))).astype(s.dtype)
+            t[layer + "scales"], t[key] = mx.array(s2), mx.array((-np.clip(np.round(-b / s2), -100, 100) * s2)
+                                                               .astype(s.dtype))
+        mx.save_safetensors(str(dst / name), t, metadata={"format": "mlx"})
+
+
+def _torchao_layers(path) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao.")}
+
+
+def test_keep_codes_moves_codes_whose_arithmetic_agrees_into_torchao(dirs, tmp_path):
+    """Codes torchao dequantizes exactly as MLX does move as they are: transformers loads
+    IntxUnpackedToInt8Tensor layers (its own torchao support) holding the source's codes, whose
+    dequantization equals mlx_lm.utils.dequantize_model bit for bit; the embedding table (which
+    transformers quantizes not) is the exact dequantization; verify_port holds."""
+    pytest.importorskip("torchao")
+    import torch
+
+    from dense_bridge.backends.mlx._port_quant import QuantizedWeights
+
+    src = tmp_path / "exact"
+    _exact_in_torchao(dirs["llama-q4"], src)
+    out = tmp_path / "hf"
+    report = db.port(src, out, to="transformers", keep_codes=True, verify="full")
+    kept = report.verification["codes"]["kept"]
+    assert kept and all(v == {"codes": "moved", "max_abs_error": 0.0} for v in kept.values())
+    assert report.verification["codes"]["largest_error"] == 0.0
+    want = _dequantized(src)
+    layers = _torchao_layers(out)
+    assert {f"{n}.weight" for n in layers} == set(kept)
+    with QuantizedWeights(str(src / "model.safetensors")) as f:
+        for name, m in layers.items():
+            with torch.no_grad():
+                got = m.weight.dequantize().numpy()
+            assert _same_bits(got, want[f"{name}.weight"]), name
+            codes = f.codes_of(f"{name}.weight")
+            assert np.array_equal(m.weight.qdata.numpy().astype(np.int16), codes["qcodes"].astype(np.int16) - 8), name
+    entries = report.certificate["tensors"]
+    assert entries["model.embed_tokens.weight"]["codes"] == "dequantized"
+    assert {e["codes"] for k, e in entries.items() if "._weight_" in k} == {"moved"}
+    assert db.verify_port(out).passed
+
+
+def test_keep_codes_refuses_naming_the_first_differing_value(dirs, tmp_path):
+    """mlx_lm.convert's own codes (a float bias, not an integer zero point) do not dequantize the same
+    in torchao: refused, naming the tensor, the index and both values; nothing written."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "hf"
+    with pytest.raises(db.ConversionError) as info:
+        db.port(dirs["llama-q4"], out, to="transformers", keep_codes=True, verify="twins")
+    msg = str(info.value)
+    assert "keep_codes" in msg and "requantize=True" in msg
+    import re
+
+    m = re.search(r"tensor '([^']+)' at index \((\d+), (\d+)\): torchao dequantizes the moved codes to (\S+), the "
+                  r"source's exact dequantization is (\S+) \(", msg)
+    assert m, msg
+    name, i, j, theirs, ours = m.group(1), int(m.group(2)), int(m.group(3)), float(m.group(4)), float(m.group(5))
+    # bit patterns, not values: the first difference may be a signed zero (0.0 from scale * q + bias,
+    # -0.0 from (q - zero) * scale with a negative scale)
+    assert repr(ours) == repr(float(_dequantized(dirs["llama-q4"])[name][i, j])) and repr(theirs) != repr(ours)
+    assert not out.exists()
+
+
+def test_keep_codes_with_requantize_writes_torchao_codes_and_reports_the_largest_error(dirs, tmp_path):
+    pytest.importorskip("torchao")
+    import torch
+
+    out = tmp_path / "hf"
+    report = db.port(dirs["llama-q4"], out, to="transformers", keep_codes=True, requantize=True, verify="twins")
+    codes = report.verification["codes"]
+    assert codes["kept"] and {v["codes"] for v in codes["kept"].values()} == {"quantized"}
+    want = _dequantized(dirs["llama-q4"])
+    layers = _torchao_layers(out)
+    worst = 0.0
+    for name, m in layers.items():
+        with torch.no_grad():
+            err = float(np.max(np.abs(m.weight.dequantize().numpy().astype(np.float64) - want[f"{name}.weight"])))
+        assert err == pytest.approx(codes["kept"][f"{name}.weight"]["max_abs_error"], rel=1e-6, abs=1e-12)
+        worst = max(worst, err)
+    assert codes["largest_error"] == pytest.approx(worst) and 0 < worst < 0.05
+    assert codes["loaded"] and codes["top1_agreement_vs_float"] > 0.5
+    assert db.verify_port(out).passed
+
+
+def test_keep_codes_of_a_microscaling_source_is_refused_naming_the_mode(dirs, tmp_path):
+    pytest.importorskip("torchao")
+    with pytest.raises(db.ConversionError, match="mxfp4") as info:
+        db.port(dirs["qwen2-mxfp4"], tmp_path / "hf", to="transformers", keep_codes=True, verify="twins")
+    assert "requantize=True" in str(info.value)
+    assert not (tmp_path / "hf").exists()
