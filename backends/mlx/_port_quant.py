@@ -67,14 +67,10 @@ def _weight_map(path: str) -> dict[str, str]:
     return out
 
 
-def _float_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the float model mlx-lm builds for ``config`` (lazily: nothing computed)."""
-    from mlx.utils import tree_flatten
-
-    from ._ports import _build
-
-    plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    return {k: tuple(v.shape) for k, v in tree_flatten(_build(plain).parameters())}
+def _float_shapes(config: dict, shapes_of) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the float model mlx-lm builds for ``config`` (``shapes_of``: the port's
+    ``port_shapes``, lazily: nothing computed)."""
+    return dict(shapes_of({k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}))
 
 
 def _mx_dtype_of(np_dtype) -> Any:
@@ -94,7 +90,7 @@ def _default_float_dtype():
     return to_numpy(mx.dequantize(w, s, None, 32, 4, "mxfp4")[:0]).dtype
 
 
-def quantized_layers(path: str, config: dict | None = None) -> dict[str, dict]:
+def quantized_layers(path: str, config: dict | None, shapes_of) -> dict[str, dict]:
     """{layer path: {"bits", "group_size", "mode", "shape" (float), "dtype" (numpy, of the
     dequantization), "files": {leaf: file}}} of every quantized layer of the mlx-lm directory
     ``path``, each scheme as mlx-lm's loader infers it; CheckpointError naming the tensor or the
@@ -109,7 +105,7 @@ def quantized_layers(path: str, config: dict | None = None) -> dict[str, dict]:
         raise CheckpointError(f"{os.path.join(path, CONFIG)}: \"quantization\" must be an object. "
                               f"{received('quantization', settings)}")
     weights = _weight_map(path)
-    shapes = _float_shapes(config)
+    shapes = _float_shapes(config, shapes_of)
     opened: dict[str, SafetensorsFile] = {}
     out: dict[str, dict] = {}
     mx_default = None
@@ -186,24 +182,24 @@ class _Module:
         self.weight = _Shape(shape, None)
 
 
-def code_names(path: str, config: dict, weights: dict[str, str]) -> set[str]:
+def code_names(path: str, config: dict, weights: dict[str, str], shapes_of) -> set[str]:
     """The tensors of ``weights`` a float reading hides (each quantized layer's scales and biases)."""
     if not is_quantized(config):
         return set()
-    layers = quantized_layers(path, config)
+    layers = quantized_layers(path, config, shapes_of)
     return {f"{layer}.{leaf}" for layer in layers for leaf in CODE_LEAVES if f"{layer}.{leaf}" in weights}
 
 
 _CACHE: dict[tuple, dict] = {}
 
 
-def _layers_cached(directory: str) -> dict[str, dict]:
+def _layers_cached(directory: str, shapes_of) -> dict[str, dict]:
     config_path = os.path.join(directory, CONFIG)
     st = os.stat(config_path)
     key = (os.path.realpath(directory), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
         _CACHE.clear()
-        _CACHE[key] = quantized_layers(directory)
+        _CACHE[key] = quantized_layers(directory, None, shapes_of)
     return _CACHE[key]
 
 
@@ -212,14 +208,15 @@ class QuantizedWeights:
     the module docstring): ``tensors`` (name -> shape, numpy_dtype), ``get``, ``keys``, ``close``,
     like :class:`~dense_bridge.checkpoints._safetensors.SafetensorsFile`; ``codes_of(name)``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shapes_of) -> None:
+        """``shapes_of(config)``: every parameter's shape in mlx-lm's float model for a config."""
         self.path = path
         self.directory = os.path.dirname(os.path.abspath(path))
         self.file = SafetensorsFile(path)
         self.metadata = self.file.metadata
         self._siblings: dict[str, SafetensorsFile] = {}
         try:
-            self.layers = _layers_cached(self.directory)
+            self.layers = _layers_cached(self.directory, shapes_of)
         except BaseException:
             self.file.close()
             raise
@@ -302,7 +299,7 @@ def _canonical(codes: dict) -> dict:
     """The codes unpacked: ``qcodes`` (units, in) unsigned, one per weight; ``scale`` (units, G)
     (a microscaling mode's decoded to float32) and, affine, ``offset`` (units, G): the layer
     dequantizes as f(f(scale * q) + offset) (affine)."""
-    from ._quant import _decode_scales, unpack
+    from ._quant import unpack
 
     words = np.asarray(codes["weight"])
     lead, n = words.shape[:-1], words.shape[-1] * 32 // codes["bits"]
@@ -311,7 +308,13 @@ def _canonical(codes: dict) -> dict:
     if codes["mode"] == "affine":
         out["scale"], out["offset"] = np.asarray(codes["scales"]), np.asarray(codes["biases"])
     else:
-        out["scale"] = _decode_scales(np.asarray(codes["scales"]), codes["mode"])
+        s = np.asarray(codes["scales"])
+        if codes["mode"] == "nvfp4":  # float8 e4m3 scales
+            import ml_dtypes
+
+            out["scale"] = s.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        else:  # mxfp: an exponent, 2**(e - 127)
+            out["scale"] = np.ldexp(np.float32(1), s.astype(np.int32) - 127).astype(np.float32)
     return out
 
 

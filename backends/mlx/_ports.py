@@ -102,7 +102,7 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     if not weights:
         raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
     extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
-    hidden = code_names(path, config, weights)  # a quantized directory reads as its float model (_port_quant)
+    hidden = code_names(path, config, weights, lambda c: port_shapes(fmt, c))  # a quantized directory reads as its float model (_port_quant)
     weights = {k: v for k, v in weights.items() if k not in hidden}
     return {"config": config, "weights": weights, "extras": extras}
 
@@ -113,7 +113,7 @@ def port_open(fmt: str, path: str):
     directory = os.path.dirname(os.path.abspath(path))
     config_path = os.path.join(directory, CONFIG)
     if os.path.isfile(config_path) and is_quantized(read_json_file(config_path, "mlx-lm config")):
-        return QuantizedWeights(path)
+        return QuantizedWeights(path, lambda c: port_shapes(fmt, c))
     return SafetensorsFile(path)
 
 

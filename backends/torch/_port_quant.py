@@ -25,6 +25,32 @@ from dense_bridge.adapter_kit import ConversionError
 
 from ._arrays import to_numpy
 
+import contextlib
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' progress bars off and warnings held back while it loads and saves (the port
+    reports in its own words)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as tlog
+
+    bars = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+        if bars:
+            tlog.enable_progress_bar()
+
+
 LAYOUT = "torchao IntxUnpackedToInt8Tensor (IntxWeightOnlyConfig, asymmetric, per-group), via TorchAoConfig"
 
 
@@ -78,8 +104,6 @@ def port_keep_codes(fmt: str, path: str, layers: dict, requantize: bool) -> dict
     import torch
     import transformers
     from torchao.quantization import FqnToConfig
-
-    from ._ports import _quiet
 
     with _quiet():
         plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto")

@@ -234,7 +234,7 @@ def test_keep_codes_moves_codes_whose_arithmetic_agrees_into_torchao(dirs, tmp_p
     pytest.importorskip("torchao")
     import torch
 
-    from dense_bridge.backends.mlx._port_quant import QuantizedWeights
+    from dense_bridge.backends.mlx import port_open
 
     src = tmp_path / "exact"
     _exact_in_torchao(dirs["llama-q4"], src)
@@ -246,7 +246,7 @@ def test_keep_codes_moves_codes_whose_arithmetic_agrees_into_torchao(dirs, tmp_p
     want = _dequantized(src)
     layers = _torchao_layers(out)
     assert {f"{n}.weight" for n in layers} == set(kept)
-    with QuantizedWeights(str(src / "model.safetensors")) as f:
+    with port_open("mlx-lm", str(src / "model.safetensors")) as f:
         for name, m in layers.items():
             with torch.no_grad():
                 got = m.weight.dequantize().numpy()
