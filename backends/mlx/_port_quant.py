@@ -396,8 +396,11 @@ def port_quantize(fmt: str, path: str, quantize: str, source_config: dict, dtype
         err = float(mx.max(mx.abs(w.astype(mx.float32) - ref.astype(mx.float32))).item())
         stored = {f"{name}.{leaf}": _dtype(getattr(module, leaf)) for leaf in ("weight", "scales", "biases")
                   if isinstance(getattr(module, leaf, None), mx.array)}
+        recipe = {"mode": module.mode, "bits": int(module.bits), "group_size": int(module.group_size),
+                  "float_dtype": _dtype(ref)}
         tensors[f"{name}.weight"] = {
             "codes": "quantized", "stored": stored, "max_abs_error": err,
+            "recompute": {k: {**recipe, "part": k.rsplit(".", 1)[1]} for k in stored},
             "ops": [f"quantize {module.mode} {module.bits}-bit, group {module.group_size} "
                     f"(mlx_lm.utils.quantize_model, as mlx_lm.convert -q)"]}
     for old in glob.glob(os.path.join(path, "model*.safetensors")) + [os.path.join(path, INDEX)]:
@@ -415,3 +418,18 @@ def _dtype(a) -> str:
 def port_parse_quantize(fmt: str, value) -> dict:
     """``quantize=`` checked before anything is written (:func:`parse_quantize`)."""
     return parse_quantize(value)
+
+
+def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict | None) -> np.ndarray:
+    """The stored tensor ``recipe["part"]`` ("weight", "scales", "biases") of ``value`` (the float
+    weight, already in ``recipe["float_dtype"]``) quantized again by ``mx.quantize`` with the
+    recipe's mode, bits and group, as quantize_model did (``db.verify_port``)."""
+    import mlx.core as mx
+
+    from ._arrays import from_numpy, to_numpy
+
+    parts = mx.quantize(from_numpy(np.ascontiguousarray(value)), recipe["group_size"], recipe["bits"],
+                        mode=recipe["mode"])
+    index = {"weight": 0, "scales": 1, "biases": 2}[recipe["part"]]
+    mx.eval(parts[index])
+    return np.ascontiguousarray(to_numpy(parts[index]))

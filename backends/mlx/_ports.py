@@ -19,7 +19,7 @@ from dense_bridge.adapter_kit import BackendUnavailableError, CheckpointError, C
     received
 from dense_bridge.checkpoints._safetensors import read_json_file
 
-from ._port_quant import QuantizedWeights, code_names, is_quantized, port_parse_quantize, port_quantize  # noqa: F401  quantized directories
+from ._port_quant import QuantizedWeights, code_names, is_quantized, port_parse_quantize, port_quantize, port_recompute_codes  # noqa: F401  quantized directories
 
 FORMAT = "mlx-lm"
 CONFIG = "config.json"

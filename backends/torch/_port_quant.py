@@ -158,9 +158,12 @@ def port_keep_codes(fmt: str, path: str, layers: dict, requantize: bool) -> dict
               if kind == "moved" else
               f"quantize with torchao IntxWeightOnlyConfig(int{codes['bits']}, group {codes['group_size']}, "
               f"asymmetric) through transformers' TorchAoConfig")
-        done[target] = {"codes": kind, "max_abs_error": err, "ops": [op],
-                        "stored": {f"{fqn}._weight_qdata": "int8", f"{fqn}._weight_scale": scale_dtype,
-                                   f"{fqn}._weight_zero_point": "int8"}}
+        stored = {f"{fqn}._weight_qdata": "int8", f"{fqn}._weight_scale": scale_dtype,
+                  f"{fqn}._weight_zero_point": "int8"}
+        recipe = {"kind": kind, "bits": int(codes["bits"]), "group_size": int(codes["group_size"]),
+                  "scale_dtype": scale_dtype, "float_dtype": str(ref.dtype)}
+        done[target] = {"codes": kind, "max_abs_error": err, "ops": [op], "stored": stored,
+                        "recompute": {k: {**recipe, "part": k.rsplit("._weight_", 1)[1]} for k in stored}}
     with tempfile.TemporaryDirectory(prefix="dense-bridge-torchao-", dir=os.path.dirname(os.path.abspath(path))) as t:
         with _quiet():
             model.save_pretrained(t)
@@ -182,3 +185,43 @@ def _weight_map(path: str) -> dict[str, str]:
             with SafetensorsFile(os.path.join(path, name)) as f:
                 out.update({k: name for k in f.keys()})
     return out
+
+
+def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict | None) -> np.ndarray:
+    """The stored torchao tensor ``recipe["part"]`` ("qdata", "scale", "zero_point") computed again
+    (``db.verify_port``): for moved codes from the source's canonical ``codes`` (the rewrite of the
+    module docstring), for new ones by torchao's quantizer on ``value``, the float weight in
+    ``recipe["float_dtype"]`` (what transformers' TorchAoConfig quantized)."""
+    import torch
+
+    if recipe["kind"] == "moved":
+        template = _template(recipe, tuple(np.asarray(codes["qcodes"]).shape))
+        w = _candidate(template, codes)
+    else:
+        from torchao.quantization import quantize_
+
+        units, n = value.shape
+        lin = torch.nn.Linear(n, units, bias=False, dtype=_torch(value).dtype)
+        with torch.no_grad():
+            lin.weight.copy_(_torch(value))
+        quantize_(lin, _config_for(recipe["bits"], recipe["group_size"]))
+        w = lin.weight
+    part = {"qdata": w.qdata, "scale": w.scale, "zero_point": w.zero_point}[recipe["part"]]
+    return np.ascontiguousarray(to_numpy(part.detach()))
+
+
+def _torch(value: np.ndarray):
+    from ._arrays import from_numpy
+
+    return from_numpy(np.ascontiguousarray(value))
+
+
+def _template(recipe: dict, shape: tuple[int, ...]):
+    """A torchao tensor of ``shape`` in the recipe's bits, groups and scale dtype (its values unused)."""
+    import torch
+    from torchao.quantization import quantize_
+
+    dtype = getattr(torch, recipe["scale_dtype"])
+    lin = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=dtype)
+    quantize_(lin, _config_for(recipe["bits"], recipe["group_size"]))
+    return lin.weight

@@ -310,7 +310,8 @@ def verify_port(out: Any) -> VerifyReport:
         if entry.get("codes") in ("moved", "quantized"):  # new codes: their library recomputes them (_codes)
             from ._codes import verify_codes
 
-            why = verify_codes(entry, dst.get(target))
+            why = verify_codes(entry, dst.get(target), lambda s: open_(src_dir, s["file"], "source"),
+                               cert["destination"].get("format", ""), make)
             if why:
                 problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it {why}")
             continue

@@ -154,7 +154,9 @@ def _rewrote(tmp: str, entries: dict, done: dict, hashes) -> None:
             entries[stored] = {**old, "ops": list(old["ops"]) + list(info["ops"]), "dtypes": [old["dtypes"][0], dtype],
                                "exact": info["codes"] == "moved", "max_ulp": 0 if info["codes"] == "moved" else None,
                                "codes": info["codes"], "max_abs_error": info["max_abs_error"],
-                               "codes_of": target, "file": files_of[stored]}
+                               "codes_of": target, "file": files_of[stored],
+                               **({"recompute": info["recompute"][stored]} if stored in info.get("recompute", {})
+                                  else {})}
     for name, entry in entries.items():
         if name in files_of:
             entry["file"] = files_of[name]
@@ -165,17 +167,35 @@ def _rewrote(tmp: str, entries: dict, done: dict, hashes) -> None:
             hashes.forget(("destination", name))
 
 
-def verify_codes(entry: dict, got: np.ndarray) -> str | None:
-    """What :func:`dense_bridge.ports.verify_port` can confirm of a tensor holding new or moved
-    codes from the files alone: its dtype and that it is finite where it is a float. Recomputing
-    the codes needs the destination library; the file's sha256 is confirmed with the others."""
-    want = entry["dtypes"][-1]
-    from .._dtypes import dtype_name
+def verify_codes(entry: dict, got: np.ndarray, source, destination_format: str, make) -> str | None:
+    """Why the stored codes ``got`` of a certificate entry (``"codes"`` "moved" or "quantized") do not
+    hold, or None: recomputed by the destination adapter's ``port_recompute_codes(recipe, float
+    value, source codes)`` from the entry's source (``source(s)`` opens it as the port read it: a
+    quantized source as its exact dequantization, with its codes) and made as the certificate's
+    ``make`` makes a tensor from its sources, compared bit for bit."""
+    from .._dtypes import dtype_name, numpy_dtype
+    from . import _dirs
 
-    if dtype_name(got.dtype) != want:
-        return f"holds {dtype_name(got.dtype)}, the certificate says {want}"
-    if got.dtype.kind == "f" and not np.all(np.isfinite(np.asarray(got, np.float32))):
-        return "holds non-finite values"
+    recipe = entry.get("recompute")
+    if recipe is None:
+        return "has no recipe to recompute its codes by"
+    try:
+        fmt = _dirs.Format(destination_format)
+        arrays, codes = [], None
+        for s in entry["sources"]:
+            f = source(s)
+            if f is None or s["tensor"] not in f.tensors:
+                return f"cannot be recomputed: its source {s['tensor']!r} in {s['file']!r} cannot be read"
+            arrays.append((f.get(s["tensor"]), s["slice"], s["transpose"]))
+            fn = getattr(f, "codes_of", None)
+            codes = fn(s["tensor"]) if callable(fn) else None
+        value = make(arrays, entry["axis"], np.dtype(numpy_dtype(recipe["float_dtype"])))
+        want = np.asarray(fmt.port_recompute_codes(recipe, value, codes))
+    except Exception as exc:  # noqa: BLE001 - an adapter that cannot recompute: said, never a pass
+        return f"cannot be recomputed: {type(exc).__name__}: {str(exc)[:200]}"
+    if dtype_name(got.dtype) != dtype_name(want.dtype) or got.shape != want.shape or got.tobytes() != want.tobytes():
+        return (f"differs from its codes recomputed from {[s['tensor'] for s in entry['sources']]} with "
+                f"{entry['ops'][-1]!r}")
     return None
 
 

@@ -254,7 +254,7 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                              "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"),
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
                    extras=("port_open",  # a weight file opened for streaming (else read as safetensors)
-                           "port_parse_quantize", "port_quantize", "port_keep_codes"))  # codes: ports/_codes.py
+                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))  # codes: ports/_codes.py
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.

@@ -307,3 +307,26 @@ def test_keep_codes_of_a_microscaling_source_is_refused_naming_the_mode(dirs, tm
         db.port(dirs["qwen2-mxfp4"], tmp_path / "hf", to="transformers", keep_codes=True, verify="twins")
     assert "requantize=True" in str(info.value)
     assert not (tmp_path / "hf").exists()
+
+
+def test_verify_port_recomputes_codes_and_names_a_changed_one(dirs, tmp_path):
+    """verify_port recomputes every quantized tensor with the destination library's quantizer; a code
+    changed in the file (its sha256 updated in the certificate, so only the recomputation can tell)
+    is named."""
+    from dense_bridge.checkpoints._port_files import sha256_file
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path / "q"
+    db.port(dirs["llama"], out, to="mlx-lm", quantize="affine:4:64", verify="twins")
+    assert db.verify_port(out).passed
+    name = next(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    tensors = load_file(str(out / name))
+    key = "model.layers.1.mlp.down_proj.weight"
+    tensors[key] = tensors[key].copy()
+    tensors[key][3, 5] ^= np.uint32(1)
+    save_file(tensors, str(out / name), metadata={"format": "mlx"})
+    cert = json.loads((out / "port_certificate.json").read_text())
+    cert["destination"]["files"][name] = sha256_file(str(out / name))
+    (out / "port_certificate.json").write_text(json.dumps(cert))
+    report = db.verify_port(out)
+    assert not report.passed and len(report.problems) == 1 and key in report.problems[0]
