@@ -338,23 +338,37 @@ def describe(codes: dict) -> str:
 
 # ------------------------------------------------------------------------------ quantize=
 def parse_quantize(value: Any) -> dict:
-    """``"affine:BITS:GROUP"`` or a microscaling mode name (``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"``) ->
-    {"mode", "bits", "group_size"}; ConversionError naming ``quantize`` and echoing the value."""
+    """``"affine:BITS:GROUP"``, a microscaling mode name (``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"``) or one of
+    mlx-lm's mixed recipes (``"mixed_3_6"``: per-layer bits, written as per-layer entries of
+    config["quantization"]) -> {"mode", "bits", "group_size", "recipe"?}; ConversionError naming
+    ``quantize`` and echoing the value."""
     if not isinstance(value, str):
         raise TypeError(f"quantize must be a string such as 'affine:4:64' or 'mxfp4'. {received('quantize', value)}")
     if value in MODES:
         bits, group = MODES[value]
         return {"mode": value, "bits": bits, "group_size": group}
+    recipes = _recipes()
+    if value in recipes:  # mlx_lm.convert --quant-predicate: per-layer bits, group and bits by default
+        return {"mode": "affine", "bits": None, "group_size": None, "recipe": value}
     m = re.fullmatch(r"affine:(\d+):(\d+)", value)
     if not m:
         raise ConversionError(f"quantize must be 'affine:BITS:GROUP' (bits {list(AFFINE_BITS)}, groups "
-                              f"{list(AFFINE_GROUPS)}) or one of MLX's modes {sorted(MODES)}. "
-                              f"{received('quantize', value)}")
+                              f"{list(AFFINE_GROUPS)}), one of MLX's modes {sorted(MODES)} or one of mlx-lm's mixed "
+                              f"recipes {list(recipes)}. {received('quantize', value)}")
     bits, group = int(m.group(1)), int(m.group(2))
     if bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
         raise ConversionError(f"quantize={value!r}: MLX's affine quantization has bits {list(AFFINE_BITS)} and groups "
                               f"{list(AFFINE_GROUPS)}. {received('quantize', value)}")
     return {"mode": "affine", "bits": bits, "group_size": group}
+
+
+def _recipes() -> tuple[str, ...]:
+    """mlx-lm's mixed quantization recipes (``mlx_lm.convert --quant-predicate``)."""
+    try:
+        from mlx_lm.convert import QUANT_RECIPES
+    except ImportError:
+        return ()
+    return tuple(QUANT_RECIPES)
 
 
 def port_quantize(fmt: str, path: str, quantize: str, source_config: dict, dtype: str | None) -> dict:
@@ -384,7 +398,16 @@ def port_quantize(fmt: str, path: str, quantize: str, source_config: dict, dtype
             lambda k, v: v.astype(target) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v,
             model.parameters()))
     before = {k: v for k, v in tree_flatten(model.parameters())}
-    model, config = quantize_model(model, config, settings["group_size"], settings["bits"], mode=settings["mode"])
+    predicate = None
+    if settings.get("recipe"):
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        try:
+            predicate = mixed_quant_predicate_builder(settings["recipe"], model, None)
+        except ValueError as exc:
+            raise ConversionError(f"quantize={quantize!r}: mlx-lm's recipe does not fit this model: {exc}") from None
+    model, config = quantize_model(model, config, settings["group_size"], settings["bits"], mode=settings["mode"],
+                                   quant_predicate=predicate)
     tensors: dict[str, dict] = {}
     for name, module in model.named_modules():
         if not hasattr(module, "scales") or not hasattr(module, "bits") or not isinstance(

@@ -131,7 +131,8 @@ def test_the_full_verification_of_a_quantized_source_compares_its_own_quantized_
                                           ("odd", "affine:3:64", dict(q_bits=3, q_group_size=64)),
                                           ("llama", "affine:4:64", dict(q_bits=4, q_group_size=64, dtype="bfloat16")),
                                           ("qwen2", "mxfp4", dict(q_mode="mxfp4")),
-                                          ("llama", "nvfp4", dict(q_mode="nvfp4"))])
+                                          ("llama", "nvfp4", dict(q_mode="nvfp4")),
+                                          ("llama", "mixed_3_6", dict(quant_predicate="mixed_3_6"))])
 def test_quantize_equals_mlx_lm_convert_code_for_code(dirs, tmp_path, base, spec, kw):
     """quantize= into mlx-lm: every tensor (packed codes, scales, biases, the float ones) and
     config["quantization"] (and its hub copy) equal what mlx_lm.convert(quantize=True) writes for the
@@ -142,6 +143,9 @@ def test_quantize_equals_mlx_lm_convert_code_for_code(dirs, tmp_path, base, spec
     convert(str(dirs[base]), mlx_path=str(theirs), quantize=True, **kw)
     out = tmp_path / "ours"
     report = db.port(dirs[base], out, to="mlx-lm", quantize=spec, verify="twins", dtype=kw.get("dtype"))
+    if spec.startswith("mixed"):  # mlx-lm's per-layer entries, other bit widths among them
+        entries = json.loads((out / "config.json").read_text())["quantization"]
+        assert {v["bits"] for k, v in entries.items() if isinstance(v, dict)} == {3, 6}
     want, got = _stored(theirs), _stored(out)
     assert set(got) == set(want)
     if base == "odd":  # a layer mlx-lm leaves float, left float here too
