@@ -122,8 +122,9 @@ def port_keep_codes(fmt: str, path: str, layers: dict, requantize: bool) -> dict
     if problems and not requantize:
         raise ConversionError("keep_codes=True cannot keep these codes (pass requantize=True for torchao's own codes; "
                               "nothing was written): " + "; ".join(problems[:4]))
+    # keyed by the weight itself: keyed by the module, transformers 5.24 hands torchao its bias too
     config = transformers.TorchAoConfig(quant_type=FqnToConfig(
-        {fqn: _config_for(int(c["bits"]), int(c["group_size"])) for fqn, (_, c) in linear.items()}))
+        {f"{fqn}.weight": _config_for(int(c["bits"]), int(c["group_size"])) for fqn, (_, c) in linear.items()}))
     with _quiet():
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", quantization_config=config)
     done: dict[str, dict] = {}

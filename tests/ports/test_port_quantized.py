@@ -292,15 +292,16 @@ def test_keep_codes_refuses_naming_the_first_differing_value(dirs, tmp_path):
     assert not out.exists()
 
 
-def test_keep_codes_with_requantize_writes_torchao_codes_and_reports_the_largest_error(dirs, tmp_path):
+@pytest.mark.parametrize("name", ["llama-q4", "qwen2-q8"])  # qwen2: tied table, biased q/k/v projections
+def test_keep_codes_with_requantize_writes_torchao_codes_and_reports_the_largest_error(dirs, tmp_path, name):
     pytest.importorskip("torchao")
     import torch
 
     out = tmp_path / "hf"
-    report = db.port(dirs["llama-q4"], out, to="transformers", keep_codes=True, requantize=True, verify="twins")
+    report = db.port(dirs[name], out, to="transformers", keep_codes=True, requantize=True, verify="twins")
     codes = report.verification["codes"]
     assert codes["kept"] and {v["codes"] for v in codes["kept"].values()} == {"quantized"}
-    want = _dequantized(dirs["llama-q4"])
+    want = _dequantized(dirs[name])
     layers = _torchao_layers(out)
     worst = 0.0
     for name, m in layers.items():
