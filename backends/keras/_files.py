@@ -268,7 +268,7 @@ def _check_archive(path: str) -> None:
 
 def _load_model(path: str):
     _check_archive(path)
-    with _named(path, ".keras") as named:
+    with input_path(path, what="Keras model archive") as checked, _named(checked, ".keras") as named:
         try:
             return keras.saving.load_model(named)
         except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
@@ -316,7 +316,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
                 _copy_datasets(path, scratch, mapping)
                 source = scratch
         check(got, expected)
-        with _named(source, ".weights.h5") as named:
+        with input_path(source, what="Keras HDF5 file") as checked, _named(checked, ".weights.h5") as named:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # keras only warns when some weights did not load
