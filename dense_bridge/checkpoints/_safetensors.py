@@ -188,12 +188,14 @@ def is_safetensors(head: bytes, size: int) -> bool:
 MAX_JSON_FILE = 1 << 26
 
 
-def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: type | None = dict):
+def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: type | None = dict, *,
+                   inside: str | None = None):
     """The JSON object in the small file ``path`` (an index, a spec file), opened the safe way
-    (``open_readonly``: a FIFO or device refused, never waited on) and parsed by
+    (``_guard.open_input``: a FIFO or device refused, never waited on) and parsed by
     ``parse_json`` (deep nesting, duplicate keys refused); ``top_level=None`` takes any JSON
-    value, not only an object. CheckpointError naming it."""
-    fd = open_input(path, what=what, limit=limit)
+    value, not only an object; ``inside``: a folder the file must lie in, symlinks resolved
+    (``_guard.open_input``). CheckpointError naming it."""
+    fd = open_input(path, what=what, limit=limit, inside=inside)
     try:  # no more than the file holds: pread allocates the size asked for before it reads
         raw = read_at(fd, min(limit, os.fstat(fd).st_size) + 1, 0)
     except OSError as exc:
