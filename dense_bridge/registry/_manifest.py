@@ -56,9 +56,9 @@ class Probe:
     ``path``; ``name``: its base name in lower case (``name.endswith(".weights.h5")``); ``size``
     in bytes; ``head``: its first 64 bytes. Safetensors files (opened by the core) also give
     ``metadata`` (the header's string metadata) and ``tensor_names``; other files give None.
-    ``reopen``: a zero-argument callable giving a context manager of the same file opened for
-    reading (the core's checked descriptor, never the name again); without it a zip archive's
-    member names are unknown (None).
+    ``reopen``: a zero-argument callable giving a context manager of the file opened for reading
+    through the core's file guard (a FIFO or device refused, never waited on); without it a zip
+    archive's member names are unknown (None).
     """
 
     def __init__(self, path: str, head: bytes, size: int, *, metadata: dict | None = None,
