@@ -29,7 +29,8 @@ from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
 from dense_bridge.params._memory_budget import available_memory
-from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
+from dense_bridge.checkpoints._guard import input_file, input_path, open_input
+from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
 from ._params import layer_variables
 from ._to_spec import layers_of
@@ -63,11 +64,13 @@ def _h5_structure(path: str) -> Entries:
 
     linked: list[str] = []
     try:
-        size = os.path.getsize(path)
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as f:
+            size = os.path.getsize(checked)
             f.visititems_links(visit_link)
             if not linked:
                 f.visititems(visit)
+    except DenseBridgeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
@@ -112,8 +115,10 @@ def _storage_problem(dataset, file_size: int) -> str | None:
 
 def _h5_spec_attr(path: str) -> str | None:
     try:
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as f:
             raw = f.attrs.get(SPEC_ATTR)
+    except DenseBridgeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - see _h5_structure
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
@@ -200,7 +205,8 @@ def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
 
 def _copy_datasets(src_path: str, dst_path: str, mapping: dict[str, str]) -> None:
     """Replace datasets of ``dst_path`` by those of ``src_path`` (attributes, e.g. bfloat16, kept)."""
-    with h5py.File(src_path, "r") as src, h5py.File(dst_path, "a") as dst:
+    with input_path(src_path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as src, \
+            h5py.File(dst_path, "a") as dst:
         for s_path, d_path in mapping.items():
             if d_path in dst:
                 del dst[d_path]
@@ -245,7 +251,7 @@ def _check_archive(path: str) -> None:
     import zipfile
 
     try:
-        with zipfile.ZipFile(path) as z:
+        with input_file(path, what="Keras model archive") as handle, zipfile.ZipFile(handle) as z:
             members = z.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)}") from None
@@ -262,7 +268,7 @@ def _check_archive(path: str) -> None:
 
 def _load_model(path: str):
     _check_archive(path)
-    with _named(path, ".keras") as named:
+    with input_path(path, what="Keras model archive") as checked, _named(checked, ".keras") as named:
         try:
             return keras.saving.load_model(named)
         except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
@@ -310,7 +316,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
                 _copy_datasets(path, scratch, mapping)
                 source = scratch
         check(got, expected)
-        with _named(source, ".weights.h5") as named:
+        with input_path(source, what="Keras HDF5 file") as checked, _named(checked, ".weights.h5") as named:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # keras only warns when some weights did not load
@@ -429,7 +435,7 @@ class _DatasetReader:
     def read(self, dataset_path: str) -> np.ndarray:
         shape, dtype_name = self._entries[dataset_path]
         dtype = numpy_dtype(dtype_name)
-        fd = open_readonly(self.path)
+        fd = open_input(self.path, what="Keras HDF5 file")
         try:
             with os.fdopen(os.dup(fd), "rb") as handle:
                 try:

@@ -270,11 +270,13 @@ def load_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> dict:
 
     import h5py
 
+    from dense_bridge.checkpoints._guard import input_path
+
     layers = _weighted_layers(model)
     where = f"keras-hub adapter file {path}"
     try:
-        size = os.path.getsize(path)
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="keras-hub adapter file") as checked, h5py.File(checked, "r") as f:
+            size = os.path.getsize(checked)
             problems = _checked_objects(f, path, size)
             if problems:
                 raise CheckpointError(f"cannot read {where}:\n  - " + "\n  - ".join(problems))

@@ -154,12 +154,16 @@ def load_model(path: str, *, trust_pickle: bool = False):
     Unpickling runs code named in the file, so it happens only with ``trust_pickle``.
     """
     from dense_bridge._errors import CheckpointError
+    from dense_bridge.checkpoints._guard import input_path
 
     if not trust_pickle:
         raise CheckpointError(f"{path}: a whole torch model is a pickle, and loading one runs code from the file: "
                               f"pass --trust-pickle if you trust it")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        with input_path(path, what="torch model file", whole=True) as checked:
+            obj = torch.load(checked, map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
         raise CheckpointError(f"{path}: cannot load a torch model ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, torch.nn.Module):

@@ -102,7 +102,11 @@ class PickleWeights:
         from ._files import read_state
 
         self.path, self.metadata = path, {}
-        if not zipfile.is_zipfile(path):
+        from dense_bridge.checkpoints._guard import input_file
+
+        with input_file(path, what="pytorch_model.bin file") as handle:
+            zipped = zipfile.is_zipfile(handle)
+        if not zipped:
             raise CheckpointError(f"{path} is a legacy (pre-zip) torch pickle, which cannot be memory-mapped, so the "
                                   "port would have to read it whole: refused (nothing was written). Re-save the model "
                                   "with transformers' save_pretrained(..., safe_serialization=True), or torch.save it "
