@@ -283,6 +283,8 @@ def verify_port(out: Any) -> VerifyReport:
                 bad_files.add(f"{where}:{name}")
     opened: dict[tuple[str, str], Any] = {}
     src_fmt = _source_format(cert)
+    from ._adapters import merged_value
+    adapters: dict = {}  # adapter directory -> its layers (a port that merged one records it per source)
 
     def open_(directory: str, name: str, where: str):
         key = (where, name)
@@ -314,7 +316,7 @@ def verify_port(out: Any) -> VerifyReport:
                 arrays = None
                 problems.append(f"tensor {target!r}: its source {s['tensor']!r} in {s['file']!r} cannot be read")
                 break
-            arrays.append((f.get(s["tensor"]), s["slice"], s["transpose"]))
+            arrays.append((merged_value(f.get(s["tensor"]), s, adapters), s["slice"], s["transpose"]))
         if arrays is None:
             continue
         got = dst.get(target)

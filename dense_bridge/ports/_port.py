@@ -30,7 +30,7 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, receiv
 from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
-from . import _certificate, _dirs, _rules
+from . import _adapters, _certificate, _dirs, _rules
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -295,14 +295,13 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     """
     t0 = time.perf_counter()
     _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
-    _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
+    _unsupported(quantize=(quantize, None), keep_codes=(keep_codes, False),
                  outtype=(outtype, None), requantize=(requantize, False), device=(device, None))
-    if adapter_mode not in ("merge", "keep"):
-        raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
     src, out = os.fspath(src), os.fspath(out)
     dst_fmt = _dirs.Format(to)
     src_fmt = _dirs.detect(src)
     _check_out(src, out, overwrite)
+    adapter = _adapters.open_job(adapter, adapter_mode, src_fmt, dst_fmt)  # read and checked (None: no adapter)
 
     contents = src_fmt.port_contents(src, text_only=True) if text_only else src_fmt.port_contents(src)
     file_keys = contents.setdefault("file_keys", {})  # a name the port uses -> the key stored in the file
@@ -328,7 +327,8 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         hashes.add(("source", rel), os.path.join(src, rel))
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
-                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                     adapter=adapter)
     finally:
         hashes.close()
         for f in opened.values():
@@ -336,7 +336,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress) -> PortReport:
+          max_shard_size, overwrite, progress, adapter=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
@@ -348,6 +348,9 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         src_fmt, dst_fmt, common, transfer, compare_models)
     moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
     rules = _rules.generalise_layer_rules(report.rules)
+    if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read
+        opened = adapter.bind(src_fmt, dst_fmt, common, real_src, src_dtype, opened, contents["weights"],
+                              contents["file_keys"], rules, dtype, real_dst)
 
     out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else src_dtype[m.sources[0][0]]) for m in moves}
 
@@ -373,9 +376,11 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         for name in shared:
             files.copy_file(os.path.join(src, name), os.path.join(tmp, name))
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
-                                    verification, compare_models, discrepancies, bool(contents["file_keys"]))
+                                    verification, compare_models, discrepancies, bool(contents["file_keys"]), adapter)
         certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
+        if adapter is not None:
+            adapter.finish(tmp, certificate)
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
         if not verification.get("passed"):
             raise PortMismatch(f"the full models disagree (nothing was written): {verification.get('detail')}")
@@ -416,7 +421,7 @@ def _kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
 
 
 def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules, twins, compare_models,
-                 discrepancies, text_only=False):
+                 discrepancies, text_only=False, adapter=None):
     out = dict(twins)
     out["twins"] = dict(twins)
     if verify == "twins" or (verify == "auto" and not _fits(real_src, src_dtype)):
@@ -424,6 +429,8 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
         out["full_skipped"] = "verify='twins'" if verify == "twins" else "the two full models do not fit in memory"
         return out
     a = src_fmt.port_load(src, text_only=True) if text_only else src_fmt.port_load(src)  # its text model alone
+    if adapter is not None:
+        a = adapter.source_model(a)
     b = dst_fmt.port_load(tmp)
     positions = positions_for(src_fmt, common, POSITIONS)
     ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)
