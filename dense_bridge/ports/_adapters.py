@@ -240,7 +240,10 @@ class AdapterJob:
                                           f"as it is ({first}); {exc} (nothing was written)") from None
                 write_adapter_dir(folded, target_dir, name, extra=self.extra, model_paths=list(real_dst))
                 info = {"folded": {"rank": rank, "scale": scale}}
-            self.kept = {n: open(os.path.join(target_dir, n), "rb").read() for n in sorted(os.listdir(target_dir))}
+            self.kept = {}
+            for n in sorted(os.listdir(target_dir)):
+                with open(os.path.join(target_dir, n), "rb") as f:
+                    self.kept[n] = f.read()
         self.kept_format = name
         self.kept_info = {**info, "layers": {layer: _move_path(layer, rules)[0] for layer in self.layers}}
 

@@ -114,7 +114,7 @@ def test_merged_into_mlx_lm_equals_peft_merge_and_unload(llama):
 
 
 def test_kept_for_mlx_lm_loads_with_its_own_load_adapters(llama, llama_mlx_keep):
-    from mlx_lm import load
+    from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model
 
     out, report = llama_mlx_keep
@@ -126,7 +126,9 @@ def test_kept_for_mlx_lm_loads_with_its_own_load_adapters(llama, llama_mlx_keep)
     assert written["folded"] == {"rank": 4, "scale": 4.0}  # per-layer scales 2/4 folded exactly into lora_b
     for name in written["files"]:
         assert cert["destination"]["files"][name] == written["files"][name]
-    model, _ = load(str(out), adapter_path=str(out / "adapter"))  # mlx_lm.tuner.utils.load_adapters
+    model, _ = load_model(out)  # what mlx_lm.load(out, adapter_path=...) does, without a tokenizer
+    model = load_adapters(model, str(out / "adapter"))
+    model.eval()
     _close(llama["logits"], _mlx_logits(model), "mlx-lm kept adapter vs PEFT")
     base, _ = load_model(out)
     _close(_torch_logits(llama["base"]), _mlx_logits(base), "mlx-lm base vs transformers base")
