@@ -182,10 +182,6 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
     scale or of several ranks are refused, naming them, as are NaN/Inf factors unless
     ``allow_nonfinite``. Written to a temporary file renamed into place: ``path`` holds the old
     file or the whole new one."""
-    import h5py
-
-    from dense_bridge.checkpoints._io import AtomicFiles, check_room
-
     if not str(path).endswith(".lora.h5"):
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. Received: path={path!r}")
     layers = _weighted_layers(model)
@@ -203,13 +199,23 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
                     for msg in (_nonfinite("lora_kernel_a", a), _nonfinite("lora_kernel_b", b)) if msg]
         if problems:
             raise ConversionError(f"{path}: nothing written:\n  - " + "\n  - ".join(problems))
+    write_lora_h5(path, ranks.pop(), data)
+
+
+def write_lora_h5(path: str, rank: int, data: dict) -> None:
+    """``{layer index: (lora_kernel_a, lora_kernel_b)}`` of one ``rank`` written as keras-hub's
+    ``.lora.h5`` (the layout ``Backbone.load_lora_weights`` reads), atomically."""
+    import h5py
+
+    from dense_bridge.checkpoints._io import AtomicFiles, check_room
+
     # HDF5 crashes the process when the system refuses a write mid-file: ask for the room first
     check_room(path, sum(a.nbytes + b.nbytes for a, b in data.values()))
     with AtomicFiles(path) as tx:
         with h5py.File(tx.temp_for(path, ".lora.h5"), "w") as f:
             group = f.create_group("lora")
-            group.create_group("vars")["rank"] = ranks.pop()
-            for i, (a, b) in data.items():
+            group.create_group("vars")["rank"] = int(rank)
+            for i, (a, b) in sorted(data.items()):
                 inner = group.create_group(str(i)).create_group("vars")
                 inner["lora_kernel_a"] = a
                 inner["lora_kernel_b"] = b

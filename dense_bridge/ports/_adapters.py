@@ -489,3 +489,45 @@ def open_job(adapter: Any, mode: Any, src_fmt, dst_fmt) -> AdapterJob | None:
                               f"{path} --to {own} -o DIR). {received('adapter', path)}")
     _, layers, extra = read_adapter_dir(path)
     return AdapterJob(path, mode, name, layers, extra, tuple(declared.files))
+
+
+# ----------------------------------------------------------------------------- single-file formats
+def write_model_file(adapter: Any, rules: list, model: Any, path: Any) -> dict:
+    """The adapter directory ``adapter`` (PEFT or mlx-lm) moved onto ``model``'s layers by the layer
+    ``rules`` of a transfer or port (``report.rules``: source path pattern -> ``model`` path) and
+    written as the single-file adapter format of ``model``'s framework (keras-hub's ``.lora.h5``:
+    one rank, scale 1; ranks padded and scales folded where exact, refused naming the layer where not).
+
+    Args:
+        adapter: an adapter directory whose layer paths are the source model's.
+        rules: ``[(source path regex, model path), ...]``; a layer no rule moves, or one a rule splits
+            or fuses, is refused naming it.
+        model: the destination model, built.
+        path: the file to write.
+
+    Returns:
+        What the framework's writer reports (keras-hub: ``rank``, ``target_layer_names``...).
+    """
+    from ..lora._files import read_adapter_dir
+    from ..registry._backends import adapter_for
+
+    if not isinstance(adapter, (str, os.PathLike)) or not os.path.isdir(adapter):
+        raise CheckpointError(f"adapter must be an adapter directory. {received('adapter', adapter)}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a path. {received('path', path)}")
+    _, layers, _ = read_adapter_dir(os.fspath(adapter))
+    writer = getattr(adapter_for(model, "model"), "write_lora_file", None)
+    if writer is None:
+        raise ConversionError(f"{type(model).__name__}'s framework writes no single-file adapter format; write an "
+                              f"adapter directory (db.save_adapter) instead")
+    moved, problems = {}, []
+    for layer, entry in layers.items():
+        target, why = _move_path(layer, rules)
+        if target is None:
+            problems.append(f"layer {layer!r}: {why}")
+        else:
+            moved[target] = entry
+    if problems:
+        raise ConversionError(f"adapter {os.fspath(adapter)} cannot be moved onto the model (nothing written):\n  - "
+                              + "\n  - ".join(problems[:20]))
+    return writer(model, os.fspath(path), moved)

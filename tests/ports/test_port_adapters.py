@@ -270,3 +270,79 @@ def test_cli_port_with_an_adapter(tmp_path, llama):
                  "--json"])
     assert code == 0
     assert (tmp_path / "out" / "adapter" / "adapters.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- keras-hub's .lora.h5
+def _keras_llama(keras_hub, weights=None):
+    from _models import FF, H, HEADS, KV, LAYERS
+
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=V, num_layers=LAYERS, num_query_heads=HEADS,
+                                              num_key_value_heads=KV, hidden_dim=H, intermediate_dim=FF,
+                                              rope_max_wavelength=500000.0, layer_norm_epsilon=1e-6,
+                                              name="llama_backbone")  # one name: the layer paths the rules name
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _keras_logits(model, ids=IDS):
+    import keras
+
+    out = model({"token_ids": ids.astype(np.int32), "padding_mask": np.ones_like(ids, dtype=np.int32)})
+    return np.asarray(keras.ops.convert_to_numpy(out), np.float32)
+
+
+@pytest.fixture(scope="module")
+def keras_llama(llama):
+    """A keras-hub LlamaCausalLM built directly, holding the transformers Llama's weights
+    (db.transfer, mapping inferred): its weights and the transfer's layer rules."""
+    from _port_helpers import keras_hub_or_skip
+
+    keras_hub = keras_hub_or_skip()
+    model = _keras_llama(keras_hub)
+    report = db.transfer(llama["base"], model, mapping="auto",
+                         inputs=([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)}))
+    _close(_torch_logits(llama["base"]), _keras_logits(model), "keras-hub base vs transformers base")
+    return keras_hub, model.get_weights(), report.rules
+
+
+def test_keras_hub_lora_h5_loads_with_load_lora_weights_default_layers(tmp_path, llama, keras_llama):
+    """q_proj (rank 2, scale 4) and v_proj (rank 4, scale 4): per-head ranks 8 and 8, scale 4 folded
+    into B; keras-hub's load_lora_weights alone enables query/value and reads the file."""
+    from dense_bridge.ports._adapters import write_model_file
+
+    keras_hub, weights, rules = keras_llama
+    peft_model = _peft_adapter(llama["base"], tmp_path / "qv", seed=8, target_modules=["q_proj", "v_proj"])
+    info = write_model_file(tmp_path / "qv", rules, _keras_llama(keras_hub, weights), tmp_path / "qv.lora.h5")
+    assert info["rank"] == 8 and info["scale"] == 1.0 and info["default_names"] and not info["zero_filled"]
+    assert info["target_layer_names"] == ["query", "value"]
+    model = _keras_llama(keras_hub, weights)
+    model.backbone.load_lora_weights(str(tmp_path / "qv.lora.h5"))  # keras-hub's own loader, as it is
+    _close(_torch_logits(peft_model), _keras_logits(model), "keras-hub load_lora_weights vs PEFT")
+
+
+def test_keras_hub_lora_h5_of_per_layer_ranks_and_scales(tmp_path, llama, keras_llama):
+    """The q/v/o/down adapter (ranks 2 and 4, scales 4 and 2): padded to one rank, scales folded;
+    keras-hub enables the four layer names and loads the file."""
+    from dense_bridge.ports._adapters import write_model_file
+
+    keras_hub, weights, rules = keras_llama
+    info = write_model_file(llama["root"] / "adapter", rules, _keras_llama(keras_hub, weights),
+                            tmp_path / "all.lora.h5")
+    assert not info["default_names"]
+    model = _keras_llama(keras_hub, weights)
+    model.backbone.enable_lora(info["rank"], target_layer_names=info["target_layer_names"])
+    model.backbone.load_lora_weights(str(tmp_path / "all.lora.h5"))
+    _close(llama["logits"], _keras_logits(model), "keras-hub load_lora_weights vs PEFT (per-layer ranks/scales)")
+
+
+def test_keras_hub_refuses_a_scale_it_cannot_fold_naming_the_layer(tmp_path, llama, keras_llama):
+    from dense_bridge.ports._adapters import write_model_file
+
+    keras_hub, weights, rules = keras_llama
+    _peft_adapter(llama["base"], tmp_path / "odd", seed=9, target_modules=["q_proj", "v_proj"],
+                  alpha_pattern={"v_proj": 12})  # scale 3: no power of two
+    with pytest.raises(db.ConversionError, match=r"transformer_layer_\d/self_attention/value.*powers of two"):
+        write_model_file(tmp_path / "odd", rules, _keras_llama(keras_hub, weights), tmp_path / "odd.lora.h5")
+    assert not (tmp_path / "odd.lora.h5").exists()
