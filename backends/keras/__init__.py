@@ -62,8 +62,7 @@ from ._to_spec import to_spec  # noqa: E402
 from ._trace import run_layer, trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
-from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequantize, lora_dora, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, save_lora_h5, write_lora)  # enable_lora adapters and keras-hub .lora.h5 files
-from ._hub_lora import write_hub_lora as write_lora_file  # adapters of any ranks/scales -> keras-hub .lora.h5
+from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequantize, lora_dora, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, save_lora_h5, write_lora, write_lora_file)  # enable_lora adapters and keras-hub .lora.h5 files
 from ._quant import quant_build, quant_layer  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
 from ._quant_files import quant_file_layers, quant_file_template  # noqa: E402  quantized .weights.h5: checkpoints/_quantized.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files

@@ -27,9 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument("--text-only", action="store_true",
                    help="port only the text model of a multimodal checkpoint (refused otherwise); the certificate "
                         "lists the tensors left out")
-    for flag in ("--quantize", "--adapter", "--outtype", "--device"):
+    for flag in ("--quantize", "--outtype", "--device"):
         p.add_argument(flag, help="not implemented by this port yet")
-    p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge", help="not implemented yet")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC (PEFT for transformers, mlx-lm "
+                                                    "adapters for mlx-lm), checked against SRC")
+    p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge",
+                   help="merge: into the weights, float64, rounded once (default); keep: written beside the model "
+                        "in OUT/adapter/ in the destination's own adapter format")
     p.add_argument("--keep-codes", action="store_true", help="not implemented yet")
     p.add_argument("--requantize", action="store_true", help="not implemented yet")
     g = p.add_mutually_exclusive_group()

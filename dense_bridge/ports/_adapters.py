@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import tempfile
 from typing import Any
 
@@ -155,7 +154,7 @@ class AdapterJob:
         self.files = files
         self.merges: dict[tuple[str, str], dict] = {}  # (source file, stored tensor) -> what merges into it
         self.ulps: dict[tuple[str, str], int] = {}
-        self.kept: dict[str, bytes] | None = None
+        self.kept: tuple[dict, list] | None = None  # keep: (adapters by destination layer, model paths)
         self.kept_format: str | None = None
         self.kept_info: dict = {}
 
@@ -228,22 +227,20 @@ class AdapterJob:
                                   f"model (nothing was written):\n  - " + "\n  - ".join(problems[:20]))
         info: dict = {}
         with tempfile.TemporaryDirectory(prefix="dense-bridge-adapter-") as tmp:
+            # written aside once now, so that a refusal comes before any byte of the port is written
             target_dir = os.path.join(tmp, KEEP_DIR)
             try:
                 write_adapter_dir(moved, target_dir, name, extra=self.extra, model_paths=list(real_dst))
             except AdapterRefused as first:
                 # a format holding one scale for every layer: fold the scales where that is exact
                 try:
-                    folded, rank, scale = single_rank_scale(moved, where=self.path)
+                    moved, rank, scale = single_rank_scale(moved, where=self.path)
                 except ConversionError as exc:
                     raise ConversionError(f"adapter_mode='keep': the {name} adapter format cannot hold {self.path} "
                                           f"as it is ({first}); {exc} (nothing was written)") from None
-                write_adapter_dir(folded, target_dir, name, extra=self.extra, model_paths=list(real_dst))
+                write_adapter_dir(moved, target_dir, name, extra=self.extra, model_paths=list(real_dst))
                 info = {"folded": {"rank": rank, "scale": scale}}
-            self.kept = {}
-            for n in sorted(os.listdir(target_dir)):
-                with open(os.path.join(target_dir, n), "rb") as f:
-                    self.kept[n] = f.read()
+        self.kept = (moved, list(real_dst))
         self.kept_format = name
         self.kept_info = {**info, "layers": {layer: _move_path(layer, rules)[0] for layer in self.layers}}
 
@@ -292,22 +289,15 @@ class AdapterJob:
             record["rounding"] = "the merge is computed in float64 from the stored weight and factors and rounded " \
                                  "once to the destination tensor's dtype"
         else:
+            from ..lora._files import write_adapter_dir
+
             where = os.path.join(tmp, KEEP_DIR)
-            os.makedirs(where)
-            hashed = {}
-            for name, data in self.kept.items():
-                _write(os.path.join(where, name), data)
-                hashed[f"{KEEP_DIR}/{name}"] = files.sha256_file(os.path.join(where, name))
+            moved, model_paths = self.kept
+            write_adapter_dir(moved, where, self.kept_format, extra=self.extra, model_paths=model_paths)
+            hashed = {f"{KEEP_DIR}/{n}": files.sha256_file(os.path.join(where, n)) for n in sorted(os.listdir(where))}
             certificate["destination"]["files"].update(hashed)
             record["written"] = {"format": self.kept_format, "path": KEEP_DIR, "files": hashed, **self.kept_info}
         certificate["adapter"] = record
-
-
-def _write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _numpy_dtype(name: str):

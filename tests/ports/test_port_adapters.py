@@ -346,3 +346,14 @@ def test_keras_hub_refuses_a_scale_it_cannot_fold_naming_the_layer(tmp_path, lla
     with pytest.raises(db.ConversionError, match=r"transformer_layer_\d/self_attention/value.*powers of two"):
         write_model_file(tmp_path / "odd", rules, _keras_llama(keras_hub, weights), tmp_path / "odd.lora.h5")
     assert not (tmp_path / "odd.lora.h5").exists()
+
+
+def test_verify_port_checks_the_kept_adapter_files(tmp_path, llama_mlx_keep):
+    src, _ = llama_mlx_keep
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    assert db.verify_port(out).passed
+    config = out / "adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"scale": 4.0', '"scale": 8.0'))
+    report = db.verify_port(out)
+    assert not report.passed and any("adapter/adapter_config.json" in p for p in report.problems)
