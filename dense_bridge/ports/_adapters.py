@@ -455,7 +455,7 @@ def merged_value(array: np.ndarray, source: dict, cache: dict) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- opening
-def open_job(adapter: Any, mode: Any, src_fmt, dst_fmt) -> AdapterJob | None:
+def open_job(adapter: Any, mode: Any, src_fmt, dst_fmt, out: str | None = None) -> AdapterJob | None:
     """The adapter directory ``adapter`` read and checked for a port from ``src_fmt`` (None: no
     adapter). Refused before anything is written: not a directory, an adapter format that is not
     the source's ecosystem's, a file the format's reader refuses (named), DoRA in keep mode."""
@@ -469,6 +469,11 @@ def open_job(adapter: Any, mode: Any, src_fmt, dst_fmt) -> AdapterJob | None:
     if not os.path.isdir(path):
         raise CheckpointError(f"adapter must be an adapter directory: {received('adapter', path)} "
                               f"({'a file' if os.path.exists(path) else 'does not exist'}; nothing was written)")
+    if out is not None:
+        inner, outer = os.path.realpath(path), os.path.realpath(out)
+        if inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"adapter {path!r} lies inside out {out!r}, which the port replaces: refused "
+                                  f"(nothing was written)")
     from ..lora._files import detect, read_adapter_dir
 
     name, backend, declared = detect(path)

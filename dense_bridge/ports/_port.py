@@ -301,7 +301,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     dst_fmt = _dirs.Format(to)
     src_fmt = _dirs.detect(src)
     _check_out(src, out, overwrite)
-    adapter = _adapters.open_job(adapter, adapter_mode, src_fmt, dst_fmt)  # read and checked (None: no adapter)
+    adapter = _adapters.open_job(adapter, adapter_mode, src_fmt, dst_fmt, out)  # read, checked (None: none)
 
     contents = src_fmt.port_contents(src, text_only=True) if text_only else src_fmt.port_contents(src)
     file_keys = contents.setdefault("file_keys", {})  # a name the port uses -> the key stored in the file

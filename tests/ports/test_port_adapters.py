@@ -357,3 +357,15 @@ def test_verify_port_checks_the_kept_adapter_files(tmp_path, llama_mlx_keep):
     config.write_text(config.read_text().replace('"scale": 4.0', '"scale": 8.0'))
     report = db.verify_port(out)
     assert not report.passed and any("adapter/adapter_config.json" in p for p in report.problems)
+
+
+def test_merged_into_bfloat16_rounds_once_and_says_so(tmp_path, llama):
+    """dtype='bfloat16': the float64 merge rounded once to bfloat16 (at most half a unit in the last
+    place: max_ulp 1 after the ceiling), recomputed bit for bit by verify_port."""
+    mlx_lm_or_skip()
+    out = tmp_path / "bf16"
+    report = db.port(llama["root"] / "src", out, to="mlx-lm", adapter=llama["root"] / "adapter", dtype="bfloat16",
+                     verify="twins")
+    merged = [t for t in report.certificate["tensors"].values() if t["sources"][0].get("merge_lora")]
+    assert merged and all(t["dtypes"] == ["float32", "float64", "bfloat16"] and t["max_ulp"] == 1 for t in merged)
+    assert db.verify_port(out).passed
