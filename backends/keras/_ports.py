@@ -18,7 +18,7 @@ Everything about keras-hub presets lives here:
   the first one ``.0``), so the port's rules generalise over layers; :func:`h5_key` gives the path
   back. The paths and shapes of a real model are recorded by running Keras' saver on the backbone
   built in a ``keras.StatelessScope`` (no variable is allocated), and the file is written one
-  dataset at a time (:func:`port_write`): streamed, never the whole model in memory.
+  dataset at a time (:func:`port_write_weights`): streamed, never the whole model in memory.
 """
 from __future__ import annotations
 
@@ -343,6 +343,12 @@ def _numbers(d: dict, prefix=()):
             yield prefix + (k,), v
 
 
+def _get(d: dict, path: tuple):
+    for k in path:
+        d = d[k]
+    return d
+
+
 def _set(d: dict, path: tuple, value) -> dict:
     out = json.loads(json.dumps(d))
     target = out
@@ -362,24 +368,41 @@ def port_common_config(fmt: str, config: dict) -> dict:
     model_type, conv = _converter_for_backbone(cls)
     base = _hf_defaults(model_type)
     k0 = _import_config(conv, base)
-    follows: dict[str, tuple] = {}  # keras-hub key -> transformers key path
+    follows: dict[str, tuple] = {}  # keras-hub key -> (transformers key path, factor)
     for n, (path, value) in enumerate(_numbers(base)):
-        probe = (not value) if isinstance(value, bool) else (1009 + 2 * n if isinstance(value, int) else 0.123 + n)
+        if isinstance(value, bool):
+            probes = [not value]
+        else:  # two values: a keras-hub key that follows both by one factor is that key times it
+            probes = [1009 + 2 * n, 2027 + 2 * n] if isinstance(value, int) else [0.125 + n, 0.375 + n]
         try:
-            got = _import_config(conv, _set(base, path, probe))
+            got = [_import_config(conv, _set(base, path, p)) for p in probes]
         except Exception:  # noqa: BLE001 - a probe the importer cannot compute with says nothing
             continue
-        for key, v in got.items():
-            if key not in follows and type(v) is type(probe) and v == probe and k0.get(key) != probe:
-                follows[key] = path
+        for key, v in got[0].items():
+            if key in follows or k0.get(key) == v:
+                continue
+            if isinstance(value, bool):
+                if v is probes[0]:
+                    follows[key] = (path, None)
+                continue
+            vs = [g.get(key) for g in got]
+            if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vs):
+                factors = {x / p for x, p in zip(vs, probes)}
+                if len(factors) == 1 and next(iter(factors)) != 0:
+                    follows[key] = (path, next(iter(factors)))
     preset = {k: v for k, v in backbone["config"].items() if k not in _SKIP}
     kwargs: dict = {}
-    for key, path in follows.items():
-        if key in preset:
-            if len(path) == 1:
-                kwargs[path[0]] = preset[key]
-            else:  # a nested entry (rope settings): the rest of it as transformers has it by default
-                kwargs.setdefault(path[0], dict(base[path[0]]))[path[1]] = preset[key]
+    for key, (path, factor) in follows.items():
+        if key not in preset:
+            continue
+        value = preset[key]
+        if factor not in (None, 1, 1.0) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            exact = value / factor
+            value = int(exact) if isinstance(_get(base, path), int) and float(exact).is_integer() else exact
+        if len(path) == 1:
+            kwargs[path[0]] = value
+        else:  # a nested entry (rope settings): the rest of it as transformers has it by default
+            kwargs.setdefault(path[0], dict(base[path[0]]))[path[1]] = value
     hf = _hf_config(model_type, kwargs)  # what follows from these (a head width) recomputed by transformers
     again = {**_defaults(cls), **_import_config(conv, hf)}
     wrong = sorted(k for k in preset if k in again and _differs(again[k], preset[k]))
@@ -526,7 +549,7 @@ def port_layout(fmt: str, count: int) -> dict:
     return {"shards": [WEIGHTS], "index": None, "metadata": {}, "config": CONFIG, "extras": ()}
 
 
-def port_write(fmt: str, path: str, tensors: dict, config: dict, on_tensor=None) -> int:
+def port_write_weights(fmt: str, path: str, tensors: dict, config: dict, on_tensor=None) -> int:
     """The backbone's weights file written at ``path`` one dataset at a time, each made when its
     turn comes (``tensors``: port name -> object with ``dtype``, ``shape``, ``produce()``), with
     the groups and attributes Keras' own saver writes for ``config``'s backbone (recorded without

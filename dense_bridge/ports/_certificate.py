@@ -3,11 +3,12 @@ check (``db.verify_port``): the destination tensors streamed from their sources 
 operations recorded, and every entry confirmed again later from the files alone.
 
 A tensor entry: ``{"sources": [{"file", "tensor", "slice", "transpose"[, "view"]}], "axis", "ops",
-"dtypes", "exact", "max_ulp", "codes", "file"[, "shape"]}``; each source is first reshaped to its
-``view`` where it has one (a (in, heads, head_dim) kernel seen as a matrix), then sliced (``slice``:
-one ``[start, stop]`` per axis of the source as stored, or of its view), then transposed when
-``transpose``; the pieces are concatenated along ``axis`` (a single piece: taken as it is),
-reshaped to ``shape`` where the entry has one, then cast to ``dtypes[-1]``.
+"dtypes", "exact", "max_ulp", "codes", "file"[, "view", "shape"]}``; each source is first seen
+through its ``view`` where it has one (``"<axis order>-<split>"``, ``_rules.apply_view``: a (heads,
+in, head_dim) kernel seen as a matrix), then sliced (``slice``: one ``[start, stop]`` per axis of the
+source as stored, or of its view), then transposed when ``transpose``; the pieces are concatenated
+along ``axis`` (a single piece: taken as it is), the entry's ``view`` undone into ``shape`` where
+it has one (``_rules.undo_view``), then cast to ``dtypes[-1]``.
 """
 from __future__ import annotations
 
@@ -44,19 +45,19 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
     return full
 
 
-def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None) -> np.ndarray:
-    """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, reshaped to
-    ``shape`` when given (see the module docstring). Views where the recipe allows (a single
-    transposed piece is written from its view)."""
+def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None) -> np.ndarray:
+    """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, its
+    ``view`` undone into ``shape`` when given (see the module docstring). Views where the recipe
+    allows (a single transposed piece is written from its view)."""
     parts = []
-    for arr, sl, transpose, *view in sources:
-        if view and view[0] is not None:
-            arr = arr.reshape(tuple(view[0]))
+    for arr, sl, transpose, *source_view in sources:
+        if source_view and source_view[0] is not None:
+            arr = _rules.apply_view(arr, source_view[0])
         piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
         parts.append(piece.T if transpose else piece)
     out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
-    if shape is not None:
-        out = out.reshape(tuple(shape))
+    if view is not None:
+        out = _rules.undo_view(out, view, tuple(shape))
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -64,9 +65,11 @@ def _ops(entry_sources: list[dict], axis, src_dt: np.dtype, dst_dt: np.dtype) ->
     ops = []
     for s in entry_sources:
         shape_slice = s["slice"]
+        full = s["shape"]
         if s.get("view") is not None:
-            ops.append(f"reshape {s['tensor']} to {tuple(s['view'])}")
-        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, s.get("view") or s["shape"])):
+            full = _rules.view_shape(tuple(s["shape"]), s["view"])
+            ops.append(f"view {s['tensor']} as {full} (axes {s['view']})")
+        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, full)):
             ops.append(f"slice {s['tensor']} " + "[" + ", ".join(f"{a}:{b}" for a, b in shape_slice) + "]")
         if s["transpose"]:
             ops.append(f"transpose {s['tensor']}")
@@ -110,16 +113,16 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                 s_key, k = _rules.split_view(s_key)
                 stored = file_keys.get(s_key, s_key)
                 info = opened[weights[s_key]].tensors[stored]
-                view = None if k is None else _rules.view_shape(tuple(info.shape), k)
+                seen = tuple(info.shape) if k is None else _rules.view_shape(tuple(info.shape), k)
                 pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
-                               "slice": _source_slice(tuple(view or info.shape), transpose, m.axis, start, stop),
-                               "transpose": transpose, "view": None if view is None else list(view)})
+                               "slice": _source_slice(seen, transpose, m.axis, start, stop),
+                               "transpose": transpose, "view": k})
             first = _rules.split_view(m.sources[0][0])[0]
             src_dt = opened[weights[first]].tensors[file_keys.get(first, first)].numpy_dtype
             dst_dt = out_dtype[m.target]
             entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose", "view")
                                   if k != "view" or p["view"] is not None} for p in pieces],
-                     **({"shape": list(m.shape)} if m.view is not None else {}),
+                     **({"view": m.view, "shape": list(m.shape)} if m.view is not None else {}),
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
                      "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
                      "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
@@ -127,10 +130,9 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
-                shape = m.shape if m.view is not None else None
-                value = make(arrays, m.axis, dst_dt, shape)
+                value = make(arrays, m.axis, dst_dt, m.shape, m.view)
                 if not entry["exact"]:
-                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, shape), dst_dt)
+                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, m.shape, m.view), dst_dt)
                     entry["exact"] = entry["max_ulp"] == 0
                 return value
 
@@ -339,7 +341,7 @@ def verify_port(out: Any) -> VerifyReport:
         if arrays is None:
             continue
         got = dst.get(target)
-        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"))
+        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"))
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")

@@ -22,29 +22,56 @@ import numpy as np
 from .._errors import ConversionError
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
-#: ``name|k``: the tensor ``name`` seen reshaped (:func:`view_shape`), where one library keeps a
-#: projection as (in, heads, head_dim) and the other as a matrix.
+#: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
+#: library keeps a projection as (in, heads, head_dim) or (heads, in, head_dim) and another as a matrix.
 VIEW = "|"
 
 
-def view_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """``shape`` reshaped at axis ``k``: ``(prod(shape[:k]), prod(shape[k:]))``; ``k == 0``: flat."""
-    n = int(np.prod(shape, dtype=np.int64))
-    return (n,) if k == 0 else (int(np.prod(shape[:k], dtype=np.int64)), int(np.prod(shape[k:], dtype=np.int64)))
+def _parse_view(view: str) -> tuple[tuple[int, ...], int]:
+    perm, _, k = view.partition("-")
+    return tuple(int(c) for c in perm), int(k)
 
 
-def split_view(key: str) -> tuple[str, int | None]:
-    """``"w|1"`` -> ``("w", 1)``; ``"w"`` -> ``("w", None)``."""
-    name, sep, k = key.rpartition(VIEW)
-    return (name, int(k)) if sep and k.isdigit() else (key, None)
+def view_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
+    """The shape of a tensor of ``shape`` seen through ``view`` (``"<perm>-<k>"``): its axes put in
+    the order ``perm``, then reshaped to ``(prod(axes[:k]), prod(axes[k:]))``, or flat for ``k == 0``."""
+    perm, k = _parse_view(view)
+    axes = [shape[i] for i in perm]
+    n = int(np.prod(axes, dtype=np.int64))
+    return (n,) if k == 0 else (int(np.prod(axes[:k], dtype=np.int64)), int(np.prod(axes[k:], dtype=np.int64)))
 
 
-def _views(a: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The reshaped views of ``a`` tried when it matches nothing as it is: a matrix of every split
-    of a tensor of three axes or more, a matrix flattened."""
+def apply_view(a: np.ndarray, view: str) -> np.ndarray:
+    """``a`` seen through ``view`` (see :func:`view_shape`)."""
+    perm, _ = _parse_view(view)
+    return np.transpose(a, perm).reshape(view_shape(a.shape, view))
+
+
+def undo_view(made: np.ndarray, view: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor of ``shape`` that ``view`` shows as ``made``."""
+    perm, _ = _parse_view(view)
+    return made.reshape([shape[i] for i in perm]).transpose(np.argsort(perm))
+
+
+def split_view(key: str) -> tuple[str, str | None]:
+    """``"w|021-1"`` -> ``("w", "021-1")``; ``"w"`` -> ``("w", None)``."""
+    name, sep, view = key.rpartition(VIEW)
+    return (name, view) if sep and re.fullmatch(r"\d+-\d+", view) else (key, None)
+
+
+def _views(a: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The views of ``a`` tried when it matches nothing as it is: of a tensor of three axes or
+    more, a matrix for every order of its axes and split; of a matrix, the flat vector."""
+    import itertools
+
     if a.ndim >= 3:
-        return [(k, a.reshape(view_shape(a.shape, k))) for k in range(1, a.ndim)]
-    return [(0, a.reshape(-1))] if a.ndim == 2 else []
+        out = []
+        for perm in itertools.permutations(range(a.ndim)):
+            for k in range(1, a.ndim):
+                view = "".join(map(str, perm)) + f"-{k}"
+                out.append((view, apply_view(a, view)))
+        return out
+    return [("01-0", a.reshape(-1))] if a.ndim == 2 else []
 
 
 def template(name: str) -> tuple[str, tuple[int, ...]]:
@@ -78,8 +105,8 @@ class Recipe:
     target: str
     axis: int | None
     pieces: tuple[Piece, ...]
-    #: the pieces make the destination seen at this split (:func:`view_shape`), then reshaped to it
-    view: int | None = None
+    #: the pieces make the destination seen through this view (:func:`apply_view`), then undone
+    view: str | None = None
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
@@ -213,12 +240,12 @@ class Move:
     shape: tuple[int, ...]
     axis: int | None
     sources: list[tuple[str, bool, int, int | None]] = field(default_factory=list)
-    #: the shape the sources make (the destination seen reshaped), None when it is ``shape``
-    view: tuple[int, ...] | None = None
+    #: the destination's view the sources make (:func:`apply_view`), None when they make it as it is
+    view: str | None = None
 
     @property
     def made(self) -> tuple[int, ...]:
-        return self.shape if self.view is None else self.view
+        return self.shape if self.view is None else view_shape(self.shape, self.view)
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -247,8 +274,7 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                 continue  # the library does not save it (tied to another parameter)
             problems.append(f"destination tensor {key!r}: no twin tensor of its kind (template {t!r})")
             continue
-        move = Move(key, tuple(shape), recipe.axis,
-                    view=None if recipe.view is None else view_shape(tuple(shape), recipe.view))
+        move = Move(key, tuple(shape), recipe.axis, view=recipe.view)
         shape = move.made
         want_len = 0
         for p in recipe.pieces:

@@ -255,7 +255,7 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
                    # a weight file opened for streaming (else read as safetensors); a destination's own
                    # inputs, weight-file writer and config files (ports/_dirs.py)
-                   extras=("port_open", "port_inputs", "port_write", "port_write_config"))
+                   extras=("port_open", "port_inputs", "port_write_weights", "port_write_config"))
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
