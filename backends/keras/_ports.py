@@ -194,10 +194,10 @@ class H5Weights:
     def __init__(self, path: str) -> None:
         from dense_bridge._dtypes import numpy_dtype
 
-        from ._files import _DatasetReader, _h5_structure
+        from ._files import DatasetReader, h5_structure
 
         self.path, self.metadata = path, {}
-        entries = _h5_structure(path)
+        entries = h5_structure(path)
         fam = families(entries)
         self._keys: dict[str, str] = {}
         self.tensors: dict[str, _Info] = {}
@@ -205,7 +205,7 @@ class H5Weights:
             name = port_name(h5, fam)
             self._keys[name] = h5
             self.tensors[name] = _Info(tuple(shape), np.dtype(numpy_dtype(dtype)))
-        self._reader = _DatasetReader(path, entries)
+        self._reader = DatasetReader(path, entries)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -595,28 +595,48 @@ def port_write_weights(fmt: str, path: str, tensors: dict, config: dict, on_tens
 
 def port_write_config(fmt: str, directory: str, config: dict, src: str | None = None) -> list[str]:
     """keras-hub's own non-weight files of a preset for ``config`` written into ``directory``:
-    ``config.json`` (the backbone), ``task.json`` (the causal LM, no preprocessor), ``metadata.json``.
-    Returns the names written. A transformers tokenizer in ``src`` is refused naming its file (its
-    translation by keras-hub's importer is not wired yet)."""
+    ``config.json`` (the backbone), ``task.json`` (the causal LM), ``metadata.json``, and, where
+    ``src`` holds a transformers tokenizer, keras-hub's translation of it by its own importer
+    (``convert_tokenizer``) saved by its own preset saver (``tokenizer.json``, ``assets/``,
+    ``preprocessor.json``, the preprocessor in ``task.json``). A tokenizer the importer cannot
+    translate is refused naming its file. Returns the names written."""
     import keras
 
     from dense_bridge.checkpoints._port_files import write_json
 
-    if src is not None:
-        found = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-        if found:
-            raise ConversionError(f"{os.path.join(src, found[0])}: a tokenizer the keras-hub port does not translate "
-                                  "yet: refused (nothing was written)")
-    write_json(os.path.join(directory, CONFIG), config["backbone"])
-    write_json(os.path.join(directory, TASK), config["task"])
     cls = _backbone_class(config["backbone"])
+    task = json.loads(json.dumps(config["task"]))
+    written = [CONFIG, TASK, METADATA]
+    found = [n for n in HF_TOKENIZER_FILES if src is not None and os.path.isfile(os.path.join(src, n))]
+    if found:
+        from keras_hub.src.utils.preset_utils import KerasPresetSaver
+
+        _, conv = _converter_for_backbone(cls)
+        task_cls = keras.saving.get_registered_object(task["registered_name"])
+        try:
+            tokenizer = conv.convert_tokenizer(task_cls.preprocessor_cls.tokenizer_cls, src)
+            preprocessor = task_cls.preprocessor_cls(tokenizer=tokenizer)
+        except Exception as exc:  # noqa: BLE001 - the importer's own failure, named with the file
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise ConversionError(f"{os.path.join(src, found[0])}: keras-hub's importer cannot translate this "
+                                  f"tokenizer ({type(exc).__name__}: {first}): refused (nothing was written)") from None
+        saver = KerasPresetSaver(directory)
+        saver.save_tokenizer(tokenizer)
+        saver.save_preprocessor(preprocessor)
+        serialized = keras.saving.serialize_keras_object(preprocessor)
+        for key in ("compile_config", "build_config"):
+            saver._recursive_pop(serialized, key)
+        task["config"]["preprocessor"] = serialized
+        written += sorted(n for n in os.listdir(directory) if n not in written and n != WEIGHTS)
+    write_json(os.path.join(directory, CONFIG), config["backbone"])
+    write_json(os.path.join(directory, TASK), task)
     count = sum(math.prod(s) for s in port_shapes(fmt, config).values())
     from keras_hub.src.version import __version__ as hub_version
 
     write_json(os.path.join(directory, METADATA), {
         "keras_version": keras.version(), "keras_hub_version": hub_version, "parameter_count": int(count),
         "tasks": sorted({t.__base__.__name__ for t in _tasks_of(cls)})})
-    return [CONFIG, TASK, METADATA]
+    return written
 
 
 def _tasks_of(cls):

@@ -210,7 +210,9 @@ def source_names(src_fmt, src_paths, extras) -> list[str]:
 def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], contents: dict, report, rules,
           verification: dict, tensors: dict, discrepancies: list[str], extras: list[str], hashes=None) -> dict:
     """The certificate object (every destination file hashed as it lies in ``tmp``)."""
-    dst_names = [n for n in os.listdir(tmp) if n != NAME and not n.startswith(".")]
+    dst_names = [os.path.relpath(os.path.join(d, n), tmp).replace(os.sep, "/") for d, _, names in os.walk(tmp)
+                 for n in names if not n.startswith(".")]  # a format may write folders (tokenizer assets)
+    dst_names = [n for n in dst_names if n != NAME]
     described = src_fmt.port_describe(contents["config"])
     return {
         "version": VERSION,

@@ -151,3 +151,31 @@ def test_a_preset_whose_config_the_importer_cannot_give_back_is_refused_naming_t
         db.port(tmp_path / "preset", tmp_path / "out", to="transformers")
     assert not (tmp_path / "out").exists()
     assert json.loads((tmp_path / "preset" / "config.json").read_text())["config"]["layer_norm_epsilon"] == 1e-3
+
+
+def _tiny_tokenizer(transformers, path):
+    """A byte-level BPE tokenizer trained here on a few sentences, saved by transformers."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world", "the port keeps the tokenizer", "keras hub presets"] * 4,
+                            vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                                bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(path)
+
+
+def test_a_transformers_tokenizer_is_translated_by_keras_hubs_importer(tmp_path):
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    _save(transformers, "qwen2", tmp_path / "src")
+    _tiny_tokenizer(transformers, tmp_path / "src")
+    report = db.port(tmp_path / "src", tmp_path / "preset", to="keras-hub", verify="twins")
+    assert "tokenizer.json" in report.certificate["destination"]["files"]
+    mine = keras_hub.models.Tokenizer.from_preset(str(tmp_path / "preset"))
+    theirs = keras_hub.models.Tokenizer.from_preset(str(tmp_path / "src"))
+    text = "hello the port"
+    assert np.array_equal(np.asarray(mine(text)), np.asarray(theirs(text)))
+    task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "preset"))  # with its preprocessor
+    assert task.preprocessor is not None
+    assert db.verify_port(tmp_path / "preset").passed
