@@ -88,3 +88,5 @@ del _cls
 def owns(obj) -> bool:
     """Is ``obj`` a Keras layer (models included)."""
     return isinstance(obj, keras.layers.Layer)
+from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_inputs, port_write_weights, port_write_config)  # noqa: E402,E501  keras-hub presets (db.port)
+__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_inputs", "port_write_weights", "port_write_config"]

@@ -387,8 +387,17 @@ def write_lora_file(model, path: str, layers: dict, *, allow_nonfinite: bool = F
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. {received('path', path)}")
     backbone = getattr(model, "backbone", model)
     entries = {e.path: e.layer for e in walk(model) if e.kind == "linear"}
+    # Keras numbers a model's name when the process built another of the same name ("llama_backbone_1"):
+    # a path whose first component differs is found by the rest of it, where that is unique
+    below: dict[str, list] = {}
+    for known in entries:
+        below.setdefault(known.split("/", 1)[-1], []).append(known)
     problems, per = [], {}
-    for p, entry in layers.items():
+    for p, entry in list(layers.items()):
+        if p not in entries and len(below.get(p.split("/", 1)[-1], [])) == 1:
+            layers = {**layers, below[p.split("/", 1)[-1]][0]: entry}
+            del layers[p]
+            p = below[p.split("/", 1)[-1]][0]
         lyr = entries.get(p)
         if lyr is None or not _lora_capable(lyr):
             problems.append(f"layer {p!r}: no Dense/EinsumDense of the keras-hub model has this path")

@@ -136,6 +136,18 @@ def _adapter_formats():
     return adapter_formats()
 
 
+def _own_file_format(fmt) -> tuple[str, str] | None:
+    """(name, suffix) of the single-file adapter format declared by the backend of the model format
+    ``fmt`` whose adapter writes it from a model (``write_lora_file``), else None."""
+    for name, (backend, declared) in _adapter_formats().items():
+        if backend == fmt.backend and declared.suffix and not declared.files:
+            from ..registry._backends import get_adapter
+
+            if callable(getattr(get_adapter(backend), "write_lora_file", None)):
+                return name, declared.suffix
+    return None
+
+
 def _own_directory_format(fmt, role: str) -> str | None:
     """The adapter directory format declared by the backend of the model format ``fmt``."""
     for name, (backend, declared) in _adapter_formats().items():
@@ -157,6 +169,9 @@ class AdapterJob:
         self.kept: tuple[dict, list] | None = None  # keep: (adapters by destination layer, model paths)
         self.kept_format: str | None = None
         self.kept_info: dict = {}
+        self.kept_file: str | None = None  # keep into a single-file format: its suffix
+        self._dst_fmt = None
+        self._dst_writer = None
 
     # ------------------------------------------------------------------ binding to the source
     def bind(self, src_fmt, dst_fmt, common: dict, real_src: dict, src_dtype: dict, opened: dict, weights: dict,
@@ -200,13 +215,22 @@ class AdapterJob:
                 self.merges[(weights[key], stored_key)] = {"layer": layer, "transpose": transposed, "dtype": target}
             return {rel: (_Merged(f, rel, self) if any(k[0] == rel for k in self.merges) else f)
                     for rel, f in opened.items()}
+        self._dst_fmt = dst_fmt
         self._prepare_keep(dst_fmt, rules, real_dst)
+        if self.kept_file is not None:
+            from ..registry._backends import get_adapter
+
+            self._dst_writer = get_adapter(dst_fmt.backend).write_lora_file
         return opened
 
     def _prepare_keep(self, dst_fmt, rules: list, real_dst: dict) -> None:
         from ..lora._files import AdapterRefused, write_adapter_dir
 
         name = _own_directory_format(dst_fmt, "destination")
+        file_format = None if name is not None else _own_file_format(dst_fmt)
+        if file_format is not None:
+            self._prepare_keep_file(file_format, rules)
+            return
         if name is None:
             raise ConversionError(f"adapter_mode='keep': the {dst_fmt.name} format has no adapter directory format "
                                   f"of its own here (declared: {sorted(_adapter_formats())}); use adapter_mode='merge' "
@@ -243,6 +267,29 @@ class AdapterJob:
         self.kept = (moved, list(real_dst))
         self.kept_format = name
         self.kept_info = {**info, "layers": {layer: _move_path(layer, rules)[0] for layer in self.layers}}
+
+    def _prepare_keep_file(self, file_format: tuple[str, str], rules: list) -> None:
+        """Keep into a format whose adapter file names layers by their place in the loaded model
+        (keras-hub's ``.lora.h5``): the paths moved now, the file written by the destination
+        framework's ``write_lora_file`` on the destination model as its own loader reads ``out``."""
+        dora = sorted(p for p, e in self.layers.items() if "lora_magnitude" in e)
+        if dora:
+            raise ConversionError(f"adapter_mode='keep': layer {dora[0]!r} of {self.path} is a DoRA adapter; DoRA is "
+                                  f"carried by adapter_mode='merge' only (nothing was written)")
+        moved, problems = {}, []
+        for layer, entry in self.layers.items():
+            target, why = _move_path(layer, rules)
+            if target is None:
+                problems.append(f"layer {layer!r}: {why}")
+            else:
+                moved[target] = entry
+        if problems:
+            raise ConversionError(f"adapter_mode='keep': adapter {self.path} cannot be moved onto the destination "
+                                  f"model (nothing was written):\n  - " + "\n  - ".join(problems[:20]))
+        self.kept = (moved, None)
+        self.kept_format = file_format[0]
+        self.kept_file = file_format[1]
+        self.kept_info = {"layers": {layer: _move_path(layer, rules)[0] for layer in self.layers}}
 
     # ------------------------------------------------------------------ verification
     def source_model(self, model: Any) -> Any:
@@ -293,7 +340,14 @@ class AdapterJob:
 
             where = os.path.join(tmp, KEEP_DIR)
             moved, model_paths = self.kept
-            write_adapter_dir(moved, where, self.kept_format, extra=self.extra, model_paths=model_paths)
+            if self.kept_file is not None:  # one file naming layers of the loaded model: written from it
+                os.makedirs(where)
+                written = self._dst_writer(self._dst_fmt.port_load(tmp), os.path.join(where, KEEP_DIR + self.kept_file),
+                                           moved)
+                self.kept_info.update({k: v for k, v in written.items() if k != "layers"},
+                                      loaded="the destination was loaded by its own loader to name its layers")
+            else:
+                write_adapter_dir(moved, where, self.kept_format, extra=self.extra, model_paths=model_paths)
             hashed = {f"{KEEP_DIR}/{n}": files.sha256_file(os.path.join(where, n)) for n in sorted(os.listdir(where))}
             certificate["destination"]["files"].update(hashed)
             record["written"] = {"format": self.kept_format, "path": KEEP_DIR, "files": hashed, **self.kept_info}
@@ -312,10 +366,28 @@ def _near(t: str, known: list[str]) -> list[str]:
     return difflib.get_close_matches(t, known, n=3, cutoff=0.5) or known[:3]
 
 
+#: a layer index inside a path of any separator ("layers.3.", "transformer_layer_3/")
+_ANY_INDEX = re.compile(r"(?<=[._/])\d+(?=[._/]|$)")
+
+
+def _indexed(src, dst):
+    """``dst`` with its layer indices made back-references to ``src``'s groups, in order, where the
+    rule generaliser left them literal (paths whose indices are not dot-delimited)."""
+    if not isinstance(dst, str) or "\\" in dst:
+        return dst
+    groups = sum(re.compile(p).groups for p in (src if isinstance(src, (list, tuple)) else [src]))
+    found = _ANY_INDEX.findall(dst)
+    if not groups or len(found) != groups:
+        return dst
+    n = iter(range(1, groups + 1))
+    return _ANY_INDEX.sub(lambda _m: f"\\{next(n)}", dst)
+
+
 def _move_path(layer: str, rules: list) -> tuple[str | None, str]:
     """The destination layer path of the source layer ``layer`` under the twins' generalised rules,
     or (None, why)."""
     for src, dst in rules:
+        dst = _indexed(src, dst)
         if isinstance(src, (list, tuple)):
             pats = list(src)
         else:

@@ -369,3 +369,37 @@ def test_merged_into_bfloat16_rounds_once_and_says_so(tmp_path, llama):
     merged = [t for t in report.certificate["tensors"].values() if t["sources"][0].get("merge_lora")]
     assert merged and all(t["dtypes"] == ["float32", "float64", "bfloat16"] and t["max_ulp"] == 1 for t in merged)
     assert db.verify_port(out).passed
+
+
+# ----------------------------------------------------------------------------- port(to="keras-hub")
+def _keras_hub_port_or_skip():
+    from dense_bridge.ports import formats
+
+    if "keras-hub" not in formats():
+        pytest.skip("no keras-hub port format in this tree")
+
+
+def test_keras_hub_port_merged_and_kept(tmp_path, llama):
+    """transformers + PEFT -> keras-hub preset: merged (from_preset logits vs merge_and_unload) and kept
+    (from_preset, then keras-hub's own enable_lora/load_lora_weights on out/adapter/adapter.lora.h5,
+    logits vs PEFT)."""
+    from _port_helpers import keras_hub_or_skip
+
+    keras_hub = keras_hub_or_skip()
+    _keras_hub_port_or_skip()
+    merged = tmp_path / "merged"
+    db.port(llama["root"] / "src", merged, to="keras-hub", adapter=llama["root"] / "adapter")
+    task = keras_hub.models.CausalLM.from_preset(str(merged), preprocessor=None)
+    _close(llama["merged"], _keras_logits(task), "keras-hub preset merged vs PEFT merge_and_unload")
+
+    kept = tmp_path / "kept"
+    report = db.port(llama["root"] / "src", kept, to="keras-hub", adapter=llama["root"] / "adapter",
+                     adapter_mode="keep")
+    written = report.certificate["adapter"]["written"]
+    assert written["format"] == "keras-hub" and set(written["files"]) == {"adapter/adapter.lora.h5"}
+    task = keras_hub.models.CausalLM.from_preset(str(kept), preprocessor=None)
+    _close(_torch_logits(llama["base"]), _keras_logits(task), "keras-hub preset base vs transformers base")
+    task.backbone.enable_lora(written["rank"], target_layer_names=written["target_layer_names"])
+    task.backbone.load_lora_weights(str(kept / "adapter" / "adapter.lora.h5"))
+    _close(llama["logits"], _keras_logits(task), "keras-hub kept adapter vs PEFT")
+    assert db.verify_port(kept).passed
