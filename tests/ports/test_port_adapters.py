@@ -174,7 +174,8 @@ def test_qwen2_tied_head_with_per_layer_patterns_merged(tmp_path):
     _close(_torch_logits(_merged(peft_model)), _mlx_logits(model), "qwen2 merged vs PEFT merge_and_unload")
     assert len(report.certificate["adapter"]["merged"]) == 9
     # up_proj's scale 4/8 = 0.5 against 2 elsewhere: a power of two, so kept too
-    db.port(tmp_path / "src", tmp_path / "keep", to="mlx-lm", adapter=tmp_path / "adapter", adapter_mode="keep")
+    db.port(tmp_path / "src", tmp_path / "keep", to="mlx-lm", adapter=tmp_path / "adapter", adapter_mode="keep",
+            verify="twins")
 
 
 def test_dora_is_merged_and_refused_for_keep(tmp_path, llama):
@@ -394,7 +395,7 @@ def test_keras_hub_port_merged_and_kept(tmp_path, llama):
 
     kept = tmp_path / "kept"
     report = db.port(llama["root"] / "src", kept, to="keras-hub", adapter=llama["root"] / "adapter",
-                     adapter_mode="keep")
+                     adapter_mode="keep", verify="twins")  # the base's logits are judged below
     written = report.certificate["adapter"]["written"]
     assert written["format"] == "keras-hub" and set(written["files"]) == {"adapter/adapter.lora.h5"}
     task = keras_hub.models.CausalLM.from_preset(str(kept), preprocessor=None)
