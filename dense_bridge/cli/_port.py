@@ -29,8 +29,8 @@ def add_parser(sub) -> None:
                         "lists the tensors left out")
     for flag in ("--quantize", "--outtype", "--device"):
         p.add_argument(flag, help="not implemented by this port yet")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC (PEFT for transformers, mlx-lm "
-                                                    "adapters for mlx-lm), checked against SRC")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC, in the adapter format of "
+                                                    "SRC's own ecosystem, checked against SRC")
     p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge",
                    help="merge: into the weights, float64, rounded once (default); keep: written beside the model "
                         "in OUT/adapter/ in the destination's own adapter format")
