@@ -300,6 +300,10 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
             loaders, on generated inputs of 256 positions), ``"auto"`` (full when both fit in the
             memory available).
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or None (keep each tensor's).
+        adapter: a LoRA adapter directory for ``src`` in its own ecosystem's format (checked against
+            it); ``adapter_mode="merge"`` merges it into the weights (float64, one rounding to the
+            destination dtype, certified), ``"keep"`` writes it into ``out/adapter/`` in the
+            destination's own adapter format (``ports._adapters``).
         max_shard_size: bytes or ``"5GB"``; default: as many files as the source.
         progress: True/False, or a callable ``(tensors_done, tensors_total, bytes_done, bytes_total)``.
         text_only: port only the text model of a multimodal checkpoint (refused otherwise); the

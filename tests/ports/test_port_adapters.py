@@ -176,6 +176,11 @@ def test_qwen2_tied_head_with_per_layer_patterns_merged(tmp_path):
     # up_proj's scale 4/8 = 0.5 against 2 elsewhere: a power of two, so kept too
     db.port(tmp_path / "src", tmp_path / "keep", to="mlx-lm", adapter=tmp_path / "adapter", adapter_mode="keep",
             verify="twins")
+    from mlx_lm.tuner.utils import load_adapters
+
+    kept, _ = load_model(tmp_path / "keep")
+    kept = load_adapters(kept, str(tmp_path / "keep" / "adapter"))
+    _close(_torch_logits(peft_model), _mlx_logits(kept), "qwen2 kept adapter (mlx-lm load_adapters) vs PEFT")
 
 
 def test_dora_is_merged_and_refused_for_keep(tmp_path, llama):
@@ -404,3 +409,18 @@ def test_keras_hub_port_merged_and_kept(tmp_path, llama):
     task.backbone.load_lora_weights(str(kept / "adapter" / "adapter.lora.h5"))
     _close(llama["logits"], _keras_logits(task), "keras-hub kept adapter vs PEFT")
     assert db.verify_port(kept).passed
+
+
+def test_keras_hub_lora_h5_fills_uncovered_blocks_with_zero_factors(tmp_path, llama, keras_llama):
+    """An adapter on block 1 only: keras-hub enables query/value in every block and reads each one's
+    factors, so blocks 0 and 2 get zeros (no update, exactly)."""
+    from dense_bridge.ports._adapters import write_model_file
+
+    keras_hub, weights, rules = keras_llama
+    peft_model = _peft_adapter(llama["base"], tmp_path / "one", seed=10, target_modules=["q_proj", "v_proj"],
+                               layers_to_transform=[1])
+    info = write_model_file(tmp_path / "one", rules, _keras_llama(keras_hub, weights), tmp_path / "one.lora.h5")
+    assert len(info["zero_filled"]) == 4 and info["default_names"]
+    model = _keras_llama(keras_hub, weights)
+    model.backbone.load_lora_weights(str(tmp_path / "one.lora.h5"))
+    _close(_torch_logits(peft_model), _keras_logits(model), "keras-hub one-block adapter vs PEFT")
