@@ -271,11 +271,11 @@ def port_detect(fmt: str, path: str) -> int:
 
 
 def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
-    """``{"config": {"backbone", "task"}, "weights": {port name: "model.weights.h5"}, "extras": []}``.
+    """``{"config": {"backbone", "task"}, "weights": {port name: "model.weights.h5"}, "extras": []}``
+    (a classifier head's tensors, from ``task.weights.h5``, named with :data:`TASK_PREFIX`).
 
-    Refused (naming the file): a ``task.weights.h5`` (a task head the causal-LM port does not
-    carry), and keras-hub's own tokenizer files, which no installed code translates back into
-    transformers' (keras-hub's exporters write whole models only)."""
+    Refused naming the file: keras-hub's own tokenizer files, which no installed code translates
+    into transformers' (keras-hub's exporters write whole models only)."""
     backbone = _serialized(path, CONFIG)
     task = _serialized(path, TASK) if os.path.isfile(os.path.join(path, TASK)) else None
     for name in TOKENIZER_FILES:

@@ -109,7 +109,7 @@ def test_the_way_back_is_bit_identical(ported):
     assert db.verify_port(root / "back").passed
 
 
-def test_mlx_lm_into_keras_hub(tmp_path):
+def test_mlx_lm_into_keras_hub_and_back(tmp_path):
     transformers = transformers_or_skip()
     keras_hub = keras_hub_or_skip()
     mlx_lm_or_skip()
@@ -121,6 +121,20 @@ def test_mlx_lm_into_keras_hub(tmp_path):
     theirs = keras_hub.models.Backbone.from_preset(str(tmp_path / "src"))
     for (k, x), (_, y) in zip(_keras_weights(mine), _keras_weights(theirs)):
         assert np.array_equal(x, y), k
+
+    # and out of keras-hub into mlx-lm: mlx-lm's own loader reads what the first port wrote, bit for bit
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    db.port(tmp_path / "preset", tmp_path / "mlx2", to="mlx-lm", verify="twins")
+    want = dict(tree_flatten(load_model(Path(tmp_path / "mlx"))[0].parameters()))
+    got = dict(tree_flatten(load_model(Path(tmp_path / "mlx2"))[0].parameters()))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert mx.array_equal(want[k], got[k]).item(), k
 
 
 def test_a_model_type_keras_hub_does_not_import_is_refused_naming_what_it_offers(tmp_path):
