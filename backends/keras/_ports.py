@@ -45,6 +45,8 @@ TOKENIZER_FILES = ("tokenizer.json", "preprocessor.json")
 #: transformers' tokenizer files, which keras-hub's importer translates (``convert_tokenizer``).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
+#: The port names of a task's own variables (``task.weights.h5``) begin with this.
+TASK_PREFIX = "task."
 
 
 def _keras_hub():
@@ -105,19 +107,28 @@ def _converter(model_type):
     return importlib.import_module(f"keras_hub.src.utils.transformers.{registry[model_type]}")
 
 
+def _classifier(config: dict) -> bool:
+    """Whether the transformers config names a sequence classifier (transformers' own mapping)."""
+    from transformers.models.auto import modeling_auto
+
+    arch = (config.get("architectures") or [None])[0]
+    return arch in set(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+
+
 def _task_class(backbone_cls, config: dict):
-    """The keras-hub task whose backbone is ``backbone_cls``: a causal LM where there is one, else
-    the first task keras-hub declares for it."""
+    """The keras-hub task whose backbone is ``backbone_cls`` for the transformers ``config``: a text
+    classifier for a sequence classifier, else a causal LM."""
     keras_hub = _keras_hub()
     from keras_hub.src.models.task import Task
     from keras_hub.src.utils.preset_utils import list_subclasses
 
     tasks = [t for t in list_subclasses(Task) if t.backbone_cls is backbone_cls]
-    causal = [t for t in tasks if issubclass(t, keras_hub.models.CausalLM)]
-    if causal:
-        return sorted(causal, key=lambda t: t.__name__)[0]
-    raise ConversionError(f"keras-hub declares no causal language model for {backbone_cls.__name__} (its tasks: "
-                          f"{sorted(t.__name__ for t in tasks)}); the port writes causal language models")
+    kind = keras_hub.models.TextClassifier if _classifier(config) else keras_hub.models.CausalLM
+    found = [t for t in tasks if issubclass(t, kind)]
+    if found:
+        return sorted(found, key=lambda t: t.__name__)[0]
+    raise ConversionError(f"keras-hub declares no {kind.__name__} for {backbone_cls.__name__} (its tasks: "
+                          f"{sorted(t.__name__ for t in tasks)})")
 
 
 # ------------------------------------------------------------------------------ names
@@ -184,7 +195,9 @@ class _Info:
 
 class H5Weights:
     """One keras-hub ``*.weights.h5`` read as the port reads a safetensors file (``tensors``: port
-    name -> info with ``shape`` and ``numpy_dtype``; ``get(name)``; ``keys``; ``close``).
+    name -> info with ``shape`` and ``numpy_dtype``; ``get(name)``; ``keys``; ``close``). A preset's
+    ``model.weights.h5`` is read with the ``task.weights.h5`` beside it, if any (a classifier's head,
+    which keras-hub saves apart): its tensors' names begin with :data:`TASK_PREFIX`.
 
     The file's structure is checked first by the Keras adapter's own reader (no external or soft
     links, no virtual or external datasets, every dataset's bytes inside the file, numeric types);
@@ -197,21 +210,29 @@ class H5Weights:
         from ._files import DatasetReader, h5_structure
 
         self.path, self.metadata = path, {}
-        entries = h5_structure(path)
-        fam = families(entries)
-        self._keys: dict[str, str] = {}
+        self._keys: dict[str, tuple[object, str]] = {}
         self.tensors: dict[str, _Info] = {}
-        for h5, (shape, dtype) in entries.items():
-            name = port_name(h5, fam)
-            self._keys[name] = h5
-            self.tensors[name] = _Info(tuple(shape), np.dtype(numpy_dtype(dtype)))
-        self._reader = DatasetReader(path, entries)
+        files = [(path, "")]
+        task = os.path.join(os.path.dirname(path), TASK_WEIGHTS)
+        if os.path.basename(path) == WEIGHTS and os.path.isfile(task):
+            files.append((task, TASK_PREFIX))  # a task head, saved beside the backbone
+        for file, prefix in files:
+            entries = h5_structure(file)
+            reader = DatasetReader(file, entries)
+            fam = families(entries)
+            for h5, (shape, dtype) in entries.items():
+                if _own(h5):
+                    continue
+                name = prefix + port_name(h5, fam)
+                self._keys[name] = (reader, h5)
+                self.tensors[name] = _Info(tuple(shape), np.dtype(numpy_dtype(dtype)))
 
     def keys(self) -> list[str]:
         return list(self.tensors)
 
     def get(self, name: str) -> np.ndarray:
-        return self._reader.read(self._keys[name])
+        reader, key = self._keys[name]
+        return reader.read(key)
 
     def close(self) -> None:
         self.tensors = {}
@@ -250,18 +271,17 @@ def port_detect(fmt: str, path: str) -> int:
 
 
 def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
-    """``{"config": {"backbone", "task"}, "weights": {port name: "model.weights.h5"}, "extras": []}``.
+    """``{"config": {"backbone", "task"}, "weights": {port name: "model.weights.h5"}, "extras": []}``
+    (a classifier head's tensors, from ``task.weights.h5``, named with :data:`TASK_PREFIX`).
 
-    Refused (naming the file): a ``task.weights.h5`` (a task head the causal-LM port does not
-    carry), and keras-hub's own tokenizer files, which no installed code translates back into
-    transformers' (keras-hub's exporters write whole models only)."""
+    Refused naming the file: keras-hub's own tokenizer files, which no installed code translates
+    into transformers' (keras-hub's exporters write whole models only)."""
     backbone = _serialized(path, CONFIG)
     task = _serialized(path, TASK) if os.path.isfile(os.path.join(path, TASK)) else None
-    for name in (TASK_WEIGHTS,) + TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(path, name)):
-            what = "task head weights, which a causal-LM port does not carry" if name == TASK_WEIGHTS else \
-                "a keras-hub tokenizer, which no installed code translates into another library's tokenizer"
-            raise ConversionError(f"{os.path.join(path, name)}: {what}: refused (nothing was written)")
+            raise ConversionError(f"{os.path.join(path, name)}: a keras-hub tokenizer, which no installed code "
+                                  "translates into another library's tokenizer: refused (nothing was written)")
     with H5Weights(os.path.join(path, WEIGHTS)) as f:
         weights = {k: WEIGHTS for k in f.keys()}
     if not weights:
@@ -403,6 +423,17 @@ def port_common_config(fmt: str, config: dict) -> dict:
             kwargs[path[0]] = value
         else:  # a nested entry (rope settings): the rest of it as transformers has it by default
             kwargs.setdefault(path[0], dict(base[path[0]]))[path[1]] = value
+    from transformers.models.auto import modeling_auto
+
+    task = config.get("task") or {}
+    classes = (task.get("config") or {}).get("num_classes")
+    if isinstance(classes, int):  # a text classifier: transformers' sequence classifier of the model type
+        arch = modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+        kwargs["num_labels"] = classes
+    else:
+        arch = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if arch:
+        kwargs["architectures"] = [arch]
     hf = _hf_config(model_type, kwargs)  # what follows from these (a head width) recomputed by transformers
     again = {**_defaults(cls), **_import_config(conv, hf)}
     wrong = sorted(k for k in preset if k in again and _differs(again[k], preset[k]))
@@ -445,8 +476,11 @@ def port_own_config(fmt: str, common: dict) -> dict:
     reg = keras.saving.get_registered_name(cls)
     backbone = {"module": cls.__module__, "class_name": cls.__name__, "config": config, "registered_name": reg}
     task_cls = _task_class(cls, common)
-    task = {"module": task_cls.__module__, "class_name": task_cls.__name__,
-            "config": {"backbone": backbone, "preprocessor": None},
+    task_config = {"backbone": backbone, "preprocessor": None}
+    if issubclass(task_cls, _keras_hub().models.TextClassifier):
+        labels = common.get("id2label")
+        task_config["num_classes"] = len(labels) if isinstance(labels, dict) else int(common.get("num_labels", 2))
+    task = {"module": task_cls.__module__, "class_name": task_cls.__name__, "config": task_config,
             "registered_name": keras.saving.get_registered_name(task_cls)}
     return json.loads(json.dumps({"backbone": backbone, "task": task}, default=_jsonable))
 
@@ -477,9 +511,10 @@ def _build(config: dict, stateless: bool = False):
     return keras.saving.deserialize_keras_object(config["backbone"])
 
 
-def _record(model) -> tuple[list[tuple[str, dict | None]], list[tuple[str, str, tuple, str]]]:
+def _record(model, skip=()) -> tuple[list[tuple[str, dict | None]], list[tuple[str, str, tuple, str]]]:
     """What Keras' own saver writes for ``model`` without reading a value: the groups it makes
-    (path, metadata) and the variables it stores (group path, key, shape, dtype)."""
+    (path, metadata) and the variables it stores (group path, key, shape, dtype); ``skip``: ids of
+    objects left out (``objects_to_skip``)."""
     from keras.src.saving import saving_lib
 
     class _Recorder(saving_lib.H5IOStore):
@@ -495,10 +530,10 @@ def _record(model) -> tuple[list[tuple[str, dict | None]], list[tuple[str, str, 
             return self
 
         def __setitem__(self, key, value):
-            self.vars.append((self._path, str(key), tuple(int(d) for d in value.shape), str(value.dtype)))
+            self.vars.append((self._path, str(key), tuple(int(d) for d in value.shape), value))
 
     rec = _Recorder()
-    saving_lib._save_state(model, weights_store=rec, assets_store=None, inner_path="", visited_saveables=set())
+    saving_lib._save_state(model, weights_store=rec, assets_store=None, inner_path="", visited_saveables=set(skip))
     return rec.groups, rec.vars
 
 
@@ -506,20 +541,45 @@ def _var_path(group: str, key: str) -> str:
     return f"{group}/vars/{key}" if group else f"vars/{key}"
 
 
+def _structure(config: dict) -> list[tuple[str, list, list, list[str], list[str]]]:
+    """Per weights file of the preset for ``config``: (file name, groups, variables, their dataset
+    paths, their port names, the variables not ported (:func:`_own`)), as Keras' saver writes them: the backbone (built in a
+    ``keras.StatelessScope``, nothing allocated) into ``model.weights.h5``, and a task with weights
+    of its own (a classifier's head, small) into ``task.weights.h5``."""
+    backbone = _build(config, stateless=True)
+    out = []
+    parts = [(WEIGHTS, backbone, set(), "")]
+    task = _task(backbone, config)
+    if task.has_task_weights():
+        parts.append((TASK_WEIGHTS, task, {id(layer) for layer in backbone._flatten_layers()}, TASK_PREFIX))
+    for file, model, skip, prefix in parts:
+        groups, recorded = _record(model, skip)
+        variables = [v for v in recorded if not _own(_var_path(v[0], v[1]))]
+        own = [v for v in recorded if _own(_var_path(v[0], v[1]))]
+        paths = [_var_path(g, k) for g, k, _, _ in variables]
+        fam = families(paths)
+        out.append((file, groups, variables, paths, [prefix + port_name(p, fam) for p in paths], own))
+    return out
+
+
+def _own(h5_path: str) -> bool:
+    """A variable Keras saves beside a task's weights that belongs to no layer (its optimizer's
+    step count and slots): not ported, written as the task's saver writes it."""
+    return h5_path.startswith("optimizer/")
+
+
 def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
-    """Every variable of keras-hub's backbone for ``config`` by port name, with its shape: the
-    backbone built in a ``keras.StatelessScope`` (nothing allocated) and walked by Keras' saver."""
-    _, variables = _record(_build(config, stateless=True))
-    paths = [_var_path(g, k) for g, k, _, _ in variables]
-    fam = families(paths)
-    return {port_name(p, fam): shape for p, (_, _, shape, _) in zip(paths, variables)}
+    """Every variable of keras-hub's model for ``config`` by port name, with its shape, from the
+    model built without allocating its backbone and walked by Keras' saver (:func:`_structure`)."""
+    return {name: v[2] for _, _, variables, _, names, _ in _structure(config) for name, v in zip(names, variables)}
 
 
 def _task(backbone, config: dict):
     import keras
 
     cls = keras.saving.get_registered_object(config["task"]["registered_name"])
-    return cls(backbone=backbone, preprocessor=None)
+    rest = {k: v for k, v in config["task"]["config"].items() if k not in ("backbone", "preprocessor", "name")}
+    return cls(backbone=backbone, preprocessor=None, **rest)
 
 
 def port_twin(fmt: str, config: dict, seed: int = 0):
@@ -528,7 +588,7 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
     model = _task(_build(config), config)
     rng = np.random.default_rng(seed)
     seen = set()
-    for v in model.backbone.weights:
+    for v in model.weights:
         if id(v) in seen:
             continue
         seen.add(id(v))
@@ -556,40 +616,44 @@ def port_write_weights(fmt: str, path: str, tensors: dict, config: dict, on_tens
     allocating it). Returns the bytes written; ConversionError naming tensors missing or extra."""
     import h5py
 
-    groups, variables = _record(_build(config, stateless=True))
-    paths = [_var_path(g, k) for g, k, _, _ in variables]
-    fam = families(paths)
-    names = [port_name(p, fam) for p in paths]
+    structure = _structure(config)
+    names = [n for part in structure for n in part[4]]
     missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
     if missing or extra:
         raise ConversionError(f"the keras-hub weights file for this config needs {missing[:8]} and does not hold "
                               f"{extra[:8]} (nothing was written)")
-    with_vars = {g for g, _, _, _ in variables}
     written = 0
-    with h5py.File(path, "w") as f:
-        for group, metadata in groups:
-            if not metadata and group not in with_vars:
-                continue  # Keras defers such a group until a variable is stored: it never makes it
-            where = f"{group}/vars" if group else "vars"
-            if where in f:
-                continue
-            g = f.require_group(where)
-            for k, v in (metadata or {}).items():
-                g.attrs[k] = v
-        for name, p in zip(names, paths):
-            pending = tensors[name]
-            value = np.ascontiguousarray(pending.produce())
-            if tuple(value.shape) != tuple(pending.shape):
-                raise ConversionError(f"tensor {name!r} was made with shape {value.shape}, not {pending.shape}")
-            if value.dtype.name == "bfloat16":
-                ds = f.create_dataset(p, data=value.view(np.uint16).view("V2"))
-                ds.attrs["dtype"] = "bfloat16"
-            else:
-                f.create_dataset(p, data=value)
-            written += value.nbytes
-            if on_tensor is not None:
-                on_tensor(name, value.nbytes)
-            del value
+    for file, groups, variables, paths, part_names, own in structure:
+        with_vars = {g for g, _, _, _ in variables} | {g for g, _, _, _ in own}
+        target = path if file == WEIGHTS else os.path.join(os.path.dirname(path), file)
+        with h5py.File(target, "w") as f:
+            for group, metadata in groups:
+                if not metadata and group not in with_vars:
+                    continue  # Keras defers such a group until a variable is stored: it never makes it
+                where = f"{group}/vars" if group else "vars"
+                if where in f:
+                    continue
+                g = f.require_group(where)
+                for k, v in (metadata or {}).items():
+                    g.attrs[k] = v
+            import keras
+
+            for group, key, _, variable in own:  # as Keras' saver writes them (initial values)
+                f.create_dataset(_var_path(group, key), data=np.asarray(keras.ops.convert_to_numpy(variable)))
+            for name, p in zip(part_names, paths):
+                pending = tensors[name]
+                value = np.ascontiguousarray(pending.produce())
+                if tuple(value.shape) != tuple(pending.shape):
+                    raise ConversionError(f"tensor {name!r} was made with shape {value.shape}, not {pending.shape}")
+                if value.dtype.name == "bfloat16":
+                    ds = f.create_dataset(p, data=value.view(np.uint16).view("V2"))
+                    ds.attrs["dtype"] = "bfloat16"
+                else:
+                    f.create_dataset(p, data=value)
+                written += value.nbytes
+                if on_tensor is not None:
+                    on_tensor(name, value.nbytes)
+                del value
     return written
 
 
@@ -647,7 +711,7 @@ def _tasks_of(cls):
 
 
 def port_load(fmt: str, path: str):
-    """The causal LM as keras-hub's own ``from_preset`` reads the directory (no preprocessor)."""
+    """The task model as keras-hub's own ``from_preset`` reads the directory (no preprocessor)."""
     keras_hub = _keras_hub()
     task = _serialized(path, TASK) if os.path.isfile(os.path.join(path, TASK)) else None
     cls = keras_hub.models.CausalLM
@@ -658,17 +722,23 @@ def port_load(fmt: str, path: str):
     return cls.from_preset(path, preprocessor=None)
 
 
-def port_inputs(fmt: str, ids: np.ndarray) -> dict:
-    """keras-hub's inputs for the token ids ``ids`` (batch, positions): ids and a full padding mask."""
+def port_inputs(fmt: str, ids: np.ndarray, model=None) -> dict:
+    """keras-hub's inputs for the token ids ``ids`` (batch, positions): the ids, a full padding
+    mask, and segment ids 0 where ``model``'s backbone takes them (transformers' default)."""
     ids = np.asarray(ids)
-    return {"token_ids": ids.astype(np.int32), "padding_mask": np.ones_like(ids, dtype=np.int32)}
+    out = {"token_ids": ids.astype(np.int32), "padding_mask": np.ones_like(ids, dtype=np.int32)}
+    wanted = getattr(getattr(model, "backbone", model), "input", None)
+    if isinstance(wanted, dict) and "segment_ids" in wanted:
+        out["segment_ids"] = np.zeros_like(ids, dtype=np.int32)
+    return out
 
 
 def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
-    """Float32 logits (batch, positions, vocab) of the causal LM ``model`` for ``ids``."""
+    """Float32 outputs of the task ``model`` for ``ids``: a causal LM's logits (batch, positions,
+    vocab), a classifier's (batch, classes)."""
     import keras
 
-    return np.asarray(keras.ops.convert_to_numpy(model(port_inputs(fmt, ids), training=False)), np.float32)
+    return np.asarray(keras.ops.convert_to_numpy(model(port_inputs(fmt, ids, model), training=False)), np.float32)
 
 
 def port_example(fmt: str, path: str, seed: int = 0) -> None:

@@ -27,7 +27,7 @@ A backend whose manifest declares the ``ports`` capability names its formats in
 
 Optional verbs, for a destination whose files are not safetensors beside one JSON config:
 
-- ``port_inputs(fmt, ids)``: its models' inputs for the token ids ``ids`` (batch, positions), where
+- ``port_inputs(fmt, ids, model)``: ``model``'s inputs for the token ids ``ids`` (batch, positions), where
   they are not ``[ids]`` (a dict of named inputs); the twins and full models are run on them;
 - ``port_write_weights(fmt, path, tensors, config, on_tensor) -> bytes``: one weight file of the
   layout written in its own format (the destination is still a directory) (``tensors``: destination name -> ``PendingTensor``, each made by its

@@ -156,13 +156,13 @@ def _read_all(path: str, fmt=None) -> dict[str, np.ndarray]:
     return out
 
 
-def model_inputs(src_fmt, dst_fmt, ids: np.ndarray):
-    """The inputs of both models for the token ids ``ids``, in the forms ``transfer`` and
-    ``compare_models`` take: ``[ids]``, or a pair where a format's ``port_inputs`` names its own."""
-    def own(fmt):
+def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
+    """The inputs of the models ``a`` and ``b`` for the token ids ``ids``, in the forms ``transfer``
+    and ``compare_models`` take: ``[ids]``, or a pair where a format's ``port_inputs`` names its own."""
+    def own(fmt, model):
         fn = _dirs.optional(fmt, "port_inputs")
-        return fn(ids) if fn is not None else [ids]
-    a, b = own(src_fmt), own(dst_fmt)
+        return fn(ids, model) if fn is not None else [ids]
+    a, b = own(src_fmt, a), own(dst_fmt, b)
     return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
 
 
@@ -178,10 +178,10 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models):
     ids = token_ids(vocab, positions)
     discrepancies: list[str] = []
     try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
-        report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids), verify=False)
+        report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids, a, b), verify=False)
     except ConversionError as exc:
         raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
-    compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids), mapping=report.rules, grads=False,
+    compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
                               judge="carried")
     verification = {"mode": "twins", "passed": True, "positions": positions}
     if not compared.passed:
@@ -217,7 +217,7 @@ def _measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report=None) ->
     """The worst layer (in tolerance units) and the next-token KL and top-1 agreement of two models
     (``report``: their comparison, when already made)."""
     if report is None:
-        report = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids), mapping=rules, grads=False,
+        report = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=rules, grads=False,
                                 judge="carried")
     worst = report.worst
     la, lb = src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids)
@@ -233,7 +233,7 @@ def _library_difference(a, b, ids, rules, src_fmt, dst_fmt, compare_models) -> s
     None when the mapping itself is at fault: every linear layer of b run alone on what its
     counterpart in a received agrees (isolated comparison), only the code between them differs, and
     the next-token distributions stay close (KL, top-1)."""
-    iso = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids), mapping=rules, grads=False, isolated=True)
+    iso = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=rules, grads=False, isolated=True)
     rows = [q for layer in iso.layers for q in layer.quantities]
     own = [q for q in rows if q.quantity != "input" and q.layer is not None]
     if not own or not all(q.passed for q in own):
@@ -461,7 +461,7 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
     b = dst_fmt.port_load(tmp)
     positions = positions_for(src_fmt, common, POSITIONS)
     ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)
-    inputs = model_inputs(src_fmt, dst_fmt, ids)
+    inputs = model_inputs(src_fmt, dst_fmt, ids, a, b)
     try:
         report = compare_models(a, b, inputs, mapping=rules, grads=False, judge="carried")
     except (ConversionError, SpecError):

@@ -109,7 +109,7 @@ def test_the_way_back_is_bit_identical(ported):
     assert db.verify_port(root / "back").passed
 
 
-def test_mlx_lm_into_keras_hub(tmp_path):
+def test_mlx_lm_into_keras_hub_and_back(tmp_path):
     transformers = transformers_or_skip()
     keras_hub = keras_hub_or_skip()
     mlx_lm_or_skip()
@@ -121,6 +121,20 @@ def test_mlx_lm_into_keras_hub(tmp_path):
     theirs = keras_hub.models.Backbone.from_preset(str(tmp_path / "src"))
     for (k, x), (_, y) in zip(_keras_weights(mine), _keras_weights(theirs)):
         assert np.array_equal(x, y), k
+
+    # and out of keras-hub into mlx-lm: mlx-lm's own loader reads what the first port wrote, bit for bit
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    db.port(tmp_path / "preset", tmp_path / "mlx2", to="mlx-lm", verify="twins")
+    want = dict(tree_flatten(load_model(Path(tmp_path / "mlx"))[0].parameters()))
+    got = dict(tree_flatten(load_model(Path(tmp_path / "mlx2"))[0].parameters()))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert mx.array_equal(want[k], got[k]).item(), k
 
 
 def test_a_model_type_keras_hub_does_not_import_is_refused_naming_what_it_offers(tmp_path):
@@ -179,3 +193,57 @@ def test_a_transformers_tokenizer_is_translated_by_keras_hubs_importer(tmp_path)
     task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "preset"))  # with its preprocessor
     assert task.preprocessor is not None
     assert db.verify_port(tmp_path / "preset").passed
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """A BERT sequence classifier ported to a keras-hub TextClassifier preset and back."""
+    transformers = transformers_or_skip()
+    keras_hub_or_skip()
+    import torch
+
+    from _port_helpers import randomize
+
+    root = tmp_path_factory.mktemp("bert")
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=512, type_vocab_size=2,
+                                  hidden_act="gelu_new",  # keras-hub's BERT computes the tanh gelu
+                                  num_labels=3, architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    src = transformers.BertForSequenceClassification(cfg).eval()
+    randomize(src, seed=0)
+    src.save_pretrained(root / "src")
+    report = db.port(root / "src", root / "preset", to="keras-hub")
+    back_report = db.port(root / "preset", root / "back", to="transformers", verify="twins")
+    return src, root, report, back_report
+
+
+def test_bert_classifier_into_a_keras_hub_text_classifier_with_its_head_and_back(bert):
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    import keras
+    import torch
+
+    src, root, report, back_report = bert
+    assert report.verification["passed"] and report.verification["mode"] == "full"
+    mine = keras_hub.models.Backbone.from_preset(str(root / "preset"))
+    theirs = keras_hub.models.Backbone.from_preset(str(root / "src"))  # keras-hub's own importer
+    for (k, x), (_, y) in zip(_keras_weights(mine), _keras_weights(theirs)):
+        assert np.array_equal(x, y), k
+    task = keras_hub.models.TextClassifier.from_preset(str(root / "preset"), preprocessor=None)
+    assert task.num_classes == 3 and (root / "preset" / "task.weights.h5").is_file()
+    got = np.asarray(keras.ops.convert_to_numpy(task({"token_ids": IDS.astype(np.int32),
+                                                      "segment_ids": np.zeros_like(IDS, np.int32),
+                                                      "padding_mask": np.ones_like(IDS, np.int32)},
+                                                     training=False)))
+    with torch.no_grad():
+        want = src(torch.as_tensor(IDS)).logits.numpy()
+    _close(want, got, "BERT classifier logits, keras-hub vs transformers")
+    assert db.verify_port(root / "preset").passed
+
+    assert back_report.verification["passed"]
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(root / "back").eval()
+    a, b = src.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
