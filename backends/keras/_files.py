@@ -39,7 +39,7 @@ Entries = dict  # name -> (native shape, dtype name)
 SPEC_ATTR = "dense_bridge_spec"
 
 
-def _h5_structure(path: str) -> Entries:
+def h5_structure(path: str) -> Entries:
     """Dataset path -> (shape, dtype) of a Keras weights file (bfloat16 from its "dtype" attribute)."""
     out: Entries = {}
     foreign: list[str] = []
@@ -119,7 +119,7 @@ def _h5_spec_attr(path: str) -> str | None:
             raw = f.attrs.get(SPEC_ATTR)
     except DenseBridgeError:
         raise
-    except Exception as exc:  # noqa: BLE001 - see _h5_structure
+    except Exception as exc:  # noqa: BLE001 - see h5_structure
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if raw is None:
@@ -289,7 +289,7 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
     if container != "h5":
         raise CheckpointError(f"cannot read {path} as a Keras file (container {container!r})")
     spec = _h5_spec_attr(path)
-    return _h5_structure(path), ({SPEC_ATTR: spec} if spec else {})
+    return h5_structure(path), ({SPEC_ATTR: spec} if spec else {})
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
@@ -306,7 +306,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
         # the structure Keras itself writes for this model: save it once and read it back
         scratch = os.path.join(d, "template.weights.h5")
         template.save_weights(scratch)
-        expected, got = _h5_structure(scratch), _h5_structure(path)
+        expected, got = h5_structure(scratch), h5_structure(path)
         source = path
         if set(got) != set(expected):
             mapping = _mapping(template, got, expected)
@@ -339,14 +339,14 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
     shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
     difference in one CheckpointError) before anything is read. Returns canonical name ->
-    array, each read when first asked for (``FileViews`` over :class:`_DatasetReader`); None where this path does
+    array, each read when first asked for (``FileViews`` over :class:`DatasetReader`); None where this path does
     not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
     caller then loads a full template with :func:`read_file`.
     """
     twin = _twin(spec) if container == "h5" else None
     if twin is None:
         return None
-    if any(0 in v and v[0][1] == "int8" for v in layer_groups(_h5_structure(path)).values()):
+    if any(0 in v and v[0][1] == "int8" for v in layer_groups(h5_structure(path)).values()):
         return None  # quantized layers: Keras' own loader reads the file into a quantized template
     roles = _roles(twin)
     if roles is None:
@@ -355,14 +355,14 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     try:
         scratch = os.path.join(d, "twin.weights.h5")
         twin.save_weights(scratch)
-        twin_paths = set(_h5_structure(scratch))
+        twin_paths = set(h5_structure(scratch))
     finally:
         shutil.rmtree(d, ignore_errors=True)
     if twin_paths != set(roles):
         return None  # the twin saves something this reader does not know: let Keras load it
     shapes = canonical_shapes(spec)
     expected = {p: (shapes[name][0], shapes[name][1]) for p, name in roles.items()}
-    got = _h5_structure(path)
+    got = h5_structure(path)
     source_of = {p: p for p in got}  # template path -> the file's own dataset path
     if set(got) != set(expected):
         mapping = _mapping(twin, got, expected)
@@ -370,7 +370,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
             source_of = {mapping[p]: p for p in got}
             got = {mapping[k]: v for k, v in got.items()}
     check(got, expected)
-    reader = _DatasetReader(path, {source_of[p]: expected[p] for p in roles})
+    reader = DatasetReader(path, {source_of[p]: expected[p] for p in roles})
     return FileViews({roles[p]: (source_of[p], tuple(range(len(expected[p][0])))) for p in roles}, reader.read)
 
 
@@ -418,7 +418,7 @@ def _roles(twin) -> dict[str, str] | None:
     return roles
 
 
-class _DatasetReader:
+class DatasetReader:
     """A dataset's values by its path in the file, read when asked for and not kept.
 
     A contiguous, unfiltered dataset in native byte order is mapped copy-on-write from one
@@ -453,7 +453,7 @@ class _DatasetReader:
         nbytes = dtype.itemsize * math.prod(shape)
         if tuple(dataset.shape) != tuple(shape) or dataset.dtype.itemsize != dtype.itemsize:
             raise CheckpointError(f"{self.path}: dataset {where} changed while it was read")
-        if dataset.is_virtual or dataset.external:  # the file was replaced since _h5_structure looked
+        if dataset.is_virtual or dataset.external:  # the file was replaced since h5_structure looked
             raise CheckpointError(f"{self.path}: datasets ['{where}'] keep their values in other files (virtual "
                                   "or external storage), which dense_bridge does not follow")
         offset = dataset.id.get_offset()

@@ -253,8 +253,11 @@ _DCP = Capability("dcp", DCP_VERBS, "distributed checkpoint directories (format=
 PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save",
                              "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"),
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
-                   extras=("port_open",  # a weight file opened for streaming (else read as safetensors)
-                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))  # codes: ports/_codes.py
+                   # a weight file opened for streaming (else read as safetensors); a destination's own
+                   # inputs, weight-file writer and config files (ports/_dirs.py)
+                   extras=("port_open", "port_inputs", "port_write_weights", "port_write_config",
+                           # codes: ports/_codes.py
+                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
