@@ -27,8 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--text-only", action="store_true",
                    help="port only the text model of a multimodal checkpoint (refused otherwise); the certificate "
                         "lists the tensors left out")
-    p.add_argument("--quantize", metavar="Q", help="into mlx-lm: quantize with MLX's own quantizer, e.g. affine:4:64, "
-                                                 "mxfp4 or an mlx-lm mixed recipe such as mixed_3_6")
+    p.add_argument("--quantize", metavar="Q", help="quantize on the way in with the destination library's own quantizer, "
+                                                 "e.g. affine:4:64, mxfp4 or a mixed recipe such as mixed_3_6")
     for flag in ("--outtype", "--device"):
         p.add_argument(flag, help="not implemented by this port yet")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC, in the adapter format of "
