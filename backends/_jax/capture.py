@@ -43,20 +43,28 @@ def to_numpy_copy(x) -> np.ndarray:
     return np.array(np.asarray(x), copy=True)
 
 
-def input_array(value, dtype: str):
+def input_array(value, dtype: str, like=None):
     """A model input: floating arrays cast to ``dtype`` (the model's parameter dtype); token ids
-    and masks keep their integer or bool type."""
+    and masks keep their integer or bool type; on the device of ``like`` (one of the model's
+    arrays) when given."""
     arr = np.asarray(value)
     if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
-        return to_jax(arr, dtype)
-    return jnp.asarray(arr)
+        return to_jax(arr, dtype, like=like)
+    devices = like.devices() if isinstance(like, jax.Array) else ()
+    return jax.device_put(arr, next(iter(devices))) if len(devices) == 1 else jnp.asarray(arr)
 
 
-def inputs_of(inputs, dtype: str) -> tuple[list, dict]:
-    """(args, kwargs) for the model from capture's ``inputs``: a list (positional) or a dict (keyword)."""
+def first_array(model):
+    """The model's first JAX array (where its inputs go), else None."""
+    return next((leaf for leaf in jax.tree_util.tree_leaves(model) if isinstance(leaf, jax.Array)), None)
+
+
+def inputs_of(inputs, dtype: str, like=None) -> tuple[list, dict]:
+    """(args, kwargs) for the model from capture's ``inputs``: a list (positional) or a dict
+    (keyword), placed on the device of ``like`` (one of the model's arrays) when given."""
     if isinstance(inputs, dict):
-        return [], {k: input_array(v, dtype) for k, v in inputs.items()}
-    return [input_array(v, dtype) for v in inputs], {}
+        return [], {k: input_array(v, dtype, like) for k, v in inputs.items()}
+    return [input_array(v, dtype, like) for v in inputs], {}
 
 
 def new_state() -> dict:

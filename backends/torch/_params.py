@@ -26,7 +26,9 @@ def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{i}.", s.module) for i, s in enumerate(chain(native)) if has_params(s.module)]
 
 
-def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
+def _module_params(m: nn.Module, to_numpy=to_numpy) -> dict[str, np.ndarray]:
+    """Canonical params of one layer, each read by ``to_numpy`` (the numpy view; detached tensors
+    for :func:`device_params`)."""
     quantized = quant_layer(m)
     if quantized is not None:  # a torchao Linear in a chain: torchao's own dequantize() (_quant.py)
         return quantized.dequantized()
@@ -105,3 +107,16 @@ def quant_position_build(native: nn.Module, prefix: str, quant: Quant) -> nn.Mod
     modules = dict(layer_modules(native))
     quant_build(modules[prefix], quant)
     return native
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
+    view: nothing is copied, no device is left); None for a quantized layer (its dequantized
+    floats are computed on the host)."""
+    if quant_layer(native) is not None or any(quant_layer(m) is not None for _, m in layer_modules(native)):
+        return None
+    return {prefix + k: v for prefix, m in layer_modules(native) for k, v in _module_params(m, _detached).items()}
