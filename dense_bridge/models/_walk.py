@@ -99,6 +99,7 @@ class Side:
         self.alias: dict[str, str] = {}
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
+        self._shapes: dict[int, tuple] = {}  # id(entry) -> canonical kernel shape
         first: dict[Any, str] = {}
         for e in self.entries:
             stable = e.extra.get("stable_path")
@@ -157,6 +158,29 @@ class Side:
             except SpecError as exc:
                 raise ConversionError(str(exc)) from None
             self._linear[id(e)] = found
+        return found
+
+    def kernel_shape(self, e: Entry) -> tuple[int, ...]:
+        """The canonical kernel's shape of linear ``e``, read as metadata: from the device arrays
+        where the adapter offers them (``devices`` capability: no copy to the host), else from
+        :meth:`linear_params`."""
+        found = self._shapes.get(id(e))
+        if found is None:
+            reader = getattr(self.adapter, "device_params", None)
+            if reader is not None:
+                from ..lora import base_of
+
+                try:
+                    with base_of(self.adapter, e.layer) as base:
+                        wrapped = base is not None
+                    arrays = None if wrapped else reader(e.layer)
+                    if arrays and "kernel" in arrays:
+                        found = tuple(int(s) for s in arrays["kernel"].shape)
+                except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
+                    found = None
+            if found is None:
+                found = tuple(self.linear_params(e)["kernel"].shape)
+            self._shapes[id(e)] = found
         return found
 
     def native(self, e: Entry) -> dict:

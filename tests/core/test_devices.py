@@ -1,0 +1,166 @@
+"""Models on devices, proved on the CPU (issue 45).
+
+- torch -> torch: a ``TorchFunctionMode`` and a ``TorchDispatchMode`` record every call and aten op
+  of a transfer between two Llamas: no ``.numpy()``/``.cpu()``/``__array__``/``.tolist()``, one
+  ``aten.copy_`` per written tensor straight from src's storage, one ``aten.all(isfinite)`` reduction
+  per tensor and exactly one host synchronisation (``aten._local_scalar_dense``: the NaN/Inf
+  verdict). The same recorders see the host path of ``get_params`` (a control: they can fail).
+- torch -> Flax/Equinox and back: DLPack, under ``jax.transfer_guard("disallow")`` (no host
+  <-> device transfer of JAX's) and the same torch recorders (no numpy conversion of a tensor).
+- JAX with two host devices (a subprocess: ``XLA_FLAGS`` is read at import): models placed on
+  device 1 stay there through every verb (``tests/core/_two_devices.py``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dense_bridge as db
+
+torch = pytest.importorskip("torch")
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+#: torch calls that bring a tensor's data to the host (a numpy view or copy, a Python list)
+HOST_CALLS = {"numpy", "cpu", "__array__", "tolist", "item"}
+
+
+class Calls(TorchFunctionMode):
+    """Every torch function and Tensor method called, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Ops(TorchDispatchMode):
+    """Every aten op run, with the source storages of the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.copy_sources: list[int] = []
+        self.to_cpu = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket).split(".")[-1]
+        self.ops[name] += 1
+        if name == "copy_":
+            self.copy_sources.append(args[1].untyped_storage().data_ptr())
+        if name == "_to_copy" and str(kwargs.get("device", "")) == "cpu":
+            self.to_cpu += 1
+        return func(*args, **kwargs)
+
+
+def _llamas(layers: int = 2):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    a = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(1)
+    b = transformers.LlamaForCausalLM(cfg)
+    return a, b
+
+
+def test_torch_transfer_makes_no_host_round_trip_and_one_sync():
+    a, b = _llamas()
+    src_storages = {p.untyped_storage().data_ptr() for p in a.parameters()}
+    n = len(list(b.parameters()))
+    with Calls() as calls, Ops() as ops:
+        report = db.transfer(a, b)
+    assert not (HOST_CALLS & set(calls.names)), {k: calls.names[k] for k in HOST_CALLS & set(calls.names)}
+    assert ops.ops["_local_scalar_dense"] == 1, ops.ops  # the NaN/Inf verdict, once for the whole model
+    assert ops.to_cpu == 0
+    # one reduction per tensor (aten.all of isfinite; lm_head is tied: not read twice), one over the flags
+    assert ops.ops["all"] == n + 1, ops.ops
+    # every write is one copy straight from src's storage, plus one undo snapshot (clone) of dst's
+    writes = [s for s in ops.copy_sources if s in src_storages]
+    assert len(writes) == n, (len(writes), n, ops.ops)
+    assert report.not_moved_dst == []
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), k
+
+
+def test_recorders_see_the_host_path():
+    """The control: reading params as host numpy is visible to the same recorders."""
+    a, _ = _llamas(1)
+    with Calls() as calls:
+        db.get_params(a.model.layers[0].mlp.up_proj)
+    assert calls.names["numpy"] >= 1
+
+
+def test_torch_nonfinite_found_on_the_device_and_nothing_written():
+    a, b = _llamas(1)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    with torch.no_grad():
+        a.model.layers[0].self_attn.q_proj.weight[1, 2] = float("nan")
+        a.model.norm.weight[0] = float("inf")
+    with Ops() as ops, pytest.raises(db.ConversionError) as err:
+        db.transfer(a, b)
+    assert "q_proj" in str(err.value) and "'model.norm.weight' holds NaN or Inf" in str(err.value)
+    assert ops.ops["_local_scalar_dense"] == 1  # one sync found both; naming them costs one copy of the flags
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _torch_chain():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+
+
+@pytest.mark.parametrize("target", ["flax", "equinox"])
+def test_torch_to_jax_through_dlpack(target):
+    pytest.importorskip("jax")
+    if target not in db.available_backends():
+        pytest.skip(f"{target} is not installed")
+    import jax
+
+    src = _torch_chain()
+    dst = db.convert(src, target)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.mul_(-1.5)  # new values, to see them arrive
+    want = {k: np.array(v) for k, v in db.get_params(src).items()}
+    with Calls() as calls, jax.transfer_guard("disallow"):
+        db.transfer(src, dst)
+    assert not (HOST_CALLS & set(calls.names)), calls.names
+    got = db.get_params(dst)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # dst owns its arrays: changing src afterwards changes nothing in dst
+    with torch.no_grad():
+        src[0].weight.zero_()
+    np.testing.assert_array_equal(db.get_params(dst)["0.kernel"], want["0.kernel"])
+    # and back: JAX -> torch through DLPack, copy_ on the device
+    back = _torch_chain()
+    with Calls() as calls, jax.transfer_guard("disallow"):
+        db.transfer(dst, back)
+    assert not (HOST_CALLS & set(calls.names)), calls.names
+    for k, v in db.get_params(back).items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+
+
+def test_device_argument_rejected_naming_it():
+    from dense_bridge.registry._backends import get_adapter
+
+    torch_adapter = get_adapter("torch")
+    with pytest.raises(db.SpecError, match="device='tpu:3'"):
+        torch_adapter.parse_device("tpu:3")
+    with pytest.raises(TypeError, match="device=3"):
+        torch_adapter.parse_device(3)
+    assert torch_adapter.parse_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(db.SpecError, match="CUDA device"):
+            torch_adapter.parse_device("gpu:0")
