@@ -114,13 +114,18 @@ def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[
     if not grads:
         out, logs = jax.jit(run)(params, None)
         return Capture(calls_of(logs), {}, to_numpy_copy(out), pre_activation=pre_activation), None
-    cot = to_jax(np.asarray(cotangent(tuple(out_shape.shape))), np.dtype(out_shape.dtype).name)
+    like = first_array(params)  # the cotangent and the probes on the model's device
+    cot = to_jax(np.asarray(cotangent(tuple(out_shape.shape))), np.dtype(out_shape.dtype).name, like=like)
 
     def loss(params, probes):
         out, logs = run(params, probes)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), (out, logs)
 
-    probes0 = [jnp.zeros(y.shape, y.dtype) for _, y in log_shapes]
+    # zeros computed where ``like`` lives: nothing crosses between devices
+    shapes = [(y.shape, y.dtype) for _, y in log_shapes]
+    devices = like.devices() if like is not None else ()
+    where = {"out_shardings": jax.sharding.SingleDeviceSharding(next(iter(devices)))} if len(devices) == 1 else {}
+    probes0 = jax.jit(lambda: [jnp.zeros(s, d) for s, d in shapes], **where)()
     # one XLA computation for the forward pass and the backward pass
     (_, (out, logs)), (g_params, g_probes) = jax.jit(
         jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, probes0)

@@ -26,7 +26,7 @@ from ._capture import capture
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
-from ._params import device_of, device_params, get_params, set_params
+from ._params import device_of, device_params, get_params, place, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace
 

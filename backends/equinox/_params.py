@@ -116,3 +116,13 @@ def device_of(native) -> str | None:
     import jax
 
     return device_of_leaves(jax.tree_util.tree_leaves(native))
+
+
+def place(native, device):
+    """A copy of the (immutable) module with its arrays on ``device`` (a ``jax.Device``): one
+    transfer per array."""
+    import equinox as eqx
+    import jax
+
+    arrays, static = eqx.partition(native, eqx.is_array)
+    return eqx.combine(jax.device_put(arrays, device), static)

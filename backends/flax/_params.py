@@ -81,3 +81,12 @@ def device_of(native) -> str | None:
     import jax
 
     return device_of_leaves(jax.tree_util.tree_leaves(nnx.state(native)))
+
+
+def place(native, device):
+    """``native`` with every variable moved to ``device`` (a ``jax.Device``): one transfer per array,
+    the module itself returned (its variables updated in place)."""
+    import jax
+
+    nnx.update(native, jax.device_put(nnx.state(native), device))
+    return native

@@ -152,3 +152,9 @@ def nonfinite_flags(arrays) -> list[bool]:
         for (i, _), ok in zip(pairs, finite.cpu().tolist()):
             flags[i] = not ok
     return flags
+
+
+def place(native, device):
+    """``native`` (a module) with its parameters and buffers moved to ``device`` (a ``torch.device``
+    from :func:`parse_device`): one copy per tensor, the module itself returned (moved in place)."""
+    return native.to(device)

@@ -25,7 +25,7 @@ naming the capability (``dense_bridge.registry._backends.require``).
 | ``quant_files`` (needs quant, files) | quant_file_layers, quant_file_template | | quantized checkpoint files |
 | ``parallel`` (manifest) | PARALLEL_VERBS | | db.compile(parallel=) and parallel models |
 | ``dcp`` (manifest) | save_dcp, load_dcp | | distributed checkpoint directories |
-| ``devices`` | device_of, parse_device, device_params, nonfinite_flags | | device=, inputs placed on the model's device, device-to-device moves |
+| ``devices`` | device_of, parse_device, place, device_params, nonfinite_flags | | device=, inputs placed on the model's device, device-to-device moves |
 
 Files: every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus any of
 :data:`OPTIONAL_FILES`).
@@ -152,6 +152,9 @@ devices). Without it every array crosses through host numpy (correct, slower on 
   TypeError for another type, a SpecError naming ``argument`` and echoing the value for a
   device the framework cannot place arrays on here. ``from_numpy(array, device=None)`` then
   places an array there (one host-to-device copy).
+- ``place(native, device) -> native``: the model with its arrays on ``device`` (as
+  ``parse_device`` gives it), one transfer per array; the same object where the framework moves
+  in place (torch, Flax), a new one where modules are immutable (Equinox).
 - ``device_params(native) -> dict | None``: canonical parameters as the framework's own arrays
   where the model keeps them (views; the canonical layout may be a transposed view): nothing
   copied, no device left. None where they are computed on the host (quantized layers). A walk's
@@ -278,7 +281,7 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
 
 #: Models on accelerators (``dense_bridge/models/_device.py``): where a model lives, placing arrays
 #: there, and moves between two models that never leave the device.
-DEVICES = Capability("devices", ("device_of", "parse_device", "device_params", "nonfinite_flags"),
+DEVICES = Capability("devices", ("device_of", "parse_device", "place", "device_params", "nonfinite_flags"),
                      "models on devices: placement (device=) and moves that stay on the device")
 
 #: Every capability, by name. The names of the manifest-declared ones are

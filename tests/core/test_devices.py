@@ -164,3 +164,19 @@ def test_device_argument_rejected_naming_it():
     if not torch.cuda.is_available():
         with pytest.raises(db.SpecError, match="CUDA device"):
             torch_adapter.parse_device("gpu:0")
+
+
+def test_jax_models_on_a_second_device_stay_there():
+    """tests/core/_two_devices.py with two JAX host devices: compile(device=), compare,
+    compare_models (inputs placed on device 1: a device-to-device move would raise), transfer
+    (from device 0, from torch, mapping="auto") and convert keep models on device 1, with the same
+    values as on device 0."""
+    pytest.importorskip("jax")
+    if not {"flax", "equinox"} & set(db.available_backends()):
+        pytest.skip("neither Flax nor Equinox is installed")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    script = Path(__file__).with_name("_two_devices.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr[-4000:]
+    assert "transfer into a model on device 1 keeps it there" in done.stdout
