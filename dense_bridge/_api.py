@@ -52,7 +52,7 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     check_flag("allow_nonfinite", allow_nonfinite)
     backend = check_backend_name(backend)
     if device is not None:
-        from . import _devices
+        from .registry import _devices
 
         if parallel is not None or group is not None:
             raise SpecError(f"device= and parallel= do not go together: a parallel model's ranks each hold their "
@@ -158,7 +158,7 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
     hold arrays there (a CUDA torch model converts to a Flax model on the same GPU; a second JAX
     host device's model to a CPU torch model), else the target framework's default device.
     """
-    from . import _devices
+    from .registry import _devices
 
     target = check_backend_name(to, "to")
     place_on = _devices.device_for(target, device) if device is not None else _devices.source_device(native, target)

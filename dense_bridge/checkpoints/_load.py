@@ -66,7 +66,7 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     if backend is not None:
         backend = check_backend_name(backend)
     if device is not None:
-        from .._devices import device_for, place
+        from ..registry._devices import device_for, place
 
         if backend is None or parallel is not None or group is not None:
             raise SpecError(f"device= places the native model load builds: it needs a backend and no parallel=. "

@@ -27,8 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--text-only", action="store_true",
                    help="port only the text model of a multimodal checkpoint (refused otherwise); the certificate "
                         "lists the tensors left out")
-    for flag in ("--quantize", "--adapter", "--outtype", "--device"):
+    for flag in ("--quantize", "--adapter", "--outtype"):
         p.add_argument(flag, help="not implemented by this port yet")
+    p.add_argument("--device", help="where the verification runs the models: cpu, cuda, cuda:N, gpu, gpu:N")
     p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge", help="not implemented yet")
     p.add_argument("--keep-codes", action="store_true", help="not implemented yet")
     p.add_argument("--requantize", action="store_true", help="not implemented yet")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import DenseBridgeError, SpecError, received
-from .registry._backends import adapter_for, get_adapter
+from .._errors import DenseBridgeError, SpecError, received
+from ._backends import adapter_for, get_adapter
 
 __all__ = ["device_for", "place", "source_device"]
 
@@ -63,3 +63,28 @@ def source_device(native: Any, target: str) -> Any:
             except (SpecError, TypeError):
                 return None
         return None
+
+
+def check_device_value(device: Any, argument: str = "device") -> None:
+    """The framework-free check of a ``device=`` given before any framework reads it: None, a
+    device name of the forms the adapters read, or a framework's own device object (anything
+    else that is not a string); the framework checks the rest where the model is placed."""
+    if device is None or not isinstance(device, (str, bytes, int, float, bool)):
+        return
+    if isinstance(device, str):
+        kind, _, index = device.strip().lower().partition(":")
+        if kind in ("cpu", "cuda", "gpu") and (not index or index.isdigit()):
+            return
+        raise SpecError(f"{argument} must be 'cpu', 'cuda', 'cuda:N', 'gpu', 'gpu:N' or a framework's device object. "
+                        f"{received(argument, device)}")
+    raise TypeError(f"{argument} must be a device name (str) or a framework's device object. {received(argument, device)}")
+
+
+def place_model(native: Any, device: Any, argument: str = "device") -> Any:
+    """``native`` on ``device`` (None: as it is), read by its own framework; the model returned."""
+    if device is None:
+        return native
+    from ._backends import backend_of
+
+    backend = backend_of(native, argument)
+    return place(native, backend, device_for(backend, device, argument))
