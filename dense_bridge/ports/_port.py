@@ -159,8 +159,8 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
-    a = place_model(src_fmt.port_twin(src_cfg, seed=0), device)
-    b = place_model(dst_fmt.port_twin(dst_cfg, seed=1), device)
+    a = place_model(src_fmt.port_twin(src_cfg, seed=0), device, strict=False)
+    b = place_model(dst_fmt.port_twin(dst_cfg, seed=1), device, strict=False)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
     positions = positions_for(src_fmt, src_cfg, POSITIONS)
     ids = token_ids(vocab, positions)

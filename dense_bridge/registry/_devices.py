@@ -80,11 +80,16 @@ def check_device_value(device: Any, argument: str = "device") -> None:
     raise TypeError(f"{argument} must be a device name (str) or a framework's device object. {received(argument, device)}")
 
 
-def place_model(native: Any, device: Any, argument: str = "device") -> Any:
-    """``native`` on ``device`` (None: as it is), read by its own framework; the model returned."""
+def place_model(native: Any, device: Any, argument: str = "device", strict: bool = True) -> Any:
+    """``native`` on ``device`` (None: as it is), read by its own framework; the model returned.
+    ``strict=False`` (a port's verification, whose two sides may be of frameworks that cannot
+    both use the device): a backend without the ``devices`` capability keeps its model where its
+    framework put it; a device the framework cannot use here is still an error."""
     if device is None:
         return native
     from ._backends import backend_of
 
     backend = backend_of(native, argument)
+    if not strict and not callable(getattr(get_adapter(backend), "place", None)):
+        return native
     return place(native, backend, device_for(backend, device, argument))
