@@ -27,8 +27,8 @@ def dtype_name(dtype: torch.dtype, what: str) -> str:
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A read-only numpy view of a CPU tensor (a copy for other devices); bf16 as ml_dtypes."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    if t.device.type != "cpu":  # laid out C-contiguous on the device (a transposed view: transposed there)
+        t = t.contiguous().cpu()
     if t.dtype == torch.bfloat16:
         arr = t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     else:

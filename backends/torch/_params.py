@@ -36,15 +36,16 @@ def _module_params(m: nn.Module, to_numpy=to_numpy) -> dict[str, np.ndarray]:
         out = {"kernel": to_numpy(m.weight)}
     elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
         kernel, bias, transposed = declared_tensors(m)
-        out = {"kernel": to_numpy(kernel).T if transposed else to_numpy(kernel)}
+        out = {"kernel": to_numpy(kernel.t()) if transposed else to_numpy(kernel)}
         return out if bias is None else {**out, "bias": to_numpy(bias)}
     elif type(m) in LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
-        out = {"kernel": to_numpy(m.weight).T}
+        # .t() before the reading: on a device the transpose happens there, then one copy to the host
+        out = {"kernel": to_numpy(m.weight.t())}
         if getattr(m, "mask", None) is not None:
-            out["mask"] = to_numpy(m.mask).T
+            out["mask"] = to_numpy(m.mask.t())
     else:
         return {}
     if m.bias is not None:
