@@ -137,19 +137,29 @@ def parse_device(value, argument: str = "device") -> torch.device:
 
 def nonfinite_flags(arrays) -> list[bool]:
     """Which of ``arrays`` (floating tensors, on any devices) hold NaN or Inf: one reduction per
-    tensor on its own device, the flags of each device stacked, and one host synchronisation for
-    the verdict; only when something is non-finite, one more copy says which."""
+    tensor on its own device (its max-abs, ``torch._foreach_norm`` with ord=inf: the tensors of one
+    device and dtype in one fused launch; NaN propagates, Inf stays Inf), the peaks of each device
+    tested together, and one host synchronisation for the verdict; only when something is
+    non-finite, one more copy says which."""
     flags: list[bool] = [False] * len(arrays)
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for i, a in enumerate(arrays):
         t = as_tensor(a)
         if t.is_floating_point() and t.numel():
-            by_device.setdefault(t.device, []).append((i, torch.isfinite(t).all()))
-    for pairs in by_device.values():
-        finite = torch.stack([f for _, f in pairs])
+            groups.setdefault((t.device, t.dtype), []).append((i, t))
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, _), pairs in groups.items():
+        tensors = [t for _, t in pairs]
+        try:  # the max-abs of each tensor (NaN propagates, Inf stays Inf): one fused launch per group
+            peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+        except (AttributeError, RuntimeError, NotImplementedError):  # no fused kernel: one by one
+            peaks = torch.stack([t.abs().amax().float() for t in tensors])
+        by_device.setdefault(device, []).append(([i for i, _ in pairs], torch.isfinite(peaks)))
+    for parts in by_device.values():
+        finite = torch.cat([f for _, f in parts])
         if bool(finite.all()):  # the one host synchronisation
             continue
-        for (i, _), ok in zip(pairs, finite.cpu().tolist()):
+        for i, ok in zip([i for idx, _ in parts for i in idx], finite.cpu().tolist()):
             flags[i] = not ok
     return flags
 

@@ -118,6 +118,9 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
     view: nothing is copied, no device is left); None for a quantized layer (its dequantized
     floats are computed on the host)."""
-    if quant_layer(native) is not None or any(quant_layer(m) is not None for _, m in layer_modules(native)):
+    if quant_layer(native) is not None:
         return None
-    return {prefix + k: v for prefix, m in layer_modules(native) for k, v in _module_params(m, _detached).items()}
+    modules = layer_modules(native)  # once: it checks every layer for computed weights
+    if any(quant_layer(m) is not None for _, m in modules):
+        return None
+    return {prefix + k: v for prefix, m in modules for k, v in _module_params(m, _detached).items()}

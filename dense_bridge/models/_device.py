@@ -52,28 +52,13 @@ class DeviceMoves:
         self.a, self.b = a, b
         self.on = all(callable(getattr(s.adapter, "device_params", None)) for s in (a, b)) and all(
             s.adapter.device_of(s.model) is not None for s in (a, b))
-        self._linear: dict[int, dict | None] = {}
         self._native: dict[int, dict | None] = {}
         self._checks: list[tuple[Any, str]] = []  # (src device array, the problem if it holds NaN/Inf)
 
     def linear(self, side: Any, e: Entry) -> dict | None:
-        """Canonical params of linear ``e`` as device arrays, read once; None: the host path."""
-        if not self.on:
-            return None
-        key = id(e)
-        if key not in self._linear:
-            from ..lora import base_of
-
-            try:
-                with base_of(side.adapter, e.layer) as base:
-                    wrapped = base is not None
-                found = None if wrapped else side.adapter.device_params(e.layer)
-            except Exception:  # noqa: BLE001 - an unbuilt lazy layer, a wrapper: the host path says why
-                found = None
-            if found is not None and any(k.startswith("lora_") for k in found):
-                found = None
-            self._linear[key] = found
-        return self._linear[key]
+        """Canonical params of linear ``e`` as device arrays (``Side.device_params``, read once);
+        None: the host path."""
+        return side.device_params(e) if self.on else None
 
     def native(self, side: Any, e: Entry) -> dict | None:
         """``e``'s parameters in the framework's layout as device arrays, read once; None: host path."""

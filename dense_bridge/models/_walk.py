@@ -99,7 +99,7 @@ class Side:
         self.alias: dict[str, str] = {}
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
-        self._shapes: dict[int, tuple] = {}  # id(entry) -> canonical kernel shape
+        self._device: dict[int, dict | None] = {}  # id(entry) -> canonical params on the device, read once
         first: dict[Any, str] = {}
         for e in self.entries:
             stable = e.extra.get("stable_path")
@@ -160,28 +160,36 @@ class Side:
             self._linear[id(e)] = found
         return found
 
-    def kernel_shape(self, e: Entry) -> tuple[int, ...]:
-        """The canonical kernel's shape of linear ``e``, read as metadata: from the device arrays
-        where the adapter offers them (``devices`` capability: no copy to the host), else from
-        :meth:`linear_params`."""
-        found = self._shapes.get(id(e))
-        if found is None:
+    def device_params(self, e: Entry) -> dict | None:
+        """Canonical params of linear ``e`` as the framework's arrays where they live (the adapter's
+        ``device_params``, ``devices`` capability: nothing copied), read once; None where the
+        adapter has no such reading or ``e`` holds a LoRA adapter (then :meth:`linear_params`)."""
+        key = id(e)
+        if key not in self._device:
             reader = getattr(self.adapter, "device_params", None)
+            found = None
             if reader is not None:
                 from ..lora import base_of
 
                 try:
                     with base_of(self.adapter, e.layer) as base:
                         wrapped = base is not None
-                    arrays = None if wrapped else reader(e.layer)
-                    if arrays and "kernel" in arrays:
-                        found = tuple(int(s) for s in arrays["kernel"].shape)
+                    found = None if wrapped else reader(e.layer)
                 except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
                     found = None
-            if found is None:
-                found = tuple(self.linear_params(e)["kernel"].shape)
-            self._shapes[id(e)] = found
-        return found
+                if found is not None and any(k.startswith("lora_") for k in found):
+                    found = None
+            self._device[key] = found
+        return self._device[key]
+
+    def kernel_shape(self, e: Entry) -> tuple[int, ...]:
+        """The canonical kernel's shape of linear ``e``, read as metadata: from
+        :meth:`device_params` where the adapter offers them (no copy to the host), else from
+        :meth:`linear_params`."""
+        arrays = self.device_params(e)
+        if arrays and "kernel" in arrays:
+            return tuple(int(s) for s in arrays["kernel"].shape)
+        return tuple(self.linear_params(e)["kernel"].shape)
 
     def native(self, e: Entry) -> dict:
         """``e.read()`` (its parameters in the framework's layout, by name), read once."""

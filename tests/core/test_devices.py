@@ -2,8 +2,8 @@
 
 - torch -> torch: a ``TorchFunctionMode`` and a ``TorchDispatchMode`` record every call and aten op
   of a transfer between two Llamas: no ``.numpy()``/``.cpu()``/``__array__``/``.tolist()``, one
-  ``aten.copy_`` per written tensor straight from src's storage, one ``aten.all(isfinite)`` reduction
-  per tensor and exactly one host synchronisation (``aten._local_scalar_dense``: the NaN/Inf
+  ``aten.copy_`` per written tensor straight from src's storage, one reduction per tensor
+  (their max-abs, in one fused ``aten._foreach_norm``) and exactly one host synchronisation (``aten._local_scalar_dense``: the NaN/Inf
   verdict). The same recorders see the host path of ``get_params`` (a control: they can fail).
 - torch -> Flax/Equinox and back: DLPack, under ``jax.transfer_guard("disallow")`` (no host
   <-> device transfer of JAX's) and the same torch recorders (no numpy conversion of a tensor).
@@ -51,6 +51,7 @@ class Ops(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.copy_sources: list[int] = []
         self.to_cpu = 0
+        self.reduced = 0  # tensors reduced by aten._foreach_norm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,6 +59,8 @@ class Ops(TorchDispatchMode):
         self.ops[name] += 1
         if name == "copy_":
             self.copy_sources.append(args[1].untyped_storage().data_ptr())
+        if name == "_foreach_norm":
+            self.reduced += len(args[0])
         if name == "_to_copy" and str(kwargs.get("device", "")) == "cpu":
             self.to_cpu += 1
         return func(*args, **kwargs)
@@ -83,8 +86,9 @@ def test_torch_transfer_makes_no_host_round_trip_and_one_sync():
     assert not (HOST_CALLS & set(calls.names)), {k: calls.names[k] for k in HOST_CALLS & set(calls.names)}
     assert ops.ops["_local_scalar_dense"] == 1, ops.ops  # the NaN/Inf verdict, once for the whole model
     assert ops.to_cpu == 0
-    # one reduction per tensor (aten.all of isfinite; lm_head is tied: not read twice), one over the flags
-    assert ops.ops["all"] == n + 1, ops.ops
+    # one reduction per tensor (their max-abs, fused: one aten._foreach_norm of all of them; lm_head is
+    # tied: not read twice), one test of the peaks
+    assert ops.ops["_foreach_norm"] == 1 and ops.reduced == n and ops.ops["all"] == 1, (ops.reduced, ops.ops)
     # every write is one copy straight from src's storage, plus one undo snapshot (clone) of dst's
     writes = [s for s in ops.copy_sources if s in src_storages]
     assert len(writes) == n, (len(writes), n, ops.ops)
