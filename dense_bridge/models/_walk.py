@@ -203,10 +203,11 @@ class Side:
         self.adapter.set_params(e.layer, arrays)
 
     def snapshot(self) -> list[tuple[Entry, dict]]:
-        """Copies of every parameter of the model, by entry (what :meth:`restore` puts back)."""
-        import numpy as np
+        """Copies of every parameter of the model, by entry (what :meth:`restore` puts back): on
+        the model's device where the walk offers it (``_device.snapshot``), else host numpy."""
+        from ._device import snapshot
 
-        return [(e, {k: np.array(v, copy=True) for k, v in e.read().items()}) for e in self.entries if e.names]
+        return [(e, snapshot(e)) for e in self.entries if e.names]
 
     @staticmethod
     def restore(saved: list[tuple[Entry, dict]]) -> None:

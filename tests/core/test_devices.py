@@ -184,3 +184,42 @@ def test_jax_models_on_a_second_device_stay_there():
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr[-4000:]
     assert "transfer into a model on device 1 keeps it there" in done.stdout
+
+
+SPEC = db.Sequential([db.Dense(5, in_features=6, activation="tanh"), db.Dense(4)])
+
+
+def test_device_on_compile_convert_and_load(tmp_path):
+    m = db.compile(SPEC, "torch", seed=0, device="cpu")
+    assert all(p.device.type == "cpu" for p in m.parameters())
+    np.testing.assert_array_equal(db.get_params(m)["0.kernel"], db.get_params(db.compile(SPEC, "numpy", seed=0))["0.kernel"])
+    for bad, error, match in (("tpu", db.SpecError, "device='tpu'"), (3, TypeError, "device=3"),
+                              ("cuda:x", db.SpecError, "device='cuda:x'")):
+        with pytest.raises(error, match=match):
+            db.compile(SPEC, "torch", seed=0, device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(db.SpecError, match="CUDA device this machine does not have.*device='cuda'"):
+            db.compile(SPEC, "torch", seed=0, device="cuda")
+        with pytest.raises(db.SpecError, match="device='gpu:0'"):
+            db.convert(m, "torch", device="gpu:0")
+    if "mlx" in db.available_backends():  # a backend without the devices capability names itself
+        with pytest.raises(db.SpecError, match="'mlx' does not"):
+            db.compile(SPEC, "mlx", seed=0, device="cpu")
+    db.save(m, tmp_path / "m.safetensors")
+    loaded = db.load(tmp_path / "m.safetensors", "torch", device=torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    with pytest.raises(db.SpecError, match="needs a backend"):
+        db.load(tmp_path / "m.safetensors", device="cpu")
+    with pytest.raises(db.SpecError, match="device='tpu'"):
+        db.load(tmp_path / "m.safetensors", "torch", device="tpu")
+    if "flax" in db.available_backends():
+        from dense_bridge.registry._backends import get_adapter
+
+        out = db.convert(m, "flax")  # default: the source's device (host memory: JAX's CPU device)
+        assert get_adapter("flax").device_of(out) == "cpu:0"
+
+
+def test_port_refuses_a_bad_device_before_reading_anything(tmp_path):
+    with pytest.raises(db.SpecError, match="device='tpu:0'"):
+        db.port(tmp_path / "nowhere", tmp_path / "out", to="mlx-lm", device="tpu:0")
+    assert not (tmp_path / "out").exists()
