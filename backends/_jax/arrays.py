@@ -42,7 +42,7 @@ def to_jax(array, dtype: str, like=None) -> jax.Array:
     check_dtype(dtype)
     target = _device_of_array(like)
     if isinstance(array, jax.Array) or (hasattr(array, "__dlpack__") and not isinstance(array, np.ndarray)):
-        a = array if isinstance(array, jax.Array) else jax.dlpack.from_dlpack(array)
+        a = array if isinstance(array, jax.Array) else _import(array)
         # a fresh array JAX owns: a DLPack import shares the other framework's (mutable) memory
         a = a.astype(numpy_dtype(dtype)) if a.dtype != numpy_dtype(dtype) else jnp.array(a, copy=True)
         return a if target is None or a.devices() == {target} else jax.device_put(a, target)
@@ -52,6 +52,19 @@ def to_jax(array, dtype: str, like=None) -> jax.Array:
     if target is not None:
         return jax.device_put(a, target)
     return jnp.asarray(a, dtype=a.dtype)
+
+
+def _import(array) -> jax.Array:
+    """A DLPack array of another framework as a JAX array sharing its memory. A transposed view
+    (the canonical kernel of a torch ``nn.Linear``: ``weight.t()``) that a JAX build refuses to
+    import with its strides is imported untransposed (``.T``: the contiguous original) and
+    transposed back by JAX, on the device."""
+    try:
+        return jax.dlpack.from_dlpack(array)
+    except Exception:  # noqa: BLE001 - strides this JAX build does not import; anything else re-raises below
+        if getattr(array, "ndim", 0) != 2:
+            raise
+        return jax.dlpack.from_dlpack(array.T).T
 
 
 def _device_of_array(value):
@@ -125,7 +138,7 @@ def nonfinite_flags(arrays) -> list[bool]:
     flags = [False] * len(arrays)
     by_device: dict = {}
     for i, a in enumerate(arrays):
-        x = a if isinstance(a, jax.Array) else jax.dlpack.from_dlpack(a)
+        x = a if isinstance(a, jax.Array) else _import(a)
         if jnp.issubdtype(x.dtype, jnp.floating) and x.size:
             by_device.setdefault(_device_of_array(x), []).append((i, jnp.isfinite(x).all()))
     for pairs in by_device.values():

@@ -158,7 +158,9 @@ devices). Without it every array crosses through host numpy (correct, slower on 
 - ``device_params(native) -> dict | None``: canonical parameters as the framework's own arrays
   where the model keeps them (views; the canonical layout may be a transposed view): nothing
   copied, no device left. None where they are computed on the host (quantized layers). A walk's
-  ``Entry.extra["read_device"]`` gives a layer's native arrays the same way.
+  ``Entry.extra["read_device"]`` gives a layer's native arrays the same way, and
+  ``Entry.extra["snapshot_device"]`` a copy of them on the device (JAX's immutable arrays
+  themselves), which a failed transfer writes back.
 - ``nonfinite_flags(arrays) -> list[bool]``: which arrays hold NaN/Inf: one reduction per array
   on its device and one host synchronisation for the verdict.
 - With the capability, ``set_params`` and a walk's ``Entry.write`` also take arrays of any
