@@ -50,8 +50,12 @@ class DeviceMoves:
 
     def __init__(self, a: Any, b: Any) -> None:
         self.a, self.b = a, b
-        self.on = all(callable(getattr(s.adapter, "device_params", None)) for s in (a, b)) and all(
-            s.adapter.device_of(s.model) is not None for s in (a, b))
+        self.on = False
+        if all(callable(getattr(s.adapter, "device_params", None)) for s in (a, b)):
+            where = [s.adapter.device_of(s.model) for s in (a, b)]
+            # one kind of memory on both sides (host memory, or GPUs both frameworks address):
+            # a framework reads the other's arrays there; between kinds, the host path copies once
+            self.on = None not in where and len({w.partition(":")[0] for w in where}) == 1
         self._native: dict[int, dict | None] = {}
         self._checks: list[tuple[Any, str]] = []  # (src device array, the problem if it holds NaN/Inf)
 
