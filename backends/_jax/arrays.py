@@ -42,9 +42,11 @@ def to_jax(array, dtype: str, like=None) -> jax.Array:
     check_dtype(dtype)
     target = _device_of_array(like)
     if isinstance(array, jax.Array) or (hasattr(array, "__dlpack__") and not isinstance(array, np.ndarray)):
-        a = array if isinstance(array, jax.Array) else _import(array)
-        # a fresh array JAX owns: a DLPack import shares the other framework's (mutable) memory
-        a = a.astype(numpy_dtype(dtype)) if a.dtype != numpy_dtype(dtype) else jnp.array(a, copy=True)
+        if isinstance(array, jax.Array):  # immutable: shared as it is, or cast on its device
+            a = array if array.dtype == numpy_dtype(dtype) else array.astype(numpy_dtype(dtype))
+        else:  # a fresh array JAX owns: a DLPack import shares the other framework's (mutable) memory
+            a = _import(array)
+            a = a.astype(numpy_dtype(dtype)) if a.dtype != numpy_dtype(dtype) else jnp.array(a, copy=True)
         return a if target is None or a.devices() == {target} else jax.device_put(a, target)
     a = np.asarray(array)
     if a.dtype != numpy_dtype(dtype):

@@ -330,7 +330,8 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         hashes.add(("source", rel), os.path.join(src, rel))
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
-                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                     device=device)
     finally:
         hashes.close()
         for f in opened.values():
@@ -338,7 +339,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress) -> PortReport:
+          max_shard_size, overwrite, progress, device=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
