@@ -223,3 +223,22 @@ def test_port_refuses_a_bad_device_before_reading_anything(tmp_path):
     with pytest.raises(db.SpecError, match="device='tpu:0'"):
         db.port(tmp_path / "nowhere", tmp_path / "out", to="mlx-lm", device="tpu:0")
     assert not (tmp_path / "out").exists()
+
+
+def test_port_verifies_its_twins_on_the_device_given(tmp_path):
+    """device= reaches the port's verification: the torch twin placed on it (the CPU here; CUDA in
+    tests/gpu), a twin whose framework places nothing (MLX) left where its framework puts it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("mlx_lm")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "ports"))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from _models import save
+
+    save(transformers, "llama", tmp_path / "src")
+    report = db.port(tmp_path / "src", tmp_path / "out", to="mlx-lm", verify="twins", device="cpu")
+    assert report.verification["passed"]
+    with pytest.raises(db.SpecError, match="device='cuda:7'"):
+        if torch.cuda.device_count() > 7:
+            pytest.skip("this machine has 8 CUDA devices")
+        db.port(tmp_path / "src", tmp_path / "out2", to="mlx-lm", verify="twins", device="cuda:7")
+    assert not (tmp_path / "out2").exists()
