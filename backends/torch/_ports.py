@@ -544,9 +544,10 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
     """Float32 logits (batch, positions, vocab) of ``model`` for the token ids ``ids`` (batch, positions)."""
     import torch
 
+    device = next((p.device for p in model.parameters()), None)  # the ids go where the model is
     with torch.no_grad():
-        out = model(torch.as_tensor(np.asarray(ids, np.int64))).logits
-    return out.float().numpy()
+        out = model(torch.as_tensor(np.asarray(ids, np.int64), device=device)).logits
+    return out.float().cpu().numpy()  # one copy to the host
 
 
 def port_describe(fmt: str, config: dict) -> dict:

@@ -30,6 +30,7 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecEr
 from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
+from ..registry._devices import check_device_value, place_model
 from . import _adapters, _certificate, _codes, _dirs, _rules
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
@@ -166,13 +167,13 @@ def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
     return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
 
 
-def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models):
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None):
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
-    a = src_fmt.port_twin(src_cfg, seed=0)
-    b = dst_fmt.port_twin(dst_cfg, seed=1)
+    a = place_model(src_fmt.port_twin(src_cfg, seed=0), device, strict=False)
+    b = place_model(dst_fmt.port_twin(dst_cfg, seed=1), device, strict=False)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
     positions = positions_for(src_fmt, src_cfg, POSITIONS)
     ids = token_ids(vocab, positions)
@@ -314,7 +315,8 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     """
     t0 = time.perf_counter()
     _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
-    _unsupported(outtype=(outtype, None), device=(device, None))
+    _unsupported(outtype=(outtype, None))
+    check_device_value(device)  # the verification's models run there (dense_bridge/registry/_devices.py)
     if adapter_mode not in ("merge", "keep"):
         raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
     src, out = os.fspath(src), os.fspath(out)
@@ -355,7 +357,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
                      verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
-                     codes=codes, adapter=adapter)
+                     codes=codes, adapter=adapter, device=device)
     finally:
         hashes.close()
         for f in opened.values():
@@ -363,7 +365,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress, codes=None, adapter=None) -> PortReport:
+          max_shard_size, overwrite, progress, codes=None, adapter=None, device=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
@@ -372,7 +374,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
     report, recipes, stored, twin_params, discrepancies, verification = _twins(
-        src_fmt, dst_fmt, common, transfer, compare_models)
+        src_fmt, dst_fmt, common, transfer, compare_models, device)
     moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
     rules = _rules.generalise_layer_rules(report.rules)
     if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read
