@@ -193,6 +193,10 @@ def test_a_transformers_tokenizer_is_translated_by_keras_hubs_importer(tmp_path)
     task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "preset"))  # with its preprocessor
     assert task.preprocessor is not None
     assert db.verify_port(tmp_path / "preset").passed
+    # keras-hub's own tokenizer has no translation back into transformers': refused naming its file
+    with pytest.raises(db.ConversionError, match="tokenizer.json"):
+        db.port(tmp_path / "preset", tmp_path / "back", to="transformers")
+    assert not (tmp_path / "back").exists()
 
 
 @pytest.fixture(scope="module")
