@@ -72,6 +72,8 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed", "save_dcp", "load_dcp"]
 __all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open"]
+from ._port_quant import port_keep_codes, port_recompute_codes  # noqa: E402  keep_codes=True: torchao codes (db.port)
+__all__ += ["port_keep_codes", "port_recompute_codes"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.

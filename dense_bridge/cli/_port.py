@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
     for flag in ("--quantize", "--adapter", "--outtype", "--device"):
         p.add_argument(flag, help="not implemented by this port yet")
     p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge", help="not implemented yet")
-    p.add_argument("--keep-codes", action="store_true", help="not implemented yet")
-    p.add_argument("--requantize", action="store_true", help="not implemented yet")
+    p.add_argument("--keep-codes", action="store_true",
+                   help="a quantized SRC keeps its codes where the destination's arithmetic agrees bit for bit")
+    p.add_argument("--requantize", action="store_true", help="with --keep-codes: new codes where they cannot move")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show a progress bar on stderr (default: only on a terminal)")

@@ -22,6 +22,9 @@ A backend whose manifest declares the ``ports`` capability names its formats in
 - ``port_open(fmt, path)`` (optional): one of its weight files opened for streaming, an object
   read like :class:`~dense_bridge.checkpoints._safetensors.SafetensorsFile` (``tensors``: name ->
   ``shape``, ``numpy_dtype``; ``get``, ``keys``, ``close``); without it files are read as safetensors;
+- ``port_parse_quantize(fmt, value)``, ``port_quantize(fmt, path, value, source_config, dtype)``,
+  ``port_keep_codes(fmt, path, layers, requantize)``, ``port_recompute_codes(fmt, recipe, value,
+  codes)`` (optional): codes written by the library's own quantized layout, and recomputed (``_codes``);
 - ``port_example(fmt, path, seed)``: a tiny random model saved into ``path`` (the demo's
   source; ConversionError where the library offers none).
 

@@ -30,7 +30,7 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecEr
 from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
-from . import _certificate, _dirs, _rules
+from . import _certificate, _codes, _dirs, _rules
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -310,8 +310,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     """
     t0 = time.perf_counter()
     _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
-    _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
-                 outtype=(outtype, None), requantize=(requantize, False), device=(device, None))
+    _unsupported(adapter=(adapter, None), outtype=(outtype, None), device=(device, None))
     if adapter_mode not in ("merge", "keep"):
         raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
     src, out = os.fspath(src), os.fspath(out)
@@ -338,12 +337,20 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
             raise CheckpointError(f"{src_paths[rel]} lacks tensor {file_keys.get(key, key)!r}, which the index places there "
                                   "(nothing was written)")
         real_src[key], src_dtype[key] = tuple(info.shape), info.numpy_dtype
+    try:
+        _codes.check(src_fmt, dst_fmt, contents, opened, quantize=quantize, keep_codes=keep_codes, requantize=requantize)
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
+    codes = {"quantize": quantize, "keep_codes": keep_codes, "requantize": requantize}
     hashes = files.Hashes()  # the source's hashes run while the twins are built and checked
     for rel in _certificate.source_names(src_fmt, src_paths, contents["extras"]):
         hashes.add(("source", rel), os.path.join(src, rel))
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
-                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+                     verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                     codes=codes)
     finally:
         hashes.close()
         for f in opened.values():
@@ -351,7 +358,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress) -> PortReport:
+          max_shard_size, overwrite, progress, codes=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
@@ -387,6 +394,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         cert_tensors, written = _certificate.write_all(tmp, shards, layout, opened, contents["weights"], out_dtype,
                                                        nbytes, total, progress, hashes, contents["file_keys"],
                                                        writer=_dirs.writer(dst_fmt, dst_config))
+        _codes.annotate(cert_tensors, opened)
         write_config = _dirs.optional(dst_fmt, "port_write_config")
         if write_config is not None:
             write_config(tmp, dst_config, src)
@@ -397,6 +405,10 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
             files.copy_file(os.path.join(src, name), os.path.join(tmp, name))
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]))
+        if codes and _codes.active(codes["quantize"], codes["keep_codes"]):
+            _codes.finish(tmp, src_fmt, dst_fmt, cert_tensors, opened, **codes, source_config=contents["config"],
+                          dtype=dtype, hashes=hashes, float_model_logits=_float_logits(dst_fmt, tmp, common, real_src),
+                          verification=verification)
         certificate = _certificate.build(src, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
@@ -408,6 +420,20 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         raise
     return PortReport(out, src_fmt.name, dst_fmt.name, rules, len(moves), written, verification, certificate,
                       discrepancies, time.perf_counter() - t0, list(contents.get("dropped", [])))
+
+
+def _float_logits(fmt, path, common, real_src):
+    """A judge of a model against the float directory ``path`` as it is now (before codes are
+    written into it): ``fn(model) -> (next-token KL, top-1 agreement, largest logit error)``."""
+    positions = positions_for(fmt, common, POSITIONS)
+    ids = token_ids(vocab_of(fmt, common, real_src), positions, seed=1)
+    reference = fmt.port_logits(fmt.port_load(path), ids)
+
+    def judge(model):
+        got = fmt.port_logits(model, ids)
+        kl, top1 = _kl_top1(reference, got)
+        return kl, top1, float(np.max(np.abs(reference.astype(np.float64) - got)))
+    return judge
 
 
 def _numpy_dtype(name: str):

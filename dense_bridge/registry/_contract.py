@@ -254,8 +254,9 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                              "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"),
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
                    # a weight file opened for streaming (else read as safetensors); a destination's own
-                   # inputs, weight-file writer and config files (ports/_dirs.py)
-                   extras=("port_open", "port_inputs", "port_write_weights", "port_write_config"))
+                   # inputs, weight-file writer and config files (ports/_dirs.py); codes (ports/_codes.py)
+                   extras=("port_open", "port_inputs", "port_write_weights", "port_write_config",
+                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
@@ -340,6 +341,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_lora_files.py",  # its ecosystem's LoRA adapter directories, framework-free (registry._manifest.AdapterFormat)
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_ports.py",     # PORTS: the whole model directories of the libraries built on it (db.port)
+    "_port_quant.py",  # PORTS extras: quantized codes in ports (ports/_codes.py: keep_codes, quantize=)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
 
