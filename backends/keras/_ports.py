@@ -39,6 +39,8 @@ CONFIG = "config.json"
 TASK = "task.json"
 WEIGHTS = "model.weights.h5"
 TASK_WEIGHTS = "task.weights.h5"
+#: The shard map of a sharded preset (Keras' ``ShardedH5IOStore``: group path -> shard file(s)).
+SHARD_MAP = "model.weights.json"
 METADATA = "metadata.json"
 #: keras-hub's own tokenizer and preprocessor files (keras-hub serialisations, not transformers').
 TOKENIZER_FILES = ("tokenizer.json", "preprocessor.json")
@@ -212,14 +214,19 @@ class H5Weights:
         self.path, self.metadata = path, {}
         self._keys: dict[str, tuple[object, str]] = {}
         self.tensors: dict[str, _Info] = {}
+        directory, base = os.path.split(path)
         files = [(path, "")]
-        task = os.path.join(os.path.dirname(path), TASK_WEIGHTS)
-        if os.path.basename(path) == WEIGHTS and os.path.isfile(task):
+        # one shard of a sharded preset: layer counters read over every shard (the shard map)
+        sharded = base not in (WEIGHTS, TASK_WEIGHTS) and os.path.isfile(os.path.join(directory, SHARD_MAP))
+        shard_map = _shard_map(directory) if sharded else {}
+        task = os.path.join(directory, TASK_WEIGHTS)
+        first = base == WEIGHTS or (sharded and base == min(n for v in shard_map.values() for n in v))
+        if first and os.path.isfile(task):
             files.append((task, TASK_PREFIX))  # a task head, saved beside the backbone
         for file, prefix in files:
             entries = h5_structure(file)
             reader = DatasetReader(file, entries)
-            fam = families(entries)
+            fam = families(list(entries) + ([k.strip("/") + "/0" for k in shard_map] if not prefix else []))
             for h5, (shape, dtype) in entries.items():
                 if _own(h5):
                     continue
@@ -244,6 +251,29 @@ class H5Weights:
         self.close()
 
 
+def _shard_map(path: str) -> dict[str, list[str]]:
+    """The shard map of the sharded preset ``path``: group path -> shard file names, checked."""
+    data = read_json_file(os.path.join(path, SHARD_MAP), "Keras shard map")
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    out: dict[str, list[str]] = {}
+    if isinstance(wm, dict):
+        for key, value in wm.items():
+            names = value if isinstance(value, list) else [value]
+            if not isinstance(key, str) or not all(isinstance(n, str) and n == os.path.basename(n)
+                                                    and n not in ("", ".", "..") for n in names):
+                wm = None
+                break
+            out[key] = names
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{os.path.join(path, SHARD_MAP)}: 'weight_map' is not an object of group path -> "
+                              f"shard file name(s) in the preset's directory. {received('weight_map', str(wm)[:200])}")
+    return out
+
+
+def _shards(path: str) -> list[str]:
+    return sorted({n for names in _shard_map(path).values() for n in names})
+
+
 def port_open(fmt: str, path: str) -> H5Weights:
     """A keras-hub weights file opened for streaming (:class:`H5Weights`)."""
     return H5Weights(path)
@@ -259,8 +289,10 @@ def _serialized(path: str, name: str) -> dict:
 
 
 def port_detect(fmt: str, path: str) -> int:
-    """CERTAIN for a ``config.json`` registered by keras-hub beside ``model.weights.h5``, else NO."""
-    if not (os.path.isfile(os.path.join(path, CONFIG)) and os.path.isfile(os.path.join(path, WEIGHTS))):
+    """CERTAIN for a ``config.json`` registered by keras-hub beside ``model.weights.h5`` (or the shard
+    map ``model.weights.json`` of a sharded preset), else NO."""
+    if not os.path.isfile(os.path.join(path, CONFIG)) or not any(
+            os.path.isfile(os.path.join(path, n)) for n in (WEIGHTS, SHARD_MAP)):
         return Match.NO
     try:
         data = read_json_file(os.path.join(path, CONFIG), "keras-hub config")
@@ -282,10 +314,17 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
         if os.path.isfile(os.path.join(path, name)):
             raise ConversionError(f"{os.path.join(path, name)}: a keras-hub tokenizer, which no installed code "
                                   "translates into another library's tokenizer: refused (nothing was written)")
-    with H5Weights(os.path.join(path, WEIGHTS)) as f:
-        weights = {k: WEIGHTS for k in f.keys()}
+    files = [WEIGHTS] if os.path.isfile(os.path.join(path, WEIGHTS)) else _shards(path)
+    weights: dict[str, str] = {}
+    for name in files:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{os.path.join(path, SHARD_MAP)} names the shard {name!r}, which does not exist "
+                                  "(nothing was written)")
+        with H5Weights(full) as f:
+            weights.update({k: name for k in f.keys()})
     if not weights:
-        raise CheckpointError(f"{os.path.join(path, WEIGHTS)} holds no variables")
+        raise CheckpointError(f"{os.path.join(path, files[0])} holds no variables")
     return {"config": {"backbone": backbone, "task": task}, "weights": weights, "extras": []}
 
 

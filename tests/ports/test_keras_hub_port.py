@@ -193,6 +193,10 @@ def test_a_transformers_tokenizer_is_translated_by_keras_hubs_importer(tmp_path)
     task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "preset"))  # with its preprocessor
     assert task.preprocessor is not None
     assert db.verify_port(tmp_path / "preset").passed
+    # keras-hub's own tokenizer has no translation back into transformers': refused naming its file
+    with pytest.raises(db.ConversionError, match="tokenizer.json"):
+        db.port(tmp_path / "preset", tmp_path / "back", to="transformers")
+    assert not (tmp_path / "back").exists()
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +251,23 @@ def test_bert_classifier_into_a_keras_hub_text_classifier_with_its_head_and_back
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_a_sharded_keras_hub_preset_is_read_shard_by_shard(tmp_path):
+    """keras-hub saves a big backbone as shards named by model.weights.json: ported as one."""
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    src = _save(transformers, "llama", tmp_path / "src")
+    task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "src"), preprocessor=None)
+    task.save_to_preset(str(tmp_path / "preset"), max_shard_size=20e3 / 2 ** 30)  # 20 kB shards
+    shards = sorted(p.name for p in (tmp_path / "preset").glob("model_*.weights.h5"))
+    assert len(shards) > 2 and not (tmp_path / "preset" / "model.weights.h5").exists()
+    report = db.port(tmp_path / "preset", tmp_path / "back", to="transformers", verify="twins")
+    assert report.source == "keras-hub"
+    import torch
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    a, b = src.state_dict(), back.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert db.verify_port(tmp_path / "back").passed
