@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import check_flag, received
+from ._errors import SpecError, check_flag, received
 from ._handles import resolve
 from .params._memory_budget import check_fits_in_memory
 from .params._source import ParamSource
@@ -30,7 +30,7 @@ def _check_spec(spec: object) -> None:
 
 
 def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping | None = None,
-            allow_nonfinite: bool = False, parallel: Any = None, group: Any = None):
+            allow_nonfinite: bool = False, parallel: Any = None, group: Any = None, device: Any = None):
     """The framework's own layer or model for ``spec``.
 
     Dense -> torch.nn.Linear / keras.layers.Dense / mlx.nn.Linear (a thin subclass only when
@@ -42,10 +42,24 @@ def compile(spec: Any, backend: str, *, seed: int | None = None, params: Mapping
     machinery: dense_bridge/parallel/ (plan, dispatch), backends/<fw>/_parallel.py. There every rank
     must build the same model: with ``seed=None`` rank 0 draws the seed and the group's other
     ranks take it (one broadcast), so the shards are those of one random model.
+
+    ``device``: where the model's arrays live: the framework's own device object or "cpu",
+    "cuda", "cuda:N", "gpu", "gpu:N" (backends with the ``devices`` capability: torch, Flax,
+    Equinox); checked before anything is built (a SpecError naming the value). None: the
+    framework's default device.
     """
     _check_spec(spec)
     check_flag("allow_nonfinite", allow_nonfinite)
     backend = check_backend_name(backend)
+    if device is not None:
+        from .registry import _devices
+
+        if parallel is not None or group is not None:
+            raise SpecError(f"device= and parallel= do not go together: a parallel model's ranks each hold their "
+                            f"own device (the group says which). {received('device', device)}")
+        target = _devices.device_for(backend, device)
+        return _devices.place(compile(spec, backend, seed=seed, params=params, allow_nonfinite=allow_nonfinite),
+                              backend, target)
     # The target is a new object, so the NaN/Inf scan of given params can ride along with the
     # copies into it instead of costing a pass of its own (the same error, before returning).
     source = ParamSource(spec, seed=seed, params=params, defer_finite_check=True, allow_nonfinite=allow_nonfinite)
@@ -129,7 +143,7 @@ def to_spec(native: Any, *, example: Any = None):
 
 
 def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any = None, quant: Any = None,
-            requantize: bool = False):
+            requantize: bool = False, device: Any = None):
     """A new native object on backend ``to`` with ``native``'s spec and parameters.
 
     float32 parameters arrive bit-identical; layouts are transposed by declaration, never by
@@ -138,15 +152,29 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
     converts to the float layer it stands for (its exact dequantization); with ``quant`` (a
     ``db.Quant`` the target offers) to the target's quantized layer, its codes moved exactly
     or a ConversionError, unless ``requantize=True`` (dense_bridge/quant.py).
+
+    ``device``: where the new model's arrays live (the framework's device object, or "cpu", "cuda",
+    "cuda:N", "gpu", "gpu:N"). Default: ``native``'s own device when the target framework can
+    hold arrays there (a CUDA torch model converts to a Flax model on the same GPU; a second JAX
+    host device's model to a CPU torch model), else the target framework's default device.
     """
+    from .registry import _devices
+
+    target = check_backend_name(to, "to")
+    place_on = _devices.device_for(target, device) if device is not None else _devices.source_device(native, target)
+    out = _convert(native, target, allow_nonfinite=allow_nonfinite, example=example, quant=quant, requantize=requantize)
+    return out if place_on is None else _devices.place(out, target, place_on)
+
+
+def _convert(native: Any, target: str, *, allow_nonfinite: bool, example: Any, quant: Any, requantize: bool):
+    """:func:`convert` on the target framework's default device."""
     if quant is not None:  # the float conversion, then the target framework's quantized layer
         from .quant import check_quant, quantize_converted
 
         check_flag("requantize", requantize)
         check_quant(quant)
-        return quantize_converted(native, convert(native, to, allow_nonfinite=allow_nonfinite, example=example),
-                                  quant, requantize)
-    target = check_backend_name(to, "to")
+        return quantize_converted(native, _convert(native, target, allow_nonfinite=allow_nonfinite, example=example,
+                                                   quant=None, requantize=False), quant, requantize)
     handle = resolve(native)  # a parallel model's: full params gathered on every rank
     if example is not None:  # see to_spec
         from .models import remember_example

@@ -43,20 +43,28 @@ def to_numpy_copy(x) -> np.ndarray:
     return np.array(np.asarray(x), copy=True)
 
 
-def input_array(value, dtype: str):
+def input_array(value, dtype: str, like=None):
     """A model input: floating arrays cast to ``dtype`` (the model's parameter dtype); token ids
-    and masks keep their integer or bool type."""
+    and masks keep their integer or bool type; on the device of ``like`` (one of the model's
+    arrays) when given."""
     arr = np.asarray(value)
     if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
-        return to_jax(arr, dtype)
-    return jnp.asarray(arr)
+        return to_jax(arr, dtype, like=like)
+    devices = like.devices() if isinstance(like, jax.Array) else ()
+    return jax.device_put(arr, next(iter(devices))) if len(devices) == 1 else jnp.asarray(arr)
 
 
-def inputs_of(inputs, dtype: str) -> tuple[list, dict]:
-    """(args, kwargs) for the model from capture's ``inputs``: a list (positional) or a dict (keyword)."""
+def first_array(model):
+    """The model's first JAX array (where its inputs go), else None."""
+    return next((leaf for leaf in jax.tree_util.tree_leaves(model) if isinstance(leaf, jax.Array)), None)
+
+
+def inputs_of(inputs, dtype: str, like=None) -> tuple[list, dict]:
+    """(args, kwargs) for the model from capture's ``inputs``: a list (positional) or a dict
+    (keyword), placed on the device of ``like`` (one of the model's arrays) when given."""
     if isinstance(inputs, dict):
-        return [], {k: input_array(v, dtype) for k, v in inputs.items()}
-    return [input_array(v, dtype) for v in inputs], {}
+        return [], {k: input_array(v, dtype, like) for k, v in inputs.items()}
+    return [input_array(v, dtype, like) for v in inputs], {}
 
 
 def new_state() -> dict:
@@ -106,13 +114,18 @@ def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[
     if not grads:
         out, logs = jax.jit(run)(params, None)
         return Capture(calls_of(logs), {}, to_numpy_copy(out), pre_activation=pre_activation), None
-    cot = to_jax(np.asarray(cotangent(tuple(out_shape.shape))), np.dtype(out_shape.dtype).name)
+    like = first_array(params)  # the cotangent and the probes on the model's device
+    cot = to_jax(np.asarray(cotangent(tuple(out_shape.shape))), np.dtype(out_shape.dtype).name, like=like)
 
     def loss(params, probes):
         out, logs = run(params, probes)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), (out, logs)
 
-    probes0 = [jnp.zeros(y.shape, y.dtype) for _, y in log_shapes]
+    # zeros computed where ``like`` lives: nothing crosses between devices
+    shapes = [(y.shape, y.dtype) for _, y in log_shapes]
+    devices = like.devices() if like is not None else ()
+    where = {"out_shardings": jax.sharding.SingleDeviceSharding(next(iter(devices)))} if len(devices) == 1 else {}
+    probes0 = jax.jit(lambda: [jnp.zeros(s, d) for s, d in shapes], **where)()
     # one XLA computation for the forward pass and the backward pass
     (_, (out, logs)), (g_params, g_probes) = jax.jit(
         jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, probes0)

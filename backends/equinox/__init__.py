@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import equinox as eqx
 
-from ._arrays import from_numpy, to_numpy
+from ._arrays import from_numpy, nonfinite_flags, parse_device, to_numpy  # devices: placement, device moves
 from ._capture import capture
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
-from ._params import get_params, set_params
+from ._params import device_of, device_params, get_params, place, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from dense_bridge.registry._captures import Capture, select_output
 
-from .._jax.capture import (inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
+from .._jax.capture import (first_array, inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
 from ._layers import Bilinear, DenseLinear
 
 
@@ -66,7 +66,7 @@ def _at(tree, keypath):
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
             select=None, grads: bool = True) -> Capture:
     """One vmapped forward (and backward) of ``model`` recording every call of ``layers`` (path -> module)."""
-    args, kwargs = inputs_of(inputs, _float_dtype(model))
+    args, kwargs = inputs_of(inputs, _float_dtype(model), first_array(model))  # on the model's device
     state = new_state()
     swapped = []
     try:

@@ -13,6 +13,7 @@ Identity and Flatten are static and hold no leaf), so each record is mapped in p
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from typing import Callable, Mapping
@@ -21,9 +22,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from dense_bridge._errors import CheckpointError, first_line
+from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
 from dense_bridge.checkpoints._native import FileViews, canonical_shapes
-from dense_bridge.checkpoints._safetensors import open_readonly
+from dense_bridge.checkpoints._guard import input_file, open_input
 from dense_bridge.specs import Bilinear, Dense, Sequential, layer_param_shapes
 
 Entries = dict  # name -> (native shape, dtype name)
@@ -34,15 +35,18 @@ KINDS = ("eqx",)
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 _NOT_RECORDS = "cannot read {path} as an Equinox file (eqx.tree_serialise_leaves records)"
 
+#: What an Equinox file is read as, in messages.
+_WHAT = "Equinox (eqx.tree_serialise_leaves) file"
 
-def _records(path: str, offsets: dict | None = None) -> Entries:
+
+def _records(path: str, offsets: dict | None = None, handle=None) -> Entries:
     """Every record's (shape, dtype) from its .npy header alone: nothing is allocated, each
     record's data must lie inside the file (a header claiming more than the file holds is refused
     before anything reads it: a 2 KB file may not cost gigabytes), and object arrays are refused."""
     out = {}
     bad = _NOT_RECORDS.format(path=path)
     try:
-        with os.fdopen(open_readonly(path), "rb") as f:  # a FIFO or a device is refused, never waited on
+        with contextlib.nullcontext(handle) if handle is not None else input_file(path, what=_WHAT) as f:
             size = f.seek(0, 2)
             f.seek(0)
             while f.tell() < size:
@@ -137,7 +141,7 @@ def file_views(path: str, container: str, spec, *, files=None, check: Callable[[
 
 def _map_readonly(path: str) -> mmap.mmap:
     """The whole file mapped read-only, opened the safe way (a FIFO or a device refused)."""
-    fd = open_readonly(path)
+    fd = open_input(path, what=_WHAT)
     try:
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:
@@ -161,9 +165,13 @@ def read_file(path: str, container: str, template, *, files=None, check: Callabl
     """A model like ``template`` holding the file's leaves (Equinox modules are immutable: a new one)."""
     if template is None:
         raise CheckpointError(f"{path}: Equinox files need the model's structure (spec= or like=)")
-    check(_records(path), _expected(template))
-    try:
-        return eqx.tree_deserialise_leaves(path, template)
+    try:  # records checked and leaves read from one descriptor: a swap in between cannot pair two files
+        with input_file(path, what=_WHAT) as handle:
+            check(_records(path, handle=handle), _expected(template))
+            handle.seek(0)
+            return eqx.tree_deserialise_leaves(handle, template)
+    except DenseBridgeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - equinox raises RuntimeError/ValueError for bad files
         raise CheckpointError(f"cannot load {path} into the Equinox model: {first_line(exc)}") from None
 

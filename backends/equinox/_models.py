@@ -68,7 +68,9 @@ def _entry(path: str, m, kind: str, own: dict[str, Any]) -> Entry:
     def write(arrays: dict[str, Any]) -> None:
         current = _own_arrays(m)
         for n, a in arrays.items():
-            object.__setattr__(m, n, to_jax(a, dtype_name(current[n].dtype, n)))
+            object.__setattr__(m, n, to_jax(a, dtype_name(current[n].dtype, n), like=current[n]))
 
     return Entry(path, m, kind, tuple(own), {n: id(a) for n, a in own.items()},
-                 {n: tuple(int(s) for s in a.shape) for n, a in own.items()}, read, write)
+                 {n: tuple(int(s) for s in a.shape) for n, a in own.items()}, read, write,
+                 extra={"read_device": lambda: dict(_own_arrays(m)),  # where they live (models/_device.py)
+                        "snapshot_device": lambda: dict(_own_arrays(m))})  # immutable arrays: kept, not copied

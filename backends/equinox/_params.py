@@ -20,7 +20,7 @@ import numpy as np
 
 from dense_bridge._dtypes import numpy_dtype
 
-from ._arrays import dtype_name, to_jax, to_numpy
+from ._arrays import device_of_leaves, dtype_name, to_jax, to_numpy
 from ._layers import Bilinear, DenseLinear, is_dense, is_identity_fn
 
 
@@ -40,12 +40,17 @@ def positions(native) -> list[tuple[str, Any]]:
     return [("", native)]
 
 
-def _layer_params(m) -> dict[str, np.ndarray]:
+def _layer_params(m, to_numpy=to_numpy) -> dict[str, np.ndarray]:
+    """Canonical params of one layer, each array read by ``to_numpy`` (numpy views; the JAX
+    arrays themselves for :func:`device_params`)."""
     if is_dense(m):
         out = {"kernel": to_numpy(m.weight).T}
         if m.bias is not None:
             out["bias"] = to_numpy(m.bias)
         if isinstance(m, DenseLinear) and m.mask is not None:
+            if to_numpy is _same:  # the mask as the kernel's dtype, on its device
+                out["mask"] = m.mask.T.astype(m.weight.dtype)
+                return out
             mask = np.asarray(m.mask).T.astype(numpy_dtype(dtype_name(m.weight.dtype, "weight")))
             mask.flags.writeable = False
             out["mask"] = mask
@@ -74,12 +79,15 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     dtype = dtype_name(m.weight.dtype, "weight")
     new = {}
     if "kernel" in get:
-        kernel = np.asarray(get["kernel"])
-        new["weight"] = to_jax(kernel if type(m) is Bilinear else kernel.T, dtype)
+        kernel = get["kernel"]  # numpy, or a device array of any DLPack framework (``.T``: a view)
+        kernel = kernel if hasattr(kernel, "T") else np.asarray(kernel)
+        new["weight"] = to_jax(kernel if type(m) is Bilinear else kernel.T, dtype, like=m.weight)
     if "bias" in get:
-        new["bias"] = to_jax(get["bias"], dtype)
+        new["bias"] = to_jax(get["bias"], dtype, like=m.weight)
     if "mask" in get:
-        new["mask"] = jnp.asarray(np.asarray(get["mask"]).T != 0)
+        mask = get["mask"]
+        mask = mask if hasattr(mask, "T") else np.asarray(mask)
+        new["mask"] = to_jax(mask.T, dtype, like=m.weight) != 0
     if isinstance(m, DenseLinear) and m.mask is not None and ("weight" in new or "mask" in new):
         # masked weights are exactly 0 by contract, whatever was passed for them
         mask = new.get("mask", m.mask)
@@ -92,3 +100,29 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Write validated canonical params: new JAX arrays rebound into the modules' fields in place."""
     for prefix, m in positions(native):
         _set_layer(m, params, prefix)
+
+
+def _same(array):
+    return array
+
+
+def device_params(native) -> dict:
+    """Canonical params as JAX arrays on the model's device (kernel = ``weight.T``, one device op)."""
+    return {prefix + k: v for prefix, m in positions(native) for k, v in _layer_params(m, _same).items()}
+
+
+def device_of(native) -> str | None:
+    """Where the module's arrays live ("cpu:0", "cuda:0", ...); None when it holds none."""
+    import jax
+
+    return device_of_leaves(jax.tree_util.tree_leaves(native))
+
+
+def place(native, device):
+    """A copy of the (immutable) module with its arrays on ``device`` (a ``jax.Device``): one
+    transfer per array."""
+    import equinox as eqx
+    import jax
+
+    arrays, static = eqx.partition(native, eqx.is_array)
+    return eqx.combine(jax.device_put(arrays, device), static)

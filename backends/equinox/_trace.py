@@ -18,6 +18,7 @@ import numpy as np
 from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
+from .._jax.capture import first_array
 from ._arrays import to_jax
 from ._layers import Bilinear, is_dense
 from ._params import positions
@@ -54,11 +55,12 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     flat = [x.reshape((n,) + x.shape[-1:]) for x in inputs]
     first = next((d for d in map(_param_dtype, layers) if d is not None), None)
     name = float_name(first if first is not None else inputs[0].dtype)
-    xs = tuple(to_jax(x, name) for x in flat)
+    like = first_array(native)  # inputs and cotangent on the model's device
+    xs = tuple(to_jax(x, name, like=like) for x in flat)
     # a layer that is a bare function (an MLP's activation) has nothing to partition
     split = [eqx.partition(m, eqx.is_inexact_array) if isinstance(m, eqx.Module) else (None, m) for m in layers]
     g = np.asarray(grad_out)
-    g = to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype))
+    g = to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype), like=like)
     records = trace_layers(_apply, tuple(_Static(s) for _, s in split), tuple(map(_param_dtype, layers)),
                            tuple(d for d, _ in split), xs, g)
     out = []
@@ -98,7 +100,8 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     arr = np.asarray(x)
     lead = arr.shape[:-1]
     n = int(np.prod(lead)) if lead else 1
-    xj = to_jax(arr.reshape((n,) + arr.shape[-1:]), float_name(arr.dtype))
+    like = first_array(layer)  # on the layer's device
+    xj = to_jax(arr.reshape((n,) + arr.shape[-1:]), float_name(arr.dtype), like=like)
     dynamic, static = eqx.partition(layer, eqx.is_inexact_array)
     linear_only = isinstance(layer, DenseLinear) and not layer.activation.is_identity
 
@@ -113,5 +116,5 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
         return back(fn(dynamic, xj)), None, {}
     y, vjp = jax.vjp(fn, dynamic, xj)
     g = np.asarray(grad_out)
-    gdyn, dx = vjp(to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype)).astype(y.dtype))
+    gdyn, dx = vjp(to_jax(g.reshape((n,) + g.shape[len(lead):]), float_name(g.dtype), like=like).astype(y.dtype))
     return back(y), back(dx), _canonical(type(layer), gdyn)

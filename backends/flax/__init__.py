@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from flax import nnx
 
-from ._arrays import from_numpy, to_numpy
+from ._arrays import from_numpy, nonfinite_flags, parse_device, to_numpy  # devices: placement, device moves
 from ._capture import capture
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_folds_scale, lora_heads, read_lora, write_lora)  # nnx.LoRALinear adapters
-from ._params import get_params, set_params
+from ._params import device_of, device_params, get_params, place, set_params
 from ._parallel import (parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 from ._to_spec import to_spec
 from ._trace import run_layer, trace

@@ -21,7 +21,7 @@ from flax import nnx
 
 from dense_bridge.registry._captures import Capture, select_output
 
-from .._jax.capture import (FLOATS, inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
+from .._jax.capture import (FLOATS, first_array, inputs_of, is_float, new_state, probed_capture, reached_paths, recording_class, to_numpy_copy)
 from ._layers import DenseLinear
 
 
@@ -45,7 +45,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
     ``inputs``: a list of numpy arrays (positional) or a dict (keyword); floating arrays are cast
     to the model's parameter dtype, integer and bool arrays keep their type.
     """
-    args, kwargs = inputs_of(inputs, _float_dtype(model))
+    args, kwargs = inputs_of(inputs, _float_dtype(model), first_array(nnx.state(model)))  # on the model's device
     state = new_state()
     swapped = []
     try:

@@ -20,7 +20,7 @@ from flax import nnx, serialization
 
 from dense_bridge._errors import CheckpointError, first_line
 from dense_bridge.checkpoints._native import FileViews, layer_file_plan, planned_file_tensors
-from dense_bridge.checkpoints._safetensors import open_readonly
+from dense_bridge.checkpoints._guard import open_input
 
 Entries = dict  # name -> (native shape, dtype name)
 KINDS = ("msgpack",)
@@ -66,7 +66,7 @@ def _entries(tree, path: str = "") -> Entries:
 
 def _read_tree(path: str, container: str):
     try:
-        fd = open_readonly(path)  # a FIFO or a device is refused, never waited on
+        fd = open_input(path, what="Flax msgpack checkpoint", whole=True)  # a FIFO or a device is refused
         with os.fdopen(fd, "rb") as f:
             return serialization.msgpack_restore(f.read())
     except CheckpointError:

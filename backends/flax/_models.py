@@ -75,8 +75,11 @@ def _entry(path: str, m, kind: str, own: dict[str, nnx.Variable]) -> Entry:
         current = _own_variables(m)
         for n, a in arrays.items():
             value = current[n].get_value()
-            current[n].set_value(to_jax(a, dtype_name(value.dtype, n)))
+            current[n].set_value(to_jax(a, dtype_name(value.dtype, n), like=value))
 
     values = {n: v.get_value() for n, v in own.items()}
     return Entry(path, m, kind, tuple(own), {n: id(v) for n, v in own.items()},
-                 {n: tuple(int(s) for s in np.shape(a)) for n, a in values.items()}, read, write)
+                 {n: tuple(int(s) for s in np.shape(a)) for n, a in values.items()}, read, write,
+                 extra={"read_device": lambda: {n: v.get_value() for n, v in _own_variables(m).items()},
+                        # JAX arrays are immutable: the snapshot keeps them, copies nothing
+                        "snapshot_device": lambda: {n: v.get_value() for n, v in _own_variables(m).items()}})

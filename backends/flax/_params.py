@@ -14,7 +14,7 @@ from flax import nnx
 
 from dense_bridge._errors import SpecError
 
-from ._arrays import dtype_name, to_jax, to_numpy
+from ._arrays import device_of_leaves, dtype_name, to_jax, to_numpy
 from ._layers import Bilinear, LazyDenseLinear, Mask, is_dense
 
 
@@ -25,7 +25,9 @@ def positions(native) -> list[tuple[str, Any]]:
     return [("", native)]
 
 
-def _layer_params(m) -> dict[str, np.ndarray]:
+def _layer_params(m, to_numpy=to_numpy) -> dict[str, np.ndarray]:
+    """Canonical params of one layer, each variable read by ``to_numpy`` (numpy views; the JAX
+    arrays themselves for :func:`device_params`)."""
     if isinstance(m, LazyDenseLinear) and not m.built:
         raise SpecError("this lazy Flax layer has no parameters yet (in_features is fixed by its first "
                         "input): run one input through it before reading or saving them")
@@ -53,7 +55,7 @@ def _set_layer(m, params: dict[str, np.ndarray], prefix: str) -> None:
     if not get:
         return
     dtype = dtype_name(m.kernel.get_value().dtype, "kernel")
-    new = {k: to_jax(v, dtype) for k, v in get.items()}
+    new = {k: to_jax(v, dtype, like=getattr(m, k)) for k, v in get.items()}  # on the layer's own device
     masked = isinstance(getattr(m, "mask", None), Mask)
     if masked and ("kernel" in new or "mask" in new):
         # masked kernel entries are exactly 0 by contract, whatever was passed for them
@@ -66,3 +68,25 @@ def set_params(native, params: dict[str, np.ndarray]) -> None:
     """Write validated canonical params into the layers' variables (new JAX arrays, set in place)."""
     for prefix, m in positions(native):
         _set_layer(m, params, prefix)
+
+
+def device_params(native) -> dict:
+    """Canonical params as the JAX arrays the variables hold, where they live (nothing copied)."""
+    return {prefix + k: v for prefix, m in positions(native)
+            for k, v in _layer_params(m, lambda var: var.get_value()).items()}
+
+
+def device_of(native) -> str | None:
+    """Where the model's variables live ("cpu:0", "cuda:0", ...); None when it holds none."""
+    import jax
+
+    return device_of_leaves(jax.tree_util.tree_leaves(nnx.state(native)))
+
+
+def place(native, device):
+    """``native`` with every variable moved to ``device`` (a ``jax.Device``): one transfer per array,
+    the module itself returned (its variables updated in place)."""
+    import jax
+
+    nnx.update(native, jax.device_put(nnx.state(native), device))
+    return native

@@ -17,6 +17,7 @@ from flax import nnx
 from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
+from .._jax.capture import first_array
 from ._arrays import to_jax
 from ._layers import LazyDenseLinear
 from ._params import positions
@@ -53,14 +54,15 @@ def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
         break
     first = next((d for d in map(_param_dtype, layers) if d is not None), None)
     name = np.dtype(first).name if first is not None else np.dtype(inputs[0].dtype).name
-    xs = [to_jax(x, float_name(name)) for x in inputs]
+    like = first_array(nnx.state(native))  # inputs and cotangent on the model's device
+    xs = [to_jax(x, float_name(name), like=like) for x in inputs]
     casts = []
     for m in layers:
         if isinstance(m, LazyDenseLinear) and not m.built:  # later in line: one eager call builds it
             m(_forward_eager(layers[:len(casts)], xs))
         casts.append(_param_dtype(m))
     split = [_split(m) for m in layers]
-    g = to_jax(grad_out, float_name(np.asarray(grad_out).dtype))
+    g = to_jax(grad_out, float_name(np.asarray(grad_out).dtype), like=like)
     records = trace_layers(_apply, tuple(s for s, _ in split), tuple(casts), tuple(d for _, d in split),
                            tuple(xs), g)
     out = []
@@ -100,11 +102,12 @@ def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
         return m._linear(xj) if linear_only else m(xj)
 
     arr = np.asarray(x)
-    xj = to_jax(arr, float_name(arr.dtype))
+    like = first_array(params)  # on the layer's device
+    xj = to_jax(arr, float_name(arr.dtype), like=like)
     if grad_out is None:
         return np.array(jax.jit(fn)(params, xj)), None, {}
     y, vjp = jax.vjp(fn, params, xj)
     g = np.asarray(grad_out)
-    gparams, dx = vjp(to_jax(g, float_name(g.dtype)).astype(y.dtype))
+    gparams, dx = vjp(to_jax(g, float_name(g.dtype), like=like).astype(y.dtype))
     flat = {k: v for k, v in nnx.to_pure_dict(gparams).items() if k in ("kernel", "bias") and v is not None}
     return np.array(y), np.array(dx), {k: np.array(v) for k, v in flat.items()}

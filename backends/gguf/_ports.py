@@ -92,10 +92,12 @@ def port_detect(fmt: str, path: str) -> int:
     """CERTAIN for a file beginning with GGUF's magic, else NO (directories are other formats')."""
     if not os.path.isfile(path):
         return Match.NO
+    from dense_bridge.checkpoints._guard import input_file
+
     try:
-        with open(path, "rb") as f:
+        with input_file(path, what="GGUF file") as f:
             return Match.CERTAIN if f.read(4) == MAGIC else Match.NO
-    except OSError:
+    except (OSError, CheckpointError):
         return Match.NO
 
 

@@ -48,7 +48,10 @@ def _pre_table(root: str) -> tuple[str, dict[str, str]]:
         path = os.path.join(root, rel)
         if not os.path.isfile(path):
             continue
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        from dense_bridge.checkpoints._guard import input_file
+
+        with input_file(path, what="llama.cpp converter source") as f:
+            tree = ast.parse(f.read().decode("utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name == "get_vocab_base_pre":
                 text, table = None, {}

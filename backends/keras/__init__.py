@@ -62,14 +62,14 @@ from ._to_spec import to_spec  # noqa: E402
 from ._trace import run_layer, trace  # noqa: E402
 from ._capture import capture, load_model
 from ._models import walk  # noqa: E402
-from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequantize, lora_dora, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, save_lora_h5, write_lora)  # enable_lora adapters and keras-hub .lora.h5 files
+from ._lora import (attach_lora, detach_lora, load_lora_h5, lora_base, lora_dequantize, lora_dora, lora_heads, lora_quantized, lora_requantize, read_lora, replace_lora, save_lora_h5, write_lora, write_lora_file)  # enable_lora adapters and keras-hub .lora.h5 files
 from ._quant import quant_build, quant_layer  # noqa: E402  quantized Dense/EinsumDense: dense_bridge/quant.py
 from ._quant_files import quant_file_layers, quant_file_template  # noqa: E402  quantized .weights.h5: checkpoints/_quantized.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # noqa: E402  # native checkpoint files
 # tensor parallelism: ModelParallel + LayoutMap, Keras' JAX backend only
 from ._parallel import (parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
-__all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "save_lora_h5",
+__all__ = ["write_lora_file", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "save_lora_h5",
            "load_lora_h5", "lora_quantized", "lora_dequantize", "lora_requantize", "replace_lora",
            "DenseBridgeDense", "AnyRankSequential", "Bilinear", "ExactActivation", "DenseBridgeInitializer",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
@@ -88,3 +88,5 @@ del _cls
 def owns(obj) -> bool:
     """Is ``obj`` a Keras layer (models included)."""
     return isinstance(obj, keras.layers.Layer)
+from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_inputs, port_write_weights, port_write_config)  # noqa: E402,E501  keras-hub presets (db.port)
+__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_inputs", "port_write_weights", "port_write_config"]

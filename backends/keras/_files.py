@@ -29,7 +29,8 @@ from dense_bridge.checkpoints._native import FileViews, canonical_shapes
 from dense_bridge._dtypes import numpy_dtype
 from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
 from dense_bridge.params._memory_budget import available_memory
-from dense_bridge.checkpoints._safetensors import SafetensorsFile, open_readonly
+from dense_bridge.checkpoints._guard import input_file, input_path, open_input
+from dense_bridge.checkpoints._safetensors import SafetensorsFile
 
 from ._params import layer_variables
 from ._to_spec import layers_of
@@ -38,7 +39,7 @@ Entries = dict  # name -> (native shape, dtype name)
 SPEC_ATTR = "dense_bridge_spec"
 
 
-def _h5_structure(path: str) -> Entries:
+def h5_structure(path: str) -> Entries:
     """Dataset path -> (shape, dtype) of a Keras weights file (bfloat16 from its "dtype" attribute)."""
     out: Entries = {}
     foreign: list[str] = []
@@ -63,11 +64,13 @@ def _h5_structure(path: str) -> Entries:
 
     linked: list[str] = []
     try:
-        size = os.path.getsize(path)
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as f:
+            size = os.path.getsize(checked)
             f.visititems_links(visit_link)
             if not linked:
                 f.visititems(visit)
+    except DenseBridgeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError for bad files
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
@@ -112,9 +115,11 @@ def _storage_problem(dataset, file_size: int) -> str | None:
 
 def _h5_spec_attr(path: str) -> str | None:
     try:
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as f:
             raw = f.attrs.get(SPEC_ATTR)
-    except Exception as exc:  # noqa: BLE001 - see _h5_structure
+    except DenseBridgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see h5_structure
         raise CheckpointError(f"cannot read {path}: not a readable HDF5 file ({first_line(exc)}; truncated or "
                               "corrupted?)") from None
     if raw is None:
@@ -200,7 +205,8 @@ def _mapping(model, got: Entries, expected: Entries) -> dict[str, str] | None:
 
 def _copy_datasets(src_path: str, dst_path: str, mapping: dict[str, str]) -> None:
     """Replace datasets of ``dst_path`` by those of ``src_path`` (attributes, e.g. bfloat16, kept)."""
-    with h5py.File(src_path, "r") as src, h5py.File(dst_path, "a") as dst:
+    with input_path(src_path, what="Keras HDF5 file") as checked, h5py.File(checked, "r") as src, \
+            h5py.File(dst_path, "a") as dst:
         for s_path, d_path in mapping.items():
             if d_path in dst:
                 del dst[d_path]
@@ -245,7 +251,7 @@ def _check_archive(path: str) -> None:
     import zipfile
 
     try:
-        with zipfile.ZipFile(path) as z:
+        with input_file(path, what="Keras model archive") as handle, zipfile.ZipFile(handle) as z:
             members = z.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path} as a Keras model: {first_line(exc)}") from None
@@ -262,7 +268,7 @@ def _check_archive(path: str) -> None:
 
 def _load_model(path: str):
     _check_archive(path)
-    with _named(path, ".keras") as named:
+    with input_path(path, what="Keras model archive") as checked, _named(checked, ".keras") as named:
         try:
             return keras.saving.load_model(named)
         except Exception as exc:  # noqa: BLE001 - keras raises many types for bad or foreign files
@@ -283,7 +289,7 @@ def file_info(path: str, container: str, *, files: list[SafetensorsFile] | None 
     if container != "h5":
         raise CheckpointError(f"cannot read {path} as a Keras file (container {container!r})")
     spec = _h5_spec_attr(path)
-    return _h5_structure(path), ({SPEC_ATTR: spec} if spec else {})
+    return h5_structure(path), ({SPEC_ATTR: spec} if spec else {})
 
 
 def read_file(path: str, container: str, template, *, files: list[SafetensorsFile] | None = None,
@@ -300,7 +306,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
         # the structure Keras itself writes for this model: save it once and read it back
         scratch = os.path.join(d, "template.weights.h5")
         template.save_weights(scratch)
-        expected, got = _h5_structure(scratch), _h5_structure(path)
+        expected, got = h5_structure(scratch), h5_structure(path)
         source = path
         if set(got) != set(expected):
             mapping = _mapping(template, got, expected)
@@ -310,7 +316,7 @@ def read_file(path: str, container: str, template, *, files: list[SafetensorsFil
                 _copy_datasets(path, scratch, mapping)
                 source = scratch
         check(got, expected)
-        with _named(source, ".weights.h5") as named:
+        with input_path(source, what="Keras HDF5 file") as checked, _named(checked, ".weights.h5") as named:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # keras only warns when some weights did not load
@@ -333,14 +339,14 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     own ``save_own_variables`` store (Dense: kernel "0", bias "1"; the mask "mask"), never from a
     shape. The file is checked against the spec's shapes and dtypes with ``check`` (every
     difference in one CheckpointError) before anything is read. Returns canonical name ->
-    array, each read when first asked for (``FileViews`` over :class:`_DatasetReader`); None where this path does
+    array, each read when first asked for (``FileViews`` over :class:`DatasetReader`); None where this path does
     not apply (a ``.keras`` file, a lone layer, names only Keras' loader can resolve): the
     caller then loads a full template with :func:`read_file`.
     """
     twin = _twin(spec) if container == "h5" else None
     if twin is None:
         return None
-    if any(0 in v and v[0][1] == "int8" for v in layer_groups(_h5_structure(path)).values()):
+    if any(0 in v and v[0][1] == "int8" for v in layer_groups(h5_structure(path)).values()):
         return None  # quantized layers: Keras' own loader reads the file into a quantized template
     roles = _roles(twin)
     if roles is None:
@@ -349,14 +355,14 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
     try:
         scratch = os.path.join(d, "twin.weights.h5")
         twin.save_weights(scratch)
-        twin_paths = set(_h5_structure(scratch))
+        twin_paths = set(h5_structure(scratch))
     finally:
         shutil.rmtree(d, ignore_errors=True)
     if twin_paths != set(roles):
         return None  # the twin saves something this reader does not know: let Keras load it
     shapes = canonical_shapes(spec)
     expected = {p: (shapes[name][0], shapes[name][1]) for p, name in roles.items()}
-    got = _h5_structure(path)
+    got = h5_structure(path)
     source_of = {p: p for p in got}  # template path -> the file's own dataset path
     if set(got) != set(expected):
         mapping = _mapping(twin, got, expected)
@@ -364,7 +370,7 @@ def file_views(path: str, container: str, spec, *, files: list[SafetensorsFile] 
             source_of = {mapping[p]: p for p in got}
             got = {mapping[k]: v for k, v in got.items()}
     check(got, expected)
-    reader = _DatasetReader(path, {source_of[p]: expected[p] for p in roles})
+    reader = DatasetReader(path, {source_of[p]: expected[p] for p in roles})
     return FileViews({roles[p]: (source_of[p], tuple(range(len(expected[p][0])))) for p in roles}, reader.read)
 
 
@@ -412,7 +418,7 @@ def _roles(twin) -> dict[str, str] | None:
     return roles
 
 
-class _DatasetReader:
+class DatasetReader:
     """A dataset's values by its path in the file, read when asked for and not kept.
 
     A contiguous, unfiltered dataset in native byte order is mapped copy-on-write from one
@@ -429,7 +435,7 @@ class _DatasetReader:
     def read(self, dataset_path: str) -> np.ndarray:
         shape, dtype_name = self._entries[dataset_path]
         dtype = numpy_dtype(dtype_name)
-        fd = open_readonly(self.path)
+        fd = open_input(self.path, what="Keras HDF5 file")
         try:
             with os.fdopen(os.dup(fd), "rb") as handle:
                 try:
@@ -447,7 +453,7 @@ class _DatasetReader:
         nbytes = dtype.itemsize * math.prod(shape)
         if tuple(dataset.shape) != tuple(shape) or dataset.dtype.itemsize != dtype.itemsize:
             raise CheckpointError(f"{self.path}: dataset {where} changed while it was read")
-        if dataset.is_virtual or dataset.external:  # the file was replaced since _h5_structure looked
+        if dataset.is_virtual or dataset.external:  # the file was replaced since h5_structure looked
             raise CheckpointError(f"{self.path}: datasets ['{where}'] keep their values in other files (virtual "
                                   "or external storage), which dense_bridge does not follow")
         offset = dataset.id.get_offset()

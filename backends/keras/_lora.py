@@ -25,7 +25,7 @@ import re
 import keras
 import numpy as np
 
-from dense_bridge._errors import CheckpointError, ConversionError
+from dense_bridge._errors import CheckpointError, ConversionError, received
 
 from ._arrays import assign_array, read_array
 from ._models import einsum_plan
@@ -182,10 +182,6 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
     scale or of several ranks are refused, naming them, as are NaN/Inf factors unless
     ``allow_nonfinite``. Written to a temporary file renamed into place: ``path`` holds the old
     file or the whole new one."""
-    import h5py
-
-    from dense_bridge.checkpoints._io import AtomicFiles, check_room
-
     if not str(path).endswith(".lora.h5"):
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. Received: path={path!r}")
     layers = _weighted_layers(model)
@@ -203,13 +199,23 @@ def save_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> None:
                     for msg in (_nonfinite("lora_kernel_a", a), _nonfinite("lora_kernel_b", b)) if msg]
         if problems:
             raise ConversionError(f"{path}: nothing written:\n  - " + "\n  - ".join(problems))
+    write_lora_h5(path, ranks.pop(), data)
+
+
+def write_lora_h5(path: str, rank: int, data: dict) -> None:
+    """``{layer index: (lora_kernel_a, lora_kernel_b)}`` of one ``rank`` written as keras-hub's
+    ``.lora.h5`` (the layout ``Backbone.load_lora_weights`` reads), atomically."""
+    import h5py
+
+    from dense_bridge.checkpoints._io import AtomicFiles, check_room
+
     # HDF5 crashes the process when the system refuses a write mid-file: ask for the room first
     check_room(path, sum(a.nbytes + b.nbytes for a, b in data.values()))
     with AtomicFiles(path) as tx:
         with h5py.File(tx.temp_for(path, ".lora.h5"), "w") as f:
             group = f.create_group("lora")
-            group.create_group("vars")["rank"] = ranks.pop()
-            for i, (a, b) in data.items():
+            group.create_group("vars")["rank"] = int(rank)
+            for i, (a, b) in sorted(data.items()):
                 inner = group.create_group(str(i)).create_group("vars")
                 inner["lora_kernel_a"] = a
                 inner["lora_kernel_b"] = b
@@ -270,11 +276,13 @@ def load_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> dict:
 
     import h5py
 
+    from dense_bridge.checkpoints._guard import input_path
+
     layers = _weighted_layers(model)
     where = f"keras-hub adapter file {path}"
     try:
-        size = os.path.getsize(path)
-        with h5py.File(path, "r") as f:
+        with input_path(path, what="keras-hub adapter file") as checked, h5py.File(checked, "r") as f:
+            size = os.path.getsize(checked)
             problems = _checked_objects(f, path, size)
             if problems:
                 raise CheckpointError(f"cannot read {where}:\n  - " + "\n  - ".join(problems))
@@ -337,3 +345,102 @@ def load_lora_h5(model, path: str, *, allow_nonfinite: bool = False) -> dict:
         lyr.lora_alpha = float(rank)
         out[lyr.path] = rank
     return out
+
+
+# ----------------------------------------------------------------------------- adapters of any ranks and scales
+# keras-hub holds ONE rank and ONE scale for every layer: ``Backbone.enable_lora(rank)`` calls each
+# target layer's ``enable_lora(rank)``, whose ``lora_alpha`` defaults to ``rank`` (scale 1), and the
+# file stores the rank and the factors only. An adapter moved onto a keras-hub model (PEFT, mlx-lm) is
+# first put in its layer's own form (EinsumDense query/value: per-head, rank r * heads; Dense and
+# attention_output: plain), then made one rank and scale 1 exactly by
+# ``dense_bridge.ports._adapters.single_rank_scale`` (factors zero-padded to the largest rank, each
+# scale folded into lora_b where it is a power of two, refused naming the layer where not).
+# keras-hub enables LoRA on every layer of the names it is given, in every block, and reads a factor
+# pair for each: a layer of those names the adapter does not cover gets zero factors (no update).
+
+#: ``Backbone.default_lora_layer_names()`` of keras-hub 0.32: what ``load_lora_weights`` enables by itself
+HUB_DEFAULT_NAMES = ("query_dense", "value_dense", "query", "value")
+
+
+def write_lora_file(model, path: str, layers: dict, *, allow_nonfinite: bool = False) -> dict:
+    """Write canonical adapters of ``model``'s layers as keras-hub's ``.lora.h5``.
+
+    Args:
+        model: a keras-hub task model (its ``backbone`` is what ``load_lora_weights`` loads into) or
+            backbone, built (its layers hold weights).
+        path: the file to write, ending in ``.lora.h5``.
+        layers: ``{layer path in model (dense_bridge's walk path): {"lora_a" (in_features, r),
+            "lora_b" (r, units), "lora_scale" 0-d}}``, ranks and scales per layer.
+        allow_nonfinite: accept NaN/Inf factors.
+
+    Returns:
+        ``{"rank": R, "scale": 1.0, "target_layer_names": [...], "default_names": bool, "layers":
+        {path: index}, "zero_filled": [index, ...]}``: load it with
+        ``backbone.enable_lora(R, target_layer_names=...)`` then ``backbone.load_lora_weights(path)``
+        (``default_names``: ``load_lora_weights`` alone enables exactly these layers).
+        ConversionError naming the layer: not a Dense/EinsumDense of ``model``, a DoRA adapter, a
+        scale whose ratio to 1 is not a power of two; nothing is written then.
+    """
+    from dense_bridge import lora as _lora
+    from dense_bridge.models import walk
+    from dense_bridge.ports._adapters import single_rank_scale
+
+    if not str(path).endswith(".lora.h5"):
+        raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. {received('path', path)}")
+    backbone = getattr(model, "backbone", model)
+    entries = {e.path: e.layer for e in walk(model) if e.kind == "linear"}
+    # Keras numbers a model's name when the process built another of the same name ("llama_backbone_1"):
+    # a path whose first component differs is found by the rest of it, where that is unique
+    below: dict[str, list] = {}
+    for known in entries:
+        below.setdefault(known.split("/", 1)[-1], []).append(known)
+    problems, per = [], {}
+    for p, entry in list(layers.items()):
+        if p not in entries and len(below.get(p.split("/", 1)[-1], [])) == 1:
+            layers = {**layers, below[p.split("/", 1)[-1]][0]: entry}
+            del layers[p]
+            p = below[p.split("/", 1)[-1]][0]
+        lyr = entries.get(p)
+        if lyr is None or not _lora_capable(lyr):
+            problems.append(f"layer {p!r}: no Dense/EinsumDense of the keras-hub model has this path")
+            continue
+        n_in = int(np.prod(lyr._kernel.shape[:-1])) if lora_heads(lyr) is None else int(lyr._kernel.shape[0])
+        problems += _lora.check(entry, (n_in, _hub_units(lyr)), repr(p))
+        per[p] = _lora.to_form(entry, lora_heads(lyr))
+    if problems:
+        raise ConversionError(f"{path}: the adapter does not fit the keras-hub model (nothing written):\n  - "
+                              + "\n  - ".join(problems[:20]))
+    folded, rank, scale = single_rank_scale(per, scale=1.0, where=f"keras-hub adapter {path}")
+    weighted = _weighted_layers(backbone)
+    index = {id(lyr): i for i, lyr in enumerate(weighted)}
+    data, placed = {}, {}
+    for p, e in folded.items():
+        lyr = entries[p]
+        i = index.get(id(lyr))
+        if i is None:
+            raise ConversionError(f"{path}: layer {p!r} is not inside the backbone keras-hub loads adapters into")
+        dtype = np.dtype(lyr.variable_dtype)
+        a = np.asarray(e["lora_a"]).reshape(tuple(lyr._kernel.shape[:-1]) + (rank,))
+        data[i] = (np.ascontiguousarray(a.astype(dtype)), np.ascontiguousarray(np.asarray(e["lora_b"]).astype(dtype)))
+        placed[p] = i
+    names = sorted({entries[p].name for p in folded})
+    zero = []
+    for i, lyr in enumerate(weighted):  # keras-hub enables every layer of these names and reads each one's factors
+        if lyr.name in names and i not in data and _lora_capable(lyr):
+            dtype = np.dtype(lyr.variable_dtype)
+            data[i] = (np.zeros(tuple(lyr._kernel.shape[:-1]) + (rank,), dtype),
+                       np.zeros((rank, lyr._kernel.shape[-1]), dtype))
+            zero.append(i)
+    if not allow_nonfinite:
+        bad = [i for i, (a, b) in data.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
+        if bad:
+            raise ConversionError(f"{path}: factors of layer indices {bad[:8]} hold NaN/Inf (nothing written)")
+    write_lora_h5(path, rank, data)
+    default = set(names) <= set(HUB_DEFAULT_NAMES) and all(
+        (lyr.name not in HUB_DEFAULT_NAMES or not _lora_capable(lyr)) or i in data for i, lyr in enumerate(weighted))
+    return {"rank": rank, "scale": scale, "target_layer_names": names, "default_names": default,
+            "layers": placed, "zero_filled": zero}
+
+
+def _hub_units(lyr) -> int:
+    return int(np.prod(lyr._kernel.shape[1:])) if lora_heads(lyr) is not None else int(lyr._kernel.shape[-1])

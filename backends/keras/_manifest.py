@@ -4,7 +4,7 @@ engine's own adapter, its ``.weights.h5``/``.keras`` files."""
 import json
 import os
 
-from dense_bridge.adapter_kit import GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, Probe
+from dense_bridge.adapter_kit import PORTS, GRADIENTS, PARALLEL, AdapterFormat, FileFormat, FileNames, Manifest, Match, Probe
 
 
 def keras_backend_package() -> str:
@@ -37,7 +37,8 @@ MANIFEST = Manifest(
     requires=("keras",), runtime_requires=lambda: (keras_backend_package(),),
     install="pip install 'dense-bridge[keras]'", display="Keras",
     # PARALLEL: ModelParallel with a LayoutMap, on Keras' JAX engine (parallel_compile refuses the others)
-    capabilities=frozenset({GRADIENTS, PARALLEL}),
+    capabilities=frozenset({GRADIENTS, PARALLEL, PORTS}),
+    port_formats=("keras-hub",),  # keras-hub preset directories (db.port): _ports.py
     # on its torch engine a Keras layer is also a torch.nn.Module (and with KERAS_NNX_ENABLED a
     # Flax module): it must be read as the Keras layer it is
     owner_priority=10,

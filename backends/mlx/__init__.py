@@ -68,7 +68,7 @@ from ._quant_files import model_dir_layers, quant_file_layers, quant_file_templa
 
 from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
-from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe)  # noqa: E501  model directories (db.port)
+from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_quantize, port_parse_quantize, port_recompute_codes)  # noqa: E501  model directories (db.port)
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",
            "lora_dequantize", "lora_requantize", "replace_lora",
            "DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
@@ -77,7 +77,7 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
            "quant_file_layers", "quant_file_template", "model_dir_layers"]
-__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"]
+__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_quantize", "port_parse_quantize", "port_recompute_codes"]
 
 
 def owns(obj) -> bool:

@@ -50,9 +50,15 @@ def _state(path: str, files: list[SafetensorsFile] | None) -> dict[str, mx.array
     from dense_bridge.checkpoints._npz import npz_records
 
     # an .npz (safetensors came as files): headers checked before MLX allocates what they claim
-    npz_records(path, lambda reason: CheckpointError(f"cannot read {path} as MLX weights: {reason}"))
-    try:
-        return dict(mx.load(path))
+    from dense_bridge.checkpoints._guard import input_file
+
+    try:  # checked and loaded from one descriptor: a swap in between cannot pair two files
+        with input_file(path, what="MLX weights file") as handle:
+            npz_records(path, lambda reason: CheckpointError(f"cannot read {path} as MLX weights: {reason}"), handle)
+            handle.seek(0)
+            return dict(mx.load(handle, format="npz"))
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - mlx raises RuntimeError/ValueError for bad files
         raise CheckpointError(f"cannot read {path} as MLX weights: {first_line(exc)}") from None
 

@@ -19,6 +19,8 @@ from dense_bridge.adapter_kit import BackendUnavailableError, CheckpointError, C
     received
 from dense_bridge.checkpoints._safetensors import read_json_file
 
+from ._port_quant import QuantizedWeights, code_names, is_quantized, port_parse_quantize, port_quantize, port_recompute_codes  # noqa: F401  quantized directories
+
 FORMAT = "mlx-lm"
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -68,16 +70,14 @@ def port_detect(fmt: str, path: str) -> int:
 
 def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     """``{"config", "weights": {tensor name: file relative to path}, "extras"}``; ConversionError
-    for a config that asks for code in the directory (``model_file``), a quantized one, or a
-    multimodal one (``text_only`` is not implemented for mlx-lm directories: refused, saying so)."""
+    for a config that asks for code in the directory (``model_file``) or a multimodal one; a
+    quantized directory lists its float model's tensors (its scales and biases read through
+    :func:`port_open`) (``text_only`` is not implemented for mlx-lm directories: refused, saying so)."""
     config = read_json_file(os.path.join(path, CONFIG), "mlx-lm config")
     for key in REMOTE_CODE_KEYS:
         if config.get(key):
             raise ConversionError(f"{os.path.join(path, CONFIG)} asks for code from outside the installed libraries "
                                   f"({key}={config[key]!r}): refused, never run")
-    if config.get("quantization"):
-        raise ConversionError(f"{path} is a quantized mlx-lm directory ({received('quantization', config['quantization'])}): "
-                              "ports of quantized directories are not implemented yet")
     towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
     if towers:
         raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
@@ -102,7 +102,19 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     if not weights:
         raise CheckpointError(f"{path} holds no model*.safetensors weights beside its {CONFIG}")
     extras = [n for n in EXTRAS if os.path.isfile(os.path.join(path, n))]
+    hidden = code_names(path, config, weights, lambda c: port_shapes(fmt, c))  # a quantized directory reads as its float model (_port_quant)
+    weights = {k: v for k, v in weights.items() if k not in hidden}
     return {"config": config, "weights": weights, "extras": extras}
+
+
+def port_open(fmt: str, path: str):
+    """A weight file of an mlx-lm directory opened for streaming: as it is stored, or, in a quantized
+    directory, as the float model it stands for (:class:`~._port_quant.QuantizedWeights`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    config_path = os.path.join(directory, CONFIG)
+    if os.path.isfile(config_path) and is_quantized(read_json_file(config_path, "mlx-lm config")):
+        return QuantizedWeights(path, lambda c: port_shapes(fmt, c))
+    return SafetensorsFile(path)
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
@@ -111,7 +123,8 @@ def port_common_config(fmt: str, config: dict) -> dict:
     computes with) written back under ``rope_parameters``, minus what only mlx-lm keeps (its own
     quantization entry)."""
     out = dict(config)
-    out.pop("quantization", None)
+    if out.pop("quantization", None) is not None:
+        out.pop("quantization_config", None)  # mlx-lm's copy of it, for the Hugging Face hub
     try:
         _, args_class = _classes(out)
         args = args_class.from_dict(out)

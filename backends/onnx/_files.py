@@ -15,7 +15,6 @@ to ``<name>.data`` next to the model (as torch's dynamo exporter writes them).
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,6 +23,8 @@ from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 
 from dense_bridge._errors import CheckpointError
+from dense_bridge.checkpoints._guard import input_file, open_input
+from dense_bridge.checkpoints._safetensors import read_at
 from dense_bridge.params._memory_budget import available_memory
 
 from ._arrays import to_numpy_dtype
@@ -136,14 +137,6 @@ def _read_external(path: str, model: onnx.ModelProto) -> None:
             raise CheckpointError(f"{path}: {what}'s external data {loc!r} is a link leading outside "
                                   f"the model's directory ({real}): refused")
         try:
-            st = os.stat(real)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: {what}'s external data {loc!r} cannot be opened "
-                                  f"({exc.strerror})") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: {what}'s external data {loc!r} is not a regular file "
-                                  f"(a FIFO, device or directory): refused")
-        try:
             offset, need = int(info.get("offset", 0)), _tensor_bytes(t, path, what)
             length = int(info.get("length", need))
         except ValueError as exc:
@@ -152,12 +145,18 @@ def _read_external(path: str, model: onnx.ModelProto) -> None:
         if need > budget or total > budget:
             raise CheckpointError(f"{path}: {what} claims {need} bytes ({total} in all), more memory than "
                                   f"this machine has ({budget}): refused")
-        if offset < 0 or length != need or offset + length > st.st_size:
-            raise CheckpointError(f"{path}: {what} wants bytes {offset}..{offset + length} of {loc!r} "
-                                  f"({st.st_size} bytes) for a tensor of {need} bytes: truncated or corrupted")
-        with open(real, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
+        try:
+            f = input_file(full, what=f"external data {loc!r} of {what} of the ONNX model {path}", inside=base)
+            with f as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if offset < 0 or length != need or offset + length > size:
+                    raise CheckpointError(f"{path}: {what} wants bytes {offset}..{offset + length} of {loc!r} "
+                                          f"({size} bytes) for a tensor of {need} bytes: truncated or corrupted")
+                handle.seek(offset)
+                data = handle.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read {what}'s external data {loc!r} ({exc.strerror or exc})") \
+                from None
         if len(data) != length:
             raise CheckpointError(f"{path}: {loc!r} ended early reading {what}")
         t.raw_data = data
@@ -167,12 +166,23 @@ def _read_external(path: str, model: onnx.ModelProto) -> None:
 
 def read_model(path: str) -> onnx.ModelProto:
     """An ``.onnx`` file as a ``ModelProto`` with every tensor in memory (CheckpointError on a bad file)."""
+    fd = open_input(path, what="ONNX model")
     try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refused")
+        st = os.fstat(fd)
+        data = _read_checked(path, fd, st)
+    finally:
+        os.close(fd)
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise CheckpointError(f"{path} is not a readable ONNX model (truncated or corrupted protobuf: "
+                              f"{type(exc).__name__})") from None
+    return _checked_model(path, model)
+
+
+def _read_checked(path: str, fd: int, st: os.stat_result) -> bytes:
+    """The bytes of the open ONNX file, refused before reading when they cannot fit."""
     available = _available_memory()
     if 2 * st.st_size > available:  # the file's bytes and the parsed model hold it twice
         raise CheckpointError(f"{path} is {st.st_size:,} bytes; reading it takes about {2 * st.st_size:,} bytes, more "
@@ -180,14 +190,13 @@ def read_model(path: str) -> onnx.ModelProto:
     if st.st_size > _PROTO_LIMIT:
         raise CheckpointError(f"{path} is {st.st_size:,} bytes, past protobuf's 2 GiB limit ({_PROTO_LIMIT:,}): not "
                               f"a readable ONNX model (a model this large keeps its tensors in external data)")
-    with open(path, "rb") as f:
-        data = f.read(st.st_size + 1)
-    model = onnx.ModelProto()
     try:
-        model.ParseFromString(data)
-    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
-        raise CheckpointError(f"{path} is not a readable ONNX model (truncated or corrupted protobuf: "
-                              f"{type(exc).__name__})") from None
+        return read_at(fd, st.st_size + 1, 0)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the ONNX model {path}: {exc.strerror or exc}") from None
+
+
+def _checked_model(path: str, model: onnx.ModelProto) -> onnx.ModelProto:
     if not model.HasField("graph") or (not model.graph.node and not model.graph.initializer):
         raise CheckpointError(f"{path} holds no ONNX graph (an empty or foreign protobuf)")
     _check_names(path, model)

@@ -51,9 +51,9 @@ The package, one job a module:
 from __future__ import annotations
 
 from ._activations import ExactActivation
-from ._arrays import from_numpy, to_numpy
+from ._arrays import device_of, from_numpy, nonfinite_flags, parse_device, place, to_numpy  # devices: placement, device moves
 from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
-from ._params import get_params, quant_position_build, quant_positions, set_params
+from ._params import device_params, get_params, quant_position_build, quant_positions, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
@@ -72,6 +72,8 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed", "save_dcp", "load_dcp"]
 __all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open"]
+from ._port_quant import port_keep_codes, port_recompute_codes  # noqa: E402  keep_codes=True: torchao codes (db.port)
+__all__ += ["port_keep_codes", "port_recompute_codes"]
 
 # Pickles of whole modules (torch.save) name these by module path, and error messages print
 # it (``describe``): keep the path they had as the single module ``backends/torch.py``.

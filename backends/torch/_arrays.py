@@ -27,8 +27,8 @@ def dtype_name(dtype: torch.dtype, what: str) -> str:
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A read-only numpy view of a CPU tensor (a copy for other devices); bf16 as ml_dtypes."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    if t.device.type != "cpu":  # laid out C-contiguous on the device (a transposed view: transposed there)
+        t = t.contiguous().cpu()
     if t.dtype == torch.bfloat16:
         arr = t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     else:
@@ -37,8 +37,14 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return arr
 
 
-def from_numpy(arr: np.ndarray) -> torch.Tensor:
-    """A tensor viewing ``arr`` (no copy) for torch to read from; bf16 through an int16 view."""
+def from_numpy(arr: np.ndarray, device=None) -> torch.Tensor:
+    """A tensor viewing ``arr`` (no copy) for torch to read from; bf16 through an int16 view.
+    ``device`` (a ``torch.device`` or a name :func:`parse_device` reads): a copy placed there
+    instead (one host-to-device copy)."""
+    if device is not None:
+        target = parse_device(device)
+        t = from_numpy(arr)
+        return t if t.device == target else t.to(target)
     arr = np.asarray(arr)
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
@@ -55,8 +61,110 @@ def from_numpy(arr: np.ndarray) -> torch.Tensor:
     return t.view(torch.bfloat16) if bf16 else t
 
 
-def copy_in(target: torch.Tensor, value: np.ndarray, transpose: bool = False) -> None:
-    """Copy canonical ``value`` into ``target`` (transposed for torch's (out, in) layout)."""
-    src = from_numpy(value)
+def copy_in(target: torch.Tensor, value, transpose: bool = False) -> None:
+    """Copy canonical ``value`` into ``target`` (transposed for torch's (out, in) layout).
+
+    ``value``: a numpy array (viewed, one host-to-device copy where ``target`` is on a device), a
+    tensor on any device or an array of another framework speaking DLPack (a device-to-device
+    copy: ``copy_`` casts and transposes on the device)."""
+    src = as_tensor(value)
     with torch.no_grad():
         target.copy_(src.t() if transpose else src)
+
+
+# ----------------------------------------------------------------------------- devices (capability "devices")
+def as_tensor(value) -> torch.Tensor:
+    """``value`` as a torch tensor without a host round trip: a tensor as it is, an array of another
+    framework that speaks DLPack (a JAX array) through ``torch.from_dlpack`` (shared memory: the
+    caller copies it into storage it owns), anything else (numpy) viewed by :func:`from_numpy`."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        return torch.from_dlpack(value)
+    return from_numpy(value)
+
+
+def device_name(device: torch.device) -> str:
+    """A device as dense_bridge names it: "cpu" or "cuda:N" (the index always given)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+    return device.type if device.index is None else f"{device.type}:{device.index}"
+
+
+def device_of(native) -> str | None:
+    """Where ``native`` (a module, a tensor) keeps its parameters: "cpu", "cuda:0", ...; None
+    when it holds no tensor. A model spread over several devices answers its first parameter's."""
+    if isinstance(native, torch.Tensor):
+        return device_name(native.device)
+    tensors = getattr(native, "parameters", None)
+    if tensors is None:
+        return None
+    for t in native.parameters():
+        return device_name(t.device)
+    for t in native.buffers():
+        return device_name(t.device)
+    return None
+
+
+def parse_device(value, argument: str = "device") -> torch.device:
+    """A user's ``device=`` as a ``torch.device``: a ``torch.device`` or one of "cpu", "cuda",
+    "cuda:N", "gpu", "gpu:N" ("gpu" is CUDA here). TypeError for another type, SpecError
+    (naming ``argument``, echoing the value) for a string torch cannot place tensors on."""
+    from dense_bridge._errors import SpecError, received
+
+    if isinstance(value, torch.device):
+        device = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if text == "gpu" or text.startswith("gpu:"):
+            text = "cuda" + text[3:]
+        kind, _, index = text.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index not in ("", "0")):
+            raise SpecError(f"{argument} must be 'cpu', 'cuda', 'cuda:N', 'gpu', 'gpu:N' or a torch.device. "
+                            f"{received(argument, value)}")
+        device = torch.device(text)
+    else:
+        raise TypeError(f"{argument} must be a device name (str) or a torch.device. {received(argument, value)}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise SpecError(f"{argument} names a CUDA device this machine does not have ({count} CUDA device(s) "
+                            f"visible to torch). {received(argument, value)}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def nonfinite_flags(arrays) -> list[bool]:
+    """Which of ``arrays`` (floating tensors, on any devices) hold NaN or Inf: one reduction per
+    tensor on its own device (its max-abs, ``torch._foreach_norm`` with ord=inf: the tensors of one
+    device and dtype in one fused launch; NaN propagates, Inf stays Inf), the peaks of each device
+    tested together, and one host synchronisation for the verdict; only when something is
+    non-finite, one more copy says which."""
+    flags: list[bool] = [False] * len(arrays)
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for i, a in enumerate(arrays):
+        t = as_tensor(a)
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append((i, t))
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, _), pairs in groups.items():
+        tensors = [t for _, t in pairs]
+        try:  # the max-abs of each tensor (NaN propagates, Inf stays Inf): one fused launch per group
+            peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+        except (AttributeError, RuntimeError, NotImplementedError):  # no fused kernel: one by one
+            peaks = torch.stack([t.abs().amax().float() for t in tensors])
+        by_device.setdefault(device, []).append(([i for i, _ in pairs], torch.isfinite(peaks)))
+    for parts in by_device.values():
+        finite = torch.cat([f for _, f in parts])
+        if bool(finite.all()):  # the one host synchronisation
+            continue
+        for i, ok in zip([i for idx, _ in parts for i in idx], finite.cpu().tolist()):
+            flags[i] = not ok
+    return flags
+
+
+def place(native, device):
+    """``native`` (a module) with its parameters and buffers moved to ``device`` (a ``torch.device``
+    from :func:`parse_device`): one copy per tensor, the module itself returned (moved in place)."""
+    return native.to(device)

@@ -29,11 +29,21 @@ def _float_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def _to_torch(value: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+def _to_torch(value: np.ndarray, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A model input on the model's ``device`` (one host-to-device copy), floats in ``dtype``."""
     arr = np.asarray(value)
     if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
-        return _from_numpy(arr.astype(np.float32) if arr.dtype == np.float64 else arr).to(dtype).clone()
-    return _from_numpy(arr).clone()  # integer token ids stay integers, bool masks stay bool
+        return _from_numpy(arr.astype(np.float32) if arr.dtype == np.float64 else arr).to(device, dtype, copy=True)
+    return _from_numpy(arr).to(device, copy=True)  # integer token ids stay integers, bool masks stay bool
+
+
+def _device(model) -> torch.device | None:
+    """The device of the model's first parameter or buffer (where its inputs go)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
 
 
 def _is_float(x) -> bool:
@@ -74,11 +84,11 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
     ``inputs``: a list of numpy arrays (positional) or a dict (keyword); floating arrays are cast
     to the model's parameter dtype, integer and bool arrays keep their type.
     """
-    dtype = _float_dtype(model)
+    dtype, device = _float_dtype(model), _device(model)
     if isinstance(inputs, dict):
-        args, kwargs = [], {k: _to_torch(v, dtype) for k, v in inputs.items()}
+        args, kwargs = [], {k: _to_torch(v, dtype, device) for k, v in inputs.items()}
     else:
-        args, kwargs = [_to_torch(v, dtype) for v in inputs], {}
+        args, kwargs = [_to_torch(v, dtype, device) for v in inputs], {}
     records: list[list] = []  # [path, call, input tensors, output tensor]
     counts: dict[str, int] = {}
 
@@ -113,7 +123,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         result = Capture(calls, {}, _numpy(out))
         if not grads:
             return result
-        cot = _to_torch(cotangent(tuple(out.shape)), out.dtype)
+        cot = _to_torch(cotangent(tuple(out.shape)), out.dtype, out.device)
         outs = [r[3] for r in records]
         params = [p for ps in wanted.values() for _, p in ps]
         sources = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad] + params
@@ -154,12 +164,16 @@ def load_model(path: str, *, trust_pickle: bool = False):
     Unpickling runs code named in the file, so it happens only with ``trust_pickle``.
     """
     from dense_bridge._errors import CheckpointError
+    from dense_bridge.checkpoints._guard import input_path
 
     if not trust_pickle:
         raise CheckpointError(f"{path}: a whole torch model is a pickle, and loading one runs code from the file: "
                               f"pass --trust-pickle if you trust it")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        with input_path(path, what="torch model file", whole=True) as checked:
+            obj = torch.load(checked, map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
         raise CheckpointError(f"{path}: cannot load a torch model ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, torch.nn.Module):

@@ -23,7 +23,8 @@ import torch
 from dense_bridge.checkpoints._native import FileViews, layer_file_plan, planned_file_tensors
 from dense_bridge._dtypes import dtype_name as canonical_dtype_name
 from dense_bridge._dtypes import numpy_dtype
-from dense_bridge._errors import CheckpointError, first_line
+from dense_bridge._errors import CheckpointError, DenseBridgeError, first_line
+from dense_bridge.checkpoints._guard import input_path
 from dense_bridge.checkpoints._safetensors import PendingTensor, SafetensorsFile, write_safetensors
 from dense_bridge.activations import Activation
 from dense_bridge.specs import Dense, Sequential
@@ -45,7 +46,10 @@ def read_state(path: str, container: str, files: list[SafetensorsFile] | None) -
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's own notes about the legacy format
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=container == "torch-zip")
+            with input_path(path, what="torch checkpoint", whole=container != "torch-zip") as checked:
+                state = torch.load(checked, map_location="cpu", weights_only=True, mmap=container == "torch-zip")
+    except DenseBridgeError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
         text = first_line(exc)
         if "Weights only load failed" in str(exc):

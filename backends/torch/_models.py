@@ -101,5 +101,8 @@ def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
             copy_in(params[n], a)
 
     note = "" if kind != "quantized" else "its weights are quantized (packed integers and scales)"
+    # the tensors where they live, for moves that stay on the device (dense_bridge/models/_device.py)
+    extra = {} if torchao else {"read_device": lambda: {n: p.detach() for n, p in params.items()},
+                                "snapshot_device": lambda: {n: p.detach().clone() for n, p in params.items()}}
     return Entry(path, m, kind, tuple(params), {n: id(p) for n, p in params.items()},
-                 {n: _shape(p) for n, p in params.items()}, read, write, note)
+                 {n: _shape(p) for n, p in params.items()}, read, write, note, extra=extra)

@@ -26,7 +26,9 @@ def layer_modules(native: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{i}.", s.module) for i, s in enumerate(chain(native)) if has_params(s.module)]
 
 
-def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
+def _module_params(m: nn.Module, to_numpy=to_numpy) -> dict[str, np.ndarray]:
+    """Canonical params of one layer, each read by ``to_numpy`` (the numpy view; detached tensors
+    for :func:`device_params`)."""
     quantized = quant_layer(m)
     if quantized is not None:  # a torchao Linear in a chain: torchao's own dequantize() (_quant.py)
         return quantized.dequantized()
@@ -34,15 +36,16 @@ def _module_params(m: nn.Module) -> dict[str, np.ndarray]:
         out = {"kernel": to_numpy(m.weight)}
     elif type(m) not in LINEAR_TYPES and has_params(m):  # declared with db.register_layout
         kernel, bias, transposed = declared_tensors(m)
-        out = {"kernel": to_numpy(kernel).T if transposed else to_numpy(kernel)}
+        out = {"kernel": to_numpy(kernel.t()) if transposed else to_numpy(kernel)}
         return out if bias is None else {**out, "bias": to_numpy(bias)}
     elif type(m) in LINEAR_TYPES:
         if isinstance(m, nn.LazyLinear) and m.has_uninitialized_params():
             raise SpecError(f"this lazy {type(m).__name__} has no parameters yet: run one input through it first "
                             f"(its in_features is fixed by the first input)")
-        out = {"kernel": to_numpy(m.weight).T}
+        # .t() before the reading: on a device the transpose happens there, then one copy to the host
+        out = {"kernel": to_numpy(m.weight.t())}
         if getattr(m, "mask", None) is not None:
-            out["mask"] = to_numpy(m.mask).T
+            out["mask"] = to_numpy(m.mask.t())
     else:
         return {}
     if m.bias is not None:
@@ -105,3 +108,19 @@ def quant_position_build(native: nn.Module, prefix: str, quant: Quant) -> nn.Mod
     modules = dict(layer_modules(native))
     quant_build(modules[prefix], quant)
     return native
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
+    view: nothing is copied, no device is left); None for a quantized layer (its dequantized
+    floats are computed on the host)."""
+    if quant_layer(native) is not None:
+        return None
+    modules = layer_modules(native)  # once: it checks every layer for computed weights
+    if any(quant_layer(m) is not None for _, m in modules):
+        return None
+    return {prefix + k: v for prefix, m in modules for k, v in _module_params(m, _detached).items()}

@@ -102,7 +102,11 @@ class PickleWeights:
         from ._files import read_state
 
         self.path, self.metadata = path, {}
-        if not zipfile.is_zipfile(path):
+        from dense_bridge.checkpoints._guard import input_file
+
+        with input_file(path, what="pytorch_model.bin file") as handle:
+            zipped = zipfile.is_zipfile(handle)
+        if not zipped:
             raise CheckpointError(f"{path} is a legacy (pre-zip) torch pickle, which cannot be memory-mapped, so the "
                                   "port would have to read it whole: refused (nothing was written). Re-save the model "
                                   "with transformers' save_pretrained(..., safe_serialization=True), or torch.save it "
@@ -445,6 +449,18 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
+def _auto(config: dict):
+    """transformers' auto class for ``config``: a sequence classifier where its ``architectures``
+    names one (transformers' own mapping says which), else a causal language model."""
+    transformers = _transformers()
+    from transformers.models.auto import modeling_auto
+
+    arch = (config.get("architectures") or [None])[0]
+    if arch in set(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()):
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForCausalLM
+
+
 def port_twin(fmt: str, config: dict, seed: int = 0):
     """transformers' own causal LM for ``config`` (``AutoModelForCausalLM.from_config``), float32,
     eval mode, every parameter random."""
@@ -454,7 +470,7 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
     cfg = _config(config)
     try:
         with _quiet():
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model = _auto(config).from_config(cfg, dtype=torch.float32)
     except ValueError as exc:
         raise ConversionError(f"transformers {transformers.__version__} has no causal language model for "
                               f"model_type {config.get('model_type')!r}: {str(exc).splitlines()[0][:300]}") from None
@@ -478,7 +494,7 @@ def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
 
     cfg = _config(config)
     with torch.device("meta"), _quiet():
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = _auto(config).from_config(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -510,7 +526,7 @@ def port_load(fmt: str, path: str, text_only: bool = False):
     given the loaded model's decoder (``get_decoder``) and output head."""
     transformers = _transformers()
     with _quiet():
-        whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        whole = _auto(read_json_file(os.path.join(path, CONFIG), "transformers config")).from_pretrained(path).eval()
         if not text_only:
             return whole
         text = transformers.AutoModelForCausalLM.from_config(whole.config.get_text_config(), dtype=whole.dtype)
@@ -528,9 +544,10 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
     """Float32 logits (batch, positions, vocab) of ``model`` for the token ids ``ids`` (batch, positions)."""
     import torch
 
+    device = next((p.device for p in model.parameters()), None)  # the ids go where the model is
     with torch.no_grad():
-        out = model(torch.as_tensor(np.asarray(ids, np.int64))).logits
-    return out.float().numpy()
+        out = model(torch.as_tensor(np.asarray(ids, np.int64), device=device)).logits
+    return out.float().cpu().numpy()  # one copy to the host
 
 
 def port_describe(fmt: str, config: dict) -> dict:

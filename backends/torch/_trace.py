@@ -70,7 +70,8 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
     """
     steps = _steps(native)
     dtype = _input_dtype(steps, inputs[0])
-    xs = [from_numpy(np.asarray(x)).to(dtype).clone().requires_grad_(True) for x in inputs]
+    device = next((t.device for s in steps if s.module is not None for t in s.module.parameters()), None)
+    xs = [from_numpy(np.asarray(x)).to(device, dtype, copy=True).requires_grad_(True) for x in inputs]
     params = [_param_tensors(s.module) for s in steps]
     frozen = [t for group in params for _, t, _ in group if not t.requires_grad]
     for t in frozen:  # gradients are reported for every parameter, frozen or not
@@ -79,7 +80,7 @@ def trace(native: nn.Module, inputs: Sequence[np.ndarray], grad_out: np.ndarray)
         with torch.enable_grad():
             layer_inputs, outputs = _forward_steps(steps, xs)
             y = outputs[-1]
-            g = from_numpy(np.asarray(grad_out)).to(y.dtype)
+            g = from_numpy(np.asarray(grad_out)).to(y.device, y.dtype)
             if tuple(g.shape) != tuple(y.shape):
                 raise SpecError(f"grad_out must have the output's shape {tuple(y.shape)}. "
                                 f"Received: grad_out of shape {tuple(g.shape)}")
@@ -146,7 +147,8 @@ def run_layer(layer: nn.Module, x: np.ndarray, grad_out: np.ndarray | None):
     from ._capture import canonical_grads as _canonical_grads
 
     grads = grad_out is not None
-    xt = from_numpy(np.ascontiguousarray(x)).clone().requires_grad_(grads)
+    device = next((t.device for t in layer.parameters()), None)
+    xt = from_numpy(np.ascontiguousarray(x)).to(device, copy=True).requires_grad_(grads)
     from ._quant import is_quantized
 
     # a torchao weight holds frozen codes: no gradient (and zeros_like of it is not implemented)
@@ -161,7 +163,7 @@ def run_layer(layer: nn.Module, x: np.ndarray, grad_out: np.ndarray | None):
             y = layer(xt)
         if not grads:
             return np.array(to_numpy(y), copy=True), None, {}
-        g = from_numpy(np.ascontiguousarray(grad_out)).to(y.dtype)
+        g = from_numpy(np.ascontiguousarray(grad_out)).to(y.device, y.dtype)
         got = torch.autograd.grad(y, [xt] + [p for _, p in params], grad_outputs=g, allow_unused=True)
     finally:
         for p, flag in flags:

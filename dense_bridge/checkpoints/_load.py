@@ -34,7 +34,7 @@ __all__ = ["load", "open_checkpoint"]
 
 
 def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like=None, format: str | None = None,
-         allow_nonfinite: bool = False, parallel=None, group=None):
+         allow_nonfinite: bool = False, parallel=None, group=None, device=None):
     """A native model on ``backend`` from a checkpoint, or ``(spec, params)`` when backend is None.
 
     Reads canonical checkpoints (single or sharded), torch state dicts (.pt/.pth/.bin, read with
@@ -49,6 +49,11 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
     ``parallel``/``group`` (tensor parallelism, every rank calls it): a sharded directory saved
     at any world size, a DCP directory, or a dense_bridge checkpoint one process saved (single
     .safetensors or its index); each rank reads only its own blocks (dense_bridge/parallel/).
+
+    ``device`` (with ``backend``): where the model's arrays live, the framework's device object or
+    "cpu", "cuda", "cuda:N", "gpu", "gpu:N" (checked before the file is read); None: the
+    framework's default device. The parameters are read into host memory, then placed: one
+    transfer per array.
     """
     from .. import parallel as tensor_parallel
     from ..registry._backends import check_backend_name
@@ -60,6 +65,15 @@ def load(path: str | os.PathLike, backend: str | None = None, *, spec=None, like
                                     allow_nonfinite=allow_nonfinite)
     if backend is not None:
         backend = check_backend_name(backend)
+    if device is not None:
+        from ..registry._devices import device_for, place
+
+        if backend is None or parallel is not None or group is not None:
+            raise SpecError(f"device= places the native model load builds: it needs a backend and no parallel=. "
+                            f"{received('device', device)}")
+        target = device_for(backend, device)
+        return place(load(path, backend, spec=spec, like=like, format=format, allow_nonfinite=allow_nonfinite),
+                     backend, target)
     ckpt = open_checkpoint(path, spec=spec, like=like, format=format)
     try:
         if parallel is not None or group is not None:  # each rank reads its blocks of the file

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ..params._memory_budget import available_memory
-from ._safetensors import open_readonly
+from ._guard import input_file
 
 __all__ = ["npz_records", "read_npz"]
 
@@ -26,26 +26,31 @@ _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.f
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def npz_records(path: str, error: Callable[[str], Exception]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def npz_records(path: str, error: Callable[[str], Exception], handle=None
+                ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Record name (without ``.npy``) -> (shape, dtype) of the archive ``path``, every header
-    checked as the module docstring says; ``error(reason)`` is raised otherwise."""
+    checked as the module docstring says; ``error(reason)`` is raised otherwise. ``handle``: the
+    archive already opened by :func:`input_file` (it stays open), else ``path`` is opened here."""
+    if handle is not None:
+        return _records_of(handle, error)
+    with input_file(path, what="npz archive") as f:
+        return _records_of(f, error)
+
+
+def _records_of(f, error) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    f.seek(0)
+    head = f.read(len(_NPY_MAGIC))
+    f.seek(0)
+    if head == _NPY_MAGIC:
+        raise error("it is a single .npy array, not an .npz archive of named arrays (np.savez writes one)")
     try:
-        fd = open_readonly(path)
-    except OSError as exc:
-        raise error(f"cannot read it ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        head = f.read(len(_NPY_MAGIC))
-        f.seek(0)
-        if head == _NPY_MAGIC:
-            raise error("it is a single .npy array, not an .npz archive of named arrays (np.savez writes one)")
-        try:
-            with zipfile.ZipFile(f) as z:
-                return _records(z, error)
-        except zipfile.BadZipFile:
-            raise error("it is not an .npz archive (a zip of .npy arrays, as np.savez writes)") from None
-        except (OSError, EOFError, ValueError, SyntaxError, NotImplementedError) as exc:
-            text = " ".join(str(exc).split())[:200]
-            raise error(f"a damaged .npz archive ({type(exc).__name__}: {text})") from None
+        with zipfile.ZipFile(f) as z:
+            return _records(z, error)
+    except zipfile.BadZipFile:
+        raise error("it is not an .npz archive (a zip of .npy arrays, as np.savez writes)") from None
+    except (OSError, EOFError, ValueError, SyntaxError, NotImplementedError) as exc:
+        text = " ".join(str(exc).split())[:200]
+        raise error(f"a damaged .npz archive ({type(exc).__name__}: {text})") from None
 
 
 def _records(z: zipfile.ZipFile, error) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -79,9 +84,11 @@ def _records(z: zipfile.ZipFile, error) -> dict[str, tuple[tuple[int, ...], np.d
 
 def read_npz(path: str, error: Callable[[str], Exception]) -> dict[str, np.ndarray]:
     """Every array of the archive ``path``, after :func:`npz_records` checked it."""
-    npz_records(path, error)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise error(f"a damaged .npz archive ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+    with input_file(path, what="npz archive") as f:  # checked and read from one descriptor
+        npz_records(path, error, f)
+        try:
+            f.seek(0)
+            with np.load(f, allow_pickle=False) as npz:
+                return {k: npz[k] for k in npz.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise error(f"a damaged .npz archive ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None

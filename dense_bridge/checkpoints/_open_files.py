@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from .._errors import CheckpointError
+from ._guard import input_file
 from ._safetensors import MAX_HEADER, SafetensorsFile, is_safetensors, open_readonly, parse_json_object, read_at
 
 __all__ = ["Changed", "open_sniffed", "probe", "read_all", "open_shards"]
@@ -64,7 +65,7 @@ def probe(path: str, files: list[SafetensorsFile], fd: int | None = None):
 
     if fd is not None:
         head, size = _head(path, fd)
-        return Probe(path, head, size)
+        return Probe(path, head, size, reopen=lambda: input_file(path, what="checkpoint file"))
     return Probe(path, b"", 0, metadata=dict(files[0].metadata) if files else {},
                  tensor_names=[n for f in files for n in f.tensors])
 

@@ -57,6 +57,10 @@ class Hashes:
     def get(self, key) -> str:
         return self._jobs[key].result()
 
+    def forget(self, key) -> None:
+        """Drop ``key``'s hash (its file was rewritten: the next ``add`` hashes it again)."""
+        self._jobs.pop(key, None)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -46,6 +46,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .._errors import CheckpointError, SpecError
+from ._guard import file_kind as _file_kind, open_input, open_readonly
 
 __all__ = ["TensorInfo", "SafetensorsFile", "write_safetensors", "is_safetensors", "st_dtype",
            "open_readonly", "read_at", "read_json_file", "RESERVED", "MAX_HEADER", "MAX_JSON_FILE", "parse_json", "parse_json_object",
@@ -183,60 +184,28 @@ def is_safetensors(head: bytes, size: int) -> bool:
     return 0 < n <= MAX_HEADER and head[8:9] == b"{"
 
 
-def open_readonly(path: str) -> int:
-    """A read-only descriptor of the regular file ``path``.
-
-    Opened with O_NONBLOCK so a FIFO or a device cannot block the open, then refused with a
-    CheckpointError unless ``fstat`` says it is a regular file (checked on the descriptor, not
-    the name, so a swap between the check and the read cannot slip one in). OSError as the OS
-    raises it otherwise.
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointError(f"cannot read {path}: it is {_file_kind(mode)}, not a regular file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 #: The largest JSON file (an index, a spec file) read whole.
 MAX_JSON_FILE = 1 << 26
 
 
-def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: type | None = dict):
+def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE, top_level: type | None = dict, *,
+                   inside: str | None = None):
     """The JSON object in the small file ``path`` (an index, a spec file), opened the safe way
-    (``open_readonly``: a FIFO or device refused, never waited on) and parsed by
+    (``_guard.open_input``: a FIFO or device refused, never waited on) and parsed by
     ``parse_json`` (deep nesting, duplicate keys refused); ``top_level=None`` takes any JSON
-    value, not only an object. CheckpointError naming it."""
-    try:
-        fd = open_readonly(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    value, not only an object; ``inside``: a folder the file must lie in, symlinks resolved
+    (``_guard.open_input``). CheckpointError naming it."""
+    fd = open_input(path, what=what, limit=limit, inside=inside)
     try:  # no more than the file holds: pread allocates the size asked for before it reads
         raw = read_at(fd, min(limit, os.fstat(fd).st_size) + 1, 0)
     except OSError as exc:
         raise CheckpointError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    if len(raw) > limit:
+    if len(raw) > limit:  # grew since the check
         raise CheckpointError(f"the {what} {path} is larger than {limit} bytes: refused")
     error = (lambda reason: CheckpointError(f"{path} is not a readable {what}: {reason}"))
     return parse_json(raw, error, what) if top_level is None else parse_json_object(raw, error, what)
-
-
-def _file_kind(mode: int) -> str:
-    """Words for a non-regular file's type (FIFO, device, directory, socket)."""
-    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                        (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return words
-    return "not a regular file"
 
 
 def read_at(fd: int, n: int, offset: int) -> bytes:
@@ -268,10 +237,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike, *, fd: int | None = None) -> None:
         self.path = os.fspath(path)
         if fd is None:
-            try:
-                fd = open_readonly(self.path)
-            except OSError as exc:
-                raise CheckpointError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+            fd = open_input(self.path, what="safetensors file")
         self._fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
         try:

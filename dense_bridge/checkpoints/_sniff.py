@@ -11,6 +11,7 @@ import os
 from .._errors import DenseBridgeError
 from ..registry._manifest import Probe
 from ._native import identify
+from ._guard import input_file
 from ._safetensors import open_readonly, read_at
 
 __all__ = ["read_head", "file_backend"]
@@ -38,6 +39,6 @@ def file_backend(path: str | None) -> str | None:
         return None
     try:
         head, size = read_head(path, PROBE_BYTES)
-        return identify(Probe(path, head, size))[0]
+        return identify(Probe(path, head, size, reopen=lambda: input_file(path, what="checkpoint file")))[0]
     except (OSError, DenseBridgeError):
         return None

@@ -27,11 +27,18 @@ def add_parser(sub) -> None:
     p.add_argument("--text-only", action="store_true",
                    help="port only the text model of a multimodal checkpoint (refused otherwise); the certificate "
                         "lists the tensors left out")
-    for flag in ("--quantize", "--adapter", "--outtype", "--device"):
-        p.add_argument(flag, help="not implemented by this port yet")
-    p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge", help="not implemented yet")
-    p.add_argument("--keep-codes", action="store_true", help="not implemented yet")
-    p.add_argument("--requantize", action="store_true", help="not implemented yet")
+    p.add_argument("--quantize", metavar="Q", help="quantize on the way in with the destination library's own quantizer, "
+                                                 "e.g. affine:4:64, mxfp4 or a mixed recipe such as mixed_3_6")
+    p.add_argument("--outtype", help="not implemented by this port yet")
+    p.add_argument("--device", help="where the verification runs the models: cpu, cuda, cuda:N, gpu, gpu:N")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC, in the adapter format of "
+                                                    "SRC's own ecosystem, checked against SRC")
+    p.add_argument("--adapter-mode", choices=("merge", "keep"), default="merge",
+                   help="merge: into the weights, float64, rounded once (default); keep: written beside the model "
+                        "in OUT/adapter/ in the destination's own adapter format")
+    p.add_argument("--keep-codes", action="store_true",
+                   help="a quantized SRC keeps its codes where the destination's arithmetic agrees bit for bit")
+    p.add_argument("--requantize", action="store_true", help="with --keep-codes: new codes where they cannot move")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show a progress bar on stderr (default: only on a terminal)")

@@ -36,7 +36,7 @@ def kernel_shape(side: Side, e: Entry) -> tuple:
 
         h = quant_layer(side.adapter, e.layer)
         return (h.in_features, h.units)
-    return tuple(side.linear_params(e)["kernel"].shape)
+    return side.kernel_shape(e)
 
 
 def _last(path: str) -> str:

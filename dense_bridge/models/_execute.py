@@ -23,6 +23,7 @@ import numpy as np
 
 from . import _plan as _mapping
 from .._errors import ConversionError, SpecError
+from ._device import DeviceMoves, dtype_of, is_host, shape_of, snapshot
 from ._layouts import Entry
 from ._report import TransferReport
 from ._walk import LINEAR_KINDS, Side
@@ -60,6 +61,7 @@ def execute(a: Side, b: Side, plan: _mapping.Plan, adapters: Any, *, strict: boo
                             f"them into dst's dtypes")
     if getattr(a.adapter, "lora_leftovers", None) is not None:  # PEFT embedding adapters, modules_to_save: named
         run.problems += adapters.leftovers(a.model, run.moved_src)
+    run.problems += run.dev.verdict()  # the NaN/Inf tests of the device path: one host synchronisation
     if run.problems:
         raise ConversionError(f"cannot transfer {a.backend} -> {b.backend} (nothing was written):\n  - "
                               + "\n  - ".join(run.problems))
@@ -85,6 +87,7 @@ class Execution:
         self.moved_src: set[str] = set()
         self.moved_dst: dict[Any, str] = {}  # dst storage identity -> the src path written into it
         self.casts: list[tuple[str, Any, Any]] = []  # (dst parameter path, src dtype, dst dtype), narrowing
+        self.dev = DeviceMoves(a, b)  # moves that stay on the device, where both adapters offer them
 
     # ------------------------------------------------------------------------- bookkeeping
     def claim(self, d: Entry, name: str, source: str) -> bool:
@@ -134,8 +137,9 @@ class Execution:
     def linear(self, m: _mapping.LayerMove) -> None:
         """One linear layer into one (with its LoRA adapter, by ``lora=``)."""
         s, d = m.src[0], m.dst[0]
-        try:
-            with_lora = _has_lora(self.a.linear_params(s)) or _has_lora(self.b.linear_params(d))
+        try:  # the device path reads no LoRA-wrapped layer: both read there means neither holds one
+            with_lora = not (self.dev.linear(self.a, s) is not None and self.dev.linear(self.b, d) is not None) and (
+                _has_lora(self.a.linear_params(s)) or _has_lora(self.b.linear_params(d)))
         except ConversionError as exc:
             self.problems.append(f"{s.path!r} -> {d.path!r}: {exc}")
             return
@@ -160,6 +164,10 @@ class Execution:
         shapes; values cast to dst's dtype and checked for NaN/Inf): a layer's fused activation
         need not be readable for its weights to move. (``writes``/``casts``: the signature
         ``quant._moves`` calls it with; they are this execution's.)"""
+        if params is None and self.dev.on:
+            problem = self._canonical_on_device(s, d)
+            if problem is not False:
+                return problem
         try:
             params = self.a.linear_params(s) if params is None else params
             have = self.b.linear_params(d)
@@ -181,6 +189,24 @@ class Execution:
                 return f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {have[k].dtype})"
             out[k] = value
         self.writes.append((d, "linear", out))
+        return None
+
+    def _canonical_on_device(self, s: Entry, d: Entry) -> str | None | bool:
+        """:meth:`canonical` on the device path: shapes and dtypes compared (metadata), the
+        NaN/Inf test queued (:meth:`DeviceMoves.verdict`), src's device arrays queued for dst's
+        adapter to copy device to device. False: this pair takes the host path (a LoRA adapter,
+        a quantized or lazy layer, a narrowing cast whose overflow is judged in dst's dtype)."""
+        params, have = self.dev.linear(self.a, s), self.dev.linear(self.b, d)
+        if params is None or have is None or sorted(params) != sorted(have):
+            return False
+        for k in params:
+            if shape_of(params[k]) != shape_of(have[k]):
+                return False  # the host path words the problem
+            if _mapping.narrowing(dtype_of(params[k]), dtype_of(have[k])):
+                return False
+        for k in params:
+            self.dev.check(params[k], f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {dtype_of(have[k])})")
+        self.writes.append((d, "linear", dict(params)))
         return None
 
     def fused(self, m: _mapping.LayerMove) -> None:
@@ -291,7 +317,7 @@ class Execution:
             self.problems.append(f"src {s.where()} has parameters {left_s} with no counterpart in dst {d.where()} "
                                  f"(which has {list(d.names)}): map them by parameter path")
         arrays = {}
-        values = self.a.native(s)
+        values = self.dev.native(self.a, s) or self.a.native(s)
         for ns, nd in pairs:
             if s.param_path(ns) in self.plan.ties:
                 continue
@@ -310,7 +336,8 @@ class Execution:
         """One parameter path into another, as stored (shapes must agree), through ``pm.fn`` when given."""
         s, ns = self.a.params[pm.src]
         d, nd = self.b.params[pm.dst]
-        value = self.a.native(s)[ns]
+        on_device = None if pm.fn is not None else self.dev.native(self.a, s)  # a transform takes numpy
+        value = on_device[ns] if on_device is not None else self.a.native(s)[ns]
         what = "parameter"
         if pm.fn is not None:
             if s.kind != "other":
@@ -332,11 +359,19 @@ class Execution:
         self.moved_src.add(pm.src)
         self.report.moved.append((pm.src, pm.dst, what))
 
-    def _check_native(self, src_path: str, value: np.ndarray, d: Entry, name: str) -> str | None:
-        shape = tuple(value.shape)
+    def _check_native(self, src_path: str, value: Any, d: Entry, name: str) -> str | None:
+        """Does ``value`` (host numpy, or a device array on the device path) fit dst's ``name``."""
+        shape = shape_of(value)
         if shape != d.shapes[name]:
             return (f"src parameter {src_path!r} {shape} does not fit dst parameter {d.param_path(name)!r} "
                     f"{d.shapes[name]}")
+        if not is_host(value):  # the device path: the test queued for one synchronisation
+            self.dev.check(value, f"src parameter {src_path!r} holds NaN or Inf")
+            dst_native = self.dev.native(self.b, d)
+            dst_dtype = dtype_of((dst_native or self.b.native(d))[name])
+            if _mapping.narrowing(dtype_of(value), dst_dtype):
+                self.casts.append((d.param_path(name), dtype_of(value), dst_dtype))
+            return None
         if (value.dtype.kind == "f" or str(value.dtype) == "bfloat16") and \
                 not np.isfinite(np.asarray(value, dtype=np.float32)).all():
             return f"src parameter {src_path!r} holds NaN or Inf"
@@ -387,7 +422,7 @@ class Execution:
                 if how == "quantized":  # a dense_bridge.quant.Candidate: writing returns its own undo
                     done.append((d, arrays.write()))
                     continue
-                before = {k: np.array(v, copy=True) for k, v in d.read().items()}
+                before = snapshot(d) if self.dev.on else {k: np.array(v, copy=True) for k, v in d.read().items()}
                 done.append((d, before))
                 if how == "lora":  # a LoRA layer: attached where dst has no adapter yet, then written
                     self.adapters.write(d, arrays)

@@ -165,7 +165,7 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        sig = tuple(side.linear_params(e)["kernel"].shape) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        sig = side.kernel_shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
         layer = _Layer(e, kind, i, tuple(sig), source)
         if kind == "linear" and side.fully_tied(e):

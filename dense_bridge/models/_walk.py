@@ -99,6 +99,7 @@ class Side:
         self.alias: dict[str, str] = {}
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
+        self._device: dict[int, dict | None] = {}  # id(entry) -> canonical params on the device, read once
         first: dict[Any, str] = {}
         for e in self.entries:
             stable = e.extra.get("stable_path")
@@ -159,6 +160,37 @@ class Side:
             self._linear[id(e)] = found
         return found
 
+    def device_params(self, e: Entry) -> dict | None:
+        """Canonical params of linear ``e`` as the framework's arrays where they live (the adapter's
+        ``device_params``, ``devices`` capability: nothing copied), read once; None where the
+        adapter has no such reading or ``e`` holds a LoRA adapter (then :meth:`linear_params`)."""
+        key = id(e)
+        if key not in self._device:
+            reader = getattr(self.adapter, "device_params", None)
+            found = None
+            if reader is not None:
+                from ..lora import base_of
+
+                try:
+                    with base_of(self.adapter, e.layer) as base:
+                        wrapped = base is not None
+                    found = None if wrapped else reader(e.layer)
+                except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
+                    found = None
+                if found is not None and any(k.startswith("lora_") for k in found):
+                    found = None
+            self._device[key] = found
+        return self._device[key]
+
+    def kernel_shape(self, e: Entry) -> tuple[int, ...]:
+        """The canonical kernel's shape of linear ``e``, read as metadata: from
+        :meth:`device_params` where the adapter offers them (no copy to the host), else from
+        :meth:`linear_params`."""
+        arrays = self.device_params(e)
+        if arrays and "kernel" in arrays:
+            return tuple(int(s) for s in arrays["kernel"].shape)
+        return tuple(self.linear_params(e)["kernel"].shape)
+
     def native(self, e: Entry) -> dict:
         """``e.read()`` (its parameters in the framework's layout, by name), read once."""
         found = self._native.get(id(e))
@@ -171,10 +203,11 @@ class Side:
         self.adapter.set_params(e.layer, arrays)
 
     def snapshot(self) -> list[tuple[Entry, dict]]:
-        """Copies of every parameter of the model, by entry (what :meth:`restore` puts back)."""
-        import numpy as np
+        """Copies of every parameter of the model, by entry (what :meth:`restore` puts back): on
+        the model's device where the walk offers it (``_device.snapshot``), else host numpy."""
+        from ._device import snapshot
 
-        return [(e, {k: np.array(v, copy=True) for k, v in e.read().items()}) for e in self.entries if e.names]
+        return [(e, snapshot(e)) for e in self.entries if e.names]
 
     @staticmethod
     def restore(saved: list[tuple[Entry, dict]]) -> None:

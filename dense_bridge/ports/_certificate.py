@@ -2,10 +2,13 @@
 check (``db.verify_port``): the destination tensors streamed from their sources with the
 operations recorded, and every entry confirmed again later from the files alone.
 
-A tensor entry: ``{"sources": [{"file", "tensor", "slice", "transpose"}], "axis", "ops", "dtypes",
-"exact", "max_ulp", "codes", "file"}``; ``slice`` is one ``[start, stop]`` per axis of the source
-tensor as stored; each source is sliced, then transposed when ``transpose``, then the pieces are
-concatenated along ``axis`` (a single piece: taken as it is), then cast to ``dtypes[-1]``.
+A tensor entry: ``{"sources": [{"file", "tensor", "slice", "transpose"[, "view"]}], "axis", "ops",
+"dtypes", "exact", "max_ulp", "codes", "file"[, "view", "shape"]}``; each source is first seen
+through its ``view`` where it has one (``"<axis order>-<split>"``, ``_rules.apply_view``: a (heads,
+in, head_dim) kernel seen as a matrix), then sliced (``slice``: one ``[start, stop]`` per axis of the
+source as stored, or of its view), then transposed when ``transpose``; the pieces are concatenated
+along ``axis`` (a single piece: taken as it is), the entry's ``view`` undone into ``shape`` where
+it has one (``_rules.undo_view``), then cast to ``dtypes[-1]``.
 """
 from __future__ import annotations
 
@@ -42,14 +45,19 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
     return full
 
 
-def make(sources: list[tuple[np.ndarray, list, bool]], axis: int | None, dtype: np.dtype) -> np.ndarray:
-    """A destination tensor from its source pieces ``(array, slice, transpose)`` (see the module
-    docstring). Views where the recipe allows (a single transposed piece is written from its view)."""
+def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None) -> np.ndarray:
+    """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, its
+    ``view`` undone into ``shape`` when given (see the module docstring). Views where the recipe
+    allows (a single transposed piece is written from its view)."""
     parts = []
-    for arr, sl, transpose in sources:
+    for arr, sl, transpose, *source_view in sources:
+        if source_view and source_view[0] is not None:
+            arr = _rules.apply_view(arr, source_view[0])
         piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
         parts.append(piece.T if transpose else piece)
     out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+    if view is not None:
+        out = _rules.undo_view(out, view, tuple(shape))
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -57,7 +65,11 @@ def _ops(entry_sources: list[dict], axis, src_dt: np.dtype, dst_dt: np.dtype) ->
     ops = []
     for s in entry_sources:
         shape_slice = s["slice"]
-        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, s["shape"])):
+        full = s["shape"]
+        if s.get("view") is not None:
+            full = _rules.view_shape(tuple(s["shape"]), s["view"])
+            ops.append(f"view {s['tensor']} as {full} (axes {s['view']})")
+        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, full)):
             ops.append(f"slice {s['tensor']} " + "[" + ", ".join(f"{a}:{b}" for a, b in shape_slice) + "]")
         if s["transpose"]:
             ops.append(f"transpose {s['tensor']}")
@@ -83,12 +95,11 @@ def _max_ulp(a: np.ndarray, dtype: np.dtype) -> int:
 
 def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile], weights: dict[str, str],
               out_dtype: dict[str, np.dtype], nbytes, total: int, progress, hashes=None,
-              file_keys: dict[str, str] | None = None, write=None) -> tuple[dict, int]:
+              file_keys: dict[str, str] | None = None, writer=None) -> tuple[dict, int]:
     """Every shard written into ``tmp``; returns (certificate tensor entries, bytes written).
     ``file_keys``: a source name the moves use -> the key stored in its file, where they differ
-    (the certificate names the stored key). ``write(path, tensors, metadata, on_tensor) -> bytes``:
-    the shard writer (default: safetensors; a format writing its own file passes its own)."""
-    write = write or files.write_weights
+    (the certificate names the stored key). ``writer``: ``(path, tensors, on_tensor) -> bytes``
+    for a destination that writes its own weight format (``_dirs.writer``), else safetensors."""
     file_keys = file_keys or {}
     bar = _Progress(progress, sum(len(s) for s in shards), total)
     entries: dict[str, dict] = {}
@@ -99,30 +110,39 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
         for m in moves:
             pieces = []
             for s_key, transpose, start, stop in m.sources:
+                s_key, k = _rules.split_view(s_key)
                 stored = file_keys.get(s_key, s_key)
                 info = opened[weights[s_key]].tensors[stored]
+                seen = tuple(info.shape) if k is None else _rules.view_shape(tuple(info.shape), k)
                 pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
-                               "slice": _source_slice(tuple(info.shape), transpose, m.axis, start, stop),
-                               "transpose": transpose})
-            src_dt = opened[weights[m.sources[0][0]]].tensors[file_keys.get(m.sources[0][0], m.sources[0][0])].numpy_dtype
+                               "slice": _source_slice(seen, transpose, m.axis, start, stop),
+                               "transpose": transpose, "view": k})
+            first = _rules.split_view(m.sources[0][0])[0]
+            src_dt = opened[weights[first]].tensors[file_keys.get(first, first)].numpy_dtype
             dst_dt = out_dtype[m.target]
-            entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose")} for p in pieces],
+            entry = {"sources": [{k: p[k] for k in ("file", "tensor", "slice", "transpose", "view")
+                                  if k != "view" or p["view"] is not None} for p in pieces],
+                     **({"view": m.view, "shape": list(m.shape)} if m.view is not None else {}),
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
                      "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
                      "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
             entries[m.target] = entry
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
-                arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
-                value = make(arrays, m.axis, dst_dt)
+                arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
+                value = make(arrays, m.axis, dst_dt, m.shape, m.view)
                 if not entry["exact"]:
-                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype), dst_dt)
+                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, m.shape, m.view), dst_dt)
                     entry["exact"] = entry["max_ulp"] == 0
                 return value
 
             tensors[m.target] = PendingTensor(dst_dt, tuple(m.shape), produce)
             weight_map[m.target] = name
-        written += write(os.path.join(tmp, name), tensors, layout["metadata"], on_tensor=bar.tensor)
+        if writer is not None:
+            written += writer(os.path.join(tmp, name), tensors, on_tensor=bar.tensor)
+        else:
+            written += files.write_weights(os.path.join(tmp, name), tensors, layout["metadata"],
+                                           on_tensor=bar.tensor)
         if hashes is not None:
             hashes.add(("destination", name), os.path.join(tmp, name))
     if layout["index"]:
@@ -196,7 +216,9 @@ def file_certificate(out: str) -> str:
 def build(src: str, src_fmt, dst_fmt, tmp: str, src_paths: dict[str, str], contents: dict, report, rules,
           verification: dict, tensors: dict, discrepancies: list[str], extras: list[str], hashes=None) -> dict:
     """The certificate object (every destination file hashed as it lies in ``tmp``)."""
-    dst_names = [n for n in os.listdir(tmp) if n != NAME and not n.startswith(".")]
+    dst_names = [os.path.relpath(os.path.join(d, n), tmp).replace(os.sep, "/") for d, _, names in os.walk(tmp)
+                 for n in names if not n.startswith(".")]  # a format may write folders (tokenizer assets)
+    dst_names = [n for n in dst_names if n != NAME]
     described = src_fmt.port_describe(contents["config"])
     return {
         "version": VERSION,
@@ -245,12 +267,13 @@ class VerifyReport:
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
 
 
-def _source_format(cert: dict):
-    """The certificate's source format, where an installed adapter knows it (else None: read as safetensors)."""
+def _source_format(cert: dict, where: str = "source"):
+    """The certificate's source (or destination) format, where an installed adapter knows it (else
+    None: read as safetensors)."""
     from .._errors import DenseBridgeError
 
     try:
-        return _dirs.Format(cert["source"]["format"])
+        return _dirs.Format(cert[where]["format"])
     except (DenseBridgeError, KeyError, TypeError):
         return None
 
@@ -290,6 +313,11 @@ def verify_port(out: Any) -> VerifyReport:
                 bad_files.add(f"{where}:{name}")
     opened: dict[tuple[str, str], Any] = {}
     src_fmt = _source_format(cert)
+    dst_fmt = _source_format(cert, "destination")
+    from ._adapters import merged_value
+    adapters: dict = {}  # adapter directory -> its layers (a port that merged one records it per source)
+    if dst_fmt is not None and _dirs.optional(dst_fmt, "port_write_weights") is None:
+        dst_fmt = None  # its weights are safetensors the port wrote: read as they lie (codes included)
 
     def open_(directory: str, name: str, where: str):
         key = (where, name)
@@ -298,8 +326,8 @@ def verify_port(out: Any) -> VerifyReport:
                 full = os.path.join(directory, name)
                 # the source's files are read as its format's adapter reads them (a .bin pickle:
                 # weights_only, memory-mapped), never by running code from them
-                opened[key] = _dirs.open_weights(src_fmt, full) if where == "source" and src_fmt else \
-                    SafetensorsFile(full)
+                fmt = src_fmt if where == "source" else dst_fmt
+                opened[key] = _dirs.open_weights(fmt, full) if fmt else SafetensorsFile(full)
             except CheckpointError as exc:
                 if f"{where}:{name}" not in bad_files:
                     problems.append(f"{where} file {name!r} cannot be read: {exc}")
@@ -314,6 +342,14 @@ def verify_port(out: Any) -> VerifyReport:
         if target not in dst.tensors:
             problems.append(f"tensor {target!r} is missing from {entry.get('file')!r}")
             continue
+        if entry.get("codes") in ("moved", "quantized"):  # new codes: their library recomputes them (_codes)
+            from ._codes import verify_codes
+
+            why = verify_codes(entry, dst.get(target), lambda s: open_(src_dir, s["file"], "source"),
+                               cert["destination"].get("format", ""), make)
+            if why:
+                problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it {why}")
+            continue
         arrays = []
         for s in entry["sources"]:
             f = open_(src_dir, s["file"], "source")
@@ -321,11 +357,11 @@ def verify_port(out: Any) -> VerifyReport:
                 arrays = None
                 problems.append(f"tensor {target!r}: its source {s['tensor']!r} in {s['file']!r} cannot be read")
                 break
-            arrays.append((f.get(s["tensor"]), s["slice"], s["transpose"]))
+            arrays.append((merged_value(f.get(s["tensor"]), s, adapters), s["slice"], s["transpose"], s.get("view")))
         if arrays is None:
             continue
         got = dst.get(target)
-        want = make(arrays, entry["axis"], got.dtype)
+        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"))
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")

@@ -22,8 +22,24 @@ A backend whose manifest declares the ``ports`` capability names its formats in
 - ``port_open(fmt, path)`` (optional): one of its weight files opened for streaming, an object
   read like :class:`~dense_bridge.checkpoints._safetensors.SafetensorsFile` (``tensors``: name ->
   ``shape``, ``numpy_dtype``; ``get``, ``keys``, ``close``); without it files are read as safetensors;
+- ``port_parse_quantize(fmt, value)``, ``port_quantize(fmt, path, value, source_config, dtype)``,
+  ``port_keep_codes(fmt, path, layers, requantize)``, ``port_recompute_codes(fmt, recipe, value,
+  codes)`` (optional): codes written by the library's own quantized layout, and recomputed (``_codes``);
 - ``port_example(fmt, path, seed)``: a tiny random model saved into ``path`` (the demo's
   source; ConversionError where the library offers none).
+
+Optional verbs, for a destination whose files are not safetensors beside one JSON config:
+
+- ``port_inputs(fmt, ids, model)``: ``model``'s inputs for the token ids ``ids`` (batch, positions), where
+  they are not ``[ids]`` (a dict of named inputs); the twins and full models are run on them;
+- ``port_write_weights(fmt, path, tensors, config, on_tensor) -> bytes``: one weight file of the
+  layout written in its own format (the destination is still a directory) (``tensors``: destination name -> ``PendingTensor``, each made by its
+  ``produce()`` when written; ``config``: as ``port_own_config`` gave it; ``on_tensor(name,
+  nbytes)`` after each); without it the weights are written as safetensors;
+- ``port_write_config(fmt, directory, config, src) -> [names]``: its non-weight files (several
+  configs, metadata) written into ``directory`` for ``config``, ``src`` the source directory
+  (whose files it may translate, or refuse naming them); without it ``config`` is written as
+  JSON under the layout's ``config`` name.
 - ``port_write(fmt, path, config, tensors, *, outtype, extras, on_tensor)`` (optional): the format
   writes its own files, and its destination is ONE file: ``out`` is that file (the certificate
   beside it, ``<out>.port_certificate.json``), written as ``path`` inside a directory beside
@@ -88,6 +104,19 @@ class Format:
         return f"Format({self.name!r})"
 
 
+def optional(fmt: "Format", verb: str):
+    """``fmt``'s optional verb ``verb`` bound to its name, or None where its adapter offers none."""
+    fn = getattr(port_adapter(fmt.backend), verb, None)
+    return (lambda *args, **kw: fn(fmt.name, *args, **kw)) if callable(fn) else None
+
+
+def writer(fmt: "Format", config: dict):
+    """``(path, tensors, on_tensor) -> bytes`` writing one weight file in ``fmt``'s own format
+    (``port_write_weights``), or None where it writes safetensors."""
+    fn = optional(fmt, "port_write_weights")
+    return None if fn is None else (lambda path, tensors, on_tensor=None: fn(path, tensors, config, on_tensor))
+
+
 def open_weights(fmt: "Format", path: str):
     """The weight file ``path`` of a ``fmt`` directory opened for streaming: by its adapter's
     ``port_open`` where it offers one, else as a safetensors file (headers checked)."""
@@ -132,7 +161,9 @@ def detect(path: str, argument: str = "src") -> Format:
 def shrink(common: dict, *sides: Format) -> dict:
     """The twin's interchange config, from the first side whose library shrinks configs."""
     errors = []
-    for side in sides:
+    installed = set(available_backends())
+    others = [Format(f) for f, b in formats().items() if b in installed and f not in {x.name for x in sides}]
+    for side in list(sides) + others:  # the interchange form's own library, where neither side shrinks
         try:
             return side.port_shrink(common)
         except ConversionError as exc:

@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointError, ConversionError, DenseBridgeError, received
+from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecError, received
 from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
-from . import _certificate, _dirs, _rules
+from ..registry._devices import check_device_value, place_model
+from . import _adapters, _certificate, _codes, _dirs, _rules
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -153,40 +154,46 @@ def positions_for(fmt, config: dict, wanted: int) -> int:
 
 
 def _read_all(path: str, fmt=None) -> dict[str, np.ndarray]:
-    """Every tensor the saver wrote into the directory ``path`` (float32); read by ``fmt``'s own
-    reader where it offers one (``port_open``: a format whose files hold an encoding of their own)."""
+    """Every tensor the saver wrote into the directory ``path`` (float32): its safetensors files,
+    and the weight files ``fmt``'s layout names, read through its ``port_open``."""
     out = {}
-    if fmt is not None and fmt.offers("port_open"):
-        contents = fmt.port_contents(path)
-        for rel in sorted(set(contents["weights"].values())):
-            with _dirs.open_weights(fmt, os.path.join(path, rel)) as f:
-                for key in f.keys():
-                    out[key] = np.array(f.get(key), np.float32)
-        return out
+    own = set(fmt.port_layout(1)["shards"]) if fmt is not None else set()
     for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            with SafetensorsFile(os.path.join(path, name)) as f:
+        if name.endswith(".safetensors") or name in own:
+            with _dirs.open_weights(fmt, os.path.join(path, name)) if fmt is not None else \
+                    SafetensorsFile(os.path.join(path, name)) as f:
                 for key in f.keys():
                     out[key] = np.array(f.get(key), np.float32)
     return out
 
 
-def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models):
+def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
+    """The inputs of the models ``a`` and ``b`` for the token ids ``ids``, in the forms ``transfer``
+    and ``compare_models`` take: ``[ids]``, or a pair where a format's ``port_inputs`` names its own."""
+    def own(fmt, model):
+        fn = _dirs.optional(fmt, "port_inputs")
+        return fn(ids, model) if fn is not None else [ids]
+    a, b = own(src_fmt, a), own(dst_fmt, b)
+    return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
+
+
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None):
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
-    a = src_fmt.port_twin(src_cfg, seed=0)
-    b = dst_fmt.port_twin(dst_cfg, seed=1)
+    a = place_model(src_fmt.port_twin(src_cfg, seed=0), device, strict=False)
+    b = place_model(dst_fmt.port_twin(dst_cfg, seed=1), device, strict=False)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
     positions = positions_for(src_fmt, src_cfg, POSITIONS)
     ids = token_ids(vocab, positions)
     discrepancies: list[str] = []
     try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
-        report = transfer(a, b, mapping="auto", inputs=[ids], verify=False)
+        report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids, a, b), verify=False)
     except ConversionError as exc:
         raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
-    compared = compare_models(a, b, [ids], mapping=report.rules, grads=False, judge="carried")
+    compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
+                              judge="carried")
     verification = {"mode": "twins", "passed": True, "positions": positions}
     if not compared.passed:
         # the mapping may be right while the libraries compute different functions: judge every
@@ -221,7 +228,8 @@ def _measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report=None) ->
     """The worst layer (in tolerance units) and the next-token KL and top-1 agreement of two models
     (``report``: their comparison, when already made)."""
     if report is None:
-        report = compare_models(a, b, [ids], mapping=rules, grads=False, judge="carried")
+        report = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=rules, grads=False,
+                                judge="carried")
     worst = report.worst
     la, lb = src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids)
     kl, top1 = _kl_top1(la, lb)
@@ -236,7 +244,7 @@ def _library_difference(a, b, ids, rules, src_fmt, dst_fmt, compare_models) -> s
     None when the mapping itself is at fault: every linear layer of b run alone on what its
     counterpart in a received agrees (isolated comparison), only the code between them differs, and
     the next-token distributions stay close (KL, top-1)."""
-    iso = compare_models(a, b, [ids], mapping=rules, grads=False, isolated=True)
+    iso = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=rules, grads=False, isolated=True)
     rows = [q for layer in iso.layers for q in layer.quantities]
     own = [q for q in rows if q.quantity != "input" and q.layer is not None]
     if not own or not all(q.passed for q in own):
@@ -307,6 +315,10 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
             loaders, on generated inputs of 256 positions), ``"auto"`` (full when both fit in the
             memory available).
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or None (keep each tensor's).
+        adapter: a LoRA adapter directory for ``src`` in its own ecosystem's format (checked against
+            it); ``adapter_mode="merge"`` merges it into the weights (float64, one rounding to the
+            destination dtype, certified), ``"keep"`` writes it into ``out/adapter/`` in the
+            destination's own adapter format (``ports._adapters``).
         max_shard_size: bytes or ``"5GB"``; default: as many files as the source.
         progress: True/False, or a callable ``(tensors_done, tensors_total, bytes_done, bytes_total)``.
         text_only: port only the text model of a multimodal checkpoint (refused otherwise); the
@@ -317,8 +329,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     """
     t0 = time.perf_counter()
     _check_args(to, verify, dtype, overwrite, max_shard_size, progress, text_only)
-    _unsupported(quantize=(quantize, None), adapter=(adapter, None), keep_codes=(keep_codes, False),
-                 requantize=(requantize, False), device=(device, None))
+    check_device_value(device)  # the verification's models run there (dense_bridge/registry/_devices.py)
     if adapter_mode not in ("merge", "keep"):
         raise ConversionError(f"adapter_mode must be 'merge' or 'keep'. {received('adapter_mode', adapter_mode)}")
     src, out = os.fspath(src), os.fspath(out)
@@ -330,6 +341,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
     src_fmt = _dirs.detect(src)
     _check_out(src, out, overwrite, one_file)
     root = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))  # a one-file source's directory
+    adapter = _adapters.open_job(adapter, adapter_mode, src_fmt, dst_fmt, out)  # read, checked (None: none)
 
     contents = src_fmt.port_contents(src, text_only=True) if text_only else src_fmt.port_contents(src)
     file_keys = contents.setdefault("file_keys", {})  # a name the port uses -> the key stored in the file
@@ -350,13 +362,20 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
             raise CheckpointError(f"{src_paths[rel]} lacks tensor {file_keys.get(key, key)!r}, which the index places there "
                                   "(nothing was written)")
         real_src[key], src_dtype[key] = tuple(info.shape), info.numpy_dtype
+    try:
+        _codes.check(src_fmt, dst_fmt, contents, opened, quantize=quantize, keep_codes=keep_codes, requantize=requantize)
+    except BaseException:
+        for f in opened.values():
+            f.close()
+        raise
+    codes = {"quantize": quantize, "keep_codes": keep_codes, "requantize": requantize}
     hashes = files.Hashes()  # the source's hashes run while the twins are built and checked
     for rel in _certificate.source_names(src_fmt, src_paths, contents["extras"]):
         hashes.add(("source", rel), os.path.join(root, rel))
     try:
         return _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0,
                      verify=verify, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
-                     outtype=outtype)
+                     codes=codes, adapter=adapter, device=device, outtype=outtype)
     finally:
         hashes.close()
         for f in opened.values():
@@ -364,7 +383,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
 
 
 def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src_dtype, hashes, t0, *, verify, dtype,
-          max_shard_size, overwrite, progress, outtype=None) -> PortReport:
+          max_shard_size, overwrite, progress, codes=None, adapter=None, device=None, outtype=None) -> PortReport:
     from .._transfer import transfer
     from ..testing import compare_models
 
@@ -373,11 +392,15 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
     report, recipes, stored, twin_params, discrepancies, verification = _twins(
-        src_fmt, dst_fmt, common, transfer, compare_models)
+        src_fmt, dst_fmt, common, transfer, compare_models, device)
     moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
     rules = _rules.generalise_layer_rules(report.rules)
+    if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read
+        opened = adapter.bind(src_fmt, dst_fmt, common, real_src, src_dtype, opened, contents["weights"],
+                              contents["file_keys"], rules, dtype, real_dst)
 
-    out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else src_dtype[m.sources[0][0]]) for m in moves}
+    out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else src_dtype[_rules.split_view(m.sources[0][0])[0]])
+                 for m in moves}
 
     def nbytes(m):
         return out_dtype[m.target].itemsize * int(np.prod(m.shape))
@@ -392,7 +415,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     root = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
     one_file = dst_fmt.offers("port_write")
     notes: dict[str, dict] = {}
-    write = files.write_weights
+    write = None
     if one_file:  # the format writes its one file itself, in its own encoding
         count = 1
         extras = {n: os.path.join(root, n) for n in contents["extras"]}  # the source's files besides weights
@@ -400,12 +423,14 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         if config_name and os.path.isfile(os.path.join(root, config_name)):
             extras[config_name] = os.path.join(root, config_name)
 
-        def write(path, tensors, metadata, on_tensor=None):
+        def write(path, tensors, on_tensor=None):
             notes.update(dst_fmt.port_write(path, dst_config, tensors, outtype=outtype, extras=extras,
                                             on_tensor=on_tensor) or {})
             return os.path.getsize(path)
     shards = _shard(moves, count, nbytes)
     layout = dst_fmt.port_layout(len(shards))
+    if len(layout["shards"]) < len(shards):  # a format that writes fewer files (one, say)
+        shards = _shard(moves, len(layout["shards"]), nbytes)
     if one_file:
         layout = dict(layout, shards=[os.path.basename(out)], index=None, config=None, extras=())
 
@@ -413,22 +438,32 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     try:
         cert_tensors, written = _certificate.write_all(tmp, shards, layout, opened, contents["weights"], out_dtype,
                                                        nbytes, total, progress, hashes, contents["file_keys"],
-                                                       write=write)
+                                                       writer=write if one_file else _dirs.writer(dst_fmt, dst_config))
         for name, note in notes.items():  # what the format's own encoding did to each tensor
             cert_tensors[name].update(note)
-        if layout["config"]:
+        _codes.annotate(cert_tensors, opened)
+        write_config = _dirs.optional(dst_fmt, "port_write_config")
+        if write_config is not None:
+            write_config(tmp, dst_config, src)
+        elif layout["config"]:
             files.write_json(os.path.join(tmp, layout["config"]), dst_config)
         shared = [n for n in contents["extras"] if n in layout["extras"]]
         for name in shared:
             files.copy_file(os.path.join(root, name), os.path.join(tmp, name))
         lossy = sorted(n for n, e in cert_tensors.items() if not e.get("exact", True) and e.get("codes") == "quantized")
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
-                                    verification, compare_models, discrepancies, bool(contents["file_keys"]),
+                                    verification, compare_models, discrepancies, bool(contents["file_keys"]), adapter,
                                     lossy=lossy)
+        if codes and _codes.active(codes["quantize"], codes["keep_codes"]):
+            _codes.finish(tmp, src_fmt, dst_fmt, cert_tensors, opened, **codes, source_config=contents["config"],
+                          dtype=dtype, hashes=hashes, float_model_logits=_float_logits(dst_fmt, tmp, common, real_src),
+                          verification=verification)
         certificate = _certificate.build(root, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
         if one_file:
             certificate["destination"]["outtype"] = outtype
+        if adapter is not None:
+            adapter.finish(tmp, certificate)
         files.write_json(os.path.join(tmp, _certificate.NAME), certificate)
         if not verification.get("passed"):
             raise PortMismatch(f"the full models disagree (nothing was written): {verification.get('detail')}")
@@ -441,6 +476,20 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         raise
     return PortReport(out, src_fmt.name, dst_fmt.name, rules, len(moves), written, verification, certificate,
                       discrepancies, time.perf_counter() - t0, list(contents.get("dropped", [])))
+
+
+def _float_logits(fmt, path, common, real_src):
+    """A judge of a model against the float directory ``path`` as it is now (before codes are
+    written into it): ``fn(model) -> (next-token KL, top-1 agreement, largest logit error)``."""
+    positions = positions_for(fmt, common, POSITIONS)
+    ids = token_ids(vocab_of(fmt, common, real_src), positions, seed=1)
+    reference = fmt.port_logits(fmt.port_load(path), ids)
+
+    def judge(model):
+        got = fmt.port_logits(model, ids)
+        kl, top1 = _kl_top1(reference, got)
+        return kl, top1, float(np.max(np.abs(reference.astype(np.float64) - got)))
+    return judge
 
 
 def _numpy_dtype(name: str):
@@ -472,7 +521,7 @@ def _kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
 
 
 def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules, twins, compare_models,
-                 discrepancies, text_only=False, lossy=()):
+                 discrepancies, text_only=False, adapter=None, lossy=()):
     out = dict(twins)
     out["twins"] = dict(twins)
     if verify == "twins" or (verify == "auto" and not _fits(real_src, src_dtype)):
@@ -480,10 +529,19 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
         out["full_skipped"] = "verify='twins'" if verify == "twins" else "the two full models do not fit in memory"
         return out
     a = src_fmt.port_load(src, text_only=True) if text_only else src_fmt.port_load(src)  # its text model alone
+    if adapter is not None:
+        a = adapter.source_model(a)
     b = dst_fmt.port_load(tmp)
     positions = positions_for(src_fmt, common, POSITIONS)
     ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)
-    report = compare_models(a, b, [ids], mapping=rules, grads=False, judge="carried")
+    inputs = model_inputs(src_fmt, dst_fmt, ids, a, b)
+    try:
+        report = compare_models(a, b, inputs, mapping=rules, grads=False, judge="carried")
+    except (ConversionError, SpecError):
+        # the twins' rules name layers by paths the full models spell otherwise (a library that
+        # numbers nested models per process): the mapping is inferred again on the full models
+        rules = "auto"
+        report = compare_models(a, b, inputs, mapping=rules, grads=False, judge="carried")
     out.update({"mode": "full", "positions": positions, "passed": bool(report.passed)})
     out.update(_measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report))
     if not report.passed and lossy:

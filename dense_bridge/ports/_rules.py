@@ -22,6 +22,56 @@ import numpy as np
 from .._errors import ConversionError
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+#: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
+#: library keeps a projection as (in, heads, head_dim) or (heads, in, head_dim) and another as a matrix.
+VIEW = "|"
+
+
+def _parse_view(view: str) -> tuple[tuple[int, ...], int]:
+    perm, _, k = view.partition("-")
+    return tuple(int(c) for c in perm), int(k)
+
+
+def view_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
+    """The shape of a tensor of ``shape`` seen through ``view`` (``"<perm>-<k>"``): its axes put in
+    the order ``perm``, then reshaped to ``(prod(axes[:k]), prod(axes[k:]))``, or flat for ``k == 0``."""
+    perm, k = _parse_view(view)
+    axes = [shape[i] for i in perm]
+    n = int(np.prod(axes, dtype=np.int64))
+    return (n,) if k == 0 else (int(np.prod(axes[:k], dtype=np.int64)), int(np.prod(axes[k:], dtype=np.int64)))
+
+
+def apply_view(a: np.ndarray, view: str) -> np.ndarray:
+    """``a`` seen through ``view`` (see :func:`view_shape`)."""
+    perm, _ = _parse_view(view)
+    return np.transpose(a, perm).reshape(view_shape(a.shape, view))
+
+
+def undo_view(made: np.ndarray, view: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor of ``shape`` that ``view`` shows as ``made``."""
+    perm, _ = _parse_view(view)
+    return made.reshape([shape[i] for i in perm]).transpose(np.argsort(perm))
+
+
+def split_view(key: str) -> tuple[str, str | None]:
+    """``"w|021-1"`` -> ``("w", "021-1")``; ``"w"`` -> ``("w", None)``."""
+    name, sep, view = key.rpartition(VIEW)
+    return (name, view) if sep and re.fullmatch(r"\d+-\d+", view) else (key, None)
+
+
+def _views(a: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The views of ``a`` tried when it matches nothing as it is: of a tensor of three axes or
+    more, a matrix for every order of its axes and split; of a matrix, the flat vector."""
+    import itertools
+
+    if a.ndim >= 3:
+        out = []
+        for perm in itertools.permutations(range(a.ndim)):
+            for k in range(1, a.ndim):
+                view = "".join(map(str, perm)) + f"-{k}"
+                out.append((view, apply_view(a, view)))
+        return out
+    return [("01-0", a.reshape(-1))] if a.ndim == 2 else []
 
 
 def template(name: str) -> tuple[str, tuple[int, ...]]:
@@ -55,11 +105,14 @@ class Recipe:
     target: str
     axis: int | None
     pieces: tuple[Piece, ...]
+    #: the pieces make the destination seen through this view (:func:`apply_view`), then undone
+    view: str | None = None
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
                  for p in self.pieces]
-        return f"{self.target} <- " + (parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})")
+        made = parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})"
+        return f"{self.target} <- " + (made if self.view is None else f"reshape({made})")
 
 
 def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
@@ -137,10 +190,28 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     key -> float32 array). ConversionError when a tensor has no recipe or two layers of one
     template disagree (the rule depends on the index in a way that does not generalise)."""
     where = _Index(src)
+    wide = None  # the sources with their reshaped views, made when a tensor needs them
     recipes: dict[str, Recipe] = {}
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
-        axis, found = _match(name, d, src, where)
+        view = None
+        try:
+            axis, found = _match(name, d, src, where)
+        except ConversionError as exc:
+            if wide is None:
+                extended = dict(src)
+                for s_name, s in src.items():
+                    extended.update({f"{s_name}{VIEW}{k}": v for k, v in _views(np.asarray(s))})
+                wide = (extended, _Index(extended))
+            for k, dv in [(None, d)] + _views(d):
+                try:
+                    axis, found = _match(name, dv, *wide)
+                    view = k
+                    break
+                except ConversionError:
+                    continue
+            else:
+                raise exc from None
         t, idx = template(name)
         pieces = []
         for s_name, transpose, start, stop, whole in found:
@@ -152,7 +223,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         if axis is not None and len(pieces) > 1 and not all(p.whole for p in pieces):
             raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({p.source for p in pieces})}: "
                                   "per-head interleaving is not generalised yet (nothing was written)")
-        recipe = Recipe(t, axis, tuple(pieces))
+        recipe = Recipe(t, axis, tuple(pieces), view)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
@@ -169,6 +240,12 @@ class Move:
     shape: tuple[int, ...]
     axis: int | None
     sources: list[tuple[str, bool, int, int | None]] = field(default_factory=list)
+    #: the destination's view the sources make (:func:`apply_view`), None when they make it as it is
+    view: str | None = None
+
+    @property
+    def made(self) -> tuple[int, ...]:
+        return self.shape if self.view is None else view_shape(self.shape, self.view)
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -197,15 +274,17 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                 continue  # the library does not save it (tied to another parameter)
             problems.append(f"destination tensor {key!r}: no twin tensor of its kind (template {t!r})")
             continue
-        move = Move(key, tuple(shape), recipe.axis)
+        move = Move(key, tuple(shape), recipe.axis, view=recipe.view)
+        shape = move.made
         want_len = 0
         for p in recipe.pieces:
             s_key = fill(p.source, idx[:p.source.count("{}")])
-            if s_key not in real_src:
-                problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
+            base, k = split_view(s_key)
+            if base not in real_src:
+                problems.append(f"destination tensor {key!r} needs source tensor {base!r}, which the source lacks")
                 continue
-            used.add(s_key)
-            s_shape = _shape_of(real_src[s_key], p.transpose)
+            used.add(base)
+            s_shape = _shape_of(real_src[base] if k is None else view_shape(real_src[base], k), p.transpose)
             if recipe.axis is None:
                 move.sources.append((s_key, p.transpose, 0, None))
                 if s_shape != tuple(shape):
@@ -223,15 +302,16 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                                 f"{want_len} along axis {recipe.axis}")
         moves.append(move)
     for (s_key, transpose, axis), members in splits.items():
-        s_shape = _shape_of(real_src[s_key], transpose)
+        base, k = split_view(s_key)
+        s_shape = _shape_of(real_src[base] if k is None else view_shape(real_src[base], k), transpose)
         at = 0
         for _, move, i in sorted(members, key=lambda m: m[0]):
-            width = move.shape[axis]
+            width = move.made[axis]
             name, tr, _, _ = move.sources[i]
             move.sources[i] = (name, tr, at, at + width)
             at += width
         if at != s_shape[axis]:
-            problems.append(f"source tensor {s_key!r} {real_src[s_key]} splits into destination tensors "
+            problems.append(f"source tensor {s_key!r} {real_src[base]} splits into destination tensors "
                             f"{[m.target for _, m, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
     unused = sorted(set(real_src) - used)
     if unused:

@@ -25,6 +25,7 @@ naming the capability (``dense_bridge.registry._backends.require``).
 | ``quant_files`` (needs quant, files) | quant_file_layers, quant_file_template | | quantized checkpoint files |
 | ``parallel`` (manifest) | PARALLEL_VERBS | | db.compile(parallel=) and parallel models |
 | ``dcp`` (manifest) | save_dcp, load_dcp | | distributed checkpoint directories |
+| ``devices`` | device_of, parse_device, place, device_params, nonfinite_flags | | device=, inputs placed on the model's device, device-to-device moves |
 
 Files: every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus any of
 :data:`OPTIONAL_FILES`).
@@ -141,6 +142,31 @@ declares file formats needs it.
   framework's own whole-model file (torch: a pickled ``nn.Module``, only with ``trust_pickle``;
   Keras: ``.keras``), for ``dense-bridge check A B --mapping`` (``_capture.py``).
 
+Capability ``devices`` (:data:`DEVICES`): models that live on a device (a GPU, one of JAX's
+devices). Without it every array crosses through host numpy (correct, slower on a GPU).
+
+- ``device_of(native) -> str | None``: where the model keeps its parameters, as dense_bridge names
+  devices ("cpu", "cpu:1" for a second JAX host device, "cuda:0"); None when it holds no array.
+- ``parse_device(value, argument="device") -> device``: a user's ``device=`` (the framework's own
+  device object, or "cpu", "cuda", "cuda:N", "gpu", "gpu:N") as the framework's device; a
+  TypeError for another type, a SpecError naming ``argument`` and echoing the value for a
+  device the framework cannot place arrays on here. ``from_numpy(array, device=None)`` then
+  places an array there (one host-to-device copy).
+- ``place(native, device) -> native``: the model with its arrays on ``device`` (as
+  ``parse_device`` gives it), one transfer per array; the same object where the framework moves
+  in place (torch, Flax), a new one where modules are immutable (Equinox).
+- ``device_params(native) -> dict | None``: canonical parameters as the framework's own arrays
+  where the model keeps them (views; the canonical layout may be a transposed view): nothing
+  copied, no device left. None where they are computed on the host (quantized layers). A walk's
+  ``Entry.extra["read_device"]`` gives a layer's native arrays the same way, and
+  ``Entry.extra["snapshot_device"]`` a copy of them on the device (JAX's immutable arrays
+  themselves), which a failed transfer writes back.
+- ``nonfinite_flags(arrays) -> list[bool]``: which arrays hold NaN/Inf: one reduction per array
+  on its device and one host synchronisation for the verdict.
+- With the capability, ``set_params`` and a walk's ``Entry.write`` also take arrays of any
+  framework that speaks DLPack (``__dlpack__``), moved into the model device to device: the
+  transpose and the cast done there, one transfer per array when the devices differ.
+
 Capability ``lora`` (:data:`LORA`, in ``_lora.py``; the verbs are described in
 ``dense_bridge/lora/__init__.py``): LoRA-wrapped layers read and written as the wrapped layer's
 params plus canonical ``lora_*`` keys. Extras: ``lora_folds_scale`` (the framework keeps no
@@ -203,7 +229,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["REQUIRED_VERBS", "OPTIONAL_VERBS", "Capability", "CAPABILITIES", "RUNNING", "FILES", "LORA", "QUANT",
-           "QUANT_LORA", "QUANT_FILES", "PORTS", "PARALLEL_VERBS", "DCP_VERBS", "capability", "offered", "problems",
+           "QUANT_LORA", "QUANT_FILES", "PORTS", "DEVICES", "PARALLEL_VERBS", "DCP_VERBS", "capability", "offered", "problems",
            "REQUIRED_FILES", "OPTIONAL_FILES"]
 
 #: Module-level functions every adapter package's ``__init__`` exposes.
@@ -253,15 +279,22 @@ _DCP = Capability("dcp", DCP_VERBS, "distributed checkpoint directories (format=
 PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save",
                              "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe"),
                    "whole model directories of the libraries built on the framework (db.port)", manifest=True,
-                   # port_open: a weight file opened for streaming (else read as safetensors);
-                   # port_write: the format writes its own one-file destination (else safetensors shards)
-                   # port_inspect: what `inspect` shows of a one-file model of the format
-                   extras=("port_open", "port_write", "port_inspect"))
+                   # a weight file opened for streaming (else read as safetensors); a one-file destination
+                   # written by its format (port_write) and a one-file model described (port_inspect); a destination's own
+                   # inputs, weight-file writer and config files (ports/_dirs.py)
+                   extras=("port_open", "port_write", "port_inspect", "port_inputs", "port_write_weights", "port_write_config",
+                           # codes: ports/_codes.py
+                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))
+
+#: Models on accelerators (``dense_bridge/models/_device.py``): where a model lives, placing arrays
+#: there, and moves between two models that never leave the device.
+DEVICES = Capability("devices", ("device_of", "parse_device", "place", "device_params", "nonfinite_flags"),
+                     "models on devices: placement (device=) and moves that stay on the device")
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.
 CAPABILITIES: dict[str, Capability] = {c.name: c for c in (RUNNING, FILES, LORA, QUANT, QUANT_LORA, QUANT_FILES,
-                                                           _PARALLEL, _DCP, PORTS)}
+                                                           _PARALLEL, _DCP, PORTS, DEVICES)}
 
 #: Every verb of every capability, extras included: an adapter may offer any of them (by the rules
 #: above); whatever needs one asks ``dense_bridge.registry._backends.optional_verb`` or ``require``.
@@ -341,6 +374,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_lora_files.py",  # its ecosystem's LoRA adapter directories, framework-free (registry._manifest.AdapterFormat)
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_ports.py",     # PORTS: the whole model directories of the libraries built on it (db.port)
+    "_port_quant.py",  # PORTS extras: quantized codes in ports (ports/_codes.py: keep_codes, quantize=)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
 

@@ -56,11 +56,14 @@ class Probe:
     ``path``; ``name``: its base name in lower case (``name.endswith(".weights.h5")``); ``size``
     in bytes; ``head``: its first 64 bytes. Safetensors files (opened by the core) also give
     ``metadata`` (the header's string metadata) and ``tensor_names``; other files give None.
+    ``reopen``: a zero-argument callable giving a context manager of the file opened for reading
+    through the core's file guard (a FIFO or device refused, never waited on); without it a zip
+    archive's member names are unknown (None).
     """
 
     def __init__(self, path: str, head: bytes, size: int, *, metadata: dict | None = None,
-                 tensor_names: list[str] | None = None) -> None:
-        self.path, self.head, self.size = path, head, size
+                 tensor_names: list[str] | None = None, reopen=None) -> None:
+        self.path, self.head, self.size, self._reopen = path, head, size, reopen
         self.name = os.path.basename(path).lower()
         self.metadata, self.tensor_names = metadata, tensor_names
         self._zip: list[str] | None | bool = False
@@ -75,9 +78,9 @@ class Probe:
         CheckpointError when it is one but truncated or corrupted."""
         if self._zip is False:
             self._zip = None
-            if self.head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+            if self._reopen is not None and self.head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
                 try:
-                    with zipfile.ZipFile(self.path) as z:
+                    with self._reopen() as handle, zipfile.ZipFile(handle) as z:
                         self._zip = z.namelist()
                 except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
                     raise CheckpointError(f"cannot read {self.path} (extension {self.ext}): a zip archive that is "

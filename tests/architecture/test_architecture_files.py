@@ -56,9 +56,9 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
     ("backends/keras/_lora.py", "h5py.File"): "keras-hub's .lora.h5 adapter files, whose layout only Keras knows "
                                               "(db.load_adapter / db.save_adapter)",
     ("backends/keras/_manifest.py", "open"): "~/.keras/keras.json, the Keras engine's name: no checkpoint",
-    ("backends/gguf/_ports.py", "open"): "the first four bytes of a file, GGUF's magic, for port_detect",
-    ("backends/gguf/_tokenizer.py", "open"): "llama.cpp's converter source, read for its pre-tokenizer table: "
-                                             "no checkpoint",
+    ("backends/keras/_ports.py", "h5py.File"): "a keras-hub preset's model.weights.h5, written by db.port one "
+                                               "dataset at a time into the port's temporary directory (renamed "
+                                               "into place with it)",
     ("backends/torch/_capture.py", "torch.load"): "load_model: a whole pickled model for `check --mapping`, "
                                                   "only with trust_pickle=True",
     ("backends/gguf/_file.py", "mmap.mmap"): "GGUF tensors mapped from the descriptor open_readonly opened (the "

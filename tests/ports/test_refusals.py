@@ -120,7 +120,7 @@ def test_not_a_model_directory_and_bad_arguments(tmp_path, llama_dir):
     _refused(tmp_path / "empty", tmp_path / "out", db.CheckpointError, "no model directory")
     _refused(llama_dir, tmp_path / "out", db.ConversionError, "unknown model-directory format", to="onnx")
     _refused(llama_dir, tmp_path / "out", db.ConversionError, "verify must be one of", verify="sometimes")
-    _refused(llama_dir, tmp_path / "out", db.ConversionError, "not implemented by this port yet", quantize="affine:4:64")
+    _refused(llama_dir, tmp_path / "out", db.ConversionError, "affine quantization has bits", quantize="affine:7:64")
     with pytest.raises(TypeError, match="to must be"):
         db.port(llama_dir, tmp_path / "out", to=3)
 

@@ -1,0 +1,180 @@
+"""Moves and comparisons of models on a CUDA GPU against the device's own limits (issue 45).
+
+Run where torch sees a CUDA device: ``python benchmarks/bench_gpu.py [--repeats 5] [--layers 8]``.
+Without one it prints "no CUDA: not measured" and exits 0, measuring nothing. In one run, each
+number a median over ``--repeats`` rounds, every variant once per round:
+
+1. ``db.transfer`` between two Llamas on the same GPU (>= 2 GB of float32 each) against
+   ``load_state_dict`` of one into the other: copy throughput (GB/s, and the ratio; target >= 0.5)
+   and the fixed cost per tensor on a 24-layer tiny Llama (planning, checks; target <= 2x
+   ``load_state_dict``'s per tensor).
+2. CUDA torch -> Flax and Equinox on the same GPU (8 x 4096^2 float32 Linear layers): ``db.convert``
+   and ``db.transfer`` into an existing model, against DLPack plus a device transpose of each
+   kernel (target >= 0.5).
+3. ``db.get_params`` of the CUDA model against a device transpose plus one ``.cpu()`` per kernel
+   (target >= 0.8).
+4. ``db.testing.compare_models`` of a CUDA Llama pair against two forward and backward passes
+   (target <= 3x).
+
+The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). The CPU
+fixed cost per tensor is measured by ``--cpu`` (no GPU needed): a 24-layer tiny Llama, transfer
+against ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results" / "gpu.md"
+
+
+def _median(fn, repeats: int, sync=lambda: None) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _llama(transformers, torch, seed, device, layers, hidden, inter, vocab, heads=16, kv=16):
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def fixed_cost_rows(torch, transformers, db, device, repeats: int, sync) -> list[tuple[str, str, str, str]]:
+    """The per-tensor cost of a transfer on a 24-layer tiny Llama (tensors of a few KB: planning
+    and checks dominate) against load_state_dict's."""
+    a = _llama(transformers, torch, 0, device, 24, 64, 128, 256, heads=4, kv=2)
+    b = _llama(transformers, torch, 1, device, 24, 64, 128, 256, heads=4, kv=2)
+    n = len(list(b.parameters()))
+    db.transfer(a, b)  # first-use imports and caches
+    t_tr = _median(lambda: db.transfer(a, b), repeats, sync)
+    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), repeats, sync)
+    return [(f"fixed cost per tensor, 24-layer tiny Llama ({n} tensors, {device})",
+             f"{t_tr / n * 1e6:.0f} us ({t_tr * 1e3:.1f} ms)", f"{t_sd / n * 1e6:.0f} us ({t_sd * 1e3:.1f} ms)",
+             f"{t_tr / t_sd:.2f}x (target <= 2x)")]
+
+
+def _table(rows, title: str) -> str:
+    out = [f"## {title}", "", "| measurement | dense_bridge | device's own limit | ratio |", "|---|---|---|---|"]
+    out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8, help="layers of the >= 2 GB Llama pair")
+    ap.add_argument("--cpu", action="store_true", help="only the CPU fixed cost per tensor (no GPU needed)")
+    args = ap.parse_args(argv)
+    import torch
+
+    import dense_bridge as db
+
+    transformers = __import__("transformers")
+    if args.cpu:
+        print(_table(fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None), "CPU"))
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA: not measured (torch sees no CUDA device; benchmarks/bench_gpu.py measures only on a GPU)")
+        return 0
+    dev = torch.device("cuda", 0)
+    sync = torch.cuda.synchronize
+    card = torch.cuda.get_device_name(dev)
+    rows = []
+
+    # 1. two same-device Llamas, >= 2 GB of float32 each
+    a = _llama(transformers, torch, 0, dev, args.layers, 2048, 5504, 32000)
+    b = _llama(transformers, torch, 1, dev, args.layers, 2048, 5504, 32000)
+    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    db.transfer(a, b)
+    t_tr = _median(lambda: db.transfer(a, b), args.repeats, sync)
+    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), args.repeats, sync)
+    rows.append((f"transfer, two Llamas on the GPU ({nbytes / 1e9:.2f} GB float32)",
+                 f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
+                 f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
+                 f"{t_sd / t_tr:.2f} (target >= 0.5)"))
+    del a, b
+    torch.cuda.empty_cache()
+    rows += fixed_cost_rows(torch, transformers, db, dev, args.repeats, sync)
+
+    # 2./3. 8 x 4096^2 float32 on the GPU: into Flax/Equinox, and get_params
+    m = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(dev)
+    kernels = [layer.weight for layer in m]
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except ImportError:
+        gpus = []
+    if gpus:
+        def dlpack_transpose():
+            out = [jnp.array(jax.dlpack.from_dlpack(w.detach()).T) for w in kernels]
+            jax.block_until_ready(out)
+        t_ref = _median(dlpack_transpose, args.repeats, sync)
+        for target in ("flax", "equinox"):
+            if target not in db.available_backends():
+                continue
+            def ready(model):  # JAX dispatches asynchronously: wait for every array of the model
+                if target == "flax":
+                    from flax import nnx
+
+                    model = nnx.state(model)
+                jax.block_until_ready([x for x in jax.tree_util.tree_leaves(model) if isinstance(x, jax.Array)])
+
+            out = db.convert(m, target)
+            t_cv = _median(lambda: ready(db.convert(m, target)), args.repeats, sync)
+            t_tf = _median(lambda: (db.transfer(m, out), ready(out)), args.repeats, sync)
+            rows.append((f"convert CUDA torch -> {target}, same GPU (8 x 4096^2 float32)", f"{t_cv * 1e3:.1f} ms",
+                         f"DLPack + device transpose {t_ref * 1e3:.1f} ms", f"{t_ref / t_cv:.2f} (target >= 0.5)"))
+            rows.append((f"transfer CUDA torch -> existing {target} model, same GPU", f"{t_tf * 1e3:.1f} ms",
+                         f"DLPack + device transpose {t_ref * 1e3:.1f} ms", f"{t_ref / t_tf:.2f} (target >= 0.5)"))
+    else:
+        rows.append(("CUDA torch -> Flax/Equinox", "not measured: JAX sees no GPU here", "", ""))
+    t_gp = _median(lambda: db.get_params(m), args.repeats, sync)
+    t_host = _median(lambda: [w.detach().t().contiguous().cpu() for w in kernels], args.repeats, sync)
+    rows.append(("get_params of the CUDA model (8 x 4096^2 float32)", f"{t_gp * 1e3:.1f} ms",
+                 f"device transpose + one .cpu() {t_host * 1e3:.1f} ms", f"{t_host / t_gp:.2f} (target >= 0.8)"))
+    del m, kernels
+
+    # 4. compare_models of a CUDA Llama pair against two forward + backward passes
+    a = _llama(transformers, torch, 0, dev, 4, 1024, 2752, 32000)
+    b = _llama(transformers, torch, 0, dev, 4, 1024, 2752, 32000)
+    ids = np.random.default_rng(0).integers(0, 32000, (2, 128))
+    tids = torch.as_tensor(ids, device=dev)
+
+    def passes():
+        for model in (a, b):
+            out = model(tids).logits
+            out.backward(torch.ones_like(out))
+        a.zero_grad(set_to_none=True)
+        b.zero_grad(set_to_none=True)
+    passes()
+    db.testing.compare_models(a, b, [ids])
+    t_cm = _median(lambda: db.testing.compare_models(a, b, [ids]), args.repeats, sync)
+    t_fb = _median(passes, args.repeats, sync)
+    rows.append(("compare_models, CUDA Llama pair (4 layers, 1024 wide, 2 x 128 tokens)", f"{t_cm * 1e3:.1f} ms",
+                 f"two forward + backward {t_fb * 1e3:.1f} ms", f"{t_cm / t_fb:.2f}x (target <= 3x)"))
+
+    text = _table(rows, f"{card}, torch {torch.__version__}")
+    print(text)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("# benchmarks/bench_gpu.py\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Run by tests/core/test_devices.py in a subprocess with two JAX host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=2``, read when JAX is imported): models placed
+on device 1 stay there through compile, convert, transfer, compare and compare_models, their
+inputs placed there (under ``jax.transfer_guard_device_to_device("disallow")``: an input made on
+device 0 and moved would raise), with the same results as the same models on device 0. Prints
+"OK" and one line per check; any failure raises."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import dense_bridge as db
+
+assert len(jax.devices("cpu")) == 2, jax.devices()
+D0, D1 = jax.devices("cpu")
+
+
+def on(model, device) -> bool:
+    leaves = [x for x in jax.tree_util.tree_leaves(_state(model)) if isinstance(x, jax.Array)]
+    return bool(leaves) and all(x.devices() == {device} for x in leaves)
+
+
+def _state(model):
+    if db.backend(model) == "flax":
+        from flax import nnx
+
+        return nnx.state(model)
+    return model
+
+
+spec = db.Sequential([db.Dense(5, in_features=6, activation="tanh"), db.Dense(4)])
+x = np.random.default_rng(0).standard_normal((3, 6)).astype(np.float32)
+
+for fw in ("flax", "equinox"):
+    if fw not in db.available_backends():
+        print(f"skip {fw}")
+        continue
+    m1 = db.compile(spec, fw, seed=0, device="cpu:1")
+    m0 = db.compile(spec, fw, seed=0, device=D0)
+    assert on(m1, D1) and on(m0, D0), fw
+    from dense_bridge.registry._backends import get_adapter
+
+    assert get_adapter(fw).device_of(m1) == "cpu:1"
+    print(f"{fw}: compile(device='cpu:1') on device 1")
+
+    with jax.transfer_guard_device_to_device("disallow"):
+        r1 = db.testing.compare(m1, m1, inputs=x)
+        c1 = db.testing.compare_models(m1, m1, [x])
+    r0 = db.testing.compare(m0, m0, inputs=x)
+    c0 = db.testing.compare_models(m0, m0, [x])
+    assert r1.passed and c1.passed and r0.passed and c0.passed, (r1, c1)
+    assert on(m1, D1)
+    out1 = np.asarray(get_adapter(fw).capture(m1, [x], {}, cotangent=np.ones).output)
+    out0 = np.asarray(get_adapter(fw).capture(m0, [x], {}, cotangent=np.ones).output)
+    np.testing.assert_array_equal(out1, out0)
+    print(f"{fw}: compare, compare_models on device 1 (inputs placed there), outputs identical to device 0")
+
+    # transfer into a model on device 1 (from device 0, from torch): it stays on device 1
+    other = db.compile(spec, fw, seed=5, device="cpu:1")
+    with jax.transfer_guard_host_to_device("disallow"):  # device arrays move device to device only
+        db.transfer(m0, other)
+    assert on(other, D1), fw
+    for k, v in db.get_params(m0).items():
+        np.testing.assert_array_equal(db.get_params(other)[k], v)
+    if "torch" in db.available_backends():
+        t = db.convert(m0, "torch")
+        other = db.compile(spec, fw, seed=7, device="cpu:1")
+        with jax.transfer_guard_host_to_device("disallow"):  # torch CPU memory arrives through DLPack
+            db.transfer(t, other)
+        assert on(other, D1)
+        for k, v in db.get_params(t).items():
+            np.testing.assert_array_equal(db.get_params(other)[k], v)
+        # auto mapping verifies by running both models: dst's inputs go to device 1
+        other = db.compile(spec, fw, seed=9, device="cpu:1")
+        db.transfer(t, other, mapping="auto", inputs=[x])
+        assert on(other, D1)
+    print(f"{fw}: transfer into a model on device 1 keeps it there, values identical")
+
+    # convert: the default is the source's device; device= says otherwise
+    for to in ("flax", "equinox"):
+        if to in db.available_backends():
+            assert on(db.convert(m1, to), D1), (fw, to)
+            assert on(db.convert(m1, to, device="cpu:0"), D0), (fw, to)
+    print(f"{fw}: convert keeps device 1 by default; device='cpu:0' moves it")
+print("OK")
