@@ -91,8 +91,17 @@ class _Layer:
 
 
 def _fingerprint(x: np.ndarray) -> str:
+    """The input's values, whatever its shape (a router reads the hidden states flattened to
+    (tokens, hidden), the experts beside it read them as (batch, positions, hidden))."""
     arr = np.ascontiguousarray(np.asarray(x))
-    return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
+    return f"{arr.dtype}:{arr.size}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
+
+
+def _floating(x) -> bool:
+    try:
+        return np.asarray(x).dtype.kind == "f" or "float" in str(np.asarray(x).dtype)
+    except Exception:  # noqa: BLE001 - an input numpy cannot read is no activation to judge
+        return False
 
 
 def split_inputs(inputs) -> tuple[Any, Any]:
@@ -104,7 +113,12 @@ def split_inputs(inputs) -> tuple[Any, Any]:
 
 
 def _kind(side, e) -> str | None:
-    """linear / embedding / norm, or None for a layer auto cannot pair (named in the refusal)."""
+    """linear / embedding / norm / stack, or None for a layer auto cannot pair (named in the refusal).
+
+    ``stack``: a layer whose parameters hold an expert axis (every 3-D parameter leads with the
+    same count: mixture-of-experts stacks, fused or not), paired parameter by parameter
+    (:func:`_pair_stacks`). An ``embedding`` called on floating-point activations is a matrix
+    applied as a linear map (a router): it is re-kinded ``linear`` when its call is recorded."""
     if e.kind == "linear":
         return "linear"
     shapes = [e.shapes[n] for n in e.names]
@@ -112,6 +126,10 @@ def _kind(side, e) -> str | None:
         return "embedding"
     if shapes and all(len(s) == 1 for s in shapes):
         return "norm"
+    big = [s for s in shapes if len(s) == 3]
+    if big and len({s[0] for s in big}) == 1 and all(len(s) == 3 or (len(s) == 2 and s[0] == big[0][0])
+                                                     for s in shapes):
+        return "stack"
     return None
 
 
@@ -138,8 +156,8 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
                            f"{ {n: e.shapes[n] for n in e.names} })" for e in unsupported[:6])
         raise ConversionError(
             f"mapping='auto' pairs linear layers, norms and embedding tables; {side.argument} holds layers it cannot "
-            f"pair: {listed}. Mixture-of-experts stacks (weights with an expert axis) are out of its scope: give "
-            f"an explicit mapping")
+            f"pair: {listed} (neither linear layers, norms, embedding tables nor expert stacks (every 3-D "
+            f"parameter leading with one expert count)): map them by parameter path")
     wanted = {e.path: e for e in side.entries if e.path not in skip}
     try:
         captured = verb(model, inputs, {p: e.layer for p, e in wanted.items()},
@@ -165,7 +183,14 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        sig = tuple(side.linear_params(e)["kernel"].shape) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        if kind == "embedding" and call.inputs and _floating(call.inputs[0]):
+            kind = "matrix"  # a 2-D weight applied to activations (a router), stored (units, in_features)
+        if kind == "linear":
+            sig = tuple(side.linear_params(e)["kernel"].shape)
+        elif kind == "matrix":
+            kind, sig = "linear", tuple(e.shapes[e.names[0]][::-1])
+        else:
+            sig = tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
         layer = _Layer(e, kind, i, tuple(sig), source)
         if kind == "linear" and side.fully_tied(e):
@@ -192,6 +217,18 @@ def _last(path: str) -> str:
     return re.split(r"[./]", path)[-1]
 
 
+def _one_to_one(s, d, plan: _mapping.Plan) -> None:
+    """One layer into one; a linear layer and a matrix applied as one (a router) move parameter by
+    parameter, by name, as each stores them (both (units, in_features) where they agree in shape)."""
+    linear = ("linear", "quantized")
+    if (s.kind in linear) != (d.kind in linear) and sorted(s.names) == sorted(d.names) \
+            and all(tuple(s.shapes[n]) == tuple(d.shapes[n]) for n in s.names):
+        for n in s.names:
+            plan.params.append(_mapping.ParamMove(s.param_path(n), d.param_path(n), None, rule="auto"))
+        return
+    plan.layers.append(_mapping.LayerMove((s,), (d,), rule="auto"))
+
+
 def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
     """Pair two runs read from one input each; False when their widths say they do not correspond."""
     if sorted(x.signature for x in a) == sorted(x.signature for x in b):
@@ -202,7 +239,7 @@ def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
             if len(xs) > 1 and sorted(names_x) == sorted(names_y) and len(set(names_x)) == len(names_x):
                 ys = [ys[names_y.index(n)] for n in names_x]  # equal widths: the names agree, trust them
             for x, y in zip(xs, ys):
-                plan.layers.append(_mapping.LayerMove((x.entry,), (y.entry,), rule="auto"))
+                _one_to_one(x.entry, y.entry, plan)
         return True
     in_a, in_b = a[0].signature[0], b[0].signature[0]
     if in_a != in_b:
@@ -246,6 +283,93 @@ def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tup
         left_a += xs[len(ys):]
         left_b += ys[len(xs):]
     return left_a, left_b
+
+
+def _stack_params(layers: list[_Layer]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the stack layers, in execution order (definition order within a layer)."""
+    return [(x.entry.param_path(n), tuple(x.entry.shapes[n])) for x in layers for n in x.entry.names]
+
+
+def _order_by_name(fused: str, pieces: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """Pieces of a fused parameter in the order the fused name lists their names (``gate_up_proj``:
+    gate, then up); execution order where the name does not say."""
+    name = _last(fused)
+
+    def at(piece):
+        word = _last(piece[0])
+        if word in ("weight", "kernel"):
+            word = _last(piece[0].rsplit(".", 1)[0])
+        head = word.split("_")[0]
+        pos = name.find(head) if head else -1
+        return pos if pos >= 0 else len(name)
+    positions = [at(p) for p in pieces]
+    if len(set(positions)) == len(positions) and max(positions) < len(name):
+        return [p for _, p in sorted(zip(positions, pieces))]
+    return pieces
+
+
+def _swapped(shape: tuple, swap: bool) -> tuple:
+    return tuple(shape[:-2]) + (shape[-1], shape[-2]) if swap and len(shape) >= 2 else tuple(shape)
+
+
+def _joins(whole: tuple, parts: list[tuple]) -> tuple[int | None, bool] | None:
+    """(axis, swap) such that ``parts`` (each with its last two axes exchanged when swap) joined
+    along axis make ``whole`` (axis None: one part, equal to it); None when no axis does."""
+    for swap in (False, True):
+        ps = [_swapped(p, swap) for p in parts]
+        if len(ps) == 1 and ps[0] == tuple(whole):
+            return None, swap
+        for axis in range(1, len(whole)):
+            if len(ps) > 1 and all(len(p) == len(whole) and p[:axis] + p[axis + 1:] == whole[:axis] + whole[axis + 1:]
+                                   for p in ps) and sum(p[axis] for p in ps) == whole[axis]:
+                return axis, swap
+    return None
+
+
+def _splits(whole: tuple, parts: list[tuple]) -> tuple[int, bool] | None:
+    """(axis, swap) such that ``whole`` (its last two axes exchanged when swap) cut along axis
+    makes ``parts``; None when no axis does."""
+    for swap in (False, True):
+        w = _swapped(whole, swap)
+        for axis in range(1, len(w)):
+            if all(len(p) == len(w) and p[:axis] + p[axis + 1:] == w[:axis] + w[axis + 1:] for p in parts) \
+                    and sum(p[axis] for p in parts) == w[axis]:
+                return axis, swap
+    return None
+
+
+def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Expert stacks, parameter by parameter in execution order: one into one (its last two axes
+    exchanged where the layouts differ), a fused one cut along an axis into the next few of the
+    other side (``gate_up_proj`` into ``gate_proj`` and ``up_proj``, in the order the fused name
+    lists them), or the next few joined into one. Returns the parameters left unpaired."""
+    pa, pb = _stack_params(a), _stack_params(b)
+    i = j = 0
+    while i < len(pa) and j < len(pb):
+        move = None
+        one = _joins(pb[j][1], [pa[i][1]])
+        if one is not None:
+            move = ((pa[i][0],), (pb[j][0],), one[0], one[1], 1, 1)
+        for k in range(2, 5):
+            if move is not None:
+                break
+            if j + k <= len(pb):
+                group = _order_by_name(pa[i][0], pb[j:j + k])
+                cut = _splits(pa[i][1], [q[1] for q in group])
+                if cut is not None:
+                    move = ((pa[i][0],), tuple(q[0] for q in group), cut[0], cut[1], 1, k)
+                    break
+            if i + k <= len(pa):
+                group = _order_by_name(pb[j][0], pa[i:i + k])
+                join = _joins(pb[j][1], [q[1] for q in group])
+                if join is not None:
+                    move = (tuple(q[0] for q in group), (pb[j][0],), join[0], join[1], k, 1)
+        if move is None:
+            break
+        src, dst, axis, swap, di, dj = move
+        plan.axis_moves.append(_mapping.AxisMove(src, dst, axis, swap, rule="auto"))
+        i, j = i + di, j + dj
+    return [p for p, _ in pa[i:]], [q for q, _ in pb[j:]]
 
 
 @dataclass
@@ -296,6 +420,9 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
         la, lb = _pair_by_shape(run_a.layers.get(kind, []), run_b.layers.get(kind, []), plan)
         left_a += la
         left_b += lb
+    sa, sb = _pair_stacks(run_a.layers.get("stack", []), run_b.layers.get("stack", []), plan)
+    left_a += sa
+    left_b += sb
     _mapping.record_ties(a, plan)
     return Inferred(plan, [x.path for x in left_a] + run_a.uncalled, [y.path for y in left_b] + run_b.uncalled)
 

@@ -42,14 +42,22 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
     return full
 
 
-def make(sources: list[tuple[np.ndarray, list, bool]], axis: int | None, dtype: np.dtype) -> np.ndarray:
+def make(sources: list[tuple[np.ndarray, list, bool]], axis: int | None, dtype: np.dtype, stack: bool = False,
+         pick: bool = False) -> np.ndarray:
     """A destination tensor from its source pieces ``(array, slice, transpose)`` (see the module
-    docstring). Views where the recipe allows (a single transposed piece is written from its view)."""
+    docstring). Views where the recipe allows (a single transposed piece is written from its view).
+    ``stack``: the pieces stacked along a new axis ``axis`` (expert stacks); ``pick``: the one
+    piece's stored axis ``axis`` (sliced to one entry) dropped before any transpose."""
     parts = []
     for arr, sl, transpose in sources:
         piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
+        if pick:
+            piece = np.squeeze(piece, axis=axis)
         parts.append(piece.T if transpose else piece)
-    out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+    if stack:
+        out = np.stack(parts, axis=axis)
+    else:
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -100,7 +108,8 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                 stored = file_keys.get(s_key, s_key)
                 info = opened[weights[s_key]].tensors[stored]
                 pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
-                               "slice": _source_slice(tuple(info.shape), transpose, m.axis, start, stop),
+                               "slice": _source_slice(tuple(info.shape), transpose and not getattr(m, "pick", False),
+                                                      None if getattr(m, "stack", False) else m.axis, start, stop),
                                "transpose": transpose})
             src_dt = opened[weights[m.sources[0][0]]].tensors[file_keys.get(m.sources[0][0], m.sources[0][0])].numpy_dtype
             dst_dt = out_dtype[m.target]
@@ -108,13 +117,18 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
                      "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
                      "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
+            new_axis = {k: True for k in ("stack", "pick") if getattr(m, k, False)}
+            if new_axis:  # along a new axis: stacked, or one entry taken (and the ops say so)
+                entry.update(new_axis)
+                entry["ops"].insert(0, f"{'stack along new' if 'stack' in new_axis else 'take one entry of'} axis {m.axis}")
             entries[m.target] = entry
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"]) for p in pieces]
-                value = make(arrays, m.axis, dst_dt)
+                flags = {k: bool(entry.get(k)) for k in ("stack", "pick")}
+                value = make(arrays, m.axis, dst_dt, **flags)
                 if not entry["exact"]:
-                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype), dst_dt)
+                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, **flags), dst_dt)
                     entry["exact"] = entry["max_ulp"] == 0
                 return value
 
@@ -318,7 +332,7 @@ def verify_port(out: Any) -> VerifyReport:
         if arrays is None:
             continue
         got = dst.get(target)
-        want = make(arrays, entry["axis"], got.dtype)
+        want = make(arrays, entry["axis"], got.dtype, stack=bool(entry.get("stack")), pick=bool(entry.get("pick")))
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")
