@@ -54,7 +54,9 @@ OVERRIDES: dict[str, dict] = {}
 EXTRA_FORMATS = ("keras-hub",)
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
-TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
+#: Grouped routing and dense-first layers, set so the 2-layer model still routes through experts.
+ONE_KEYS = ("n_group", "topk_group", "num_expert_group", "first_k_dense_replace")
 
 
 # ------------------------------------------------------------------------------ the model types
@@ -127,8 +129,9 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     for k in TOPK_KEYS:
         if isinstance(small.get(k), int) and small[k] > 2:
             small[k] = 2
-    if isinstance(small.get("n_group"), int) and small["n_group"] > 1:
-        small["n_group"], small["topk_group"] = 1, 1
+    for k in ONE_KEYS:
+        if isinstance(small.get(k), int) and small[k] > 1:
+            small[k] = 1
     amap = dict(getattr(transformers.CONFIG_MAPPING[text.model_type], "attribute_map", {}) or {})
     vk = amap.get("vocab_size", "vocab_size")
     if isinstance(small.get(vk), int) and small[vk] == tp.TWIN_VOCAB:

@@ -328,8 +328,22 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
-    """transformers' config is the interchange form: unchanged."""
-    return dict(config)
+    """transformers' config is the interchange form, with every value transformers computes with
+    written out (``save_pretrained`` leaves out those equal to the class's defaults, which another
+    library then lacks: mlx-lm requires ``head_dim``); as given where transformers cannot read it."""
+    try:
+        cfg = _config(config)
+        full = cfg.to_dict()
+    except Exception:  # noqa: BLE001 - refused later, by name, where it is built
+        return dict(config)
+    full.pop("transformers_version", None)
+    for alias, name in (getattr(type(cfg), "attribute_map", None) or {}).items():  # other libraries' names
+        if alias not in full and name in full:
+            full[alias] = full[name]
+    heads, hidden = full.get("num_attention_heads"), full.get("hidden_size")
+    if full.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads:
+        full["head_dim"] = hidden // heads  # what transformers' attention computes with when it is unset
+    return {**full, **config}
 
 
 def _config_class(config: dict):
@@ -389,8 +403,8 @@ def port_shrink(fmt: str, common: dict) -> dict:
     small_hidden = heads * TWIN_HEAD_DIM
     if isinstance(head_dim, int):
         out["head_dim"] = TWIN_HEAD_DIM
-        if head_dim * heads != hidden:  # widths that differ stay different
-            small_hidden = heads * TWIN_HEAD_DIM + TWIN_HEAD_DIM
+        if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
+            small_hidden = 2 * heads * TWIN_HEAD_DIM
     out[key("hidden_size")] = small_hidden
     if isinstance(get("intermediate_size"), int):
         out[key("intermediate_size")] = 2 * small_hidden + 16

@@ -304,7 +304,8 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None):
+        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None
+                                      or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
@@ -376,9 +377,15 @@ def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[st
         st, s_idx = template(key)
         if st != p.source:
             continue
-        if not (recipe.pick or recipe.stack):  # one whole source, maybe transposed, saved under its own name
-            if recipe.target.count("{}") == len(s_idx):
-                out[fill(recipe.target, s_idx)] = _shape_of(shape, p.transpose)
+        if not (recipe.pick or recipe.stack):  # whole sources, maybe transposed, saved under their own name
+            if recipe.target.count("{}") != len(s_idx):
+                continue
+            shapes = [_shape_of(real_src.get(fill(q.source, s_idx), ()), q.transpose) for q in recipe.pieces]
+            if recipe.axis is None or len(shapes) == 1:
+                out[fill(recipe.target, s_idx)] = shapes[0]
+            elif all(len(x) > recipe.axis for x in shapes):
+                out[fill(recipe.target, s_idx)] = shapes[0][:recipe.axis] + (sum(x[recipe.axis] for x in shapes),) \
+                    + shapes[0][recipe.axis + 1:]
             continue
         if recipe.pick:
             inner = tuple(x for k, x in enumerate(shape) if k != recipe.axis)
