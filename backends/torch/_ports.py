@@ -396,17 +396,23 @@ def port_shrink(fmt: str, common: dict) -> dict:
 
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
-    if not isinstance(heads, int) or not isinstance(hidden, int):
+    if not isinstance(hidden, int) or (not isinstance(heads, int) and "expand" not in out):
         raise ConversionError(f"cannot shrink the {common.get('model_type')!r} config into a twin: it has no integer "
                               f"num_attention_heads/hidden_size ({received('num_attention_heads', heads)})")
     head_dim = out.get("head_dim")
+    if not isinstance(heads, int):  # no attention (a state-space model): widths that expand computes from
+        heads, head_dim = 8, None
+        if isinstance(out.get("time_step_rank"), int):
+            out["time_step_rank"] = TWIN_HEAD_DIM
     small_hidden = heads * TWIN_HEAD_DIM
     if isinstance(head_dim, int):
         out["head_dim"] = TWIN_HEAD_DIM
         if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
             small_hidden = 2 * heads * TWIN_HEAD_DIM
     out[key("hidden_size")] = small_hidden
-    if isinstance(get("intermediate_size"), int):
+    if isinstance(out.get("expand"), (int, float)) and not isinstance(get("num_attention_heads"), int):
+        out["intermediate_size"] = int(out["expand"] * small_hidden)  # the inner width expand gives
+    if isinstance(get("intermediate_size"), int) and not isinstance(out.get("expand"), (int, float)):
         out[key("intermediate_size")] = 2 * small_hidden + 16
     if isinstance(out.get("n_inner"), int):
         out["n_inner"] = 2 * small_hidden + 16

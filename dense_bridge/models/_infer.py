@@ -115,6 +115,8 @@ def split_inputs(inputs) -> tuple[Any, Any]:
 def _kind(side, e) -> str | None:
     """linear / embedding / norm / stack, or None for a layer auto cannot pair (named in the refusal).
 
+    ``raw``: any other layer with parameters (a convolution, a state-space mixer's ``A_log``/``D``):
+    its parameters pair one by one by name and shape (:func:`_pair_raw`).
     ``stack``: a layer whose parameters hold an expert axis (every 3-D parameter leads with the
     same count: mixture-of-experts stacks, fused or not), paired parameter by parameter
     (:func:`_pair_stacks`). An ``embedding`` called on floating-point activations is a matrix
@@ -130,7 +132,7 @@ def _kind(side, e) -> str | None:
     if big and len({s[0] for s in big}) == 1 and all(len(s) == 3 or (len(s) == 2 and s[0] == big[0][0])
                                                      for s in shapes):
         return "stack"
-    return None
+    return "raw" if shapes else None
 
 
 @dataclass
@@ -142,6 +144,8 @@ class _Run:
     tied_heads: list[_Layer] = field(default_factory=list)  # fully tied linear heads that were called
     #: embedding tables called as the output head without a module of their own (HEAD_CALL)
     table_heads: list[_Layer] = field(default_factory=list)
+    #: linear and raw layers never called as modules (a forward that reads their weights directly)
+    unseen: list[_Layer] = field(default_factory=list)
 
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
@@ -198,6 +202,14 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
             continue
         run.layers.setdefault(kind, []).append(layer)
     run.uncalled = [p for p, e in wanted.items() if p not in seen and not side.fully_tied(e)]
+    for p in run.uncalled:  # never called as a module (its weights used directly): paired by name below
+        e = wanted[p]
+        kind = _kind(side, e)
+        if kind == "linear":
+            run.unseen.append(_Layer(e, kind, len(captured.calls), tuple(side.linear_params(e)["kernel"].shape),
+                                     f"unseen:{p}"))
+        elif kind in ("raw", "stack"):
+            run.unseen.append(_Layer(e, kind, len(captured.calls), tuple(e.shapes[n] for n in e.names), f"unseen:{p}"))
     return run
 
 
@@ -372,6 +384,61 @@ def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple
     return [p for p, _ in pa[i:]], [q for q, _ in pb[j:]]
 
 
+def _pair_unseen(run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> None:
+    """Layers one side never calls as modules (its forward reads their weights directly, as
+    transformers' reference Mamba path does with ``dt_proj`` and ``conv1d``): a linear one pairs
+    with the other side's layer of the same path and widths, taken out of the call order it would
+    otherwise shift; raw ones join the raw layers, which pair by name."""
+    for mine, theirs in ((run_a, run_b), (run_b, run_a)):
+        for x in list(mine.unseen):
+            if x.kind != "linear":
+                mine.layers.setdefault(x.kind, []).append(x)
+                continue
+            others = theirs.layers.get("linear", [])
+            hit = next((y for y in others if y.entry.path == x.entry.path and y.signature == x.signature), None)
+            if hit is None:
+                continue
+            others.remove(hit)
+            src, dst = (x, hit) if mine is run_a else (hit, x)
+            _one_to_one(src.entry, dst.entry, plan)
+            for run, layer in ((run_a, src), (run_b, dst)):
+                if layer.entry.path in run.uncalled:
+                    run.uncalled.remove(layer.entry.path)
+        for x in mine.unseen:
+            if x.kind != "linear" and x.entry.path in mine.uncalled:
+                mine.uncalled.remove(x.entry.path)
+        mine.unseen = []
+
+
+def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Parameters of layers that are neither linear, norm, table nor expert stack (a depthwise
+    convolution, ``A_log``, ``D``, ``dt_bias``), in execution order: each into the first one left
+    on the other side with the same name and shape, or the same name and its last two axes
+    exchanged (a convolution stored (channels, 1, width) on one side, (channels, width, 1) on the
+    other). The transfer's verification judges the result like every other pair."""
+    pa, pb = _stack_params(a), _stack_params(b)
+    taken: set[int] = set()
+    left_a = []
+    for path, shape in pa:
+        name = _last(path)
+        hit = None
+        for j, (q, qs) in enumerate(pb):
+            if j in taken or _last(q) != name:
+                continue
+            if tuple(qs) == tuple(shape):
+                hit = (j, False)
+                break
+            if len(qs) >= 2 and _swapped(shape, True) == tuple(qs):
+                hit = (j, True)
+                break
+        if hit is None:
+            left_a.append(path)
+            continue
+        taken.add(hit[0])
+        plan.axis_moves.append(_mapping.AxisMove((path,), (pb[hit[0]][0],), None, hit[1], rule="auto"))
+    return left_a, [q for j, (q, _) in enumerate(pb) if j not in taken]
+
+
 @dataclass
 class Inferred:
     """The inferred plan (explicit entries first), and every parameterised layer left unpaired."""
@@ -400,6 +467,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     in_a, in_b = split_inputs(inputs)
     run_a = _record(src_model, a, in_a, taken_a)
     run_b = _record(dst_model, b, in_b, taken_b)
+    _pair_unseen(run_a, run_b, plan)
     left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
     if len(left_b) == 1 and not left_a and run_a.tied_heads \
@@ -423,8 +491,13 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     sa, sb = _pair_stacks(run_a.layers.get("stack", []), run_b.layers.get("stack", []), plan)
     left_a += sa
     left_b += sb
+    ra, rb = _pair_raw(run_a.layers.get("raw", []), run_b.layers.get("raw", []), plan)
+    left_a += ra
+    left_b += rb
     _mapping.record_ties(a, plan)
-    return Inferred(plan, [x.path for x in left_a] + run_a.uncalled, [y.path for y in left_b] + run_b.uncalled)
+    def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
+        return [x if isinstance(x, str) else x.path for x in left]
+    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:

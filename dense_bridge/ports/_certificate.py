@@ -4,7 +4,7 @@ operations recorded, and every entry confirmed again later from the files alone.
 
 A tensor entry: ``{"sources": [{"file", "tensor", "slice", "transpose"}], "axis", "ops", "dtypes",
 "exact", "max_ulp", "codes", "file"}``; ``slice`` is one ``[start, stop]`` per axis of the source
-tensor as stored; each source is sliced, then transposed when ``transpose``, then the pieces are
+tensor as stored; each source is sliced, then transposed when ``transpose`` (its last two axes exchanged), then the pieces are
 concatenated along ``axis`` (a single piece: taken as it is), then cast to ``dtypes[-1]``.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
     full = [[0, n] for n in shape]
     if axis is None or stop is None:
         return full
-    stored_axis = (len(shape) - 1 - axis) if transpose else axis
+    n = len(shape)  # a transpose exchanges the last two axes
+    stored_axis = (2 * n - 3 - axis) if transpose and axis >= n - 2 else axis
     full[stored_axis] = [start, stop]
     return full
 
@@ -53,7 +54,7 @@ def make(sources: list[tuple[np.ndarray, list, bool]], axis: int | None, dtype: 
         piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
         if pick:
             piece = np.squeeze(piece, axis=axis)
-        parts.append(piece.T if transpose else piece)
+        parts.append(np.swapaxes(piece, -1, -2) if transpose and piece.ndim >= 2 else piece)
     if stack:
         out = np.stack(parts, axis=axis)
     else:

@@ -76,7 +76,9 @@ class Recipe:
 
 
 def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
-    return a.T if transpose else a
+    """``a`` transposed: its last two axes exchanged (a matrix's transpose; a convolution's
+    (channels, 1, width) <-> (channels, width, 1))."""
+    return np.swapaxes(a, -1, -2) if transpose else a
 
 
 class _Index:
@@ -104,13 +106,13 @@ def _cover(d: np.ndarray, axis: int, src: dict[str, np.ndarray], where: _Index):
         found = None
         for name, flat in where.find(d[tuple(lead)]):
             s = src[name]
-            for transpose in ((False, True) if s.ndim == 2 else (False,)):
+            for transpose in ((False, True) if s.ndim >= 2 else (False,)):
                 so = _oriented(s, transpose)
                 if so.ndim != d.ndim:
                     continue
                 coord = list(np.unravel_index(flat, s.shape))
                 if transpose:
-                    coord = coord[::-1]
+                    coord[-2], coord[-1] = coord[-1], coord[-2]
                 if any(coord[k] != 0 or so.shape[k] != d.shape[k] for k in range(d.ndim) if k != axis):
                     continue
                 start = int(coord[axis])
@@ -192,7 +194,8 @@ def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) 
         if s.shape == d.shape and s.reshape(-1)[:1].tobytes() == d.reshape(-1)[:1].tobytes() and np.array_equal(s, d):
             return None, [(s_name, False, 0, d.shape[0] if d.ndim else 1, True)]
     for s_name, s in src.items():
-        if s.ndim == 2 and s.T.shape == d.shape and s[0, 0] == d[0, 0] and np.array_equal(s.T, d):
+        if s.ndim >= 2 and _oriented(s, True).shape == d.shape and s.reshape(-1)[0] == d.reshape(-1)[0] \
+                and np.array_equal(_oriented(s, True), d):
             return None, [(s_name, True, 0, d.shape[0], True)]
     for axis in range(d.ndim):
         pieces = _cover(d, axis, src, where)
@@ -284,7 +287,9 @@ class Move:
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
-    return tuple(shape[::-1]) if transpose else tuple(shape)
+    """``shape`` with its last two axes exchanged when ``transpose``."""
+    shape = tuple(shape)
+    return shape[:-2] + (shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
 
 
 def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_templates: set[str],
