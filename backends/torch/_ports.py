@@ -379,6 +379,17 @@ def _period(values: list) -> int:
     return len(values)
 
 
+def _keep_each(values: list, n: int) -> list:
+    """The first ``n`` of a per-layer list, the last ones replaced by the kinds they would leave out
+    (a list of dense layers then sparse ones keeps one of each)."""
+    out = list(values[:n])
+    missing = [v for v in dict.fromkeys(map(repr, values)) if v not in map(repr, out)]
+    by_repr = {repr(v): v for v in values}
+    for i, r in enumerate(missing[:n]):
+        out[n - len(missing[:n]) + i] = by_repr[r]
+    return out
+
+
 def port_shrink(fmt: str, common: dict) -> dict:
     """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
     structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
@@ -426,7 +437,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
     for pattern_key in ("sliding_window_pattern", "sliding_window_layers"):
         if isinstance(out.get(pattern_key), int):
             layers = max(layers, out[pattern_key])
-    out[key("num_hidden_layers")] = min(layers, get("num_hidden_layers", layers))
+    total = get("num_hidden_layers", layers)
+    out[key("num_hidden_layers")] = min(layers, total)
+    for k, v in list(out.items()):  # other per-layer lists (mlp_layer_types): each kind kept, one layer each
+        if k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
+            out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
     vocab = get("vocab_size")
