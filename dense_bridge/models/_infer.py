@@ -5,9 +5,12 @@ while every layer holding parameters of its own records its calls: linear layers
 embedding tables (Keras' ReversibleEmbedding records its lookups under the table's path and its
 ``reverse=True`` calls under its head's). From the calls:
 
-- each layer's **kind**: ``linear`` (the walk says so), ``embedding`` (one 2-D table), ``norm``
-  (1-D parameters only); anything else (a mixture-of-experts stack whose weights hold an expert
-  axis) is refused by name;
+- each layer's **kind**: ``linear`` (the walk says so), ``embedding`` (one 2-D table; called on
+  floating-point activations it is a matrix applied as a linear map, a router, and pairs with
+  linear layers), ``norm`` (1-D parameters only), ``stack`` (expert stacks: 3-D parameters leading
+  with one expert count, paired parameter by parameter along an axis: split, joined, or with
+  their last two axes exchanged, written as ``{"to", "axis", "swap"}`` rules), ``raw`` (anything
+  else: a convolution, ``A_log``, ``D``; its parameters pair by name and shape);
 - its **place**: the position of its first call in execution order (definition order does not
   count: mlx-lm's Llama MLP defines gate, down, up and calls gate, up, down);
 - its **data flow**: a fingerprint of its input's exact values, so that calls that read the same
