@@ -100,6 +100,17 @@ def _fingerprint(x: np.ndarray) -> str:
     return f"{arr.dtype}:{arr.size}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
 
 
+def _applied(shape: tuple, call) -> bool:
+    """The call maps its input's last axis (in_features, ``shape[1]``) to ``shape[0]`` units: a
+    matrix applied as a linear layer (a router), not a table sliced by position."""
+    try:
+        x, y = np.shape(call.inputs[0]), np.shape(call.output)
+    except Exception:  # noqa: BLE001 - an output numpy cannot read is no linear map to judge
+        return False
+    return len(shape) == 2 and shape[0] != shape[1] and bool(x) and bool(y) and x[-1] == shape[1] \
+        and y[-1] == shape[0]
+
+
 def _floating(x) -> bool:
     try:
         return np.asarray(x).dtype.kind == "f" or "float" in str(np.asarray(x).dtype)
@@ -190,7 +201,7 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        if kind == "embedding" and call.inputs and _floating(call.inputs[0]):
+        if kind == "embedding" and call.inputs and _floating(call.inputs[0]) and _applied(e.shapes[e.names[0]], call):
             kind = "matrix"  # a 2-D weight applied to activations (a router), stored (units, in_features)
         if kind == "linear":
             sig = tuple(side.linear_params(e)["kernel"].shape)
