@@ -228,12 +228,29 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
 
 
 # ----------------------------------------------------------------------------- pairing
+_BLOCK = re.compile(r"^(.*[./]\d+)[./]")
+
+
+def _block(path: str) -> str:
+    """The path up to its last numbered component (``model.layers.0``): the block a layer sits in."""
+    m = _BLOCK.match(path)
+    return m.group(1) if m else ""
+
+
 def _runs(layers: list[_Layer]) -> list[list[_Layer]]:
-    """Consecutive linear calls reading the same input with the same in_features: one run each."""
+    """Linear calls reading the same input with the same in_features: one run each, consecutive
+    calls, and later calls of the same block reading that input again (a mixture-of-experts block
+    calls its shared expert and its router on one input, in an order each library picks)."""
     out: list[list[_Layer]] = []
     for layer in layers:
         if out and out[-1][-1].source == layer.source and out[-1][-1].signature[0] == layer.signature[0]:
             out[-1].append(layer)
+            continue
+        block = _block(layer.path)
+        earlier = next((r for r in out if block and r[0].source == layer.source and _block(r[0].path) == block
+                        and r[0].signature[0] == layer.signature[0]), None)
+        if earlier is not None:
+            earlier.append(layer)
         else:
             out.append([layer])
     return out
