@@ -459,6 +459,9 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out[key("max_position_embeddings")] = max(TWIN_POSITIONS, get("max_position_embeddings"))
     if isinstance(out.get("n_ctx"), int):
         out["n_ctx"] = max(TWIN_POSITIONS, out["n_ctx"])
+    for alias, name in amap.items():  # names carried for other libraries follow the values shrunk
+        if alias in out and name in out:
+            out[alias] = out[name]
     out["dtype"] = "float32"
     out.pop("torch_dtype", None)
     for drop in ("quantization_config", "quantization"):
