@@ -57,12 +57,16 @@ def _recording_class(cls, path: str, state: dict):
     def __call__(self, *args, **kwargs):
         y = cls.__call__(self, *args, **kwargs)
         log, probes = state["log"], state.get("probes")
-        if probes is not None:  # the grad pass: y + 0, whose gradient is dL/dy
+        if probes is not None and isinstance(y, mx.array):  # the grad pass: y + 0, whose gradient is dL/dy
             y = y + probes[len(log)]
         counts = state["counts"]
         n = counts.get(path, 0)
         counts[path] = n + 1
-        log.append((path, n, tuple(a for a in args if isinstance(a, mx.array)), y))
+        # a layer returning several arrays (a router: the experts it picked and their scores) is
+        # recorded by its first floating-point one
+        main = y if isinstance(y, mx.array) else next(
+            (o for o in y if _is_float(o)), None) if isinstance(y, (tuple, list)) else None
+        log.append((path, n, tuple(a for a in args if isinstance(a, mx.array)), main))
         return y
 
     methods = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
@@ -118,14 +122,15 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             swapped.append((layer, cls))
         out = select_output(model(*args, **kwargs), select, _is_float)
         log = state["log"]
-        calls = [Call(p, n, tuple(_np(x) for x in xs), _np(y)) for p, n, xs, y in log]
+        calls = [Call(p, n, tuple(_np(x) for x in xs), _np(y) if y is not None else np.zeros((0,), np.float32))
+                 for p, n, xs, y in log]
         result = Capture(calls, {}, _np(out))
         if not grads:
             return result
         cot = _to_mx(cotangent(tuple(out.shape)), dtype_name(out.dtype, "the model output"))
         paths = list(layers)
         originals = [layers[p].trainable_parameters() for p in paths]
-        probes0 = [mx.zeros_like(y) for _, _, _, y in log]
+        probes0 = [mx.zeros_like(y) if y is not None else mx.zeros((0,)) for _, _, _, y in log]
 
         def loss(params, probes):
             for p, value in zip(paths, params):

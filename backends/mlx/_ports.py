@@ -154,6 +154,7 @@ def port_own_config(fmt: str, common: dict) -> dict:
     for theirs, ours in ALIASES.items():
         if ours in out and theirs not in out:
             out[theirs] = out[ours]
+    _optional_fields(out)
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values()):
         for inner, outer in READS_AS.items():
@@ -164,6 +165,22 @@ def port_own_config(fmt: str, common: dict) -> dict:
             rest = {k: v for k, v in rope.items() if k not in READS_AS}
             out["rope_scaling"] = {**rest, "type": kind, "rope_type": kind}
     return out
+
+
+def _optional_fields(config: dict) -> None:
+    """Fields mlx-lm's ``ModelArgs`` requires but types as optional (``rope_scaling``), absent from
+    ``config``: set to None, which is what an absent setting means to the library that wrote it."""
+    import dataclasses
+
+    try:
+        _, args_class = _classes(config)
+        fields = dataclasses.fields(args_class)
+    except (ConversionError, TypeError):
+        return
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in config and ("Optional" in str(f.type) or "None" in str(f.type)):
+            config[f.name] = None
 
 
 def port_shrink(fmt: str, common: dict) -> dict:

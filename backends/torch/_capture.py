@@ -96,7 +96,11 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         def hook(module, hook_args, output):
             n = counts.get(path, 0)
             counts[path] = n + 1
-            records.append([path, n, tuple(a for a in hook_args if isinstance(a, torch.Tensor)), output])
+            # a layer returning several tensors (a router: its logits, then the scores and indices
+            # it picked) is recorded by its first floating-point one
+            main = output if isinstance(output, torch.Tensor) else next(
+                (o for o in output if _is_float(o)), None) if isinstance(output, (tuple, list)) else None
+            records.append([path, n, tuple(a for a in hook_args if isinstance(a, torch.Tensor)), main])
             # the model goes on with a copy: an in-place op on it later (``x += residual``) changes
             # neither the recorded values nor the tensor whose gradient is dL/d(output)
             return output.clone() if isinstance(output, torch.Tensor) else None
@@ -119,7 +123,8 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         for h in handles:
             h.remove()
         handles = []
-        calls = [Call(path, n, tuple(_numpy(x) for x in xs), _numpy(y)) for path, n, xs, y in records]
+        calls = [Call(path, n, tuple(_numpy(x) for x in xs), _numpy(y) if y is not None else np.zeros((0,), np.float32))
+                 for path, n, xs, y in records]
         result = Capture(calls, {}, _numpy(out))
         if not grads:
             return result

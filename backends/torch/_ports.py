@@ -332,8 +332,22 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
-    """transformers' config is the interchange form: unchanged."""
-    return dict(config)
+    """transformers' config is the interchange form, with every value transformers computes with
+    written out (``save_pretrained`` leaves out those equal to the class's defaults, which another
+    library then lacks: mlx-lm requires ``head_dim``); as given where transformers cannot read it."""
+    try:
+        cfg = _config(config)
+        full = cfg.to_dict()
+    except Exception:  # noqa: BLE001 - refused later, by name, where it is built
+        return dict(config)
+    full.pop("transformers_version", None)
+    for alias, name in (getattr(type(cfg), "attribute_map", None) or {}).items():  # other libraries' names
+        if alias not in full and name in full:
+            full[alias] = full[name]
+    heads, hidden = full.get("num_attention_heads"), full.get("hidden_size")
+    if full.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads:
+        full["head_dim"] = hidden // heads  # what transformers' attention computes with when it is unset
+    return {**full, **config}
 
 
 def _config_class(config: dict):
@@ -369,6 +383,17 @@ def _period(values: list) -> int:
     return len(values)
 
 
+def _keep_each(values: list, n: int) -> list:
+    """The first ``n`` of a per-layer list, the last ones replaced by the kinds they would leave out
+    (a list of dense layers then sparse ones keeps one of each)."""
+    out = list(values[:n])
+    missing = [v for v in dict.fromkeys(map(repr, values)) if v not in map(repr, out)]
+    by_repr = {repr(v): v for v in values}
+    for i, r in enumerate(missing[:n]):
+        out[n - len(missing[:n]) + i] = by_repr[r]
+    return out
+
+
 def port_shrink(fmt: str, common: dict) -> dict:
     """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
     structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
@@ -386,17 +411,23 @@ def port_shrink(fmt: str, common: dict) -> dict:
 
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
-    if not isinstance(heads, int) or not isinstance(hidden, int):
+    if not isinstance(hidden, int) or (not isinstance(heads, int) and "expand" not in out):
         raise ConversionError(f"cannot shrink the {common.get('model_type')!r} config into a twin: it has no integer "
                               f"num_attention_heads/hidden_size ({received('num_attention_heads', heads)})")
     head_dim = out.get("head_dim")
+    if not isinstance(heads, int):  # no attention (a state-space model): widths that expand computes from
+        heads, head_dim = 8, None
+        if isinstance(out.get("time_step_rank"), int):
+            out["time_step_rank"] = TWIN_HEAD_DIM
     small_hidden = heads * TWIN_HEAD_DIM
     if isinstance(head_dim, int):
         out["head_dim"] = TWIN_HEAD_DIM
-        if head_dim * heads != hidden:  # widths that differ stay different
-            small_hidden = heads * TWIN_HEAD_DIM + TWIN_HEAD_DIM
+        if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
+            small_hidden = 2 * heads * TWIN_HEAD_DIM
     out[key("hidden_size")] = small_hidden
-    if isinstance(get("intermediate_size"), int):
+    if isinstance(out.get("expand"), (int, float)) and not isinstance(get("num_attention_heads"), int):
+        out["intermediate_size"] = int(out["expand"] * small_hidden)  # the inner width expand gives
+    if isinstance(get("intermediate_size"), int) and not isinstance(out.get("expand"), (int, float)):
         out[key("intermediate_size")] = 2 * small_hidden + 16
     if isinstance(out.get("n_inner"), int):
         out["n_inner"] = 2 * small_hidden + 16
@@ -410,7 +441,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
     for pattern_key in ("sliding_window_pattern", "sliding_window_layers"):
         if isinstance(out.get(pattern_key), int):
             layers = max(layers, out[pattern_key])
-    out[key("num_hidden_layers")] = min(layers, get("num_hidden_layers", layers))
+    total = get("num_hidden_layers", layers)
+    out[key("num_hidden_layers")] = min(layers, total)
+    for k, v in list(out.items()):  # other per-layer lists (mlp_layer_types): each kind kept, one layer each
+        if k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
+            out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
     vocab = get("vocab_size")
@@ -428,6 +463,9 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out[key("max_position_embeddings")] = max(TWIN_POSITIONS, get("max_position_embeddings"))
     if isinstance(out.get("n_ctx"), int):
         out["n_ctx"] = max(TWIN_POSITIONS, out["n_ctx"])
+    for alias, name in amap.items():  # names carried for other libraries follow the values shrunk
+        if alias in out and name in out:
+            out[alias] = out[name]
     out["dtype"] = "float32"
     out.pop("torch_dtype", None)
     for drop in ("quantization_config", "quantization"):

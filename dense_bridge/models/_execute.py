@@ -51,6 +51,8 @@ def execute(a: Side, b: Side, plan: _mapping.Plan, adapters: Any, *, strict: boo
         run.layer_move(m)
     for pm in plan.params:
         run.param(pm)
+    for am in plan.axis_moves:
+        run.axis_move(am)
     dst_done = run.ties()
     if strict:
         run.completeness(dst_done)
@@ -358,6 +360,49 @@ class Execution:
             self.writes.append((d, "native", {nd: value}))
         self.moved_src.add(pm.src)
         self.report.moved.append((pm.src, pm.dst, what))
+
+    def axis_move(self, am: _mapping.AxisMove) -> None:
+        """Stored parameters joined and split along an axis (expert stacks), as stored: each source
+        (last two axes exchanged when ``am.swap``) concatenated along ``am.axis``, then cut into the
+        destination parameters, each as wide as it is along that axis."""
+        names = f"{'+'.join(am.src)!r} -> {'+'.join(am.dst)!r}"
+        values = []
+        for p in am.src:
+            s, ns = self.a.params[p]
+            v = np.asarray(self.a.native(s)[ns])
+            values.append(np.swapaxes(v, -1, -2) if am.swap and v.ndim >= 2 else v)
+        dsts = [self.b.params[p] for p in am.dst]
+        if am.axis is None:
+            if len(values) != 1 or len(dsts) != 1:
+                self.problems.append(f"{names}: several parameters on one side need an axis to join or split along")
+                return
+            pieces = values
+        else:
+            if any(v.ndim <= am.axis for v in values):
+                self.problems.append(f"{names}: axis {am.axis} is beyond the parameters' {[v.ndim for v in values]} axes")
+                return
+            try:
+                whole = values[0] if len(values) == 1 else np.concatenate(values, axis=am.axis)
+            except ValueError as exc:
+                self.problems.append(f"{names}: the src parameters do not join along axis {am.axis} ({exc})")
+                return
+            widths = [d.shapes[n][am.axis] if len(d.shapes[n]) > am.axis else -1 for d, n in dsts]
+            if sum(widths) != whole.shape[am.axis]:
+                self.problems.append(f"{names}: src holds {whole.shape[am.axis]} along axis {am.axis}, the dst "
+                                     f"parameters {widths} = {sum(widths)}")
+                return
+            pieces = np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
+        for (d, nd), piece, path in zip(dsts, pieces, am.dst):
+            piece = np.ascontiguousarray(piece)
+            problem = self._check_native(am.src[0], piece, d, nd)
+            if problem:
+                self.problems.append(f"{names}: {problem}")
+                return
+            if self.claim(d, nd, am.src[0]):
+                self.writes.append((d, "native", {nd: piece}))
+            self.report.moved.append(("+".join(am.src), path, f"parameter along axis {am.axis}"
+                                      + (" (last two axes swapped)" if am.swap else "")))
+        self.moved_src.update(am.src)
 
     def _check_native(self, src_path: str, value: Any, d: Entry, name: str) -> str | None:
         """Does ``value`` (host numpy, or a device array on the device path) fit dst's ``name``."""

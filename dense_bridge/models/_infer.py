@@ -5,9 +5,12 @@ while every layer holding parameters of its own records its calls: linear layers
 embedding tables (Keras' ReversibleEmbedding records its lookups under the table's path and its
 ``reverse=True`` calls under its head's). From the calls:
 
-- each layer's **kind**: ``linear`` (the walk says so), ``embedding`` (one 2-D table), ``norm``
-  (1-D parameters only); anything else (a mixture-of-experts stack whose weights hold an expert
-  axis) is refused by name;
+- each layer's **kind**: ``linear`` (the walk says so), ``embedding`` (one 2-D table; called on
+  floating-point activations it is a matrix applied as a linear map, a router, and pairs with
+  linear layers), ``norm`` (1-D parameters only), ``stack`` (expert stacks: 3-D parameters leading
+  with one expert count, paired parameter by parameter along an axis: split, joined, or with
+  their last two axes exchanged, written as ``{"to", "axis", "swap"}`` rules), ``raw`` (anything
+  else: a convolution, ``A_log``, ``D``; its parameters pair by name and shape);
 - its **place**: the position of its first call in execution order (definition order does not
   count: mlx-lm's Llama MLP defines gate, down, up and calls gate, up, down);
 - its **data flow**: a fingerprint of its input's exact values, so that calls that read the same
@@ -91,8 +94,28 @@ class _Layer:
 
 
 def _fingerprint(x: np.ndarray) -> str:
+    """The input's values, whatever its shape (a router reads the hidden states flattened to
+    (tokens, hidden), the experts beside it read them as (batch, positions, hidden))."""
     arr = np.ascontiguousarray(np.asarray(x))
-    return f"{arr.shape}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
+    return f"{arr.dtype}:{arr.size}:{hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()}"
+
+
+def _applied(shape: tuple, call) -> bool:
+    """The call maps its input's last axis (in_features, ``shape[1]``) to ``shape[0]`` units: a
+    matrix applied as a linear layer (a router), not a table sliced by position."""
+    try:
+        x, y = np.shape(call.inputs[0]), np.shape(call.output)
+    except Exception:  # noqa: BLE001 - an output numpy cannot read is no linear map to judge
+        return False
+    return len(shape) == 2 and shape[0] != shape[1] and bool(x) and bool(y) and x[-1] == shape[1] \
+        and y[-1] == shape[0]
+
+
+def _floating(x) -> bool:
+    try:
+        return np.asarray(x).dtype.kind == "f" or "float" in str(np.asarray(x).dtype)
+    except Exception:  # noqa: BLE001 - an input numpy cannot read is no activation to judge
+        return False
 
 
 def split_inputs(inputs) -> tuple[Any, Any]:
@@ -104,7 +127,14 @@ def split_inputs(inputs) -> tuple[Any, Any]:
 
 
 def _kind(side, e) -> str | None:
-    """linear / embedding / norm, or None for a layer auto cannot pair (named in the refusal)."""
+    """linear / embedding / norm / stack, or None for a layer auto cannot pair (named in the refusal).
+
+    ``raw``: any other layer with parameters (a convolution, a state-space mixer's ``A_log``/``D``):
+    its parameters pair one by one by name and shape (:func:`_pair_raw`).
+    ``stack``: a layer whose parameters hold an expert axis (every 3-D parameter leads with the
+    same count: mixture-of-experts stacks, fused or not), paired parameter by parameter
+    (:func:`_pair_stacks`). An ``embedding`` called on floating-point activations is a matrix
+    applied as a linear map (a router): it is re-kinded ``linear`` when its call is recorded."""
     if e.kind == "linear":
         return "linear"
     shapes = [e.shapes[n] for n in e.names]
@@ -112,7 +142,11 @@ def _kind(side, e) -> str | None:
         return "embedding"
     if shapes and all(len(s) == 1 for s in shapes):
         return "norm"
-    return None
+    big = [s for s in shapes if len(s) == 3]
+    if big and len({s[0] for s in big}) == 1 and all(len(s) == 3 or (len(s) == 2 and s[0] == big[0][0])
+                                                     for s in shapes):
+        return "stack"
+    return "raw" if shapes else None
 
 
 @dataclass
@@ -124,6 +158,8 @@ class _Run:
     tied_heads: list[_Layer] = field(default_factory=list)  # fully tied linear heads that were called
     #: embedding tables called as the output head without a module of their own (HEAD_CALL)
     table_heads: list[_Layer] = field(default_factory=list)
+    #: linear and raw layers never called as modules (a forward that reads their weights directly)
+    unseen: list[_Layer] = field(default_factory=list)
 
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
@@ -138,8 +174,8 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
                            f"{ {n: e.shapes[n] for n in e.names} })" for e in unsupported[:6])
         raise ConversionError(
             f"mapping='auto' pairs linear layers, norms and embedding tables; {side.argument} holds layers it cannot "
-            f"pair: {listed}. Mixture-of-experts stacks (weights with an expert axis) are out of its scope: give "
-            f"an explicit mapping")
+            f"pair: {listed} (neither linear layers, norms, embedding tables nor expert stacks (every 3-D "
+            f"parameter leading with one expert count)): map them by parameter path")
     wanted = {e.path: e for e in side.entries if e.path not in skip}
     try:
         captured = verb(model, inputs, {p: e.layer for p, e in wanted.items()},
@@ -165,7 +201,14 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         seen.add(call.path)
         e = wanted[call.path]
         kind = _kind(side, e)
-        sig = side.kernel_shape(e) if kind == "linear" else tuple(e.shapes[n] for n in e.names)
+        if kind == "embedding" and call.inputs and _floating(call.inputs[0]) and _applied(e.shapes[e.names[0]], call):
+            kind = "matrix"  # a 2-D weight applied to activations (a router), stored (units, in_features)
+        if kind == "linear":
+            sig = side.kernel_shape(e)
+        elif kind == "matrix":
+            kind, sig = "linear", tuple(e.shapes[e.names[0]][::-1])
+        else:
+            sig = tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
         layer = _Layer(e, kind, i, tuple(sig), source)
         if kind == "linear" and side.fully_tied(e):
@@ -173,16 +216,41 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
             continue
         run.layers.setdefault(kind, []).append(layer)
     run.uncalled = [p for p, e in wanted.items() if p not in seen and not side.fully_tied(e)]
+    for p in run.uncalled:  # never called as a module (its weights used directly): paired by name below
+        e = wanted[p]
+        kind = _kind(side, e)
+        if kind == "linear":
+            run.unseen.append(_Layer(e, kind, len(captured.calls), tuple(side.linear_params(e)["kernel"].shape),
+                                     f"unseen:{p}"))
+        elif kind in ("raw", "stack"):
+            run.unseen.append(_Layer(e, kind, len(captured.calls), tuple(e.shapes[n] for n in e.names), f"unseen:{p}"))
     return run
 
 
 # ----------------------------------------------------------------------------- pairing
+_BLOCK = re.compile(r"^(.*[./]\d+)[./]")
+
+
+def _block(path: str) -> str:
+    """The path up to its last numbered component (``model.layers.0``): the block a layer sits in."""
+    m = _BLOCK.match(path)
+    return m.group(1) if m else ""
+
+
 def _runs(layers: list[_Layer]) -> list[list[_Layer]]:
-    """Consecutive linear calls reading the same input with the same in_features: one run each."""
+    """Linear calls reading the same input with the same in_features: one run each, consecutive
+    calls, and later calls of the same block reading that input again (a mixture-of-experts block
+    calls its shared expert and its router on one input, in an order each library picks)."""
     out: list[list[_Layer]] = []
     for layer in layers:
         if out and out[-1][-1].source == layer.source and out[-1][-1].signature[0] == layer.signature[0]:
             out[-1].append(layer)
+            continue
+        block = _block(layer.path)
+        earlier = next((r for r in out if block and r[0].source == layer.source and _block(r[0].path) == block
+                        and r[0].signature[0] == layer.signature[0]), None)
+        if earlier is not None:
+            earlier.append(layer)
         else:
             out.append([layer])
     return out
@@ -190,6 +258,18 @@ def _runs(layers: list[_Layer]) -> list[list[_Layer]]:
 
 def _last(path: str) -> str:
     return re.split(r"[./]", path)[-1]
+
+
+def _one_to_one(s, d, plan: _mapping.Plan) -> None:
+    """One layer into one; a linear layer and a matrix applied as one (a router) move parameter by
+    parameter, by name, as each stores them (both (units, in_features) where they agree in shape)."""
+    linear = ("linear", "quantized")
+    if (s.kind in linear) != (d.kind in linear) and sorted(s.names) == sorted(d.names) \
+            and all(tuple(s.shapes[n]) == tuple(d.shapes[n]) for n in s.names):
+        for n in s.names:
+            plan.params.append(_mapping.ParamMove(s.param_path(n), d.param_path(n), None, rule="auto"))
+        return
+    plan.layers.append(_mapping.LayerMove((s,), (d,), rule="auto"))
 
 
 def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
@@ -202,7 +282,7 @@ def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
             if len(xs) > 1 and sorted(names_x) == sorted(names_y) and len(set(names_x)) == len(names_x):
                 ys = [ys[names_y.index(n)] for n in names_x]  # equal widths: the names agree, trust them
             for x, y in zip(xs, ys):
-                plan.layers.append(_mapping.LayerMove((x.entry,), (y.entry,), rule="auto"))
+                _one_to_one(x.entry, y.entry, plan)
         return True
     in_a, in_b = a[0].signature[0], b[0].signature[0]
     if in_a != in_b:
@@ -248,6 +328,148 @@ def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tup
     return left_a, left_b
 
 
+def _stack_params(layers: list[_Layer]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the stack layers, in execution order (definition order within a layer)."""
+    return [(x.entry.param_path(n), tuple(x.entry.shapes[n])) for x in layers for n in x.entry.names]
+
+
+def _order_by_name(fused: str, pieces: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """Pieces of a fused parameter in the order the fused name lists their names (``gate_up_proj``:
+    gate, then up); execution order where the name does not say."""
+    name = _last(fused)
+
+    def at(piece):
+        word = _last(piece[0])
+        if word in ("weight", "kernel"):
+            word = _last(piece[0].rsplit(".", 1)[0])
+        head = word.split("_")[0]
+        pos = name.find(head) if head else -1
+        return pos if pos >= 0 else len(name)
+    positions = [at(p) for p in pieces]
+    if len(set(positions)) == len(positions) and max(positions) < len(name):
+        return [p for _, p in sorted(zip(positions, pieces))]
+    return pieces
+
+
+def _swapped(shape: tuple, swap: bool) -> tuple:
+    return tuple(shape[:-2]) + (shape[-1], shape[-2]) if swap and len(shape) >= 2 else tuple(shape)
+
+
+def _joins(whole: tuple, parts: list[tuple]) -> tuple[int | None, bool] | None:
+    """(axis, swap) such that ``parts`` (each with its last two axes exchanged when swap) joined
+    along axis make ``whole`` (axis None: one part, equal to it); None when no axis does."""
+    for swap in (False, True):
+        ps = [_swapped(p, swap) for p in parts]
+        if len(ps) == 1 and ps[0] == tuple(whole):
+            return None, swap
+        for axis in range(1, len(whole)):
+            if len(ps) > 1 and all(len(p) == len(whole) and p[:axis] + p[axis + 1:] == whole[:axis] + whole[axis + 1:]
+                                   for p in ps) and sum(p[axis] for p in ps) == whole[axis]:
+                return axis, swap
+    return None
+
+
+def _splits(whole: tuple, parts: list[tuple]) -> tuple[int, bool] | None:
+    """(axis, swap) such that ``whole`` (its last two axes exchanged when swap) cut along axis
+    makes ``parts``; None when no axis does."""
+    for swap in (False, True):
+        w = _swapped(whole, swap)
+        for axis in range(1, len(w)):
+            if all(len(p) == len(w) and p[:axis] + p[axis + 1:] == w[:axis] + w[axis + 1:] for p in parts) \
+                    and sum(p[axis] for p in parts) == w[axis]:
+                return axis, swap
+    return None
+
+
+def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Expert stacks, parameter by parameter in execution order: one into one (its last two axes
+    exchanged where the layouts differ), a fused one cut along an axis into the next few of the
+    other side (``gate_up_proj`` into ``gate_proj`` and ``up_proj``, in the order the fused name
+    lists them), or the next few joined into one. Returns the parameters left unpaired."""
+    pa, pb = _stack_params(a), _stack_params(b)
+    i = j = 0
+    while i < len(pa) and j < len(pb):
+        move = None
+        one = _joins(pb[j][1], [pa[i][1]])
+        if one is not None:
+            move = ((pa[i][0],), (pb[j][0],), one[0], one[1], 1, 1)
+        for k in range(2, 5):
+            if move is not None:
+                break
+            if j + k <= len(pb):
+                group = _order_by_name(pa[i][0], pb[j:j + k])
+                cut = _splits(pa[i][1], [q[1] for q in group])
+                if cut is not None:
+                    move = ((pa[i][0],), tuple(q[0] for q in group), cut[0], cut[1], 1, k)
+                    break
+            if i + k <= len(pa):
+                group = _order_by_name(pb[j][0], pa[i:i + k])
+                join = _joins(pb[j][1], [q[1] for q in group])
+                if join is not None:
+                    move = (tuple(q[0] for q in group), (pb[j][0],), join[0], join[1], k, 1)
+        if move is None:
+            break
+        src, dst, axis, swap, di, dj = move
+        plan.axis_moves.append(_mapping.AxisMove(src, dst, axis, swap, rule="auto"))
+        i, j = i + di, j + dj
+    return [p for p, _ in pa[i:]], [q for q, _ in pb[j:]]
+
+
+def _pair_unseen(run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> None:
+    """Layers one side never calls as modules (its forward reads their weights directly, as
+    transformers' reference Mamba path does with ``dt_proj`` and ``conv1d``): a linear one pairs
+    with the other side's layer of the same path and widths, taken out of the call order it would
+    otherwise shift; raw ones join the raw layers, which pair by name."""
+    for mine, theirs in ((run_a, run_b), (run_b, run_a)):
+        for x in list(mine.unseen):
+            if x.kind != "linear":
+                mine.layers.setdefault(x.kind, []).append(x)
+                continue
+            others = theirs.layers.get("linear", [])
+            hit = next((y for y in others if y.entry.path == x.entry.path and y.signature == x.signature), None)
+            if hit is None:
+                continue
+            others.remove(hit)
+            src, dst = (x, hit) if mine is run_a else (hit, x)
+            _one_to_one(src.entry, dst.entry, plan)
+            for run, layer in ((run_a, src), (run_b, dst)):
+                if layer.entry.path in run.uncalled:
+                    run.uncalled.remove(layer.entry.path)
+        for x in mine.unseen:
+            if x.kind != "linear" and x.entry.path in mine.uncalled:
+                mine.uncalled.remove(x.entry.path)
+        mine.unseen = []
+
+
+def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Parameters of layers that are neither linear, norm, table nor expert stack (a depthwise
+    convolution, ``A_log``, ``D``, ``dt_bias``), in execution order: each into the first one left
+    on the other side with the same name and shape, or the same name and its last two axes
+    exchanged (a convolution stored (channels, 1, width) on one side, (channels, width, 1) on the
+    other). The transfer's verification judges the result like every other pair."""
+    pa, pb = _stack_params(a), _stack_params(b)
+    taken: set[int] = set()
+    left_a = []
+    for path, shape in pa:
+        name = _last(path)
+        hit = None
+        for j, (q, qs) in enumerate(pb):
+            if j in taken or _last(q) != name:
+                continue
+            if tuple(qs) == tuple(shape):
+                hit = (j, False)
+                break
+            if len(qs) >= 2 and _swapped(shape, True) == tuple(qs):
+                hit = (j, True)
+                break
+        if hit is None:
+            left_a.append(path)
+            continue
+        taken.add(hit[0])
+        plan.axis_moves.append(_mapping.AxisMove((path,), (pb[hit[0]][0],), None, hit[1], rule="auto"))
+    return left_a, [q for j, (q, _) in enumerate(pb) if j not in taken]
+
+
 @dataclass
 class Inferred:
     """The inferred plan (explicit entries first), and every parameterised layer left unpaired."""
@@ -276,6 +498,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     in_a, in_b = split_inputs(inputs)
     run_a = _record(src_model, a, in_a, taken_a)
     run_b = _record(dst_model, b, in_b, taken_b)
+    _pair_unseen(run_a, run_b, plan)
     left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
     if len(left_b) == 1 and not left_a and run_a.tied_heads \
@@ -296,8 +519,16 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
         la, lb = _pair_by_shape(run_a.layers.get(kind, []), run_b.layers.get(kind, []), plan)
         left_a += la
         left_b += lb
+    sa, sb = _pair_stacks(run_a.layers.get("stack", []), run_b.layers.get("stack", []), plan)
+    left_a += sa
+    left_b += sb
+    ra, rb = _pair_raw(run_a.layers.get("raw", []), run_b.layers.get("raw", []), plan)
+    left_a += ra
+    left_b += rb
     _mapping.record_ties(a, plan)
-    return Inferred(plan, [x.path for x in left_a] + run_a.uncalled, [y.path for y in left_b] + run_b.uncalled)
+    def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
+        return [x if isinstance(x, str) else x.path for x in left]
+    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:

@@ -45,7 +45,7 @@ import numpy as np
 from ._patterns import bounded_pattern
 from .._errors import SpecError, received
 
-__all__ = ["Target", "Rule", "LayerMove", "ParamMove", "Plan", "parse", "build_plan", "finish", "in_source_order",
+__all__ = ["Target", "Rule", "LayerMove", "ParamMove", "AxisMove", "Plan", "parse", "build_plan", "finish", "in_source_order",
            "record_ties", "split_arrays",
            "join_arrays", "check_widths", "interleaved", "narrowing", "UNIT_AXIS", "INTERLEAVED_NAMES"]
 
@@ -68,6 +68,14 @@ class Target:
     split: bool = False
     fn: Callable | None = None
     heads: int | None = None
+    #: a parameter-level move along an axis of the stored arrays (expert stacks): the axis the
+    #: pieces split or join along, and ``swap`` (the last two axes exchanged first)
+    axis: int | None = None
+    swap: bool = False
+
+    @property
+    def along_axis(self) -> bool:
+        return self.axis is not None or self.swap
 
 
 @dataclass
@@ -90,6 +98,20 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     """A dict value / rule replacement / callable result -> Target (TypeError naming it)."""
     if isinstance(value, str):
         return Target((value,))
+    if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value):
+        if set(value) - {"to", "axis", "swap"}:
+            raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
+                            f"'swap': bool}}; got {value!r}. {received('mapping', mapping)}")
+        axis, swap = value.get("axis"), value.get("swap", False)
+        if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool) or axis < 0):
+            raise TypeError(f"{where}: 'axis' must be a non-negative integer or None; got {axis!r}. "
+                            f"{received('mapping', mapping)}")
+        if not isinstance(swap, bool):
+            raise TypeError(f"{where}: 'swap' must be a bool; got {swap!r}. {received('mapping', mapping)}")
+        inner = _target(value.get("to"), where, mapping)
+        if inner.fn is not None:
+            raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
+        return Target(inner.paths, inner.split, None, None, axis, swap)
     if isinstance(value, dict):
         if set(value) - {"to", "heads"} or "to" not in value:
             raise TypeError(f"{where}: a dict value must be {{'to': path or [paths], 'heads': n}}; got {value!r}. "
@@ -208,12 +230,35 @@ class ParamMove:
 
 
 @dataclass
+class AxisMove:
+    """Stored parameters moved along an axis (expert stacks: one 3-D tensor holding every
+    expert's matrix, fused or not): each source array (its last two axes exchanged first when
+    ``swap``) joined along ``axis`` in order, then split along ``axis`` into the destination
+    parameters, each taking as many as it holds. ``axis`` None: one source into one destination."""
+
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    axis: int | None = None
+    swap: bool = False
+    rule: str = ""
+
+    def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
+        to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
+        out: dict = {"to": to, "axis": self.axis}
+        if self.swap:
+            out["swap"] = True
+        return out
+
+
+@dataclass
 class Plan:
     """What a mapping comes down to: layer moves, parameter moves, the ties source heads follow,
     every problem found (collected, not raised) and the rules that matched nothing."""
 
     layers: list[LayerMove] = field(default_factory=list)
     params: list[ParamMove] = field(default_factory=list)
+    #: parameter moves along an axis (expert stacks split, joined or transposed)
+    axis_moves: list[AxisMove] = field(default_factory=list)
     #: source parameter path -> the parameter it is tied to (a head that moves with its embedding)
     ties: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -238,6 +283,9 @@ class Plan:
             out.append((src if len(src) > 1 else src[0], repl))
         for p in self.params:
             out.append((re.escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
+        for am in self.axis_moves:
+            src = [re.escape(st(x)) for x in am.src]
+            out.append((src if len(src) > 1 else src[0], am.replacement(st)))
         return out
 
 
@@ -249,7 +297,7 @@ def _expand(target: Target, match: re.Match | None) -> Target:
     except (re.error, IndexError) as exc:
         raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
                         f"({exc})") from None
-    return Target(paths, target.split, target.fn, target.heads)
+    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:
@@ -312,6 +360,9 @@ def _exact(src, dst, rules: list[Rule], plan: Plan) -> None:
         if len(keys) == 1 and src.param(keys[0]) is not None and src.layer(keys[0]) is None:
             _param(src, dst, src.param(keys[0]), target, where, plan, rule.text)
             continue
+        if len(keys) > 1 and target.along_axis and all(src.param(k) is not None and src.layer(k) is None for k in keys):
+            _axis_move(src, dst, tuple(src.param(k) for k in keys), target, where, plan, rule.text)
+            continue
         missing = [k for k in keys if src.layer(k) is None]
         if missing:
             plan.problems.append(f"mapping key {src.unknown(missing[0], 'layer or parameter')}")
@@ -319,8 +370,19 @@ def _exact(src, dst, rules: list[Rule], plan: Plan) -> None:
         _layers(src, dst, tuple(src.layer(k) for k in keys), target, where, plan, rule.text)
 
 
+def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, plan: Plan, text: str) -> None:
+    unknown = [p for p in target.paths if dst.param(p) is None]
+    if unknown:
+        plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
+        return
+    plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
+                                    target.swap, text))
+
+
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
-    if target.split or target.heads is not None:
+    if target.along_axis:
+        _axis_move(src, dst, (path,), target, where, plan, text)
+    elif target.split or target.heads is not None:
         plan.problems.append(f"{where}: {path!r} is a parameter; splits and heads apply to linear layers")
     elif dst.param(target.paths[0]) is not None:
         plan.params.append(ParamMove(path, dst.param(target.paths[0]), target.fn, text))
@@ -399,8 +461,17 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
             continue
         _layers(src, dst, tuple(group[i] for i in range(len(rule.src))), Target((path,), heads=rule.target.heads),
                 f"mapping rule {rule.text} concatenates into {path!r}, and", plan, rule.text)
+    param_concat: dict[tuple[int, str], dict[int, str]] = {}  # (rule, dst path) -> pattern index -> param
     for p, (e, _) in src.params.items():
-        for rule in rules:
+        for r, rule in enumerate(rules):
+            if rule.concat and rule.target is not None and rule.target.along_axis:
+                found = next(((i, m) for i, m in ((i, rx.fullmatch(p)) for i, rx in enumerate(rule.src)) if m), None)
+                if found is not None:
+                    rule.hits += 1
+                    target = _expand(rule.target, found[1])
+                    param_concat.setdefault((r, target.paths[0]), {})[found[0]] = p
+                    break
+                continue
             if e.path in taken and (p == e.path or not (rule.kind == "regex" and not rule.concat and rule.src[0].pattern
                                                         in (re.escape(p), re.escape(src.stable.get(p, p))))):
                 continue  # a mapped layer's parameter also goes where a rule naming it exactly says
@@ -419,6 +490,14 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
             _param(src, dst, p, target, f"mapping sends src parameter {p!r} to {target.paths[0]!r}, and", plan,
                    rule.text)
             break
+    for (r, path), group in param_concat.items():
+        rule = rules[r]
+        if len(group) != len(rule.src):
+            plan.problems.append(f"mapping rule {rule.text}: for {path!r}, only {sorted(group.values())} of its "
+                                 f"{len(rule.src)} patterns match a src parameter")
+            continue
+        joined = Target((path,), axis=rule.target.axis, swap=rule.target.swap)
+        _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 
 def _ties(src, dst, plan: Plan) -> None:
@@ -435,6 +514,9 @@ def _ties(src, dst, plan: Plan) -> None:
                 goes[m.src[0].param_path(n)] = {m.dst[0].param_path(x) for x in m.dst[0].names}
     for p in plan.params:
         goes[p.src] = {p.dst}
+    for am in plan.axis_moves:
+        for x in am.src:
+            goes[x] = set(am.dst)
     keep = []
     for m in plan.layers:
         s, d = m.src[0], m.dst[0]

@@ -8,7 +8,10 @@ through its ``view`` where it has one (``"<axis order>-<split>"``, ``_rules.appl
 in, head_dim) kernel seen as a matrix), then sliced (``slice``: one ``[start, stop]`` per axis of the
 source as stored, or of its view), then transposed when ``transpose``; the pieces are concatenated
 along ``axis`` (a single piece: taken as it is), the entry's ``view`` undone into ``shape`` where
-it has one (``_rules.undo_view``), then cast to ``dtypes[-1]``.
+it has one (``_rules.undo_view``), then cast to ``dtypes[-1]``. An entry with ``"stack": true``
+stacks its pieces along the new axis ``axis`` instead (expert stacks); one with ``"pick": true``
+takes one entry of the stored axis ``axis`` and drops that axis. A transpose exchanges the last
+two axes.
 """
 from __future__ import annotations
 
@@ -40,22 +43,31 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
     full = [[0, n] for n in shape]
     if axis is None or stop is None:
         return full
-    stored_axis = (len(shape) - 1 - axis) if transpose else axis
+    n = len(shape)  # a transpose exchanges the last two axes
+    stored_axis = (2 * n - 3 - axis) if transpose and axis >= n - 2 else axis
     full[stored_axis] = [start, stop]
     return full
 
 
-def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None) -> np.ndarray:
+def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None, stack: bool = False,
+         pick: bool = False) -> np.ndarray:
     """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, its
     ``view`` undone into ``shape`` when given (see the module docstring). Views where the recipe
-    allows (a single transposed piece is written from its view)."""
+    allows (a single transposed piece is written from its view). ``stack``: the pieces stacked
+    along a new axis ``axis`` (expert stacks); ``pick``: the one piece's stored axis ``axis``
+    (sliced to one entry) dropped before any transpose."""
     parts = []
     for arr, sl, transpose, *source_view in sources:
         if source_view and source_view[0] is not None:
             arr = _rules.apply_view(arr, source_view[0])
         piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
-        parts.append(piece.T if transpose else piece)
-    out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+        if pick:
+            piece = np.squeeze(piece, axis=axis)
+        parts.append(np.swapaxes(piece, -1, -2) if transpose and piece.ndim >= 2 else piece)
+    if stack:
+        out = np.stack(parts, axis=axis)
+    else:
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
     if view is not None:
         out = _rules.undo_view(out, view, tuple(shape))
     return out if out.dtype == dtype else out.astype(dtype)
@@ -115,7 +127,8 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                 info = opened[weights[s_key]].tensors[stored]
                 seen = tuple(info.shape) if k is None else _rules.view_shape(tuple(info.shape), k)
                 pieces.append({"file": weights[s_key], "tensor": stored, "shape": list(info.shape),
-                               "slice": _source_slice(seen, transpose, m.axis, start, stop),
+                               "slice": _source_slice(seen, transpose and not getattr(m, "pick", False),
+                                                      None if getattr(m, "stack", False) else m.axis, start, stop),
                                "transpose": transpose, "view": k})
             first = _rules.split_view(m.sources[0][0])[0]
             src_dt = opened[weights[first]].tensors[file_keys.get(first, first)].numpy_dtype
@@ -126,13 +139,18 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
                      "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
                      "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
+            new_axis = {k: True for k in ("stack", "pick") if getattr(m, k, False)}
+            if new_axis:  # along a new axis: stacked, or one entry taken (and the ops say so)
+                entry.update(new_axis)
+                entry["ops"].insert(0, f"{'stack along new' if 'stack' in new_axis else 'take one entry of'} axis {m.axis}")
             entries[m.target] = entry
 
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
-                value = make(arrays, m.axis, dst_dt, m.shape, m.view)
+                flags = {k: bool(entry.get(k)) for k in ("stack", "pick")}
+                value = make(arrays, m.axis, dst_dt, m.shape, m.view, **flags)
                 if not entry["exact"]:
-                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, m.shape, m.view), dst_dt)
+                    entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, m.shape, m.view, **flags), dst_dt)
                     entry["exact"] = entry["max_ulp"] == 0
                 return value
 
@@ -361,7 +379,8 @@ def verify_port(out: Any) -> VerifyReport:
         if arrays is None:
             continue
         got = dst.get(target)
-        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"))
+        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"),
+                    stack=bool(entry.get("stack")), pick=bool(entry.get("pick")))
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")

@@ -100,23 +100,38 @@ class Piece:
 @dataclass(frozen=True)
 class Recipe:
     """A destination tensor (template) made of ``pieces`` concatenated along ``axis`` (None: one
-    piece, the whole source, maybe transposed)."""
+    piece, the whole source, maybe transposed).
+
+    Moves along a new axis (expert stacks): ``stack`` — the destination is the sources stacked
+    along a new axis ``axis``, one per value of the source's index at position ``vary`` of its
+    template (one piece, the template); ``pick`` — the destination is the one source's entry at
+    the index of the destination's own index at position ``vary``, along the source's axis
+    ``axis`` (that axis dropped)."""
 
     target: str
     axis: int | None
     pieces: tuple[Piece, ...]
     #: the pieces make the destination seen through this view (:func:`apply_view`), then undone
     view: str | None = None
+    stack: bool = False
+    pick: bool = False
+    vary: int | None = None
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
                  for p in self.pieces]
+        if self.stack:
+            return f"{self.target} <- stack axis {self.axis}({parts[0]} over index #{self.vary})"
+        if self.pick:
+            return f"{self.target} <- {parts[0]} entry [index #{self.vary}] of axis {self.axis}"
         made = parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})"
         return f"{self.target} <- " + (made if self.view is None else f"reshape({made})")
 
 
 def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
-    return a.T if transpose else a
+    """``a`` transposed: its last two axes exchanged (a matrix's transpose; a convolution's
+    (channels, 1, width) <-> (channels, width, 1))."""
+    return np.swapaxes(a, -1, -2) if transpose else a
 
 
 class _Index:
@@ -144,13 +159,13 @@ def _cover(d: np.ndarray, axis: int, src: dict[str, np.ndarray], where: _Index):
         found = None
         for name, flat in where.find(d[tuple(lead)]):
             s = src[name]
-            for transpose in ((False, True) if s.ndim == 2 else (False,)):
+            for transpose in ((False, True) if s.ndim >= 2 else (False,)):
                 so = _oriented(s, transpose)
                 if so.ndim != d.ndim:
                     continue
                 coord = list(np.unravel_index(flat, s.shape))
                 if transpose:
-                    coord = coord[::-1]
+                    coord[-2], coord[-1] = coord[-1], coord[-2]
                 if any(coord[k] != 0 or so.shape[k] != d.shape[k] for k in range(d.ndim) if k != axis):
                     continue
                 start = int(coord[axis])
@@ -169,12 +184,71 @@ def _cover(d: np.ndarray, axis: int, src: dict[str, np.ndarray], where: _Index):
     return pieces
 
 
+def _whole(d: np.ndarray, src: dict[str, np.ndarray], where: _Index, exclude=()) -> tuple[str, bool] | None:
+    """The source tensor equal to ``d`` (or to its transpose), found by its first value."""
+    if d.size == 0:
+        return None
+    first = d.reshape(-1)[0]
+    for name, flat in where.find(first):
+        if flat != 0 and not (src[name].ndim == 2 and np.unravel_index(flat, src[name].shape) == (0, 0)):
+            continue
+        s = src[name]
+        if s.shape == d.shape and np.array_equal(s, d):
+            return name, False
+        if s.ndim == 2 and s.T.shape == d.shape and np.array_equal(s.T, d):
+            return name, True
+    return None
+
+
+def _stacked(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index):
+    """``d`` as source tensors stacked along a new axis, one per value of one index of their
+    template: (axis, the first source's name, transpose, index position), or None."""
+    if d.ndim < 3:
+        return None
+    for axis in range(d.ndim):
+        found = []
+        for e in range(d.shape[axis]):
+            hit = _whole(np.take(d, e, axis=axis), src, where)
+            if hit is None:
+                break
+            found.append(hit)
+        if len(found) != d.shape[axis] or len({template(n)[0] for n, _ in found}) != 1 or len({t for _, t in found}) != 1:
+            continue
+        idx = [template(n)[1] for n, _ in found]
+        varying = [k for k in range(len(idx[0])) if len({i[k] for i in idx}) > 1]
+        if len(varying) == 1 and [i[varying[0]] for i in idx] == list(range(d.shape[axis])):
+            return axis, found[0][0], found[0][1], varying[0]
+    return None
+
+
+def _picked(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index):
+    """``d`` as one entry along an axis of a source tensor with one axis more: (source name,
+    axis, entry, transpose), or None."""
+    if d.size == 0:
+        return None
+    for transpose in ((False, True) if d.ndim == 2 else (False,)):
+        dd = d.T if transpose else d
+        for s_name, flat in where.find(dd.reshape(-1)[0]):
+            s = src[s_name]
+            if s.ndim != dd.ndim + 1:
+                continue
+            coord = np.unravel_index(flat, s.shape)
+            for axis in range(s.ndim):
+                rest = [c for k, c in enumerate(coord) if k != axis]
+                if any(rest) or tuple(x for k, x in enumerate(s.shape) if k != axis) != dd.shape:
+                    continue
+                if np.array_equal(np.take(s, coord[axis], axis=axis), dd):
+                    return s_name, axis, int(coord[axis]), transpose
+    return None
+
+
 def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> tuple[int | None, list]:
     for s_name, s in src.items():  # the whole tensor, or its transpose: the usual case, checked first
         if s.shape == d.shape and s.reshape(-1)[:1].tobytes() == d.reshape(-1)[:1].tobytes() and np.array_equal(s, d):
             return None, [(s_name, False, 0, d.shape[0] if d.ndim else 1, True)]
     for s_name, s in src.items():
-        if s.ndim == 2 and s.T.shape == d.shape and s[0, 0] == d[0, 0] and np.array_equal(s.T, d):
+        if s.ndim >= 2 and _oriented(s, True).shape == d.shape and s.reshape(-1)[0] == d.reshape(-1)[0] \
+                and np.array_equal(_oriented(s, True), d):
             return None, [(s_name, True, 0, d.shape[0], True)]
     for axis in range(d.ndim):
         pieces = _cover(d, axis, src, where)
@@ -192,13 +266,24 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     where = _Index(src)
     wide = None  # the sources with their reshaped views, made when a tensor needs them
     recipes: dict[str, Recipe] = {}
+    candidates: dict[str, list[Recipe]] = {}  # moves along a new axis: what every layer agrees on
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
+        t, idx = template(name)
         view = None
         try:
             axis, found = _match(name, d, src, where)
         except ConversionError as exc:
-            if wide is None:
+            found_new = _along_new_axis(name, d, src, where)
+            if found_new is not None:
+                kept = [r for r in candidates.get(t, found_new) if r in found_new]
+                if not kept:
+                    raise ConversionError(f"the twins' layers disagree on how {t!r} is made: "
+                                          f"{candidates[t][0].describe()} vs {found_new[0].describe()} "
+                                          "(nothing was written)") from None
+                candidates[t] = kept
+                continue
+            if wide is None:  # a tensor seen through a reshaped view of its own or of a source's
                 extended = dict(src)
                 for s_name, s in src.items():
                     extended.update({f"{s_name}{VIEW}{k}": v for k, v in _views(np.asarray(s))})
@@ -212,7 +297,6 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
                     continue
             else:
                 raise exc from None
-        t, idx = template(name)
         pieces = []
         for s_name, transpose, start, stop, whole in found:
             st, s_idx = template(s_name)
@@ -223,12 +307,36 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         if axis is not None and len(pieces) > 1 and not all(p.whole for p in pieces):
             raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({p.source for p in pieces})}: "
                                   "per-head interleaving is not generalised yet (nothing was written)")
-        recipe = Recipe(t, axis, tuple(pieces), view)
+        recipe = Recipe(t, axis, tuple(pieces), view=view)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
         recipes[t] = recipe
+    for t, kept in candidates.items():  # indices that agree by chance in every layer: the deepest varies
+        recipes[t] = max(kept, key=lambda r: r.vary)
     return recipes
+
+
+def _along_new_axis(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> list[Recipe] | None:
+    """The stack (sources along a new axis) or pick (one entry of a source with an axis more)
+    recipes that make the destination twin's tensor ``name`` (several where its indices agree by
+    chance: layer 0's expert 0), or None."""
+    t, idx = template(name)
+    stacked = _stacked(name, d, src, where)
+    if stacked is not None:
+        axis, first, transpose, vary = stacked
+        st, s_idx = template(first)
+        if tuple(i for k, i in enumerate(s_idx) if k != vary) == idx:
+            return [Recipe(t, axis, (Piece(st, transpose, 0, 0, True),), stack=True, vary=vary)]
+        return None
+    picked = _picked(name, d, src, where)
+    if picked is not None:
+        s_name, axis, entry, transpose = picked
+        st, s_idx = template(s_name)
+        found = [Recipe(t, axis, (Piece(st, transpose, 0, 0, True),), pick=True, vary=vary) for vary in range(len(idx))
+                 if idx[vary] == entry and tuple(i for k, i in enumerate(idx) if k != vary) == s_idx]
+        return found or None
+    return None
 
 
 @dataclass
@@ -246,10 +354,16 @@ class Move:
     @property
     def made(self) -> tuple[int, ...]:
         return self.shape if self.view is None else view_shape(self.shape, self.view)
+    #: the sources stacked along a new axis ``axis`` (expert stacks), each whole
+    stack: bool = False
+    #: the one source's entry ``sources[0][2]`` along its stored axis ``axis``, that axis dropped
+    pick: bool = False
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
-    return tuple(shape[::-1]) if transpose else tuple(shape)
+    """``shape`` with its last two axes exchanged when ``transpose``."""
+    shape = tuple(shape)
+    return shape[:-2] + (shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
 
 
 def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_templates: set[str],
@@ -266,9 +380,21 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     used: set[str] = set()
     splits: dict[tuple[str, bool, int], list[tuple[int, Move, int]]] = {}
     problems: list[str] = []
+    real_dst = dict(real_dst)
+    dst_templates = {template(k)[0] for k in real_dst}
+    for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
+        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None
+                                      or all(p.whole for p in recipe.pieces)):
+            continue
+        real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
         t, idx = template(key)
         recipe = recipes.get(t)
+        if recipe is not None and (recipe.stack or recipe.pick):
+            move = _new_axis_move(key, tuple(shape), idx, recipe, real_src, used, problems)
+            if move is not None:
+                moves.append(move)
+            continue
         if recipe is None:
             if t in twin_param_templates and t not in stored_templates:
                 continue  # the library does not save it (tied to another parameter)
@@ -323,6 +449,76 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     return moves
 
 
+def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The real destination tensors of a recipe whose target the destination model does not hold
+    as a parameter (its saver writes them under other names: per-expert matrices from a fused
+    stack, a router under its checkpoint name), named and shaped from the real sources."""
+    p = recipe.pieces[0]
+    out = {}
+    for key, shape in real_src.items():
+        st, s_idx = template(key)
+        if st != p.source:
+            continue
+        if not (recipe.pick or recipe.stack):  # whole sources, maybe transposed, saved under their own name
+            if recipe.target.count("{}") != len(s_idx):
+                continue
+            shapes = [_shape_of(real_src.get(fill(q.source, s_idx), ()), q.transpose) for q in recipe.pieces]
+            if recipe.axis is None or len(shapes) == 1:
+                out[fill(recipe.target, s_idx)] = shapes[0]
+            elif all(len(x) > recipe.axis for x in shapes):
+                out[fill(recipe.target, s_idx)] = shapes[0][:recipe.axis] + (sum(x[recipe.axis] for x in shapes),) \
+                    + shapes[0][recipe.axis + 1:]
+            continue
+        if recipe.pick:
+            inner = tuple(x for k, x in enumerate(shape) if k != recipe.axis)
+            inner = inner[::-1] if p.transpose else inner
+            for e in range(shape[recipe.axis]):
+                idx = s_idx[:recipe.vary] + (e,) + s_idx[recipe.vary:]
+                out[fill(recipe.target, idx)] = inner
+        else:
+            idx = tuple(i for k, i in enumerate(s_idx) if k != recipe.vary)
+            count = sum(1 for k2 in real_src if template(k2)[0] == st and
+                        tuple(i for k, i in enumerate(template(k2)[1]) if k != recipe.vary) == idx)
+            inner = tuple(shape[::-1]) if p.transpose else tuple(shape)
+            out[fill(recipe.target, idx)] = inner[:recipe.axis] + (count,) + inner[recipe.axis:]
+    return out
+
+
+def _new_axis_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                   real_src: dict[str, tuple[int, ...]], used: set[str], problems: list[str]) -> Move | None:
+    """The move of a stack or pick recipe for the real destination tensor ``key``."""
+    p = recipe.pieces[0]
+    if recipe.stack:
+        count = shape[recipe.axis] if recipe.axis < len(shape) else 0
+        inner = shape[:recipe.axis] + shape[recipe.axis + 1:]
+        move = Move(key, shape, recipe.axis, stack=True)
+        for e in range(count):
+            s_key = fill(p.source, idx[:recipe.vary] + (e,) + idx[recipe.vary:])
+            if s_key not in real_src:
+                problems.append(f"destination tensor {key!r} stacks {count} source tensors; the source lacks {s_key!r}")
+                return None
+            if _shape_of(real_src[s_key], p.transpose) != inner:
+                problems.append(f"destination tensor {key!r} {shape} stacks {s_key!r} {real_src[s_key]}"
+                                f"{' transposed' if p.transpose else ''}: shapes disagree")
+                return None
+            used.add(s_key)
+            move.sources.append((s_key, p.transpose, 0, None))
+        return move
+    s_key = fill(p.source, tuple(i for k, i in enumerate(idx) if k != recipe.vary))
+    entry = idx[recipe.vary]
+    if s_key not in real_src:
+        problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
+        return None
+    s_shape = real_src[s_key]
+    inner = tuple(x for k, x in enumerate(s_shape) if k != recipe.axis)
+    if entry >= s_shape[recipe.axis] or _shape_of(inner, p.transpose) != shape:
+        problems.append(f"destination tensor {key!r} {shape} as entry {entry} of {s_key!r} {s_shape} along axis "
+                        f"{recipe.axis}: shapes disagree")
+        return None
+    used.add(s_key)
+    return Move(key, shape, recipe.axis, [(s_key, p.transpose, entry, entry + 1)], pick=True)
+
+
 def generalise_layer_rules(rules: list) -> list:
     """``report.rules`` of the twins' transfer with every index generalised (``layers\\.0\\.`` ->
     ``layers\\.(\\d+)\\.`` and ``\\1`` in the target), duplicates dropped: rules for the full models."""
@@ -348,7 +544,13 @@ def generalise_layer_rules(rules: list) -> list:
             new_src = tuple(pat(s)[0] for s in src)
         else:
             new_src = pat(src)[0]
-        new_dst = [tgt(d) for d in dst] if isinstance(dst, list) else tgt(dst)
+        if isinstance(dst, dict):  # {"to": ..., "heads"/"axis"/"swap": ...}
+            to = dst["to"]
+            new_dst = {**dst, "to": [tgt(d) for d in to] if isinstance(to, list) else tgt(to)}
+        elif isinstance(dst, tuple):  # (parameter path, fn)
+            new_dst = (tgt(dst[0]), dst[1])
+        else:
+            new_dst = [tgt(d) for d in dst] if isinstance(dst, list) else tgt(dst)
         key = repr((new_src, new_dst))
         if key not in seen:
             seen.add(key)

@@ -1,0 +1,510 @@
+"""Coverage of ``db.port`` (issue 44): every architecture transformers and mlx-lm both implement,
+ported both ways, each weight judged against the destination library's own loader.
+
+For every ``model_type`` in transformers' ``CONFIG_MAPPING`` that mlx-lm implements (a module of
+``mlx_lm.models`` of that name, or through mlx-lm's own ``MODEL_REMAPPING``), in its own subprocess
+with a timeout (a crash or a hang is a row, not the end of the table):
+
+1. a tiny random model from transformers' own config class (the text sub-config of a multimodal
+   one, ``get_text_config``): the default config shrunk by transformers' shrink of the port
+   (``port_shrink``: widths, 2 layers, vocabulary; structure kept), the expert count capped at 4
+   and the vocabulary set to 96 (so the real model differs from the port's twins), plus the
+   overrides of :data:`OVERRIDES` (defaults that cannot run; each one counted and shown);
+   ``AutoModelForCausalLM.from_config``, every parameter random, ``save_pretrained`` -> ``T``;
+2. ``transformers -> mlx-lm``: ``db.port(T, P, to="mlx-lm")``; every parameter of mlx-lm's model
+   loaded from ``P`` (``mlx_lm.utils.load_model``) must be bit-identical to mlx-lm's own loader on
+   ``T``'s files (``load_model(T)`` with the config the port wrote: its ``sanitize`` does
+   mlx-lm's own conversion); then ``db.port(P, to="transformers")`` must give back ``T``'s tensors
+   bit for bit;
+3. ``mlx-lm -> transformers``: ``M`` = the model mlx-lm's own loader made of ``T``, written by its
+   own ``save_model``; ``db.port(M, Q, to="transformers")``; transformers' ``from_pretrained(Q)``
+   must hold ``from_pretrained(T)``'s state bit for bit; ``db.port(Q, to="mlx-lm")`` must give
+   back ``M``'s tensors bit for bit.
+
+Each row is judged: ``pass`` / ``pass-rounded`` (a tensor the certificate marks inexact, named) /
+``refused`` (the port raised a DenseBridgeError: its first line) / ``fails`` (the first
+disagreeing weight, or an exception that is not the port's own) / ``discrepancy`` (the weights
+agree, the libraries compute differently, as the port reports) / ``no-reference`` (a library
+cannot make the tiny model or the reference: the library's own message).
+
+keras-hub rows: :data:`EXTRA_FORMATS` — when ``dense_bridge.ports.formats()`` lists ``"keras-hub"``
+the harness also runs ``transformers -> keras-hub`` and back for every model_type (hook; the
+judging against ``keras_hub``'s own converter is the keras-hub helper's part).
+
+Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--out PATH]
+Writes benchmarks/results/coverage.md (and coverage.json beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: Config values a default config needs before it can build and run at all, per model_type. Only
+#: for the harness (never in dense_bridge); every entry is shown in the table.
+OVERRIDES: dict[str, dict] = {}
+#: Formats beyond mlx-lm that get rows when an installed adapter declares them (the keras-hub hook).
+EXTRA_FORMATS = ("keras-hub",)
+CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
+#: Grouped routing and dense-first layers, set so the 2-layer model still routes through experts.
+ONE_KEYS = ("n_group", "topk_group", "num_expert_group", "first_k_dense_replace")
+
+
+# ------------------------------------------------------------------------------ the model types
+def model_types() -> list[tuple[str, str]]:
+    """(transformers model_type, mlx-lm module) for every model type both implement."""
+    import pkgutil
+
+    import mlx_lm.models
+    import mlx_lm.utils
+    import transformers
+
+    mods = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__) if not m.name.startswith("_")}
+    remap = getattr(mlx_lm.utils, "MODEL_REMAPPING", {})
+    out = []
+    for mt in sorted(transformers.CONFIG_MAPPING.keys()):
+        if mt in mods:
+            out.append((mt, mt))
+        elif remap.get(mt) in mods:
+            out.append((mt, remap[mt]))
+    return out
+
+
+# ------------------------------------------------------------------------------ one row (child)
+def _plain_shrink(text, d: dict) -> dict:
+    """Sizes for a config the port's shrink does not take (no attention heads): every width key the
+    config class declares set small, derived widths left for the class to recompute."""
+    amap = dict(getattr(type(text), "attribute_map", {}) or {})
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 96, "state_size": 8, "ssm_state_size": 8,
+             "intermediate_size": 128, "time_step_rank": 8, "n_groups": 1, "max_position_embeddings": 512}
+    out = dict(d)
+    for k, v in small.items():
+        k = amap.get(k, k)
+        if isinstance(out.get(k), int):
+            out[k] = v
+    if "expand" in out:  # widths computed from hidden_size * expand
+        out.pop("intermediate_size", None)
+        if isinstance(out.get("num_heads"), int) and isinstance(out.get("head_dim"), int):
+            out["num_heads"] = int(out.get("expand", 2) * 64) // out["head_dim"]
+    ids = [k for k, v in out.items() if k.endswith("_token_id") and isinstance(v, int)]
+    for n, k in enumerate(sorted(ids)):
+        out[k] = min(out[k], 95 - n)
+    out["dtype"] = "float32"
+    return out
+
+
+def _tiny_config(mt: str) -> tuple[dict, list[str]]:
+    """The tiny interchange config for ``mt`` and the notes on what was changed beyond sizes."""
+    import transformers
+
+    from dense_bridge.backends.torch import _ports as tp
+
+    notes = []
+    cfg = transformers.CONFIG_MAPPING[mt]()
+    text = cfg.get_text_config()
+    if text is not cfg:
+        notes.append(f"text part: {text.model_type}")
+    d = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    d["model_type"] = text.model_type
+    d.update(OVERRIDES.get(mt, {}))
+    if OVERRIDES.get(mt):
+        notes.append("override " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[mt].items()))
+    try:
+        small = tp.port_shrink("transformers", d)
+    except Exception as exc:  # noqa: BLE001 - no attention heads (state-space models): the harness's own sizes
+        small = _plain_shrink(text, d)
+        notes.append(f"sizes by the harness ({type(exc).__name__} from the port's shrink)")
+    for k in EXPERT_KEYS:
+        if isinstance(small.get(k), int) and small[k] > 4:
+            small[k] = 4
+    for k in TOPK_KEYS:
+        if isinstance(small.get(k), int) and small[k] > 2:
+            small[k] = 2
+    for k in ONE_KEYS:
+        if isinstance(small.get(k), int) and small[k] > 1:
+            small[k] = 1
+    amap = dict(getattr(transformers.CONFIG_MAPPING[text.model_type], "attribute_map", {}) or {})
+    vk = amap.get("vocab_size", "vocab_size")
+    if isinstance(small.get(vk), int) and small[vk] == tp.TWIN_VOCAB:
+        small[vk] = 96
+    return small, notes
+
+
+def _params_mlx(model) -> dict:
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    import mlx.core as mx
+
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        if v.dtype == mx.bfloat16:
+            v = v.astype(mx.float32)
+        out[k] = np.array(v)
+    return out
+
+
+def _files(path: str) -> dict:
+    import glob
+
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "model*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _first_difference(got: dict, want: dict, what: str) -> str | None:
+    import numpy as np
+
+    import numpy as np
+
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return f"{what}: missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
+    for k in want:  # in the library's own order: the first layer that disagrees
+        a, b = np.asarray(got[k]), np.asarray(want[k])
+        if a.shape != b.shape:
+            return f"{what}: {k} shape {a.shape} vs {b.shape}"
+        if a.dtype != b.dtype:
+            return f"{what}: {k} dtype {a.dtype} vs {b.dtype}"
+        if a.tobytes() != b.tobytes():
+            err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+            return f"{what}: {k} differs (max abs {err:.3g})"
+    return None
+
+
+def _short(exc: BaseException) -> str:
+    lines = [s for s in str(exc).splitlines() if s.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and text.rstrip().endswith(":"):
+        text += " " + lines[1].strip()
+    return f"{type(exc).__name__}: {text[:400]}"
+
+
+def _port(src, out, to):
+    import dense_bridge as db
+
+    return db.port(src, out, to=to, verify="twins", progress=False)
+
+
+def _rounded(report) -> list[str]:
+    return sorted(k for k, t in report.certificate["tensors"].items() if not t.get("exact", True))
+
+
+def _judge_port(src, out, to, back_out, back_to, want_dst, want_back, what_dst, what_back):
+    """Port ``src`` -> ``out`` and back; returns (class, detail)."""
+    from dense_bridge import DenseBridgeError
+
+    try:
+        r1 = _port(src, out, to)
+    except DenseBridgeError as exc:
+        return "refused", f"{to}: {_short(exc)}"
+    got = want_dst[0](out) if want_dst else None
+    if want_dst and want_dst[1] is not None:
+        diff = _first_difference(got, want_dst[1], what_dst)
+        if diff:
+            return "fails", diff
+    try:
+        r2 = _port(out, back_out, back_to)
+    except DenseBridgeError as exc:
+        return "refused", f"round trip to {back_to}: {_short(exc)}"
+    diff = _first_difference(_files(back_out), want_back, what_back)
+    if diff:
+        return "fails", "round trip: " + diff
+    rounded = _rounded(r1) + _rounded(r2)
+    disc = list(r1.discrepancies) + list(r2.discrepancies)
+    note = "" if want_dst and want_dst[1] is not None else " (no reference from the destination library's loader)"
+    if disc:
+        return "discrepancy", "; ".join(d[:300] for d in disc) + note
+    if rounded:
+        return "pass-rounded", f"inexact: {rounded[:4]}" + note
+    return "pass", note.strip()
+
+
+def run_row(mt: str) -> list[dict]:
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    import transformers
+
+    import mlx_lm.utils as mu
+    from dense_bridge.backends.torch import _ports as tp
+
+    rows = []
+    tmp = tempfile.mkdtemp(prefix=f"coverage-{mt}-")
+    try:
+        t = os.path.join(tmp, "T")
+        try:
+            cfg, notes = _tiny_config(mt)
+            with tp._quiet():
+                model = transformers.AutoModelForCausalLM.from_config(tp._config(cfg), dtype=torch.float32).eval()
+            tp._randomize(model, seed=7)
+            with tp._quiet():
+                model.save_pretrained(t)
+        except Exception as exc:  # noqa: BLE001 - a library failure is a row
+            detail = f"transformers cannot build the tiny model: {_short(exc)}"
+            return [{"model_type": mt, "direction": d, "class": "no-reference", "detail": detail, "notes": []}
+                    for d in ("transformers->mlx-lm", "mlx-lm->transformers")]
+        with open(os.path.join(t, "config.json")) as f:
+            t_config = json.load(f)
+
+        # the reference: mlx-lm's own loader on T's files (with the config the port writes, when it writes one)
+        def mlx_reference(config_dir):
+            cfg_over = None
+            if config_dir:
+                with open(os.path.join(config_dir, "config.json")) as f:
+                    cfg_over = json.load(f)
+            m, c = mu.load_model(Path(t), model_config=cfg_over)
+            return m, c
+
+        p, pb = os.path.join(tmp, "P"), os.path.join(tmp, "PB")
+        ref_err = None
+
+        def load_port_mlx(path):
+            m, _ = mu.load_model(Path(path))
+            return _params_mlx(m)
+
+        from dense_bridge import DenseBridgeError
+        t0 = time.perf_counter()
+        try:
+            r1 = _port(t, p, "mlx-lm")
+            err1 = None
+        except DenseBridgeError as exc:
+            r1, err1 = None, exc
+        except Exception as exc:  # noqa: BLE001
+            r1, err1 = None, exc
+        ref_model = None
+        try:
+            ref_model, ref_cfg = mlx_reference(p if r1 is not None else None)
+            ref = _params_mlx(ref_model)
+        except Exception as exc:  # noqa: BLE001
+            ref, ref_err = None, f"mlx-lm's own loader cannot read the transformers directory: {_short(exc)}"
+        if err1 is not None:
+            cls = "refused" if isinstance(err1, DenseBridgeError) else "fails"
+            row = {"class": cls, "detail": f"mlx-lm: {_short(err1)}"}
+            if ref is None and cls == "fails":
+                row = {"class": "no-reference", "detail": ref_err + f" (port: {_short(err1)})"}
+        else:
+            row = {}
+            try:
+                got = load_port_mlx(p)
+            except Exception as exc:  # noqa: BLE001
+                row = {"class": "fails", "detail": f"mlx-lm's loader cannot read the port's output: {_short(exc)}"}
+            if not row and ref is not None:
+                diff = _first_difference(got, ref, "vs mlx-lm's own load of the source")
+                if diff:
+                    row = {"class": "fails", "detail": diff}
+            if not row:
+                try:
+                    r2 = _port(p, pb, "transformers")
+                    diff = _first_difference(_files(pb), _files(t), "round trip vs the source")
+                    row = {"class": "fails", "detail": diff} if diff else {}
+                except DenseBridgeError as exc:
+                    r2, row = None, {"class": "refused", "detail": f"round trip to transformers: {_short(exc)}"}
+                except Exception as exc:  # noqa: BLE001
+                    r2, row = None, {"class": "fails", "detail": f"round trip to transformers: {_short(exc)}"}
+            if not row:
+                disc = list(r1.discrepancies) + list(r2.discrepancies)
+                rounded = _rounded(r1) + _rounded(r2)
+                note = "" if ref is not None else f" ({ref_err}; judged by the round trip only)"
+                if disc:
+                    row = {"class": "discrepancy", "detail": "; ".join(d[:240] for d in disc) + note}
+                elif rounded:
+                    row = {"class": "pass-rounded", "detail": f"inexact: {rounded[:4]}" + note}
+                else:
+                    row = {"class": "pass", "detail": note.strip()}
+        rows.append({"model_type": mt, "direction": "transformers->mlx-lm", "notes": notes,
+                     "seconds": round(time.perf_counter() - t0, 1), **row})
+
+        # mlx-lm -> transformers: M is what mlx-lm's own loader made of T, written by its own saver
+        t0 = time.perf_counter()
+        m = os.path.join(tmp, "M")
+        q, qb = os.path.join(tmp, "Q"), os.path.join(tmp, "QB")
+        if ref_model is None:
+            row = {"class": "no-reference", "detail": ref_err}
+        else:
+            mu.save_model(m, ref_model)
+            cfg_m = dict(ref_cfg)
+            cfg_m.pop("quantization_config", None)
+            with open(os.path.join(m, "config.json"), "w") as f:
+                json.dump(cfg_m, f)
+            row = {}
+            try:
+                _port(m, q, "transformers")
+            except DenseBridgeError as exc:
+                row = {"class": "refused", "detail": f"transformers: {_short(exc)}"}
+            except Exception as exc:  # noqa: BLE001
+                row = {"class": "fails", "detail": f"transformers: {_short(exc)}"}
+            if not row:
+                try:
+                    with tp._quiet():
+                        want = {k: v.detach().float().numpy() for k, v in
+                                transformers.AutoModelForCausalLM.from_pretrained(t).state_dict().items()}
+                        got = {k: v.detach().float().numpy() for k, v in
+                               transformers.AutoModelForCausalLM.from_pretrained(q).state_dict().items()}
+                    diff = _first_difference(got, want, "vs transformers' own load of the source")
+                    if diff:
+                        row = {"class": "fails", "detail": diff}
+                except Exception as exc:  # noqa: BLE001
+                    row = {"class": "fails", "detail": f"transformers cannot load the port's output: {_short(exc)}"}
+            if not row:
+                try:
+                    r4 = _port(q, qb, "mlx-lm")
+                    diff = _first_difference(_files(qb), _files(m), "round trip vs mlx-lm's own files")
+                    row = {"class": "fails", "detail": diff} if diff else {}
+                except DenseBridgeError as exc:
+                    r4, row = None, {"class": "refused", "detail": f"round trip to mlx-lm: {_short(exc)}"}
+                except Exception as exc:  # noqa: BLE001
+                    r4, row = None, {"class": "fails", "detail": f"round trip to mlx-lm: {_short(exc)}"}
+            if not row:
+                row = {"class": "discrepancy", "detail": "; ".join(d[:240] for d in r4.discrepancies)} \
+                    if r4.discrepancies else {"class": "pass", "detail": ""}
+        rows.append({"model_type": mt, "direction": "mlx-lm->transformers", "notes": notes,
+                     "seconds": round(time.perf_counter() - t0, 1), **row})
+
+        import dense_bridge.ports as ports
+        for fmt in EXTRA_FORMATS:  # the keras-hub hook: rows only where an installed adapter writes it
+            if fmt not in ports.formats():
+                continue
+            t0 = time.perf_counter()
+            cls, detail = _judge_port(t, os.path.join(tmp, fmt), fmt, os.path.join(tmp, fmt + "-back"),
+                                      "transformers", None, _files(t), None, "round trip vs the source")
+            rows.append({"model_type": mt, "direction": f"transformers->{fmt}", "notes": notes,
+                         "seconds": round(time.perf_counter() - t0, 1), "class": cls, "detail": detail})
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ the table (parent)
+def _child(mt: str, timeout: float) -> list[dict]:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", mt], capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return [{"model_type": mt, "direction": "both", "class": "fails", "notes": [],
+                 "detail": f"timeout after {timeout:.0f} s", "seconds": round(time.perf_counter() - t0, 1)}]
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("ROWS "):
+            return json.loads(line[5:])
+    tail = [s for s in (proc.stderr or "").strip().splitlines() if s.strip()][-1:] or ["(no output)"]
+    return [{"model_type": mt, "direction": "both", "class": "fails", "notes": [],
+             "detail": f"the row's process crashed (exit {proc.returncode}): {tail[0][:300]}",
+             "seconds": round(time.perf_counter() - t0, 1)}]
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("transformers", "mlx-lm", "mlx", "torch", "keras-hub", "dense-bridge"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def counts(rows: list[dict]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        dirs = ["transformers->mlx-lm", "mlx-lm->transformers"] if r["direction"] == "both" else [r["direction"]]
+        for d in dirs:
+            c = out.setdefault(d, {k: 0 for k in CLASSES})
+            c[r["class"]] = c.get(r["class"], 0) + 1
+    return out
+
+
+def write_md(rows: list[dict], pairs: list[tuple[str, str]], path: str, wall: float, command: str,
+             before: dict | None = None) -> None:
+    c = counts(rows)
+    lines = ["# Port coverage: every architecture transformers and mlx-lm share", "",
+             "## Summary (for the README)", "",
+             "| direction | " + " | ".join(CLASSES) + " | total |", "|---" * (len(CLASSES) + 2) + "|"]
+    for d, k in c.items():
+        lines.append(f"| {d} | " + " | ".join(str(k.get(x, 0)) for x in CLASSES) + f" | {sum(k.values())} |")
+    if before:
+        lines += ["", "Before this session's fixes (same harness):", "",
+                  "| direction | " + " | ".join(CLASSES) + " |", "|---" * (len(CLASSES) + 1) + "|"]
+        for d, k in before.items():
+            lines.append(f"| {d} | " + " | ".join(str(k.get(x, 0)) for x in CLASSES) + " |")
+    v = versions()
+    overrides = sum(1 for mt, _ in pairs if OVERRIDES.get(mt))
+    lines += ["", f"{len(pairs)} model types ({sum(1 for a, b in pairs if a == b)} under the same name, "
+              f"{sum(1 for a, b in pairs if a != b)} through mlx-lm's MODEL_REMAPPING); "
+              f"{overrides} with harness overrides of their default config.",
+              "Libraries: " + ", ".join(f"{k} {x}" for k, x in v.items() if x), "",
+              f"Command: `{command}` — wall time {wall / 60:.1f} min (2 shared CPU cores, one row at a time).", "",
+              "Classes: **pass** every weight written bit-identical to the destination library's own loader on the "
+              "same source, and the round trip bit-identical to the source; **pass-rounded** the same with "
+              "tensors the certificate marks inexact (named); **discrepancy** the weights agree but the two "
+              "libraries' own code computes differently (the port names where); **refused** the port raised, "
+              "its reason shown; **fails** the first disagreeing weight, or an error that is not the port's; "
+              "**no-reference** a library cannot build the tiny model or read the source itself.", "",
+              "keras-hub rows: the harness runs `to=\"keras-hub\"` rows when an installed adapter declares that "
+              "format (not yet in this table).", "",
+              "## Rows", "", "| model_type | mlx-lm module | direction | class | s | detail |", "|---|---|---|---|---|---|"]
+    mod = dict(pairs)
+    for r in rows:
+        detail = str(r.get("detail") or "").replace("|", "\\|").replace("\n", " ")
+        notes = "; ".join(r.get("notes") or [])
+        if notes:
+            detail = f"[{notes}] {detail}"
+        lines.append(f"| {r['model_type']} | {mod.get(r['model_type'], '')} | {r['direction']} | {r['class']} | "
+                     f"{r.get('seconds', '')} | {detail[:600]} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=None, help="comma-separated model types (default: all shared)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "coverage.md"))
+    ap.add_argument("--before", default=None, help="a coverage.json whose counts are shown as 'before'")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.row:
+        sys.path.insert(0, ROOT)
+        rows = run_row(args.row)
+        print("ROWS " + json.dumps(rows))
+        return 0
+    pairs = model_types()
+    if args.only:
+        wanted = set(args.only.split(","))
+        pairs = [p for p in pairs if p[0] in wanted]
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    json_path = os.path.splitext(args.out)[0] + ".json"
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)["counts"]
+    command = "python benchmarks/coverage.py" + (f" --only {args.only}" if args.only else "")
+    for i, (mt, _) in enumerate(pairs):
+        got = _child(mt, args.timeout)
+        rows += got
+        print(f"[{i + 1}/{len(pairs)}] {mt}: " + ", ".join(f"{r['direction']} {r['class']}" for r in got), flush=True)
+        wall = time.perf_counter() - t0
+        write_md(rows, pairs[:i + 1], args.out, wall, command, before)
+        with open(json_path, "w") as f:
+            json.dump({"versions": versions(), "wall_s": wall, "counts": counts(rows), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
