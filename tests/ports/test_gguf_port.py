@@ -46,10 +46,7 @@ MODELS = {  # model type -> (config class, extra settings)
 def llama_cpp_dir() -> str | None:
     from dense_bridge.backends.gguf._tokenizer import llama_cpp_dir as found
 
-    if found():
-        return found()
-    hits = sorted(glob.glob("/work/wheels/src/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
-    return os.path.dirname(hits[-1]) if hits else None
+    return found()
 
 
 def _tokenizer(path: str) -> None:
