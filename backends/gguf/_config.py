@@ -7,8 +7,8 @@ libraries' own knowledge: transformers' GGUF loader (``GGUF_CONFIG_MAPPING``, ``
   read back by ``load_gguf_checkpoint`` (from a metadata-only file) and every mapped value must
   come back equal, else the architecture is refused naming what would be lost.
 - The architecture name written: the model type itself where gguf-py names it, else the
-  architecture whose file transformers' loader reads back as that model type (Mistral: llama.cpp's
-  "llama" with the name saying "mistral"), found by asking that loader, not a table of ours.
+  architecture whose file transformers' loader reads back as that model type (a model type
+  llama.cpp writes under another architecture: that one, with general.name saying the model type), found by asking that loader, not a table of ours.
 - The permutation: transformers' tensor processor for the file's architecture undoes what
   llama.cpp's converter did (``process``); the writer applies its inverse, found by running the
   processor on row indices, so it applies exactly where the reader undoes it.
@@ -132,7 +132,7 @@ def _key_length(arch: str) -> str:
 
 def with_head_dim(config: dict, metadata: dict) -> dict:
     """``config`` with ``head_dim`` from llama.cpp's ``attention.key_length`` (gguf-py's key) where
-    transformers' key table for the model type does not read it (Qwen3: its loader would take the
+    transformers' key table for the model type does not read it (for some model types its loader would take the
     class default)."""
     ggml, _ = _ggml()
     arch = metadata.get("general.architecture")

@@ -225,10 +225,11 @@ def port_load(fmt: str, path: str):
             return tp._transformers().AutoModelForCausalLM.from_pretrained(
                 os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first)).eval()
     except (NotImplementedError, RuntimeError):
-        # transformers 5 maps a Mistral file (llama.cpp's "llama" named "mistral") to its config but
-        # then asks gguf-py for a "mistral" architecture to name the tensors, which gguf-py lacks; it
-        # reads no head_dim for Qwen3 (the class default, mismatching the tensors): the same steps,
-        # with the file's own architecture and key_length
+        # transformers 5 maps a file whose general.name is a model type other than its architecture to
+        # that model type's config, then asks gguf-py for an architecture of that name to name the
+        # tensors, which gguf-py may lack; for some model types it reads no head_dim (the class
+        # default, mismatching the tensors): the same steps, with the file's own architecture and
+        # key_length
         return _load_by_parts(first)
 
 

@@ -389,7 +389,7 @@ def write_lora_file(model, path: str, layers: dict, *, allow_nonfinite: bool = F
         raise ConversionError(f"a keras-hub adapter file name ends in .lora.h5. {received('path', path)}")
     backbone = getattr(model, "backbone", model)
     entries = {e.path: e.layer for e in walk(model) if e.kind == "linear"}
-    # Keras numbers a model's name when the process built another of the same name ("llama_backbone_1"):
+    # Keras numbers a model's name when the process built another of the same name ("<name>_1"):
     # a path whose first component differs is found by the rest of it, where that is unique
     below: dict[str, list] = {}
     for known in entries:
