@@ -166,6 +166,17 @@ def architecture_for(model_type: str) -> tuple[str, str]:
                           f"(tried {candidates})")
 
 
+def _states_head_dim(cfg, head_dim: int) -> bool:
+    """Whether the config's own saver writes ``head_dim`` (its class takes it), or it differs from the
+    width per head: llama.cpp's converter writes the key length exactly when config.json holds it."""
+    import inspect
+
+    if "head_dim" in inspect.signature(type(cfg).__init__).parameters:
+        return True
+    heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    return not (isinstance(heads, int) and isinstance(hidden, int) and heads and head_dim == hidden // heads)
+
+
 def _value_in(cfg, key: str):
     value = getattr(cfg, key, None)
     if value is None:
@@ -194,7 +205,7 @@ def metadata_of_config(common: dict) -> tuple[dict, bool]:
             meta[f"{arch}.{gguf_key}"] = value
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     head_dim = getattr(cfg, "head_dim", None)
-    if isinstance(head_dim, int) and "head_dim" not in table.values():  # llama.cpp's key, as its converter writes it
+    if isinstance(head_dim, int) and "head_dim" not in table.values() and _states_head_dim(cfg, head_dim):
         import gguf
 
         meta[_key_length(arch)] = head_dim
@@ -208,6 +219,8 @@ def metadata_of_config(common: dict) -> tuple[dict, bool]:
         a, b = _value_in(cfg, key), _value_in(back_cfg, key)
         if a is None:  # unset in the source (no window, no scaling): the loader's default is its own reading
             continue
+        if key == "head_dim" and isinstance(a, int) and not _states_head_dim(cfg, a):
+            continue  # the width per head, which the model computes from the widths read back
         if a != b and not (isinstance(a, float) and isinstance(b, float) and np.float32(a) == np.float32(b)):
             lost.append(f"{key}={a!r} (read back as {b!r})")
     if lost:
