@@ -294,12 +294,75 @@ class _Logical:
         config = _config.with_head_dim(_config.config_of_file(self.file.path), meta)
         self.processor = _config.processor_for(arch, config)
         self.tensors = self.file.tensors
+        #: quantized tensors (read as their exact dequantization) -> their GGUF type's name
+        self.quantized = {n: i.type_name for n, i in self.tensors.items() if i.quantized}
 
     def keys(self):
         return list(self.tensors)
 
     def get(self, name: str) -> np.ndarray:
         return _config.unpermute(self.processor, name, self.file.get(name))
+
+    def code_info(self, name: str) -> dict | None:
+        """What stands behind the float tensor ``name`` (None for a float one): {"ggml_type",
+        "tensors": {"blocks": name}, "files": {"blocks": file}, "dequantize": words}."""
+        kind = self.quantized.get(name)
+        if kind is None:
+            return None
+        rel = os.path.basename(self.tensors[name].path)
+        return {"ggml_type": kind, "tensors": {"blocks": name}, "files": {"blocks": rel},
+                "dequantize": f"gguf.quants.dequantize ({kind} blocks)"}
+
+    def codes_of(self, name: str) -> dict | None:
+        """The codes of the quantized tensor ``name`` in MLX's layout, moved, not requantized
+        (``_codes.to_mlx_affine``: Q4_0/Q4_1/Q8_0/Q4_K -> affine group 32, float32 scales and biases;
+        ``to_mlx_mxfp4``: MXFP4 -> mxfp4), rows in logical order (the permutation undone on each of
+        ``weight``/``scales``/``biases``): {"weight", "scales", "biases" (affine), "bits",
+        "group_size", "mode", "ggml_type", "qcodes", "scale", "offset"? (canonical), "note"}.
+        None for a float tensor; ConversionError naming the tensor and its type for any other
+        quantized type (keep_codes cannot move its codes)."""
+        from . import _codes
+
+        kind = self.quantized.get(name)
+        if kind is None:
+            return None
+        info = self.tensors[name]
+        if kind in _codes.MLX_AFFINE_BITS:
+            w, scales, biases = _codes.to_mlx_affine(self.file.raw(name), info.ggml_type, info.shape)
+            out = {"weight": w, "scales": scales, "biases": biases, "bits": _codes.MLX_AFFINE_BITS[kind],
+                   "group_size": 32, "mode": "affine"}
+            out["note"] = ("bit for bit" if kind in ("Q4_1", "Q4_K") else
+                           "equal in value; bit for bit but the sign of zero (gguf's d * 0 is -0.0 for a negative d, "
+                           "MLX's scale * q + bias is +0.0)")
+        elif kind == "MXFP4":
+            w, scales = _codes.to_mlx_mxfp4(self.file.raw(name), info.shape)
+            out = {"weight": w, "scales": scales, "bits": 4, "group_size": 32, "mode": "mxfp4",
+                   "note": "equal in value; bit for bit but the sign of zero (FP4 code 8 is -0.0 to MLX, +0.0 to gguf)"}
+        else:
+            raise ConversionError(f"{info.path}: tensor {name!r} is {kind}, whose codes have no exact MLX layout "
+                                  f"(keep_codes moves {', '.join(_codes.MLX_AFFINE_BITS)} and MXFP4): port without "
+                                  f"keep_codes to dequantize it exactly (nothing was written)")
+        # canonical codes (ports/_codes.py): (units, in) unsigned codes, per-group scale and offset
+        words = np.ascontiguousarray(out["weight"]).astype("<u4", copy=False).view(np.uint8)
+        if out["bits"] == 4:
+            q = np.empty(words.shape[:-1] + (words.shape[-1] * 2,), np.uint8)
+            q[..., 0::2], q[..., 1::2] = words & np.uint8(0x0F), words >> np.uint8(4)
+        else:
+            q = words
+        out["qcodes"] = q
+        if out["mode"] == "affine":
+            out["scale"], out["offset"] = out["scales"], out["biases"]
+        order = _config.row_order(self.processor, name, tuple(info.shape))
+        if order is not None:
+            for leaf in ("weight", "scales", "biases"):
+                if leaf in out:
+                    out[leaf] = np.ascontiguousarray(out[leaf][order])
+            for leaf in ("qcodes", "scale", "offset"):
+                if leaf in out:
+                    out[leaf] = np.ascontiguousarray(out[leaf][order])
+        out["ggml_type"] = kind
+        out["tensors"], out["files"] = {"blocks": name}, {"blocks": os.path.basename(info.path)}
+        return out
 
     def close(self) -> None:
         self.file.close()

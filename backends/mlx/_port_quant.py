@@ -451,6 +451,8 @@ def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict 
 
     from ._arrays import from_numpy, to_numpy
 
+    if recipe.get("kind") == "moved":  # codes moved from the source (keep_codes): its codes, as they are
+        return np.ascontiguousarray(codes[recipe["part"]])
     parts = mx.quantize(from_numpy(np.ascontiguousarray(value)), recipe["group_size"], recipe["bits"],
                         mode=recipe["mode"])
     index = {"weight": 0, "scales": 1, "biases": 2}[recipe["part"]]
