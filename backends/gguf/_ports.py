@@ -529,8 +529,10 @@ def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, o
                 notes[name].update(_exactness(arranged, stored, kind))
             if on_tensor is not None:
                 on_tensor(name, stored.nbytes)
-    finally:
-        out.close()
+    except BaseException:
+        out.abort()  # the partial file removed; the refusal itself is what the caller sees
+        raise
+    out.close()
     return notes
 
 
