@@ -543,7 +543,8 @@ def port_write(fmt: str, path: str, config: dict, tensors: dict, *, outtype=None
     q4_1; ``keep``: Q4_1 blocks holding a quantized source's MLX affine 4-bit codes, moved, every other
     tensor F32), the hyperparameters of ``config`` and the tokenizer metadata made from ``extras`` {file
     name: path} (the source's tokenizer files); ``codes`` {name: (opened source file, stored key)} of
-    the tensors copied whole from quantized sources (``ports._codes.sources_of``). Returns {name: {"ggml_type", "permuted", "codes"}}."""
+    the tensors copied whole from quantized sources (``ports._codes.sources_of``). Returns {name:
+    {"ggml_type", "permuted", "codes"}}."""
     outtype = "f32" if outtype is None else outtype
     if outtype not in OUTTYPES:
         raise ConversionError(f"outtype must be one of {OUTTYPES}. {received('outtype', outtype)}")
