@@ -58,6 +58,8 @@ def _random_blocks(kind, rows: int, cols: int, seed: int) -> np.ndarray:
     if kind == T.Q4_K:
         b[:, 0:2] = rng.uniform(1e-3, 0.02, n).astype("<f2").view(np.uint8).reshape(n, 2)
         b[:, 2:4] = rng.uniform(-0.02, 0.02, n).astype("<f2").view(np.uint8).reshape(n, 2)
+    elif kind == T.MXFP4:  # E8M0 exponent first: 2**-9 .. 2**-5
+        b[:, 0] = rng.integers(118, 123, n, dtype=np.uint8)
     else:  # Q6_K: d last
         b[:, -2:] = rng.uniform(1e-4, 1e-3, n).astype("<f2").view(np.uint8).reshape(n, 2)
     return b.reshape(rows, cols // block * size)
@@ -88,6 +90,7 @@ def files(tmp_path_factory):
     # Q4_K on the q/k (permuted rows), gate and up matrices; the rest Q4_0
     out["q4_k"] = _retyped(out["q4_0"], str(root / "q4_k.gguf"),
                            {f"blk.{i}.{n}.weight": T.Q4_K for i in range(2) for n in ("attn_q", "attn_k", "ffn_up")})
+    out["mxfp4"] = _retyped(out["q4_0"], str(root / "mxfp4.gguf"), {"blk.0.ffn_up.weight": T.MXFP4})
     out["q6_k"] = _retyped(out["q4_0"], str(root / "q6_k.gguf"), {"blk.1.attn_v.weight": T.Q6_K})
     return out
 
@@ -138,6 +141,25 @@ def test_keep_codes_moves_gguf_blocks_into_mlx_affine_layers(files, tmp_path, ki
     assert all(str(v.dtype) == "mlx.core.float32" for k, v in params.items() if k.endswith("norm.weight"))
     if kind == "q4_k":
         assert sum(1 for n, (t, _) in source.items() if t == "Q4_K") == 6
+
+
+def test_keep_codes_moves_mxfp4_blocks_into_mlx_mxfp4_layers(files, tmp_path):
+    from mlx_lm.utils import load_model
+    from pathlib import Path
+
+    out = str(tmp_path / "mlx")
+    report = db.port(files["mxfp4"], out, to="mlx-lm", keep_codes=True, verify="twins")
+    with open(os.path.join(out, "config.json")) as f:
+        quant = json.load(f)["quantization"]
+    layer = "model.layers.0.mlp.up_proj"
+    assert quant[layer] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}  # a per-layer entry: its mode differs
+    assert quant["mode"] == "affine" and quant["bits"] == 4
+    assert report.certificate["tensors"][f"{layer}.weight"]["codes"] == "moved"
+    model, _ = load_model(Path(out))
+    module = model.model.layers[0].mlp.up_proj
+    assert module.mode == "mxfp4" and module.scales.dtype == mx.uint8
+    got = np.array(mx.dequantize(module.weight, module.scales, None, 32, 4, "mxfp4", dtype=mx.float32))
+    assert np.array_equal(got, _logical(files["mxfp4"])["blk.0.ffn_up.weight"][1])  # in value
 
 
 def test_keep_codes_refuses_other_types_by_name_and_dequantizes_them_without(files, tmp_path):
