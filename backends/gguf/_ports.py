@@ -442,9 +442,11 @@ def _keep_type(name: str, shape: tuple[int, ...], codes: dict):
     info = f.code_info(stored) or {}
     bits, group, mode = info.get("bits"), info.get("group_size"), info.get("mode")
     if mode != "affine" or bits != 4 or not isinstance(group, int) or group % 32 or len(shape) != 2:
-        raise ConversionError(f"outtype='keep': tensor {name!r} (source {stored!r}) holds {mode} {bits}-bit codes in "
-                              f"groups of {group}; only MLX affine 4-bit codes in groups of a multiple of 32 move into "
-                              "Q4_1 blocks without requantizing: choose another outtype (nothing was written)")
+        held = f"{info['ggml_type']} blocks" if info.get("ggml_type") else \
+            f"{mode} {bits}-bit codes in groups of {group}"
+        raise ConversionError(f"outtype='keep': tensor {name!r} (source {stored!r}) holds {held}; only MLX affine "
+                              "4-bit codes in groups of a multiple of 32 move into Q4_1 blocks without requantizing: "
+                              "choose another outtype (nothing was written)")
     return T.Q4_1
 
 

@@ -141,6 +141,8 @@ def test_keep_codes_moves_gguf_blocks_into_mlx_affine_layers(files, tmp_path, ki
     assert all(str(v.dtype) == "mlx.core.float32" for k, v in params.items() if k.endswith("norm.weight"))
     if kind == "q4_k":
         assert sum(1 for n, (t, _) in source.items() if t == "Q4_K") == 6
+    check = db.verify_port(out)  # every stored code tensor recomputed from the GGUF blocks, bit for bit
+    assert check.passed, check.problems[:3]
 
 
 def test_keep_codes_moves_mxfp4_blocks_into_mlx_mxfp4_layers(files, tmp_path):
@@ -250,6 +252,8 @@ def test_keep_refuses_codes_q4_1_cannot_hold(files, tmp_path):
     wide = _mlx_q4(files["src"], str(tmp_path / "f32"), dtype="float32")  # float32 scales: not float16 values
     with pytest.raises(ConversionError, match=r"tensor '.*\.weight'.*not float16 values"):
         db.port(wide, str(tmp_path / "b.gguf"), to="gguf", outtype="keep", verify="twins")
+    with pytest.raises(ConversionError, match=r"tensor '.*\.weight'.*Q4_0 blocks"):  # GGUF blocks are not MLX codes
+        db.port(files["q4_0"], str(tmp_path / "d.gguf"), to="gguf", outtype="keep", verify="twins")
     with pytest.raises(ConversionError, match="holds no quantized tensors"):
         db.port(files["src"], str(tmp_path / "c.gguf"), to="gguf", outtype="keep", verify="twins")
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".gguf")]
