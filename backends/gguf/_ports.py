@@ -497,16 +497,7 @@ def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, o
     processor = _processor(config)
     import gguf
 
-    typed = _config.typed(config["metadata"])
-    typed.update(_tokenizer.metadata(extras, config))
-
-    typed["general.file_type"] = (int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                                       "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                                       "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                                       "keep": gguf.LlamaFileType.MOSTLY_Q4_1}
-                                      [outtype]), gguf.GGUFValueType.UINT32, None)
     codes = dict(codes or {})
-    typed["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None)
     plan, notes = [], {}
     for name, t in tensors.items():
         shape = tuple(t.shape)
@@ -515,6 +506,15 @@ def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, o
         notes[name] = {"ggml_type": kind.name, "permuted": _config.row_order(processor, name, shape) is not None,
                        "codes": None if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                                                  gguf.GGMLQuantizationType.BF16) else "quantized"}
+    typed = _config.typed(config["metadata"])  # after the plan: a tensor refused is named first
+    typed.update(_tokenizer.metadata(extras, config))
+
+    typed["general.file_type"] = (int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                                       "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                                       "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                                       "keep": gguf.LlamaFileType.MOSTLY_Q4_1}
+                                      [outtype]), gguf.GGUFValueType.UINT32, None)
+    typed["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None)
     out = _output()(path, typed, plan)
     try:
         for name, shape, kind in plan:
