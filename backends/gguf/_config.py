@@ -58,10 +58,28 @@ def gguf_type_of(value):
     raise ConversionError(f"a GGUF metadata value of type {type(value).__name__} cannot be written: {value!r}")
 
 
+def _float_keys() -> tuple[str, ...]:
+    """The suffixes of the hyperparameter keys llama.cpp reads as float32 (gguf-py's key names): a
+    config that spells such a value as an integer (``"rope_theta": 10000`` in a JSON file) is
+    written as a float, which llama.cpp requires."""
+    import gguf
+
+    K = gguf.Keys
+    names = [(K.Rope, "FREQ_BASE"), (K.Rope, "FREQ_BASE_SWA"), (K.Rope, "SCALING_FACTOR"),
+             (K.Rope, "SCALING_ATTN_FACTOR"), (K.Rope, "SCALING_YARN_LOG_MUL"), (K.Attention, "LAYERNORM_EPS"),
+             (K.Attention, "LAYERNORM_RMS_EPS"), (K.Attention, "SCALE"), (K.Attention, "CLAMP_KQV"),
+             (K.Attention, "MAX_ALIBI_BIAS"), (K.LLM, "LOGIT_SCALE"), (K.LLM, "EMBEDDING_SCALE"),
+             (K.LLM, "RESIDUAL_SCALE"), (K.LLM, "ATTN_LOGIT_SOFTCAPPING"), (K.LLM, "FINAL_LOGIT_SOFTCAPPING")]
+    return tuple(getattr(c, n).split("{arch}.", 1)[-1] for c, n in names if hasattr(c, n))
+
+
 def typed(metadata: dict) -> dict:
-    """{key: (value, type, sub type)} for the writer."""
+    """{key: (value, type, sub type)} for the writer (an integer under a float key as a float)."""
     out = {}
+    floats = _float_keys()
     for k, v in metadata.items():
+        if isinstance(v, int) and not isinstance(v, bool) and "." in k and k.split(".", 1)[1] in floats:
+            v = float(v)
         vtype, sub = gguf_type_of(v)
         out[k] = (list(v) if isinstance(v, tuple) else v, vtype, sub)
     return out

@@ -294,12 +294,75 @@ class _Logical:
         config = _config.with_head_dim(_config.config_of_file(self.file.path), meta)
         self.processor = _config.processor_for(arch, config)
         self.tensors = self.file.tensors
+        #: quantized tensors (read as their exact dequantization) -> their GGUF type's name
+        self.quantized = {n: i.type_name for n, i in self.tensors.items() if i.quantized}
 
     def keys(self):
         return list(self.tensors)
 
     def get(self, name: str) -> np.ndarray:
         return _config.unpermute(self.processor, name, self.file.get(name))
+
+    def code_info(self, name: str) -> dict | None:
+        """What stands behind the float tensor ``name`` (None for a float one): {"ggml_type",
+        "tensors": {"blocks": name}, "files": {"blocks": file}, "dequantize": words}."""
+        kind = self.quantized.get(name)
+        if kind is None:
+            return None
+        rel = os.path.basename(self.tensors[name].path)
+        return {"ggml_type": kind, "tensors": {"blocks": name}, "files": {"blocks": rel},
+                "dequantize": f"gguf.quants.dequantize ({kind} blocks)"}
+
+    def codes_of(self, name: str) -> dict | None:
+        """The codes of the quantized tensor ``name`` in MLX's layout, moved, not requantized
+        (``_codes.to_mlx_affine``: Q4_0/Q4_1/Q8_0/Q4_K -> affine group 32, float32 scales and biases;
+        ``to_mlx_mxfp4``: MXFP4 -> mxfp4), rows in logical order (the permutation undone on each of
+        ``weight``/``scales``/``biases``): {"weight", "scales", "biases" (affine), "bits",
+        "group_size", "mode", "ggml_type", "qcodes", "scale", "offset"? (canonical), "note"}.
+        None for a float tensor; ConversionError naming the tensor and its type for any other
+        quantized type (keep_codes cannot move its codes)."""
+        from . import _codes
+
+        kind = self.quantized.get(name)
+        if kind is None:
+            return None
+        info = self.tensors[name]
+        if kind in _codes.MLX_AFFINE_BITS:
+            w, scales, biases = _codes.to_mlx_affine(self.file.raw(name), info.ggml_type, info.shape)
+            out = {"weight": w, "scales": scales, "biases": biases, "bits": _codes.MLX_AFFINE_BITS[kind],
+                   "group_size": 32, "mode": "affine"}
+            out["note"] = ("bit for bit" if kind in ("Q4_1", "Q4_K") else
+                           "equal in value; bit for bit but the sign of zero (gguf's d * 0 is -0.0 for a negative d, "
+                           "MLX's scale * q + bias is +0.0)")
+        elif kind == "MXFP4":
+            w, scales = _codes.to_mlx_mxfp4(self.file.raw(name), info.shape)
+            out = {"weight": w, "scales": scales, "bits": 4, "group_size": 32, "mode": "mxfp4",
+                   "note": "equal in value; bit for bit but the sign of zero (FP4 code 8 is -0.0 to MLX, +0.0 to gguf)"}
+        else:
+            raise ConversionError(f"{info.path}: tensor {name!r} is {kind}, whose codes have no exact MLX layout "
+                                  f"(keep_codes moves {', '.join(_codes.MLX_AFFINE_BITS)} and MXFP4): port without "
+                                  f"keep_codes to dequantize it exactly (nothing was written)")
+        # canonical codes (ports/_codes.py): (units, in) unsigned codes, per-group scale and offset
+        words = np.ascontiguousarray(out["weight"]).astype("<u4", copy=False).view(np.uint8)
+        if out["bits"] == 4:
+            q = np.empty(words.shape[:-1] + (words.shape[-1] * 2,), np.uint8)
+            q[..., 0::2], q[..., 1::2] = words & np.uint8(0x0F), words >> np.uint8(4)
+        else:
+            q = words
+        out["qcodes"] = q
+        if out["mode"] == "affine":
+            out["scale"], out["offset"] = out["scales"], out["biases"]
+        order = _config.row_order(self.processor, name, tuple(info.shape))
+        if order is not None:
+            for leaf in ("weight", "scales", "biases"):
+                if leaf in out:
+                    out[leaf] = np.ascontiguousarray(out[leaf][order])
+            for leaf in ("qcodes", "scale", "offset"):
+                if leaf in out:
+                    out[leaf] = np.ascontiguousarray(out[leaf][order])
+        out["ggml_type"] = kind
+        out["tensors"], out["files"] = {"blocks": name}, {"blocks": os.path.basename(info.path)}
+        return out
 
     def close(self) -> None:
         self.file.close()
@@ -366,55 +429,129 @@ def _exactness(logical: np.ndarray, stored: np.ndarray, kind) -> dict:
     return {"exact": False, "max_ulp": int(np.ceil(ulp.max()))}
 
 
-def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, on_tensor=None) -> dict:
+def _keep_type(name: str, shape: tuple[int, ...], codes: dict):
+    """``outtype="keep"``: Q4_1 for a matrix whose source holds MLX affine 4-bit codes (moved by
+    :func:`_moved`), F32 for every other tensor; ConversionError naming a matrix whose codes are
+    not affine 4-bit in groups of a multiple of 32 (nothing is requantized)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if name not in codes or len(shape) != 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
+        return T.F32
+    f, stored = codes[name]
+    info = f.code_info(stored) or {}
+    bits, group, mode = info.get("bits"), info.get("group_size"), info.get("mode")
+    if mode != "affine" or bits != 4 or not isinstance(group, int) or group % 32 or len(shape) != 2:
+        held = f"{info['ggml_type']} blocks" if info.get("ggml_type") else \
+            f"{mode} {bits}-bit codes in groups of {group}"
+        raise ConversionError(f"outtype='keep': tensor {name!r} (source {stored!r}) holds {held}; only MLX affine "
+                              "4-bit codes in groups of a multiple of 32 move into Q4_1 blocks without requantizing: "
+                              "choose another outtype (nothing was written)")
+    return T.Q4_1
+
+
+def _moved(name: str, codes: dict, processor, logical: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The Q4_1 bytes of the matrix ``name`` with its source's MLX codes moved in
+    (``_codes.from_mlx_affine_q4``; rows in llama.cpp's order) and its certificate note: the
+    move's report and the largest difference between gguf's dequantization of the blocks and the
+    source's own (``logical``, MLX's ``mx.dequantize``, computed in its scales' dtype)."""
+    import gguf
+
+    from ._codes import from_mlx_affine_q4
+
+    f, stored = codes[name]
+    c = f.codes_of(stored)
+    raw, report = from_mlx_affine_q4(np.asarray(c["weight"]), np.asarray(c["scales"]), np.asarray(c["biases"]),
+                                     int(c["group_size"]))
+    if not report["exact"]:
+        raise ConversionError(f"outtype='keep': tensor {name!r} (source {stored!r}): {report['inexact_scales']} "
+                              f"scales and {report['inexact_biases']} biases are not float16 values, so Q4_1's "
+                              f"float16 d and m cannot hold them exactly (largest difference "
+                              f"{report['max_abs_error']:.3g}): choose another outtype (nothing was written)")
+    order = _config.row_order(processor, name, tuple(logical.shape))
+    if order is not None:
+        arranged = np.empty_like(raw)
+        arranged[order] = raw
+        raw = arranged
+    back = _config.unpermute(processor, name, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+    ref = np.asarray(logical, np.float32)
+    err = float(np.max(np.abs(back.astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
+    groups = int(c["group_size"]) // 32
+    note = {"codes": "moved", "exact": bool(np.array_equal(back, ref)), "max_ulp": None, "max_abs_error": err,
+            "codes_move": {k: report[k] for k in ("exact", "inexact_scales", "inexact_biases")},
+            "ops": [f"move MLX affine 4-bit codes, group {c['group_size']}, into Q4_1 blocks "
+                    f"({'each group two' if groups == 2 else f'each group {groups}'} block{'s' if groups > 1 else ''}"
+                    f" sharing its scale and bias as float16 d and m, exactly): codes and scales identical; gguf's "
+                    f"d * q + m (float32) differs from MLX's dequantization (in {np.asarray(c['scales']).dtype}) by "
+                    f"at most {err:.3g}"]}
+    return raw, note
+
+
+def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, on_tensor=None,
+           codes: dict | None = None) -> dict:
     """Write the GGUF file ``path``: ``tensors`` {GGUF name: logical array, or a callable giving it}
-    in order; returns {name: {"ggml_type", "permuted", "codes"}}."""
+    in order (``codes``, for ``outtype="keep"``: {name: (opened source file, stored key)} of the
+    tensors copied whole from quantized sources); returns {name: {"ggml_type", "permuted", "codes"}}."""
     from . import _tokenizer
 
     processor = _processor(config)
     import gguf
 
-    typed = _config.typed(config["metadata"])
-    typed.update(_tokenizer.metadata(extras, config))
-
-    typed["general.file_type"] = (int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                                       "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                                       "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
-                                      [outtype]), gguf.GGUFValueType.UINT32, None)
-    typed["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None)
+    codes = dict(codes or {})
     plan, notes = [], {}
     for name, t in tensors.items():
         shape = tuple(t.shape)
-        kind = tensor_type(name, shape, outtype)
+        kind = _keep_type(name, shape, codes) if outtype == "keep" else tensor_type(name, shape, outtype)
         plan.append((name, shape, kind))
         notes[name] = {"ggml_type": kind.name, "permuted": _config.row_order(processor, name, shape) is not None,
                        "codes": None if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                                                  gguf.GGMLQuantizationType.BF16) else "quantized"}
+    typed = _config.typed(config["metadata"])  # after the plan: a tensor refused is named first
+    typed.update(_tokenizer.metadata(extras, config))
+
+    typed["general.file_type"] = (int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                                       "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                                       "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                                       "keep": gguf.LlamaFileType.MOSTLY_Q4_1}
+                                      [outtype]), gguf.GGUFValueType.UINT32, None)
+    typed["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None)
     out = _output()(path, typed, plan)
     try:
         for name, shape, kind in plan:
             t = tensors[name]
             value = t.produce() if hasattr(t, "produce") else t
-            arranged = _config.permute(processor, name, np.asarray(value))
-            stored = encode(arranged, kind)
-            out.write(name, np.ascontiguousarray(stored).reshape(-1).view(np.uint8))  # the stored bytes
-            notes[name].update(_exactness(arranged, stored, kind))
+            if outtype == "keep" and kind == gguf.GGMLQuantizationType.Q4_1:
+                stored, note = _moved(name, codes, processor, np.asarray(value))
+                out.write(name, np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
+                notes[name].update(note)
+            else:
+                arranged = _config.permute(processor, name, np.asarray(value))
+                stored = encode(arranged, kind)
+                out.write(name, np.ascontiguousarray(stored).reshape(-1).view(np.uint8))  # the stored bytes
+                notes[name].update(_exactness(arranged, stored, kind))
             if on_tensor is not None:
                 on_tensor(name, stored.nbytes)
-    finally:
-        out.close()
+    except BaseException:
+        out.abort()  # the partial file removed; the refusal itself is what the caller sees
+        raise
+    out.close()
     return notes
 
 
-def port_write(fmt: str, path: str, config: dict, tensors: dict, *, outtype=None, extras=None, on_tensor=None):
+def port_write(fmt: str, path: str, config: dict, tensors: dict, *, outtype=None, extras=None, on_tensor=None,
+               codes=None):
     """The destination file ``path`` written from ``tensors`` {GGUF name: PendingTensor (logical)}:
     llama.cpp's encoding of each (permutation, ``outtype``: f32 (default), f16, bf16, q8_0, q4_0,
-    q4_1), the hyperparameters of ``config`` and the tokenizer metadata made from ``extras`` {file
-    name: path} (the source's tokenizer files). Returns {name: {"ggml_type", "permuted", "codes"}}."""
+    q4_1; ``keep``: Q4_1 blocks holding a quantized source's MLX affine 4-bit codes, moved, every other
+    tensor F32), the hyperparameters of ``config`` and the tokenizer metadata made from ``extras`` {file
+    name: path} (the source's tokenizer files); ``codes`` {name: (opened source file, stored key)} of
+    the tensors copied whole from quantized sources (``ports._codes.sources_of``). Returns {name:
+    {"ggml_type", "permuted", "codes"}}."""
     outtype = "f32" if outtype is None else outtype
     if outtype not in OUTTYPES:
         raise ConversionError(f"outtype must be one of {OUTTYPES}. {received('outtype', outtype)}")
-    if outtype == "keep":
-        raise ConversionError("outtype='keep' (an MLX 4-bit source's codes moved into Q4_1 blocks) is not "
-                              "implemented yet: choose f32, f16, bf16, q8_0, q4_0 or q4_1")
-    return _write(path, config, tensors, outtype, dict(extras or {}), on_tensor)
+    if outtype == "keep" and not codes:
+        raise ConversionError("outtype='keep' moves a quantized source's MLX affine 4-bit codes into Q4_1 blocks, "
+                              "and this source holds no quantized tensors: choose f32, f16, bf16, q8_0, q4_0 or q4_1 "
+                              f"(nothing was written). {received('outtype', outtype)}")
+    return _write(path, config, tensors, outtype, dict(extras or {}), on_tensor, codes=codes)

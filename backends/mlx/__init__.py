@@ -77,6 +77,8 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file", "run_layer", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
            "quant_file_layers", "quant_file_template", "model_dir_layers"]
+from ._port_quant import port_keep_codes  # noqa: E402  keep_codes=True: the source's codes in mlx-lm's layout
+__all__ += ["port_keep_codes"]
 __all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_quantize", "port_parse_quantize", "port_recompute_codes"]
 
 

@@ -14,6 +14,11 @@ microscaling modes in MLX's default bfloat16). Each layer's scheme is what mlx-l
 config, against the packing), checked against the config's per-layer entry.
 :meth:`QuantizedWeights.codes_of` gives the codes themselves (keep_codes).
 
+Writing with the source's codes (``keep_codes=True``, :func:`port_keep_codes`): codes another
+library's file holds, given in MLX's layout by its adapter, become mlx-lm's quantized layers where
+``mx.dequantize`` equals the source's dequantization (a GGUF file's blocks: affine group 32, float32
+scales and biases; MXFP4: mxfp4).
+
 Writing (``quantize=``): the float mlx-lm directory the port wrote is loaded by mlx-lm's loader
 and quantized by ``mlx_lm.utils.quantize_model`` (the function ``mlx_lm.convert -q`` calls, so the
 codes, the layers left float and the per-layer entries in config["quantization"] are mlx-lm's),
@@ -451,8 +456,126 @@ def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict 
 
     from ._arrays import from_numpy, to_numpy
 
+    if recipe.get("kind") == "moved":  # codes moved from the source (keep_codes): its codes, as they are
+        return np.ascontiguousarray(codes[recipe["part"]])
     parts = mx.quantize(from_numpy(np.ascontiguousarray(value)), recipe["group_size"], recipe["bits"],
                         mode=recipe["mode"])
     index = {"weight": 0, "scales": 1, "biases": 2}[recipe["part"]]
     mx.eval(parts[index])
     return np.ascontiguousarray(to_numpy(parts[index]))
+
+
+# ------------------------------------------------------------------------------ keep_codes=True
+KEEP_LAYOUT = "mlx-lm quantized layers (weight/scales/biases, config.json \"quantization\"), as mlx_lm.convert -q writes"
+
+
+def _keep_difference(name: str, got: np.ndarray, want: np.ndarray) -> str:
+    a, b = got.astype(np.float32), want.astype(np.float32)
+    differ = np.flatnonzero(((a != b) & ~(np.isnan(a) & np.isnan(b))).reshape(-1))
+    index = tuple(int(k) for k in np.unravel_index(int(differ[0]), a.shape))
+    return (f"tensor {name!r} at index {index}: mx.dequantize of the moved codes gives {float(a[index])!r}, the "
+            f"source's exact dequantization {float(b[index])!r} ({differ.size} of {a.size} values differ)")
+
+
+def port_keep_codes(fmt: str, path: str, layers: dict, requantize: bool) -> dict:
+    """``keep_codes=True`` into mlx-lm directories: a quantized source's codes written as mlx-lm writes
+    quantized models, moved, never requantized.
+
+    The source's adapter gives each layer's codes already in MLX's layout (``codes_of``: ``weight``
+    uint32 packed along the input axis, ``scales`` and, affine, ``biases`` (units, in / group),
+    ``bits``, ``group_size``, ``mode``; a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K blocks become affine
+    group-32 layers with float32 scales and biases, MXFP4 blocks mxfp4). A layer is written quantized
+    only where mlx-lm's model quantizes that module (``to_quantized``: linear layers and embeddings;
+    norms stay float) and ``mx.dequantize`` of the codes equals the source's exact dequantization in
+    value (a zero's sign aside: -0.0 == +0.0); else the first differing value is named
+    (``requantize=True``: ``mx.quantize`` of the float weight, group 32, the source's bits).
+
+    The files are mlx-lm's own (``save_model``/``save_config``, as ``mlx_lm.convert -q`` saves):
+    ``<layer>.weight``/``.scales``/``.biases``, config.json's ``"quantization"`` (and ``"quantization_config"``) holding the
+    most common setting and, by layer path, each layer whose bits or mode differ, which
+    ``mlx_lm.utils.load_model`` reads.
+
+    Args:
+        path: the float mlx-lm directory the port wrote (rewritten in place).
+        layers: {float weight name: codes in MLX's layout (``weight``, ``scales``, ``biases``?,
+            ``bits``, ``group_size``, ``mode``) with ``"reference"``, the exact dequantization written}.
+        requantize: quantize with ``mx.quantize`` where the codes cannot move, instead of refusing.
+
+    Returns:
+        {"tensors": {float weight name: {"codes": "moved" | "quantized", "stored": {stored tensor:
+        dtype name}, "ops", "max_abs_error", "recompute"}}, "files": {stored tensor: file},
+        "layout"}. ConversionError naming the first differing value where codes cannot move and
+        ``requantize`` is False (the directory is then left as it was).
+    """
+    from collections import Counter
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import load_model, save_config, save_model
+
+    from ._arrays import from_numpy, to_numpy
+
+    model, config = load_model(Path(path), lazy=True)
+    modules = {name: m for name, m in model.named_modules() if hasattr(m, "to_quantized")}
+    plan: dict[str, dict] = {}
+    for target, codes in layers.items():
+        layer = target[: -len(".weight")] if target.endswith(".weight") else None
+        module = modules.get(layer)
+        ref = np.asarray(codes["reference"])
+        if module is None or tuple(module.weight.shape) != tuple(ref.shape):
+            continue  # mlx-lm does not quantize it: the exact dequantization stays (certificate: dequantized)
+        bits, group, mode = int(codes["bits"]), int(codes["group_size"]), codes["mode"]
+        parts = {"weight": codes["weight"], "scales": codes["scales"]}
+        if codes.get("biases") is not None:
+            parts["biases"] = codes["biases"]
+        got = to_numpy(mx.dequantize(from_numpy(np.ascontiguousarray(parts["weight"])),
+                                     from_numpy(np.ascontiguousarray(parts["scales"])),
+                                     from_numpy(np.ascontiguousarray(parts["biases"])) if "biases" in parts else None,
+                                     group, bits, mode, dtype=mx.float32))
+        want = ref.astype(np.float32)
+        if np.array_equal(got, want):  # in value: -0.0 == +0.0
+            kind, err = "moved", 0.0
+            op = (f"move {mode} {bits}-bit codes, group {group}, into MLX's layout ({codes.get('ggml_type', mode)}): "
+                  "mx.dequantize equals the source's dequantization "
+                  + ("bit for bit" if got.tobytes() == want.tobytes() else
+                     "in value; bit for bit but the sign of zero (-0.0 in the source, +0.0 in MLX)"))
+        elif not requantize:
+            raise ConversionError("keep_codes=True: the source's codes do not dequantize the same in MLX: "
+                                  + _keep_difference(target, got, want)
+                                  + "; pass requantize=True for MLX's own codes (nothing was written)")
+        else:
+            mode, group = "affine", 32
+            q = mx.quantize(from_numpy(np.ascontiguousarray(want)), group, bits, mode=mode)
+            parts = {"weight": to_numpy(q[0]), "scales": to_numpy(q[1]), "biases": to_numpy(q[2])}
+            back = to_numpy(mx.dequantize(q[0], q[1], q[2], group, bits, mode))
+            kind, err = "quantized", float(np.max(np.abs(back.astype(np.float64) - ref)))
+            op = f"quantize affine {bits}-bit, group {group} (mx.quantize)"
+        quantized = module.to_quantized(group_size=group, bits=bits, mode=mode)  # mlx-lm's own layer class
+        for leaf, a in parts.items():
+            setattr(quantized, leaf, from_numpy(np.ascontiguousarray(a)))
+        plan[target] = {"layer": layer, "module": quantized, "parts": parts, "kind": kind, "err": err, "op": op,
+                        "setting": {"group_size": group, "bits": bits, "mode": mode}}
+    if not plan:
+        return {"tensors": {}, "files": _weight_map(path), "layout": KEEP_LAYOUT}
+    model.update_modules(tree_unflatten([(p["layer"], p["module"]) for p in plan.values()]))
+    common = Counter(tuple(sorted(p["setting"].items())) for p in plan.values()).most_common(1)[0][0]
+    quantization: dict = dict(common)
+    for p in plan.values():  # per-layer entries where the bits or mode differ, as mlx-lm's mixed recipes write
+        if tuple(sorted(p["setting"].items())) != common:
+            quantization[p["layer"]] = dict(p["setting"])
+    config["quantization"] = quantization
+    config["quantization_config"] = quantization
+    mx.eval(model.parameters())  # read from the float files before they are replaced
+    for old in glob.glob(os.path.join(path, "model*.safetensors")) + [os.path.join(path, INDEX)]:
+        if os.path.exists(old):
+            os.remove(old)
+    save_model(path, model, donate_model=True)
+    save_config(config, config_path=os.path.join(path, CONFIG))
+    done = {}
+    for target, p in plan.items():
+        stored = {f"{p['layer']}.{leaf}": str(np.asarray(a).dtype) for leaf, a in p["parts"].items()}
+        done[target] = {"codes": p["kind"], "max_abs_error": p["err"], "ops": [p["op"]], "stored": stored,
+                        "recompute": {k: {"kind": p["kind"], **p["setting"], "float_dtype": "float32",
+                                          "part": k.rsplit(".", 1)[1]} for k in stored}}
+    return {"tensors": done, "files": _weight_map(path), "layout": KEEP_LAYOUT}

@@ -96,11 +96,33 @@ def annotate(entries: dict, opened: dict) -> None:
         infos = [(s, i) for s, i in infos if i is not None]
         if not infos:
             continue
-        entry["codes"] = "dequantized"
-        entry["ops"] = [f"dequantize {s['tensor']}: {i['dequantize']}" for s, i in infos] + \
-            [op for op in entry["ops"] if op != "copy"]
+        if entry.get("codes") != "moved":  # "moved": the destination's own writer moved the codes (port_write)
+            entry["codes"] = "dequantized"
+            entry["ops"] = [f"dequantize {s['tensor']}: {i['dequantize']}" for s, i in infos] + \
+                [op for op in entry["ops"] if op != "copy"]
         entry["quantized_sources"] = [{"file": i["files"][leaf], "tensor": t, "part": leaf}
                                       for s, i in infos for leaf, t in i["tensors"].items()]
+
+
+def sources_of(moves, opened: dict, weights: dict, file_keys: dict) -> dict:
+    """{destination tensor: (opened source file, stored key)} of every move that copies one whole
+    quantized source tensor as it is (the only recipe codes move through): what a destination that
+    writes its own file (``port_write``'s ``codes``) reads the source's codes from (``codes_of``)."""
+    from . import _rules
+
+    out = {}
+    for m in moves:
+        if len(m.sources) != 1 or m.view is not None or getattr(m, "stack", False) or getattr(m, "pick", False):
+            continue
+        key, transpose, start, stop = m.sources[0]
+        key, view = _rules.split_view(key)
+        f = opened.get(weights.get(key))
+        stored = file_keys.get(key, key)
+        if view is not None or transpose or stop is not None or start not in (0, None) or f is None \
+                or not callable(getattr(f, "code_info", None)) or f.code_info(stored) is None:
+            continue
+        out[m.target] = (f, stored)
+    return out
 
 
 def keep(tmp: str, dst_fmt, entries: dict, opened: dict, requantize: bool, hashes) -> dict:

@@ -423,9 +423,11 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         if config_name and os.path.isfile(os.path.join(root, config_name)):
             extras[config_name] = os.path.join(root, config_name)
 
+        codes_from = _codes.sources_of(moves, opened, contents["weights"], contents["file_keys"])
+
         def write(path, tensors, on_tensor=None):
             notes.update(dst_fmt.port_write(path, dst_config, tensors, outtype=outtype, extras=extras,
-                                            on_tensor=on_tensor) or {})
+                                            on_tensor=on_tensor, codes=codes_from) or {})
             return os.path.getsize(path)
     shards = _shard(moves, count, nbytes)
     layout = dst_fmt.port_layout(len(shards))
