@@ -235,20 +235,7 @@ class AdapterJob:
             raise ConversionError(f"adapter_mode='keep': the {dst_fmt.name} format has no adapter directory format "
                                   f"of its own here (declared: {sorted(_adapter_formats())}); use adapter_mode='merge' "
                                   f"(nothing was written)")
-        dora = sorted(p for p, e in self.layers.items() if "lora_magnitude" in e)
-        if dora:
-            raise ConversionError(f"adapter_mode='keep': layer {dora[0]!r} of {self.path} is a DoRA adapter; DoRA is "
-                                  f"carried by adapter_mode='merge' only (nothing was written)")
-        moved, problems = {}, []
-        for layer, entry in self.layers.items():
-            target, why = _move_path(layer, rules)
-            if target is None:
-                problems.append(f"layer {layer!r}: {why}")
-                continue
-            moved[target] = entry
-        if problems:
-            raise ConversionError(f"adapter_mode='keep': adapter {self.path} cannot be moved onto the {dst_fmt.name} "
-                                  f"model (nothing was written):\n  - " + "\n  - ".join(problems[:20]))
+        moved = self._moved_layers(rules, f"the {dst_fmt.name} model")
         info: dict = {}
         with tempfile.TemporaryDirectory(prefix="dense-bridge-adapter-") as tmp:
             # written aside once now, so that a refusal comes before any byte of the port is written
@@ -268,10 +255,9 @@ class AdapterJob:
         self.kept_format = name
         self.kept_info = {**info, "layers": {layer: _move_path(layer, rules)[0] for layer in self.layers}}
 
-    def _prepare_keep_file(self, file_format: tuple[str, str], rules: list) -> None:
-        """Keep into a format whose adapter file names layers by their place in the loaded model
-        (keras-hub's ``.lora.h5``): the paths moved now, the file written by the destination
-        framework's ``write_lora_file`` on the destination model as its own loader reads ``out``."""
+    def _moved_layers(self, rules: list, onto: str) -> dict:
+        """Every adapted layer keyed by its path in the destination (the port's rules moving it);
+        ConversionError for DoRA (carried by merging only) or a layer the rules do not move."""
         dora = sorted(p for p, e in self.layers.items() if "lora_magnitude" in e)
         if dora:
             raise ConversionError(f"adapter_mode='keep': layer {dora[0]!r} of {self.path} is a DoRA adapter; DoRA is "
@@ -284,8 +270,15 @@ class AdapterJob:
             else:
                 moved[target] = entry
         if problems:
-            raise ConversionError(f"adapter_mode='keep': adapter {self.path} cannot be moved onto the destination "
-                                  f"model (nothing was written):\n  - " + "\n  - ".join(problems[:20]))
+            raise ConversionError(f"adapter_mode='keep': adapter {self.path} cannot be moved onto {onto} "
+                                  f"(nothing was written):\n  - " + "\n  - ".join(problems[:20]))
+        return moved
+
+    def _prepare_keep_file(self, file_format: tuple[str, str], rules: list) -> None:
+        """Keep into a format whose adapter file names layers by their place in the loaded model
+        (keras-hub's ``.lora.h5``): the paths moved now, the file written by the destination
+        framework's ``write_lora_file`` on the destination model as its own loader reads ``out``."""
+        moved = self._moved_layers(rules, "the destination model")
         self.kept = (moved, None)
         self.kept_format = file_format[0]
         self.kept_file = file_format[1]

@@ -136,8 +136,11 @@ def detect(path: str, argument: str = "src") -> Format:
                               "(does not exist)")
     best, score = None, 0
     installed = _installed_backends()
+    # a file is asked only of the file-format backends: a framework's adapter reads directories, and
+    # importing it (a whole framework) to hear no would cost seconds and its start-up chatter
+    one_file = set(file_format_backends()) if not os.path.isdir(path) else None
     for fmt, backend in formats().items():
-        if backend not in installed:
+        if backend not in installed or (one_file is not None and backend not in one_file):
             continue
         try:
             s = int(Format(fmt).port_detect(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .._errors import DenseBridgeError
+from ..registry._backends import file_format_backends
 from ._dirs import Format, formats
 
 __all__ = ["describe_file"]
@@ -18,13 +19,17 @@ def describe_file(path: str) -> dict | None:
     finds it damaged raises its CheckpointError naming the file."""
     if not os.path.isfile(path):
         return None
-    for fmt in formats():
+    one_file = set(file_format_backends())
+    for fmt, backend in formats().items():
+        # only the file-format backends (no framework behind them) are asked: a framework's adapter
+        # would import the whole framework to say no
+        if backend not in one_file:
+            continue
         try:
             side = Format(fmt)
-            if int(side.port_detect(path)) <= 0:
+            if not side.offers("port_inspect") or int(side.port_detect(path)) <= 0:
                 continue
-            verb = side.port_inspect  # a ConversionError where the adapter offers none
         except (DenseBridgeError, OSError):
             continue
-        return verb(path)
+        return side.port_inspect(path)
     return None
