@@ -262,17 +262,7 @@ class AdapterJob:
         if dora:
             raise ConversionError(f"adapter_mode='keep': layer {dora[0]!r} of {self.path} is a DoRA adapter; DoRA is "
                                   f"carried by adapter_mode='merge' only (nothing was written)")
-        moved, problems = {}, []
-        for layer, entry in self.layers.items():
-            target, why = _move_path(layer, rules)
-            if target is None:
-                problems.append(f"layer {layer!r}: {why}")
-            else:
-                moved[target] = entry
-        if problems:
-            raise ConversionError(f"adapter_mode='keep': adapter {self.path} cannot be moved onto {onto} "
-                                  f"(nothing was written):\n  - " + "\n  - ".join(problems[:20]))
-        return moved
+        return moved_layers(self.layers, rules, f"adapter_mode='keep': adapter {self.path} cannot be moved onto {onto}")
 
     def _prepare_keep_file(self, file_format: tuple[str, str], rules: list) -> None:
         """Keep into a format whose adapter file names layers by their place in the loaded model
@@ -374,6 +364,21 @@ def _indexed(src, dst):
         return dst
     n = iter(range(1, groups + 1))
     return _ANY_INDEX.sub(lambda _m: f"\\{next(n)}", dst)
+
+
+def moved_layers(layers: dict, rules: list, refusal: str) -> dict:
+    """Every adapted layer of ``layers`` keyed by its path in the destination (``rules`` moving it);
+    ConversionError starting with ``refusal`` and naming each layer the rules do not move."""
+    moved, problems = {}, []
+    for layer, entry in layers.items():
+        target, why = _move_path(layer, rules)
+        if target is None:
+            problems.append(f"layer {layer!r}: {why}")
+        else:
+            moved[target] = entry
+    if problems:
+        raise ConversionError(f"{refusal} (nothing was written):\n  - " + "\n  - ".join(problems[:20]))
+    return moved
 
 
 def _move_path(layer: str, rules: list) -> tuple[str | None, str]:
@@ -580,14 +585,5 @@ def write_model_file(adapter: Any, rules: list, model: Any, path: Any) -> dict:
     if writer is None:
         raise ConversionError(f"{type(model).__name__}'s framework writes no single-file adapter format; write an "
                               f"adapter directory (db.save_adapter) instead")
-    moved, problems = {}, []
-    for layer, entry in layers.items():
-        target, why = _move_path(layer, rules)
-        if target is None:
-            problems.append(f"layer {layer!r}: {why}")
-        else:
-            moved[target] = entry
-    if problems:
-        raise ConversionError(f"adapter {os.fspath(adapter)} cannot be moved onto the model (nothing written):\n  - "
-                              + "\n  - ".join(problems[:20]))
-    return writer(model, os.fspath(path), moved)
+    return writer(model, os.fspath(path),
+                  moved_layers(layers, rules, f"adapter {os.fspath(adapter)} cannot be moved onto the model"))

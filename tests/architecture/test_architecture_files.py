@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
 import dense_bridge
 
-CORE = Path(dense_bridge.__file__).parent
-ROOT = CORE.parent
-ADAPTERS = ROOT / "backends"
+from _source_scan import ADAPTERS, CORE, ROOT  # noqa: F401
+from _source_scan import dotted as _dotted
+from _source_scan import rel as _rel
+from _source_scan import sources as _sources
 
 SAFETENSORS_MODULE = "dense_bridge/checkpoints/_safetensors.py"
 ATOMIC_WRITER = "dense_bridge/checkpoints/_io.py"
@@ -68,23 +68,6 @@ OPEN_ALLOWLIST: dict[tuple[str, str], str] = {
 #: Modules that pack u64 fields of another binary format (not safetensors headers), with the reason.
 HEADER_ALLOWLIST = {"backends/gguf/_file.py": "GGUF's header (u64 counts, lengths and dimensions)",
                     "backends/gguf/_writer.py": "GGUF's header (u64 counts, lengths and dimensions)"}
-
-
-def _sources() -> list[Path]:
-    return sorted(CORE.rglob("*.py")) + sorted(ADAPTERS.rglob("*.py"))
-
-
-def _rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
-
-
-def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
 
 
 def _calls(tree: ast.AST):

@@ -14,13 +14,12 @@ below with the reason.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-import dense_bridge
+from _source_scan import ADAPTERS, CORE, ROOT  # noqa: F401
+from _source_scan import dotted as _dotted
+from _source_scan import rel as _rel
+from _source_scan import sources as _sources
 
-CORE = Path(dense_bridge.__file__).parent
-ROOT = CORE.parent
-ADAPTERS = ROOT / "backends"
 GUARD = "dense_bridge/checkpoints/_guard.py"
 
 #: Calls that open a file (or take a path and open it) to read it.
@@ -44,23 +43,6 @@ ALLOWLIST: dict[tuple[str, str], str] = {
     ("backends/torch/_files.py", "zipfile.ZipFile"): "the temporary torch.save archive this writer has just made "
                                                      "(its record offsets and CRCs): its own output, no input",
 }
-
-
-def _sources() -> list[Path]:
-    return sorted(CORE.rglob("*.py")) + sorted(ADAPTERS.rglob("*.py"))
-
-
-def _rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
-
-
-def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
 
 
 def _guarded_names(tree: ast.AST) -> set[str]:
