@@ -162,6 +162,16 @@ def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
             out.append((path, f"a PEFT {name} (its trained copy)", trained))
         elif base_tuner is not None and isinstance(m, base_tuner) and not is_lora(m) \
                 and not any(path.startswith(p + ".") for p, _, _ in out):
-            trained = [prefix + n for n, _ in m.named_parameters() if not n.startswith("base_layer.")]
-            out.append((path, f"a PEFT {type(m).__module__}.{name} adapter (not a LoRA linear layer)", trained))
+            # wrappers nest (PEFT's ParamWrapper: one per wrapped parameter); the base is the innermost
+            base, wrapped = getattr(m, "base_layer", None), [getattr(m, "parameter_name", None)]
+            while isinstance(base, base_tuner) and getattr(base, "base_layer", None) is not None:
+                wrapped.append(getattr(base, "parameter_name", None))
+                base = base.base_layer
+            own = {id(p) for p in base.parameters()} if isinstance(base, nn.Module) else set()
+            trained = [prefix + n for n, p in m.named_parameters() if id(p) not in own]
+            wrapped = [w for w in wrapped if w]
+            what = (f"a PEFT {type(m).__module__}.{name} adapter on the parameters {wrapped[::-1]} of "
+                    f"{type(base).__name__} (LoRA on raw parameters, not a LoRA linear layer)") if wrapped else \
+                f"a PEFT {type(m).__module__}.{name} adapter (not a LoRA linear layer)"
+            out.append((path, what, trained))
     return out

@@ -119,7 +119,14 @@ class Execution:
 
     # ------------------------------------------------------------------------- layer moves
     def layer_move(self, m: _mapping.LayerMove) -> None:
-        """Dispatch one layer move to its kind."""
+        """Dispatch one layer move to its kind; a problem of a move an explicit rule made names the rule."""
+        first = len(self.problems)
+        self._layer_move(m)
+        if m.rule and m.rule not in ("auto", "by order"):
+            self.problems[first:] = [p if "mapping rule" in p else f"{p} (mapping rule {m.rule!r})"
+                                     for p in self.problems[first:]]
+
+    def _layer_move(self, m: _mapping.LayerMove) -> None:
         if not m.linear and len(m.src) + len(m.dst) > 2:
             self.problems.append(f"mapping rule {m.rule!r}: splits and concatenations join linear layers; "
                                  f"{[e.where() for e in m.src + m.dst if e.kind not in LINEAR_KINDS]} are not")

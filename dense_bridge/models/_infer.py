@@ -134,8 +134,11 @@ def _kind(side, e) -> str | None:
     ``stack``: a layer whose parameters hold an expert axis (every 3-D parameter leads with the
     same count: mixture-of-experts stacks, fused or not), paired parameter by parameter
     (:func:`_pair_stacks`). An ``embedding`` called on floating-point activations is a matrix
-    applied as a linear map (a router): it is re-kinded ``linear`` when its call is recorded."""
-    if e.kind == "linear":
+    applied as a linear map (a router): it is re-kinded ``linear`` when its call is recorded.
+    A quantized linear layer (MLX ``QuantizedLinear``, a torchao weight-only weight) is ``linear``:
+    its stored codes, scales and offsets are one linear map whose canonical kernel the walk reads,
+    never parameters to pair one by one."""
+    if e.kind in ("linear", "quantized"):
         return "linear"
     shapes = [e.shapes[n] for n in e.names]
     if len(shapes) == 1 and len(shapes[0]) == 2:
@@ -160,6 +163,8 @@ class _Run:
     table_heads: list[_Layer] = field(default_factory=list)
     #: linear and raw layers never called as modules (a forward that reads their weights directly)
     unseen: list[_Layer] = field(default_factory=list)
+    #: the shape of the model output the capture selected (its first floating output), () if none
+    output: tuple = ()
 
 
 def _record(model, side, inputs, skip: set[str]) -> _Run:
@@ -187,6 +192,10 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
                               f"({type(exc).__name__}: {exc}); pass inputs={side.argument} takes "
                               f"(a pair (src inputs, dst inputs) when they differ)") from None
     run = _Run()
+    try:
+        run.output = tuple(int(n) for n in np.shape(captured.output)) if captured.output is not None else ()
+    except Exception:  # noqa: BLE001 - an output numpy cannot read has no shape to compare
+        run.output = ()
     seen: set[str] = set()
     for i, call in enumerate(captured.calls):
         table = call.path[:-len(HEAD_CALL)] if call.path.endswith(HEAD_CALL) else None
@@ -470,6 +479,43 @@ def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[li
     return left_a, [q for j, (q, _) in enumerate(pb) if j not in taken]
 
 
+def _drop_adapter_parts(run: _Run, side) -> None:
+    """Parts of an adapter that the forward never calls as layers (PEFT's LoRA on raw parameters:
+    its ``lora_A``/``lora_B`` hold factors that the wrapper folds into the wrapped parameter) are
+    no layers to pair: they leave the uncalled lists, and the transfer names them as adapters
+    (the adapter's ``lora_leftovers`` verb, ``lora._moves.LoraMoves.leftovers``). Trained copies
+    that the forward does call (PEFT's ``modules_to_save``) stay and pair like any layer."""
+    verb = getattr(side.adapter, "lora_leftovers", None)
+    if verb is None or not (run.uncalled or run.unseen):
+        return
+    trained = {p for _, _, paths in verb(side.model) for p in paths}
+    if not trained:
+        return
+    parts = {e.path for e in side.entries if e.names and all(e.param_path(n) in trained for n in e.names)}
+    run.uncalled = [p for p in run.uncalled if p not in parts]
+    run.unseen = [x for x in run.unseen if x.path not in parts]
+
+
+def _head_hint(run_a: _Run, run_b: _Run, left_a: list, left_b: list) -> str:
+    """The sentence for a backbone against a model with a head: the model outputs end in different
+    widths, and the side whose output is wider holds a linear layer (left unpaired, or a head
+    tied to its table) mapping the other side's output width to its own. "" otherwise."""
+    out_a, out_b = run_a.output, run_b.output
+    if not out_a or not out_b or out_a[-1] == out_b[-1]:
+        return ""
+    for mine, left, out, other, name, other_name in ((run_a, left_a, out_a, out_b, "src", "dst"),
+                                                      (run_b, left_b, out_b, out_a, "dst", "src")):
+        heads = [x for x in list(left) + mine.tied_heads + mine.table_heads
+                 if isinstance(x, _Layer) and x.kind == "linear" and x.signature == (other[-1], out[-1])]
+        if heads:
+            head = heads[-1]
+            return (f"the outputs are hidden states on one side and logits on the other: {other_name} returns "
+                    f"{other} (hidden states of width {other[-1]}) where {name} returns {out} through its head "
+                    f"{head.path!r} ({other[-1]} -> {out[-1]}), which {other_name} lacks: give the task model "
+                    f"(the one with the output head) on both sides, or pass strict=False to leave the head")
+    return ""
+
+
 @dataclass
 class Inferred:
     """The inferred plan (explicit entries first), and every parameterised layer left unpaired."""
@@ -477,9 +523,11 @@ class Inferred:
     plan: _mapping.Plan
     unpaired_src: list[str]
     unpaired_dst: list[str]
+    #: what the leftovers say about the models as a whole (:func:`_head_hint`), "" when nothing
+    hint: str = ""
 
     def unpaired_text(self) -> str:
-        parts = []
+        parts = [self.hint] if self.hint else []
         if self.unpaired_src:
             parts.append(f"src layers left unpaired: {self.unpaired_src}")
         if self.unpaired_dst:
@@ -498,6 +546,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     in_a, in_b = split_inputs(inputs)
     run_a = _record(src_model, a, in_a, taken_a)
     run_b = _record(dst_model, b, in_b, taken_b)
+    for run, side in ((run_a, a), (run_b, b)):
+        _drop_adapter_parts(run, side)
     _pair_unseen(run_a, run_b, plan)
     left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
@@ -528,7 +578,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     _mapping.record_ties(a, plan)
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
-    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled)
+    hint = _head_hint(run_a, run_b, left_a, left_b)
+    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:

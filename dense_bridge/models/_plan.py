@@ -342,14 +342,18 @@ def in_source_order(src, plan: Plan) -> None:
 def _one_source_each(plan: Plan) -> None:
     """A destination layer that several moves write is a problem (a concatenation is one move)."""
     seen: dict[str, str] = {}
+    rules: dict[str, str] = {}
     for m in plan.layers:
         label = "+".join(e.path for e in m.src)
         for d in m.dst:
             if d.path in seen and seen[d.path] != label:
+                by = sorted({r for r in (rules[d.path], m.rule) if r and r not in ("auto", "by order")})
                 plan.problems.append(
-                    f"dst layer {d.path!r} gets both {seen[d.path]!r} and {label!r}: to concatenate src layers into "
+                    f"dst layer {d.path!r} gets both {seen[d.path]!r} and {label!r}"
+                    + (f" (mapping rules {by})" if by else "") + ": to concatenate src layers into "
                     f"it, give their paths as one tuple key (dict) or a tuple of patterns (rules)")
             seen.setdefault(d.path, label)
+            rules.setdefault(d.path, m.rule)
 
 
 def _exact(src, dst, rules: list[Rule], plan: Plan) -> None:
