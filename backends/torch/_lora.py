@@ -148,6 +148,27 @@ def wrapper_params(m) -> dict[str, torch.Tensor]:
     return dict(m.named_parameters())
 
 
+def raw_adapter_wrappers(model) -> dict[str, str]:
+    """PEFT adapter wrappers that are not a LoRA linear layer (LoRA on raw parameters, PEFT's
+    ``ParamWrapper``, nested one per wrapped parameter): outermost wrapper path -> the path of the
+    layer it wraps (the innermost ``base_layer``). Their ``lora_A``/``lora_B`` are ``nn.Linear``
+    modules holding factors, never called as layers: the walk lists them as adapter parts."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base_tuner = getattr(tuners, "BaseTunerLayer", None)
+    if base_tuner is None:
+        return {}
+    out: dict[str, str] = {}
+    for path, m in model.named_modules():
+        if not isinstance(m, base_tuner) or is_lora(m) or any(path.startswith(w + ".") for w in out):
+            continue
+        base, at = getattr(m, "base_layer", None), f"{path}.base_layer" if path else "base_layer"
+        while isinstance(base, base_tuner) and getattr(base, "base_layer", None) is not None:
+            base, at = base.base_layer, at + ".base_layer"
+        if isinstance(base, nn.Module):
+            out[path] = at
+    return out
+
+
 def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
     """PEFT parts that are not a LoRA linear layer: (wrapper path, what it is, the parameter paths
     holding its trained values). A transfer that leaves those parameters behind names them."""

@@ -17,7 +17,7 @@ from torch import nn
 from dense_bridge.models._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
-from ._lora import is_lora, wrapper_params
+from ._lora import is_lora, raw_adapter_wrappers, wrapper_params
 from ._quant import is_quantized as is_torchao
 from ._quant import quant_layer
 from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
@@ -53,6 +53,7 @@ def walk(model: nn.Module) -> list[Entry]:
     """Every module with parameters of its own (and every linear-family module), in definition order."""
     out = []
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
+    raw = raw_adapter_wrappers(model)  # LoRA on raw parameters: its factor modules are no linear layers
     for path, m in model.named_modules():
         if any(path.startswith(w + ".") for w in inside):
             continue
@@ -62,6 +63,9 @@ def walk(model: nn.Module) -> list[Entry]:
             continue
         # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
         kind = "quantized" if is_torchao(m) else "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
+        if kind is not None and any(path.startswith(w + ".") and not (path == b or path.startswith(b + "."))
+                                    for w, b in raw.items()):
+            kind = "other"  # an adapter's factor (lora_A/lora_B of PEFT's ParamWrapper), named as an adapter part
         params = {n: p for n, p in m._parameters.items() if p is not None}
         # persistent floating buffers are state a port carries too (BatchNorm's running stats);
         # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
