@@ -123,7 +123,7 @@ class Execution:
         first = len(self.problems)
         self._layer_move(m)
         if m.rule and m.rule not in ("auto", "by order"):
-            self.problems[first:] = [p if "mapping rule" in p else f"{p} (mapping rule {m.rule!r})"
+            self.problems[first:] = [p if "mapping rule" in p else f"{p} (mapping rule {_mapping.rule_label(m.rule)})"
                                      for p in self.problems[first:]]
 
     def _layer_move(self, m: _mapping.LayerMove) -> None:

@@ -339,6 +339,11 @@ def in_source_order(src, plan: Plan) -> None:
     plan.params.sort(key=lambda p: param_at[p.src])
 
 
+def rule_label(text: str) -> str:
+    """A rule's text as an error quotes it: a dict key's text is its repr already, a pattern is quoted."""
+    return text if text[:1] in ("'", '"') else repr(text)
+
+
 def _one_source_each(plan: Plan) -> None:
     """A destination layer that several moves write is a problem (a concatenation is one move)."""
     seen: dict[str, str] = {}
@@ -350,7 +355,7 @@ def _one_source_each(plan: Plan) -> None:
                 by = sorted({r for r in (rules[d.path], m.rule) if r and r not in ("auto", "by order")})
                 plan.problems.append(
                     f"dst layer {d.path!r} gets both {seen[d.path]!r} and {label!r}"
-                    + (f" (mapping rules {by})" if by else "") + ": to concatenate src layers into "
+                    + (f" (mapping rules {', '.join(rule_label(r) for r in by)})" if by else "") + ": to concatenate src layers into "
                     f"it, give their paths as one tuple key (dict) or a tuple of patterns (rules)")
             seen.setdefault(d.path, label)
             rules.setdefault(d.path, m.rule)
