@@ -1,7 +1,10 @@
 """A fixed sample of the coverage table (benchmarks/coverage.py), so that a regression shows in CI:
 one dense and one mixture-of-experts architecture ported transformers -> mlx-lm, every weight
 bit-identical to mlx-lm's own loader on the same source, and back, bit-identical to the source;
-a state-space architecture refused with its reason. And no architecture named in the package."""
+a state-space architecture refused with its reason; the dense one into keras-hub (equal to
+keras-hub's own import of the same directory) and back; the dense one with a PEFT adapter kept
+for mlx-lm; and an mlx-lm quantized model ported as its exact dequantization. And no
+architecture named in the package."""
 from __future__ import annotations
 
 import ast
@@ -83,6 +86,87 @@ def test_a_state_space_architecture_is_refused_with_its_reason(tmp_path):
     with pytest.raises(db.ConversionError, match="the twins disagree"):
         db.port(t, tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
     assert not (tmp_path / "P").exists()
+
+
+def test_a_keras_hub_architecture_ports_both_ways_bit_identical(tmp_path):
+    from _port_helpers import keras_hub_or_skip
+
+    keras_hub = keras_hub_or_skip()
+    import keras
+
+    h = _harness()
+    t, k, back = tmp_path / "T", tmp_path / "K", tmp_path / "back"
+    _tiny("llama", str(t))
+    db.port(t, k, to="keras-hub", verify="twins", progress=False)
+
+    def weights(backbone):
+        return {v.path.split("/", 1)[-1]: np.asarray(keras.ops.convert_to_numpy(v)) for v in backbone.weights}
+    got = weights(keras_hub.models.Backbone.from_preset(str(k)))  # keras-hub's own loader on the port
+    ref = weights(keras_hub.models.Backbone.from_preset(str(t)))  # keras-hub's own import of the same source
+    diff = h._first_difference(got, ref, "vs keras-hub's own import")
+    assert diff is None, diff
+    db.port(k, back, to="transformers", verify="twins", progress=False)
+    diff = h._first_difference(h._files(str(back)), h._files(str(t)), "round trip")
+    assert diff is None, diff
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, not ours
+def test_a_peft_adapter_is_kept_for_mlx_lm_on_bit_identical_base_weights(tmp_path):
+    """The dense row with a PEFT adapter: the base weights as mlx-lm's own loader makes them, the
+    adapter in mlx-lm's own adapter files, loaded by mlx-lm's ``load_adapters``: PEFT's logits."""
+    from pathlib import Path
+
+    peft = pytest.importorskip("peft")
+    import mlx.core as mx
+    import torch
+    import transformers
+    import mlx_lm.utils as mu
+    from mlx_lm.tuner.utils import load_adapters
+
+    h = _harness()
+    t, a, p = tmp_path / "T", tmp_path / "A", tmp_path / "P"
+    _tiny("llama", str(t))
+    wrapped = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(t),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                  lora_dropout=0.0, init_lora_weights=False)).eval()
+    wrapped.save_pretrained(a)
+    db.port(t, p, to="mlx-lm", adapter=a, adapter_mode="keep", verify="twins", progress=False)
+    ref, _ = mu.load_model(Path(t))
+    got, _ = mu.load_model(Path(p))
+    diff = h._first_difference(h._params_mlx(got), h._params_mlx(ref), "base vs mlx-lm's own load")
+    assert diff is None, diff
+    got = load_adapters(got, str(p / "adapter"))
+    got.eval()
+    ids = np.random.default_rng(0).integers(0, 64, (1, 12))
+    with torch.no_grad():
+        want = wrapped(torch.as_tensor(ids)).logits.numpy()
+    have = np.asarray(got(mx.array(ids.astype(np.int32))).astype(mx.float32))
+    err = float(np.max(np.abs(have - want)))
+    assert err <= 1e-4 * float(np.max(np.abs(want))), err
+
+
+def test_a_quantized_mlx_lm_model_ports_as_its_exact_dequantization(tmp_path):
+    """The dense row quantized by mlx-lm's own quantizer (8 bits, groups of 64 along in_features;
+    layers whose width 64 does not divide stay float, as mlx-lm leaves them): into transformers,
+    every tensor is bit for bit ``mlx_lm.utils.dequantize_model``'s."""
+    from pathlib import Path
+
+    import mlx_lm.utils as mu
+
+    h = _harness()
+    t, q, hf = tmp_path / "T", tmp_path / "Q", tmp_path / "HF"
+    _tiny("llama", str(t))
+    model, config = mu.load_model(Path(t))
+    model, config = mu.quantize_model(model, config, group_size=64, bits=8)
+    mu.save_model(q, model)
+    mu.save_config(config, q / "config.json")
+    report = db.port(q, hf, to="transformers", verify="twins", progress=False)
+    assert report.verification["passed"]
+    dequantized = {k for k, e in report.certificate["tensors"].items() if e["codes"] == "dequantized"}
+    assert "model.layers.0.self_attn.q_proj.weight" in dequantized
+    want, _ = mu.load_model(Path(q))
+    diff = h._first_difference(h._files(str(hf)), h._params_mlx(mu.dequantize_model(want)), "vs dequantize_model")
+    assert diff is None, diff
 
 
 #: Library names that contain an architecture's name.
