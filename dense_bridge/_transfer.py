@@ -112,6 +112,7 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
     else:
         rules = _mapping.parse(mapping)
     a, b = sides(src, dst)
+    adapters.prepare(a)  # lora="merge": adapters on raw parameters merge as those are read
     saved = b.snapshot() if auto else None  # before either model runs: dst may change itself in its forward
     try:
         plan, found = plan_for(a, b, mapping, rules, inputs, strict)

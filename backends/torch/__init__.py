@@ -58,7 +58,7 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
 from ._models import walk
-from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, lora_root, read_lora, write_lora)
+from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, lora_raw_updates, lora_root, read_lora, write_lora)
 from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 from ._parallel import (load_dcp, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace, save_dcp)
@@ -68,7 +68,7 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
            "train_sgd", "run_layer", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
-           "lora_leftovers", "lora_root", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
+           "lora_leftovers", "lora_raw_updates", "lora_root", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed", "save_dcp", "load_dcp"]
 __all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open"]

@@ -169,6 +169,48 @@ def raw_adapter_wrappers(model) -> dict[str, str]:
     return out
 
 
+def lora_raw_updates(model) -> list[tuple[str, str, np.ndarray, list[str]]]:
+    """The updates of PEFT's LoRA on raw parameters (``ParamWrapper``), for ``lora="merge"``:
+    (wrapper path, the wrapped parameter's path, its update in float64 in the parameter's own
+    shape and layout, the wrapper's own factor parameter paths), one per wrapper, nested ones
+    included. The update is PEFT's ``get_delta_weight`` computed in float64: ``scale * B @ A``
+    (transposed with ``fan_in_fan_out``) for one matrix; for an expert stack of E experts, A
+    (E * r, in) and B (out, r * E) read per expert, ``delta[e] = scale * (B_e @ A_e)`` laid out
+    (E, in, out), or (E, out, in) where PEFT swapped them for the stack's layout.
+    ConversionError names a wrapper holding several, merged or disabled adapters, or an update
+    whose shape is not its parameter's."""
+    out = []
+    for path, base_path in raw_adapter_wrappers(model).items():
+        m, at = model.get_submodule(path) if path else model, path
+        while m is not None and hasattr(m, "lora_A") and hasattr(m, "parameter_name"):
+            name = _active(m)
+            base = model.get_submodule(base_path) if base_path else model
+            param = getattr(base, m.parameter_name)
+            a = m.lora_A[name].weight.detach().to(torch.float64)
+            b = m.lora_B[name].weight.detach().to(torch.float64)
+            scale = float(m.scaling[name])
+            experts = int(getattr(m, "num_experts", 1) or 1)
+            if experts == 1:
+                delta = (b @ a) * scale
+                if getattr(m, "fan_in_fan_out", False):
+                    delta = delta.T
+            else:
+                a = a.reshape(experts, -1, a.shape[-1])
+                b = b.reshape(b.shape[0], -1, experts)
+                pattern = "o r e, e r i -> e o i" if getattr(m, "_did_swap_in_out_features", False) else \
+                    "o r e, e r i -> e i o"
+                delta = torch.einsum(pattern, b, a) * scale
+            where = f"{at}: PEFT {type(m).__name__} on {base_path}.{m.parameter_name}"
+            if tuple(delta.shape) != tuple(param.shape):
+                raise ConversionError(f"{where}: its update has shape {tuple(delta.shape)} but the parameter "
+                                      f"{tuple(param.shape)}; merge_and_unload() first")
+            own = [f"{at}.{n}" if at else n for n, _ in m.named_parameters()
+                   if n.startswith(("lora_A.", "lora_B."))]
+            out.append((at, f"{base_path}.{m.parameter_name}", delta.numpy(), own))
+            m, at = getattr(m, "base_layer", None), f"{at}.base_layer" if at else "base_layer"
+    return out
+
+
 def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
     """PEFT parts that are not a LoRA linear layer: (wrapper path, what it is, the parameter paths
     holding its trained values). A transfer that leaves those parameters behind names them."""

@@ -43,6 +43,27 @@ class LoraMoves:
         self.rounding: dict[str, float] = {}  # dst path -> largest abs rounding of lora_b
         self.merged: list[str] = []
         self.kept: list[str] = []
+        #: adapters on raw parameters merged as their parameters are read: factor path -> parameter path
+        self.raw: dict[str, str] = {}
+        self._raw_wrappers: dict[str, str] = {}  # wrapper path -> the parameter path it updates
+
+    def prepare(self, src: Any) -> None:
+        """Before planning: with ``lora="merge"``, the updates of ``src``'s adapters on raw parameters
+        (an adapter's ``lora_raw_updates`` verb: PEFT's LoRA on a router weight or an expert stack)
+        are added to those parameters as they are read (``Side.updates``), so the parameters move
+        merged, one rounding, wherever the plan sends them. Other modes leave them to
+        :meth:`leftovers`, which names them."""
+        verb = getattr(src.adapter, "lora_raw_updates", None)
+        if self.mode != "merge" or verb is None:
+            return
+        for wrapper, param, delta, factors in verb(src.model):
+            if src.param(param) is None:
+                raise ConversionError(f"src {wrapper!r}: the parameter {param!r} its adapter updates is not one "
+                                      f"dense_bridge reads")
+            path = src.param(param)
+            src.updates[path] = src.updates.get(path, 0) + np.asarray(delta, np.float64)
+            self.raw.update({f: path for f in factors})
+            self._raw_wrappers[wrapper] = path
 
     def takes(self, s: Any, d: Any) -> bool:
         """Does this linear pair involve an adapter on either side?"""
@@ -147,11 +168,19 @@ class LoraMoves:
         adapters, ``modules_to_save`` copies) whose trained parameters did not move."""
         verb = getattr(adapter_for(src_model, "src"), "lora_leftovers", None)
         problems = []
+        raw = getattr(adapter_for(src_model, "src"), "lora_raw_updates", None) is not None
         for path, what, trained in (verb(src_model) if verb is not None else []):
-            left = [p for p in trained if p not in moved_src]
+            # an adapter merged into its raw parameter moved with that parameter
+            left = [p for p in trained if p not in moved_src and self.raw.get(p) not in moved_src]
             if left:
+                how = "pass lora='merge' to merge it into the parameters it updates, or merge_and_unload() first" \
+                    if raw and "raw parameters" in what and self.mode != "merge" else \
+                    "map them by parameter path, or merge_and_unload() first"
                 problems.append(f"src {path!r} is {what}; its parameters {left[:4]}{' ...' if len(left) > 4 else ''} "
-                                f"did not move: map them by parameter path, or merge_and_unload() first")
+                                f"did not move: {how}")
+        for wrapper, param in self._raw_wrappers.items():
+            if param in moved_src and wrapper not in self.merged:
+                self.merged.append(wrapper)
         return problems
 
     def summary(self) -> dict:

@@ -66,7 +66,7 @@ class DeviceMoves:
 
     def native(self, side: Any, e: Entry) -> dict | None:
         """``e``'s parameters in the framework's layout as device arrays, read once; None: host path."""
-        if not self.on:
+        if not self.on or side.merges(e):  # an update to add as it is read: the host path adds it
             return None
         key = id(e)
         if key not in self._native:

@@ -28,6 +28,15 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
 - a head tied to its embedding follows its tie; a tied source head is paired with an untied
   destination head left over at the end.
 
+Wrapped layers are the layers they wrap: a LoRA-wrapped linear layer and a quantized one (MLX
+``QuantizedLinear``, a torchao weight-only weight) are one linear layer each, as they are to
+``linear_layers``; what moves with them is decided by the transfer (``lora=``: an adapter is
+kept, merged or refused by name; a quantized side moves codes where the destination's
+arithmetic holds them, else its exact dequantization, or is refused by layer). An adapter's
+factors that the forward never calls as layers (LoRA on raw parameters) are no layers to pair.
+A backbone against a model with a head (outputs of different widths, one side's head mapping
+the other's width to its own) is named as such (:func:`_head_hint`).
+
 The result is a :class:`~dense_bridge.models._plan.Plan` (``LayerMove``s), so the transfer and
 its ``report.rules`` are the explicit mapping's. Equal-width layers read from one input (q and k)
 cannot be told apart by running the untrained pair: a wrong guess reproduces its partner layer

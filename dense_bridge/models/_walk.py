@@ -100,6 +100,9 @@ class Side:
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
         self._device: dict[int, dict | None] = {}  # id(entry) -> canonical params on the device, read once
+        #: parameter path -> an adapter's update to add to it as it is read (``lora="merge"`` of an
+        #: adapter on a raw parameter: ``lora._moves.LoraMoves.prepare``), float64 in its own layout
+        self.updates: dict[str, Any] = {}
         first: dict[Any, str] = {}
         for e in self.entries:
             stable = e.extra.get("stable_path")
@@ -192,11 +195,27 @@ class Side:
         return tuple(self.linear_params(e)["kernel"].shape)
 
     def native(self, e: Entry) -> dict:
-        """``e.read()`` (its parameters in the framework's layout, by name), read once."""
+        """``e.read()`` (its parameters in the framework's layout, by name), read once; a parameter
+        with an update in :attr:`updates` comes with it added in float64 and rounded once to the
+        parameter's dtype."""
         found = self._native.get(id(e))
         if found is None:
-            found = self._native[id(e)] = e.read()
+            found = e.read()
+            if self.merges(e):
+                import numpy as np
+
+                found = dict(found)
+                for n in e.names:
+                    delta = self.updates.get(e.param_path(n))
+                    if delta is not None:
+                        value = np.asarray(found[n])
+                        found[n] = (value.astype(np.float64) + delta).astype(value.dtype)
+            self._native[id(e)] = found
         return found
+
+    def merges(self, e: Entry) -> bool:
+        """Does a parameter of ``e`` take an update as it is read (:attr:`updates`)?"""
+        return bool(self.updates) and any(e.param_path(n) in self.updates for n in e.names)
 
     def set_linear(self, e: Entry, arrays: dict) -> None:
         """Write canonical params into linear entry ``e`` through this side's adapter."""

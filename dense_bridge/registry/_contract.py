@@ -19,7 +19,7 @@ naming the capability (``dense_bridge.registry._backends.require``).
 |---|---|---|---|
 | ``running`` | trace, capture, walk, run_layer | train_sgd, inference | compare, compare_models, linear_layers, transfer |
 | ``files`` | file_info, read_file, write_file | file_views, file_layout, load_model | the framework's own checkpoint files |
-| ``lora`` | lora_base, read_lora, write_lora, lora_heads, attach_lora, detach_lora, lora_dora | lora_folds_scale, lora_leftovers, save_lora_h5, load_lora_h5 | LoRA-wrapped layers, adapter files |
+| ``lora`` | lora_base, read_lora, write_lora, lora_heads, attach_lora, detach_lora, lora_dora | lora_folds_scale, lora_leftovers, lora_raw_updates, save_lora_h5, load_lora_h5 | LoRA-wrapped layers, adapter files |
 | ``quant`` | quant_layer, quant_build, quant_positions, quant_position_build | | quantized codes |
 | ``quant_lora`` (needs lora, quant) | lora_quantized, lora_dequantize, lora_requantize, replace_lora | | merging LoRA into a quantized base |
 | ``quant_files`` (needs quant, files) | quant_file_layers, quant_file_template | | quantized checkpoint files |
@@ -170,7 +170,7 @@ devices). Without it every array crosses through host numpy (correct, slower on 
 Capability ``lora`` (:data:`LORA`, in ``_lora.py``; the verbs are described in
 ``dense_bridge/lora/__init__.py``): LoRA-wrapped layers read and written as the wrapped layer's
 params plus canonical ``lora_*`` keys. Extras: ``lora_folds_scale`` (the framework keeps no
-scale of its own), ``lora_leftovers``, ``save_lora_h5``/``load_lora_h5`` (adapter files of
+scale of its own), ``lora_leftovers``, ``lora_raw_updates`` (the updates of LoRA on raw parameters, for ``lora="merge"``), ``save_lora_h5``/``load_lora_h5`` (adapter files of
 the framework's own). Capability ``quant_lora`` (:data:`QUANT_LORA`): merging an adapter into
 a quantized base (``dense_bridge/lora/_merge.py``).
 
@@ -258,7 +258,7 @@ FILES = Capability("files", ("file_info", "read_file", "write_file"), "the frame
                    extras=("file_views", "file_layout", "load_model"))
 LORA = Capability("lora", ("lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
                            "lora_dora"), "LoRA-wrapped layers and adapter files",
-                  extras=("lora_folds_scale", "lora_leftovers", "save_lora_h5", "load_lora_h5",
+                  extras=("lora_folds_scale", "lora_leftovers", "lora_raw_updates", "save_lora_h5", "load_lora_h5",
                           "lora_root"))  # lora_root: the path prefix under which a wrapper holds its base model
 QUANT = Capability("quant", ("quant_layer", "quant_build", "quant_positions", "quant_position_build"),
                    "quantized linear layers (codes)")

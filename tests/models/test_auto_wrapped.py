@@ -106,10 +106,14 @@ def test_a_peft_wrapped_llama_goes_through_auto_into_mlx_lm_merged_or_kept(tmp_p
 
 
 @pytest.mark.filterwarnings("ignore:The following .*_pattern keys did not match:RuntimeWarning")  # peft's own
-def test_peft_lora_on_raw_expert_and_router_parameters_is_refused_naming_the_wrapped_layers():
+def test_peft_lora_on_raw_expert_and_router_parameters_merges_on_request_and_is_named_otherwise(tmp_path):
     """PEFT's "all-linear" on transformers 5's Mixtral also wraps the router weight and the fused
-    expert stacks (``ParamWrapper``: LoRA on raw parameters); their factors are adapter parts, not
-    linear layers, and no destination holds such an adapter: named, never a pairing failure."""
+    expert stacks (``ParamWrapper``: LoRA on raw parameters, nested one per parameter). Their
+    factors are adapter parts, not linear layers. No destination holds such an adapter: without
+    ``lora="merge"`` they are named; with it each update is merged into its parameter (float64,
+    one rounding) and moves wherever the inferred mapping sends the parameter."""
+    import copy
+
     transformers = _transformers()
     peft = pytest.importorskip("peft")
     import torch
@@ -121,22 +125,54 @@ def test_peft_lora_on_raw_expert_and_router_parameters_is_refused_naming_the_wra
     torch.manual_seed(0)
     base = transformers.MixtralForCausalLM(cfg).eval()
     _randomize(base)
-    dst = transformers.MixtralForCausalLM(cfg).eval()
+    original = _state(base)
     src = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                      init_lora_weights=False)).eval()
     paths = list(db.linear_layers(src))
     assert not [p for p in paths if "lora_" in p], paths  # factors are no linear layers
     assert "base_model.model.model.layers.0.self_attn.q_proj" in paths
+    dst = transformers.MixtralForCausalLM(cfg).eval()
     before = _state(dst)
-    with pytest.raises(db.ConversionError) as err:
-        db.transfer(src, dst, mapping="auto", inputs=[IDS], lora="merge")
-    text = str(err.value)
-    assert "'base_model.model.model.layers.0.mlp.gate' is a PEFT" in text
-    assert "on the parameters ['weight'] of MixtralTopKRouter" in text
-    assert "on the parameters ['gate_up_proj', 'down_proj'] of MixtralExperts" in text
-    assert "merge_and_unload() first" in text
-    assert "unpaired" not in text and "not matched" not in text and "structure" not in text
-    _unchanged(dst, before)
+    for lora in (None, "keep"):
+        with pytest.raises(db.ConversionError) as err:
+            db.transfer(src, dst, mapping="auto", inputs=[IDS], lora=lora)
+        text = str(err.value)
+        assert "'base_model.model.model.layers.0.mlp.gate' is a PEFT" in text
+        assert "on the parameters ['weight'] of MixtralTopKRouter" in text
+        assert "on the parameters ['gate_up_proj', 'down_proj'] of MixtralExperts" in text
+        assert "pass lora='merge' to merge it into the parameters it updates" in text
+        assert "unpaired" not in text and "not matched" not in text and "structure" not in text
+        _unchanged(dst, before)
+
+    report = db.transfer(src, dst, mapping="auto", inputs=[IDS], lora="merge")
+    assert "verified" in report.verification
+    assert {"base_model.model.model.layers.0.mlp.gate", "base_model.model.model.layers.0.mlp.experts",
+            "base_model.model.model.layers.0.mlp.experts.base_layer"} <= set(report.lora["merged"])
+    # the reference: PEFT's own update, computed on a float64 copy, added to the float64 base, rounded once
+    wide = copy.deepcopy(src).double()
+    block = wide.base_model.model.model.layers[0].mlp
+    with torch.no_grad():
+        want = {"model.layers.0.mlp.gate.weight":
+                block.gate.base_layer.weight + block.gate.get_delta_weight("default"),
+                "model.layers.0.mlp.experts.gate_up_proj":
+                block.experts.base_layer.base_layer.gate_up_proj + block.experts.base_layer.get_delta_weight("default"),
+                "model.layers.0.mlp.experts.down_proj":
+                block.experts.base_layer.base_layer.down_proj + block.experts.get_delta_weight("default")}
+    state = dst.state_dict()
+    for name, value in want.items():
+        assert torch.equal(state[name], value.float()), name
+        assert not torch.equal(state[name], original[name]), name  # the update is there
+    with torch.no_grad():
+        np.testing.assert_allclose(_torch_logits(dst), src(torch.as_tensor(IDS)).logits.numpy(), rtol=1e-4, atol=1e-4)
+    # into mlx-lm's stacked SwitchGLU, split from the merged fused stack
+    _mlx_lm()
+    from mlx_lm.models import mixtral
+
+    dst.save_pretrained(tmp_path / "cfg")
+    args = mixtral.ModelArgs.from_dict(json.loads((tmp_path / "cfg" / "config.json").read_text()))
+    into = mixtral.Model(args)
+    db.transfer(src, into, mapping="auto", inputs=[IDS], lora="merge")
+    np.testing.assert_allclose(_mlx_logits(into), _torch_logits(dst), rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- quantized
