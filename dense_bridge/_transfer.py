@@ -77,7 +77,9 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
             refusing; the report's ``narrowed`` lists them. Widening is always exact.
         lora: how linear layers holding LoRA adapters move (``dense_bridge.lora._moves``): ``None``
             (a src adapter is an error naming it), ``"keep"`` (attached on dst with its
-            framework's adapter class) or ``"merge"`` (into dst's kernels).
+            framework's adapter class) or ``"merge"`` (into dst's kernels; an adapter on a raw
+            parameter, PEFT's LoRA on a router weight or an expert stack, is merged into that
+            parameter as it is read, float64 and one rounding, and named as unmovable otherwise).
         allow_rounding: accept a scale dst folds into ``lora_b`` inexactly (Flax).
         requantize: a quantized dst whose arithmetic cannot hold src's codes bit for bit gets
             codes from its own quantizer (``report.quant_errors``) instead of an error.
