@@ -212,6 +212,22 @@ def test_torchao_int8_llama_through_auto_dequantized_codes_or_quantized_by_the_d
     assert all(0 < e < 0.05 for e in report.quant_errors.values()), report.quant_errors
 
 
+def test_torchao_int4_llama_through_auto_is_its_exact_dequantization():
+    tq = _torchao()
+    import torch
+    from torchao.quantization.granularity import PerGroup
+
+    q = _llama()
+    tq.quantize_(q, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    plain = _llama(seed=1)
+    report = db.transfer(q, plain, mapping="auto", inputs=[IDS])
+    assert "verified" in report.verification and report.not_moved_dst == []
+    for path, layer in db.linear_layers(q).items():
+        assert db.get_params(layer, quantized=True)["qkernel"].max() <= 7, path  # 4-bit codes
+        np.testing.assert_array_equal(db.get_params(db.linear_layers(plain)[path])["kernel"],
+                                      db.get_params(layer)["kernel"], err_msg=path)
+
+
 def test_an_mlx_quantized_mlx_lm_model_goes_through_auto_both_ways(tmp_path):
     src = _llama()
     fresh = _mlx_llama(tmp_path, src)
