@@ -154,8 +154,9 @@ def _verification_error(compared, found) -> str:
         upstream = (" Its input already differs: the cause may lie upstream of it (in the code between it and the "
                     "matched layer before it, e.g. an activation or attention, or in equal-width layers of one "
                     "input paired the wrong way round)") if f is not None and f.quantity == "input" else ""
-    unpaired = found.unpaired_text()
-    return (f"mapping='auto': the inferred transfer does not reproduce src on the inputs (dst was left unchanged). "
+    unpaired = found.unpaired_text(hint=False)
+    hint = f" {found.hint[:1].upper()}{found.hint[1:]}." if found.hint else ""  # what the difference means
+    return (f"mapping='auto': the inferred transfer does not reproduce src on the inputs (dst was left unchanged).{hint} "
             f"First disagreeing pair: {where}: {compared.verdict()}.{upstream}."
             + (f" Unpaired: {unpaired}." if unpaired else " No parameterised layer was left unpaired.")
             + " verify=False keeps the inferred mapping without this check")

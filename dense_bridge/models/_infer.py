@@ -521,7 +521,8 @@ def _head_hint(run_a: _Run, run_b: _Run, left_a: list, left_b: list) -> str:
             return (f"the outputs are hidden states on one side and logits on the other: {other_name} returns "
                     f"{other} (hidden states of width {other[-1]}) where {name} returns {out} through its head "
                     f"{head.path!r} ({other[-1]} -> {out[-1]}), which {other_name} lacks: give the task model "
-                    f"(the one with the output head) on both sides, or pass strict=False to leave the head")
+                    f"(the one with the output head) on both sides (strict=False with verify=False moves the rest, "
+                    f"unchecked)")
     return ""
 
 
@@ -535,8 +536,9 @@ class Inferred:
     #: what the leftovers say about the models as a whole (:func:`_head_hint`), "" when nothing
     hint: str = ""
 
-    def unpaired_text(self) -> str:
-        parts = [self.hint] if self.hint else []
+    def unpaired_text(self, hint: bool = True) -> str:
+        """The hint (``hint=True``) and the layers left unpaired on each side, as one sentence."""
+        parts = [self.hint] if self.hint and hint else []
         if self.unpaired_src:
             parts.append(f"src layers left unpaired: {self.unpaired_src}")
         if self.unpaired_dst:

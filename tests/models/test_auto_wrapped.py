@@ -315,6 +315,17 @@ def test_a_backbone_against_a_model_with_a_head_is_named_as_such(tmp_path):
         text = str(err.value)
         assert "the outputs are hidden states on one side and logits on the other" in text, text
         assert where in text and "through its head 'lm_head' (32 -> 48)" in text and "give the task model" in text
+    # strict=False leaves the head, and the verification says why the outputs cannot agree, first
+    dst = _llama(seed=1)
+    before = _state(dst)
+    with pytest.raises(db.ConversionError) as err:
+        db.transfer(src.model, dst, mapping="auto", inputs=[IDS], strict=False)
+    text = str(err.value)
+    assert text.startswith("mapping='auto': the inferred transfer does not reproduce src on the inputs (dst was left "
+                           "unchanged). The outputs are hidden states on one side and logits on the other: "), text
+    _unchanged(dst, before)
+    report = db.transfer(src.model, dst, mapping="auto", inputs=[IDS], strict=False, verify=False)
+    assert report.not_moved_dst == ["lm_head.weight"]
 
 
 def test_an_explicit_mapping_that_fails_names_the_rule_and_the_layer():
