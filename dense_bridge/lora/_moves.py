@@ -61,6 +61,11 @@ class LoraMoves:
                 raise ConversionError(f"src {wrapper!r}: the parameter {param!r} its adapter updates is not one "
                                       f"dense_bridge reads")
             path = src.param(param)
+            entry = src.params[path][0]
+            if entry.kind in ("linear", "quantized"):  # read in the canonical layout, where no update is added
+                raise ConversionError(f"src {wrapper!r} holds an adapter on the parameter {param!r} of the linear layer "
+                                      f"{entry.path!r} (LoRA on a raw parameter, not a LoRA linear layer); lora='merge' "
+                                      f"merges such adapters into raw parameters only: merge_and_unload() first")
             src.updates[path] = src.updates.get(path, 0) + np.asarray(delta, np.float64)
             self.raw.update({f: path for f in factors})
             self._raw_wrappers[wrapper] = path

@@ -175,6 +175,24 @@ def test_peft_lora_on_raw_expert_and_router_parameters_merges_on_request_and_is_
     np.testing.assert_allclose(_mlx_logits(into), _torch_logits(dst), rtol=1e-4, atol=1e-4)
 
 
+def test_peft_lora_on_a_linear_layers_raw_weight_is_refused_for_merge_naming_it():
+    """``target_parameters`` on a linear layer's weight wraps it in a ``ParamWrapper``: its weight is
+    read in the canonical layout, where no update is added, so a merge is refused by name (never
+    moved without its update)."""
+    peft = pytest.importorskip("peft")
+    src = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                                                         target_parameters=["self_attn.q_proj.weight"],
+                                                         init_lora_weights=False)).eval()
+    dst = _llama(seed=1)
+    before = _state(dst)
+    for mapping in (None, "auto"):
+        with pytest.raises(db.ConversionError) as err:
+            db.transfer(src, dst, mapping=mapping, inputs=[IDS], lora="merge", strict=False)
+        assert ("src 'base_model.model.model.layers.0.self_attn.q_proj' holds an adapter on the parameter "
+                "'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight' of the linear layer") in str(err.value)
+        _unchanged(dst, before)
+
+
 # ----------------------------------------------------------------------------- quantized
 def _torchao():
     pytest.importorskip("torchao")
