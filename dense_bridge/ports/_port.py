@@ -550,7 +550,8 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
         # numbers nested models per process): the mapping is inferred again on the full models
         rules = "auto"
         report = compare_models(a, b, inputs, mapping=rules, grads=False, judge="carried")
-    out.update({"mode": "full", "positions": positions, "passed": bool(report.passed)})
+    out.update({"mode": "full", "positions": positions, "passed": bool(report.passed),
+                "devices": {"a": device_where(a), "b": device_where(b)}})
     out.update(_measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report))
     if not report.passed and lossy:
         # the destination quantizes (codes "quantized" in the certificate): the full models differ by
