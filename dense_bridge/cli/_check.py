@@ -52,9 +52,9 @@ def _max_abs_diff(a, b) -> tuple[float, bool]:
 
 def cmd_check(args) -> int:
     from ..testing import compare, compare_checkpoints, rows_structure
-    from ._port import _device_argument, check_model_dirs, given_model_dirs
+    from ._port import device_argument, check_model_dirs, given_model_dirs
 
-    device = _device_argument(getattr(args, "device", None))  # a bad name refused before anything is read
+    device = device_argument(getattr(args, "device", None))  # a bad name refused before anything is read
     if given_model_dirs(args):  # two model directories (db.port's formats): dense_bridge/ports
         return check_model_dirs(args)
 

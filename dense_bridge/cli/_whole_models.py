@@ -121,9 +121,9 @@ def check_models(args) -> int:
     b = load_model(args.b, trust_pickle=args.trust_pickle)
     if getattr(args, "device", None) is not None:  # each model's inputs are made on its own device
         from ..registry._devices import place_model
-        from ._port import _device_argument
+        from ._port import device_argument
 
-        device = _device_argument(args.device)
+        device = device_argument(args.device)
         a, b = place_model(a, device, "--device", strict=False), place_model(b, device, "--device", strict=False)
     inputs_a = read_inputs(args.inputs)
     inputs = inputs_a if args.inputs_b is None else (inputs_a, read_inputs(args.inputs_b, "--inputs-b"))
