@@ -52,11 +52,14 @@ def _max_abs_diff(a, b) -> tuple[float, bool]:
 
 def cmd_check(args) -> int:
     from ..testing import compare, compare_checkpoints, rows_structure
-    from ._port import device_argument, check_model_dirs, given_model_dirs
+    from ._port import check_model_dirs, given_model_dirs
 
-    device = device_argument(getattr(args, "device", None))  # a bad name refused before anything is read
     if given_model_dirs(args):  # two model directories (db.port's formats): dense_bridge/ports
         return check_model_dirs(args)
+    if getattr(args, "device", None) is not None:
+        raise db.SpecError(f"--device applies to two model directories (or one-file models); {args.a} and {args.b} "
+                           f"are checkpoints, compared where their frameworks load them. "
+                           f"Received: --device={args.device!r}")
 
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)
@@ -66,15 +69,10 @@ def cmd_check(args) -> int:
     diffs: list[dict] = []
     # layer by layer, one layer pair in memory, not two models; whole models only where layers do not line up
     # or when each layer of B runs on what A's received (--isolated)
-    # on a device: whole models placed there (the layer-by-layer stream builds its layers on the host)
-    report = None if args.isolated or device is not None else compare_checkpoints(
+    report = None if args.isolated else compare_checkpoints(
         ckpt_a, backend_a, ckpt_b, backend_b, params_seen=lambda pa, pb: diffs.extend(param_diffs(pa, pb)), **options)
     if report is None:
         a, b = ckpt_a.native(backend_a), ckpt_b.native(backend_b)
-        if device is not None:
-            from ..registry._devices import place_model
-
-            a, b = place_model(a, device, "--device", strict=False), place_model(b, device, "--device", strict=False)
         report = compare(a, b, isolated=args.isolated, **options)
         diffs = param_diffs(db.get_params(a, copy=False), db.get_params(b, copy=False))
     if report.structure is None:  # streamed: the parameter rows read on the way say it

@@ -53,8 +53,7 @@ def cmd_port(args) -> int:
                             max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                             quantize=args.quantize, adapter=args.adapter, adapter_mode=args.adapter_mode,
                             keep_codes=args.keep_codes, outtype=args.outtype, requantize=args.requantize,
-                            device=device_argument(args.device), progress=show_progress(args),
-                            text_only=args.text_only)
+                            device=args.device, progress=show_progress(args), text_only=args.text_only)
     except ports.PortMismatch as exc:
         print(f"dense-bridge port: {one_line(exc)}", file=sys.stderr)
         if args.json:
@@ -80,7 +79,7 @@ def check_model_dirs(args) -> int:
 
         raise ConversionError(f"--positions must be a positive integer. Received: --positions={args.positions}")
     report, info = ports.check_dirs(args.a, args.b, positions=args.positions, seed=args.seed, isolated=args.isolated,
-                                    device=device_argument(args.device))
+                                    device=args.device)
     if args.json:
         emit_json({**info, "passed": report.passed, "report": report.to_dict()})
     else:
@@ -90,11 +89,3 @@ def check_model_dirs(args) -> int:
         print(report)
     return EXIT_OK if report.passed else EXIT_NOT_EQUIVALENT
 
-
-def device_argument(value):
-    """``--device`` checked by name before anything is read (a SpecError naming ``--device`` and
-    echoing the value); the framework checks that the device exists where the models are placed."""
-    from ..registry._devices import check_device_value
-
-    check_device_value(value, "--device")
-    return value

@@ -117,14 +117,11 @@ def check_models(args) -> int:
 
     if args.inputs is None:
         raise SpecError("whole models need --inputs X.npz (what to feed them)")
+    if getattr(args, "device", None) is not None:  # a whole-model file loads where its framework puts it
+        raise SpecError(f"--device applies to two model directories (or one-file models), not to whole-model files "
+                        f"(place the models in Python and call compare_models). Received: --device={args.device!r}")
     a = load_model(args.a, trust_pickle=args.trust_pickle)
     b = load_model(args.b, trust_pickle=args.trust_pickle)
-    if getattr(args, "device", None) is not None:  # each model's inputs are made on its own device
-        from ..registry._devices import place_model
-        from ._port import device_argument
-
-        device = device_argument(args.device)
-        a, b = place_model(a, device, "--device", strict=False), place_model(b, device, "--device", strict=False)
     inputs_a = read_inputs(args.inputs)
     inputs = inputs_a if args.inputs_b is None else (inputs_a, read_inputs(args.inputs_b, "--inputs-b"))
     mapping = read_mapping(args.mapping)

@@ -49,7 +49,7 @@ def test_check_two_model_dirs_on_the_device_named(dirs):
     assert report.passed and info["devices"]["a"].startswith(want.partition(":")[0]), info
 
 
-@pytest.mark.parametrize("value, needle", [("tpu", "--device='tpu'"), ("cuda:x", "--device='cuda:x'")])
+@pytest.mark.parametrize("value, needle", [("tpu", "device='tpu'"), ("cuda:x", "device='cuda:x'")])
 def test_check_refuses_a_device_name_naming_the_option(dirs, value, needle):
     run = cli("check", dirs / "a", dirs / "b", "--positions", 16, "--device", value)
     assert run.returncode == 2 and needle in run.stderr, (run.returncode, run.stderr)
@@ -62,22 +62,20 @@ def test_check_refuses_a_cuda_device_this_machine_lacks(dirs):
     assert f"'{missing}'" in run.stderr and "CUDA device this machine does not have" in run.stderr, run.stderr
 
 
-def test_check_whole_checkpoints_on_the_device(tmp_path):
+def test_check_of_checkpoints_refuses_device(tmp_path):
     spec = db.Sequential([db.Dense(8, in_features=4, activation="tanh"), db.Dense(3)])
     db.save(db.compile(spec, "torch", seed=0), tmp_path / "a.safetensors")
     db.save(db.compile(spec, "torch", seed=0), tmp_path / "b.safetensors")
+    # checkpoints are compared layer by layer where their frameworks load them: --device is refused, named
     run = cli("check", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--backend-a", "torch",
               "--backend-b", "numpy", "--device", "cpu")
-    assert run.returncode == 0, run.stdout + run.stderr
-    run = cli("check", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--backend-a", "torch",
-              "--backend-b", "numpy", "--device", "gpu:x")
-    assert run.returncode == 2 and "--device='gpu:x'" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--device='cpu'" in run.stderr and "two model directories" in run.stderr, run.stderr
 
 
 def test_port_device_option(dirs, tmp_path):
     pytest.importorskip("mlx_lm")
     run = cli("port", dirs / "a", "--to", "mlx-lm", "-o", tmp_path / "bad", "--verify", "twins", "--device", "tpu:0")
-    assert run.returncode == 2 and "--device='tpu:0'" in run.stderr, run.stderr
+    assert run.returncode == 2 and "device='tpu:0'" in run.stderr, run.stderr
     assert not (tmp_path / "bad").exists()
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     run = cli("port", dirs / "a", "--to", "mlx-lm", "-o", tmp_path / "bad", "--verify", "twins", "--device", missing)
