@@ -54,7 +54,7 @@ def walk(model: nn.Module) -> list[Entry]:
     out = []
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     for path, m in model.named_modules():
-        if any(path.startswith(w + ".") for w in inside):
+        if inside and any(path.startswith(w + ".") for w in inside):
             continue
         if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
             inside.append(path)
@@ -78,7 +78,7 @@ def walk(model: nn.Module) -> list[Entry]:
 def _shape(p) -> tuple[int, ...]:
     if isinstance(p, nn.parameter.UninitializedTensorMixin):
         return ()
-    return tuple(int(s) for s in p.shape)
+    return tuple(p.shape)  # torch.Size: a tuple of ints already
 
 
 def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:

@@ -88,4 +88,3 @@ def check_model_dirs(args) -> int:
               + (f", on {devices['a']} and {devices['b']}" if devices["a"] or devices["b"] else ""))
         print(report)
     return EXIT_OK if report.passed else EXIT_NOT_EQUIVALENT
-

@@ -50,7 +50,8 @@ def dtype_of(value: Any) -> np.dtype:
 
 
 def shape_of(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in value.shape)
+    """``value``'s shape as a tuple (metadata; the frameworks' shapes hold Python ints)."""
+    return tuple(value.shape)
 
 
 class DeviceMoves:

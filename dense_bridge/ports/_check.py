@@ -28,7 +28,8 @@ def check_dirs(a, b, *, positions: int = 256, seed: int = 0, isolated: bool = Fa
     its own model's device.
 
     Returns:
-        ``(report, {"a": format, "b": format, "positions": n})``.
+        ``(report, {"a": format, "b": format, "positions": n, "devices": {"a": device, "b": device}})``
+        (each device as its framework's adapter names it, None for a framework that places nothing).
     """
     from ..registry._devices import check_device_value, place_for_run, where
     from ..testing import compare_models
