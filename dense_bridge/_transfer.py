@@ -18,6 +18,8 @@ layer left unpaired.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any
 
 from ._errors import ConversionError, check_flag
@@ -113,6 +115,27 @@ def transfer(src: Any, dst: Any, *, mapping: Any = None, strict: bool = True, al
         _infer.split_inputs(inputs)  # every form compare_models takes, or one error naming it, before any run
     else:
         rules = _mapping.parse(mapping)
+    with _collector_paused() if not auto else contextlib.nullcontext():
+        return _transfer(src, dst, mapping, rules, auto, inputs, strict, allow_narrowing, requantize, verify, adapters)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector held off while a transfer walks and plans (it allocates
+    many small objects and no reference cycles worth collecting): a full collection triggered
+    there scans the whole heap of the user's process (torch, transformers: hundreds of
+    thousands of objects), tens of milliseconds that cost more than the planning of a small
+    model. Restored as it was afterwards; what the transfer left behind is collected later."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _transfer(src, dst, mapping, rules, auto, inputs, strict, allow_narrowing, requantize, verify, adapters):
     a, b = sides(src, dst)
     adapters.prepare(a)  # lora="merge": adapters on raw parameters merge as those are read
     saved = b.snapshot() if auto else None  # before either model runs: dst may change itself in its forward

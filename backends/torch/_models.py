@@ -55,7 +55,7 @@ def walk(model: nn.Module) -> list[Entry]:
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     raw = raw_adapter_wrappers(model)  # LoRA on raw parameters: its factor modules are no linear layers
     for path, m in model.named_modules():
-        if any(path.startswith(w + ".") for w in inside):
+        if inside and any(path.startswith(w + ".") for w in inside):
             continue
         if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
             inside.append(path)
@@ -82,7 +82,7 @@ def walk(model: nn.Module) -> list[Entry]:
 def _shape(p) -> tuple[int, ...]:
     if isinstance(p, nn.parameter.UninitializedTensorMixin):
         return ()
-    return tuple(int(s) for s in p.shape)
+    return tuple(p.shape)  # torch.Size: a tuple of ints already
 
 
 def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:

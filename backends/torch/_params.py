@@ -53,6 +53,18 @@ def _module_params(m: nn.Module, to_numpy=to_numpy) -> dict[str, np.ndarray]:
     return out
 
 
+def _plain_linear(m) -> bool:
+    """Is ``m`` exactly an ``nn.Linear`` holding its weight and bias as plain Parameters (not
+    parametrized, pruned, hooked, lazy or quantized: what ``layer_modules`` checks), so its
+    canonical params are ``weight.t()`` and ``bias`` with nothing else to look at: the fast path
+    of the per-layer verbs, whose checks cost more than the read for a small layer."""
+    if type(m) is not nn.Linear:
+        return False
+    params = m._parameters
+    w, b = params.get("weight", False), params.get("bias", False)
+    return type(w) is nn.Parameter and (b is None or type(b) is nn.Parameter) and "mask" not in m._buffers
+
+
 def get_params(native: nn.Module) -> dict[str, np.ndarray]:
     """Canonical params as read-only zero-copy views of torch's memory (kernel = weight.T)."""
     quantized = quant_layer(native)
@@ -63,6 +75,12 @@ def get_params(native: nn.Module) -> dict[str, np.ndarray]:
 
 def set_params(native: nn.Module, params: dict[str, np.ndarray]) -> None:
     """Copy validated canonical params in (transposing copies into the existing tensors)."""
+    if _plain_linear(native) and params.keys() <= {"kernel", "bias"}:
+        if "kernel" in params:
+            copy_in(native.weight, params["kernel"], transpose=True)
+        if "bias" in params:
+            copy_in(native.bias, params["bias"])
+        return
     quantized = quant_layer(native)
     if quantized is not None:  # float weights into codes: torchao's own quantize_ (_quant.py)
         full = {**quantized.dequantized(), **params}
@@ -118,6 +136,9 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
     view: nothing is copied, no device is left); None for a quantized layer (its dequantized
     floats are computed on the host)."""
+    if _plain_linear(native):
+        w, b = native.weight.detach(), native.bias
+        return {"kernel": w.t()} if b is None else {"kernel": w.t(), "bias": b.detach()}
     if quant_layer(native) is not None:
         return None
     modules = layer_modules(native)  # once: it checks every layer for computed weights

@@ -56,6 +56,10 @@ def cmd_check(args) -> int:
 
     if given_model_dirs(args):  # two model directories (db.port's formats): dense_bridge/ports
         return check_model_dirs(args)
+    if getattr(args, "device", None) is not None:
+        raise db.SpecError(f"--device applies to two model directories (or one-file models); {args.a} and {args.b} "
+                           f"are checkpoints, compared where their frameworks load them. "
+                           f"Received: --device={args.device!r}")
 
     spec_a = read_spec(args.spec_a or args.spec)
     spec_b = read_spec(args.spec_b or args.spec)

@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "received, so each layer's own error is judged with nothing carried from before it")
     p.add_argument("--html", metavar="PATH", help="also write the report as an HTML page with a per-layer error chart")
     p.add_argument("--positions", type=int, default=256, help="token positions for two model directories (default 256)")
+    p.add_argument("--device", help="two model directories: where both models run: cpu, cuda, cuda:N, gpu, gpu:N "
+                                    "(default: each on its framework's GPU when present, else the CPU)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
     from ._whole_models import add_arguments as add_model_check  # whole native models: --mapping, --inputs

@@ -78,10 +78,13 @@ def check_model_dirs(args) -> int:
         from .. import ConversionError
 
         raise ConversionError(f"--positions must be a positive integer. Received: --positions={args.positions}")
-    report, info = ports.check_dirs(args.a, args.b, positions=args.positions, seed=args.seed, isolated=args.isolated)
+    report, info = ports.check_dirs(args.a, args.b, positions=args.positions, seed=args.seed, isolated=args.isolated,
+                                    device=args.device)
     if args.json:
         emit_json({**info, "passed": report.passed, "report": report.to_dict()})
     else:
-        print(f"A: {args.a} ({info['a']}), B: {args.b} ({info['b']}), {info['positions']} token positions")
+        devices = info["devices"]
+        print(f"A: {args.a} ({info['a']}), B: {args.b} ({info['b']}), {info['positions']} token positions"
+              + (f", on {devices['a']} and {devices['b']}" if devices["a"] or devices["b"] else ""))
         print(report)
     return EXIT_OK if report.passed else EXIT_NOT_EQUIVALENT

@@ -117,6 +117,9 @@ def check_models(args) -> int:
 
     if args.inputs is None:
         raise SpecError("whole models need --inputs X.npz (what to feed them)")
+    if getattr(args, "device", None) is not None:  # a whole-model file loads where its framework puts it
+        raise SpecError(f"--device applies to two model directories (or one-file models), not to whole-model files "
+                        f"(place the models in Python and call compare_models). Received: --device={args.device!r}")
     a = load_model(args.a, trust_pickle=args.trust_pickle)
     b = load_model(args.b, trust_pickle=args.trust_pickle)
     inputs_a = read_inputs(args.inputs)

@@ -28,20 +28,30 @@ def is_host(value: Any) -> bool:
     return isinstance(value, np.ndarray)
 
 
+#: framework dtype object -> numpy dtype (a handful of entries: read once per dtype, not per array)
+_DTYPES: dict[Any, np.dtype] = {}
+
+
 def dtype_of(value: Any) -> np.dtype:
     """The numpy dtype of an array of any framework, read from its dtype's name ("float32",
     "bfloat16"; a framework prefix such as "<fw>.float32" dropped): metadata only."""
     if isinstance(value, np.ndarray):
         return value.dtype
-    name = str(getattr(value, "dtype", "")).rsplit(".", 1)[-1]
-    try:
-        return numpy_dtype(name)
-    except Exception:  # noqa: BLE001 - not a dense_bridge float dtype name: numpy's own reading
-        return np.dtype(name)
+    dtype = getattr(value, "dtype", "")
+    found = _DTYPES.get(dtype)
+    if found is None:
+        name = str(dtype).rsplit(".", 1)[-1]
+        try:
+            found = numpy_dtype(name)
+        except Exception:  # noqa: BLE001 - not a dense_bridge float dtype name: numpy's own reading
+            found = np.dtype(name)
+        _DTYPES[dtype] = found
+    return found
 
 
 def shape_of(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in value.shape)
+    """``value``'s shape as a tuple (metadata; the frameworks' shapes hold Python ints)."""
+    return tuple(value.shape)
 
 
 class DeviceMoves:
@@ -76,7 +86,8 @@ class DeviceMoves:
 
     def check(self, value: Any, problem: str) -> None:
         """Queue the NaN/Inf test of ``value`` (a device array of src): :meth:`verdict` runs them all."""
-        if dtype_of(value).kind == "f" or dtype_of(value).name == "bfloat16":
+        dtype = dtype_of(value)
+        if dtype.kind == "f" or dtype.name == "bfloat16":
             self._checks.append((value, problem))
 
     def verdict(self) -> list[str]:

@@ -36,6 +36,7 @@ shared by every piece).
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -618,6 +619,7 @@ def interleaved(path: str) -> bool:
 _FLOAT_BITS = {"float16": (10, 5), "bfloat16": (7, 8), "float32": (23, 8), "float64": (52, 11)}
 
 
+@functools.lru_cache(maxsize=256)  # a few dtype pairs, asked once per tensor moved
 def narrowing(src_dtype: Any, dst_dtype: Any) -> bool:
     """Does casting ``src_dtype`` values into ``dst_dtype`` lose precision or range (float32 into
     bfloat16, bfloat16 into float16)? Widening (bfloat16 into float32) is exact."""

@@ -30,7 +30,7 @@ from .._errors import CheckpointError, ConversionError, DenseBridgeError, SpecEr
 from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
-from ..registry._devices import check_device_value, place_model
+from ..registry._devices import check_device_value, place_for_run, place_model, where as device_where
 from . import _adapters, _certificate, _codes, _dirs, _rules
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
@@ -182,8 +182,8 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
-    a = place_model(src_fmt.port_twin(src_cfg, seed=0), device, strict=False)
-    b = place_model(dst_fmt.port_twin(dst_cfg, seed=1), device, strict=False)
+    a = place_for_run(src_fmt.port_twin(src_cfg, seed=0), device)  # None: the GPU when present
+    b = place_for_run(dst_fmt.port_twin(dst_cfg, seed=1), device)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
     positions = positions_for(src_fmt, src_cfg, POSITIONS)
     ids = token_ids(vocab, positions)
@@ -194,7 +194,7 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
         raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
     compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
                               judge="carried")
-    verification = {"mode": "twins", "passed": True, "positions": positions}
+    verification = {"mode": "twins", "passed": True, "positions": positions, "devices": {"a": device_where(a), "b": device_where(b)}}
     if not compared.passed:
         # the mapping may be right while the libraries compute different functions: judge every
         # linear layer alone; if each agrees, the difference lies in the code between them
@@ -323,6 +323,10 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         progress: True/False, or a callable ``(tensors_done, tensors_total, bytes_done, bytes_total)``.
         text_only: port only the text model of a multimodal checkpoint (refused otherwise); the
             certificate's ``source`` then says ``"text_only": true`` and lists the tensors ``"dropped"``.
+        device: where the verification runs the models ("cpu", "cuda", "cuda:N", "gpu", "gpu:N" or
+            a framework's device object). None: the twins on their framework's GPU when it sees
+            one, else the CPU; the full models where their loaders put them. The certificate's
+            ``verification["devices"]`` says where the twins ran.
 
     Returns:
         A :class:`PortReport`; ``out/port_certificate.json`` holds its certificate.
@@ -455,7 +459,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         lossy = sorted(n for n, e in cert_tensors.items() if not e.get("exact", True) and e.get("codes") == "quantized")
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]), adapter,
-                                    lossy=lossy)
+                                    lossy=lossy, device=device)
         if codes and _codes.active(codes["quantize"], codes["keep_codes"]):
             _codes.finish(tmp, src_fmt, dst_fmt, cert_tensors, opened, **codes, source_config=contents["config"],
                           dtype=dtype, hashes=hashes, float_model_logits=_float_logits(dst_fmt, tmp, common, real_src),
@@ -523,7 +527,7 @@ def _kl_top1(p_logits: np.ndarray, q_logits: np.ndarray) -> tuple[float, float]:
 
 
 def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules, twins, compare_models,
-                 discrepancies, text_only=False, adapter=None, lossy=()):
+                 discrepancies, text_only=False, adapter=None, lossy=(), device=None):
     out = dict(twins)
     out["twins"] = dict(twins)
     if verify == "twins" or (verify == "auto" and not _fits(real_src, src_dtype)):
@@ -534,6 +538,8 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
     if adapter is not None:
         a = adapter.source_model(a)
     b = dst_fmt.port_load(tmp)
+    if device is not None:  # the full models on the GPU only when asked: they may not fit its memory
+        a, b = place_model(a, device, strict=False), place_model(b, device, strict=False)
     positions = positions_for(src_fmt, common, POSITIONS)
     ids = token_ids(vocab_of(src_fmt, common, real_src), positions, seed=1)
     inputs = model_inputs(src_fmt, dst_fmt, ids, a, b)
@@ -544,7 +550,8 @@ def _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype
         # numbers nested models per process): the mapping is inferred again on the full models
         rules = "auto"
         report = compare_models(a, b, inputs, mapping=rules, grads=False, judge="carried")
-    out.update({"mode": "full", "positions": positions, "passed": bool(report.passed)})
+    out.update({"mode": "full", "positions": positions, "passed": bool(report.passed),
+                "devices": {"a": device_where(a), "b": device_where(b)}})
     out.update(_measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report))
     if not report.passed and lossy:
         # the destination quantizes (codes "quantized" in the certificate): the full models differ by

@@ -12,7 +12,7 @@ from typing import Any
 from .._errors import DenseBridgeError, SpecError, received
 from ._backends import adapter_for, get_adapter
 
-__all__ = ["device_for", "place", "source_device"]
+__all__ = ["device_for", "place", "place_for_run", "source_device", "where"]
 
 
 def _devices_adapter(backend: str, device: Any, argument: str) -> Any:
@@ -93,3 +93,42 @@ def place_model(native: Any, device: Any, argument: str = "device", strict: bool
     if not strict and not callable(getattr(get_adapter(backend), "place", None)):
         return native
     return place(native, backend, device_for(backend, device, argument))
+
+
+def place_for_run(native: Any, device: Any = None, argument: str = "device") -> Any:
+    """``native`` where a verb that runs it (a port's verification, ``check`` of two model
+    directories) runs it: on ``device`` when one is given (a framework that places nothing keeps
+    its model where it put it, as :func:`place_model` with ``strict=False``), else on its
+    framework's GPU when that framework has the ``devices`` capability and sees one ("gpu" read
+    by its own ``parse_device``), else where it is (the CPU). The model returned.
+
+    Raises:
+        SpecError: ``device`` names a device the model's framework cannot use here (naming
+            ``argument`` and echoing the value).
+    """
+    if device is not None:
+        check_device_value(device, argument)
+        return place_model(native, device, argument, strict=False)
+    from ._backends import backend_of
+
+    backend = backend_of(native, argument)
+    adapter = get_adapter(backend)
+    if not callable(getattr(adapter, "place", None)):
+        return native
+    try:
+        target = adapter.parse_device("gpu", argument)
+    except (SpecError, TypeError):  # no GPU this framework can use: the CPU
+        return native
+    return place(native, backend, target)
+
+
+def where(native: Any) -> str | None:
+    """The device ``native`` keeps its parameters on ("cpu", "cuda:0", "cpu:1"), as its adapter
+    names it; None for a framework without the ``devices`` capability."""
+    from ._backends import backend_of
+
+    try:
+        device_of = getattr(get_adapter(backend_of(native, "model")), "device_of", None)
+    except (DenseBridgeError, TypeError):
+        return None
+    return device_of(native) if callable(device_of) else None

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -242,3 +243,44 @@ def test_port_verifies_its_twins_on_the_device_given(tmp_path):
             pytest.skip("this machine has 8 CUDA devices")
         db.port(tmp_path / "src", tmp_path / "out2", to="mlx-lm", verify="twins", device="cuda:7")
     assert not (tmp_path / "out2").exists()
+
+
+def _received(model) -> tuple[list, list]:
+    """Hooks recording the (device type, dtype) of every tensor each module of ``model`` receives."""
+    seen: list = []
+
+    def hook(module, args, kwargs):
+        seen.extend((t.device.type, t.dtype) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+    return seen, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+
+
+def test_torch_inputs_made_on_the_models_device_in_its_dtype():
+    """torch on a CPU-only machine has one real device, so where the inputs go is proved on the
+    placement functions themselves (the capture's and the trace's), with ``torch.device`` objects:
+    the model's device read from its parameters ("meta" here: any device but the CPU would do)
+    and every input made there, floats in the model's dtype, token ids kept integers. The verbs
+    then run bfloat16 models: every layer receives bfloat16 (token ids stay integers)."""
+    from dense_bridge.backends.torch import _capture
+
+    layer = torch.nn.Linear(3, 2, device="meta", dtype=torch.bfloat16)
+    device = _capture._device(layer)
+    assert device == torch.device("meta") and _capture._float_dtype(layer) == torch.bfloat16
+    x = _capture._to_torch(np.ones((2, 3), np.float64), _capture._float_dtype(layer), device)
+    ids = _capture._to_torch(np.arange(6).reshape(2, 3), torch.bfloat16, device)
+    assert (x.device, x.dtype) == (device, torch.bfloat16) and (ids.device, ids.dtype) == (device, torch.int64)
+
+    a, _ = _llamas(1)
+    a = a.to(torch.bfloat16)
+    b = copy.deepcopy(a)
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8))
+    seen, handles = _received(a)
+    assert db.testing.compare_models(a, b, [ids]).passed
+    for h in handles:
+        h.remove()
+    assert ("cpu", torch.int64) in seen and ("cpu", torch.bfloat16) in seen
+    m = db.compile(SPEC, "torch", seed=0).to(torch.bfloat16)
+    seen, handles = _received(m)
+    db.testing.compare(m, db.compile(SPEC, "torch", seed=0).to(torch.bfloat16), inputs=np.ones((2, 6), np.float32))
+    for h in handles:
+        h.remove()
+    assert seen and set(seen) == {("cpu", torch.bfloat16)}, seen  # float32 inputs cast to the model's dtype

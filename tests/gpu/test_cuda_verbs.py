@@ -162,3 +162,65 @@ def test_port_verifies_on_cuda(tmp_path):
     save(transformers, "llama", tmp_path / "src")
     report = db.port(tmp_path / "src", tmp_path / "out", to="mlx-lm", verify="twins", device="cuda")
     assert report.verification["passed"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compare_models_cuda_llama_against_its_cpu_twin_one_grad_mode(dtype):
+    """compare_models in both modes (grads and outputs only) with each side's inputs on its own device."""
+    a = llama(0, dtype)
+    c = llama(0, torch.float32, device="cpu")
+    report = db.testing.compare_models(a, c, [IDS], grads=False)
+    assert report.passed if dtype == torch.float32 else report.compared, report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transfer_auto_between_cuda_llamas(dtype):
+    a, b = llama(0, dtype), llama(1, dtype)
+    report = db.transfer(a, b, mapping="auto", inputs=[IDS])
+    assert "verified" in report.verification
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert y.device.type == "cuda" and torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("target", ["flax", "equinox"])
+def test_compare_cuda_torch_against_jax(target):
+    pytest.importorskip("jax")
+    if target not in db.available_backends():
+        pytest.skip(f"{target} is not installed")
+    m = db.compile(SPEC, "torch", seed=0, device="cuda")
+    out = db.convert(m, target)  # on JAX's GPU when it has one, else its CPU
+    assert db.testing.compare(m, out, inputs=X).passed
+    assert db.testing.compare_models(m, out, [X]).passed
+    assert db.testing.compare_models(out, m, [X], grads=False).passed
+
+
+def test_get_params_of_a_cuda_bfloat16_model():
+    m = llama(0, torch.bfloat16)
+    params = db.get_params(m.model.layers[0].mlp.up_proj)
+    assert params["kernel"].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(params["kernel"].view(np.uint16),
+                                  m.model.layers[0].mlp.up_proj.weight.t().contiguous().cpu().view(torch.int16)
+                                  .numpy().view(np.uint16))
+
+
+def test_check_and_port_device_options_on_cuda(tmp_path):
+    """``dense-bridge check --device cuda`` on two model directories, and the default (the GPU)."""
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "ports"))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from _models import save
+
+    from dense_bridge import ports
+
+    save(transformers, "llama", tmp_path / "a", seed=0)
+    save(transformers, "llama", tmp_path / "b", seed=0)
+    for device in ("cuda", None):
+        report, info = ports.check_dirs(tmp_path / "a", tmp_path / "b", positions=32, device=device)
+        assert report.passed and info["devices"]["a"].startswith("cuda"), info
+    run = subprocess.run([sys.executable, "-m", "dense_bridge.cli", "check", str(tmp_path / "a"), str(tmp_path / "b"),
+                          "--positions", "32", "--device", "cuda:0"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "on cuda:0 and cuda:0" in run.stdout, run.stdout + run.stderr
+    pytest.importorskip("mlx_lm")
+    report = db.port(tmp_path / "a", tmp_path / "out", to="mlx-lm", verify="full")  # twins on the GPU by default
+    assert report.verification["passed"] and report.verification["twins"]["devices"]["a"].startswith("cuda")
