@@ -209,6 +209,8 @@ def test_mlx_q4_codes_move_into_q4_1_blocks_and_llama_cpp_runs_them(files, mlx_q
     assert len(moved) == 16 and all(e["ggml_type"] == "Q4_1" for e in moved.values())
     assert all(0 < e["max_abs_error"] < 1e-2 for e in moved.values())  # the runtimes' arithmetic, stated
     assert all(e["ggml_type"] == "F32" for n, e in cert["tensors"].items() if n not in moved)
+    checked = db.verify_port(path)  # every Q4_1 tensor's bytes recomputed from the source's MLX codes
+    assert checked.passed and checked.tensors == len(cert["tensors"]), str(checked)
     with QuantizedWeights(os.path.join(mlx_q4, "model.safetensors"), partial(port_shapes, "mlx-lm")) as src, \
             _Logical(path) as f:
         for name, entry in moved.items():

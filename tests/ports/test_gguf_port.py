@@ -330,3 +330,131 @@ def test_reads_split_gguf_files(models, tmp_path):
     a = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------ the certificate re-checked
+def _flip_a_byte_of(path: str, tensor: str) -> None:
+    """One byte in the middle of ``tensor``'s stored data changed in place (the file stays readable)."""
+    from dense_bridge.backends.gguf._file import open_gguf
+
+    with open_gguf(path) as f:
+        info = f.tensors[tensor]
+        at = info.offset + info.nbytes // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("kind,tied,outtype", [("llama", False, "f32"), ("llama", True, "bf16"), ("qwen2", False, "q8_0"),
+                                               ("llama", False, "q4_0")])
+def test_verify_port_recomputes_every_tensor_of_a_gguf_destination(models, tmp_path, kind, tied, outtype):
+    src = make_model(models, kind, tied)
+    path = str(tmp_path / "m.gguf")
+    report = db.port(src, path, to="gguf", outtype=outtype, verify="twins")
+    checked = db.verify_port(path)
+    assert checked.passed and checked.tensors == len(report.certificate["tensors"]), str(checked)
+    q = report.certificate["tensors"]["blk.0.attn_q.weight"]
+    assert (q["recompute"]["permute"] is not None) == (kind == "llama") == q["permuted"]
+    assert any("permute rows" in op for op in q["encoding"]) == (kind == "llama")
+    cli = [sys.executable, "-m", "dense_bridge.cli", "verify", path]
+    assert subprocess.run(cli, capture_output=True, text=True, timeout=600).returncode == 0
+    # a byte changed in a permuted matrix: the file's hash and that tensor's recomputed bytes both disagree
+    _flip_a_byte_of(path, "blk.0.attn_q.weight")
+    checked = db.verify_port(path)
+    assert not checked.passed
+    assert any("'blk.0.attn_q.weight'" in p and "recomputed" in p for p in checked.problems), checked.problems
+    assert any("sha256" in p for p in checked.problems) and len(checked.problems) == 2, checked.problems
+    res = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1 and "blk.0.attn_q.weight" in res.stdout + res.stderr
+
+
+def test_verify_port_rechecks_a_gguf_source(models, tmp_path):
+    src = make_model(models, "llama", tied=False)
+    path = str(tmp_path / "m.gguf")
+    db.port(src, path, to="gguf", outtype="q8_0", verify="twins")
+    out = str(tmp_path / "hf")
+    report = db.port(path, out, to="transformers", verify="twins")
+    q = report.certificate["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["codes"] == "dequantized" and q["ops"][0].startswith("dequantize blk.0.attn_q.weight")
+    assert db.verify_port(out).passed
+    _flip_a_byte_of(path, "blk.1.ffn_up.weight")
+    checked = db.verify_port(out)
+    assert not checked.passed and any("model.layers.1.mlp.up_proj.weight" in p for p in checked.problems), \
+        checked.problems
+
+
+# ------------------------------------------------------------------------------ llama.cpp's own quantizer
+def make_wide_llama(root) -> str:
+    """A tiny random Llama whose rows fill K-quant super-blocks (256 values), so llama.cpp's
+    quantizer writes K-quant blocks rather than its fallbacks."""
+    from dense_bridge.backends.torch._ports import _randomize
+
+    path = os.path.join(str(root), "llama-wide")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize(model, 0)
+    model.save_pretrained(path)
+    _tokenizer(path)
+    return path
+
+
+#: (outtype, GGUF types llama.cpp must have written, bound on max |llama.cpp - transformers running the
+#: file's own dequantized weights| / std(logits), bound on max |llama.cpp - transformers running the float
+#: source| / std(logits)). Measured here (llama-cpp-python 0.3.36, this 2-layer random Llama, 48 positions):
+#: q6_k 0.136 / 0.519, q4_k_m 0.148 / 1.32, q5_0 0.093 / 0.798 (q8_0 0.083 / 0.124; q5_k_m 0.128 / 0.607;
+#: q3_k_m 0.12 / 2.55; q2_k 0.131 / 3.67). The first is llama.cpp quantizing the activations to Q8 blocks
+#: in each product (bounded at about twice it); the second adds the weights' own quantization error, which
+#: random weights make large (bounded at about 1.5 times it). Each tensor's own error is in the certificate.
+KQUANT_CASES = [("q4_k_m", {"Q4_K", "Q6_K"}, 0.3, 2.0), ("q6_k", {"Q6_K"}, 0.3, 0.8), ("q5_0", {"Q5_0"}, 0.3, 1.2)]
+
+
+@pytest.mark.parametrize("outtype,types,bound,bound_source", KQUANT_CASES, ids=[c[0] for c in KQUANT_CASES])
+def test_llama_cpp_quantizes_k_quant_outtypes_and_runs_them(models, tmp_path, outtype, types, bound, bound_source):
+    lc = pytest.importorskip("llama_cpp")
+    from dense_bridge.backends.gguf._ports import port_load
+
+    src = make_wide_llama(models)
+    path = str(tmp_path / "m.gguf")
+    report = db.port(src, path, to="gguf", outtype=outtype, verify="twins")
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "m.gguf.port_certificate.json"]  # the F32 file removed
+    cert = report.certificate["tensors"]
+    written = {e["ggml_type"] for e in cert.values()}
+    assert types <= written, written
+    for name, e in cert.items():
+        if e["ggml_type"] == "F32":
+            assert e["exact"] and name.endswith("norm.weight"), name
+            continue
+        assert e["codes"] == "quantized" and e["recompute"]["by"] == "llama.cpp", name
+        assert "llama_model_quantize" in e["quantized_by"] and 0 < e["max_abs_error"] < 0.5, (name, e)
+    checked = db.verify_port(path)  # each tensor's blocks recomputed by ggml's own quantizer
+    assert checked.passed, str(checked)
+    ids = np.random.default_rng(0).integers(3, VOCAB, 48).tolist()
+    llm = lc.Llama(model_path=path, n_ctx=64, logits_all=True, flash_attn=False, type_k=0, type_v=0, verbose=False,
+                   n_threads=2, n_batch=64)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)], np.float32)
+    with torch.no_grad():
+        own = port_load("gguf", path)(torch.tensor([ids])).logits[0].float().numpy()
+        source = transformers.AutoModelForCausalLM.from_pretrained(src).eval()(torch.tensor([ids])).logits[0].numpy()
+    err = float(np.max(np.abs(theirs - own)) / np.std(own))
+    err_source = float(np.max(np.abs(theirs - source)) / np.std(source))
+    print(f"{outtype}: max |llama.cpp - transformers(file)| / std = {err:.3g}; vs the float source {err_source:.3g}")
+    assert err <= bound and err_source <= bound_source, (err, err_source)
+
+
+def test_llama_cpp_outtypes_are_refused_naming_llama_cpp_python_where_it_is_absent(models, tmp_path):
+    src = make_model(models, "llama", tied=False)
+    code = ("import sys; sys.modules['llama_cpp'] = None\n"  # llama-cpp-python not importable in this process
+            "import dense_bridge as db\n"
+            "from dense_bridge._errors import DenseBridgeError\n"
+            f"try:\n    db.port({src!r}, {str(tmp_path / 'm.gguf')!r}, to='gguf', outtype='q4_k_m', verify='twins')\n"
+            "except DenseBridgeError as exc:\n    print('REFUSED', type(exc).__name__, exc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "REFUSED" in res.stdout and "llama-cpp-python" in res.stdout, res.stdout + res.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
