@@ -683,3 +683,39 @@ def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict 
 
         return quantize_rows(value, kind).reshape(-1)
     return np.ascontiguousarray(encode(value, kind)).reshape(-1).view(np.uint8)
+
+
+def port_write_extras(fmt: str, src: str, directory: str, names) -> list[str]:
+    """The GGUF file ``src``'s tokenizer written into the destination ``directory`` as the files of
+    ``names`` (the destination layout's tokenizer files) that transformers' own GGUF tokenizer
+    converters (``transformers.integrations.ggml``, through ``AutoTokenizer.from_pretrained(...,
+    gguf_file=)``) and ``save_pretrained`` make; nothing for a file that holds no tokenizer
+    (``tokenizer.ggml.model`` absent). ConversionError naming the file and transformers' reason
+    where its converters cannot read the tokenizer. Returns the names written."""
+    import shutil
+    import tempfile
+
+    first = _files(src)[0]
+    with _open(first) as f:
+        kind = f.metadata.get("tokenizer.ggml.model")
+    if kind is None:
+        return []
+    tp = _tp()
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=directory)
+    try:
+        try:
+            with tp._quiet():
+                tok = tp._transformers().AutoTokenizer.from_pretrained(
+                    os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first))
+                tok.save_pretrained(staging)
+        except (ValueError, KeyError, NotImplementedError, OSError, TypeError, RuntimeError) as exc:
+            raise ConversionError(f"{first}: transformers' GGUF tokenizer converter cannot read its {kind!r} tokenizer "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); nothing was written") from None
+        written = []
+        for name in sorted(os.listdir(staging)):
+            if name in names and not os.path.exists(os.path.join(directory, name)):
+                shutil.move(os.path.join(staging, name), os.path.join(directory, name))
+                written.append(name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

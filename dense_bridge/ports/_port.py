@@ -452,6 +452,9 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         shared = [n for n in contents["extras"] if n in layout["extras"]]
         for name in shared:
             files.copy_file(os.path.join(root, name), os.path.join(tmp, name))
+        source_extras = _dirs.optional(src_fmt, "port_write_extras")  # files a one-file source carries inside
+        if source_extras is not None and not one_file:
+            source_extras(src, tmp, [n for n in layout["extras"] if n not in shared])
         lossy = sorted(n for n, e in cert_tensors.items() if not e.get("exact", True) and e.get("codes") == "quantized")
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]), adapter,

@@ -458,3 +458,94 @@ def test_llama_cpp_outtypes_are_refused_naming_llama_cpp_python_where_it_is_abse
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "REFUSED" in res.stdout and "llama-cpp-python" in res.stdout, res.stdout + res.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ tokenizers both ways
+def _vocab_file(name: str) -> str | None:
+    """One of the vocabulary-only GGUF files llama.cpp ships for its tokenizer tests (``models/``)."""
+    root = llama_cpp_dir()
+    path = os.path.join(root, "models", f"ggml-vocab-{name}.gguf") if root else None
+    return path if path and os.path.isfile(path) else None
+
+
+def _vocab_texts(name: str) -> list[str]:
+    """llama.cpp's tokenizer test texts for that vocabulary (``.inp``), plus chat-like text."""
+    with open(_vocab_file(name) + ".inp", encoding="utf-8") as f:
+        texts = [t.strip("\n") for t in f.read().split("\n__ggml_vocab_test__\n")]
+    return [t for t in texts if t] + ["<|im_start|>user\nHi 123 🦙<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module")
+def qwen2_bpe(models):
+    """A tiny random Qwen2 whose tokenizer is Qwen2's real byte-level BPE (151,936 tokens): read by
+    transformers' GGUF tokenizer converter from llama.cpp's ``ggml-vocab-qwen2.gguf``, saved by
+    ``save_pretrained`` (tokenizer.json, merges inside)."""
+    path = os.path.join(str(models), "qwen2-bpe")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from dense_bridge.backends.torch._ports import _randomize
+
+        vocab = _vocab_file("qwen2")
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(vocab), gguf_file=os.path.basename(vocab))
+        cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                       max_position_embeddings=256)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        _randomize(model, 0)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+needs_vocab = pytest.mark.skipif(llama_cpp_dir() is None or _vocab_file("qwen2") is None,
+                                 reason="llama.cpp's source tree (its converter and models/ggml-vocab-*.gguf) not found")
+
+
+@needs_vocab
+def test_a_bpe_tokenizer_is_written_as_llama_cpps_converter_writes_it(qwen2_bpe, tmp_path):
+    ours = str(tmp_path / "ours.gguf")
+    db.port(qwen2_bpe, ours, to="gguf", verify="twins")
+    theirs = convert(qwen2_bpe, str(tmp_path / "theirs.gguf"), "f32")
+    from dense_bridge.backends.gguf._file import open_gguf
+
+    with open_gguf(ours) as a, open_gguf(theirs) as b, open_gguf(_vocab_file("qwen2")) as original:
+        keys = sorted(k for k in set(a.metadata) | set(b.metadata) if k.startswith("tokenizer."))
+        assert {"tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.merges"} <= set(keys)
+        for k in keys:
+            assert k in a.metadata and k in b.metadata, k
+            assert a.metadata[k] == b.metadata[k] and a.metadata_types[k] == b.metadata_types[k], k
+        assert a.metadata["tokenizer.ggml.model"] == "gpt2" and a.metadata["tokenizer.ggml.pre"] == "qwen2"
+        for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+            assert a.metadata[k] == original.metadata[k], k  # and llama.cpp's own file of Qwen2's vocabulary
+
+
+def _encodes_alike(a: str, b: str, texts) -> None:
+    ta, tb = transformers.AutoTokenizer.from_pretrained(a), transformers.AutoTokenizer.from_pretrained(b)
+    assert len(ta) == len(tb)
+    for t in texts:
+        assert ta.encode(t) == tb.encode(t), t
+        assert ta.decode(ta.encode(t)) == tb.decode(tb.encode(t)), t
+
+
+@needs_vocab
+@pytest.mark.parametrize("writer", ["converter", "dense_bridge"])
+def test_a_gguf_sources_tokenizer_reaches_transformers_and_mlx_lm(models, qwen2_bpe, tmp_path, writer):
+    texts = _vocab_texts("qwen2")
+    for src, kind in ((qwen2_bpe, "bpe"), (make_model(models, "llama", tied=False), "spm")):
+        path = str(tmp_path / f"{kind}.gguf")
+        if writer == "converter":
+            convert(src, path, "f32")
+        else:
+            db.port(src, path, to="gguf", verify="twins")
+        for to in ("transformers", "mlx-lm") if writer == "dense_bridge" else ("transformers",):
+            if to == "mlx-lm":
+                pytest.importorskip("mlx_lm")
+            out = str(tmp_path / f"{kind}-{to}")
+            report = db.port(path, out, to=to, verify="twins")
+            assert "tokenizer.json" in report.certificate["destination"]["files"]
+            _encodes_alike(src, out, texts if kind == "bpe" else SENTENCES + texts)
+            assert db.verify_port(out).passed
+    if writer == "dense_bridge":  # the ported directory loads in mlx-lm with its tokenizer
+        from mlx_lm import load
+
+        _, tok = load(str(tmp_path / "spm-mlx-lm"))
+        assert tok.encode(SENTENCES[0]) == transformers.AutoTokenizer.from_pretrained(src).encode(SENTENCES[0])
