@@ -64,6 +64,7 @@ def make_source(path: str, gb: float, shards: int) -> dict:
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                    max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=False)
     os.makedirs(path)
+    cfg.architectures = ["LlamaForCausalLM"]  # as save_pretrained of the model writes it (converters read it)
     cfg.save_pretrained(path)
     with __import__("torch").device("meta"):
         shapes = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
@@ -114,7 +115,7 @@ def _spm_tokenizer(path: str) -> None:
     text = ["The quick brown fox jumps over the lazy dog.", "A port moves every tensor exactly.",
             "llama.cpp runs GGUF files on laptops.", "Numbers 123 456 and symbols !?"] * 20
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=200, model_type="bpe",
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=320, model_type="bpe",
                                    character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2, unk_id=0,
                                    pad_id=-1, minloglevel=2)
     with open(os.path.join(path, "tokenizer.model"), "wb") as f:
@@ -258,7 +259,7 @@ def main() -> None:
         tiny = os.path.join(work, "tiny")
         import transformers
 
-        tcfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        tcfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2)
         transformers.LlamaForCausalLM(tcfg).save_pretrained(tiny)
         if args.to == "gguf":
