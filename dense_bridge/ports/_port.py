@@ -309,7 +309,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         out: the directory to create; it must not exist or be empty (``overwrite=True`` replaces it).
             For a format that writes its own one file (``port_write``): that file, its certificate
             beside it (``<out>.port_certificate.json``), both moved into place when all has passed.
-        outtype: that format's storage type (GGUF: f32, f16, bf16, q8_0, q4_0, q4_1, keep, or llama.cpp's q4_k_m etc.); refused for others.
+        outtype: that format's storage type (GGUF: f32, f16, bf16, q8_0, q4_0, q4_1, keep, q4_k_m...); others refuse it.
         to: the destination format, one of :func:`dense_bridge.ports.formats` (transformers, mlx-lm).
         verify: ``"twins"`` (always done), ``"full"`` (also both full models, loaded by their own
             loaders, on generated inputs of 256 positions), ``"auto"`` (full when both fit in the
