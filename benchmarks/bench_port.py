@@ -306,8 +306,10 @@ def main() -> None:
         text = "\n".join(lines) + "\n"
         print(text)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        kept = open(args.out).read() if os.path.isfile(args.out) else ""
+        kept = kept[kept.index("## GGUF"):] if "## GGUF" in kept else ""  # written by --to gguf
         with open(args.out, "w") as f:
-            f.write(text)
+            f.write(text + ("\n" + kept if kept else ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
