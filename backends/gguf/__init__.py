@@ -7,9 +7,9 @@ reversed: a weight matrix is (out, in)) and transformers' row order; the file's 
 llama-family q/k row permutation, quantized blocks) is applied and undone here.
 """
 from ._ports import (port_common_config, port_contents, port_describe, port_detect, port_example, port_layout,
-                     port_inspect, port_load, port_logits, port_open, port_own_config, port_save, port_shapes, port_shrink,
-                     port_twin, port_write)
+                     port_inspect, port_load, port_logits, port_open, port_own_config, port_recompute_codes, port_save, port_shapes, port_shrink,
+                     port_twin, port_write, port_write_extras)
 
 __all__ = ["port_common_config", "port_contents", "port_describe", "port_detect", "port_example", "port_layout",
-           "port_inspect", "port_load", "port_logits", "port_open", "port_own_config", "port_save", "port_shapes", "port_shrink",
-           "port_twin", "port_write"]
+           "port_inspect", "port_load", "port_logits", "port_open", "port_own_config", "port_recompute_codes", "port_save", "port_shapes", "port_shrink",
+           "port_twin", "port_write", "port_write_extras"]

@@ -30,6 +30,9 @@ MAGIC = b"GGUF"
 #: outtype -> the GGUF tensor type of the matrices (norms, biases and other 1-D tensors stay F32, as
 #: llama.cpp's converter and reader expect).
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "keep")
+#: outtypes quantized by llama.cpp's own quantizer (llama-cpp-python): ``_llama_cpp.OUTTYPES``
+LLAMA_CPP_OUTTYPES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q5_0",
+                      "q5_1")
 
 
 def _need():
@@ -303,6 +306,11 @@ class _Logical:
     def get(self, name: str) -> np.ndarray:
         return _config.unpermute(self.processor, name, self.file.get(name))
 
+    def stored(self, name: str) -> np.ndarray:
+        """The bytes tensor ``name`` is stored as (uint8, flat: the file's own encoding, rows in
+        llama.cpp's order), what ``port_recompute_codes`` recomputes."""
+        return self.file.raw(name).reshape(-1)
+
     def code_info(self, name: str) -> dict | None:
         """What stands behind the float tensor ``name`` (None for a float one): {"ggml_type",
         "tensors": {"blocks": name}, "files": {"blocks": file}, "dequantize": words}."""
@@ -419,7 +427,8 @@ def _exactness(logical: np.ndarray, stored: np.ndarray, kind) -> dict:
     back = gguf.quants.dequantize(stored, kind).reshape(logical.shape)
     exact = bool(np.array_equal(back, np.asarray(logical, np.float32)))
     if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
-        return {"exact": exact, "max_ulp": None}
+        err = float(np.max(np.abs(back.astype(np.float64) - np.asarray(logical, np.float64)))) if back.size else 0.0
+        return {"exact": exact, "max_ulp": None, "max_abs_error": err}
     if exact:
         return {"exact": True, "max_ulp": 0}
     wide = np.asarray(logical, np.float64)
@@ -487,6 +496,35 @@ def _moved(name: str, codes: dict, processor, logical: np.ndarray) -> tuple[np.n
     return raw, note
 
 
+def _recipe(name: str, kind, by: str, processor, arch: str) -> dict:
+    """How the stored bytes of tensor ``name`` are recomputed from its logical value
+    (``port_recompute_codes``): ``by`` "gguf" (gguf-py's quantizers, or the float type itself),
+    "llama.cpp" (ggml's ``ggml_quantize_chunk``) or "move" (an MLX affine 4-bit source's codes moved
+    into Q4_1 blocks); ``permute`` (None where rows stay in place): the architecture, tensor name
+    and integer hyperparameters transformers' tensor processor reorders its rows by."""
+    permute = None
+    if processor is not None:
+        permute = {"architecture": arch, "tensor": name,
+                   "config": {k: v for k, v in dict(processor.config).items()
+                              if isinstance(v, int) and not isinstance(v, bool)}}
+    return {"by": by, "ggml_type": kind.name, "float_dtype": "float32", "permute": permute}
+
+
+def _encoding_ops(recipe: dict) -> list[str]:
+    """The certificate's words for what the writer did to a tensor after the port's moves."""
+    ops = []
+    if recipe["permute"] is not None:
+        ops.append("permute rows as llama.cpp stores q/k (the inverse of transformers' GGUF tensor processor for "
+                   f"{recipe['permute']['architecture']!r})")
+    kind = recipe["ggml_type"]
+    ops.append({"move": "MLX affine 4-bit codes moved into Q4_1 blocks",
+                "llama.cpp": f"quantize {kind} by llama.cpp (llama_model_quantize; ggml_quantize_chunk per tensor)",
+                }.get(recipe["by"], "stored as F32" if kind == "F32" else
+                      f"encode {kind} by gguf.quants.quantize" if kind not in ("F16", "BF16") else
+                      f"round to {kind} by gguf.quants.quantize"))
+    return ops
+
+
 def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, on_tensor=None,
            codes: dict | None = None) -> dict:
     """Write the GGUF file ``path``: ``tensors`` {GGUF name: logical array, or a callable giving it}
@@ -503,9 +541,14 @@ def _write(path: str, config: dict, tensors: dict, outtype: str, extras: dict, o
         shape = tuple(t.shape)
         kind = _keep_type(name, shape, codes) if outtype == "keep" else tensor_type(name, shape, outtype)
         plan.append((name, shape, kind))
-        notes[name] = {"ggml_type": kind.name, "permuted": _config.row_order(processor, name, shape) is not None,
+        permuted = _config.row_order(processor, name, shape) is not None
+        moved = outtype == "keep" and kind == gguf.GGMLQuantizationType.Q4_1
+        notes[name] = {"ggml_type": kind.name, "permuted": permuted,
                        "codes": None if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                                                 gguf.GGMLQuantizationType.BF16) else "quantized"}
+                                                 gguf.GGMLQuantizationType.BF16) else "quantized",
+                       "recompute": _recipe(name, kind, "move" if moved else "gguf", processor if permuted else None,
+                                            _arch(config))}
+        notes[name]["encoding"] = _encoding_ops(notes[name]["recompute"])
     typed = _config.typed(config["metadata"])  # after the plan: a tensor refused is named first
     typed.update(_tokenizer.metadata(extras, config))
 
@@ -548,10 +591,131 @@ def port_write(fmt: str, path: str, config: dict, tensors: dict, *, outtype=None
     the tensors copied whole from quantized sources (``ports._codes.sources_of``). Returns {name:
     {"ggml_type", "permuted", "codes"}}."""
     outtype = "f32" if outtype is None else outtype
-    if outtype not in OUTTYPES:
-        raise ConversionError(f"outtype must be one of {OUTTYPES}. {received('outtype', outtype)}")
+    if outtype not in OUTTYPES + LLAMA_CPP_OUTTYPES:
+        raise ConversionError(f"outtype must be one of {OUTTYPES} or, quantized by llama.cpp (llama-cpp-python), "
+                              f"{LLAMA_CPP_OUTTYPES}. {received('outtype', outtype)}")
+    if outtype in LLAMA_CPP_OUTTYPES:
+        return _write_by_llama_cpp(path, config, tensors, outtype, dict(extras or {}), on_tensor, codes)
     if outtype == "keep" and not codes:
         raise ConversionError("outtype='keep' moves a quantized source's MLX affine 4-bit codes into Q4_1 blocks, "
                               "and this source holds no quantized tensors: choose f32, f16, bf16, q8_0, q4_0 or q4_1 "
                               f"(nothing was written). {received('outtype', outtype)}")
     return _write(path, config, tensors, outtype, dict(extras or {}), on_tensor, codes=codes)
+
+
+def _write_by_llama_cpp(path: str, config: dict, tensors: dict, outtype: str, extras: dict, on_tensor, codes) -> dict:
+    """``outtype`` one of ``LLAMA_CPP_OUTTYPES``: the tensors written as an F32 GGUF file beside
+    ``path`` (the port's temporary directory), quantized into ``path`` by llama.cpp's own quantizer
+    (``_llama_cpp.quantize_file``), the F32 file removed; each tensor's note says the type llama.cpp
+    chose, the recipe ``port_recompute_codes`` reproduces its bytes by, and ``max_abs_error``: the
+    largest difference between llama.cpp's blocks, dequantized by gguf, and the F32 values."""
+    import gguf
+
+    from . import _llama_cpp
+
+    _llama_cpp._module()  # refused naming llama-cpp-python before anything is written
+    floats = path + ".f32.tmp"
+    try:
+        notes = _write(floats, config, tensors, "f32", extras, on_tensor, codes=codes)
+        _llama_cpp.quantize_file(floats, path, outtype)
+        by = f"llama.cpp {_llama_cpp.version()} (llama_model_quantize, file type {_llama_cpp.OUTTYPES[outtype]})"
+        with _open(floats) as a, _open(path) as b:
+            if sorted(b.keys()) != sorted(notes):
+                raise ConversionError(f"llama.cpp's quantizer wrote the tensors {sorted(set(b.keys()) ^ set(notes))[:6]} "
+                                      "that the F32 file does not hold, or left them out (nothing was written)")
+            for name, note in notes.items():
+                kind = gguf.GGMLQuantizationType(int(b.tensors[name].ggml_type))
+                recipe = dict(note["recompute"], by="llama.cpp" if kind != gguf.GGMLQuantizationType.F32 else "gguf",
+                              ggml_type=kind.name)
+                note.update({"ggml_type": kind.name, "recompute": recipe, "encoding": _encoding_ops(recipe),
+                             "quantized_by": by})
+                if kind == gguf.GGMLQuantizationType.F32:
+                    if b.raw(name).tobytes() != a.raw(name).tobytes():
+                        raise ConversionError(f"llama.cpp's quantizer changed the F32 tensor {name!r} (nothing was written)")
+                    continue
+                ref = np.asarray(a.get(name), np.float32)
+                back = np.asarray(b.get(name), np.float32)
+                err = float(np.max(np.abs(back.astype(np.float64) - ref))) if ref.size else 0.0
+                float_kind = kind in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+                note.update({"codes": None if float_kind else "quantized", "exact": bool(err == 0.0),
+                             "max_abs_error": err})
+                note.update(_exactness(ref, b.raw(name), kind) if float_kind else {"max_ulp": None})
+    finally:
+        try:
+            os.remove(floats)
+        except OSError:
+            pass
+    return notes
+
+
+def port_recompute_codes(fmt: str, recipe: dict, value: np.ndarray, codes: dict | None) -> np.ndarray:
+    """The bytes a GGUF tensor is stored as (uint8, flat), recomputed from its logical float
+    ``value`` (numpy order, transformers' rows) by the certificate's ``recipe`` (see :func:`_recipe`):
+    the rows permuted as llama.cpp stores them, then encoded by gguf-py, by llama.cpp's own
+    quantizer, or (``"move"``) the source's MLX codes ``codes`` moved into Q4_1 blocks."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[recipe["ggml_type"]]
+    perm = recipe.get("permute")
+    processor = name = None
+    if perm is not None:
+        processor, name = _config.processor_for(perm["architecture"], dict(perm["config"])), perm["tensor"]
+    if recipe["by"] == "move":
+        from ._codes import from_mlx_affine_q4
+
+        if codes is None:
+            raise ConversionError("the source holds no codes to move")
+        raw, _ = from_mlx_affine_q4(np.asarray(codes["weight"]), np.asarray(codes["scales"]),
+                                    np.asarray(codes["biases"]), int(codes["group_size"]))
+        order = None if processor is None else _config.row_order(processor, name, tuple(value.shape))
+        if order is not None:
+            arranged = np.empty_like(raw)
+            arranged[order] = raw
+            raw = arranged
+        return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    value = np.asarray(value)
+    if processor is not None:
+        if _config.row_order(processor, name, tuple(value.shape)) is None:
+            raise ConversionError(f"the recipe permutes {name!r}, which transformers' tensor processor leaves in place")
+        value = _config.permute(processor, name, value)
+    if recipe["by"] == "llama.cpp":
+        from ._llama_cpp import quantize_rows
+
+        return quantize_rows(value, kind).reshape(-1)
+    return np.ascontiguousarray(encode(value, kind)).reshape(-1).view(np.uint8)
+
+
+def port_write_extras(fmt: str, src: str, directory: str, names) -> list[str]:
+    """The GGUF file ``src``'s tokenizer written into the destination ``directory`` as the files of
+    ``names`` (the destination layout's tokenizer files) that transformers' own GGUF tokenizer
+    converters (``transformers.integrations.ggml``, through ``AutoTokenizer.from_pretrained(...,
+    gguf_file=)``) and ``save_pretrained`` make; nothing for a file that holds no tokenizer
+    (``tokenizer.ggml.model`` absent). ConversionError naming the file and transformers' reason
+    where its converters cannot read the tokenizer. Returns the names written."""
+    import shutil
+    import tempfile
+
+    first = _files(src)[0]
+    with _open(first) as f:
+        kind = f.metadata.get("tokenizer.ggml.model")
+    if kind is None:
+        return []
+    tp = _tp()
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=directory)
+    try:
+        try:
+            with tp._quiet():
+                tok = tp._transformers().AutoTokenizer.from_pretrained(
+                    os.path.dirname(os.path.abspath(first)), gguf_file=os.path.basename(first))
+                tok.save_pretrained(staging)
+        except (ValueError, KeyError, NotImplementedError, OSError, TypeError, RuntimeError) as exc:
+            raise ConversionError(f"{first}: transformers' GGUF tokenizer converter cannot read its {kind!r} tokenizer "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); nothing was written") from None
+        written = []
+        for name in sorted(os.listdir(staging)):
+            if name in names and not os.path.exists(os.path.join(directory, name)):
+                shutil.move(os.path.join(staging, name), os.path.join(directory, name))
+                written.append(name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

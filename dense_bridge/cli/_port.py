@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                         "lists the tensors left out")
     p.add_argument("--quantize", metavar="Q", help="quantize on the way in with the destination library's own quantizer, "
                                                  "e.g. affine:4:64, mxfp4 or a mixed recipe such as mixed_3_6")
-    p.add_argument("--outtype", help="not implemented by this port yet")
+    p.add_argument("--outtype", help="the storage type of a format that writes its own file (see its guide)")
     p.add_argument("--device", help="where the verification runs the models: cpu, cuda, cuda:N, gpu, gpu:N")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory for SRC, in the adapter format of "
                                                     "SRC's own ecosystem, checked against SRC")

@@ -301,17 +301,20 @@ def verify_port(out: Any) -> VerifyReport:
     tensor (recomputed from its sources with the recorded operations, compared bit for bit).
 
     Args:
-        out: a directory written by ``db.port``.
+        out: a directory written by ``db.port``, or a one-file destination (its certificate beside it).
 
     Returns:
         A :class:`VerifyReport`. CheckpointError when ``out`` is no port (no readable certificate).
     """
     if not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out must be a path. Received: out={out!r} ({type(out).__name__})")
-    out = os.fspath(out)
+    out = report_as = os.fspath(out)
     path = os.path.join(out, NAME)
-    if not os.path.isdir(out) or not os.path.isfile(path):
-        raise CheckpointError(f"{out} holds no {NAME}: not a directory written by db.port")
+    if os.path.isfile(out) and os.path.isfile(file_certificate(out)):  # one file: its names are beside it
+        path, out = file_certificate(out), os.path.dirname(os.path.abspath(out))
+    elif not os.path.isdir(out) or not os.path.isfile(path):
+        raise CheckpointError(f"{out} holds no {NAME} (nor lies beside a {file_certificate('<file>')}): "
+                              "not written by db.port")
     cert = files.read_json(path, "port certificate")
     try:
         src_dir = cert["source"]["path"]
@@ -334,7 +337,8 @@ def verify_port(out: Any) -> VerifyReport:
     dst_fmt = _source_format(cert, "destination")
     from ._adapters import merged_value
     adapters: dict = {}  # adapter directory -> its layers (a port that merged one records it per source)
-    if dst_fmt is not None and _dirs.optional(dst_fmt, "port_write_weights") is None:
+    if dst_fmt is not None and _dirs.optional(dst_fmt, "port_write_weights") is None \
+            and _dirs.optional(dst_fmt, "port_write") is None:
         dst_fmt = None  # its weights are safetensors the port wrote: read as they lie (codes included)
 
     def open_(directory: str, name: str, where: str):
@@ -360,10 +364,13 @@ def verify_port(out: Any) -> VerifyReport:
         if target not in dst.tensors:
             problems.append(f"tensor {target!r} is missing from {entry.get('file')!r}")
             continue
-        if entry.get("codes") in ("moved", "quantized"):  # new codes: their library recomputes them (_codes)
+        # new codes, or a format's own encoding: their library recomputes them (_codes), compared as
+        # stored (``stored(name)``: the encoded bytes, where the opened destination offers them)
+        if entry.get("codes") in ("moved", "quantized") or entry.get("recompute") is not None:
             from ._codes import verify_codes
 
-            why = verify_codes(entry, dst.get(target), lambda s: open_(src_dir, s["file"], "source"),
+            stored = getattr(dst, "stored", None)
+            why = verify_codes(entry, stored(target) if callable(stored) else dst.get(target), lambda s: open_(src_dir, s["file"], "source"),
                                cert["destination"].get("format", ""), make)
             if why:
                 problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it {why}")
@@ -387,4 +394,4 @@ def verify_port(out: Any) -> VerifyReport:
     for f in opened.values():
         if f is not None:
             f.close()
-    return VerifyReport(out, not problems, problems, len(tensors), len(src_files) + len(dst_files))
+    return VerifyReport(report_as, not problems, problems, len(tensors), len(src_files) + len(dst_files))

@@ -50,6 +50,10 @@ Optional verbs, for a destination whose files are not safetensors beside one JSO
   {name: {"codes", ...}} merged into the certificate's tensor entries. Its ``port_detect`` and
   ``port_contents`` then take a file as well (the source may be one file).
 
+- ``port_write_extras(fmt, src, directory, names)`` (optional, a one-file source): the files of the
+  destination's layout ``names`` (tokenizer files) that the source carries inside itself, written
+  into the destination ``directory`` by the libraries that read them; returns the names written.
+
 A format may also belong to a file-format backend (``registry._backends.FILE_FORMATS``): a
 package offering these verbs alone, for a file format that no framework runs here.
 """

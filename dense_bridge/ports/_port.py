@@ -309,7 +309,7 @@ def port(src: Any, out: Any, *, to: str, verify: str = "auto", dtype: str | None
         out: the directory to create; it must not exist or be empty (``overwrite=True`` replaces it).
             For a format that writes its own one file (``port_write``): that file, its certificate
             beside it (``<out>.port_certificate.json``), both moved into place when all has passed.
-        outtype: that format's storage type (GGUF: f32, f16, bf16, q8_0, q4_0, q4_1); refused for others.
+        outtype: that format's storage type (GGUF: f32, f16, bf16, q8_0, q4_0, q4_1, keep, q4_k_m...); others refuse it.
         to: the destination format, one of :func:`dense_bridge.ports.formats` (transformers, mlx-lm).
         verify: ``"twins"`` (always done), ``"full"`` (also both full models, loaded by their own
             loaders, on generated inputs of 256 positions), ``"auto"`` (full when both fit in the
@@ -456,6 +456,9 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
         shared = [n for n in contents["extras"] if n in layout["extras"]]
         for name in shared:
             files.copy_file(os.path.join(root, name), os.path.join(tmp, name))
+        source_extras = _dirs.optional(src_fmt, "port_write_extras")  # files a one-file source carries inside
+        if source_extras is not None and not one_file:
+            source_extras(src, tmp, [n for n in layout["extras"] if n not in shared])
         lossy = sorted(n for n, e in cert_tensors.items() if not e.get("exact", True) and e.get("codes") == "quantized")
         verification = _verify_full(verify, src_fmt, dst_fmt, src, tmp, common, real_src, src_dtype, rules,
                                     verification, compare_models, discrepancies, bool(contents["file_keys"]), adapter,

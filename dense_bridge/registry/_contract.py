@@ -284,7 +284,9 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                    # inputs, weight-file writer and config files (ports/_dirs.py)
                    extras=("port_open", "port_write", "port_inspect", "port_inputs", "port_write_weights", "port_write_config",
                            # codes: ports/_codes.py
-                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes"))
+                           "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes",
+                           # a one-file source's tokenizer written as the destination directory's files
+                           "port_write_extras"))
 
 #: Models on accelerators (``dense_bridge/models/_device.py``): where a model lives, placing arrays
 #: there, and moves between two models that never leave the device.

@@ -209,6 +209,8 @@ def test_mlx_q4_codes_move_into_q4_1_blocks_and_llama_cpp_runs_them(files, mlx_q
     assert len(moved) == 16 and all(e["ggml_type"] == "Q4_1" for e in moved.values())
     assert all(0 < e["max_abs_error"] < 1e-2 for e in moved.values())  # the runtimes' arithmetic, stated
     assert all(e["ggml_type"] == "F32" for n, e in cert["tensors"].items() if n not in moved)
+    checked = db.verify_port(path)  # every Q4_1 tensor's bytes recomputed from the source's MLX codes
+    assert checked.passed and checked.tensors == len(cert["tensors"]), str(checked)
     with QuantizedWeights(os.path.join(mlx_q4, "model.safetensors"), partial(port_shapes, "mlx-lm")) as src, \
             _Logical(path) as f:
         for name, entry in moved.items():
@@ -257,3 +259,39 @@ def test_keep_refuses_codes_q4_1_cannot_hold(files, tmp_path):
     with pytest.raises(ConversionError, match="holds no quantized tensors"):
         db.port(files["src"], str(tmp_path / "c.gguf"), to="gguf", outtype="keep", verify="twins")
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".gguf")]
+
+
+# ------------------------------------------------------------------------------ GGUF -> transformers (torchao)
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_keep_codes_moves_gguf_blocks_into_torchao_layers(files, tmp_path, kind):
+    pytest.importorskip("torchao")
+    out = str(tmp_path / "hf")
+    report = db.port(files[kind], out, to="transformers", keep_codes=True, verify="twins")
+    cert = report.certificate
+    moved = {n: e for n, e in cert["tensors"].items() if e.get("codes") == "moved"}
+    # every linear layer's blocks moved (torchao: d * (q - 8) and d * q are one rounding, as in gguf);
+    # the embedding table stays float (transformers quantizes linear layers only)
+    assert moved and all("blk." in e["sources"][0]["tensor"] or e["sources"][0]["tensor"] == "output.weight"
+                         for e in moved.values())
+    assert cert["tensors"]["model.embed_tokens.weight"]["codes"] == "dequantized"
+    codes = cert["verification"]["codes"]
+    assert codes["passed"] and codes["largest_error"] == 0.0 and codes["kl_divergence_vs_float"] < 1e-6
+    assert db.verify_port(out).passed
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)  # transformers' own torchao loading
+    ids = torch.tensor([np.random.default_rng(0).integers(3, VOCAB, 24).tolist()])
+    float_out = str(tmp_path / "float")
+    db.port(files[kind], float_out, to="transformers", verify="twins")
+    with torch.no_grad():
+        a = model(ids).logits
+        b = transformers.AutoModelForCausalLM.from_pretrained(float_out)(ids).logits
+    assert torch.equal(a, b)
+
+
+def test_keep_codes_into_torchao_refuses_q4_1_naming_the_first_differing_value(files, tmp_path):
+    pytest.importorskip("torchao")
+    out = str(tmp_path / "hf")
+    # Q4_1's d * q + m rounds twice; torchao's (q - zero) * scale once: the values differ, refused by name
+    with pytest.raises(ConversionError, match=r"q_proj\.weight' at index") as exc:
+        db.port(files["q4_1"], out, to="transformers", keep_codes=True, verify="twins")
+    assert "requantize=True" in str(exc.value)
+    assert not os.path.exists(out)
