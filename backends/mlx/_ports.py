@@ -37,6 +37,24 @@ REMOTE_CODE_KEYS = ("model_file", "auto_map", "trust_remote_code")
 READS_AS = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor"}
 #: Top-level interchange keys mlx-lm reads under another name: {name mlx-lm reads: interchange name}.
 ALIASES = {"n_ctx": "n_positions"}
+#: Names a required ``ModelArgs`` field may have in the interchange config when the config lacks the
+#: field's own name: the older Hugging Face names of the same setting (GPT-NeoX's rotary names, the
+#: spellings of a norm's epsilon), read only to fill a field the config does not set.
+SYNONYMS = {"rotary_emb_base": ("rope_theta",), "rotary_pct": ("partial_rotary_factor",),
+            "rope_theta": ("rotary_emb_base", "rope_base"), "partial_rotary_factor": ("rotary_pct",),
+            "layer_norm_epsilon": ("layer_norm_eps", "rms_norm_eps", "norm_eps", "norm_epsilon"),
+            "layer_norm_eps": ("layer_norm_epsilon", "rms_norm_eps", "norm_eps"),
+            "rms_norm_eps": ("norm_eps", "layer_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"),
+            "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"),
+            "layernorm_epsilon": ("rms_norm_eps", "layer_norm_eps", "norm_eps"),
+            "num_layers": ("num_hidden_layers",), "num_hidden_layers": ("num_layers", "n_layer"),
+            "num_experts": ("num_local_experts", "n_routed_experts"),
+            "num_local_experts": ("num_experts", "n_routed_experts"),
+            "n_routed_experts": ("num_experts", "num_local_experts"),
+            "shared_intermediate_size": ("shared_expert_intermediate_size",)}
+#: How many value combinations :func:`port_complete_config` tries at most (each builds mlx-lm's
+#: model lazily: no weights are computed).
+MAX_TRIES = 256
 
 
 def _mlx_lm():
@@ -168,8 +186,9 @@ def port_own_config(fmt: str, common: dict) -> dict:
 
 
 def _optional_fields(config: dict) -> None:
-    """Fields mlx-lm's ``ModelArgs`` requires but types as optional (``rope_scaling``), absent from
-    ``config``: set to None, which is what an absent setting means to the library that wrote it."""
+    """Fields mlx-lm's ``ModelArgs`` requires but types as optional, and ``rope_scaling`` (an absent
+    one is the default rope), absent from ``config``: set to None, which is what an absent setting
+    means to the library that wrote it."""
     import dataclasses
 
     try:
@@ -179,8 +198,97 @@ def _optional_fields(config: dict) -> None:
         return
     for f in fields:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and f.name not in config and ("Optional" in str(f.type) or "None" in str(f.type)):
+        optional = "Optional" in str(f.type) or "None" in str(f.type) or f.name == "rope_scaling"
+        if required and f.name not in config and optional:
             config[f.name] = None
+
+
+def _required(f) -> bool:
+    import dataclasses
+
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _kind(f) -> str | None:
+    """'bool', 'int' or 'float' for a field typed as one (its annotation as a string or a type)."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return t if t in ("bool", "int", "float") else None
+
+
+def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """How many tensors disagree between mlx-lm's model for ``config`` and the weights ``shapes``
+    (names and shapes as the source stores them) once mlx-lm's own ``sanitize`` has read them, as its
+    loader does (parameters missing or of another shape, weights left over); None where the model
+    is not built. Lazy arrays: nothing is computed, whatever the sizes."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    try:
+        model = _build(config)
+        weights = {k: mx.zeros(tuple(v), dtype=mx.float32) for k, v in shapes.items()}
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    except Exception:  # noqa: BLE001 - a value the library cannot build with does not fit
+        return None
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    return sum(1 for k, s in params.items() if got.get(k) != s) + sum(1 for k in got if k not in params)
+
+
+def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """``config`` (as :func:`port_own_config` wrote it) with the fields mlx-lm's ``ModelArgs``
+    require and the config leaves unset (absent, or None where the field is not optional) filled:
+    from another name of the same setting (:data:`SYNONYMS`), else, for booleans and integers, by
+    the weights: the one value under which mlx-lm's own model holds exactly the tensors ``shapes``
+    (the source's names and shapes, read through mlx-lm's ``sanitize`` as its loader reads them):
+    a bias or a norm present or not, a width. A switch the weights do not decide (an order of norms)
+    is off, as a config that does not name it means; the twins' verification judges that. A field
+    none of this fills is left unset, and building the model refuses naming it.
+
+    Args:
+        config: mlx-lm's config for the model.
+        shapes: {tensor name: shape} of the source's weights (the checkpoint, or the source twin).
+    Returns:
+        The config, completed (a new dictionary; ``config`` is not changed).
+    """
+    import dataclasses
+    import itertools
+
+    out = dict(config)
+    try:
+        _, args_class = _classes(out)
+        fields = [f for f in dataclasses.fields(args_class) if _required(f)]
+    except (ConversionError, TypeError):
+        return out
+    unset = [f for f in fields if out.get(f.name) is None
+             and not (f.name in out and ("Optional" in str(f.type) or "None" in str(f.type)))]
+    guess = []
+    for f in unset:
+        other = next((k for k in SYNONYMS.get(f.name, ()) if out.get(k) is not None), None)
+        if other is not None:
+            out[f.name] = out[other]
+        elif _kind(f) in ("bool", "int"):
+            guess.append(f)
+    if not guess or not shapes:
+        return out
+    dims = sorted({d for s in shapes.values() for d in s})
+    options = [[False, True] if _kind(f) == "bool" else dims for f in guess]
+    tries = list(itertools.islice(itertools.product(*options), MAX_TRIES + 1))
+    if len(tries) > MAX_TRIES:
+        return out
+    scored = []
+    for values in tries:
+        trial = {**out, **{f.name: v for f, v in zip(guess, values)}}
+        score = _fit(trial, shapes)
+        if score == 0:
+            scored.append(values)
+    if len(scored) > 1:  # the weights leave some fields open: only switches, which the source names by leaving them off
+        open_ = {i for i in range(len(guess)) if len({values[i] for values in scored}) > 1}
+        if all(_kind(guess[i]) == "bool" for i in open_):
+            scored = [values for values in scored if not any(values[i] for i in open_)]
+    if len(scored) == 1:
+        out.update({f.name: v for f, v in zip(guess, scored[0])})
+    return out
 
 
 def port_shrink(fmt: str, common: dict) -> dict:
