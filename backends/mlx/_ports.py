@@ -52,6 +52,8 @@ SYNONYMS = {"rotary_emb_base": ("rope_theta",), "rotary_pct": ("partial_rotary_f
             "num_local_experts": ("num_experts", "n_routed_experts"),
             "n_routed_experts": ("num_experts", "num_local_experts"),
             "shared_intermediate_size": ("shared_expert_intermediate_size",)}
+#: The suffix of the text sub-config's model type of a multimodal model (transformers' convention).
+TEXT_SUFFIX = "_text"
 #: How many value combinations :func:`port_complete_config` tries at most (each builds mlx-lm's
 #: model lazily: no weights are computed).
 MAX_TRIES = 256
@@ -143,6 +145,9 @@ def port_common_config(fmt: str, config: dict) -> dict:
     out = dict(config)
     if out.pop("quantization", None) is not None:
         out.pop("quantization_config", None)  # mlx-lm's copy of it, for the Hugging Face hub
+    text = out.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") == f"{out.get('model_type')}{TEXT_SUFFIX}":
+        return port_common_config(fmt, text)  # a text model mlx-lm reads through its composite (port_own_config)
     try:
         _, args_class = _classes(out)
         args = args_class.from_dict(out)
@@ -164,10 +169,31 @@ def port_common_config(fmt: str, config: dict) -> dict:
     return out
 
 
+def _implements(model_type: str) -> bool:
+    """Whether mlx-lm has a model for ``model_type`` (directly or through its remapping)."""
+    try:
+        _mlx_lm()._get_classes({"model_type": model_type})
+    except (ValueError, ImportError, SystemExit):  # a module that exits when imported: not offered here
+        return False
+    return True
+
+
 def port_own_config(fmt: str, common: dict) -> dict:
     """``common`` with every key mlx-lm reads under another name carried under that name
     (:data:`READS_AS`): ``rope_parameters`` flattened to ``rope_theta`` (and ``rope_scaling`` when
-    its type is not the default), the original kept for the models that read it."""
+    its type is not the default), the original kept for the models that read it. The text part of
+    a multimodal model (``model_type`` ``"<name>_text"``) that mlx-lm implements only inside its
+    composite ``"<name>"`` is written as that composite's config, the text config under
+    ``text_config`` (which is how mlx-lm's composites read a text-only checkpoint)."""
+    out = dict(common)
+    kind = out.get("model_type")
+    if isinstance(kind, str) and kind.endswith(TEXT_SUFFIX) and not _implements(kind) \
+            and _implements(kind[:-len(TEXT_SUFFIX)]):
+        return {"model_type": kind[:-len(TEXT_SUFFIX)], "text_config": _flat_own_config(out)}
+    return _flat_own_config(out)
+
+
+def _flat_own_config(common: dict) -> dict:
     out = dict(common)
     for theirs, ours in ALIASES.items():
         if ours in out and theirs not in out:
@@ -331,7 +357,7 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
     new = []
     for name, p in tree_flatten(model.parameters()):
         shape = tuple(p.shape)
-        if len(shape) == 1:
+        if len(shape) <= 1:  # vectors and scalars (a learned activation's)
             value = 1.0 + 0.2 * rng.standard_normal(shape)
         else:
             value = rng.standard_normal(shape) / shape[-1] ** 0.5
@@ -386,6 +412,9 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
 def port_describe(fmt: str, config: dict) -> dict:
     """``{"architecture", "vocab_size", "max_positions"}`` of an mlx-lm config (Hugging Face names);
     None where it does not say."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
+        return {**port_describe(fmt, text), "architecture": config.get("architectures") or [config.get("model_type")]}
     vocab = config.get("vocab_size")
     limits = [config[k] for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(config.get(k), int)]
     arch = config.get("architectures") or [config.get("model_type")]

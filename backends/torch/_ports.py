@@ -481,7 +481,7 @@ def _randomize(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
-            if p.ndim == 1:
+            if p.ndim <= 1:  # vectors and scalars (a learned activation's)
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
