@@ -265,7 +265,7 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
     """``config`` (as :func:`port_own_config` wrote it) with the fields mlx-lm's ``ModelArgs``
     require and the config leaves unset (absent, or None where the field is not optional) filled:
     from another name of the same setting (:data:`SYNONYMS`), else, for booleans and integers, by
-    the weights: the one value under which mlx-lm's own model holds exactly the tensors ``shapes``
+    the weights: the one value under which mlx-lm's own model holds the tensors ``shapes`` (the fewest disagreeing)
     (the source's names and shapes, read through mlx-lm's ``sanitize`` as its loader reads them):
     a bias or a norm present or not, a width. A switch the weights do not decide (an order of norms)
     is off, as a config that does not name it means; the twins' verification judges that. A field
@@ -302,12 +302,15 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
     tries = list(itertools.islice(itertools.product(*options), MAX_TRIES + 1))
     if len(tries) > MAX_TRIES:
         return out
-    scored = []
+    scores = {}
     for values in tries:
-        trial = {**out, **{f.name: v for f, v in zip(guess, values)}}
-        score = _fit(trial, shapes)
-        if score == 0:
-            scored.append(values)
+        score = _fit({**out, **{f.name: v for f, v in zip(guess, values)}}, shapes)
+        if score is not None:
+            scores[values] = score
+    if not scores:
+        return out
+    best = min(scores.values())  # a tied head one side lists and the other does not: not zero, still the fewest
+    scored = [values for values, score in scores.items() if score == best]
     if len(scored) > 1:  # the weights leave some fields open: only switches, which the source names by leaving them off
         open_ = {i for i in range(len(guess)) if len({values[i] for values in scored}) > 1}
         if all(_kind(guess[i]) == "bool" for i in open_):

@@ -424,13 +424,22 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out["head_dim"] = TWIN_HEAD_DIM
         if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
             small_hidden = 2 * heads * TWIN_HEAD_DIM
+        for k, v in list(out.items()):  # the other per-head widths (latent attention's rope/nope/value parts)
+            if k.endswith("_head_dim") and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                out[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / head_dim / 2))  # in proportion: sums stay sums
+    for k, v in list(out.items()):  # low-rank latent widths
+        if k.endswith("_lora_rank") and isinstance(v, int) and not isinstance(v, bool) and v > 4 * TWIN_HEAD_DIM:
+            out[k] = 4 * TWIN_HEAD_DIM
     out[key("hidden_size")] = small_hidden
     if isinstance(out.get("expand"), (int, float)) and not isinstance(get("num_attention_heads"), int):
         out["intermediate_size"] = int(out["expand"] * small_hidden)  # the inner width expand gives
+    def inner(width):  # an exact multiple of the width stays one (a library may compute it as such), else apart
+        return width // hidden * small_hidden if width % hidden == 0 and width > hidden else 2 * small_hidden + 16
+
     if isinstance(get("intermediate_size"), int) and not isinstance(out.get("expand"), (int, float)):
-        out[key("intermediate_size")] = 2 * small_hidden + 16
+        out[key("intermediate_size")] = inner(get("intermediate_size"))
     if isinstance(out.get("n_inner"), int):
-        out["n_inner"] = 2 * small_hidden + 16
+        out["n_inner"] = inner(out["n_inner"])
     if isinstance(out.get("moe_intermediate_size"), int):
         out["moe_intermediate_size"] = small_hidden + 16
     layers = TWIN_LAYERS
