@@ -113,7 +113,7 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     text = cfg.get_text_config()
     if text is not cfg:
         notes.append(f"text part: {text.model_type}")
-    d = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    d = {k: v for k, v in tp._plain_floats(text.to_dict()).items() if k != "transformers_version"}
     d["model_type"] = text.model_type
     d.update(OVERRIDES.get(mt, {}))
     if OVERRIDES.get(mt):

@@ -340,6 +340,7 @@ def port_common_config(fmt: str, config: dict) -> dict:
         full = cfg.to_dict()
     except Exception:  # noqa: BLE001 - refused later, by name, where it is built
         return dict(config)
+    full = _plain_floats(full)
     full.pop("transformers_version", None)
     for alias, name in (getattr(type(cfg), "attribute_map", None) or {}).items():  # other libraries' names
         if alias not in full and name in full:
@@ -347,7 +348,19 @@ def port_common_config(fmt: str, config: dict) -> dict:
     heads, hidden = full.get("num_attention_heads"), full.get("hidden_size")
     if full.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads:
         full["head_dim"] = hidden // heads  # what transformers' attention computes with when it is unset
-    return {**full, **config}
+    return _plain_floats({**full, **config})
+
+
+def _plain_floats(obj):
+    """``obj`` with transformers' JSON stand-ins for infinities and NaN (``{"__float__": "Infinity"}``,
+    which its ``to_dict`` writes and its config classes do not read back) as the floats they stand for."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].lower().replace("infinity", "inf"))
+        return {k: _plain_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain_floats(v) for v in obj]
+    return obj
 
 
 def _config_class(config: dict):
@@ -363,7 +376,7 @@ def _config_class(config: dict):
 
 def _config(config: dict):
     cls = _config_class(config)
-    rest = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    rest = {k: v for k, v in _plain_floats(config).items() if k not in ("model_type", "transformers_version")}
     return cls(**rest)
 
 
@@ -371,7 +384,7 @@ def port_own_config(fmt: str, common: dict) -> dict:
     """The config.json transformers writes for ``common`` (its own standardisation: rope settings
     under ``rope_parameters``), the dictionary ``save_pretrained`` would write."""
     cfg = _config(common)
-    out = cfg.to_diff_dict()
+    out = _plain_floats(cfg.to_diff_dict())
     out.pop("transformers_version", None)
     return out
 
