@@ -49,7 +49,18 @@ ROOT = os.path.dirname(HERE)
 
 #: Config values a default config needs before it can build and run at all, per model_type. Only
 #: for the harness (never in dense_bridge); every entry is shown in the table.
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    # transformers' default config leaves the key-value head count None, which its own attention divides by
+    "nemotron": {"num_key_value_heads": 8},
+    # transformers' default config has no experts (None counts) and no rope base in its attention config,
+    # which both libraries read
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0}},
+    # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting
+    "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                        "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+}
 #: Formats beyond mlx-lm that get rows when an installed adapter declares them (the keras-hub hook).
 EXTRA_FORMATS = ("keras-hub",)
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
