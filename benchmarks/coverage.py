@@ -56,6 +56,10 @@ OVERRIDES: dict[str, dict] = {
     # which both libraries read
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0}},
+    # transformers' default config makes every layer attention (no convolution), which mlx-lm's model cannot
+    # run: the released LFM2 layout (convolutions, attention at six layers)
+    "lfm2": {"num_hidden_layers": 16, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+             "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
     # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting
     "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,

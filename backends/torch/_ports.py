@@ -407,6 +407,29 @@ def _keep_each(values: list, n: int) -> list:
     return out
 
 
+def _index_lists(common: dict, out: dict, total) -> dict[str, list[int]]:
+    """Lists of layer indices in ``common`` (increasing integers below the layer count ``total``: the
+    full-attention layers), for the shrunk config ``out``: the indices of the same layer types in its
+    ``layer_types`` where the list names exactly the layers of some types, else those still in range."""
+    if not isinstance(total, int):
+        return {}
+    types, small_types = common.get("layer_types"), out.get("layer_types")
+    n = next((v for k, v in out.items() if k in ("num_hidden_layers", "n_layer", "num_layers") and isinstance(v, int)),
+             total)
+    found = {}
+    for k, v in common.items():
+        if not (isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+                and v == sorted(set(v)) and v[-1] < total):
+            continue
+        if isinstance(types, list) and len(types) == total and isinstance(small_types, list):
+            kinds = {repr(types[i]) for i in v}
+            if v == [i for i, t in enumerate(types) if repr(t) in kinds]:
+                found[k] = [i for i, t in enumerate(small_types) if repr(t) in kinds]
+                continue
+        found[k] = [i for i in v if i < n]
+    return found
+
+
 def port_shrink(fmt: str, common: dict) -> dict:
     """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
     structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
@@ -465,8 +488,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
             layers = max(layers, out[pattern_key])
     total = get("num_hidden_layers", layers)
     out[key("num_hidden_layers")] = min(layers, total)
+    indices = _index_lists(common, out, total)
     for k, v in list(out.items()):  # other per-layer lists (mlp_layer_types): each kind kept, one layer each
-        if k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
+        if k in indices:
+            out[k] = indices[k]
+        elif k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
             out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
