@@ -52,16 +52,17 @@ ROOT = os.path.dirname(HERE)
 OVERRIDES: dict[str, dict] = {
     # transformers' default config leaves the key-value head count None, which its own attention divides by
     "nemotron": {"num_key_value_heads": 8},
-    # transformers' default config has no experts (None counts) and no rope base in its attention config,
-    # which both libraries read
+    # transformers' default config has no experts (None counts), no rope base and no clipping bound in its
+    # attention config, which both libraries read
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
-    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0}},
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     # transformers' default config makes every layer attention (no convolution), which mlx-lm's model cannot
     # run: the released LFM2 layout (convolutions, attention at six layers)
     "lfm2": {"num_hidden_layers": 16, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
              "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
-    # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting
-    "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+    # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting;
+    # transformers' default config routes to None experts per token
+    "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
 }

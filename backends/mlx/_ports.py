@@ -38,8 +38,8 @@ READS_AS = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary
 #: Top-level interchange keys mlx-lm reads under another name: {name mlx-lm reads: interchange name}.
 ALIASES = {"n_ctx": "n_positions"}
 #: Names a required ``ModelArgs`` field may have in the interchange config when the config lacks the
-#: field's own name: the older Hugging Face names of the same setting (GPT-NeoX's rotary names, the
-#: spellings of a norm's epsilon), read only to fill a field the config does not set.
+#: field's own name: the older Hugging Face names of the same setting (the rotary base and fraction,
+#: the spellings of a norm's epsilon), read only to fill a field the config does not set.
 SYNONYMS = {"rotary_emb_base": ("rope_theta",), "rotary_pct": ("partial_rotary_factor",),
             "rope_theta": ("rotary_emb_base", "rope_base"), "partial_rotary_factor": ("rotary_pct",),
             "layer_norm_epsilon": ("layer_norm_eps", "rms_norm_eps", "norm_eps", "norm_epsilon"),
@@ -286,8 +286,8 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
         fields = [f for f in dataclasses.fields(args_class) if _required(f)]
     except (ConversionError, TypeError):
         return out
-    unset = [f for f in fields if out.get(f.name) is None
-             and not (f.name in out and ("Optional" in str(f.type) or "None" in str(f.type)))]
+    names = set(_unset(out, args_class))
+    unset = [f for f in fields if f.name in names]
     guess = []
     for f in unset:
         other = next((k for k in SYNONYMS.get(f.name, ()) if out.get(k) is not None), None)
@@ -345,8 +345,23 @@ def _build(config: dict):
     try:
         return model_class(args_class.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config: "
+        unset = _unset(config, args_class)
+        why = (f" ({', '.join(unset)}: required by its ModelArgs, set neither by the source's config nor, under "
+               "another name, by its weights)") if unset else ""
+        raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config{why}: "
                               f"{type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _unset(config: dict, args_class) -> list[str]:
+    """The fields ``args_class`` requires that ``config`` leaves unset (absent, or None where not optional)."""
+    import dataclasses
+
+    try:
+        fields = dataclasses.fields(args_class)
+    except TypeError:
+        return []
+    return [f.name for f in fields if _required(f) and config.get(f.name) is None
+            and not (f.name in config and ("Optional" in str(f.type) or "None" in str(f.type)))]
 
 
 def port_twin(fmt: str, config: dict, seed: int = 0):
