@@ -382,7 +382,39 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
         new.append((name, mx.array(value.astype(np.float32))))
     model.update(tree_unflatten(new))
     mx.eval(model.parameters())
+    _runs_here(model, config)
     return model
+
+
+def _runs_here(model, config: dict) -> None:
+    """ConversionError naming the layers when ``model`` runs a kernel this machine's MLX has no
+    back-end for (``mx.fast.metal_kernel`` without Metal): the twins could never be compared here.
+    Any other failure is left to the comparison, which reports it with its inputs."""
+    import inspect
+    import sys
+
+    import mlx.core as mx
+
+    try:
+        mx.eval(model(mx.array(np.zeros((1, 2), np.int32))))
+    except RuntimeError as exc:
+        if "metal" not in str(exc).lower():
+            return
+        layers = []
+        for path, m in model.named_modules():
+            try:
+                source = inspect.getsource(sys.modules[type(m).__module__])
+            except (KeyError, OSError, TypeError):
+                continue
+            if "metal_kernel" in source and not list(m.children()):
+                layers.append(f"{path} ({type(m).__name__})")
+        raise ConversionError(f"mlx-lm's {config.get('model_type')!r} model runs a kernel written for Metal only, "
+                              f"which this machine's MLX cannot run ({str(exc).strip()[:120]}), in "
+                              f"{', '.join(layers[:3]) or 'its layers'}{' and more' if len(layers) > 3 else ''}: the "
+                              "port's twins cannot be run here; port on a machine whose MLX has Metal (Apple silicon)"
+                              ) from None
+    except Exception:  # noqa: BLE001 - judged where the twins are compared
+        return
 
 
 def port_save(fmt: str, model, path: str) -> None:
