@@ -137,6 +137,10 @@ def test_twin_sizes_keep_latent_widths_multiples_and_layer_index_lists():
     neox = tp.port_shrink("transformers", {"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
                                            "intermediate_size": 2048, "num_hidden_layers": 6, "vocab_size": 500})
     assert neox["intermediate_size"] == 4 * neox["hidden_size"]
+    rotary = tp.port_shrink("transformers", tp.port_common_config("transformers", {
+        "model_type": "gptj", "n_embd": 4096, "n_head": 16, "rotary_dim": 64, "n_layer": 4, "vocab_size": 500,
+        "n_positions": 512}))
+    assert rotary["rotary_dim"] * 256 == 64 * rotary["head_dim"]  # the rotated quarter of each head stays a quarter
     types = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
     lfm = tp.port_shrink("transformers", {"model_type": "lfm2", "hidden_size": 256, "num_attention_heads": 8,
                                           "num_key_value_heads": 8, "num_hidden_layers": 16, "vocab_size": 500,
