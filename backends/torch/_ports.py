@@ -460,9 +460,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out["head_dim"] = TWIN_HEAD_DIM
         if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
             small_hidden = 2 * heads * TWIN_HEAD_DIM
+    per_head = head_dim if isinstance(head_dim, int) else hidden // heads if heads and hidden % heads == 0 else None
+    if per_head:
         for k, v in list(out.items()):  # the other per-head widths (latent attention's parts, the rotated part)
             if (k.endswith("_head_dim") or k == "rotary_dim") and isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                out[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / head_dim / 2))  # in proportion: sums stay sums
+                out[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / per_head / 2))  # in proportion: sums stay sums
     for k, v in list(out.items()):  # low-rank latent widths
         if k.endswith("_lora_rank") and isinstance(v, int) and not isinstance(v, bool) and v > 4 * TWIN_HEAD_DIM:
             out[k] = 4 * TWIN_HEAD_DIM
