@@ -49,7 +49,23 @@ ROOT = os.path.dirname(HERE)
 
 #: Config values a default config needs before it can build and run at all, per model_type. Only
 #: for the harness (never in dense_bridge); every entry is shown in the table.
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    # transformers' default config leaves the key-value head count None, which its own attention divides by
+    "nemotron": {"num_key_value_heads": 8},
+    # transformers' default config has no experts (None counts), no rope base and no clipping bound in its
+    # attention config, which both libraries read
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # transformers' default config makes every layer attention (no convolution), which mlx-lm's model cannot
+    # run: the released LFM2 layout (convolutions, attention at six layers)
+    "lfm2": {"num_hidden_layers": 16, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+             "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
+    # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting;
+    # transformers' default config routes to None experts per token
+    "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                        "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+}
 #: Formats beyond mlx-lm that get rows when an installed adapter declares them (the keras-hub hook).
 EXTRA_FORMATS = ("keras-hub",)
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
@@ -113,7 +129,7 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     text = cfg.get_text_config()
     if text is not cfg:
         notes.append(f"text part: {text.model_type}")
-    d = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    d = {k: v for k, v in tp._plain_floats(text.to_dict()).items() if k != "transformers_version"}
     d["model_type"] = text.model_type
     d.update(OVERRIDES.get(mt, {}))
     if OVERRIDES.get(mt):

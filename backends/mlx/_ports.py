@@ -37,6 +37,26 @@ REMOTE_CODE_KEYS = ("model_file", "auto_map", "trust_remote_code")
 READS_AS = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor"}
 #: Top-level interchange keys mlx-lm reads under another name: {name mlx-lm reads: interchange name}.
 ALIASES = {"n_ctx": "n_positions"}
+#: Names a required ``ModelArgs`` field may have in the interchange config when the config lacks the
+#: field's own name: the older Hugging Face names of the same setting (the rotary base and fraction,
+#: the spellings of a norm's epsilon), read only to fill a field the config does not set.
+SYNONYMS = {"rotary_emb_base": ("rope_theta",), "rotary_pct": ("partial_rotary_factor",),
+            "rope_theta": ("rotary_emb_base", "rope_base"), "partial_rotary_factor": ("rotary_pct",),
+            "layer_norm_epsilon": ("layer_norm_eps", "rms_norm_eps", "norm_eps", "norm_epsilon"),
+            "layer_norm_eps": ("layer_norm_epsilon", "rms_norm_eps", "norm_eps"),
+            "rms_norm_eps": ("norm_eps", "layer_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"),
+            "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"),
+            "layernorm_epsilon": ("rms_norm_eps", "layer_norm_eps", "norm_eps"),
+            "num_layers": ("num_hidden_layers",), "num_hidden_layers": ("num_layers", "n_layer"),
+            "num_experts": ("num_local_experts", "n_routed_experts"),
+            "num_local_experts": ("num_experts", "n_routed_experts"),
+            "n_routed_experts": ("num_experts", "num_local_experts"),
+            "shared_intermediate_size": ("shared_expert_intermediate_size",)}
+#: The suffix of the text sub-config's model type of a multimodal model (transformers' convention).
+TEXT_SUFFIX = "_text"
+#: How many value combinations :func:`port_complete_config` tries at most (each builds mlx-lm's
+#: model lazily: no weights are computed).
+MAX_TRIES = 256
 
 
 def _mlx_lm():
@@ -125,6 +145,9 @@ def port_common_config(fmt: str, config: dict) -> dict:
     out = dict(config)
     if out.pop("quantization", None) is not None:
         out.pop("quantization_config", None)  # mlx-lm's copy of it, for the Hugging Face hub
+    text = out.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") == f"{out.get('model_type')}{TEXT_SUFFIX}":
+        return port_common_config(fmt, text)  # a text model mlx-lm reads through its composite (port_own_config)
     try:
         _, args_class = _classes(out)
         args = args_class.from_dict(out)
@@ -146,10 +169,31 @@ def port_common_config(fmt: str, config: dict) -> dict:
     return out
 
 
+def _implements(model_type: str) -> bool:
+    """Whether mlx-lm has a model for ``model_type`` (directly or through its remapping)."""
+    try:
+        _mlx_lm()._get_classes({"model_type": model_type})
+    except (ValueError, ImportError, SystemExit):  # a module that exits when imported: not offered here
+        return False
+    return True
+
+
 def port_own_config(fmt: str, common: dict) -> dict:
     """``common`` with every key mlx-lm reads under another name carried under that name
     (:data:`READS_AS`): ``rope_parameters`` flattened to ``rope_theta`` (and ``rope_scaling`` when
-    its type is not the default), the original kept for the models that read it."""
+    its type is not the default), the original kept for the models that read it. The text part of
+    a multimodal model (``model_type`` ``"<name>_text"``) that mlx-lm implements only inside its
+    composite ``"<name>"`` is written as that composite's config, the text config under
+    ``text_config`` (which is how mlx-lm's composites read a text-only checkpoint)."""
+    out = dict(common)
+    kind = out.get("model_type")
+    if isinstance(kind, str) and kind.endswith(TEXT_SUFFIX) and not _implements(kind) \
+            and _implements(kind[:-len(TEXT_SUFFIX)]):
+        return {"model_type": kind[:-len(TEXT_SUFFIX)], "text_config": _flat_own_config(out)}
+    return _flat_own_config(out)
+
+
+def _flat_own_config(common: dict) -> dict:
     out = dict(common)
     for theirs, ours in ALIASES.items():
         if ours in out and theirs not in out:
@@ -168,8 +212,9 @@ def port_own_config(fmt: str, common: dict) -> dict:
 
 
 def _optional_fields(config: dict) -> None:
-    """Fields mlx-lm's ``ModelArgs`` requires but types as optional (``rope_scaling``), absent from
-    ``config``: set to None, which is what an absent setting means to the library that wrote it."""
+    """Fields mlx-lm's ``ModelArgs`` requires but types as optional, and ``rope_scaling`` (an absent
+    one is the default rope), absent from ``config``: set to None, which is what an absent setting
+    means to the library that wrote it."""
     import dataclasses
 
     try:
@@ -179,8 +224,100 @@ def _optional_fields(config: dict) -> None:
         return
     for f in fields:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and f.name not in config and ("Optional" in str(f.type) or "None" in str(f.type)):
+        optional = "Optional" in str(f.type) or "None" in str(f.type) or f.name == "rope_scaling"
+        if required and f.name not in config and optional:
             config[f.name] = None
+
+
+def _required(f) -> bool:
+    import dataclasses
+
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _kind(f) -> str | None:
+    """'bool', 'int' or 'float' for a field typed as one (its annotation as a string or a type)."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return t if t in ("bool", "int", "float") else None
+
+
+def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """How many tensors disagree between mlx-lm's model for ``config`` and the weights ``shapes``
+    (names and shapes as the source stores them) once mlx-lm's own ``sanitize`` has read them, as its
+    loader does (parameters missing or of another shape, weights left over); None where the model
+    is not built. Lazy arrays: nothing is computed, whatever the sizes."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    try:
+        model = _build(config)
+        weights = {k: mx.zeros(tuple(v), dtype=mx.float32) for k, v in shapes.items()}
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    except Exception:  # noqa: BLE001 - a value the library cannot build with does not fit
+        return None
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    return sum(1 for k, s in params.items() if got.get(k) != s) + sum(1 for k in got if k not in params)
+
+
+def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """``config`` (as :func:`port_own_config` wrote it) with the fields mlx-lm's ``ModelArgs``
+    require and the config leaves unset (absent, or None where the field is not optional) filled:
+    from another name of the same setting (:data:`SYNONYMS`), else, for booleans and integers, by
+    the weights: the one value under which mlx-lm's own model holds the tensors ``shapes`` (the fewest disagreeing)
+    (the source's names and shapes, read through mlx-lm's ``sanitize`` as its loader reads them):
+    a bias or a norm present or not, a width. A switch the weights do not decide (an order of norms)
+    is off, as a config that does not name it means; the twins' verification judges that. A field
+    none of this fills is left unset, and building the model refuses naming it.
+
+    Args:
+        config: mlx-lm's config for the model.
+        shapes: {tensor name: shape} of the source's weights (the checkpoint, or the source twin).
+    Returns:
+        The config, completed (a new dictionary; ``config`` is not changed).
+    """
+    import dataclasses
+    import itertools
+
+    out = dict(config)
+    try:
+        _, args_class = _classes(out)
+        fields = [f for f in dataclasses.fields(args_class) if _required(f)]
+    except (ConversionError, TypeError):
+        return out
+    names = set(_unset(out, args_class))
+    unset = [f for f in fields if f.name in names]
+    guess = []
+    for f in unset:
+        other = next((k for k in SYNONYMS.get(f.name, ()) if out.get(k) is not None), None)
+        if other is not None:
+            out[f.name] = out[other]
+        elif _kind(f) in ("bool", "int"):
+            guess.append(f)
+    if not guess or not shapes:
+        return out
+    dims = sorted({d for s in shapes.values() for d in s})
+    options = [[False, True] if _kind(f) == "bool" else dims for f in guess]
+    tries = list(itertools.islice(itertools.product(*options), MAX_TRIES + 1))
+    if len(tries) > MAX_TRIES:
+        return out
+    scores = {}
+    for values in tries:
+        score = _fit({**out, **{f.name: v for f, v in zip(guess, values)}}, shapes)
+        if score is not None:
+            scores[values] = score
+    if not scores:
+        return out
+    best = min(scores.values())  # a tied head one side lists and the other does not: not zero, still the fewest
+    scored = [values for values, score in scores.items() if score == best]
+    if len(scored) > 1:  # the weights leave some fields open: only switches, which the source names by leaving them off
+        open_ = {i for i in range(len(guess)) if len({values[i] for values in scored}) > 1}
+        if all(_kind(guess[i]) == "bool" for i in open_):
+            scored = [values for values in scored if not any(values[i] for i in open_)]
+    if len(scored) == 1:
+        out.update({f.name: v for f, v in zip(guess, scored[0])})
+    return out
 
 
 def port_shrink(fmt: str, common: dict) -> dict:
@@ -208,8 +345,23 @@ def _build(config: dict):
     try:
         return model_class(args_class.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config: "
+        unset = _unset(config, args_class)
+        why = (f" ({', '.join(unset)}: required by its ModelArgs, set neither by the source's config nor, under "
+               "another name, by its weights)") if unset else ""
+        raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config{why}: "
                               f"{type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _unset(config: dict, args_class) -> list[str]:
+    """The fields ``args_class`` requires that ``config`` leaves unset (absent, or None where not optional)."""
+    import dataclasses
+
+    try:
+        fields = dataclasses.fields(args_class)
+    except TypeError:
+        return []
+    return [f.name for f in fields if _required(f) and config.get(f.name) is None
+            and not (f.name in config and ("Optional" in str(f.type) or "None" in str(f.type)))]
 
 
 def port_twin(fmt: str, config: dict, seed: int = 0):
@@ -223,14 +375,46 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
     new = []
     for name, p in tree_flatten(model.parameters()):
         shape = tuple(p.shape)
-        if len(shape) == 1:
+        if len(shape) <= 1:  # vectors and scalars (a learned activation's)
             value = 1.0 + 0.2 * rng.standard_normal(shape)
         else:
             value = rng.standard_normal(shape) / shape[-1] ** 0.5
         new.append((name, mx.array(value.astype(np.float32))))
     model.update(tree_unflatten(new))
     mx.eval(model.parameters())
+    _runs_here(model, config)
     return model
+
+
+def _runs_here(model, config: dict) -> None:
+    """ConversionError naming the layers when ``model`` runs a kernel this machine's MLX has no
+    back-end for (``mx.fast.metal_kernel`` without Metal): the twins could never be compared here.
+    Any other failure is left to the comparison, which reports it with its inputs."""
+    import inspect
+    import sys
+
+    import mlx.core as mx
+
+    try:
+        mx.eval(model(mx.array(np.zeros((1, 2), np.int32))))
+    except RuntimeError as exc:
+        if "metal" not in str(exc).lower():
+            return
+        layers = []
+        for path, m in model.named_modules():
+            try:
+                source = inspect.getsource(sys.modules[type(m).__module__])
+            except (KeyError, OSError, TypeError):
+                continue
+            if "metal_kernel" in source and not list(m.children()):
+                layers.append(f"{path} ({type(m).__name__})")
+        raise ConversionError(f"mlx-lm's {config.get('model_type')!r} model runs a kernel written for Metal only, "
+                              f"which this machine's MLX cannot run ({str(exc).strip()[:120]}), in "
+                              f"{', '.join(layers[:3]) or 'its layers'}{' and more' if len(layers) > 3 else ''}: the "
+                              "port's twins cannot be run here; port on a machine whose MLX has Metal (Apple silicon)"
+                              ) from None
+    except Exception:  # noqa: BLE001 - judged where the twins are compared
+        return
 
 
 def port_save(fmt: str, model, path: str) -> None:
@@ -278,6 +462,9 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
 def port_describe(fmt: str, config: dict) -> dict:
     """``{"architecture", "vocab_size", "max_positions"}`` of an mlx-lm config (Hugging Face names);
     None where it does not say."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
+        return {**port_describe(fmt, text), "architecture": config.get("architectures") or [config.get("model_type")]}
     vocab = config.get("vocab_size")
     limits = [config[k] for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(config.get(k), int)]
     arch = config.get("architectures") or [config.get("model_type")]

@@ -340,6 +340,7 @@ def port_common_config(fmt: str, config: dict) -> dict:
         full = cfg.to_dict()
     except Exception:  # noqa: BLE001 - refused later, by name, where it is built
         return dict(config)
+    full = _plain_floats(full)
     full.pop("transformers_version", None)
     for alias, name in (getattr(type(cfg), "attribute_map", None) or {}).items():  # other libraries' names
         if alias not in full and name in full:
@@ -347,7 +348,19 @@ def port_common_config(fmt: str, config: dict) -> dict:
     heads, hidden = full.get("num_attention_heads"), full.get("hidden_size")
     if full.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads:
         full["head_dim"] = hidden // heads  # what transformers' attention computes with when it is unset
-    return {**full, **config}
+    return _plain_floats({**full, **config})
+
+
+def _plain_floats(obj):
+    """``obj`` with transformers' JSON stand-ins for infinities and NaN (``{"__float__": "Infinity"}``,
+    which its ``to_dict`` writes and its config classes do not read back) as the floats they stand for."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].lower().replace("infinity", "inf"))
+        return {k: _plain_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain_floats(v) for v in obj]
+    return obj
 
 
 def _config_class(config: dict):
@@ -363,7 +376,7 @@ def _config_class(config: dict):
 
 def _config(config: dict):
     cls = _config_class(config)
-    rest = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    rest = {k: v for k, v in _plain_floats(config).items() if k not in ("model_type", "transformers_version")}
     return cls(**rest)
 
 
@@ -371,7 +384,7 @@ def port_own_config(fmt: str, common: dict) -> dict:
     """The config.json transformers writes for ``common`` (its own standardisation: rope settings
     under ``rope_parameters``), the dictionary ``save_pretrained`` would write."""
     cfg = _config(common)
-    out = cfg.to_diff_dict()
+    out = _plain_floats(cfg.to_diff_dict())
     out.pop("transformers_version", None)
     return out
 
@@ -392,6 +405,29 @@ def _keep_each(values: list, n: int) -> list:
     for i, r in enumerate(missing[:n]):
         out[n - len(missing[:n]) + i] = by_repr[r]
     return out
+
+
+def _index_lists(common: dict, out: dict, total) -> dict[str, list[int]]:
+    """Lists of layer indices in ``common`` (increasing integers below the layer count ``total``: the
+    full-attention layers), for the shrunk config ``out``: the indices of the same layer types in its
+    ``layer_types`` where the list names exactly the layers of some types, else those still in range."""
+    if not isinstance(total, int):
+        return {}
+    types, small_types = common.get("layer_types"), out.get("layer_types")
+    n = next((v for k, v in out.items() if k in ("num_hidden_layers", "n_layer", "num_layers") and isinstance(v, int)),
+             total)
+    found = {}
+    for k, v in common.items():
+        if not (isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+                and v == sorted(set(v)) and v[-1] < total):
+            continue
+        if isinstance(types, list) and len(types) == total and isinstance(small_types, list):
+            kinds = {repr(types[i]) for i in v}
+            if v == [i for i, t in enumerate(types) if repr(t) in kinds]:
+                found[k] = [i for i, t in enumerate(small_types) if repr(t) in kinds]
+                continue
+        found[k] = [i for i in v if i < n]
+    return found
 
 
 def port_shrink(fmt: str, common: dict) -> dict:
@@ -424,13 +460,24 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out["head_dim"] = TWIN_HEAD_DIM
         if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
             small_hidden = 2 * heads * TWIN_HEAD_DIM
+    per_head = head_dim if isinstance(head_dim, int) else hidden // heads if heads and hidden % heads == 0 else None
+    if per_head:
+        for k, v in list(out.items()):  # the other per-head widths (latent attention's parts, the rotated part)
+            if (k.endswith("_head_dim") or k == "rotary_dim") and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                out[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / per_head / 2))  # in proportion: sums stay sums
+    for k, v in list(out.items()):  # low-rank latent widths
+        if k.endswith("_lora_rank") and isinstance(v, int) and not isinstance(v, bool) and v > 4 * TWIN_HEAD_DIM:
+            out[k] = 4 * TWIN_HEAD_DIM
     out[key("hidden_size")] = small_hidden
     if isinstance(out.get("expand"), (int, float)) and not isinstance(get("num_attention_heads"), int):
         out["intermediate_size"] = int(out["expand"] * small_hidden)  # the inner width expand gives
+    def inner(width):  # an exact multiple of the width stays one (a library may compute it as such), else apart
+        return width // hidden * small_hidden if width % hidden == 0 and width > hidden else 2 * small_hidden + 16
+
     if isinstance(get("intermediate_size"), int) and not isinstance(out.get("expand"), (int, float)):
-        out[key("intermediate_size")] = 2 * small_hidden + 16
+        out[key("intermediate_size")] = inner(get("intermediate_size"))
     if isinstance(out.get("n_inner"), int):
-        out["n_inner"] = 2 * small_hidden + 16
+        out["n_inner"] = inner(out["n_inner"])
     if isinstance(out.get("moe_intermediate_size"), int):
         out["moe_intermediate_size"] = small_hidden + 16
     layers = TWIN_LAYERS
@@ -443,8 +490,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
             layers = max(layers, out[pattern_key])
     total = get("num_hidden_layers", layers)
     out[key("num_hidden_layers")] = min(layers, total)
+    indices = _index_lists(common, out, total)
     for k, v in list(out.items()):  # other per-layer lists (mlp_layer_types): each kind kept, one layer each
-        if k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
+        if k in indices:
+            out[k] = indices[k]
+        elif k != "layer_types" and isinstance(v, list) and isinstance(total, int) and len(v) == total > layers:
             out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
@@ -481,7 +531,7 @@ def _randomize(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
-            if p.ndim == 1:
+            if p.ndim <= 1:  # vectors and scalars (a learned activation's)
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)

@@ -401,6 +401,10 @@ class Execution:
             pieces = np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
         for (d, nd), piece, path in zip(dsts, pieces, am.dst):
             piece = np.ascontiguousarray(piece)
+            want = d.shapes[nd]
+            if am.axis is None and piece.shape != want and piece.size == int(np.prod(want)) \
+                    and tuple(x for x in piece.shape if x != 1) == tuple(x for x in want if x != 1):
+                piece = piece.reshape(want)  # axes of length one only: a scalar stored (1,) on one side, () on the other
             problem = self._check_native(am.src[0], piece, d, nd)
             if problem:
                 self.problems.append(f"{names}: {problem}")

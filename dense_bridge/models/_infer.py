@@ -459,10 +459,16 @@ def _pair_unseen(run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> None:
         mine.unseen = []
 
 
+def _squeezed(shape) -> tuple:
+    """``shape`` without its axes of length one: a scalar stored as (1,) by one library and () by another."""
+    return tuple(d for d in shape if d != 1)
+
+
 def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[str], list[str]]:
     """Parameters of layers that are neither linear, norm, table nor expert stack (a depthwise
     convolution, ``A_log``, ``D``, ``dt_bias``), in execution order: each into the first one left
-    on the other side with the same name and shape, or the same name and its last two axes
+    on the other side with the same name and shape (up to axes of length one: a learned scalar
+    stored (1,) on one side, () on the other), or the same name and its last two axes
     exchanged (a convolution stored (channels, 1, width) on one side, (channels, width, 1) on the
     other). The transfer's verification judges the result like every other pair."""
     pa, pb = _stack_params(a), _stack_params(b)
@@ -474,7 +480,7 @@ def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[li
         for j, (q, qs) in enumerate(pb):
             if j in taken or _last(q) != name:
                 continue
-            if tuple(qs) == tuple(shape):
+            if tuple(qs) == tuple(shape) or _squeezed(qs) == _squeezed(shape):  # (1,) on one side, () on the other
                 hit = (j, False)
                 break
             if len(qs) >= 2 and _swapped(shape, True) == tuple(qs):

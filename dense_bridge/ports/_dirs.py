@@ -36,6 +36,9 @@ Optional verbs, for a destination whose files are not safetensors beside one JSO
   layout written in its own format (the destination is still a directory) (``tensors``: destination name -> ``PendingTensor``, each made by its
   ``produce()`` when written; ``config``: as ``port_own_config`` gave it; ``on_tensor(name,
   nbytes)`` after each); without it the weights are written as safetensors;
+- ``port_complete_config(fmt, config, shapes) -> config``: its own config with the fields its library
+  requires and the source's config leaves unset filled from the source's weights (``shapes``: name ->
+  shape), applied to the destination's config and its twin's;
 - ``port_write_config(fmt, directory, config, src) -> [names]``: its non-weight files (several
   configs, metadata) written into ``directory`` for ``config``, ``src`` the source directory
   (whose files it may translate, or refuse naming them); without it ``config`` is written as
@@ -112,6 +115,14 @@ def optional(fmt: "Format", verb: str):
     """``fmt``'s optional verb ``verb`` bound to its name, or None where its adapter offers none."""
     fn = getattr(port_adapter(fmt.backend), verb, None)
     return (lambda *args, **kw: fn(fmt.name, *args, **kw)) if callable(fn) else None
+
+
+def complete(fmt: "Format", config: dict, shapes: dict) -> dict:
+    """``config`` (``fmt``'s own) with what its library requires and the config leaves unset filled
+    from the source's weights ``shapes`` ({name: shape}) by ``port_complete_config``; as it is
+    where the format offers none."""
+    fn = optional(fmt, "port_complete_config")
+    return config if fn is None else fn(config, shapes)
 
 
 def writer(fmt: "Format", config: dict):

@@ -181,7 +181,8 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
-    src_cfg, dst_cfg = src_fmt.port_own_config(small), dst_fmt.port_own_config(small)
+    src_cfg = src_fmt.port_own_config(small)
+    dst_cfg = _dirs.complete(dst_fmt, dst_fmt.port_own_config(small), src_fmt.port_shapes(src_cfg))
     a = place_for_run(src_fmt.port_twin(src_cfg, seed=0), device)  # None: the GPU when present
     b = place_for_run(dst_fmt.port_twin(dst_cfg, seed=1), device)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
@@ -392,7 +393,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     from ..testing import compare_models
 
     common = src_fmt.port_common_config(contents["config"])
-    dst_config = dst_fmt.port_own_config(common)
+    dst_config = _dirs.complete(dst_fmt, dst_fmt.port_own_config(common), real_src)
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
     report, recipes, stored, twin_params, discrepancies, verification = _twins(

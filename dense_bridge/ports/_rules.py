@@ -56,12 +56,13 @@ def undo_view(made: np.ndarray, view: str, shape: tuple[int, ...]) -> np.ndarray
 def split_view(key: str) -> tuple[str, str | None]:
     """``"w|021-1"`` -> ``("w", "021-1")``; ``"w"`` -> ``("w", None)``."""
     name, sep, view = key.rpartition(VIEW)
-    return (name, view) if sep and re.fullmatch(r"\d+-\d+", view) else (key, None)
+    return (name, view) if sep and re.fullmatch(r"\d*-\d+", view) else (key, None)
 
 
 def _views(a: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """The views of ``a`` tried when it matches nothing as it is: of a tensor of three axes or
-    more, a matrix for every order of its axes and split; of a matrix, the flat vector."""
+    more, a matrix for every order of its axes and split; of a matrix, the flat vector; of a scalar,
+    a vector of one (``"-0"``: a learned scalar one library stores as (), another as (1,))."""
     import itertools
 
     if a.ndim >= 3:
@@ -71,6 +72,8 @@ def _views(a: np.ndarray) -> list[tuple[str, np.ndarray]]:
                 view = "".join(map(str, perm)) + f"-{k}"
                 out.append((view, apply_view(a, view)))
         return out
+    if a.ndim == 0:
+        return [("-0", a.reshape(1))]
     return [("01-0", a.reshape(-1))] if a.ndim == 2 else []
 
 
@@ -243,9 +246,12 @@ def _picked(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index)
 
 
 def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> tuple[int | None, list]:
-    for s_name, s in src.items():  # the whole tensor, or its transpose: the usual case, checked first
-        if s.shape == d.shape and s.reshape(-1)[:1].tobytes() == d.reshape(-1)[:1].tobytes() and np.array_equal(s, d):
-            return None, [(s_name, False, 0, d.shape[0] if d.ndim else 1, True)]
+    same = [s_name for s_name, s in src.items()  # the whole tensor, or its transpose: the usual case, checked first
+            if s.shape == d.shape and s.reshape(-1)[:1].tobytes() == d.reshape(-1)[:1].tobytes() and np.array_equal(s, d)]
+    if same:  # a constant every layer holds alike (a buffer): the one at the destination's own indices
+        mine = template(name)[1]
+        s_name = next((n for n in same if template(n)[1] == mine[:len(template(n)[1])] and template(n)[1]), same[0])
+        return None, [(s_name, False, 0, d.shape[0] if d.ndim else 1, True)]
     for s_name, s in src.items():
         if s.ndim >= 2 and _oriented(s, True).shape == d.shape and s.reshape(-1)[0] == d.reshape(-1)[0] \
                 and np.array_equal(_oriented(s, True), d):
