@@ -459,8 +459,15 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(out.astype(mx.float32))
 
 
+def _window(config: dict) -> int | None:
+    """The sliding-window length of attention the config sets (the shortest, where several), or None."""
+    found = [v for k, v in config.items() if k == "sliding_window" or k.endswith("_sliding_window")]
+    found = [v for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(found) if found else None
+
+
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions"}`` of an mlx-lm config (Hugging Face names);
+    """``{"architecture", "vocab_size", "max_positions", "window"}`` of an mlx-lm config (Hugging Face names);
     None where it does not say."""
     text = config.get("text_config")
     if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
@@ -469,4 +476,5 @@ def port_describe(fmt: str, config: dict) -> dict:
     limits = [config[k] for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(config.get(k), int)]
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
-            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None}
+            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
+            "window": _window(config)}

@@ -638,8 +638,15 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
     return out.float().cpu().numpy()  # one copy to the host
 
 
+def _window(config: dict) -> int | None:
+    """The sliding-window length of attention the config sets (the shortest, where several), or None."""
+    found = [v for k, v in config.items() if k == "sliding_window" or k.endswith("_sliding_window")]
+    found = [v for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(found) if found else None
+
+
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions"}`` of a transformers config (names through the
+    """``{"architecture", "vocab_size", "max_positions", "window"}`` of a transformers config (names through the
     config class's ``attribute_map``: GPT-2's ``n_positions``); None where it does not say."""
     amap = dict(getattr(_config_class(config), "attribute_map", {}) or {})
     vocab = config.get(amap.get("vocab_size", "vocab_size"))
@@ -647,4 +654,5 @@ def port_describe(fmt: str, config: dict) -> dict:
               if isinstance(config.get(k), int)]
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
-            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None}
+            "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
+            "window": _window(config)}

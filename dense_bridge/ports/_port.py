@@ -203,11 +203,23 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
             where = _library_difference(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models)
         except DenseBridgeError:
             where = None
-        if where is None:
+        inside = None if where is not None else _within_window(a, b, ids, report.rules, src_fmt, dst_fmt, src_cfg,
+                                                                   dst_cfg, compare_models)
+        if where is None and inside is None:
             raise PortMismatch(f"the twins disagree, so the mapping is wrong or a setting was lost (nothing was "
                                f"written): {compared.verdict()}") from None
-        discrepancies.append(f"twins: {where}")
-        verification["isolated"] = True
+        if inside is not None:  # the two libraries differ only beyond the sliding window: measured within it
+            ids, compared, window = inside
+            verification["positions"] = window
+            real = (src_fmt.port_describe(common) or {}).get("window")
+            discrepancies.append(
+                f"twins: the two libraries agree on sequences up to the sliding window of attention ({window} "
+                f"positions in the twins) and differ beyond it: one of them does not apply the window as the other "
+                f"does, so the ported model computes like the source only for sequences of at most "
+                f"{real if real else 'the window'} tokens")
+        else:
+            discrepancies.append(f"twins: {where}")
+            verification["isolated"] = True
     verification.update(_measure(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models, compared))
     with tempfile.TemporaryDirectory(prefix="dense-bridge-twins-") as tmp:
         sa, sb = os.path.join(tmp, "src"), os.path.join(tmp, "dst")
@@ -223,6 +235,24 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
 #: A difference between the libraries is ported (and named) only when the next-token distributions
 #: still agree this closely; a setting lost in translation (a rope base) moves them far more.
 _KL_LIMIT, _TOP1_LIMIT = 1e-3, 0.98
+
+
+def _within_window(a, b, ids, rules, src_fmt, dst_fmt, src_cfg, dst_cfg, compare_models):
+    """Whether twins that disagree on ``ids`` agree on sequences no longer than the sliding window of
+    attention either config sets (a library that ignores the window computes the same function up to
+    it). Returns (the shortened ids (1, window), their comparison, window) when they do, else None."""
+    windows = [w for w in ((src_fmt.port_describe(src_cfg) or {}).get("window"),
+                           (dst_fmt.port_describe(dst_cfg) or {}).get("window")) if isinstance(w, int)]
+    window = min(windows) if windows else None
+    if window is None or window < 2 or window >= ids.shape[-1]:
+        return None
+    short = np.ascontiguousarray(ids[..., :window])
+    try:
+        compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, short, a, b), mapping=rules, grads=False,
+                                  judge="carried")
+    except DenseBridgeError:
+        return None
+    return (short, compared, window) if compared.passed else None
 
 
 def _measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report=None) -> dict:
