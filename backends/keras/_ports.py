@@ -594,8 +594,39 @@ def _jsonable(v):
 
 
 def port_shrink(fmt: str, common: dict) -> dict:
-    """Not offered here: the interchange config is shrunk by transformers' own config classes."""
-    raise ConversionError("keras-hub does not shrink interchange configs: install transformers")
+    """The twin's interchange config: shrunk by the interchange form's own library (transformers'
+    config classes, through its format's ``port_shrink``), then with every flag keras-hub's importer
+    derives by comparing two numbers kept as the real config has it (:func:`_keep_flags`)."""
+    from dense_bridge.ports._dirs import Format
+
+    return _keep_flags(common, Format("transformers").port_shrink(common))
+
+
+def _keep_flags(common: dict, small: dict) -> dict:
+    """``small`` (the shrunk ``common``) where two numbers equal in ``common`` and only one of them
+    shrunk are made equal again when keras-hub's importer turns their comparison into a flag (Gemma 2
+    normalizes queries by head_dim exactly when ``query_pre_attn_scalar == head_dim``): the twins then
+    have the real model's flags. ``small`` unchanged where the importer does not read the config."""
+    try:
+        conv = _converter(common.get("model_type"))
+        before = _import_config(conv, small)
+    except Exception:  # noqa: BLE001 - no importer for it: nothing of keras-hub's to keep
+        return small
+    out = dict(small)
+    ints = {k: v for k, v in common.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    for a, va in ints.items():
+        if not isinstance(out.get(a), int) or out[a] == va:
+            continue  # not changed by the shrink
+        for b in [b for b, vb in ints.items() if b != a and vb == va and out.get(b) == vb]:
+            try:
+                after = _import_config(conv, {**out, b: out[a]})
+            except Exception:  # noqa: BLE001 - a value the importer cannot compute with says nothing
+                continue
+            changed = [k for k in after if after[k] != before.get(k)]
+            if changed and all(isinstance(after[k], bool) for k in changed):
+                out[b] = out[a]
+                before = after
+    return out
 
 
 # ------------------------------------------------------------------------------ models
