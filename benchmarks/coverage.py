@@ -27,9 +27,8 @@ disagreeing weight, or an exception that is not the port's own) / ``discrepancy`
 agree, the libraries compute differently, as the port reports) / ``no-reference`` (a library
 cannot make the tiny model or the reference: the library's own message).
 
-keras-hub rows: :data:`EXTRA_FORMATS` — when ``dense_bridge.ports.formats()`` lists ``"keras-hub"``
-the harness also runs ``transformers -> keras-hub`` and back for every model_type (hook; the
-judging against ``keras_hub``'s own converter is the keras-hub helper's part).
+keras-hub rows: benchmarks/_coverage_keras.py (every text architecture keras-hub's importer accepts,
+judged against keras-hub's own import), run after these rows; ``--keras-only`` runs only them.
 
 Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--out PATH]
 Writes benchmarks/results/coverage.md (and coverage.json beside it).
@@ -66,8 +65,6 @@ OVERRIDES: dict[str, dict] = {
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
 }
-#: Formats beyond mlx-lm that get rows when an installed adapter declares them (the keras-hub hook).
-EXTRA_FORMATS = ("keras-hub",)
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
@@ -391,15 +388,6 @@ def run_row(mt: str) -> list[dict]:
         rows.append({"model_type": mt, "direction": "mlx-lm->transformers", "notes": notes,
                      "seconds": round(time.perf_counter() - t0, 1), **row})
 
-        import dense_bridge.ports as ports
-        for fmt in EXTRA_FORMATS:  # the keras-hub hook: rows only where an installed adapter writes it
-            if fmt not in ports.formats():
-                continue
-            t0 = time.perf_counter()
-            cls, detail = _judge_port(t, os.path.join(tmp, fmt), fmt, os.path.join(tmp, fmt + "-back"),
-                                      "transformers", None, _files(t), None, "round trip vs the source")
-            rows.append({"model_type": mt, "direction": f"transformers->{fmt}", "notes": notes,
-                         "seconds": round(time.perf_counter() - t0, 1), "class": cls, "detail": detail})
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -471,17 +459,17 @@ def write_md(rows: list[dict], pairs: list[tuple[str, str]], path: str, wall: fl
               "libraries' own code computes differently (the port names where); **refused** the port raised, "
               "its reason shown; **fails** the first disagreeing weight, or an error that is not the port's; "
               "**no-reference** a library cannot build the tiny model or read the source itself.", "",
-              "keras-hub rows: the harness runs `to=\"keras-hub\"` rows when an installed adapter declares that "
-              "format (not yet in this table).", "",
               "## Rows", "", "| model_type | mlx-lm module | direction | class | s | detail |", "|---|---|---|---|---|---|"]
     mod = dict(pairs)
-    for r in rows:
+    import _coverage_keras as ck  # the keras-hub rows: their own section
+    for r in [r for r in rows if not ck.is_keras(r)]:
         detail = str(r.get("detail") or "").replace("|", "\\|").replace("\n", " ")
         notes = "; ".join(r.get("notes") or [])
         if notes:
             detail = f"[{notes}] {detail}"
         lines.append(f"| {r['model_type']} | {mod.get(r['model_type'], '')} | {r['direction']} | {r['class']} | "
                      f"{r.get('seconds', '')} | {detail[:600]} |")
+    lines += ck.section([r for r in rows if ck.is_keras(r)], CLASSES)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -492,6 +480,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "coverage.md"))
     ap.add_argument("--before", default=None, help="a coverage.json whose counts are shown as 'before'")
+    ap.add_argument("--keras-only", action="store_true", help="only the keras-hub rows (_coverage_keras.py)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.row:
@@ -510,8 +499,9 @@ def main(argv=None) -> int:
     if args.before:
         with open(args.before) as f:
             before = json.load(f)["counts"]
-    command = "python benchmarks/coverage.py" + (f" --only {args.only}" if args.only else "")
-    for i, (mt, _) in enumerate(pairs):
+    command = "python benchmarks/coverage.py" + (f" --only {args.only}" if args.only else "") \
+        + (" --keras-only" if args.keras_only else "")
+    for i, (mt, _) in enumerate([] if args.keras_only else pairs):
         got = _child(mt, args.timeout)
         rows += got
         print(f"[{i + 1}/{len(pairs)}] {mt}: " + ", ".join(f"{r['direction']} {r['class']}" for r in got), flush=True)
@@ -519,6 +509,15 @@ def main(argv=None) -> int:
         write_md(rows, pairs[:i + 1], args.out, wall, command, before)
         with open(json_path, "w") as f:
             json.dump({"versions": versions(), "wall_s": wall, "counts": counts(rows), "rows": rows}, f, indent=1)
+    import _coverage_keras as ck  # the keras-hub rows, written as they come
+
+    def keras_rows(got, done=len(rows)):
+        rows[done:] = got
+        write_md(rows, [] if args.keras_only else pairs, args.out, time.perf_counter() - t0, command, before)
+        with open(json_path, "w") as f:
+            json.dump({"versions": versions(), "wall_s": time.perf_counter() - t0, "counts": counts(rows),
+                       "rows": rows}, f, indent=1)
+    ck.rows(args.timeout, args.only.split(",") if args.only else None, keras_rows)
     return 0
 
 

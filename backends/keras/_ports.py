@@ -341,18 +341,36 @@ def _backbone_class(config: dict):
     return cls
 
 
-def _converter_for_backbone(cls) -> tuple[str, object]:
-    """(model_type, converter) of the importer whose backbone class is ``cls``."""
+def _converters_for_backbone(cls) -> list[tuple[str, object]]:
+    """(model_type, converter) of every importer whose backbone class is ``cls`` (several model
+    types can share one backbone class: Gemma and Gemma 2), those whose transformers config is a
+    text model's first (a multimodal config's importer also makes the text backbone), then in the
+    importer's own order."""
+    import transformers
+
     registry = _registry()
+    found = []
     for model_type in registry:
         try:
             conv = _converter(model_type)
         except ImportError:
             continue
         if getattr(conv, "backbone_cls", None) is cls:
-            return model_type, conv
-    raise ConversionError(f"keras-hub's transformers importer makes no {cls.__name__}: only presets of the "
-                          f"backbones it imports can be ported (model types {', '.join(sorted(registry))})")
+            found.append((model_type, conv))
+    if not found:
+        raise ConversionError(f"keras-hub's transformers importer makes no {cls.__name__}: only presets of the "
+                              f"backbones it imports can be ported (model types {', '.join(sorted(registry))})")
+
+    def multimodal(model_type):
+        cfg_cls = transformers.CONFIG_MAPPING.get(model_type)
+        return cfg_cls is not None and "text_config" in getattr(cfg_cls, "sub_configs", {})
+
+    return sorted(found, key=lambda f: multimodal(f[0]))
+
+
+def _converter_for_backbone(cls) -> tuple[str, object]:
+    """(model_type, converter) of the first importer whose backbone class is ``cls``."""
+    return _converters_for_backbone(cls)[0]
 
 
 def _hf_defaults(model_type: str) -> dict:
@@ -420,11 +438,32 @@ def _set(d: dict, path: tuple, value) -> dict:
 def port_common_config(fmt: str, config: dict) -> dict:
     """The transformers config whose import by keras-hub's own importer gives the preset's backbone
     config: learnt by changing each number of transformers' default config alone and seeing which
-    keras-hub key follows it, then checked by importing the result. ConversionError naming every
-    key the importer does not give back."""
+    keras-hub key follows it, then checked by importing the result. Where several model types'
+    importers make the preset's backbone class (Gemma and Gemma 2 both make a GemmaBackbone), the
+    first that gives the preset's config back. ConversionError naming every key the importer does
+    not give back (for the model type that gets closest)."""
+    cls = _backbone_class(config["backbone"])
+    errors = []
+    for model_type, conv in _converters_for_backbone(cls):
+        try:
+            return _common_config(config, cls, model_type, conv)
+        except _NotGivenBack as exc:
+            errors.append((exc.count, str(exc)))
+        except (ConversionError, KeyError, TypeError, ValueError) as exc:  # this importer cannot read its own
+            errors.append((math.inf, f"{model_type!r}: {type(exc).__name__}: {exc}"))  # default config
+    raise ConversionError(min(errors, key=lambda e: e[0])[1])
+
+
+class _NotGivenBack(ConversionError):
+    def __init__(self, message: str, count: int) -> None:
+        super().__init__(message)
+        self.count = count
+
+
+def _common_config(config: dict, cls, model_type: str, conv) -> dict:
+    """:func:`port_common_config` for one candidate model type; _NotGivenBack when its importer
+    does not give the preset's config back."""
     backbone = config["backbone"]
-    cls = _backbone_class(backbone)
-    model_type, conv = _converter_for_backbone(cls)
     base = _hf_defaults(model_type)
     k0 = _import_config(conv, base)
     follows: dict[str, tuple] = {}  # keras-hub key -> (transformers key path, factor)
@@ -473,15 +512,37 @@ def port_common_config(fmt: str, config: dict) -> dict:
         arch = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if arch:
         kwargs["architectures"] = [arch]
-    hf = _hf_config(model_type, kwargs)  # what follows from these (a head width) recomputed by transformers
-    again = {**_defaults(cls), **_import_config(conv, hf)}
-    wrong = sorted(k for k in preset if k in again and _differs(again[k], preset[k]))
-    wrong += sorted(k for k in preset if k not in again)
+    def given_back(kw):
+        hf = _hf_config(model_type, kw)  # what follows from these (a head width) recomputed by transformers
+        again = {**_defaults(cls), **_import_config(conv, hf)}
+        wrong = sorted(k for k in preset if k in again and _differs(again[k], preset[k]))
+        return hf, again, wrong + sorted(k for k in preset if k not in again)
+
+    hf, again, wrong = given_back(kwargs)
+    # a keras-hub value the importer computes by comparing two transformers numbers (Gemma's query
+    # scale flag: head_dim == query_pre_attn_scalar) follows no number alone: two numbers equal in
+    # transformers' default config are kept equal where that gives more of the preset back
+    while wrong:
+        better = None
+        for p, pv in [(k, v) for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]:
+            for q, qv in base.items():
+                if q in kwargs or isinstance(qv, bool) or not isinstance(qv, (int, float)) or qv != base.get(p):
+                    continue
+                try:
+                    got = given_back({**kwargs, q: pv})
+                except Exception:  # noqa: BLE001 - a value the importer cannot compute with says nothing
+                    continue
+                if len(got[2]) < len(better[2] if better else wrong):
+                    better = (*got, q, pv)
+        if better is None:
+            break
+        hf, again, wrong, q, pv = better
+        kwargs[q] = pv
     if wrong:
-        raise ConversionError(f"the keras-hub preset's {cls.__name__} config cannot be written as a transformers "
+        raise _NotGivenBack(f"the keras-hub preset's {cls.__name__} config cannot be written as a transformers "
                               f"{model_type!r} config that keras-hub's importer gives back: "
                               + ", ".join(f"{k}={preset[k]!r} (imported back as {again.get(k, 'nothing')!r})"
-                                          for k in wrong))
+                                          for k in wrong), len(wrong))
     return hf
 
 
@@ -533,8 +594,39 @@ def _jsonable(v):
 
 
 def port_shrink(fmt: str, common: dict) -> dict:
-    """Not offered here: the interchange config is shrunk by transformers' own config classes."""
-    raise ConversionError("keras-hub does not shrink interchange configs: install transformers")
+    """The twin's interchange config: shrunk by the interchange form's own library (transformers'
+    config classes, through its format's ``port_shrink``), then with every flag keras-hub's importer
+    derives by comparing two numbers kept as the real config has it (:func:`_keep_flags`)."""
+    from dense_bridge.ports._dirs import Format
+
+    return _keep_flags(common, Format("transformers").port_shrink(common))
+
+
+def _keep_flags(common: dict, small: dict) -> dict:
+    """``small`` (the shrunk ``common``) where two numbers equal in ``common`` and only one of them
+    shrunk are made equal again when keras-hub's importer turns their comparison into a flag (Gemma 2
+    normalizes queries by head_dim exactly when ``query_pre_attn_scalar == head_dim``): the twins then
+    have the real model's flags. ``small`` unchanged where the importer does not read the config."""
+    try:
+        conv = _converter(common.get("model_type"))
+        before = _import_config(conv, small)
+    except Exception:  # noqa: BLE001 - no importer for it: nothing of keras-hub's to keep
+        return small
+    out = dict(small)
+    ints = {k: v for k, v in common.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    for a, va in ints.items():
+        if not isinstance(out.get(a), int) or out[a] == va:
+            continue  # not changed by the shrink
+        for b in [b for b, vb in ints.items() if b != a and vb == va and out.get(b) == vb]:
+            try:
+                after = _import_config(conv, {**out, b: out[a]})
+            except Exception:  # noqa: BLE001 - a value the importer cannot compute with says nothing
+                continue
+            changed = [k for k in after if after[k] != before.get(k)]
+            if changed and all(isinstance(after[k], bool) for k in changed):
+                out[b] = out[a]
+                before = after
+    return out
 
 
 # ------------------------------------------------------------------------------ models

@@ -271,3 +271,70 @@ def test_a_sharded_keras_hub_preset_is_read_shard_by_shard(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert db.verify_port(tmp_path / "back").passed
+
+
+def test_a_backbone_class_two_model_types_share_goes_back_as_its_own_with_its_flags(tmp_path):
+    """keras-hub's Gemma and Gemma 2 importers both make a GemmaBackbone; Gemma 2's query scale flag
+    is head_dim == query_pre_attn_scalar in transformers' config (no number alone gives it): the way
+    back finds the model type whose importer gives the preset's config back, the two numbers kept
+    equal, and is bit-identical to the source."""
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    import torch
+
+    from _port_helpers import randomize
+
+    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    query_pre_attn_scalar=8, sliding_window=16, pad_token_id=0)
+    src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    randomize(src, seed=0)
+    with torch.no_grad():  # float16-representable (see the module docstring)
+        for p in src.parameters():
+            p.copy_(p.half().float())
+    src.save_pretrained(tmp_path / "src")
+    db.port(tmp_path / "src", tmp_path / "preset", to="keras-hub", verify="twins")
+    mine = keras_hub.models.Backbone.from_preset(str(tmp_path / "preset"))
+    theirs = keras_hub.models.Backbone.from_preset(str(tmp_path / "src"))
+    assert mine.get_config()["query_head_dim_normalize"] and mine.get_config()["use_post_ffw_norm"]
+    for (k, x), (_, y) in zip(_keras_weights(mine), _keras_weights(theirs)):
+        assert np.array_equal(x, y), k
+    db.port(tmp_path / "preset", tmp_path / "back", to="transformers", verify="twins")
+    back_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back_cfg["model_type"] == "gemma2" and back_cfg["query_pre_attn_scalar"] == back_cfg["head_dim"] == 8
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    a, b = src.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_keras_hub_preset_whose_flags_compare_two_numbers_keeps_them_in_its_twins(tmp_path):
+    """A Gemma 2 preset with head_dim == query_pre_attn_scalar wider than the twins' head width: the
+    twins' shrink keeps the two equal (else keras-hub's importer would give the keras-hub twin
+    another query scale and the twins would disagree), so the preset ports back to transformers."""
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    import torch
+
+    from _port_helpers import randomize
+
+    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                                    query_pre_attn_scalar=48, sliding_window=16, pad_token_id=0)
+    src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    randomize(src, seed=0)
+    with torch.no_grad():  # float16-representable (see the module docstring)
+        for p in src.parameters():
+            p.copy_(p.half().float())
+    src.save_pretrained(tmp_path / "src")
+    task = keras_hub.models.CausalLM.from_preset(str(tmp_path / "src"), preprocessor=None)  # keras-hub's import
+    assert task.backbone.get_config()["query_head_dim_normalize"]
+    task.save_to_preset(str(tmp_path / "preset"))
+    report = db.port(tmp_path / "preset", tmp_path / "back", to="transformers", verify="twins")
+    assert report.verification["passed"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.query_pre_attn_scalar == back.config.head_dim == 48
+    a, b = src.state_dict(), back.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
