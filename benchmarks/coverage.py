@@ -30,7 +30,7 @@ cannot make the tiny model or the reference: the library's own message).
 keras-hub rows: benchmarks/_coverage_keras.py (every text architecture keras-hub's importer accepts,
 judged against keras-hub's own import), run after these rows; ``--keras-only`` runs only them.
 
-Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--out PATH]
+Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--jobs 2] [--out PATH]
 Writes benchmarks/results/coverage.md (and coverage.json beside it).
 """
 from __future__ import annotations
@@ -481,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "coverage.md"))
     ap.add_argument("--before", default=None, help="a coverage.json whose counts are shown as 'before'")
     ap.add_argument("--keras-only", action="store_true", help="only the keras-hub rows (_coverage_keras.py)")
+    ap.add_argument("--jobs", type=int, default=1, help="rows run at once (each in its own process)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.row:
@@ -501,14 +502,19 @@ def main(argv=None) -> int:
             before = json.load(f)["counts"]
     command = "python benchmarks/coverage.py" + (f" --only {args.only}" if args.only else "") \
         + (" --keras-only" if args.keras_only else "")
-    for i, (mt, _) in enumerate([] if args.keras_only else pairs):
-        got = _child(mt, args.timeout)
-        rows += got
-        print(f"[{i + 1}/{len(pairs)}] {mt}: " + ", ".join(f"{r['direction']} {r['class']}" for r in got), flush=True)
-        wall = time.perf_counter() - t0
-        write_md(rows, pairs[:i + 1], args.out, wall, command, before)
-        with open(json_path, "w") as f:
-            json.dump({"versions": versions(), "wall_s": wall, "counts": counts(rows), "rows": rows}, f, indent=1)
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [] if args.keras_only else pairs
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads wait on child processes
+        # results are taken in table order, so the table reads the same whatever the number of jobs
+        for i, got in enumerate(pool.map(lambda pair: _child(pair[0], args.timeout), todo)):
+            rows += got
+            print(f"[{i + 1}/{len(pairs)}] {todo[i][0]}: " + ", ".join(f"{r['direction']} {r['class']}" for r in got),
+                  flush=True)
+            wall = time.perf_counter() - t0
+            write_md(rows, pairs[:i + 1], args.out, wall, command, before)
+            with open(json_path, "w") as f:
+                json.dump({"versions": versions(), "wall_s": wall, "counts": counts(rows), "rows": rows}, f, indent=1)
     import _coverage_keras as ck  # the keras-hub rows, written as they come
 
     def keras_rows(got, done=len(rows)):
