@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -84,17 +85,31 @@ def pre_tokenizer_name(tokenizer) -> str:
     return table[digest]
 
 
+def _looks_special(token: str) -> bool:
+    """Whether an added token that its tokenizer does not mark special is one in practice (chat and
+    reserved markers: ``<|...|>``, ``<unused...>``, ``<pad>``, ``<mask>``): llama.cpp's converter types
+    those as control tokens, and so do we, so the files agree."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
 def _spm(path: str, vocab_size: int) -> dict:
+    """The token list of a SentencePiece model ``path`` as llama.cpp reads it, ``vocab_size`` long:
+    the model's pieces, then the tokens added beside it (``added_tokens.json``, and
+    ``tokenizer_config.json``'s ``added_tokens_decoder``, both in the same directory) at their ids,
+    the rest ``[PAD<id>]`` (unused). Returns the ``tokenizer.ggml.*`` values."""
     import gguf
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor()
     sp.LoadFromFile(path)
     T = gguf.TokenType
-    tokens, scores, types = [], [], []
-    for i in range(sp.vocab_size()):
-        tokens.append(sp.IdToPiece(i))
-        scores.append(float(sp.GetScore(i)))
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [int(T.UNUSED)] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):  # pieces past the embedding's rows have no vector
+        tokens[i] = sp.IdToPiece(i)
+        scores[i] = float(sp.GetScore(i))
         kind = T.NORMAL
         if sp.IsUnknown(i):
             kind = T.UNKNOWN
@@ -104,13 +119,36 @@ def _spm(path: str, vocab_size: int) -> dict:
             kind = T.UNUSED
         elif sp.IsByte(i):
             kind = T.BYTE
-        types.append(int(kind))
-    for i in range(len(tokens), vocab_size):
-        tokens.append(f"[PAD{i}]")
-        scores.append(-1000.0)
-        types.append(int(T.UNUSED))
+        types[i] = int(kind)
+    directory = os.path.dirname(path)
+    added = _json(os.path.join(directory, "added_tokens.json"))
+    for text, i in (added.items() if isinstance(added, dict) else ()):
+        if isinstance(i, int) and 0 <= i < vocab_size and isinstance(text, str):
+            tokens[i], scores[i], types[i] = text, -1000.0, int(T.USER_DEFINED)
+    decoder = _json(os.path.join(directory, "tokenizer_config.json")).get("added_tokens_decoder") or {}
+    for key, data in (decoder.items() if isinstance(decoder, dict) else ()):
+        i, text = int(key) if str(key).isdigit() else -1, (data or {}).get("content") if isinstance(data, dict) else None
+        if not (0 <= i < vocab_size and isinstance(text, str)):
+            continue
+        if data.get("special") or _looks_special(text):
+            types[i] = int(T.CONTROL)
+        else:  # a user-defined token is matched on text whose spaces SentencePiece has not yet marked
+            text, types[i] = text.replace("\u2581", " "), int(T.USER_DEFINED)
+        tokens[i], scores[i] = text, -1000.0
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types}
+
+
+def _json(path: str) -> dict:
+    """The JSON object in ``path``, or {} where there is none (a tokenizer file is optional)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            out = json.load(f)
+        except ValueError as exc:
+            raise ConversionError(f"the tokenizer file {os.path.basename(path)!r} is not valid JSON: {exc}") from None
+    return out if isinstance(out, dict) else {}
 
 
 def _bpe(directory: str, vocab_size: int) -> dict:

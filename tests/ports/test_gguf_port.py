@@ -554,3 +554,40 @@ def test_a_gguf_sources_tokenizer_reaches_transformers_and_mlx_lm(models, qwen2_
 
         _, tok = load(str(tmp_path / "spm-mlx-lm"))
         assert tok.encode(SENTENCES[0]) == transformers.AutoTokenizer.from_pretrained(src).encode(SENTENCES[0])
+
+
+@needs_converter
+def test_tokens_added_beside_a_sentencepiece_model_are_written_as_the_converter_writes_them(tmp_path):
+    """Chat markers and user tokens added beside ``tokenizer.model`` (``added_tokens.json``,
+    ``added_tokens_decoder``) keep their ids and kinds; the embedding's rows past them are padding."""
+    from dense_bridge.backends.gguf._file import open_gguf
+    from dense_bridge.backends.torch._ports import _randomize
+
+    src = str(tmp_path / "llama-added")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB + 8, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize(model, 0)
+    model.save_pretrained(src)
+    _tokenizer(src)
+    with open(os.path.join(src, "tokenizer_config.json")) as f:
+        tc = json.load(f)
+    tc["added_tokens_decoder"] = {
+        str(VOCAB): {"content": "<|im_start|>", "special": True},
+        str(VOCAB + 1): {"content": "<|im_end|>", "special": False},  # looks special: a control token all the same
+        str(VOCAB + 2): {"content": "\u2581hello", "special": False},  # user-defined: written with a plain space
+    }
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump(tc, f)
+    with open(os.path.join(src, "added_tokens.json"), "w") as f:
+        json.dump({"<tool>": VOCAB + 3}, f)
+    ours = str(tmp_path / "ours.gguf")
+    db.port(src, ours, to="gguf", verify="twins")
+    theirs = convert(src, str(tmp_path / "theirs.gguf"), "f32")
+    with open_gguf(ours) as a, open_gguf(theirs) as b:
+        for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            assert a.metadata[k] == b.metadata[k], (k, a.metadata[k][VOCAB - 1:], b.metadata[k][VOCAB - 1:])
+        tokens, types = a.metadata["tokenizer.ggml.tokens"], a.metadata["tokenizer.ggml.token_type"]
+        assert tokens[VOCAB:VOCAB + 5] == ["<|im_start|>", "<|im_end|>", " hello", "<tool>", f"[PAD{VOCAB + 4}]"]
+        assert types[VOCAB:VOCAB + 5] == [3, 3, 4, 4, 5]  # control, control, user-defined, user-defined, unused
