@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -143,12 +142,9 @@ def _json(path: str) -> dict:
     """The JSON object in ``path``, or {} where there is none (a tokenizer file is optional)."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        try:
-            out = json.load(f)
-        except ValueError as exc:
-            raise ConversionError(f"the tokenizer file {os.path.basename(path)!r} is not valid JSON: {exc}") from None
-    return out if isinstance(out, dict) else {}
+    from dense_bridge.checkpoints._safetensors import read_json_file
+
+    return read_json_file(path, "tokenizer file")  # bounded, checked, a clear error for a broken file
 
 
 def _bpe(directory: str, vocab_size: int) -> dict:

@@ -519,8 +519,8 @@ def _common_config(config: dict, cls, model_type: str, conv) -> dict:
         return hf, again, wrong + sorted(k for k in preset if k not in again)
 
     hf, again, wrong = given_back(kwargs)
-    # a keras-hub value the importer computes by comparing two transformers numbers (Gemma's query
-    # scale flag: head_dim == query_pre_attn_scalar) follows no number alone: two numbers equal in
+    # a keras-hub value the importer computes by comparing two transformers numbers (a query scale
+    # flag: head_dim == query_pre_attn_scalar) follows no number alone: two numbers equal in
     # transformers' default config are kept equal where that gives more of the preset back
     while wrong:
         better = None

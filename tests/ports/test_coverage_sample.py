@@ -169,8 +169,9 @@ def test_a_quantized_mlx_lm_model_ports_as_its_exact_dequantization(tmp_path):
     assert diff is None, diff
 
 
-#: Library names that contain an architecture's name.
-_LIBRARY_NAMES = re.compile(r"(?i)llama[._-]cpp")
+#: Library names that contain an architecture's name: llama.cpp, its Python package and its C API's
+#: symbols (``llama_model_quantize``, ``llama_backend_init``, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``).
+_LIBRARY_NAMES = re.compile(r"(?i)llama[._-]cpp|\bllama_(?:model|backend)_\w+|\bllama_ftype_\w+")
 
 #: Words that are a file format's own vocabulary where they appear, not architectures: GGUF's
 #: ``tokenizer.ggml.model`` values name its two vocabulary kinds (SentencePiece "llama", BPE "gpt2").
