@@ -417,6 +417,31 @@ def _runs_here(model, config: dict) -> None:
         return
 
 
+def port_as_loaded(fmt: str, model, names) -> set[str]:
+    """``model`` (a twin) made what mlx-lm's loader makes of it when its files hold only the tensors
+    ``names``: the model's ``sanitize`` run on them, as ``load_model`` runs it, for what it does to
+    the model itself (a head it drops, to compute with the embedding's transpose, when the files
+    hold none); the values it returns are not loaded (the twin keeps its own).
+
+    Args:
+        model: mlx-lm's model, changed in place.
+        names: the parameter names (as the model names them) the files would hold.
+    Returns:
+        The names of the parameters ``model`` then holds.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    names = set(names)
+    if hasattr(model, "sanitize") and not set(params) <= names:  # only a file set lacking some parameter
+        try:
+            model.sanitize({k: mx.zeros(v.shape, dtype=v.dtype) for k, v in params.items() if k in names})
+        except Exception:  # noqa: BLE001 - a sanitize that needs the checkpoint's own names: the model as built
+            pass
+    return {k for k, _ in tree_flatten(model.parameters())}
+
+
 def port_save(fmt: str, model, path: str) -> None:
     """``model``'s weights written into ``path`` by mlx-lm's own ``save_model``."""
     _mlx_lm().save_model(path, model)
