@@ -241,6 +241,45 @@ def _kind(f) -> str | None:
     return t if t in ("bool", "int", "float") else None
 
 
+def _scalar_type(f) -> str | None:
+    """'bool', 'int', 'float' or 'str' for a field typed as one, or as one or None; else None."""
+    import re
+
+    t = f.type if isinstance(f.type, str) else f.type.__name__ if isinstance(f.type, type) else str(f.type)
+    t = t.replace("typing.", "").replace(" ", "")
+    m = re.fullmatch(r"Optional\[(\w+)\]|(\w+)\|None|None\|(\w+)|(\w+)|<class'(\w+)'>", t)
+    name = next((g for g in m.groups() if g), None) if m else None
+    return name if name in ("bool", "int", "float", "str") else None
+
+
+def _mistyped(f, value) -> bool:
+    """Whether ``value`` (set, not None) is not of the scalar type the field ``f`` declares (an int
+    where mlx-lm reads a string of per-layer letters, say): mlx-lm would misread it."""
+    kind = _scalar_type(f)
+    if value is None or kind is None:
+        return False
+    if kind == "str":
+        return not isinstance(value, str)
+    if kind == "bool":
+        return not isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, bool) or not isinstance(value, int)
+    return isinstance(value, bool) or not isinstance(value, (int, float))
+
+
+def _mistyped_fields(config: dict, args_class) -> list[str]:
+    """``"name=value: mlx-lm's ModelArgs reads a <type>"`` for each field of ``args_class`` whose value
+    in ``config`` is of another type than the one it declares."""
+    import dataclasses
+
+    try:
+        fields = dataclasses.fields(args_class)
+    except TypeError:
+        return []
+    return [f"{f.name}={config[f.name]!r} ({type(config[f.name]).__name__}): mlx-lm's ModelArgs reads a "
+            f"{_scalar_type(f)}" for f in fields if _mistyped(f, config.get(f.name))]
+
+
 def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
     """How many tensors disagree between mlx-lm's model for ``config`` and the weights ``shapes``
     (names and shapes as the source stores them) once mlx-lm's own ``sanitize`` has read them, as its
@@ -345,6 +384,11 @@ def _build(config: dict):
     try:
         return model_class(args_class.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        mistyped = _mistyped_fields(config, args_class)
+        if mistyped:  # named before anything unset: the value is there, in a type mlx-lm does not read
+            raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config: "
+                                  + "; ".join(mistyped) + " (the setting has no translation into what mlx-lm reads: "
+                                  f"refused, nothing was written): {type(exc).__name__}: {str(exc)[:200]}") from None
         unset = _unset(config, args_class)
         why = (f" ({', '.join(unset)}: required by its ModelArgs, set neither by the source's config nor, under "
                "another name, by its weights)") if unset else ""
@@ -415,6 +459,31 @@ def _runs_here(model, config: dict) -> None:
                               ) from None
     except Exception:  # noqa: BLE001 - judged where the twins are compared
         return
+
+
+def port_as_loaded(fmt: str, model, names) -> set[str]:
+    """``model`` (a twin) made what mlx-lm's loader makes of it when its files hold only the tensors
+    ``names``: the model's ``sanitize`` run on them, as ``load_model`` runs it, for what it does to
+    the model itself (a head it drops, to compute with the embedding's transpose, when the files
+    hold none); the values it returns are not loaded (the twin keeps its own).
+
+    Args:
+        model: mlx-lm's model, changed in place.
+        names: the parameter names (as the model names them) the files would hold.
+    Returns:
+        The names of the parameters ``model`` then holds.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    names = set(names)
+    if hasattr(model, "sanitize") and not set(params) <= names:  # only a file set lacking some parameter
+        try:
+            model.sanitize({k: mx.zeros(v.shape, dtype=v.dtype) for k, v in params.items() if k in names})
+        except Exception:  # noqa: BLE001 - a sanitize that needs the checkpoint's own names: the model as built
+            pass
+    return {k for k, _ in tree_flatten(model.parameters())}
 
 
 def port_save(fmt: str, model, path: str) -> None:

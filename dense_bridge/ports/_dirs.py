@@ -40,6 +40,9 @@ Optional verbs, for a destination whose files are not safetensors beside one JSO
 - ``port_complete_config(fmt, config, shapes) -> config``: its own config with the fields its library
   requires and the source's config leaves unset filled from the source's weights (``shapes``: name ->
   shape), applied to the destination's config and its twin's;
+- ``port_as_loaded(fmt, model, names) -> {parameter names}`` (optional): a twin made what its loader
+  makes of files holding only the tensors ``names`` (a head it ties when the files hold none), see
+  ``ports/_tying.py``; without it twins are as built;
 - ``port_write_config(fmt, directory, config, src) -> [names]``: its non-weight files (several
   configs, metadata) written into ``directory`` for ``config``, ``src`` the source directory
   (whose files it may translate, or refuse naming them); without it ``config`` is written as

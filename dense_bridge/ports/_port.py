@@ -31,7 +31,7 @@ from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
 from ..registry._devices import check_device_value, place_for_run, place_model, where as device_where
-from . import _adapters, _certificate, _codes, _dirs, _rules
+from . import _adapters, _certificate, _codes, _dirs, _rules, _tying
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -177,13 +177,14 @@ def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
     return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
 
 
-def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None):
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None, stored=None):
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg = src_fmt.port_own_config(small)
     dst_cfg = _dirs.complete(dst_fmt, dst_fmt.port_own_config(small), src_fmt.port_shapes(src_cfg))
-    a = place_for_run(src_fmt.port_twin(src_cfg, seed=0), device)  # None: the GPU when present
+    a = _tying.source_twin(src_fmt, src_fmt.port_twin(src_cfg, seed=0), src_fmt.port_shapes(src_cfg), stored)
+    a = place_for_run(a, device)  # None: the GPU when present
     b = place_for_run(dst_fmt.port_twin(dst_cfg, seed=1), device)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
     positions = positions_for(src_fmt, src_cfg, POSITIONS)
@@ -228,6 +229,7 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
         src_tensors, dst_tensors = _read_all(sa, src_fmt), _read_all(sb, dst_fmt)
     recipes = _rules.learn(src_tensors, dst_tensors)
     stored = {_rules.template(k)[0] for k in dst_tensors}
+    recipes, stored, _ = _tying.drop_copies(dst_fmt, b, recipes, stored, dst_fmt.port_shapes(dst_cfg))
     twin_params = {_rules.template(k)[0] for k in dst_fmt.port_shapes(dst_cfg)}
     return report, recipes, stored, twin_params, discrepancies, verification
 
@@ -427,7 +429,7 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
     report, recipes, stored, twin_params, discrepancies, verification = _twins(
-        src_fmt, dst_fmt, common, transfer, compare_models, device)
+        src_fmt, dst_fmt, common, transfer, compare_models, device, stored=real_src)
     moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
     rules = _rules.generalise_layer_rules(report.rules)
     if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read
