@@ -431,26 +431,28 @@ class Execution:
                                  f"several, one swap per part ({len(swaps)} given for {parts} parts)")
             return
         h = am.heads
-        try:
-            if len(am.src) == 1:  # cut
-                whole = src[0]
-                if whole.ndim < 2 or whole.shape[0] % h:
-                    raise ValueError(f"{tuple(whole.shape)} has no leading axis of {h} heads")
-                whole = whole.reshape((h, whole.shape[0] // h) + whole.shape[1:])
-                shapes = [tuple(d.shapes[n]) for d, n in dsts]
-                widths = [(s[:-2] + (s[-1], s[-2]) if sw else s)[am.axis] for s, sw in zip(shapes, swaps)]
-                if sum(widths) != whole.shape[am.axis]:
-                    raise ValueError(f"{whole.shape[am.axis]} per head along axis {am.axis}, the dst parameters "
-                                     f"{widths} = {sum(widths)}")
-                pieces = [np.swapaxes(x, -1, -2) if sw else x
-                          for x, sw in zip(np.split(whole, np.cumsum(widths)[:-1], axis=am.axis), swaps)]
-            else:  # join
-                joined = np.concatenate([np.swapaxes(v, -1, -2) if sw else v for v, sw in zip(src, swaps)],
-                                        axis=am.axis)
-                pieces = [joined.reshape((-1,) + joined.shape[2:])]
-        except ValueError as exc:
-            self.problems.append(f"{names}: per head ({h} heads): {exc}")
-            return
+        if len(am.src) == 1:  # cut
+            whole = src[0]
+            if whole.ndim < 2 or whole.shape[0] % h:
+                self.problems.append(f"{names}: {tuple(whole.shape)} has no leading axis of {h} heads")
+                return
+            whole = whole.reshape((h, whole.shape[0] // h) + whole.shape[1:])
+            shapes = [tuple(d.shapes[n]) for d, n in dsts]
+            widths = [(s[:-2] + (s[-1], s[-2]) if sw else s)[am.axis] for s, sw in zip(shapes, swaps)]
+            if am.axis >= whole.ndim or sum(widths) != whole.shape[am.axis]:
+                self.problems.append(f"{names}: src holds {whole.shape} per head ({h} heads), the dst parameters "
+                                     f"{widths} = {sum(widths)} along axis {am.axis}")
+                return
+            pieces = [np.swapaxes(x, -1, -2) if sw else x
+                      for x, sw in zip(np.split(whole, np.cumsum(widths)[:-1], axis=am.axis), swaps)]
+        else:  # join
+            parts = [np.swapaxes(v, -1, -2) if sw else v for v, sw in zip(src, swaps)]
+            if any(v.ndim != 3 or v.shape[0] != h or v.shape[2] != parts[0].shape[2] for v in parts) or am.axis != 1:
+                self.problems.append(f"{names}: the src parameters {[tuple(v.shape) for v in src]} do not join "
+                                     f"per head ({h} heads) along axis {am.axis}")
+                return
+            joined = np.concatenate(parts, axis=1)
+            pieces = [joined.reshape((-1,) + joined.shape[2:])]
         for (d, nd), piece, path in zip(dsts, pieces, am.dst):
             piece = np.ascontiguousarray(piece)
             problem = self._check_native(am.src[0], piece, d, nd)
