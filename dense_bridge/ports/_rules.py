@@ -293,12 +293,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
         t, idx = template(name)
-        try:
-            made = _made(name, d, src, where, wide, candidates, t)
-        except ConversionError as exc:
-            made = _per_head(name, d, src)
-            if made is None:
-                raise exc from None
+        made = _made(name, d, src, where, wide, candidates, t)
         if made is None:
             continue
         axis, found, view, made_wide = made
@@ -376,6 +371,9 @@ def _made(name, d, src, where, wide, candidates, t):
                                       "(nothing was written)") from None
             candidates[t] = kept
             return None
+        per_head = _per_head(name, d, src)  # before the reshaped views: their search is far wider
+        if per_head is not None:
+            return per_head[:3] + (wide,)
         if wide is None:  # a tensor seen through a reshaped view of its own or of a source's
             extended = dict(src)
             for s_name, s in src.items():
