@@ -381,15 +381,15 @@ def _pair_per_head(lone: list, run_a: _Run, run_b: _Run, plan: _mapping.Plan) ->
     that hold its matrix per head (mlx-lm's latent attention keeps ``kv_b_proj`` as ``embed_q``
     and ``unembed_out``, one (heads, ., .) array each): a move per head
     (:class:`~dense_bridge.models._plan.AxisMove` ``heads``), verified as every pair is. Returns
-    the layers left, their problems recorded."""
-    left = []
+    the layers left on each side (src, dst), their problems recorded."""
+    left: dict[str, list] = {"src": [], "dst": []}
     for side, layer, problem in lone:
         other = run_b if side == "src" else run_a
         stacks = other.layers.get("stack", [])
         found = _per_head_parts(layer, stacks)
         if found is None:
             plan.problems.append(problem)
-            left.append(layer)
+            left[side].append(layer)
             continue
         group, swaps, heads = found
         for x in group:
@@ -398,7 +398,7 @@ def _pair_per_head(lone: list, run_a: _Run, run_b: _Run, plan: _mapping.Plan) ->
         parts = tuple(x.entry.param_path(x.entry.names[0]) for x in group)
         src, dst = (whole, parts) if side == "src" else (parts, whole)
         plan.axis_moves.append(_mapping.AxisMove(src, dst, 1, swaps, rule="auto", heads=heads))
-    return left
+    return left["src"], left["dst"]
 
 
 def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
@@ -636,8 +636,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     _pair_unseen(run_a, run_b, plan)
     lone: list = []
     left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan, lone)
-    for x in _pair_per_head(lone, run_a, run_b, plan):
-        (left_a if any(x is y for s, y, _ in lone if s == "src") else left_b).append(x)
+    la, lb = _pair_per_head(lone, run_a, run_b, plan)
+    left_a, left_b = la + left_a, lb + left_b
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
     if len(left_b) == 1 and not left_a and run_a.tied_heads \
             and run_a.tied_heads[-1].signature == left_b[0].signature:
