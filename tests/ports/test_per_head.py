@@ -57,7 +57,11 @@ def test_a_matrix_kept_per_head_in_parts_ports_both_ways(tmp_path):
     assert "model.layers.0.self_attn.kv_b_proj.weight" not in got
     for name, arr in got.items():
         assert np.array_equal(arr.astype(np.float32), want[name]), name
+    checked = db.verify_port(tmp_path / "M")  # the certificate replays the cut per head from the files
+    assert checked.passed and checked.tensors == len(got), checked.problems
     db.port(tmp_path / "M", tmp_path / "B", to="transformers", verify="twins", progress=False)
+    checked = db.verify_port(tmp_path / "B")  # and the join
+    assert checked.passed, checked.problems
     src, back = _tensors(tmp_path / "T"), _tensors(tmp_path / "B")
     assert set(back) <= set(src) and "model.layers.1.self_attn.kv_b_proj.weight" in back
     for name, arr in back.items():
