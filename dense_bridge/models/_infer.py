@@ -23,6 +23,9 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
   last path name when both runs use the same names, else by order); a run of ONE fused call
   whose units are the sum of the other run's pairs as a split/concatenation (GPT-2 ``c_attn``
   against keras-hub ``query``/``key``/``value``);
+- a single linear call one side makes where the other makes none (the calls after it pair) is
+  looked for among the other side's stacks of its block: a matrix (heads * (a + b), r) that side
+  keeps per head, in parts (heads, a, r) or (heads, r, a), pairs as one move per head;
 - embeddings and norms by their parameter shapes, several of one shape by execution order
   (BERT looks its three tables up in different orders on the two sides: their shapes differ);
 - a head tied to its embedding follows its tie; a tied source head is paired with an untied

@@ -3,7 +3,9 @@
 After the twins' verified transfer, every tensor the destination library's own saver wrote is a
 rearrangement of tensors the source library's saver wrote. Their values are random and distinct,
 so each destination tensor is found among the source tensors by value: the same tensor, its
-transpose, a run of slices of one or several (split, concatenation), each exactly. A
+transpose, a run of slices of one or several (split, concatenation), each exactly; or per head
+(:data:`HEADS`): a matrix (heads * (a + b), r) seen as (heads, a + b, r), cut along its middle axis
+into parts (heads, a, r) (or with their last two axes exchanged), or joined from them. A
 :class:`Recipe` says which, with file keys in which every integer path component (a layer, an
 expert) is a placeholder: the twin's two layers give one recipe for every layer of the real model.
 
