@@ -373,6 +373,9 @@ class Execution:
         (last two axes exchanged when ``am.swap``) concatenated along ``am.axis``, then cut into the
         destination parameters, each as wide as it is along that axis."""
         names = f"{'+'.join(am.src)!r} -> {'+'.join(am.dst)!r}"
+        if am.heads is not None:
+            self._per_head_move(am, names)
+            return
         values = []
         for p in am.src:
             s, ns = self.a.params[p]
@@ -413,6 +416,52 @@ class Execution:
                 self.writes.append((d, "native", {nd: piece}))
             self.report.moved.append(("+".join(am.src), path, f"parameter along axis {am.axis}"
                                       + (" (last two axes swapped)" if am.swap else "")))
+        self.moved_src.update(am.src)
+
+    def _per_head_move(self, am: _mapping.AxisMove, names: str) -> None:
+        """``am.heads``: the side with one matrix (heads * (a + b + ...), r) seen as (heads, a + b
+        + ..., r), cut along ``am.axis`` into the other side's parts or joined from them, each part
+        with its last two axes exchanged where its ``swap`` says so."""
+        src = [np.asarray(self.a.native(self.a.params[p][0])[self.a.params[p][1]]) for p in am.src]
+        dsts = [self.b.params[p] for p in am.dst]
+        parts = len(am.dst) if len(am.src) == 1 else len(am.src)
+        swaps = am.swap if isinstance(am.swap, tuple) else (am.swap,) * parts
+        if len(swaps) != parts or (len(am.src) == 1) == (len(am.dst) == 1) or am.axis is None:
+            self.problems.append(f"{names}: a move per head joins several parameters into one or cuts one into "
+                                 f"several, one swap per part ({len(swaps)} given for {parts} parts)")
+            return
+        h = am.heads
+        if len(am.src) == 1:  # cut
+            whole = src[0]
+            if whole.ndim < 2 or whole.shape[0] % h:
+                self.problems.append(f"{names}: {tuple(whole.shape)} has no leading axis of {h} heads")
+                return
+            whole = whole.reshape((h, whole.shape[0] // h) + whole.shape[1:])
+            shapes = [tuple(d.shapes[n]) for d, n in dsts]
+            widths = [(s[:-2] + (s[-1], s[-2]) if sw else s)[am.axis] for s, sw in zip(shapes, swaps)]
+            if am.axis >= whole.ndim or sum(widths) != whole.shape[am.axis]:
+                self.problems.append(f"{names}: src holds {whole.shape} per head ({h} heads), the dst parameters "
+                                     f"{widths} = {sum(widths)} along axis {am.axis}")
+                return
+            pieces = [np.swapaxes(x, -1, -2) if sw else x
+                      for x, sw in zip(np.split(whole, np.cumsum(widths)[:-1], axis=am.axis), swaps)]
+        else:  # join
+            parts = [np.swapaxes(v, -1, -2) if sw else v for v, sw in zip(src, swaps)]
+            if any(v.ndim != 3 or v.shape[0] != h or v.shape[2] != parts[0].shape[2] for v in parts) or am.axis != 1:
+                self.problems.append(f"{names}: the src parameters {[tuple(v.shape) for v in src]} do not join "
+                                     f"per head ({h} heads) along axis {am.axis}")
+                return
+            joined = np.concatenate(parts, axis=1)
+            pieces = [joined.reshape((-1,) + joined.shape[2:])]
+        for (d, nd), piece, path in zip(dsts, pieces, am.dst):
+            piece = np.ascontiguousarray(piece)
+            problem = self._check_native(am.src[0], piece, d, nd)
+            if problem:
+                self.problems.append(f"{names}: {problem}")
+                return
+            if self.claim(d, nd, am.src[0]):
+                self.writes.append((d, "native", {nd: piece}))
+            self.report.moved.append(("+".join(am.src), path, f"parameter per head ({h} heads) along axis {am.axis}"))
         self.moved_src.update(am.src)
 
     def _check_native(self, src_path: str, value: Any, d: Entry, name: str) -> str | None:

@@ -23,6 +23,9 @@ and k_proj, mlx-lm calls the norms after v_proj: the linear and the norm sequenc
   last path name when both runs use the same names, else by order); a run of ONE fused call
   whose units are the sum of the other run's pairs as a split/concatenation (GPT-2 ``c_attn``
   against keras-hub ``query``/``key``/``value``);
+- a single linear call one side makes where the other makes none (the calls after it pair) is
+  looked for among the other side's stacks of its block: a matrix (heads * (a + b), r) that side
+  keeps per head, in parts (heads, a, r) or (heads, r, a), pairs as one move per head;
 - embeddings and norms by their parameter shapes, several of one shape by execution order
   (BERT looks its three tables up in different orders on the two sides: their shapes differ);
 - a head tied to its embedding follows its tie; a tied source head is paired with an untied
@@ -318,19 +321,87 @@ def _describe(run: list[_Layer]) -> str:
     return "[" + ", ".join(f"{x.path} {x.signature}" for x in run) + "]"
 
 
-def _pair_linear(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
-    """Runs in execution order; returns the layers left unpaired on each side."""
+def _pair_linear(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan,
+                 lone: list | None = None) -> tuple[list[_Layer], list[_Layer]]:
+    """Runs in execution order; returns the layers left unpaired on each side. ``lone``: where one
+    side runs a single linear layer that the other side has no linear layer for (the runs after
+    it pair), that layer is set aside here as ``(side, layer, problem)`` for :func:`_pair_per_head`
+    (the other side may hold it per head, as expert-like stacks), the problem raised if it stays."""
     ra, rb = _runs(a), _runs(b)
-    i = 0
-    while i < min(len(ra), len(rb)):
-        if not _pair_run(ra[i], rb[i], plan):
-            plan.problems.append(
-                f"the models differ in structure at their linear call #{sum(len(r) for r in ra[:i]) + 1}: src runs "
-                f"{_describe(ra[i])} where dst runs {_describe(rb[i])} (widths (in_features, units) that neither "
-                f"pair one to one nor split/concatenate)")
-            break
-        i += 1
-    return [x for r in ra[i:] for x in r], [y for r in rb[i:] for y in r]
+    i = j = 0
+    while i < len(ra) and j < len(rb):
+        if _pair_run(ra[i], rb[j], plan):
+            i, j = i + 1, j + 1
+            continue
+        problem = (f"the models differ in structure at their linear call #{sum(len(r) for r in ra[:i]) + 1}: src "
+                   f"runs {_describe(ra[i])} where dst runs {_describe(rb[j])} (widths (in_features, units) that "
+                   f"neither pair one to one nor split/concatenate)")
+        if lone is not None and len(ra[i]) == 1 and i + 1 < len(ra) and _pair_run(ra[i + 1], rb[j], _mapping.Plan()):
+            lone.append(("src", ra[i][0], problem))
+            i += 1
+            continue
+        if lone is not None and len(rb[j]) == 1 and j + 1 < len(rb) and _pair_run(ra[i], rb[j + 1], _mapping.Plan()):
+            lone.append(("dst", rb[j][0], problem))
+            j += 1
+            continue
+        plan.problems.append(problem)
+        break
+    return [x for r in ra[i:] for x in r], [y for r in rb[j:] for y in r]
+
+
+def _per_head_parts(layer: _Layer, stacks: list[_Layer]) -> tuple[list[_Layer], tuple[bool, ...], int] | None:
+    """The stack layers of ``layer``'s block that hold its one matrix (units, r) per head: the
+    first few, in execution order, each with one parameter (heads, a, r) or (heads, r, a) (swap)
+    whose widths times heads sum to units. (parts, swaps, heads) or None."""
+    e = layer.entry
+    if len(e.names) != 1 or len(e.shapes[e.names[0]]) != 2 or tuple(e.shapes[e.names[0]]) != \
+            (layer.units, layer.signature[0]):
+        return None
+    units, r = layer.units, layer.signature[0]
+    mine = [x for x in stacks if _block(x.path) == _block(layer.path) and len(x.entry.names) == 1
+            and len(x.entry.shapes[x.entry.names[0]]) == 3]
+    for k in range(2, len(mine) + 1):
+        group = mine[:k]
+        shapes = [tuple(x.entry.shapes[x.entry.names[0]]) for x in group]
+        heads = shapes[0][0]
+        if any(s[0] != heads for s in shapes):
+            return None
+        swaps = []
+        for s in shapes:
+            if s[2] == r:
+                swaps.append(False)
+            elif s[1] == r:
+                swaps.append(True)
+            else:
+                return None
+        if heads * sum(s[1] if not sw else s[2] for s, sw in zip(shapes, swaps)) == units:
+            return group, tuple(swaps), heads
+    return None
+
+
+def _pair_per_head(lone: list, run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> list:
+    """Each linear layer set aside by :func:`_pair_linear` with the stack layers of the other side
+    that hold its matrix per head (mlx-lm's latent attention keeps ``kv_b_proj`` as ``embed_q``
+    and ``unembed_out``, one (heads, ., .) array each): a move per head
+    (:class:`~dense_bridge.models._plan.AxisMove` ``heads``), verified as every pair is. Returns
+    the layers left on each side (src, dst), their problems recorded."""
+    left: dict[str, list] = {"src": [], "dst": []}
+    for side, layer, problem in lone:
+        other = run_b if side == "src" else run_a
+        stacks = other.layers.get("stack", [])
+        found = _per_head_parts(layer, stacks)
+        if found is None:
+            plan.problems.append(problem)
+            left[side].append(layer)
+            continue
+        group, swaps, heads = found
+        for x in group:
+            stacks.remove(x)
+        whole = (layer.entry.param_path(layer.entry.names[0]),)
+        parts = tuple(x.entry.param_path(x.entry.names[0]) for x in group)
+        src, dst = (whole, parts) if side == "src" else (parts, whole)
+        plan.axis_moves.append(_mapping.AxisMove(src, dst, 1, swaps, rule="auto", heads=heads))
+    return left["src"], left["dst"]
 
 
 def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
@@ -566,7 +637,10 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     for run, side in ((run_a, a), (run_b, b)):
         _drop_adapter_parts(run, side)
     _pair_unseen(run_a, run_b, plan)
-    left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan)
+    lone: list = []
+    left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan, lone)
+    la, lb = _pair_per_head(lone, run_a, run_b, plan)
+    left_a, left_b = la + left_a, lb + left_b
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
     if len(left_b) == 1 and not left_a and run_a.tied_heads \
             and run_a.tied_heads[-1].signature == left_b[0].signature:

@@ -72,7 +72,7 @@ class Target:
     #: a parameter-level move along an axis of the stored arrays (expert stacks): the axis the
     #: pieces split or join along, and ``swap`` (the last two axes exchanged first)
     axis: int | None = None
-    swap: bool = False
+    swap: bool | tuple[bool, ...] = False  # a tuple: one per part of a move per head
 
     @property
     def along_axis(self) -> bool:
@@ -99,6 +99,8 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     """A dict value / rule replacement / callable result -> Target (TypeError naming it)."""
     if isinstance(value, str):
         return Target((value,))
+    if isinstance(value, dict) and "heads" in value and "axis" in value:
+        return _per_head_target(value, where, mapping)
     if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value):
         if set(value) - {"to", "axis", "swap"}:
             raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
@@ -134,6 +136,30 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     raise TypeError(f"{where}: a destination must be a path, a list of paths (a split), "
                     f"(parameter_path, fn) (a transform) or {{'to': ..., 'heads': n}}; got {value!r}. "
                     f"{received('mapping', mapping)}")
+
+
+def _per_head_target(value: dict, where: str, mapping: Any) -> Target:
+    """``{"to", "heads": h, "axis": k, "swap": [bool per part]}``: a parameter move per head (see
+    :class:`AxisMove`)."""
+    shape_of_rule = ("{'to': path or [paths], 'heads': n, 'axis': k, 'swap': [bool per part]}")
+    if set(value) - {"to", "axis", "swap", "heads"}:
+        raise TypeError(f"{where}: a parameter move per head is {shape_of_rule}; got {value!r}. "
+                        f"{received('mapping', mapping)}")
+    heads, axis, swap = value.get("heads"), value.get("axis"), value.get("swap", False)
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise TypeError(f"{where}: 'heads' must be a positive integer; got {heads!r}. {received('mapping', mapping)}")
+    if not isinstance(axis, int) or isinstance(axis, bool) or axis < 1:
+        raise TypeError(f"{where}: 'axis' of a move per head must be a positive integer; got {axis!r}. "
+                        f"{received('mapping', mapping)}")
+    if isinstance(swap, list):
+        swap = tuple(swap)
+    if not (isinstance(swap, bool) or (isinstance(swap, tuple) and all(isinstance(x, bool) for x in swap))):
+        raise TypeError(f"{where}: 'swap' must be a bool or a list of bools; got {swap!r}. "
+                        f"{received('mapping', mapping)}")
+    inner = _target(value.get("to"), where, mapping)
+    if inner.fn is not None:
+        raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
+    return Target(inner.paths, inner.split, None, heads, axis, swap)
 
 
 def _compile(pattern: str, mapping: Any):
@@ -240,13 +266,21 @@ class AxisMove:
     src: tuple[str, ...]
     dst: tuple[str, ...]
     axis: int | None = None
-    swap: bool = False
+    #: a bool for every part alike, or (``heads``) one bool per part of the side with several
+    swap: bool | tuple[bool, ...] = False
     rule: str = ""
+    #: per head: the side with ONE parameter (a matrix (heads * (a + b + ...), r)) is seen as
+    #: (heads, a + b + ..., r) and cut along ``axis`` (1) into the other side's parts, each (heads,
+    #: a, r) or, where its ``swap`` says so, (heads, r, a); or those parts joined into it
+    heads: int | None = None
 
     def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
         to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
         out: dict = {"to": to, "axis": self.axis}
-        if self.swap:
+        if self.heads is not None:
+            out["heads"] = self.heads
+            out["swap"] = list(self.swap) if isinstance(self.swap, tuple) else self.swap
+        elif self.swap:
             out["swap"] = True
         return out
 
@@ -386,7 +420,7 @@ def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, pla
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
         return
     plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
-                                    target.swap, text))
+                                    target.swap, text, target.heads))
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
@@ -506,7 +540,7 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
             plan.problems.append(f"mapping rule {rule.text}: for {path!r}, only {sorted(group.values())} of its "
                                  f"{len(rule.src)} patterns match a src parameter")
             continue
-        joined = Target((path,), axis=rule.target.axis, swap=rule.target.swap)
+        joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap)
         _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 

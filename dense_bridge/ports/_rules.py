@@ -3,7 +3,9 @@
 After the twins' verified transfer, every tensor the destination library's own saver wrote is a
 rearrangement of tensors the source library's saver wrote. Their values are random and distinct,
 so each destination tensor is found among the source tensors by value: the same tensor, its
-transpose, a run of slices of one or several (split, concatenation), each exactly. A
+transpose, a run of slices of one or several (split, concatenation), each exactly; or per head
+(:data:`HEADS`): a matrix (heads * (a + b), r) seen as (heads, a + b, r), cut along its middle axis
+into parts (heads, a, r) (or with their last two axes exchanged), or joined from them. A
 :class:`Recipe` says which, with file keys in which every integer path component (a layer, an
 expert) is a placeholder: the twin's two layers give one recipe for every layer of the real model.
 
@@ -27,6 +29,16 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 VIEW = "|"
 
 
+#: ``name|h<n>``: the matrix ``name`` (heads * d, r) seen per head as (n, d, r), where one library
+#: keeps a projection's heads apart ((heads, a, r) and (heads, b, r) arrays) and another as one
+#: matrix; in a recipe ``h`` alone: the count comes from the real tensors' leading axis.
+HEADS = "h"
+
+
+def _heads(view: str) -> int | None:
+    return int(view[1:]) if view.startswith(HEADS) and view[1:].isdigit() else None
+
+
 def _parse_view(view: str) -> tuple[tuple[int, ...], int]:
     perm, _, k = view.partition("-")
     return tuple(int(c) for c in perm), int(k)
@@ -35,6 +47,9 @@ def _parse_view(view: str) -> tuple[tuple[int, ...], int]:
 def view_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
     """The shape of a tensor of ``shape`` seen through ``view`` (``"<perm>-<k>"``): its axes put in
     the order ``perm``, then reshaped to ``(prod(axes[:k]), prod(axes[k:]))``, or flat for ``k == 0``."""
+    h = _heads(view)
+    if h is not None:
+        return (h, shape[0] // h) + tuple(shape[1:])
     perm, k = _parse_view(view)
     axes = [shape[i] for i in perm]
     n = int(np.prod(axes, dtype=np.int64))
@@ -43,12 +58,16 @@ def view_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
 
 def apply_view(a: np.ndarray, view: str) -> np.ndarray:
     """``a`` seen through ``view`` (see :func:`view_shape`)."""
+    if _heads(view) is not None:
+        return a.reshape(view_shape(a.shape, view))
     perm, _ = _parse_view(view)
     return np.transpose(a, perm).reshape(view_shape(a.shape, view))
 
 
 def undo_view(made: np.ndarray, view: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor of ``shape`` that ``view`` shows as ``made``."""
+    if _heads(view) is not None:
+        return made.reshape(shape)
     perm, _ = _parse_view(view)
     return made.reshape([shape[i] for i in perm]).transpose(np.argsort(perm))
 
@@ -56,7 +75,7 @@ def undo_view(made: np.ndarray, view: str, shape: tuple[int, ...]) -> np.ndarray
 def split_view(key: str) -> tuple[str, str | None]:
     """``"w|021-1"`` -> ``("w", "021-1")``; ``"w"`` -> ``("w", None)``."""
     name, sep, view = key.rpartition(VIEW)
-    return (name, view) if sep and re.fullmatch(r"\d*-\d+", view) else (key, None)
+    return (name, view) if sep and re.fullmatch(r"\d*-\d+|h\d*", view) else (key, None)
 
 
 def _views(a: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -276,44 +295,19 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
         t, idx = template(name)
-        view = None
-        try:
-            axis, found = _match(name, d, src, where)
-        except ConversionError as exc:
-            found_new = _along_new_axis(name, d, src, where)
-            if found_new is not None:
-                kept = [r for r in candidates.get(t, found_new) if r in found_new]
-                if not kept:
-                    raise ConversionError(f"the twins' layers disagree on how {t!r} is made: "
-                                          f"{candidates[t][0].describe()} vs {found_new[0].describe()} "
-                                          "(nothing was written)") from None
-                candidates[t] = kept
-                continue
-            if wide is None:  # a tensor seen through a reshaped view of its own or of a source's
-                extended = dict(src)
-                for s_name, s in src.items():
-                    extended.update({f"{s_name}{VIEW}{k}": v for k, v in _views(np.asarray(s))})
-                wide = (extended, _Index(extended))
-            for k, dv in [(None, d)] + _views(d):
-                try:
-                    axis, found = _match(name, dv, *wide)
-                    view = k
-                    break
-                except ConversionError:
-                    continue
-            else:
-                raise exc from None
+        made = _made(name, d, src, where, wide, candidates, t)
+        if made is None:
+            continue
+        axis, found, view, made_wide = made
+        wide = made_wide if made_wide is not None else wide
         pieces = []
         for s_name, transpose, start, stop, whole in found:
             st, s_idx = template(s_name)
             if s_idx != idx[:len(s_idx)] or len(s_idx) > len(idx):
                 raise ConversionError(f"the twins' tensor {name!r} comes from {s_name!r}: indices that do not "
                                       "carry over to the real model's layers (nothing was written)")
-            pieces.append(Piece(st, transpose, start, stop, whole))
-        if axis is not None and len(pieces) > 1 and not all(p.whole for p in pieces):
-            raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({p.source for p in pieces})}: "
-                                  "per-head interleaving is not generalised yet (nothing was written)")
-        recipe = Recipe(t, axis, tuple(pieces), view=view)
+            pieces.append(Piece(_symbolic(st), transpose, start, stop, whole))
+        recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
@@ -321,6 +315,85 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for t, kept in candidates.items():  # indices that agree by chance in every layer: the deepest varies
         recipes[t] = max(kept, key=lambda r: r.vary)
     return recipes
+
+
+def _symbolic(key: str) -> str:
+    """A per-head view's count left to the real tensors: ``w|h4`` -> ``w|h``."""
+    base, view = split_view(key)
+    return f"{base}{VIEW}{HEADS}" if view is not None and _heads(view) is not None else key
+
+
+def _per_head(name: str, d: np.ndarray, src: dict[str, np.ndarray]):
+    """``d`` as a per-head cut or join (:data:`HEADS`): a (heads, a, r) tensor (or (heads, r, a))
+    that is the slice [s, s + a) of every head of a source matrix (heads * (a + b), r); or a
+    matrix (heads * (a + b), r) seen per head, the concatenation of (heads, a, r) sources (each
+    maybe with its last two axes exchanged). (axis, pieces, view, None) as :func:`_made` returns,
+    or None."""
+    if d.ndim == 3:
+        h = d.shape[0]
+        seen = {f"{n}{VIEW}{HEADS}{h}": np.asarray(s).reshape((h, s.shape[0] // h) + s.shape[1:])
+                for n, s in src.items() if np.ndim(s) == 2 and s.shape[0] % h == 0 and s.shape[0] > h}
+        view = None
+    elif d.ndim == 2:
+        counts = sorted({np.shape(s)[0] for s in src.values() if np.ndim(s) == 3 and d.shape[0] % np.shape(s)[0] == 0})
+        for h in counts:
+            seen = {n: np.asarray(s) for n, s in src.items() if np.ndim(s) == 3 and s.shape[0] == h}
+            try:
+                axis, found = _match(name, d.reshape(h, d.shape[0] // h, d.shape[1]), seen, _Index(seen))
+            except ConversionError:
+                continue
+            if axis == 1 and len(found) > 1 and all(f[4] for f in found):
+                return axis, found, f"{HEADS}{h}", None
+        return None
+    else:
+        return None
+    if not seen:
+        return None
+    try:
+        axis, found = _match(name, d, seen, _Index(seen))
+    except ConversionError:
+        return None
+    return (axis, found, view, None) if axis is not None and len(found) == 1 else None
+
+
+def _made(name, d, src, where, wide, candidates, t):
+    """How the destination twin's tensor ``d`` is made: (axis, pieces found, view, the widened
+    sources ``wide`` for the next tensor), or None where it moves along a new axis (recorded in
+    ``candidates``). ConversionError when no rearrangement of the sources makes it."""
+    view = None
+    try:
+        axis, found = _match(name, d, src, where)
+    except ConversionError as exc:
+        found_new = _along_new_axis(name, d, src, where)
+        if found_new is not None:
+            kept = [r for r in candidates.get(t, found_new) if r in found_new]
+            if not kept:
+                raise ConversionError(f"the twins' layers disagree on how {t!r} is made: "
+                                      f"{candidates[t][0].describe()} vs {found_new[0].describe()} "
+                                      "(nothing was written)") from None
+            candidates[t] = kept
+            return None
+        per_head = _per_head(name, d, src)  # before the reshaped views: their search is far wider
+        if per_head is not None:
+            return per_head[:3] + (wide,)
+        if wide is None:  # a tensor seen through a reshaped view of its own or of a source's
+            extended = dict(src)
+            for s_name, s in src.items():
+                extended.update({f"{s_name}{VIEW}{k}": v for k, v in _views(np.asarray(s))})
+            wide = (extended, _Index(extended))
+        for k, dv in [(None, d)] + _views(d):
+            try:
+                axis, found = _match(name, dv, *wide)
+                view = k
+                break
+            except ConversionError:
+                continue
+        else:
+            raise exc from None
+    if axis is not None and len(found) > 1 and not all(f[4] for f in found):
+        raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({f[0] for f in found})}: "
+                              "an interleaving other than per head (nothing was written)")
+    return axis, found, view, wide
 
 
 def _along_new_axis(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> list[Recipe] | None:
@@ -406,12 +479,23 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                 continue  # the library does not save it (tied to another parameter)
             problems.append(f"destination tensor {key!r}: no twin tensor of its kind (template {t!r})")
             continue
-        move = Move(key, tuple(shape), recipe.axis, view=recipe.view)
+        view = recipe.view
+        if view == HEADS:  # joined per head: as many heads as the real sources hold
+            first = split_view(fill(recipe.pieces[0].source, idx[:recipe.pieces[0].source.count("{}")]))[0]
+            view = f"{HEADS}{real_src[first][0]}" if first in real_src and real_src[first] else None
+            if view is None or tuple(shape)[0] % real_src[first][0]:
+                problems.append(f"destination tensor {key!r} {tuple(shape)} joins per head from {first!r}, which "
+                                f"the source lacks or whose heads do not divide it")
+                continue
+        move = Move(key, tuple(shape), recipe.axis, view=view)
         shape = move.made
         want_len = 0
         for p in recipe.pieces:
             s_key = fill(p.source, idx[:p.source.count("{}")])
             base, k = split_view(s_key)
+            if k == HEADS:  # cut per head: as many heads as the real destination holds
+                k = f"{HEADS}{shape[0]}"
+                s_key = f"{base}{VIEW}{k}"
             if base not in real_src:
                 problems.append(f"destination tensor {key!r} needs source tensor {base!r}, which the source lacks")
                 continue
@@ -427,24 +511,26 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                 want_len += s_shape[recipe.axis]
             else:  # one slice of a split: its start comes from its siblings' real widths
                 move.sources.append((s_key, p.transpose, -1, None))
-                splits.setdefault((s_key, p.transpose, recipe.axis), []).append((p.start, move, len(move.sources) - 1))
+                n = len(s_shape)  # siblings cut one stored axis, whichever of them reads it transposed
+                stored = (2 * n - 3 - recipe.axis) if p.transpose and n >= 2 and recipe.axis >= n - 2 else recipe.axis
+                splits.setdefault((s_key, stored), []).append((p.start, move, len(move.sources) - 1, recipe.axis))
         if recipe.axis is not None and len(recipe.pieces) > 1 and not problems:
             if want_len != shape[recipe.axis]:
                 problems.append(f"destination tensor {key!r} {tuple(shape)}: its sources concatenate to "
                                 f"{want_len} along axis {recipe.axis}")
         moves.append(move)
-    for (s_key, transpose, axis), members in splits.items():
+    for (s_key, axis), members in splits.items():
         base, k = split_view(s_key)
-        s_shape = _shape_of(real_src[base] if k is None else view_shape(real_src[base], k), transpose)
+        s_shape = real_src[base] if k is None else view_shape(real_src[base], k)
         at = 0
-        for _, move, i in sorted(members, key=lambda m: m[0]):
-            width = move.made[axis]
+        for _, move, i, move_axis in sorted(members, key=lambda m: m[0]):
+            width = move.made[move_axis]
             name, tr, _, _ = move.sources[i]
             move.sources[i] = (name, tr, at, at + width)
             at += width
         if at != s_shape[axis]:
             problems.append(f"source tensor {s_key!r} {real_src[base]} splits into destination tensors "
-                            f"{[m.target for _, m, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
+                            f"{[m.target for _, m, _, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
     unused = sorted(set(real_src) - used)
     if unused:
         problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
