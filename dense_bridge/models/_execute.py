@@ -402,20 +402,28 @@ class Execution:
                                      f"parameters {widths} = {sum(widths)}")
                 return
             pieces = np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
-        for (d, nd), piece, path in zip(dsts, pieces, am.dst):
-            piece = np.ascontiguousarray(piece)
-            want = d.shapes[nd]
+        fitted = []
+        for (d, nd), piece in zip(dsts, pieces):
+            piece, want = np.ascontiguousarray(piece), d.shapes[nd]
             if am.axis is None and piece.shape != want and piece.size == int(np.prod(want)) \
                     and tuple(x for x in piece.shape if x != 1) == tuple(x for x in want if x != 1):
                 piece = piece.reshape(want)  # axes of length one only: a scalar stored (1,) on one side, () on the other
+            fitted.append(piece)
+        self._write_pieces(am, dsts, fitted, names, f"parameter along axis {am.axis}"
+                           + (" (last two axes swapped)" if am.swap else ""))
+
+    def _write_pieces(self, am: _mapping.AxisMove, dsts: list, pieces: list, names: str, how: str) -> None:
+        """Check each piece against its dst parameter and queue the writes; nothing is queued for a
+        piece after the first that does not fit (the problem is recorded)."""
+        for (d, nd), piece, path in zip(dsts, pieces, am.dst):
+            piece = np.require(piece, requirements="C")  # contiguous; a 0-d value stays 0-d
             problem = self._check_native(am.src[0], piece, d, nd)
             if problem:
                 self.problems.append(f"{names}: {problem}")
                 return
             if self.claim(d, nd, am.src[0]):
                 self.writes.append((d, "native", {nd: piece}))
-            self.report.moved.append(("+".join(am.src), path, f"parameter along axis {am.axis}"
-                                      + (" (last two axes swapped)" if am.swap else "")))
+            self.report.moved.append(("+".join(am.src), path, how))
         self.moved_src.update(am.src)
 
     def _per_head_move(self, am: _mapping.AxisMove, names: str) -> None:
@@ -453,16 +461,7 @@ class Execution:
                 return
             joined = np.concatenate(parts, axis=1)
             pieces = [joined.reshape((-1,) + joined.shape[2:])]
-        for (d, nd), piece, path in zip(dsts, pieces, am.dst):
-            piece = np.ascontiguousarray(piece)
-            problem = self._check_native(am.src[0], piece, d, nd)
-            if problem:
-                self.problems.append(f"{names}: {problem}")
-                return
-            if self.claim(d, nd, am.src[0]):
-                self.writes.append((d, "native", {nd: piece}))
-            self.report.moved.append(("+".join(am.src), path, f"parameter per head ({h} heads) along axis {am.axis}"))
-        self.moved_src.update(am.src)
+        self._write_pieces(am, dsts, pieces, names, f"parameter per head ({h} heads) along axis {am.axis}")
 
     def _check_native(self, src_path: str, value: Any, d: Entry, name: str) -> str | None:
         """Does ``value`` (host numpy, or a device array on the device path) fit dst's ``name``."""
