@@ -162,8 +162,41 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
 
     target = check_backend_name(to, "to")
     place_on = _devices.device_for(target, device) if device is not None else _devices.source_device(native, target)
+    if quant is None and place_on is not None:
+        out = _convert_on_device(native, target, place_on, allow_nonfinite=allow_nonfinite, example=example)
+        if out is not None:
+            return out
     out = _convert(native, target, allow_nonfinite=allow_nonfinite, example=example, quant=quant, requantize=requantize)
     return out if place_on is None else _devices.place(out, target, place_on)
+
+
+def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfinite: bool, example: Any):
+    """:func:`convert` without a host round trip, for a source whose arrays are on an accelerator
+    (or a second host device) and whose framework hands them out as its own arrays
+    (``device_params``): the target is built on ``place_on`` and the arrays are moved into it
+    device to device (DLPack; the layout transpose, any cast and the NaN/Inf check done there).
+    None where this does not apply (host memory, a layer read on the host, a LoRA wrapper): the
+    host path converts those."""
+    from .registry import _devices
+
+    where = _devices.where(native)
+    if where is None or where in ("cpu", "cpu:0"):
+        return None
+    handle = resolve(native)
+    verbs = getattr(handle, "verbs", None)
+    read_device = getattr(verbs, "device_params", None)
+    if handle.kind != "plain" or not callable(read_device):
+        return None
+    if example is not None:
+        from .models import remember_example
+
+        remember_example(native, example)
+    arrays = read_device(native)
+    if arrays is None:
+        return None
+    out = compile(handle.spec(), target, seed=0, device=place_on)  # its initial values are all overwritten
+    set_params(out, arrays, allow_nonfinite=allow_nonfinite)
+    return out
 
 
 def _convert(native: Any, target: str, *, allow_nonfinite: bool, example: Any, quant: Any, requantize: bool):

@@ -115,7 +115,11 @@ for fw in ("flax", "equinox"):
     # convert: the default is the source's device; device= says otherwise
     for to in ("flax", "equinox"):
         if to in db.available_backends():
-            assert on(db.convert(m1, to), D1), (fw, to)
-            assert on(db.convert(m1, to, device="cpu:0"), D0), (fw, to)
+            with jax.transfer_guard_device_to_host("disallow"):  # device to device: no host round trip
+                kept, moved = db.convert(m1, to), db.convert(m1, to, device="cpu:0")
+            assert on(kept, D1) and on(moved, D0), (fw, to)
+            for k, v in db.get_params(m1).items():
+                np.testing.assert_array_equal(db.get_params(kept)[k], v)
+                np.testing.assert_array_equal(db.get_params(moved)[k], v)
     print(f"{fw}: convert keeps device 1 by default; device='cpu:0' moves it")
 print("OK")

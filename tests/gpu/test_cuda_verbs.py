@@ -128,12 +128,14 @@ def test_convert_and_transfer_cuda_torch_with_jax(target):
     import jax
 
     m = db.compile(SPEC, "torch", seed=0, device="cuda")
-    out = db.convert(m, target)  # default: the source's GPU when JAX has one
+    with Ops() as ops:
+        out = db.convert(m, target)  # default: the source's GPU when JAX has one, through DLPack
     from dense_bridge.registry._backends import get_adapter
 
     where = get_adapter(target).device_of(out)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     assert where.startswith("cuda") if gpus else where.startswith("cpu"), where
+    assert ops.to_host == 0 if gpus else True, ops.ops
     for k, v in db.get_params(m).items():
         np.testing.assert_array_equal(db.get_params(out)[k], v, err_msg=k)
     back = db.convert(out, "torch", device="cuda:0")
