@@ -67,6 +67,12 @@ def fixed_cost_rows(torch, transformers, db, device, repeats: int, sync) -> list
              f"{t_tr / t_sd:.2f}x (target <= 2x)")]
 
 
+def _row(rows: list, row: tuple) -> None:
+    """Keep ``row`` and print it at once: a run cut short still shows what it measured."""
+    rows.append(row)
+    print(" | ".join(row), flush=True)
+
+
 def _table(rows, title: str) -> str:
     out = [f"## {title}", "", "| measurement | dense_bridge | device's own limit | ratio |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=8, help="layers of the >= 2 GB Llama pair")
     ap.add_argument("--cpu", action="store_true", help="only the CPU fixed cost per tensor (no GPU needed)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every step on small models on the CPU, to check the script runs (numbers meaningless)")
     args = ap.parse_args(argv)
     import torch
 
@@ -87,37 +95,41 @@ def main(argv=None) -> int:
     if args.cpu:
         print(_table(fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None), "CPU"))
         return 0
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA: not measured (torch sees no CUDA device; benchmarks/bench_gpu.py measures only on a GPU)")
         return 0
-    dev = torch.device("cuda", 0)
-    sync = torch.cuda.synchronize
-    card = torch.cuda.get_device_name(dev)
-    rows = []
+    dev = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    sync = (lambda: None) if args.smoke else torch.cuda.synchronize
+    card = "smoke run on the CPU" if args.smoke else torch.cuda.get_device_name(dev)
+    big = dict(hidden=256, inter=512, vocab=1000, width=256) if args.smoke else dict(hidden=2048, inter=5504, vocab=32000,
+                                                                                      width=4096)
+    rows: list = []
 
     # 1. two same-device Llamas, >= 2 GB of float32 each
-    a = _llama(transformers, torch, 0, dev, args.layers, 2048, 5504, 32000)
-    b = _llama(transformers, torch, 1, dev, args.layers, 2048, 5504, 32000)
+    a = _llama(transformers, torch, 0, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
+    b = _llama(transformers, torch, 1, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
     nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
     db.transfer(a, b)
     t_tr = _median(lambda: db.transfer(a, b), args.repeats, sync)
     t_sd = _median(lambda: b.load_state_dict(a.state_dict()), args.repeats, sync)
-    rows.append((f"transfer, two Llamas on the GPU ({nbytes / 1e9:.2f} GB float32)",
+    _row(rows, (f"transfer, two Llamas on the GPU ({nbytes / 1e9:.2f} GB float32)",
                  f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
                  f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
                  f"{t_sd / t_tr:.2f} (target >= 0.5)"))
     del a, b
-    torch.cuda.empty_cache()
-    rows += fixed_cost_rows(torch, transformers, db, dev, args.repeats, sync)
+    if not args.smoke:
+        torch.cuda.empty_cache()
+    for row in fixed_cost_rows(torch, transformers, db, dev, args.repeats, sync):
+        _row(rows, row)
 
     # 2./3. 8 x 4096^2 float32 on the GPU: into Flax/Equinox, and get_params
-    m = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(dev)
+    m = torch.nn.Sequential(*[torch.nn.Linear(big["width"], big["width"]) for _ in range(8)]).to(dev)
     kernels = [layer.weight for layer in m]
     try:
         import jax
         import jax.numpy as jnp
 
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        gpus = jax.devices() if args.smoke else [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
     except ImportError:
         gpus = []
     if gpus:
@@ -138,22 +150,22 @@ def main(argv=None) -> int:
             out = db.convert(m, target)
             t_cv = _median(lambda: ready(db.convert(m, target)), args.repeats, sync)
             t_tf = _median(lambda: (db.transfer(m, out), ready(out)), args.repeats, sync)
-            rows.append((f"convert CUDA torch -> {target}, same GPU (8 x 4096^2 float32)", f"{t_cv * 1e3:.1f} ms",
+            _row(rows, (f"convert CUDA torch -> {target}, same GPU (8 x 4096^2 float32)", f"{t_cv * 1e3:.1f} ms",
                          f"DLPack + device transpose {t_ref * 1e3:.1f} ms", f"{t_ref / t_cv:.2f} (target >= 0.5)"))
-            rows.append((f"transfer CUDA torch -> existing {target} model, same GPU", f"{t_tf * 1e3:.1f} ms",
+            _row(rows, (f"transfer CUDA torch -> existing {target} model, same GPU", f"{t_tf * 1e3:.1f} ms",
                          f"DLPack + device transpose {t_ref * 1e3:.1f} ms", f"{t_ref / t_tf:.2f} (target >= 0.5)"))
     else:
-        rows.append(("CUDA torch -> Flax/Equinox", "not measured: JAX sees no GPU here", "", ""))
+        _row(rows, ("CUDA torch -> Flax/Equinox", "not measured: JAX sees no GPU here", "", ""))
     t_gp = _median(lambda: db.get_params(m), args.repeats, sync)
     t_host = _median(lambda: [w.detach().t().contiguous().cpu() for w in kernels], args.repeats, sync)
-    rows.append(("get_params of the CUDA model (8 x 4096^2 float32)", f"{t_gp * 1e3:.1f} ms",
+    _row(rows, ("get_params of the CUDA model (8 x 4096^2 float32)", f"{t_gp * 1e3:.1f} ms",
                  f"device transpose + one .cpu() {t_host * 1e3:.1f} ms", f"{t_host / t_gp:.2f} (target >= 0.8)"))
     del m, kernels
 
     # 4. compare_models of a CUDA Llama pair against two forward + backward passes
-    a = _llama(transformers, torch, 0, dev, 4, 1024, 2752, 32000)
-    b = _llama(transformers, torch, 0, dev, 4, 1024, 2752, 32000)
-    ids = np.random.default_rng(0).integers(0, 32000, (2, 128))
+    a = _llama(transformers, torch, 0, dev, 4, big["hidden"] // 2, big["inter"] // 2, big["vocab"])
+    b = _llama(transformers, torch, 0, dev, 4, big["hidden"] // 2, big["inter"] // 2, big["vocab"])
+    ids = np.random.default_rng(0).integers(0, big["vocab"], (2, 128))
     tids = torch.as_tensor(ids, device=dev)
 
     def passes():
@@ -166,11 +178,13 @@ def main(argv=None) -> int:
     db.testing.compare_models(a, b, [ids])
     t_cm = _median(lambda: db.testing.compare_models(a, b, [ids]), args.repeats, sync)
     t_fb = _median(passes, args.repeats, sync)
-    rows.append(("compare_models, CUDA Llama pair (4 layers, 1024 wide, 2 x 128 tokens)", f"{t_cm * 1e3:.1f} ms",
+    _row(rows, ("compare_models, CUDA Llama pair (4 layers, 1024 wide, 2 x 128 tokens)", f"{t_cm * 1e3:.1f} ms",
                  f"two forward + backward {t_fb * 1e3:.1f} ms", f"{t_cm / t_fb:.2f}x (target <= 3x)"))
 
     text = _table(rows, f"{card}, torch {torch.__version__}")
     print(text)
+    if args.smoke:
+        return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("# benchmarks/bench_gpu.py\n\n" + text)
     return 0

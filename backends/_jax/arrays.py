@@ -9,6 +9,8 @@ bit for bit.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,14 +125,34 @@ def parse_device(value, argument: str = "device"):
     if platform is None or (index and not index.isdigit()):
         raise SpecError(f"{argument} must be 'cpu', 'cuda', 'cuda:N', 'gpu', 'gpu:N' or a jax.Device. "
                         f"{received(argument, value)}")
-    try:
-        devices = jax.devices(platform)
-    except RuntimeError:
-        devices = []
+    devices = _platform_devices(platform)
     if int(index or 0) >= len(devices):
         raise SpecError(f"{argument} names a {platform.upper()} device JAX does not have here ({len(devices)} "
                         f"{platform} device(s)). {received(argument, value)}")
     return devices[int(index or 0)]
+
+
+def _platform_devices(platform: str) -> list:
+    """JAX's devices of ``platform`` ("cpu" or "gpu"). A CUDA plugin registers its backend as
+    "cuda", and JAX builds differ in whether they answer to "gpu" as well: each name is asked."""
+    for name in (("gpu", "cuda", "rocm") if platform == "gpu" else (platform,)):
+        try:
+            return list(jax.devices(name))
+        except RuntimeError:
+            continue
+    return [d for d in jax.devices() if d.platform in (("gpu", "cuda", "rocm") if platform == "gpu" else (platform,))]
+
+
+def full_precision(fn):
+    """``fn`` run with JAX's float32 matrix products at full float32 precision. On a GPU, JAX's
+    default computes them in TF32 (a 10-bit mantissa) where torch, NumPy and JAX on a CPU compute
+    float32: a comparison of a JAX model against any of those would report that rounding as a
+    divergence of the model. The comparison verbs (traces, captures) run under this."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def nonfinite_flags(arrays) -> list[bool]:

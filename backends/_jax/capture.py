@@ -28,7 +28,7 @@ import numpy as np
 from dense_bridge._errors import ConversionError
 from dense_bridge.registry._captures import Call, Capture
 
-from .arrays import to_jax
+from .arrays import full_precision, to_jax
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -94,6 +94,7 @@ def recording_class(cls, path: str, state: dict, dense_cls):
                                          "__qualname__": cls.__qualname__})
 
 
+@full_precision
 def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[str], *,
                    cotangent: Callable[[tuple], np.ndarray], grads: bool) -> tuple[Capture, Any]:
     """The Capture of ``run`` (see module doc) and the gradient tree of ``params`` (None without

@@ -18,6 +18,7 @@ import numpy as np
 from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
+from .._jax.arrays import full_precision
 from .._jax.capture import first_array
 from ._arrays import to_jax
 from ._layers import Bilinear, is_dense
@@ -46,6 +47,7 @@ def _canonical_grads(m, grads) -> dict[str, np.ndarray]:
     return out
 
 
+@full_precision
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Per-layer outputs and gradients of L = sum(y * grad_out) with JAX's autograd, vmapped per sample."""
     layers = [m for _, m in positions(native)]
@@ -86,6 +88,7 @@ class _Static:
 
 
 
+@full_precision
 def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     """One call of ``layer`` alone on ``x`` (leading axes flattened and ``jax.vmap``-ed, the
     Equinox convention) and ``jax.vjp``'s backward from ``grad_out`` (dL/d(output)): ``(output,

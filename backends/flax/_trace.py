@@ -17,6 +17,7 @@ from flax import nnx
 from dense_bridge.registry._trace import LayerTrace, Trace
 from dense_bridge.backends._jax.trace import float_name, trace_layers
 
+from .._jax.arrays import full_precision
 from .._jax.capture import first_array
 from ._arrays import to_jax
 from ._layers import LazyDenseLinear
@@ -44,6 +45,7 @@ def _split(m):
     return ("fn", m), None
 
 
+@full_precision
 def trace(native, inputs: Sequence[np.ndarray], grad_out: np.ndarray) -> Trace:
     """Per-layer outputs and gradients of L = sum(y * grad_out) with JAX's autograd (jax.vjp)."""
     layers = [m for _, m in positions(native)]
@@ -82,6 +84,7 @@ def _forward_eager(layers, xs):
     return xs[0]
 
 
+@full_precision
 def run_layer(layer, x: np.ndarray, grad_out: np.ndarray | None):
     """One call of ``layer`` alone on ``x`` (its native input shape and dtype), and ``jax.vjp``'s
     backward from ``grad_out`` (dL/d(output)): ``(output, dL/dx, canonical parameter gradients)``

@@ -191,9 +191,9 @@ def test_compare_cuda_torch_against_jax(target):
         pytest.skip(f"{target} is not installed")
     m = db.compile(SPEC, "torch", seed=0, device="cuda")
     out = db.convert(m, target)  # on JAX's GPU when it has one, else its CPU
-    assert db.testing.compare(m, out, inputs=X).passed
-    assert db.testing.compare_models(m, out, [X]).passed
-    assert db.testing.compare_models(out, m, [X], grads=False).passed
+    for report in (db.testing.compare(m, out, inputs=X), db.testing.compare_models(m, out, [X]),
+                   db.testing.compare_models(out, m, [X], grads=False)):
+        assert report.passed, str(report)
 
 
 def test_get_params_of_a_cuda_bfloat16_model():
