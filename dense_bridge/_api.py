@@ -173,19 +173,20 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
 def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfinite: bool, example: Any):
     """:func:`convert` without a host round trip, for a source whose arrays are on an accelerator
     (or a second host device) and whose framework hands them out as its own arrays
-    (``device_params``): the target is built on ``place_on`` and the arrays are moved into it
-    device to device (DLPack; the layout transpose, any cast and the NaN/Inf check done there).
-    None where this does not apply (host memory, a layer read on the host, a LoRA wrapper): the
-    host path converts those."""
+    (``device_params``), into a framework that builds from such arrays
+    (``COMPILES_FROM_DEVICE_ARRAYS``): each array is copied on its device (DLPack; the layout
+    transpose, any cast and the NaN/Inf check done there), then placed on ``place_on`` (nothing
+    moves when it is there already). None where this does not apply (host memory, a layer read
+    on the host, a LoRA wrapper, a target that builds from host buffers): the host path converts
+    those, reading each array once."""
     from .registry import _devices
 
     where = _devices.where(native)
-    if where is None or where in ("cpu", "cpu:0"):
+    if where is None or where in ("cpu", "cpu:0") or not getattr(get_adapter(target), "COMPILES_FROM_DEVICE_ARRAYS", False):
         return None
     handle = resolve(native)
-    verbs = getattr(handle, "verbs", None)
-    read_device = getattr(verbs, "device_params", None)
-    if handle.kind != "plain" or not callable(read_device):
+    read_device = getattr(handle.verbs, "device_params", None) if handle.kind == "plain" else None
+    if not callable(read_device):
         return None
     if example is not None:
         from .models import remember_example
@@ -194,9 +195,8 @@ def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfini
     arrays = read_device(native)
     if arrays is None:
         return None
-    out = compile(handle.spec(), target, seed=0, device=place_on)  # its initial values are all overwritten
-    set_params(out, arrays, allow_nonfinite=allow_nonfinite)
-    return out
+    source = ParamSource(handle.spec(), params=arrays, allow_nonfinite=allow_nonfinite, keep_device=True)
+    return _devices.place(build(target, source), target, place_on)
 
 
 def _convert(native: Any, target: str, *, allow_nonfinite: bool, example: Any, quant: Any, requantize: bool):

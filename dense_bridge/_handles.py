@@ -121,7 +121,9 @@ class Plain:
         is written."""
         spec = self.spec()
         own, extra = lora.split(params) if isinstance(params, Mapping) else (params, {})
-        checked = validate_params(spec, own, strict=strict, allow_nonfinite=allow_nonfinite)
+        # a destination that places models on devices takes other frameworks' device arrays as they are
+        keep_device = callable(getattr(self.verbs, "place", None))
+        checked = validate_params(spec, own, strict=strict, allow_nonfinite=allow_nonfinite, keep_device=keep_device)
         check_masks_match(spec, checked)
         self.write(checked, extra, strict=strict)
 

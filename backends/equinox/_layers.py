@@ -140,12 +140,14 @@ def _check_axis(act: Activation, where: str) -> None:
 
 
 def dense_arrays(params: dict, dtype: str) -> tuple:
-    """(weight, bias, bool mask) JAX arrays from canonical params; masked weights stored as 0."""
-    kernel = np.asarray(params["kernel"])
+    """(weight, bias, bool mask) JAX arrays from canonical params (numpy, or another framework's
+    device arrays: copied and transposed on their device); masked weights stored as 0."""
+    weight = to_jax(params["kernel"].T, dtype)
+    mask = None
     if "mask" in params:
-        kernel = kernel * params["mask"]  # exact: the mask is 0/1
-    mask = jnp.asarray(np.asarray(params["mask"]).T != 0) if "mask" in params else None
-    return (to_jax(kernel.T, dtype), to_jax(params["bias"], dtype) if "bias" in params else None, mask)
+        weight = weight * to_jax(params["mask"].T, dtype)  # exact: the mask is 0/1
+        mask = jnp.asarray(np.asarray(params["mask"]).T != 0)
+    return weight, to_jax(params["bias"], dtype) if "bias" in params else None, mask
 
 
 def _compile_dense(spec: Dense, source: ParamSource, index: int):

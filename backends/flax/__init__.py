@@ -23,6 +23,8 @@ from __future__ import annotations
 from flax import nnx
 
 from ._arrays import from_numpy, nonfinite_flags, parse_device, to_numpy  # devices: placement, device moves
+
+COMPILES_FROM_DEVICE_ARRAYS = True  # compile copies another framework's device arrays on their device
 from ._capture import capture
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile

@@ -187,12 +187,13 @@ class Flatten(nnx.Module):
 
 
 def dense_arrays(params: dict, dtype: str) -> tuple:
-    """(kernel, bias, mask) JAX arrays from canonical params; masked kernel entries stored as 0."""
-    kernel = params["kernel"]
-    if "mask" in params:
-        kernel = np.asarray(kernel) * params["mask"]  # exact: the mask is 0/1
-    return (to_jax(kernel, dtype), to_jax(params["bias"], dtype) if "bias" in params else None,
-            to_jax(params["mask"], dtype) if "mask" in params else None)
+    """(kernel, bias, mask) JAX arrays from canonical params (numpy, or another framework's device
+    arrays: copied on their device); masked kernel entries stored as 0."""
+    kernel = to_jax(params["kernel"], dtype)
+    mask = to_jax(params["mask"], dtype) if "mask" in params else None
+    if mask is not None:
+        kernel = kernel * mask  # exact: the mask is 0/1
+    return kernel, to_jax(params["bias"], dtype) if "bias" in params else None, mask
 
 
 def _compile_dense(spec: Dense, source: ParamSource, index: int):

@@ -105,6 +105,10 @@ class ParamSource:
     known (at build time for lazy layers), with the layer's position in its Sequential (0 for
     a lone layer).
 
+    ``keep_device`` (adapters with ``COMPILES_FROM_DEVICE_ARRAYS``): given params that are another
+    framework's device arrays stay where they are (:func:`validate_params`); :meth:`for_layer`
+    hands them out as they are.
+
     With ``defer_finite_check`` the NaN/Inf scan of given params is not a separate pass over
     everything up front: :meth:`native_layer` scans inside its copy, :meth:`for_layer` scans
     what it hands out, and :meth:`finish` raises for those and scans whatever no adapter asked
@@ -129,7 +133,7 @@ class ParamSource:
 
     def __init__(self, spec, seed: object = None, params: Mapping | None = None, *,
                  defer_finite_check: bool = False, allow_nonfinite: bool = False,
-                 stream: Callable[[int, Any], dict[str, np.ndarray]] | None = None) -> None:
+                 stream: Callable[[int, Any], dict[str, np.ndarray]] | None = None, keep_device: bool = False) -> None:
         self.spec = spec
         self.seed = check_seed(0 if stream is not None else seed)
         self.params = None
@@ -143,7 +147,7 @@ class ParamSource:
                 self.spec = spec
             self.params, deferred = _validate(spec, params, strict=True, argument="params",
                                               check_finite=not defer_finite_check,
-                                              allow_nonfinite=allow_nonfinite)
+                                              allow_nonfinite=allow_nonfinite, keep_device=keep_device)
             check_masks_match(spec, self.params)
             self._unchecked = set(deferred)
             self._pending = {}
@@ -339,8 +343,15 @@ def expected_params(spec) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def validate_params(spec, params: object, *, strict: bool = True, argument: str = "params",
-                    allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+                    allow_nonfinite: bool = False, keep_device: bool = False) -> dict[str, np.ndarray]:
     """Check ``params`` against ``spec``; return them as numpy arrays in the spec's dtypes.
+
+    ``keep_device=True`` (the destination takes arrays of any framework speaking DLPack: the
+    ``devices`` capability): a framework's array that can be checked where it lives (its adapter's
+    ``nonfinite_flags``), of the spec's dtype or one that widens into it exactly (float16 or
+    bfloat16 into float32), is returned as it is, its NaN/Inf check one reduction on its device
+    and one host synchronisation per device; nothing of it is copied to the host unless it holds
+    NaN/Inf (then to count them for the error).
 
     Every offender is collected first: missing keys (strict only), unexpected keys (strict only),
     wrong shapes, non-numeric values, NaN/Inf, masks that are not 0/1. One ConversionError then
@@ -350,7 +361,7 @@ def validate_params(spec, params: object, *, strict: bool = True, argument: str 
     in the target dtype.
     """
     return _validate(spec, params, strict=strict, argument=argument, check_finite=True,
-                     allow_nonfinite=allow_nonfinite)[0]
+                     allow_nonfinite=allow_nonfinite, keep_device=keep_device)[0]
 
 
 def validate_params_scan_later(spec, params: object, *, argument: str = "params") -> dict[str, np.ndarray]:
@@ -367,8 +378,8 @@ def _deferrable(key: str, value: np.ndarray, target: np.dtype) -> bool:
     return not key.endswith("mask") and value.dtype == target
 
 
-def _validate(spec, params: object, *, strict: bool, argument: str,
-              check_finite: bool, allow_nonfinite: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
+def _validate(spec, params: object, *, strict: bool, argument: str, check_finite: bool,
+              allow_nonfinite: bool = False, keep_device: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
     """validate_params, plus the keys whose NaN/Inf scan was left for later (only when
     ``check_finite`` is False and nothing else is wrong: an error lists every offender)."""
     if not isinstance(params, Mapping):
@@ -386,8 +397,18 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
         problems.append(f"unexpected keys: {unexpected}")
     out: dict[str, np.ndarray] = {}
     deferred: list[str] = []
+    on_device: dict = {}  # adapter -> keys of the arrays kept where they live
     for key, (shape, dtype) in expected.items():
         if key not in params:
+            continue
+        adapter = _device_array(params[key], dtype) if keep_device and not key.endswith("mask") else None
+        if adapter is not None:
+            if tuple(params[key].shape) != tuple(shape):
+                problems.append(f"expected shape {tuple(shape)} for parameter {key}, received {tuple(params[key].shape)}")
+                continue
+            out[key] = params[key]
+            if not allow_nonfinite:  # one reduction on its device: never left for a later copy to scan
+                on_device.setdefault(adapter, []).append(key)
             continue
         value = array_to_numpy(params[key])
         if value is None or not (np.issubdtype(value.dtype, np.number) or value.dtype == bool
@@ -431,12 +452,33 @@ def _validate(spec, params: object, *, strict: bool, argument: str,
             problems.append(f"{key}: a mask must hold only 0 and 1")
             continue
         out[key] = cast
+    for adapter, keys in on_device.items():
+        flags = adapter.nonfinite_flags([params[k] for k in keys])
+        for key, bad in zip(keys, flags):
+            if bad:  # counted on the host: an error's detail, never the common path
+                problems.append(f"{key}: {count_nonfinite(array_to_numpy(params[key]))} NaN or Inf value(s)")
     if problems and deferred:  # the one error must name every offender: scan now after all
         return _validate(spec, params, strict=strict, argument=argument, check_finite=True,
                          allow_nonfinite=allow_nonfinite)
     if problems:
         raise ConversionError(f"{argument} do not fit {_describe(spec)}: " + "; ".join(problems))
     return out, deferred
+
+
+_WIDENS_EXACTLY = {"float32": ("float16", "bfloat16"), "float64": ("float16", "bfloat16", "float32")}
+
+
+def _device_array(value, dtype: str):
+    """The adapter of ``value``'s framework when ``value`` is an array it keeps on its device and
+    can check for NaN/Inf there, of dtype ``dtype`` or one that widens into it exactly; else None
+    (the value is then read on the host)."""
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
+        return None
+    adapter = array_adapter(value)
+    if adapter is None or not callable(getattr(adapter, "nonfinite_flags", None)):
+        return None
+    name = str(getattr(value, "dtype", "")).rsplit(".", 1)[-1]
+    return adapter if name == dtype or name in _WIDENS_EXACTLY.get(dtype, ()) else None
 
 
 def array_to_numpy(value) -> np.ndarray | None:

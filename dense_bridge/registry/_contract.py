@@ -166,6 +166,10 @@ devices). Without it every array crosses through host numpy (correct, slower on 
 - With the capability, ``set_params`` and a walk's ``Entry.write`` also take arrays of any
   framework that speaks DLPack (``__dlpack__``), moved into the model device to device: the
   transpose and the cast done there, one transfer per array when the devices differ.
+- extra ``COMPILES_FROM_DEVICE_ARRAYS = True``: ``compile`` takes a ``ParamSource`` holding such
+  arrays (``keep_device=True``) and builds the model around copies made on their device, so
+  ``db.convert`` of a model on an accelerator never passes through host memory (JAX adapters;
+  torch builds its layers from host buffers, and a convert into torch reads the source once).
 
 Capability ``lora`` (:data:`LORA`, in ``_lora.py``; the verbs are described in
 ``dense_bridge/lora/__init__.py``): LoRA-wrapped layers read and written as the wrapped layer's

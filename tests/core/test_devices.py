@@ -284,3 +284,41 @@ def test_torch_inputs_made_on_the_models_device_in_its_dtype():
     for h in handles:
         h.remove()
     assert seen and set(seen) == {("cpu", torch.bfloat16)}, seen  # float32 inputs cast to the model's dtype
+
+
+@pytest.mark.parametrize("target", ["torch", "flax", "equinox"])
+def test_set_params_takes_torch_tensors_without_a_host_round_trip(target):
+    """``set_params`` of torch tensors (a model's own ``device_params``) into a model of a
+    framework that places models: checked where they live (one reduction each, one host
+    synchronisation), never converted to numpy; NaN found there, named, nothing written."""
+    if target not in db.available_backends():
+        pytest.skip(f"{target} is not installed")
+    from dense_bridge.registry._backends import get_adapter
+
+    src = _torch_chain()
+    dst = db.compile(db.to_spec(src), target, seed=5)
+    tensors = get_adapter("torch").device_params(src)
+    with Calls() as calls:
+        db.set_params(dst, tensors)
+    assert not (HOST_CALLS & set(calls.names)), calls.names
+    for k, v in db.get_params(src).items():
+        np.testing.assert_array_equal(db.get_params(dst)[k], v, err_msg=k)
+    before = db.get_params(dst)
+    bad = {k: v.clone() for k, v in tensors.items()}
+    bad["2.kernel"][0, 1] = float("nan")
+    with pytest.raises(db.ConversionError, match=r"2\.kernel: 1 NaN or Inf"):
+        db.set_params(dst, bad)
+    for k, v in before.items():
+        np.testing.assert_array_equal(db.get_params(dst)[k], v, err_msg=k)
+    with pytest.raises(db.ConversionError, match=r"expected shape \(5, 4\) for parameter 2.kernel"):
+        db.set_params(dst, {**tensors, "2.kernel": tensors["2.kernel"][:, :3]})
+
+
+def test_set_params_casts_a_narrowing_device_array_on_the_host_path():
+    """A float32 tensor into a float16 layer may overflow: it is checked after the cast (the
+    host path), so a value beyond float16's range is refused as Inf, naming the cast."""
+    spec = db.Dense(3, in_features=2, dtype="float16")
+    dst = db.compile(spec, "torch", seed=0)
+    big = torch.full((2, 3), 1e6)
+    with pytest.raises(db.ConversionError, match="after casting to float16"):
+        db.set_params(dst, {"kernel": big, "bias": torch.zeros(3)})
