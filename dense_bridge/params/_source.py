@@ -453,7 +453,10 @@ def _validate(spec, params: object, *, strict: bool, argument: str, check_finite
             continue
         out[key] = cast
     for adapter, keys in on_device.items():
-        flags = adapter.nonfinite_flags([params[k] for k in keys])
+        try:
+            flags = adapter.nonfinite_flags([params[k] for k in keys])
+        except Exception:  # noqa: BLE001 - an array its own framework cannot reduce (no data: meta): which one
+            flags = [_nonfinite_alone(adapter, key, params[key], problems) for key in keys]
         for key, bad in zip(keys, flags):
             if bad:  # counted on the host: an error's detail, never the common path
                 problems.append(f"{key}: {count_nonfinite(array_to_numpy(params[key]))} NaN or Inf value(s)")
@@ -463,6 +466,16 @@ def _validate(spec, params: object, *, strict: bool, argument: str, check_finite
     if problems:
         raise ConversionError(f"{argument} do not fit {_describe(spec)}: " + "; ".join(problems))
     return out, deferred
+
+
+def _nonfinite_alone(adapter, key: str, value, problems: list[str]) -> bool:
+    """``value``'s NaN/Inf flag by itself; a problem naming ``key`` where its framework cannot
+    reduce it (then False: the problem already refuses the load)."""
+    try:
+        return bool(adapter.nonfinite_flags([value])[0])
+    except Exception as exc:  # noqa: BLE001 - reported by key, with the framework's reason
+        problems.append(f"{key}: cannot be read where it lives ({type(exc).__name__}: {exc})")
+        return False
 
 
 _WIDENS_EXACTLY = {"float32": ("float16", "bfloat16"), "float64": ("float16", "bfloat16", "float32")}

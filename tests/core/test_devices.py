@@ -322,3 +322,13 @@ def test_set_params_casts_a_narrowing_device_array_on_the_host_path():
     big = torch.full((2, 3), 1e6)
     with pytest.raises(db.ConversionError, match="after casting to float16"):
         db.set_params(dst, {"kernel": big, "bias": torch.zeros(3)})
+
+
+def test_set_params_names_a_tensor_without_data():
+    """A meta tensor (no data) cannot be checked where it lives: refused naming its key, nothing written."""
+    m = db.compile(db.Dense(3, in_features=2), "torch", seed=0)
+    before = db.get_params(m)
+    with pytest.raises(db.ConversionError, match=r"kernel: cannot be read where it lives") as info:
+        db.set_params(m, {"kernel": torch.empty(2, 3, device="meta"), "bias": torch.zeros(3)})
+    assert "bias" not in str(info.value)
+    np.testing.assert_array_equal(db.get_params(m)["kernel"], before["kernel"])
