@@ -159,10 +159,14 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
 
 
 def _keras_vars(model) -> list[tuple[str, object]]:
+    """(path, value) of every variable; in the path, the counters Keras appends to layers it names
+    itself ("mixtral_sparse_moe_block_12") dropped: they count the layers made earlier in the process."""
+    import re
+
     import keras
     import numpy as np
 
-    return [(v.path, np.asarray(keras.ops.convert_to_numpy(v))) for v in model.weights]
+    return [(re.sub(r"_\d+(?=/|$)", "", v.path), np.asarray(keras.ops.convert_to_numpy(v))) for v in model.weights]
 
 
 def _task_from_preset(path: str, task_json: dict, seed: int):

@@ -25,15 +25,18 @@ def dtype_name(dtype: torch.dtype, what: str) -> str:
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A read-only numpy view of a CPU tensor (a copy for other devices); bf16 as ml_dtypes."""
+    """A read-only numpy view of a CPU tensor; for a tensor on another device a writable copy
+    nobody else holds (made C-contiguous there, so a transposed view is transposed on the
+    device, then one device-to-host copy); bf16 as ml_dtypes."""
     t = t.detach()
-    if t.device.type != "cpu":  # laid out C-contiguous on the device (a transposed view: transposed there)
+    host = t.device.type == "cpu"
+    if not host:
         t = t.contiguous().cpu()
     if t.dtype == torch.bfloat16:
         arr = t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     else:
         arr = t.numpy()
-    arr.flags.writeable = False  # torch's memory: callers copy before mutating
+    arr.flags.writeable = not host  # a CPU tensor's memory is torch's: callers copy before mutating
     return arr
 
 

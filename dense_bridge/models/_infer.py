@@ -281,16 +281,55 @@ def _last(path: str) -> str:
     return re.split(r"[./]", path)[-1]
 
 
-def _one_to_one(s, d, plan: _mapping.Plan) -> None:
+def _one_to_one(s, d, plan: _mapping.Plan, widths: tuple | None = None) -> None:
     """One layer into one; a linear layer and a matrix applied as one (a router) move parameter by
-    parameter, by name, as each stores them (both (units, in_features) where they agree in shape)."""
+    parameter, by name, as each stores them (both (units, in_features) where they agree in shape),
+    or, named apart, as :func:`_matrix_moves` pairs them (``widths``: the pair's (in_features,
+    units), read off the calls)."""
     linear = ("linear", "quantized")
-    if (s.kind in linear) != (d.kind in linear) and sorted(s.names) == sorted(d.names) \
-            and all(tuple(s.shapes[n]) == tuple(d.shapes[n]) for n in s.names):
-        for n in s.names:
-            plan.params.append(_mapping.ParamMove(s.param_path(n), d.param_path(n), None, rule="auto"))
-        return
+    if (s.kind in linear) != (d.kind in linear):
+        if sorted(s.names) == sorted(d.names) and all(tuple(s.shapes[n]) == tuple(d.shapes[n]) for n in s.names):
+            for n in s.names:
+                plan.params.append(_mapping.ParamMove(s.param_path(n), d.param_path(n), None, rule="auto"))
+            return
+        moves = _matrix_moves(s, d, widths)
+        if moves is not None:
+            plan.axis_moves.extend(moves)
+            return
     plan.layers.append(_mapping.LayerMove((s,), (d,), rule="auto"))
+
+
+def _matrix_moves(s, d, widths: tuple | None) -> list | None:
+    """A plain linear layer and a matrix applied as one (a router) that name their parameters
+    apart (Keras' ``Dense`` keeps ``kernel`` (in_features, units), transformers' MoE router
+    ``weight`` (units, in_features)): the matrix into the matrix, its two axes exchanged where the
+    two store it differently, the bias into the bias. Each side's orientation is read from the
+    widths (in_features, units) that the calls showed, so a square matrix (both widths equal) is
+    not decidable: None then, as for anything else (a quantized layer, more parameters), and the
+    pair is refused by name. The transfer's verification judges the result like every pair."""
+    if widths is None or len(widths) != 2 or widths[0] == widths[1] or "quantized" in (s.kind, d.kind):
+        return None
+    n_in, units = widths
+
+    def parts(e):
+        mats = [n for n in e.names if len(e.shapes[n]) == 2]
+        vecs = [n for n in e.names if tuple(e.shapes[n]) == (units,)]
+        return (mats[0], vecs) if len(mats) == 1 and len(vecs) <= 1 and len(e.names) == 1 + len(vecs) else None
+
+    def stored_out_first(e, n) -> bool | None:
+        shape = tuple(e.shapes[n])
+        return True if shape == (units, n_in) else False if shape == (n_in, units) else None
+
+    ps, pd = parts(s), parts(d)
+    if ps is None or pd is None or len(ps[1]) != len(pd[1]):
+        return None
+    os_, od = stored_out_first(s, ps[0]), stored_out_first(d, pd[0])
+    if os_ is None or od is None:
+        return None
+    moves = [_mapping.AxisMove((s.param_path(ps[0]),), (d.param_path(pd[0]),), None, os_ != od, rule="auto")]
+    if ps[1]:
+        moves.append(_mapping.AxisMove((s.param_path(ps[1][0]),), (d.param_path(pd[1][0]),), None, False, rule="auto"))
+    return moves
 
 
 def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
@@ -303,7 +342,7 @@ def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
             if len(xs) > 1 and sorted(names_x) == sorted(names_y) and len(set(names_x)) == len(names_x):
                 ys = [ys[names_y.index(n)] for n in names_x]  # equal widths: the names agree, trust them
             for x, y in zip(xs, ys):
-                _one_to_one(x.entry, y.entry, plan)
+                _one_to_one(x.entry, y.entry, plan, x.signature)
         return True
     in_a, in_b = a[0].signature[0], b[0].signature[0]
     if in_a != in_b:
@@ -520,7 +559,7 @@ def _pair_unseen(run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> None:
                 continue
             others.remove(hit)
             src, dst = (x, hit) if mine is run_a else (hit, x)
-            _one_to_one(src.entry, dst.entry, plan)
+            _one_to_one(src.entry, dst.entry, plan, src.signature)
             for run, layer in ((run_a, src), (run_b, dst)):
                 if layer.entry.path in run.uncalled:
                     run.uncalled.remove(layer.entry.path)

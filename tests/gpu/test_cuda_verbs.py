@@ -75,6 +75,8 @@ def test_compile_and_compare_on_cuda(dtype):
     params = db.get_params(m)  # host numpy, the canonical hub
     assert all(isinstance(v, np.ndarray) for v in params.values())
     np.testing.assert_array_equal(params["0.kernel"], db.get_params(ref)["0.kernel"])
+    params["0.kernel"][0, 0] += 1  # the caller's own host copy (made once): the model does not change
+    np.testing.assert_array_equal(db.get_params(m)["0.kernel"], db.get_params(ref)["0.kernel"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
