@@ -519,6 +519,12 @@ def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple
     while i < len(pa) and j < len(pb):
         move = None
         one = _joins(pb[j][1], [pa[i][1]])
+        run = _equal_run(pa, pb, i, j) if one is not None else 1
+        if run > 1:  # several alike in shape on both sides: their names say which goes where
+            for x, y in _by_names(pa[i:i + run], pb[j:j + run]):
+                plan.axis_moves.append(_mapping.AxisMove((x,), (y,), one[0], one[1], rule="auto"))
+            i, j = i + run, j + run
+            continue
         if one is not None:
             move = ((pa[i][0],), (pb[j][0],), one[0], one[1], 1, 1)
         for k in range(2, 5):
@@ -541,6 +547,39 @@ def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple
         plan.axis_moves.append(_mapping.AxisMove(src, dst, axis, swap, rule="auto"))
         i, j = i + di, j + dj
     return [p for p, _ in pa[i:]], [q for q, _ in pb[j:]]
+
+
+def _equal_run(pa: list, pb: list, i: int, j: int) -> int:
+    """How many parameters from ``pa[i]`` and ``pb[j]`` on have, on both sides, the shapes of those
+    two (at most 4): stacks a library stores alike (an expert bank's gate and up projections)."""
+    n = 1
+    while n < 4 and i + n < len(pa) and j + n < len(pb) and pa[i + n][1] == pa[i][1] and pb[j + n][1] == pb[j][1]:
+        n += 1
+    return n
+
+
+def _words(path: str) -> set[str]:
+    """The words of a parameter's own name and of its layer's ("switch_mlp.gate_proj.weight":
+    gate, proj, weight; "experts/expert_feedforward_gate_dense": expert, feedforward, gate, dense)."""
+    parts = re.split(r"[./]", path)[-2:]
+    return {w for part in parts for w in part.lower().split("_") if w}
+
+
+def _by_names(xs: list, ys: list) -> list[tuple[str, str]]:
+    """Parameters alike in shape paired so that the words their paths share are the most; in
+    execution order where no pairing shares more (the transfer's verification judges either)."""
+    import itertools
+
+    def telling(words: list[set[str]]) -> list[set[str]]:  # the words all of one side share say nothing
+        common = set.intersection(*words)
+        return [w - common for w in words]
+    words_x, words_y = telling([_words(x) for x, _ in xs]), telling([_words(y) for y, _ in ys])
+    best, best_score = list(range(len(ys))), -1
+    for order in itertools.permutations(range(len(ys))):
+        score = sum(len(words_x[k] & words_y[o]) for k, o in enumerate(order))
+        if score > best_score:
+            best, best_score = list(order), score
+    return [(xs[k][0], ys[o][0]) for k, o in enumerate(best)]
 
 
 def _pair_unseen(run_a: _Run, run_b: _Run, plan: _mapping.Plan) -> None:

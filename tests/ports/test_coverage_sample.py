@@ -113,6 +113,19 @@ def test_a_keras_hub_architecture_ports_both_ways_bit_identical(tmp_path, model_
     db.port(k, back, to="transformers", verify="twins", progress=False)
     diff = h._first_difference(h._files(str(back)), h._files(str(t)), "round trip")
     assert diff is None, diff
+    # from mlx-lm's own load of the same files (its expert stacks: gate and up alike in shape,
+    # paired with keras-hub's by their names), into the same keras-hub weights
+    from pathlib import Path
+
+    import mlx_lm.utils as mu
+
+    m, k2 = tmp_path / "M", tmp_path / "K2"
+    model, config = mu.load_model(Path(t))
+    mu.save_model(str(m), model)
+    (m / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    db.port(m, k2, to="keras-hub", verify="twins", progress=False)
+    diff = h._first_difference(weights(keras_hub.models.Backbone.from_preset(str(k2))), ref, "mlx-lm -> keras-hub")
+    assert diff is None, diff
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, not ours
