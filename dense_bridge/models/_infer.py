@@ -249,11 +249,12 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
 
 
 # ----------------------------------------------------------------------------- pairing
-_BLOCK = re.compile(r"^(.*[./]\d+)[./]")
+_BLOCK = re.compile(r"^(.*(?:[./]|_)\d+)[./]")
 
 
 def _block(path: str) -> str:
-    """The path up to its last numbered component (``model.layers.0``): the block a layer sits in."""
+    """The path up to its last numbered component (``model.layers.0``; Keras numbers a name's end:
+    ``transformer_layer_0/sparse_moe_block_2``): the block a layer sits in."""
     m = _BLOCK.match(path)
     return m.group(1) if m else ""
 
