@@ -14,7 +14,8 @@ number a median over ``--repeats`` rounds, every variant once per round:
 3. ``db.get_params`` of the CUDA model against a device transpose plus one ``.cpu()`` per kernel
    (target >= 0.8).
 4. ``db.testing.compare_models`` of a CUDA Llama pair against two forward and backward passes
-   (target <= 3x).
+   (target <= 3x); and with ``grads=False, judge="carried"`` (the check of ``transfer(mapping="auto")``
+   and of the port) against two forward passes.
 
 The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). The CPU
 fixed cost per tensor is measured by ``--cpu`` (no GPU needed): a 24-layer tiny Llama, transfer
@@ -174,12 +175,23 @@ def main(argv=None) -> int:
             out.backward(torch.ones_like(out))
         a.zero_grad(set_to_none=True)
         b.zero_grad(set_to_none=True)
+    def forwards():
+        with torch.no_grad():
+            for model in (a, b):
+                model(tids)
     passes()
     db.testing.compare_models(a, b, [ids])
     t_cm = _median(lambda: db.testing.compare_models(a, b, [ids]), args.repeats, sync)
     t_fb = _median(passes, args.repeats, sync)
     _row(rows, ("compare_models, CUDA Llama pair (4 layers, 1024 wide, 2 x 128 tokens)", f"{t_cm * 1e3:.1f} ms",
                  f"two forward + backward {t_fb * 1e3:.1f} ms", f"{t_cm / t_fb:.2f}x (target <= 3x)"))
+    # what transfer(mapping="auto") and the port verify with: outputs only, each value judged as carried
+    carried = lambda: db.testing.compare_models(a, b, [ids], grads=False, judge="carried")  # noqa: E731
+    carried()
+    t_cc = _median(carried, args.repeats, sync)
+    t_f = _median(forwards, args.repeats, sync)
+    _row(rows, ("compare_models(grads=False, judge='carried'), the same pair", f"{t_cc * 1e3:.1f} ms",
+                 f"two forward passes {t_f * 1e3:.1f} ms", f"{t_cc / t_f:.2f}x"))
 
     text = _table(rows, f"{card}, torch {torch.__version__}")
     print(text)
