@@ -1,6 +1,7 @@
 """Moves and comparisons of models on a CUDA GPU against the device's own limits (issue 45).
 
-Run where torch sees a CUDA device: ``python benchmarks/bench_gpu.py [--repeats 5] [--layers 8]``.
+Run where torch sees a CUDA device: ``python benchmarks/bench_gpu.py [--repeats 5] [--layers 8]`` (on a lent GPU
+machine: ``benchmarks/gpu_session.sh``, the CUDA tests and this in one call).
 Without one it prints "no CUDA: not measured" and exits 0, measuring nothing. In one run, each
 number a median over ``--repeats`` rounds, every variant once per round:
 
