@@ -481,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "coverage.md"))
     ap.add_argument("--before", default=None, help="a coverage.json whose counts are shown as 'before'")
     ap.add_argument("--keras-only", action="store_true", help="only the keras-hub rows (_coverage_keras.py)")
+    ap.add_argument("--no-keras", action="store_true", help="only the transformers/mlx-lm rows")
     ap.add_argument("--jobs", type=int, default=1, help="rows run at once (each in its own process)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -515,6 +516,8 @@ def main(argv=None) -> int:
             write_md(rows, pairs[:i + 1], args.out, wall, command, before)
             with open(json_path, "w") as f:
                 json.dump({"versions": versions(), "wall_s": wall, "counts": counts(rows), "rows": rows}, f, indent=1)
+    if args.no_keras:
+        return 0
     import _coverage_keras as ck  # the keras-hub rows, written as they come
 
     def keras_rows(got, done=len(rows)):
