@@ -59,6 +59,11 @@ OVERRIDES: dict[str, dict] = {
     # run: the released LFM2 layout (convolutions, attention at six layers)
     "lfm2": {"num_hidden_layers": 16, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
              "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
+    # the same for LFM2-MoE (transformers' default sets no layer_types at all): the released LFM2-8B-A1B layout
+    "lfm2_moe": {"num_hidden_layers": 24,
+                 "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]},
+    # transformers' default config leaves head_dim None, which its own attention raises to a power
+    "hunyuan_v1_dense": {"head_dim": 128},
     # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting;
     # transformers' default config routes to None experts per token
     "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
