@@ -545,6 +545,10 @@ def port_shrink(fmt: str, common: dict) -> dict:
             out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
+    for k, v in list(out.items()):  # a count of positions selected (sparse attention's top-k): one the inputs exceed,
+        # so both libraries run the selection (a top-k as large as the sequence is skipped by some)
+        if k.endswith("topk") and isinstance(v, int) and not isinstance(v, bool) and v >= TWIN_POSITIONS:
+            out[k] = TWIN_WINDOW // 2
     vocab = get("vocab_size")
     if isinstance(vocab, int) and vocab > TWIN_VOCAB:
         out[key("vocab_size")] = TWIN_VOCAB
