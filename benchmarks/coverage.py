@@ -479,6 +479,100 @@ def write_md(rows: list[dict], pairs: list[tuple[str, str]], path: str, wall: fl
         f.write("\n".join(lines) + "\n")
 
 
+MLX_DIRS = ("transformers->mlx-lm", "mlx-lm->transformers")
+TABLE_CLASSES = CLASSES + ("skipped",)
+
+
+def merge(composite: dict, run: dict, at: str) -> dict:
+    """``composite`` (the table as last measured per row, each row with the commit it ran at,
+    ``at``) with every row of ``run`` (one run of this harness) put in place of the row of the
+    same model type and direction, marked as measured at ``at``; a row of a whole model type
+    (``"both"``: a timeout, a crash) stands for both of its directions. Returns a new dict."""
+    new = {}
+    for r in run["rows"]:
+        for d in (MLX_DIRS if r["direction"] == "both" else (r["direction"],)):
+            new[(r["model_type"], d)] = {**r, "direction": d, "at": at}
+    rows = [r for r in composite["rows"] if (r["model_type"], r["direction"]) not in new] + list(new.values())
+    rows.sort(key=lambda r: (r["model_type"], r["direction"]))
+    return {**composite, "composite": True, "versions": run.get("versions", composite.get("versions")), "rows": rows}
+
+
+def both_ways(rows: list[dict], ok=("pass",)) -> list[str]:
+    """The model types whose two transformers/mlx-lm rows are both of a class in ``ok``."""
+    by: dict[str, dict] = {}
+    for r in rows:
+        if r["direction"] in MLX_DIRS:
+            by.setdefault(r["model_type"], {})[r["direction"]] = r["class"]
+    return sorted(t for t, c in by.items() if all(c.get(d) in ok for d in MLX_DIRS))
+
+
+def write_composite_md(data: dict, path: str) -> None:
+    """The composite table (:func:`merge`) as markdown: summary counts recomputed from the rows,
+    per direction, the both-ways count, and every row with the commit it ran at."""
+    rows = data["rows"]
+    v = data.get("versions") or versions()
+    counts_ = {}
+    for r in rows:
+        c = counts_.setdefault(r["direction"], {k: 0 for k in TABLE_CLASSES})
+        c[r["class"]] = c.get(r["class"], 0) + 1
+    order = list(MLX_DIRS) + sorted(d for d in counts_ if d not in MLX_DIRS)
+    ats = {}
+    for r in rows:
+        ats[r.get("at", "?")] = ats.get(r.get("at", "?"), 0) + 1
+    mlx_types = {r["model_type"] for r in rows if r["direction"] in MLX_DIRS}
+    passing = both_ways(rows)
+    lenient = both_ways(rows, ("pass", "pass-rounded", "discrepancy"))
+    head = "| direction | " + " | ".join(TABLE_CLASSES) + " | rows |"
+    rule = "|---" * (len(TABLE_CLASSES) + 2) + "|"
+    lines = ["# Port coverage: every architecture transformers and mlx-lm share, and every text architecture "
+             "keras-hub imports", "", "## Summary (for the README)", "",
+             f"{len(mlx_types)} model types shared by transformers {v.get('transformers')} and mlx-lm "
+             f"{v.get('mlx-lm')} are in the table (92 under the same name, 7 through mlx-lm's MODEL_REMAPPING), "
+             "with the text architectures keras-hub's transformers importer accepts. One row per model type and "
+             "direction, each in its own process: `python benchmarks/coverage.py --jobs 2` (`--only a,b` for some "
+             "rows, `--no-keras` / `--keras-only`; `--merge RUN.json --at COMMIT` puts a run's rows into this "
+             "table).", "",
+             "**Not one run at one commit**: on this machine (2 CPU cores shared with other work) a row takes 10 s "
+             "to 5 min, and the whole table does not fit in one session. Each row below is the last measurement of "
+             "it, with the commit or branch it ran at (`at`): " + ", ".join(f"{a} ({n} rows)" for a, n in
+                                                                          sorted(ats.items(), key=lambda x: -x[1]))
+             + ".", "", head, rule]
+    for d in order:
+        k = counts_[d]
+        lines.append(f"| {d} | " + " | ".join(str(k.get(x, 0)) for x in TABLE_CLASSES) + f" | {sum(k.values())} |")
+    lines += ["", f"Both ways (transformers->mlx-lm and back): **{len(passing)} model types pass**, {len(lenient)} "
+              "pass or port with a library discrepancy the port states; the issue's target is 85 of the 92.", ""]
+    start = data.get("session_start")
+    if start:
+        lines += [f"At the session's start ({start['at']}, same harness, {start['types']} types):", "", head, rule]
+        for d, k in start["counts"].items():
+            lines.append(f"| {d} | " + " | ".join(str(k.get(x, 0)) for x in TABLE_CLASSES) + f" | {sum(k.values())} |")
+        lines.append("")
+    lines += ["Libraries: " + ", ".join(f"{k} {x}" for k, x in v.items() if x and k != "dense-bridge")
+              + " (pinned in the `test` extra).", "",
+              "Classes: **pass** every weight written bit-identical to the destination library's own loader on the "
+              "same source (transformers -> mlx-lm: mlx-lm's `load_model` on the transformers directory; mlx-lm -> "
+              "transformers: `from_pretrained` of the original; -> keras-hub: keras-hub's own `from_preset` of the "
+              "transformers directory), and the round trip bit-identical to the source; **pass-rounded** the same "
+              "with tensors the certificate marks inexact; **discrepancy** the weights agree, the two libraries' own "
+              "code computes differently (the port says where); **refused** the port raised, its reason shown; "
+              "**fails** the first disagreeing weight, an error that is not the port's, or the row's timeout; "
+              "**no-reference** a library cannot build the tiny model or read the source itself; **skipped** not a "
+              "text model.", "",
+              "Harness overrides of default configs that cannot run as they are (OVERRIDES in "
+              "benchmarks/coverage.py, each shown in its row's notes): " + ", ".join(OVERRIDES) + ".", "",
+              "## Rows", "", "| model_type | direction | class | at | s | detail |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        detail = str(r.get("detail") or "").replace("|", "\\|").replace("\n", " ")
+        notes = "; ".join(r.get("notes") or [])
+        if notes:
+            detail = f"{detail} [{notes}]".strip()
+        lines.append(f"| {r['model_type']} | {r['direction']} | {r['class']} | {r.get('at', '')} | "
+                     f"{r.get('seconds', '')} | {detail[:600]} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated model types (default: all shared)")
@@ -488,8 +582,25 @@ def main(argv=None) -> int:
     ap.add_argument("--keras-only", action="store_true", help="only the keras-hub rows (_coverage_keras.py)")
     ap.add_argument("--no-keras", action="store_true", help="only the transformers/mlx-lm rows")
     ap.add_argument("--jobs", type=int, default=1, help="rows run at once (each in its own process)")
+    ap.add_argument("--merge", default=None, metavar="RUN_JSON",
+                    help="put the rows of RUN_JSON (a run's coverage.json) into the composite table at --out")
+    ap.add_argument("--at", default=None, help="with --merge: the commit the run was made at")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.at:
+            ap.error("--merge needs --at COMMIT (the commit the run was made at)")
+        json_path = os.path.splitext(args.out)[0] + ".json"
+        with open(json_path) as f:
+            composite = json.load(f)
+        with open(args.merge) as f:
+            run = json.load(f)
+        data = merge(composite, run, args.at)
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1)
+        write_composite_md(data, args.out)
+        print(f"{len(run['rows'])} rows merged at {args.at}; both ways pass: {len(both_ways(data['rows']))}")
+        return 0
     if args.row:
         sys.path.insert(0, ROOT)
         rows = run_row(args.row)

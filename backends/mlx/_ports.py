@@ -290,11 +290,12 @@ def _mistyped_fields(config: dict, args_class) -> list[str]:
             f"{_scalar_type(f)}" for f in fields if _mistyped(f, config.get(f.name))]
 
 
-def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
+def _fit(config: dict, shapes: dict[str, tuple[int, ...]], widths_only: bool = False) -> int | None:
     """How many tensors disagree between mlx-lm's model for ``config`` and the weights ``shapes``
     (names and shapes as the source stores them) once mlx-lm's own ``sanitize`` has read them, as its
     loader does (parameters missing or of another shape, weights left over); None where the model
-    is not built. Lazy arrays: nothing is computed, whatever the sizes."""
+    is not built (``widths_only``: only tensors both hold, of another shape). Lazy arrays: nothing is
+    computed, whatever the sizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -307,6 +308,8 @@ def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
     except Exception:  # noqa: BLE001 - a value the library cannot build with does not fit
         return None
     got = {k: tuple(v.shape) for k, v in weights.items()}
+    if widths_only:  # only tensors both hold, of another shape
+        return sum(1 for k, s in params.items() if k in got and got[k] != s)
     return sum(1 for k, s in params.items() if got.get(k) != s) + sum(1 for k in got if k not in params)
 
 
@@ -362,11 +365,13 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
             default = _library_default(f.name)
             if default is not None:
                 out[f.name] = default
+    if not shapes:
+        return out
+    if not (guess or switches):
+        return _refine_defaults(out, args_class, shapes)
     layers = _layer_count(out)
     if switches and layers:
-        out.update({f.name: [False] * layers for f in switches})  # refined by the weights below
-    if not shapes or not (guess or switches):
-        return out
+        out.update({f.name: [False] * layers for f in switches})  # every switch off, then turned on layer by layer below
     if guess:
         dims = sorted({d for s in shapes.values() for d in s} | {0, 1})
         options = [[False, True] if _kind(f) == "bool" else dims for f in guess]
@@ -407,6 +412,39 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
             s = _fit({**out, f.name: trial}, shapes)
             if s is not None and s < score:
                 out[f.name], score = trial, s
+    return _refine_defaults(out, args_class, shapes)
+
+
+def _refine_defaults(config: dict, args_class, shapes: dict) -> dict:
+    """``config`` with integer fields it leaves to mlx-lm's defaults set by the weights where the
+    default does not hold them: when some tensor of ``shapes`` has another shape in mlx-lm's model,
+    each such field, one at a time, takes the width under which that model holds strictly fewer of
+    the tensors disagreeing (a width the source's config says in another form, as a per-layer
+    setting); a config whose tensors all have their shapes is unchanged.
+    At most :data:`MAX_TRIES` models are built (lazily)."""
+    import dataclasses
+
+    if not _fit(config, shapes, widths_only=True):  # names left over are no width: nothing a default explains
+        return config
+    score = _fit(config, shapes)
+    try:
+        fields = [f for f in dataclasses.fields(args_class) if not _required(f) and _kind(f) == "int"
+                  and f.name not in config]
+    except TypeError:
+        return config
+    dims = sorted({d for s in shapes.values() for d in s})
+    out, tries = dict(config), 0
+    for f in fields:
+        best = None
+        for v in dims:
+            if tries >= MAX_TRIES or not score:
+                return out
+            tries += 1
+            s = _fit({**out, f.name: v}, shapes)
+            if s is not None and s < score and (best is None or s < best[1]):
+                best = (v, s)
+        if best is not None:
+            out[f.name], score = best
     return out
 
 
