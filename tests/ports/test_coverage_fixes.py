@@ -168,3 +168,23 @@ def test_a_sparse_attention_top_k_is_below_the_twins_positions():
     small = _default_shrunk("glm_moe_dsa")
     assert small["index_topk"] < POSITIONS
     assert small["num_experts_per_tok"] == 8  # a top-k of experts is no count of positions: kept
+
+
+def test_layers_of_one_kind_with_different_widths_are_copied_by_one_rule():
+    # a norm of width 8 in most layers and 16 in the full-attention one (a per-layer head width):
+    # the same whole copy in every layer, planned for the real widths
+    import numpy as np
+
+    from dense_bridge.ports import _rules
+
+    rng = np.random.default_rng(0)
+    widths = [8, 8, 16]
+    src = {f"m.{i}.k_norm.weight": rng.standard_normal(w).astype(np.float32) for i, w in enumerate(widths)}
+    dst = {f"model.{i}.k_norm.weight": v.copy() for i, v in enumerate(src.values())}
+    recipes = _rules.learn(src, dst)
+    assert list(recipes) == ["model.{}.k_norm.weight"]
+    real = {f"m.{i}.k_norm.weight": (w,) for i, w in enumerate([32, 32, 64, 32])}
+    moves = _rules.plan(recipes, {"model.{}.k_norm.weight"}, set(), real,
+                        {f"model.{i}.k_norm.weight": (w,) for i, w in enumerate([32, 32, 64, 32])})
+    assert sorted((m.target, m.shape) for m in moves) == [(f"model.{i}.k_norm.weight", (w,))
+                                                          for i, w in enumerate([32, 32, 64, 32])]
