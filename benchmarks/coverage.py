@@ -153,6 +153,8 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     amap = dict(getattr(transformers.CONFIG_MAPPING[text.model_type], "attribute_map", {}) or {})
     vk = amap.get("vocab_size", "vocab_size")
     if isinstance(small.get(vk), int) and small[vk] == tp.TWIN_VOCAB:
+        for k in [k for k in small if k.startswith("vocab_size") and small[k] == tp.TWIN_VOCAB]:
+            small[k] = 96  # with the tables of the same vocabulary (per-layer inputs)
         small[vk] = 96
     return small, notes
 

@@ -552,6 +552,9 @@ def port_shrink(fmt: str, common: dict) -> dict:
     vocab = get("vocab_size")
     if isinstance(vocab, int) and vocab > TWIN_VOCAB:
         out[key("vocab_size")] = TWIN_VOCAB
+        for k, v in list(out.items()):  # other tables of the same vocabulary (a per-layer input embedding)
+            if k.startswith("vocab_size") and isinstance(v, int) and not isinstance(v, bool) and v > TWIN_VOCAB:
+                out[k] = TWIN_VOCAB
         ids = sorted({v for k, v in out.items() if k.endswith("_token_id") and isinstance(v, int)}
                      | {i for k, v in out.items() if k.endswith("_token_id") and isinstance(v, list) for i in v})
         remap = {old: TWIN_VOCAB - 1 - n for n, old in enumerate(ids)}

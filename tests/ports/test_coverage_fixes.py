@@ -188,3 +188,10 @@ def test_layers_of_one_kind_with_different_widths_are_copied_by_one_rule():
                         {f"model.{i}.k_norm.weight": (w,) for i, w in enumerate([32, 32, 64, 32])})
     assert sorted((m.target, m.shape) for m in moves) == [(f"model.{i}.k_norm.weight", (w,))
                                                           for i, w in enumerate([32, 32, 64, 32])]
+
+
+def test_every_table_of_the_vocabulary_is_shrunk():
+    # gemma4's per-layer input embedding (vocab x layers x width) kept at 262144 rows made its twins
+    # take gigabytes
+    small = _default_shrunk("gemma4_text")
+    assert small["vocab_size_per_layer_input"] == small["vocab_size"] <= 64
