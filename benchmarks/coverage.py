@@ -30,8 +30,11 @@ cannot make the tiny model or the reference: the library's own message).
 keras-hub rows: benchmarks/_coverage_keras.py (every text architecture keras-hub's importer accepts,
 judged against keras-hub's own import), run after these rows; ``--keras-only`` runs only them.
 
-Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--jobs 2] [--out PATH]
-Writes benchmarks/results/coverage.md (and coverage.json beside it).
+Run:  nice python benchmarks/coverage.py [--only llama,mixtral] [--timeout 300] [--jobs 2] [--no-keras] [--out PATH]
+Writes benchmarks/results/coverage.md (and coverage.json beside it). The table in the repository is a
+composite (each row with the commit it ran at): run some rows with ``--out /tmp/run.md``, then
+``python benchmarks/coverage.py --merge /tmp/run.json --at COMMIT`` puts them in place and recomputes
+the summary from the rows.
 """
 from __future__ import annotations
 
