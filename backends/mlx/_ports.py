@@ -327,7 +327,8 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
        mlx-lm's ``sanitize`` as its loader reads them): a bias or a norm present or not, a width,
        0 (none) included; a per-layer list of switches (which layers hold experts), layer by layer;
     4. what the weights leave open: a switch is off, as a config that does not name it means; an
-       integer no weight depends on at all takes mlx-lm's usual default for it, else 0 (none).
+       integer no weight depends on at all takes mlx-lm's usual default for it, else, for a
+       feed-forward width (:data:`NONE_WIDTHS`), 0 (none); any other stays unset.
 
     The twins' verification judges every value so filled. A field none of this fills is left unset,
     and building the model refuses naming it.
@@ -394,7 +395,12 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
                     keep = False
                 elif {values[i] for values in scored} >= {v for values in scores for v in values[i:i + 1]}:
                     default = _library_default(guess[i].name)
-                    keep = default if isinstance(default, int) and not isinstance(default, bool) else 0
+                    if isinstance(default, int) and not isinstance(default, bool):
+                        keep = default
+                    elif guess[i].name.endswith(NONE_WIDTHS):
+                        keep = 0  # a feed-forward width no tensor has: no such part
+                    else:
+                        continue  # a count nothing decides (0 may divide by it): left to the refusal
                 else:
                     continue  # the weights allow a few values, not every one: left to the refusal
                 scored = [values for values in scored if values[i] == keep]
@@ -476,6 +482,9 @@ def _rotary_dim(config: dict) -> int | None:
     return int(head * (1.0 if factor is None else float(factor)))
 
 
+#: Integer fields that are the width of a feed-forward part: one no tensor of the source has, that
+#: no weight decides, is 0 (the part is absent). Other integers nothing decides stay unset (refused).
+NONE_WIDTHS = ("intermediate_size",)
 #: Fields computed from the settings they are made of, where the config sets the parts but not the
 #: field: {field: function of the config -> value or None}.
 DERIVED = {"rotary_dim": _rotary_dim}

@@ -195,3 +195,13 @@ def test_every_table_of_the_vocabulary_is_shrunk():
     # take gigabytes
     small = _default_shrunk("gemma4_text")
     assert small["vocab_size_per_layer_input"] == small["vocab_size"] <= 64
+
+
+def test_a_count_no_weight_decides_is_refused_by_name_not_guessed():
+    # bailing_hybrid's group_norm_size decides no tensor's shape; 0 would divide by zero inside
+    # mlx-lm (the process died of SIGFPE): it stays unset and building refuses naming it
+    mp = _mp()
+    own, _ = _destination("bailing_hybrid")
+    assert own.get("group_norm_size") is None
+    with pytest.raises(db.ConversionError, match="group_norm_size"):
+        mp.port_shapes("mlx-lm", own)
