@@ -199,7 +199,7 @@ def _flat_own_config(common: dict) -> dict:
         if ours in out and theirs not in out:
             out[theirs] = out[ours]
     _optional_fields(out)
-    rope = out.get("rope_parameters")
+    rope = _one_rope(out.get("rope_parameters"))
     if isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values()):
         for inner, outer in READS_AS.items():
             if inner in rope and outer not in out:
@@ -209,6 +209,16 @@ def _flat_own_config(common: dict) -> dict:
             rest = {k: v for k, v in rope.items() if k not in READS_AS}
             out["rope_scaling"] = {**rest, "type": kind, "rope_type": kind}
     return out
+
+
+def _one_rope(rope):
+    """``rope`` (``rope_parameters``), or, where it holds one setting per layer type and every layer
+    type has the same one, that setting: what a library with one rope for every layer reads."""
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        first = next(iter(rope.values()))
+        if all(v == first for v in rope.values()) and not any(isinstance(x, dict) for x in first.values()):
+            return dict(first)
+    return rope
 
 
 def _optional_fields(config: dict) -> None:
@@ -280,11 +290,12 @@ def _mistyped_fields(config: dict, args_class) -> list[str]:
             f"{_scalar_type(f)}" for f in fields if _mistyped(f, config.get(f.name))]
 
 
-def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
+def _fit(config: dict, shapes: dict[str, tuple[int, ...]], widths_only: bool = False) -> int | None:
     """How many tensors disagree between mlx-lm's model for ``config`` and the weights ``shapes``
     (names and shapes as the source stores them) once mlx-lm's own ``sanitize`` has read them, as its
     loader does (parameters missing or of another shape, weights left over); None where the model
-    is not built. Lazy arrays: nothing is computed, whatever the sizes."""
+    is not built (``widths_only``: only tensors both hold, of another shape). Lazy arrays: nothing is
+    computed, whatever the sizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -297,18 +308,30 @@ def _fit(config: dict, shapes: dict[str, tuple[int, ...]]) -> int | None:
     except Exception:  # noqa: BLE001 - a value the library cannot build with does not fit
         return None
     got = {k: tuple(v.shape) for k, v in weights.items()}
+    if widths_only:  # only tensors both hold, of another shape
+        return sum(1 for k, s in params.items() if k in got and got[k] != s)
     return sum(1 for k, s in params.items() if got.get(k) != s) + sum(1 for k in got if k not in params)
 
 
 def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     """``config`` (as :func:`port_own_config` wrote it) with the fields mlx-lm's ``ModelArgs``
-    require and the config leaves unset (absent, or None where the field is not optional) filled:
-    from another name of the same setting (:data:`SYNONYMS`), else, for booleans and integers, by
-    the weights: the one value under which mlx-lm's own model holds the tensors ``shapes`` (the fewest disagreeing)
-    (the source's names and shapes, read through mlx-lm's ``sanitize`` as its loader reads them):
-    a bias or a norm present or not, a width. A switch the weights do not decide (an order of norms)
-    is off, as a config that does not name it means; the twins' verification judges that. A field
-    none of this fills is left unset, and building the model refuses naming it.
+    require and the config leaves unset (absent, or None where the field is not optional) filled,
+    in this order:
+
+    1. from another name of the same setting (:data:`SYNONYMS`), or computed from the settings it
+       is made of (:data:`DERIVED`: the rotated width of a head);
+    2. a field no weight can decide (a string: a routing method, a scoring function) takes the value
+       mlx-lm's own models give that field by default where most of them agree (:func:`_library_default`);
+    3. booleans and integers, by the weights: the one value under which mlx-lm's own model holds the
+       tensors ``shapes`` (the fewest disagreeing; the source's names and shapes, read through
+       mlx-lm's ``sanitize`` as its loader reads them): a bias or a norm present or not, a width,
+       0 (none) included; a per-layer list of switches (which layers hold experts), layer by layer;
+    4. what the weights leave open: a switch is off, as a config that does not name it means; an
+       integer no weight depends on at all takes mlx-lm's usual default for it, else, for a
+       feed-forward width (:data:`NONE_WIDTHS`), 0 (none); any other stays unset.
+
+    The twins' verification judges every value so filled. A field none of this fills is left unset,
+    and building the model refuses naming it.
 
     Args:
         config: mlx-lm's config for the model.
@@ -327,36 +350,192 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
         return out
     names = set(_unset(out, args_class))
     unset = [f for f in fields if f.name in names]
-    guess = []
+    guess, switches = [], []
     for f in unset:
         other = next((k for k in SYNONYMS.get(f.name, ()) if out.get(k) is not None), None)
+        derived = DERIVED[f.name](out) if f.name in DERIVED else None
         if other is not None:
             out[f.name] = out[other]
+        elif derived is not None:
+            out[f.name] = derived
         elif _kind(f) in ("bool", "int"):
             guess.append(f)
-    if not guess or not shapes:
+        elif _bool_list(f):
+            switches.append(f)
+        else:
+            default = _library_default(f.name)
+            if default is not None:
+                out[f.name] = default
+    if not shapes:
         return out
+    if not (guess or switches):
+        return _refine_defaults(out, args_class, shapes)
+    layers = _layer_count(out)
+    if switches and layers:
+        out.update({f.name: [False] * layers for f in switches})  # every switch off, then turned on layer by layer below
+    if guess:
+        dims = sorted({d for s in shapes.values() for d in s} | {0, 1})
+        options = [[False, True] if _kind(f) == "bool" else dims for f in guess]
+        tries = list(itertools.islice(itertools.product(*options), MAX_TRIES + 1))
+        if len(tries) > MAX_TRIES:
+            return out
+        scores = {}
+        for values in tries:
+            score = _fit({**out, **{f.name: v for f, v in zip(guess, values)}}, shapes)
+            if score is not None:
+                scores[values] = score
+        if not scores:
+            return out
+        best = min(scores.values())  # a tied head one side lists and the other does not: not zero, still the fewest
+        scored = [values for values, score in scores.items() if score == best]
+        if len(scored) > 1:  # the weights leave some fields open: switches off, integers nothing depends on
+            open_ = {i for i in range(len(guess)) if len({values[i] for values in scored}) > 1}
+            for i in sorted(open_):
+                if _kind(guess[i]) == "bool":
+                    keep = False
+                elif {values[i] for values in scored} >= {v for values in scores for v in values[i:i + 1]}:
+                    default = _library_default(guess[i].name)
+                    if isinstance(default, int) and not isinstance(default, bool):
+                        keep = default
+                    elif guess[i].name.endswith(NONE_WIDTHS):
+                        keep = 0  # a feed-forward width no tensor has: no such part
+                    else:
+                        continue  # a count nothing decides (0 may divide by it): left to the refusal
+                else:
+                    continue  # the weights allow a few values, not every one: left to the refusal
+                scored = [values for values in scored if values[i] == keep]
+        if len(scored) == 1:
+            out.update({f.name: v for f, v in zip(guess, scored[0])})
+    for f in switches:  # layer by layer: a switch on where the weights fit better with it
+        if not layers:
+            break
+        score = _fit(out, shapes)
+        for i in range(layers):
+            if score is None:
+                break
+            trial = list(out[f.name])
+            trial[i] = True
+            s = _fit({**out, f.name: trial}, shapes)
+            if s is not None and s < score:
+                out[f.name], score = trial, s
+    return _refine_defaults(out, args_class, shapes)
+
+
+def _refine_defaults(config: dict, args_class, shapes: dict) -> dict:
+    """``config`` with integer fields it leaves to mlx-lm's defaults set by the weights where the
+    default does not hold them: when some tensor of ``shapes`` has another shape in mlx-lm's model,
+    each such field, one at a time, takes the width under which that model holds strictly fewer of
+    the tensors disagreeing (a width the source's config says in another form, as a per-layer
+    setting); a config whose tensors all have their shapes is unchanged.
+    At most :data:`MAX_TRIES` models are built (lazily)."""
+    import dataclasses
+
+    if not _fit(config, shapes, widths_only=True):  # names left over are no width: nothing a default explains
+        return config
+    score = _fit(config, shapes)
+    try:
+        fields = [f for f in dataclasses.fields(args_class) if not _required(f) and _kind(f) == "int"
+                  and f.name not in config]
+    except TypeError:
+        return config
     dims = sorted({d for s in shapes.values() for d in s})
-    options = [[False, True] if _kind(f) == "bool" else dims for f in guess]
-    tries = list(itertools.islice(itertools.product(*options), MAX_TRIES + 1))
-    if len(tries) > MAX_TRIES:
-        return out
-    scores = {}
-    for values in tries:
-        score = _fit({**out, **{f.name: v for f, v in zip(guess, values)}}, shapes)
-        if score is not None:
-            scores[values] = score
-    if not scores:
-        return out
-    best = min(scores.values())  # a tied head one side lists and the other does not: not zero, still the fewest
-    scored = [values for values, score in scores.items() if score == best]
-    if len(scored) > 1:  # the weights leave some fields open: only switches, which the source names by leaving them off
-        open_ = {i for i in range(len(guess)) if len({values[i] for values in scored}) > 1}
-        if all(_kind(guess[i]) == "bool" for i in open_):
-            scored = [values for values in scored if not any(values[i] for i in open_)]
-    if len(scored) == 1:
-        out.update({f.name: v for f, v in zip(guess, scored[0])})
+    out, tries = dict(config), 0
+    for f in fields:
+        best = None
+        for v in dims:
+            if tries >= MAX_TRIES or not score:
+                return out
+            tries += 1
+            s = _fit({**out, f.name: v}, shapes)
+            if s is not None and s < score and (best is None or s < best[1]):
+                best = (v, s)
+        if best is not None:
+            out[f.name], score = best
     return out
+
+
+def _bool_list(f) -> bool:
+    """Whether the field ``f`` is typed as a list of booleans (one switch per layer)."""
+    t = f.type if isinstance(f.type, str) else str(f.type)
+    return t.replace("typing.", "").replace(" ", "") in ("List[bool]", "list[bool]")
+
+
+def _layer_count(config: dict) -> int | None:
+    for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers"):
+        if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and config[k] > 0:
+            return config[k]
+    return None
+
+
+def _rotary_dim(config: dict) -> int | None:
+    """The rotated width of each head: ``head_dim`` x the partial rotary factor (1 where unset)."""
+    head = config.get("head_dim")
+    if not isinstance(head, int) or isinstance(head, bool):
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        head = hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
+    if head is None:
+        return None
+    rope = _one_rope(config.get("rope_parameters"))
+    factor = config.get("partial_rotary_factor")
+    if factor is None and isinstance(rope, dict):
+        factor = rope.get("partial_rotary_factor")
+    return int(head * (1.0 if factor is None else float(factor)))
+
+
+#: Integer fields that are the width of a feed-forward part: one no tensor of the source has, that
+#: no weight decides, is 0 (the part is absent). Other integers nothing decides stay unset (refused).
+NONE_WIDTHS = ("intermediate_size",)
+#: Fields computed from the settings they are made of, where the config sets the parts but not the
+#: field: {field: function of the config -> value or None}.
+DERIVED = {"rotary_dim": _rotary_dim}
+
+
+def _library_default(name: str):
+    """The default most of mlx-lm's ``ModelArgs`` give a field called ``name`` (more than half of
+    those that default it, and at least two), or None: what mlx-lm assumes for the setting where a
+    config leaves it out."""
+    import collections
+
+    counts = collections.Counter(repr(v) for v in _library_defaults().get(name, ()))
+    if not counts:
+        return None
+    value, n = counts.most_common(1)[0]
+    if n < 2 or 2 * n <= sum(counts.values()):
+        return None
+    return next(v for v in _library_defaults()[name] if repr(v) == value)
+
+
+_DEFAULTS: dict | None = None
+
+
+def _library_defaults() -> dict:
+    """{field name: [the default of every mlx-lm ``ModelArgs`` that defaults it]} (scalars only),
+    read once from every model module mlx-lm offers."""
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        import contextlib
+        import dataclasses
+        import importlib
+        import io
+        import pkgutil
+
+        import mlx_lm.models
+
+        found: dict[str, list] = {}
+        for m in pkgutil.iter_modules(mlx_lm.models.__path__):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # modules that print what they lack
+                    module = importlib.import_module(f"mlx_lm.models.{m.name}")
+            except BaseException:  # noqa: BLE001 - a module that cannot be imported here (it may exit)
+                continue
+            args = getattr(module, "ModelArgs", None)
+            if not (isinstance(args, type) and dataclasses.is_dataclass(args)):
+                continue
+            for f in dataclasses.fields(args):
+                if f.default is not dataclasses.MISSING and isinstance(f.default, (bool, int, float, str)):
+                    found.setdefault(f.name, []).append(f.default)
+        _DEFAULTS = found
+    return _DEFAULTS
 
 
 def port_shrink(fmt: str, common: dict) -> dict:

@@ -430,6 +430,32 @@ def _index_lists(common: dict, out: dict, total) -> dict[str, list[int]]:
     return found
 
 
+def _per_head_widths(config: dict, per_head: int, exact: str | None = None) -> None:
+    """The per-head widths of ``config`` (``*_head_dim``, ``*_d_head``, ``rotary_dim``, and ``exact``)
+    scaled in place as the head width ``per_head`` is to the twin's: latent attention's parts, the
+    rotated part, a state-space layer's head width; in proportion, so sums stay sums."""
+    for k, v in list(config.items()):
+        if (k.endswith("_head_dim") or k.endswith("_d_head") or k in ("rotary_dim", exact)) and isinstance(v, int) \
+                and not isinstance(v, bool) and v > 0:
+            config[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / per_head / 2))
+
+
+def _layer_keys(value, total) -> dict[int, object] | None:
+    """{layer index: key} when ``value`` is a dict of settings (dicts) keyed by layer indices (ints, or
+    strings of digits such as ``"05"``) below ``total``, else None (a label map is no such dict)."""
+    if not isinstance(value, dict) or not value or not isinstance(total, int) \
+            or not all(isinstance(v, dict) for v in value.values()):
+        return None
+    out = {}
+    for key in value:
+        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+            return None
+        if int(key) >= total:
+            return None
+        out[int(key)] = key
+    return out
+
+
 def port_shrink(fmt: str, common: dict) -> dict:
     """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
     structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
@@ -460,11 +486,15 @@ def port_shrink(fmt: str, common: dict) -> dict:
         out["head_dim"] = TWIN_HEAD_DIM
         if head_dim * heads != hidden:  # widths that differ stay different (still a multiple of the heads)
             small_hidden = 2 * heads * TWIN_HEAD_DIM
+    elif not isinstance(get("num_attention_heads"), int) and isinstance(out.get("num_heads"), int) \
+            and isinstance(out.get("head_dim"), int) and isinstance(out.get("expand"), (int, float)) \
+            and out["num_heads"] * out["head_dim"] == int(out["expand"] * hidden):
+        # state-space heads that tile the expanded width (heads x head width = expand x hidden): they still do
+        out["head_dim"] = TWIN_HEAD_DIM
+        out["num_heads"] = max(1, int(out["expand"] * small_hidden) // TWIN_HEAD_DIM)
     per_head = head_dim if isinstance(head_dim, int) else hidden // heads if heads and hidden % heads == 0 else None
     if per_head:
-        for k, v in list(out.items()):  # the other per-head widths (latent attention's parts, the rotated part)
-            if (k.endswith("_head_dim") or k == "rotary_dim") and isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                out[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / per_head / 2))  # in proportion: sums stay sums
+        _per_head_widths(out, per_head)
     for k, v in list(out.items()):  # low-rank latent widths
         if k.endswith("_lora_rank") and isinstance(v, int) and not isinstance(v, bool) and v > 4 * TWIN_HEAD_DIM:
             out[k] = 4 * TWIN_HEAD_DIM
@@ -491,6 +521,23 @@ def port_shrink(fmt: str, common: dict) -> dict:
     total = get("num_hidden_layers", layers)
     out[key("num_hidden_layers")] = min(layers, total)
     indices = _index_lists(common, out, total)
+    for k, v in list(out.items()):  # settings per layer keyed by layer index (per_layer_config): the same layers kept
+        keys = _layer_keys(v, total)
+        if keys is not None:
+            kept = _index_lists({**common, k: sorted(keys)}, out, total).get(k, [])
+            width = max(len(str(x)) for x in v) if all(isinstance(x, str) for x in v) else 0
+            types, small_types = common.get("layer_types"), out.get("layer_types")
+            left, shrunk = sorted(keys), {}
+            for new_i in kept[:len(left)]:  # each kept layer takes its setting from the first of its kind not yet used
+                same = [i for i in left if not (isinstance(types, list) and isinstance(small_types, list))
+                        or repr(types[i]) == repr(small_types[new_i])] or left
+                old_i = same[0]
+                left.remove(old_i)
+                entry = dict(v[keys[old_i]]) if isinstance(v[keys[old_i]], dict) else v[keys[old_i]]
+                if isinstance(entry, dict) and per_head:
+                    _per_head_widths(entry, per_head, exact="head_dim")
+                shrunk[str(new_i).zfill(width) if width else new_i] = entry
+            out[k] = shrunk
     for k, v in list(out.items()):  # other per-layer lists (mlp_layer_types): each kind kept, one layer each
         if k in indices:
             out[k] = indices[k]
@@ -498,9 +545,16 @@ def port_shrink(fmt: str, common: dict) -> dict:
             out[k] = _keep_each(v, out[key("num_hidden_layers")])
     if isinstance(out.get("sliding_window"), int):
         out["sliding_window"] = min(out["sliding_window"], TWIN_WINDOW)
+    for k, v in list(out.items()):  # a count of positions selected (sparse attention's top-k): one the inputs exceed,
+        # so both libraries run the selection (a top-k as large as the sequence is skipped by some)
+        if k.endswith("topk") and isinstance(v, int) and not isinstance(v, bool) and v >= TWIN_POSITIONS:
+            out[k] = TWIN_WINDOW // 2
     vocab = get("vocab_size")
     if isinstance(vocab, int) and vocab > TWIN_VOCAB:
         out[key("vocab_size")] = TWIN_VOCAB
+        for k, v in list(out.items()):  # other tables of the same vocabulary (a per-layer input embedding)
+            if k.startswith("vocab_size") and isinstance(v, int) and not isinstance(v, bool) and v > TWIN_VOCAB:
+                out[k] = TWIN_VOCAB
         ids = sorted({v for k, v in out.items() if k.endswith("_token_id") and isinstance(v, int)}
                      | {i for k, v in out.items() if k.endswith("_token_id") and isinstance(v, list) for i in v})
         remap = {old: TWIN_VOCAB - 1 - n for n, old in enumerate(ids)}

@@ -306,7 +306,8 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
             if s_idx != idx[:len(s_idx)] or len(s_idx) > len(idx):
                 raise ConversionError(f"the twins' tensor {name!r} comes from {s_name!r}: indices that do not "
                                       "carry over to the real model's layers (nothing was written)")
-            pieces.append(Piece(_symbolic(st), transpose, start, stop, whole))
+            # a whole source is the same piece whatever its width (layers of one kind may differ in it)
+            pieces.append(Piece(_symbolic(st), transpose, 0 if whole else start, 0 if whole else stop, whole))
         recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
