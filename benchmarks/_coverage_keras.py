@@ -315,22 +315,36 @@ def run_row(mt: str, with_mlx: bool) -> list[dict]:
         if with_mlx:
             t0 = time.perf_counter()
             m = os.path.join(tmp, "M")
+            m_note = ""
             try:
                 import mlx_lm.utils as mu
 
-                ref_model, ref_cfg = mu.load_model(Path(t))
+                try:
+                    ref_model, ref_cfg = mu.load_model(Path(t))
+                except Exception as exc:  # noqa: BLE001 - then M is mlx-lm's load of the port's mlx-lm directory
+                    import dense_bridge as db
+
+                    unread = f"mlx-lm's own loader cannot read the transformers directory: {_short(exc)}"
+                    try:
+                        db.port(t, os.path.join(tmp, "P"), to="mlx-lm", verify="twins", progress=False)
+                        ref_model, ref_cfg = mu.load_model(Path(tmp) / "P")
+                    except Exception as exc2:  # noqa: BLE001
+                        raise RuntimeError(f"{unread}; nor from the port's mlx-lm directory: {_short(exc2)}") from None
+                    m_note = f" (M: mlx-lm's load of the port's mlx-lm directory, since {unread})"
                 mu.save_model(m, ref_model)
                 ref_cfg = dict(ref_cfg)
                 ref_cfg.pop("quantization_config", None)
                 with open(os.path.join(m, "config.json"), "w") as f:
                     json.dump(ref_cfg, f)
             except Exception as exc:  # noqa: BLE001
-                cls, detail = "no-reference", f"mlx-lm's own loader cannot read the transformers directory: {_short(exc)}"
+                text = str(exc) if isinstance(exc, RuntimeError) and "cannot read the transformers" in str(exc) \
+                    else f"mlx-lm's own loader cannot read the transformers directory: {_short(exc)}"
+                cls, detail = "no-reference", text
             else:
                 cls, detail = _judge(m, os.path.join(tmp, "K2"), os.path.join(tmp, "M2"), "mlx-lm", t,
                                      coverage._files(m), "round trip vs mlx-lm's own files")
             rows.append({"model_type": mt, "direction": MLX_TO_KERAS, "notes": notes, "class": cls,
-                         "detail": detail, "seconds": round(time.perf_counter() - t0, 1)})
+                         "detail": detail + m_note, "seconds": round(time.perf_counter() - t0, 1)})
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
