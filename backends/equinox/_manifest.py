@@ -8,8 +8,10 @@ def _leaves(probe: Probe) -> Match:
     return Match.LIKELY if probe.head.startswith(b"\x93NUMPY") else Match.NO
 
 
+# jaxlib: the package of JAX arrays' own type (jax.Array is jaxlib's ArrayImpl), by which dense_bridge
+# knows an array of this framework wherever one is passed (its NaN/Inf check on its device, DLPack moves)
 MANIFEST = Manifest(
-    requires=("equinox", "jax"), install="pip install 'dense-bridge[equinox]'", display="Equinox",
+    requires=("equinox", "jax", "jaxlib"), install="pip install 'dense-bridge[equinox]'", display="Equinox",
     formats=(FileFormat("Equinox leaves file (.eqx)", container="eqx", sniff=_leaves, extensions=(".eqx",),
                         write_kind="eqx", temp_suffix=".eqx"),),
     layout_note="Equinox layout: unnamed records in the model's leaf order, Linear weight (out_features, "

@@ -10,8 +10,10 @@ def _msgpack(probe: Probe) -> Match:
         else Match.NO
 
 
+# jaxlib: the package of JAX arrays' own type (jax.Array is jaxlib's ArrayImpl), by which dense_bridge
+# knows an array of this framework wherever one is passed (its NaN/Inf check on its device, DLPack moves)
 MANIFEST = Manifest(
-    requires=("flax", "jax"), install="pip install 'dense-bridge[flax]'", display="Flax",
+    requires=("flax", "jax", "jaxlib"), install="pip install 'dense-bridge[flax]'", display="Flax",
     capabilities=frozenset({GRADIENTS, PARALLEL}),  # PARALLEL: sharding annotations on a named mesh axis
     formats=(FileFormat("Flax msgpack state file", container="msgpack", sniff=_msgpack, extensions=(".msgpack",),
                         write_kind="msgpack", temp_suffix=".msgpack"),),

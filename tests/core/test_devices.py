@@ -332,3 +332,32 @@ def test_set_params_names_a_tensor_without_data():
         db.set_params(m, {"kernel": torch.empty(2, 3, device="meta"), "bias": torch.zeros(3)})
     assert "bias" not in str(info.value)
     np.testing.assert_array_equal(db.get_params(m)["kernel"], before["kernel"])
+
+
+@pytest.mark.parametrize("source", ["flax", "equinox"])
+def test_set_params_takes_jax_arrays_into_torch_without_a_host_round_trip(source):
+    """JAX arrays (a Flax/Equinox model's own ``device_params``) into a torch model: checked by JAX
+    where they live and imported by DLPack; never read into numpy (the validation's reading of a
+    foreign array raises inside: JAX's transfer guard does not see a CPU array read in place)."""
+    pytest.importorskip("jax")
+    if source not in db.available_backends():
+        pytest.skip(f"{source} is not installed")
+    from dense_bridge.registry._backends import get_adapter
+
+    spec = db.to_spec(_torch_chain())
+    src = db.compile(spec, source, seed=4)
+    dst = _torch_chain()
+    arrays = get_adapter(source).device_params(src)
+
+    from dense_bridge.params import _source
+
+    def refuse(value):
+        raise AssertionError(f"a {type(value).__name__} read into numpy")
+    saved = _source.array_to_numpy
+    _source.array_to_numpy = refuse
+    try:
+        db.set_params(dst, arrays)
+    finally:
+        _source.array_to_numpy = saved
+    for k, v in db.get_params(src).items():
+        np.testing.assert_array_equal(db.get_params(dst)[k], v, err_msg=k)
