@@ -162,15 +162,20 @@ def convert(native: Any, to: str, *, allow_nonfinite: bool = False, example: Any
 
     target = check_backend_name(to, "to")
     place_on = _devices.device_for(target, device) if device is not None else _devices.source_device(native, target)
+    if example is not None:  # see to_spec; what is not a model is refused by its reading first
+        from .models import remember_example
+
+        resolve(native)
+        remember_example(native, example)
     if quant is None and place_on is not None:
-        out = _convert_on_device(native, target, place_on, allow_nonfinite=allow_nonfinite, example=example)
+        out = _convert_on_device(native, target, place_on, allow_nonfinite=allow_nonfinite)
         if out is not None:
             return out
-    out = _convert(native, target, allow_nonfinite=allow_nonfinite, example=example, quant=quant, requantize=requantize)
+    out = _convert(native, target, allow_nonfinite=allow_nonfinite, quant=quant, requantize=requantize)
     return out if place_on is None else _devices.place(out, target, place_on)
 
 
-def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfinite: bool, example: Any):
+def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfinite: bool):
     """:func:`convert` without a host round trip, for a source whose arrays are on an accelerator
     (or a second host device) and whose framework hands them out as its own arrays
     (``device_params``), into a framework that builds from such arrays
@@ -188,10 +193,6 @@ def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfini
     read_device = getattr(handle.verbs, "device_params", None) if handle.kind == "plain" else None
     if not callable(read_device):
         return None
-    if example is not None:
-        from .models import remember_example
-
-        remember_example(native, example)
     arrays = read_device(native)
     if arrays is None:
         return None
@@ -199,20 +200,16 @@ def _convert_on_device(native: Any, target: str, place_on: Any, *, allow_nonfini
     return _devices.place(build(target, source), target, place_on)
 
 
-def _convert(native: Any, target: str, *, allow_nonfinite: bool, example: Any, quant: Any, requantize: bool):
+def _convert(native: Any, target: str, *, allow_nonfinite: bool, quant: Any, requantize: bool):
     """:func:`convert` on the target framework's default device."""
     if quant is not None:  # the float conversion, then the target framework's quantized layer
         from .quant import check_quant, quantize_converted
 
         check_flag("requantize", requantize)
         check_quant(quant)
-        return quantize_converted(native, _convert(native, target, allow_nonfinite=allow_nonfinite, example=example,
+        return quantize_converted(native, _convert(native, target, allow_nonfinite=allow_nonfinite,
                                                    quant=None, requantize=False), quant, requantize)
     handle = resolve(native)  # a parallel model's: full params gathered on every rank
-    if example is not None:  # see to_spec
-        from .models import remember_example
-
-        remember_example(native, example)
     spec, params = handle.source()  # a LoRA-wrapped layer: a ConversionError (the adapter would be lost)
     return compile(spec, target, params=params, allow_nonfinite=allow_nonfinite)
 

@@ -135,12 +135,13 @@ def parse_device(value, argument: str = "device"):
 def _platform_devices(platform: str) -> list:
     """JAX's devices of ``platform`` ("cpu" or "gpu"). A CUDA plugin registers its backend as
     "cuda", and JAX builds differ in whether they answer to "gpu" as well: each name is asked."""
-    for name in (("gpu", "cuda", "rocm") if platform == "gpu" else (platform,)):
+    names = ("gpu", "cuda", "rocm") if platform == "gpu" else (platform,)
+    for name in names:
         try:
             return list(jax.devices(name))
         except RuntimeError:
             continue
-    return [d for d in jax.devices() if d.platform in (("gpu", "cuda", "rocm") if platform == "gpu" else (platform,))]
+    return [d for d in jax.devices() if d.platform in names]
 
 
 def full_precision(fn):
