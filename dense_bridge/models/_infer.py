@@ -158,8 +158,10 @@ def _kind(side, e) -> str | None:
     if shapes and all(len(s) == 1 for s in shapes):
         return "norm"
     big = [s for s in shapes if len(s) == 3]
-    if big and len({s[0] for s in big}) == 1 and all(len(s) == 3 or (len(s) == 2 and s[0] == big[0][0])
-                                                     for s in shapes):
+    # an axis of length one is a depthwise convolution's (channels, 1, width) or (channels, width,
+    # 1), never an expert bank's matrix: such a layer pairs by name and shape, as raw
+    if big and len({s[0] for s in big}) == 1 and not any(1 in s for s in big) \
+            and all(len(s) == 3 or (len(s) == 2 and s[0] == big[0][0]) for s in shapes):
         return "stack"
     return "raw" if shapes else None
 
@@ -357,16 +359,110 @@ def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
     return False
 
 
+def _pair_within(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan, extras: list) -> bool:
+    """Two runs from one input each where one holds every layer of the other (by widths) and
+    exactly one more: the common layers pair as :func:`_pair_run` pairs them, the one more is
+    appended to ``extras`` as ``(side, layer)``. False (nothing recorded) otherwise."""
+    for big, small, side in ((a, b, "src"), (b, a, "dst")):
+        if len(big) != len(small) + 1 or not small:
+            continue
+        for k, extra in enumerate(big):
+            rest = big[:k] + big[k + 1:]
+            if sorted(x.signature for x in rest) != sorted(y.signature for y in small):
+                continue
+            if extra.signature in [y.signature for y in small]:
+                return False  # which of the alike layers is the extra one is not decidable
+            trial = _mapping.Plan()
+            if not _pair_run(rest, small, trial) if side == "src" else not _pair_run(small, rest, trial):
+                return False
+            plan.layers += trial.layers
+            plan.params += trial.params
+            plan.axis_moves += trial.axis_moves
+            extras.append((side, extra))
+            return True
+    return False
+
+
+def _pair_matrices(extras: list, left_a: list[str], left_b: list[str], a, b,
+                   plan: _mapping.Plan) -> tuple[list, list[str], list[str]]:
+    """Each linear layer :func:`_pair_within` set aside, paired with the other side's raw matrix
+    left unpaired in the same block whose stored shape is the layer's kernel as stored, or its
+    transpose (a router kept as a bare (experts, hidden) weight that the block's own code
+    multiplies by). The move is the matrix, transposed where the two store it apart; a square
+    matrix (either orientation fits) stays unpaired. Returns (layers still unpaired, src raw
+    parameters left, dst raw parameters left)."""
+    left_a, left_b, still = list(left_a), list(left_b), []
+    for side, layer in extras:
+        e = layer.entry
+        mats = [n for n in e.names if len(e.shapes[n]) == 2]
+        other_left, other = (left_b, b) if side == "src" else (left_a, a)
+        hit = None
+        if len(mats) == 1 and len(e.names) == 1:
+            stored = tuple(e.shapes[mats[0]])
+            for q in other_left:
+                owner, name = other.params[q]
+                qs = tuple(owner.shapes[name])
+                if _block(q) != _block(e.path) or len(qs) != 2 or qs[0] == qs[1]:
+                    continue
+                if qs == stored or qs == stored[::-1]:
+                    hit = (q, qs != stored)
+                    break
+        if hit is None:
+            still.append(layer)
+            continue
+        other_left.remove(hit[0])
+        mine = e.param_path(mats[0])
+        src, dst = (mine, hit[0]) if side == "src" else (hit[0], mine)
+        plan.axis_moves.append(_mapping.AxisMove((src,), (dst,), None, hit[1], rule="auto"))
+    return still, left_a, left_b
+
+
+def _as_params(left: list, raw: list[str]) -> tuple[list, list[str]]:
+    """Tables and norms left unpaired, seen as the raw parameters they hold (a router's bare
+    matrix is one 2-D parameter, as a table is; a gate's score bias one 1-D parameter, as a
+    norm's is): (the other layers left, ``raw`` with their parameters added)."""
+    keep, params = [], list(raw)
+    for x in left:
+        if isinstance(x, _Layer) and x.kind in ("embedding", "norm"):
+            params += [x.entry.param_path(n) for n in x.entry.names]
+        else:
+            keep.append(x)
+    return keep, params
+
+
+def _pair_leftover_params(left_a: list[str], left_b: list[str], a, b,
+                          plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Parameters still unpaired on both sides after every kind has paired its own: one into the
+    one of the same name, shape and block on the other side, when exactly one fits (a router's
+    score bias held by the router on one side, by a module of its own on the other)."""
+    def shape(side, p):
+        owner, name = side.params[p]
+        return tuple(owner.shapes[name])
+    left_b = list(left_b)
+    rest_a = []
+    for p in left_a:
+        fits = [q for q in left_b if _last(q) == _last(p) and _block(q) == _block(p) and shape(b, q) == shape(a, p)]
+        if len(fits) != 1:
+            rest_a.append(p)
+            continue
+        left_b.remove(fits[0])
+        plan.axis_moves.append(_mapping.AxisMove((p,), (fits[0],), None, False, rule="auto"))
+    return rest_a, left_b
+
+
 def _describe(run: list[_Layer]) -> str:
     return "[" + ", ".join(f"{x.path} {x.signature}" for x in run) + "]"
 
 
 def _pair_linear(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan,
-                 lone: list | None = None) -> tuple[list[_Layer], list[_Layer]]:
+                 lone: list | None = None, extras: list | None = None) -> tuple[list[_Layer], list[_Layer]]:
     """Runs in execution order; returns the layers left unpaired on each side. ``lone``: where one
     side runs a single linear layer that the other side has no linear layer for (the runs after
     it pair), that layer is set aside here as ``(side, layer, problem)`` for :func:`_pair_per_head`
-    (the other side may hold it per head, as expert-like stacks), the problem raised if it stays."""
+    (the other side may hold it per head, as expert-like stacks), the problem raised if it stays.
+    ``extras``: where one run holds the other's layers and one more (a router one library runs
+    as a linear layer beside the shared expert, the other as a matrix its own code applies),
+    the rest pair and that layer is set aside as ``(side, layer)`` for :func:`_pair_matrices`."""
     ra, rb = _runs(a), _runs(b)
     i = j = 0
     while i < len(ra) and j < len(rb):
@@ -376,6 +472,9 @@ def _pair_linear(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan,
         problem = (f"the models differ in structure at their linear call #{sum(len(r) for r in ra[:i]) + 1}: src "
                    f"runs {_describe(ra[i])} where dst runs {_describe(rb[j])} (widths (in_features, units) that "
                    f"neither pair one to one nor split/concatenate)")
+        if extras is not None and _pair_within(ra[i], rb[j], plan, extras):
+            i, j = i + 1, j + 1
+            continue
         if lone is not None and len(ra[i]) == 1 and i + 1 < len(ra) and _pair_run(ra[i + 1], rb[j], _mapping.Plan()):
             lone.append(("src", ra[i][0], problem))
             i += 1
@@ -641,7 +740,37 @@ def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[li
             continue
         taken.add(hit[0])
         plan.axis_moves.append(_mapping.AxisMove((path,), (pb[hit[0]][0],), None, hit[1], rule="auto"))
-    return left_a, [q for j, (q, _) in enumerate(pb) if j not in taken]
+    left_b = [(q, qs) for j, (q, qs) in enumerate(pb) if j not in taken]
+    left_a, left_b = _pair_raw_channels([(p, s) for p, s in pa if p in left_a], left_b, plan)
+    return left_a, left_b
+
+
+def _pair_raw_channels(pa: list, pb: list, plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """Raw parameters left by :func:`_pair_raw`: one side's parameter that is the next few of the
+    other side's in its block (same name, in execution order) joined along their first axis, their
+    last two axes exchanged where the layouts differ (one depthwise convolution over the
+    concatenated query, key and value channels against one convolution each)."""
+    pa, pb = list(pa), list(pb)
+    for one, many, forward in ((pa, pb, True), (pb, pa, False)):
+        for path, shape in list(one):
+            group = [(q, qs) for q, qs in many if _last(q) == _last(path) and _block(q) == _block(path)]
+            for k in range(2, min(4, len(group)) + 1):
+                parts = group[:k]
+                for swap in (False, True):  # the exchange applies to the source side (AxisMove)
+                    ps = [_swapped(qs, swap and not forward) for _, qs in parts]
+                    w = _swapped(shape, swap and forward)
+                    if all(len(p_) == len(w) and p_[1:] == w[1:] for p_ in ps) and sum(p_[0] for p_ in ps) == w[0]:
+                        break
+                else:
+                    continue
+                names = tuple(q for q, _ in parts)
+                src, dst = ((path,), names) if forward else (names, (path,))
+                plan.axis_moves.append(_mapping.AxisMove(src, dst, 0, swap, rule="auto"))
+                one.remove((path, shape))
+                for x in parts:
+                    many.remove(x)
+                break
+    return [p for p, _ in pa], [q for q, _ in pb]
 
 
 def _drop_adapter_parts(run: _Run, side) -> None:
@@ -717,7 +846,9 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
         _drop_adapter_parts(run, side)
     _pair_unseen(run_a, run_b, plan)
     lone: list = []
-    left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan, lone)
+    extras: list = []
+    left_a, left_b = _pair_linear(run_a.layers.get("linear", []), run_b.layers.get("linear", []), plan, lone,
+                                  extras)
     la, lb = _pair_per_head(lone, run_a, run_b, plan)
     left_a, left_b = la + left_a, lb + left_b
     # a tied source head (GPT-2's lm_head is wte) fills an untied destination head left at the end
@@ -743,8 +874,12 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     left_a += sa
     left_b += sb
     ra, rb = _pair_raw(run_a.layers.get("raw", []), run_b.layers.get("raw", []), plan)
-    left_a += ra
-    left_b += rb
+    left_a, ra = _as_params(left_a, ra)
+    left_b, rb = _as_params(left_b, rb)
+    still, ra, rb = _pair_matrices(extras, ra, rb, a, b, plan)
+    ra, rb = _pair_leftover_params(ra, rb, a, b, plan)
+    left_a += ra + [x for x in still if any(x is y for _, y in extras if _ == "src")]
+    left_b += rb + [x for x in still if any(x is y for _, y in extras if _ == "dst")]
     _mapping.record_ties(a, plan)
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
