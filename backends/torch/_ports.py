@@ -438,6 +438,24 @@ def _per_head_widths(config: dict, per_head: int, exact: str | None = None) -> N
         if (k.endswith("_head_dim") or k.endswith("_d_head") or k in ("rotary_dim", exact)) and isinstance(v, int) \
                 and not isinstance(v, bool) and v > 0:
             config[k] = max(2, 2 * round(v * TWIN_HEAD_DIM / per_head / 2))
+            _keep_products(config, k, v, config[k])
+
+
+def _keep_products(config: dict, key: str, before: int, after: int) -> None:
+    """A width of ``key``'s family (``mamba_d_ssm`` beside ``mamba_d_head``) that was the head
+    width ``before`` times the family's head count (``mamba_n_heads``) becomes ``after`` times it:
+    a library that checks the product (transformers' Falcon-H1) still finds it."""
+    prefix = key.rsplit("_", 2)[0] + "_" if key.count("_") >= 2 else None
+    if prefix is None:
+        return
+    heads = [v for k, v in config.items() if k.startswith(prefix) and k.endswith("_heads") and isinstance(v, int)
+             and not isinstance(v, bool) and v > 0]
+    if len(heads) != 1:
+        return
+    for k, v in list(config.items()):
+        if k != key and k.startswith(prefix) and isinstance(v, int) and not isinstance(v, bool) \
+                and v == before * heads[0] and not k.endswith("_heads"):
+            config[k] = after * heads[0]
 
 
 def _layer_keys(value, total) -> dict[int, object] | None:

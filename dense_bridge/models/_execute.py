@@ -408,9 +408,13 @@ class Execution:
             if am.axis is None and piece.shape != want and piece.size == int(np.prod(want)) \
                     and tuple(x for x in piece.shape if x != 1) == tuple(x for x in want if x != 1):
                 piece = piece.reshape(want)  # axes of length one only: a scalar stored (1,) on one side, () on the other
+            if am.offset:  # summed exactly (float64 holds any float32 + 1), rounded once, in dst's dtype
+                dst_dtype = np.asarray(self.b.native(d)[nd]).dtype
+                piece = (np.asarray(piece, np.float64) + am.offset).astype(dst_dtype)
             fitted.append(piece)
         self._write_pieces(am, dsts, fitted, names, f"parameter along axis {am.axis}"
-                           + (" (last two axes swapped)" if am.swap else ""))
+                           + (" (last two axes swapped)" if am.swap else "")
+                           + (f" plus {am.offset:g}, rounded to the destination's dtype" if am.offset else ""))
 
     def _write_pieces(self, am: _mapping.AxisMove, dsts: list, pieces: list, names: str, how: str) -> None:
         """Check each piece against its dst parameter and queue the writes; nothing is queued for a

@@ -95,6 +95,8 @@ class _Layer:
     order: int  # position of its first call among all recorded calls
     signature: tuple  # linear: (in_features, units); others: the parameter shapes
     source: str  # fingerprint of its first call's input (calls reading one tensor share it)
+    #: a norm's first call as (input, output), for :func:`_scale_offset`; None for other kinds
+    call: Any = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> str:
@@ -233,7 +235,8 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         else:
             sig = tuple(e.shapes[n] for n in e.names)
         source = _fingerprint(call.inputs[0]) if call.inputs else f"none:{i}"
-        layer = _Layer(e, kind, i, tuple(sig), source)
+        layer = _Layer(e, kind, i, tuple(sig), source,
+                       (call.inputs[0], call.output) if kind == "norm" and len(call.inputs) == 1 else None)
         if kind == "linear" and side.fully_tied(e):
             run.tied_heads.append(layer)  # moves with its embedding
             continue
@@ -556,6 +559,72 @@ def _pair_by_shape(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tup
     return left_a, left_b
 
 
+def _pair_norms(a: list[_Layer], b: list[_Layer], side_a, side_b,
+                plan: _mapping.Plan) -> tuple[list[_Layer], list[_Layer]]:
+    """Norms as :func:`_pair_by_shape` pairs them, each pair of one scale each moved with the
+    offset :func:`_scale_offset` finds between the two conventions (a move of the scale plus that
+    offset), else as a layer."""
+    found = _mapping.Plan()
+    left_a, left_b = _pair_by_shape(a, b, found)
+    by_entry = {id(x.entry): x for x in a + b}
+    for move in found.layers:
+        x, y = by_entry[id(move.src[0])], by_entry[id(move.dst[0])]
+        offset = _scale_offset(x, y, side_a, side_b)
+        if not offset:
+            plan.layers.append(move)
+            continue
+        plan.axis_moves.append(_mapping.AxisMove((x.entry.param_path(x.entry.names[0]),),
+                                                 (y.entry.param_path(y.entry.names[0]),), None, False,
+                                                 rule="auto", offset=offset))
+    return left_a, left_b
+
+
+#: (c_src, c_dst): the scale each side's norm multiplies by is its stored weight plus c
+_CONVENTIONS = ((0.0, 0.0), (1.0, 1.0), (1.0, 0.0), (0.0, 1.0))
+
+
+def _scale_offset(x: _Layer, y: _Layer, side_a, side_b) -> float:
+    """What to add to ``x``'s stored scale to make ``y``'s: 0.0 when both store the scale their
+    norm multiplies by (or both ``1 + w``), 1.0 when ``x``'s norm multiplies by ``1 + w`` and
+    ``y``'s by ``w`` (transformers' zero-centred RMSNorm against mlx-lm's plain one), -1.0 the
+    other way. Found by running ``y`` alone (the adapter's ``run_layer``) on the input ``x`` was
+    recorded with: per feature, output_x / output_y = (w_x + c_x) / (w_y + c_y), the two
+    normalisations being the same function of one input; the conventions that fit best, by far,
+    decide. 0.0 when anything is unknown (one scale of equal shape each, a layer that runs alone
+    on one input) or no convention fits: the transfer's verification judges the pair."""
+    run = getattr(side_b.adapter, "run_layer", None)
+    if x.call is None or not callable(run) or len(x.entry.names) != 1 or len(y.entry.names) != 1:
+        return 0.0
+    try:
+        w_x = np.asarray(side_a.native(x.entry)[x.entry.names[0]], np.float64).reshape(-1)
+        w_y = np.asarray(side_b.native(y.entry)[y.entry.names[0]], np.float64).reshape(-1)
+        out_x = np.asarray(x.call[1], np.float64)
+        out_y = np.asarray(run(y.entry.layer, np.asarray(x.call[0]), None)[0], np.float64)
+    except Exception:  # noqa: BLE001 - a layer that does not run alone on one input: no evidence
+        return 0.0
+    n = w_x.size
+    if w_y.size != n or out_x.shape != out_y.shape or not out_x.size or out_x.shape[-1] != n:
+        return 0.0
+    ox, oy = out_x.reshape(-1, n), out_y.reshape(-1, n)
+    den = (oy * oy).sum(axis=0)
+    ok = den > 0
+    if not ok.any():
+        return 0.0
+    ratio = (ox * oy).sum(axis=0)[ok] / den[ok]
+    errors = []
+    for c_x, c_y in _CONVENTIONS:
+        scale_y = w_y[ok] + c_y
+        with np.errstate(divide="ignore", invalid="ignore"):
+            want = (w_x[ok] + c_x) / scale_y
+            err = np.abs(ratio - want) / np.maximum(np.abs(want), 1e-6)
+        errors.append(float(np.nanmax(err)) if np.isfinite(err).any() else np.inf)
+    best = int(np.argmin(errors))
+    if best < 2 or errors[best] > 1e-3 or min(errors[:2]) < 100 * errors[best]:
+        return 0.0
+    c_x, c_y = _CONVENTIONS[best]
+    return c_x - c_y
+
+
 def _stack_params(layers: list[_Layer]) -> list[tuple[str, tuple[int, ...]]]:
     """Every parameter of the stack layers, in execution order (definition order within a layer)."""
     return [(x.entry.param_path(n), tuple(x.entry.shapes[n])) for x in layers for n in x.entry.names]
@@ -866,10 +935,12 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
         plan.params.append(_mapping.ParamMove(src_param, b.param(dst_param), None if same else np.transpose,
                                               rule="auto"))
         left_b = []
-    for kind in ("embedding", "norm"):
-        la, lb = _pair_by_shape(run_a.layers.get(kind, []), run_b.layers.get(kind, []), plan)
-        left_a += la
-        left_b += lb
+    la, lb = _pair_by_shape(run_a.layers.get("embedding", []), run_b.layers.get("embedding", []), plan)
+    left_a += la
+    left_b += lb
+    la, lb = _pair_norms(run_a.layers.get("norm", []), run_b.layers.get("norm", []), a, b, plan)
+    left_a += la
+    left_b += lb
     sa, sb = _pair_stacks(run_a.layers.get("stack", []), run_b.layers.get("stack", []), plan)
     left_a += sa
     left_b += sb

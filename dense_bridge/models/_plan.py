@@ -10,6 +10,11 @@ The forms (``db.transfer`` and ``db.testing.compare_models`` take all of them):
     into the one destination layer;
   - a value ``(destination_parameter_path, fn)`` on a parameter path **transforms** the source's
     array: ``fn`` takes the canonical numpy array and returns the destination's;
+  - a value ``{"to": <path or list of paths>, "axis": k or None, "swap": bool, "offset": c}`` on
+    parameter paths moves stored arrays as they are stored: joined and split along ``axis``
+    (expert stacks), their last two axes exchanged first when ``swap``, ``c`` added to every
+    value after (a norm scale stored as ``w`` on one side and ``1 + w`` on the other: ``offset``
+    1.0 or -1.0; the sum rounds in the destination's dtype, which the report states);
   - a value ``{"to": <path or list of paths>, "heads": n}`` declares a fused layer whose units
     interleave per head (GPT-NeoX ``query_key_value``: q, k, v for head 0, then head 1, ...):
     the fused units are n blocks, each holding 1/n of every piece, in order;
@@ -37,6 +42,7 @@ shared by every piece).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -73,10 +79,11 @@ class Target:
     #: pieces split or join along, and ``swap`` (the last two axes exchanged first)
     axis: int | None = None
     swap: bool | tuple[bool, ...] = False  # a tuple: one per part of a move per head
+    offset: float = 0.0  # added to every value moved along an axis, after the move
 
     @property
     def along_axis(self) -> bool:
-        return self.axis is not None or self.swap
+        return self.axis is not None or bool(self.swap) or bool(self.offset)
 
 
 @dataclass
@@ -101,11 +108,14 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
         return Target((value,))
     if isinstance(value, dict) and "heads" in value and "axis" in value:
         return _per_head_target(value, where, mapping)
-    if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value):
-        if set(value) - {"to", "axis", "swap"}:
+    if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value or "offset" in value):
+        if set(value) - {"to", "axis", "swap", "offset"}:
             raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
-                            f"'swap': bool}}; got {value!r}. {received('mapping', mapping)}")
-        axis, swap = value.get("axis"), value.get("swap", False)
+                            f"'swap': bool, 'offset': number}}; got {value!r}. {received('mapping', mapping)}")
+        axis, swap, offset = value.get("axis"), value.get("swap", False), value.get("offset", 0.0)
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise TypeError(f"{where}: 'offset' must be a finite number; got {offset!r}. "
+                            f"{received('mapping', mapping)}")
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool) or axis < 0):
             raise TypeError(f"{where}: 'axis' must be a non-negative integer or None; got {axis!r}. "
                             f"{received('mapping', mapping)}")
@@ -114,7 +124,7 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
         inner = _target(value.get("to"), where, mapping)
         if inner.fn is not None:
             raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
-        return Target(inner.paths, inner.split, None, None, axis, swap)
+        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset))
     if isinstance(value, dict):
         if set(value) - {"to", "heads"} or "to" not in value:
             raise TypeError(f"{where}: a dict value must be {{'to': path or [paths], 'heads': n}}; got {value!r}. "
@@ -273,6 +283,9 @@ class AxisMove:
     #: (heads, a + b + ..., r) and cut along ``axis`` (1) into the other side's parts, each (heads,
     #: a, r) or, where its ``swap`` says so, (heads, r, a); or those parts joined into it
     heads: int | None = None
+    #: added to every value after the move (a norm's scale stored as ``w`` on one side and as
+    #: ``1 + w`` on the other), the sum rounded in the destination's dtype
+    offset: float = 0.0
 
     def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
         to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
@@ -282,6 +295,8 @@ class AxisMove:
             out["swap"] = list(self.swap) if isinstance(self.swap, tuple) else self.swap
         elif self.swap:
             out["swap"] = True
+        if self.offset:
+            out["offset"] = self.offset
         return out
 
 
@@ -420,7 +435,7 @@ def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, pla
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
         return
     plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
-                                    target.swap, text, target.heads))
+                                    target.swap, text, target.heads, target.offset))
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:

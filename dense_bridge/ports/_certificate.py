@@ -11,7 +11,8 @@ along ``axis`` (a single piece: taken as it is), the entry's ``view`` undone int
 it has one (``_rules.undo_view``), then cast to ``dtypes[-1]``. An entry with ``"stack": true``
 stacks its pieces along the new axis ``axis`` instead (expert stacks); one with ``"pick": true``
 takes one entry of the stored axis ``axis`` and drops that axis. A transpose exchanges the last
-two axes.
+two axes. An entry with ``"offset": c`` adds c to every value (summed in float64, rounded once to
+``dtypes[-1]``): a norm's scale one library stores as ``w`` and the other as ``1 + w``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, received
 from .._version import __version__
 from ..checkpoints import _port_files as files
 from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
@@ -139,15 +140,24 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                      "axis": m.axis, "ops": _ops(pieces, m.axis, src_dt, dst_dt),
                      "dtypes": [_dtype_name(src_dt), _dtype_name(dst_dt)], "exact": _exact(src_dt, dst_dt),
                      "max_ulp": 0 if _exact(src_dt, dst_dt) else None, "codes": None, "file": name}
+            offset = float(getattr(m, "offset", 0.0) or 0.0)
+            if offset:  # a sum: exact only where every value comes out unrounded (known once written)
+                entry.update(offset=offset, exact=False, max_ulp=None)
+                entry["ops"].append(f"add {offset:g}")
             new_axis = {k: True for k in ("stack", "pick") if getattr(m, k, False)}
             if new_axis:  # along a new axis: stacked, or one entry taken (and the ops say so)
                 entry.update(new_axis)
                 entry["ops"].insert(0, f"{'stack along new' if 'stack' in new_axis else 'take one entry of'} axis {m.axis}")
             entries[m.target] = entry
 
-            def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry):
+            def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry, offset=offset):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
                 flags = {k: bool(entry.get(k)) for k in ("stack", "pick")}
+                if offset:  # summed in float64 (exact for any float32 + 1), rounded once to the destination's dtype
+                    exact = make(arrays, m.axis, np.dtype(np.float64), m.shape, m.view, **flags) + offset
+                    entry["max_ulp"] = _max_ulp(exact, dst_dt)
+                    entry["exact"] = entry["max_ulp"] == 0
+                    return exact.astype(dst_dt)
                 value = make(arrays, m.axis, dst_dt, m.shape, m.view, **flags)
                 if not entry["exact"]:
                     entry["max_ulp"] = _max_ulp(make(arrays, m.axis, arrays[0][0].dtype, m.shape, m.view, **flags), dst_dt)
@@ -386,8 +396,16 @@ def verify_port(out: Any) -> VerifyReport:
         if arrays is None:
             continue
         got = dst.get(target)
-        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"),
-                    stack=bool(entry.get("stack")), pick=bool(entry.get("pick")))
+        offset = entry.get("offset", 0.0)
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not np.isfinite(offset):
+            problems.append(f"tensor {target!r}: its 'offset' is not a number. {received('offset', offset)}")
+            continue
+        flags = {"stack": bool(entry.get("stack")), "pick": bool(entry.get("pick"))}
+        if offset:
+            want = (make(arrays, entry["axis"], np.dtype(np.float64), entry.get("shape"), entry.get("view"), **flags)
+                    + offset).astype(got.dtype)
+        else:
+            want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"), **flags)
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")

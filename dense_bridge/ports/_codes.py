@@ -112,7 +112,8 @@ def sources_of(moves, opened: dict, weights: dict, file_keys: dict) -> dict:
 
     out = {}
     for m in moves:
-        if len(m.sources) != 1 or m.view is not None or getattr(m, "stack", False) or getattr(m, "pick", False):
+        if len(m.sources) != 1 or m.view is not None or getattr(m, "stack", False) or getattr(m, "pick", False) \
+                or getattr(m, "offset", 0.0):
             continue
         key, transpose, start, stop = m.sources[0]
         key, view = _rules.split_view(key)

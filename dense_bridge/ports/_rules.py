@@ -138,6 +138,9 @@ class Recipe:
     stack: bool = False
     pick: bool = False
     vary: int | None = None
+    #: added to every value of the one whole source (a norm's scale stored as ``w`` on one side,
+    #: ``1 + w`` on the other), the sum rounded once in the destination's dtype
+    offset: float = 0.0
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
@@ -147,6 +150,8 @@ class Recipe:
         if self.pick:
             return f"{self.target} <- {parts[0]} entry [index #{self.vary}] of axis {self.axis}"
         made = parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})"
+        if self.offset:
+            made = f"{made} + {self.offset:g}"
         return f"{self.target} <- " + (made if self.view is None else f"reshape({made})")
 
 
@@ -298,7 +303,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         made = _made(name, d, src, where, wide, candidates, t)
         if made is None:
             continue
-        axis, found, view, made_wide = made
+        axis, found, view, made_wide, offset = made
         wide = made_wide if made_wide is not None else wide
         pieces = []
         for s_name, transpose, start, stop, whole in found:
@@ -308,7 +313,8 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
                                       "carry over to the real model's layers (nothing was written)")
             # a whole source is the same piece whatever its width (layers of one kind may differ in it)
             pieces.append(Piece(_symbolic(st), transpose, 0 if whole else start, 0 if whole else stop, whole))
-        recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view)
+        recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view,
+                        offset=offset)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
@@ -359,12 +365,16 @@ def _per_head(name: str, d: np.ndarray, src: dict[str, np.ndarray]):
 
 def _made(name, d, src, where, wide, candidates, t):
     """How the destination twin's tensor ``d`` is made: (axis, pieces found, view, the widened
-    sources ``wide`` for the next tensor), or None where it moves along a new axis (recorded in
-    ``candidates``). ConversionError when no rearrangement of the sources makes it."""
+    sources ``wide`` for the next tensor, the offset added), or None where it moves along a new
+    axis (recorded in ``candidates``). ConversionError when no rearrangement of the sources makes it."""
     view = None
     try:
         axis, found = _match(name, d, src, where)
     except ConversionError as exc:
+        shifted = _offset_source(d, src)
+        if shifted is not None:
+            s_name, offset = shifted
+            return None, [(s_name, False, 0, d.shape[0], True)], None, wide, offset
         found_new = _along_new_axis(name, d, src, where)
         if found_new is not None:
             kept = [r for r in candidates.get(t, found_new) if r in found_new]
@@ -394,7 +404,26 @@ def _made(name, d, src, where, wide, candidates, t):
     if axis is not None and len(found) > 1 and not all(f[4] for f in found):
         raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({f[0] for f in found})}: "
                               "an interleaving other than per head (nothing was written)")
-    return axis, found, view, wide
+    return axis, found, view, wide, 0.0
+
+
+#: what a library may add to a stored vector as it loads it (a norm's scale kept as ``1 + w``)
+OFFSETS = (1.0, -1.0)
+
+
+def _offset_source(d: np.ndarray, src: dict[str, np.ndarray]) -> tuple[str, float] | None:
+    """``d`` (a vector) as one source vector of its shape plus a constant of :data:`OFFSETS`,
+    rounded to float32 as the twins' transfer wrote it: (source name, offset), or None."""
+    if d.ndim != 1 or not d.size:
+        return None
+    for s_name, s in src.items():
+        if s.shape != d.shape:
+            continue
+        wide = np.asarray(s, np.float64)
+        for offset in OFFSETS:
+            if np.array_equal((wide + offset).astype(np.float32), d):
+                return s_name, offset
+    return None
 
 
 def _along_new_axis(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) -> list[Recipe] | None:
@@ -438,6 +467,8 @@ class Move:
     stack: bool = False
     #: the one source's entry ``sources[0][2]`` along its stored axis ``axis``, that axis dropped
     pick: bool = False
+    #: added to every value (:attr:`Recipe.offset`), the sum rounded once in the destination's dtype
+    offset: float = 0.0
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -488,7 +519,7 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
                 problems.append(f"destination tensor {key!r} {tuple(shape)} joins per head from {first!r}, which "
                                 f"the source lacks or whose heads do not divide it")
                 continue
-        move = Move(key, tuple(shape), recipe.axis, view=view)
+        move = Move(key, tuple(shape), recipe.axis, view=view, offset=recipe.offset)
         shape = move.made
         want_len = 0
         for p in recipe.pieces:

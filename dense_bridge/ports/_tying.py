@@ -59,7 +59,7 @@ def drop_copies(fmt, model, recipes: dict, stored: set[str], twin_names) -> tupl
 
     def plain(r):
         return (r.axis is None and not r.stack and not r.pick and r.view is None and len(r.pieces) == 1
-                and not r.pieces[0].transpose)
+                and not r.pieces[0].transpose and not r.offset)
 
     by_source: dict[str, list[str]] = {}
     for t, r in recipes.items():

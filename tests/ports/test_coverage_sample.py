@@ -70,10 +70,16 @@ def test_a_dense_architecture_ports_both_ways_bit_identical(tmp_path):
     _port_both_ways(tmp_path, "llama")
 
 
-def test_a_mixture_of_experts_ports_both_ways_bit_identical(tmp_path):
-    # transformers stores Mixtral's experts as one fused (experts, 2*ffn, hidden) gate_up stack and
-    # saves one file tensor per expert; mlx-lm holds and saves three stacks: a move along a new axis
-    _port_both_ways(tmp_path, "mixtral")
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v2", "lfm2_moe"])
+def test_a_mixture_of_experts_ports_both_ways_bit_identical(tmp_path, model_type):
+    """Mixtral: transformers stores the experts as one fused (experts, 2*ffn, hidden) gate_up stack
+    and saves one file tensor per expert; mlx-lm holds and saves three stacks (a move along a new
+    axis). DeepSeek-V2: transformers runs the router as a linear layer beside the shared expert,
+    mlx-lm keeps it as a bare matrix its gate multiplies by (the run's one extra layer paired with
+    the other side's matrix). LFM2-MoE: expert stacks beside depthwise convolutions stored
+    (channels, 1, width) on one side and (channels, width, 1) on the other (raw parameters, never
+    taken for an expert bank)."""
+    _port_both_ways(tmp_path, model_type)
 
 
 def test_a_state_space_architecture_is_refused_with_its_reason(tmp_path):
