@@ -347,7 +347,7 @@ def _expand(target: Target, match: re.Match | None) -> Target:
     except (re.error, IndexError) as exc:
         raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
                         f"({exc})") from None
-    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap)
+    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:
@@ -555,7 +555,8 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
             plan.problems.append(f"mapping rule {rule.text}: for {path!r}, only {sorted(group.values())} of its "
                                  f"{len(rule.src)} patterns match a src parameter")
             continue
-        joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap)
+        joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap,
+                        offset=rule.target.offset)
         _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 

@@ -205,3 +205,54 @@ def test_a_count_no_weight_decides_is_refused_by_name_not_guessed():
     assert own.get("group_norm_size") is None
     with pytest.raises(db.ConversionError, match="group_norm_size"):
         mp.port_shapes("mlx-lm", own)
+
+
+def test_a_state_space_width_that_is_head_width_times_heads_stays_so_in_the_twins():
+    # transformers' Falcon-H1 checks mamba_d_head * mamba_n_heads == mamba_d_ssm; the twins' head
+    # width shrinks, so the width made of it follows
+    import transformers
+
+    small = _default_shrunk("falcon_h1")
+    assert small["mamba_d_head"] * small["mamba_n_heads"] == small["mamba_d_ssm"]
+    transformers.AutoModelForCausalLM.from_config(_tp()._config(small))
+
+
+def test_norm_scales_stored_as_1_plus_w_port_with_the_offset_stated_and_checked(tmp_path):
+    """Qwen3-Next: transformers multiplies by 1 + w and saves w; mlx-lm multiplies by w and adds 1
+    as it loads. The port writes w + 1 summed in float64 and rounded once to float32, bit-identical
+    to mlx-lm's own loader on the same files; the certificate names the offset and the rounding,
+    verify_port recomputes it and catches a changed tensor; the way back subtracts 1 exactly."""
+    from pathlib import Path
+
+    import mlx_lm.utils as mu
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    h = _harness()
+    t, p, back = tmp_path / "T", tmp_path / "P", tmp_path / "back"
+    cfg, _ = h._tiny_config("qwen3_next")
+    model = transformers.AutoModelForCausalLM.from_config(_tp()._config(cfg), dtype=torch.float32).eval()
+    _tp()._randomize(model, seed=7)
+    model.save_pretrained(t)
+    r1 = db.port(t, p, to="mlx-lm", verify="twins", progress=False)
+    written = json.loads((p / "config.json").read_text())
+    ref, _ = mu.load_model(Path(t), model_config=written)
+    got, _ = mu.load_model(Path(p))
+    assert h._first_difference(h._params_mlx(got), h._params_mlx(ref), "vs mlx-lm's own load") is None
+    shifted = {k: e for k, e in r1.certificate["tensors"].items() if e.get("offset")}
+    assert shifted and all(e["offset"] == 1.0 and "add 1" in e["ops"] for e in shifted.values())
+    assert "model.norm.weight" in shifted and "model.layers.0.input_layernorm.weight" in shifted
+    assert any(not e["exact"] and e["max_ulp"] >= 1 for e in shifted.values())  # 1 + w rounds w's low bits
+    assert db.verify_port(p)
+    files = sorted(p.glob("model*.safetensors"))
+    tensors = load_file(files[0])
+    key = next(k for k in shifted if k in tensors)
+    tensors[key] = tensors[key] - np.float32(1.0)  # the stored w, not 1 + w
+    save_file(tensors, str(files[0]), metadata={"format": "mlx"})
+    assert not db.verify_port(p)
+    r1_back = db.port(t, tmp_path / "P2", to="mlx-lm", verify="twins", progress=False)
+    r2 = db.port(tmp_path / "P2", back, to="transformers", verify="twins", progress=False)
+    assert h._first_difference(h._files(str(back)), h._files(str(t)), "round trip", h._rounded_back(r1_back, r2)) is None
+    assert all(e["exact"] for e in r2.certificate["tensors"].values())  # (1 + w) - 1 is exact in float32
