@@ -333,7 +333,7 @@ def run_row(mt: str) -> list[dict]:
         try:
             ref_model, ref_cfg = mlx_reference(p if r1 is not None else None)
             ref = _params_mlx(ref_model)
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a module of mlx-lm may exit the process
             ref, ref_err = None, f"mlx-lm's own loader cannot read the transformers directory: {_short(exc)}"
         if err1 is not None:
             cls = "refused" if isinstance(err1, DenseBridgeError) else "fails"

@@ -548,6 +548,10 @@ def _classes(config: dict):
     utils = _mlx_lm()
     try:
         return utils._get_classes(config)
+    except (SystemExit, ImportError) as exc:  # a module that ends the process when a package it needs is missing
+        raise ConversionError(f"mlx-lm's model for model_type {config.get('model_type')!r} cannot be loaded here: its "
+                              f"module needs what this machine lacks ({type(exc).__name__}: {exc}; mlx-lm prints "
+                              "what to install); nothing was written") from None
     except ValueError:
         import pkgutil
 

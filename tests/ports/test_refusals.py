@@ -49,6 +49,23 @@ def test_an_architecture_the_destination_does_not_implement(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_destination_module_that_exits_the_process_is_refused_not_obeyed(tmp_path):
+    # mlx-lm's OLMo module calls sys.exit when the ai2-olmo package is missing: the port refuses,
+    # the caller's process lives on
+    transformers = transformers_or_skip()
+    mlx_lm_or_skip()
+    import importlib.util
+
+    if importlib.util.find_spec("hf_olmo") is not None:
+        pytest.skip("ai2-olmo is installed here: mlx-lm's OLMo module imports")
+    cfg = transformers.OlmoConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    transformers.OlmoForCausalLM(cfg).save_pretrained(tmp_path / "olmo")
+    _refused(tmp_path / "olmo", tmp_path / "out", db.ConversionError,
+             r"model_type 'olmo' cannot be loaded here: its module needs what this machine lacks \(SystemExit")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("key, value", [("auto_map", {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}),
                                         ("trust_remote_code", True)])
 def test_a_config_asking_for_remote_code(tmp_path, llama_dir, key, value):
