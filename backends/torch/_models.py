@@ -54,6 +54,7 @@ def walk(model: nn.Module) -> list[Entry]:
     out = []
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     raw = raw_adapter_wrappers(model)  # LoRA on raw parameters: its factor modules are no linear layers
+    kinds: dict[type, str | None] = {}  # class -> its kind by class alone (decided once per class in a walk)
     for path, m in model.named_modules():
         if inside and any(path.startswith(w + ".") for w in inside):
             continue
@@ -61,21 +62,26 @@ def walk(model: nn.Module) -> list[Entry]:
             inside.append(path)
             out.append(_entry(path, m, "linear", wrapper_params(m)))
             continue
+        cls = type(m)
+        if cls not in kinds:
+            kinds[cls] = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
         # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
-        kind = "quantized" if is_torchao(m) else "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
-        if kind is not None and any(path.startswith(w + ".") and not (path == b or path.startswith(b + "."))
-                                    for w, b in raw.items()):
+        torchao = is_torchao(m)
+        kind = "quantized" if torchao else kinds[cls]
+        if kind is not None and raw and any(path.startswith(w + ".") and not (path == b or path.startswith(b + "."))
+                                            for w, b in raw.items()):
             kind = "other"  # an adapter's factor (lora_A/lora_B of PEFT's ParamWrapper), named as an adapter part
         params = {n: p for n, p in m._parameters.items() if p is not None}
         # persistent floating buffers are state a port carries too (BatchNorm's running stats);
         # non-persistent ones (causal masks, rotary inv_freq) are recomputed by the model
-        params.update({n: b for n, b in m._buffers.items() if b is not None and b.is_floating_point()
-                       and n not in m._non_persistent_buffers_set and n != "mask"})
+        if m._buffers:
+            params.update({n: b for n, b in m._buffers.items() if b is not None and b.is_floating_point()
+                           and n not in m._non_persistent_buffers_set and n != "mask"})
         if kind is None:
             if not params:
                 continue
             kind = "other"
-        out.append(_entry(path, m, kind, params))
+        out.append(_entry(path, m, kind, params, torchao))
     return out
 
 
@@ -85,8 +91,8 @@ def _shape(p) -> tuple[int, ...]:
     return tuple(p.shape)  # torch.Size: a tuple of ints already
 
 
-def _entry(path: str, m: nn.Module, kind: str, params: dict) -> Entry:
-    torchao = is_torchao(m)
+def _entry(path: str, m: nn.Module, kind: str, params: dict, torchao: bool | None = None) -> Entry:
+    torchao = is_torchao(m) if torchao is None else torchao
 
     def read() -> dict[str, np.ndarray]:
         if torchao:  # the weight torchao dequantizes to, in torch's (out, in) layout (_quant.py)

@@ -4,6 +4,8 @@ weight is canonical as is).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -145,3 +147,88 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     if any(quant_layer(m) is not None for _, m in modules):
         return None
     return {prefix + k: v for prefix, m in modules for k, v in _module_params(m, _detached).items()}
+
+
+def _plain(t) -> bool:
+    """A dense tensor of torch's own (no subclass: no torchao, DTensor or fake tensor, whose
+    ``copy_`` is someone else's code), floating, with data (not meta)."""
+    return (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.layout is torch.strided \
+        and t.is_floating_point() and t.device.type != "meta"
+
+
+def _writable(dst, src) -> bool:
+    """Can ``dst.copy_(src)`` neither fail nor allocate: both plain (:func:`_plain`), one shape, one
+    device, dst no inference tensor (torch refuses an in-place update of one outside inference
+    mode) and no element of dst sharing memory with another (an expanded tensor: torch refuses to
+    write it)."""
+    if not (_plain(dst) and _plain(src)) or dst.shape != src.shape or dst.device != src.device or dst.is_inference():
+        return False
+    try:
+        return dst.is_contiguous() or torch._C._debug_has_internal_overlap(dst) == 0  # MemOverlap::No
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def in_place_copies(writes: list) -> tuple[list[int], Any]:
+    """The writes of a transfer that are plain in-place copies, done together (``devices`` extra).
+
+    Args:
+        writes: ``(layer, form, arrays)`` per write: ``form`` "canonical" (a linear layer's
+            ``kernel`` (in_features, units) and ``bias``, as :func:`device_params` gives them) or
+            "native" (the layer's own parameters and floating buffers by name, torch's layout);
+            ``arrays``: src's tensors, checked already (shapes, dtypes, NaN/Inf).
+
+    Returns:
+        ``(taken, commit)``: the indices of the writes that are copies of plain tensors into
+        plain tensors of the same shape on the same device (:func:`_writable`), none of them
+        reading memory another writes; ``commit()`` copies all of them in one
+        ``torch._foreach_copy_`` (one call: nothing is left half-done between two of them, not
+        even by a KeyboardInterrupt, and nothing is allocated). None when nothing is taken. The
+        rest is the caller's (written one by one, each with its undo).
+    """
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is None:
+        return [], None
+    taken, dsts, srcs = [], [], []
+    for i, (layer, form, arrays) in enumerate(writes):
+        pairs = _targets(layer, form, arrays)
+        if pairs is None or not all(_writable(d, s) for d, s in pairs):
+            continue
+        taken.append(i)
+        dsts += [d for d, _ in pairs]
+        srcs += [s for _, s in pairs]
+    if not taken:
+        return [], None
+    read = {s.untyped_storage().data_ptr() for s in srcs}
+    if any(d.untyped_storage().data_ptr() in read for d in dsts):  # a model writing into itself: one by one
+        return [], None
+
+    def commit() -> None:
+        with torch.no_grad():
+            copy_all(dsts, srcs)
+    return taken, commit
+
+
+def _targets(layer, form: str, arrays: dict) -> list | None:
+    """(dst tensor, src tensor in dst's layout) for each array of one write; None where the write
+    is not a plain copy (a layer read through a declaration, a mask, a quantized weight)."""
+    if form == "canonical":
+        if not _plain_linear(layer) or not arrays.keys() <= {"kernel", "bias"}:
+            return None
+        out = []
+        for k, v in arrays.items():
+            if not isinstance(v, torch.Tensor) or (k == "bias" and layer.bias is None):
+                return None
+            out.append((layer.weight, v.t()) if k == "kernel" else (layer.bias, v))
+        return out
+    if form == "native":
+        out = []
+        for n, v in arrays.items():
+            t = layer._parameters.get(n)
+            if t is None:
+                t = layer._buffers.get(n)
+            if t is None or not isinstance(v, torch.Tensor):
+                return None
+            out.append((t, v))
+        return out
+    return None

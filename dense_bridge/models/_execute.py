@@ -519,10 +519,19 @@ class Execution:
                                  f"parameter of dst: map them, or pass strict=False to leave them as they are)")
 
     def write(self) -> None:
-        """Write everything queued; on a failure, put back what was written (all-or-nothing)."""
+        """Write everything queued; on a failure, put back what was written (all-or-nothing).
+
+        Every check (shapes, dtypes, NaN/Inf, completeness) has passed before this runs. What can
+        still fail is a write itself: each is written with an undo (a copy of what it overwrites)
+        except those dst's adapter takes as plain in-place copies (:meth:`_in_place`), which can
+        neither fail nor allocate and are done last, all in one call, so that a failure of any
+        other write leaves them unwritten and the undo of the others restores dst whole."""
+        taken, commit = self._in_place()
         done: list[tuple[Entry, Any]] = []
         try:
-            for d, how, arrays in self.writes:
+            for i, (d, how, arrays) in enumerate(self.writes):
+                if i in taken:
+                    continue
                 if how == "quantized":  # a dense_bridge.quant.Candidate: writing returns its own undo
                     done.append((d, arrays.write()))
                     continue
@@ -534,6 +543,8 @@ class Execution:
                     self.b.set_linear(d, arrays)
                 else:
                     d.write(arrays)
+            if commit is not None:
+                commit()
         except BaseException:
             self.adapters.undo()
             for d, before in reversed(done):
@@ -542,6 +553,24 @@ class Execution:
                 except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
                     pass
             raise
+
+    def _in_place(self) -> tuple[set[int], Any]:
+        """The queued writes dst's adapter does as plain in-place copies (``in_place_copies``, an
+        extra of the ``devices`` capability: same shape, same device, nothing allocated, nothing
+        that can raise) and the call doing them; ``(set(), None)`` off the device path, or when
+        the two models share a parameter (a write could change what another reads)."""
+        verb = getattr(self.b.adapter, "in_place_copies", None) if self.dev.on else None
+        if verb is None:
+            return set(), None
+        forms = {"linear": "canonical", "native": "native"}
+        index = [i for i, (_, how, _) in enumerate(self.writes) if how in forms]
+        if not index:
+            return set(), None
+        shared = {k for e, _ in self.a.params.values() for k in e.ident.values()}
+        if any(e.ident[n] in shared for e, n in self.b.params.values()):
+            return set(), None
+        taken, commit = verb([(self.writes[i][0].layer, forms[self.writes[i][1]], self.writes[i][2]) for i in index])
+        return {index[j] for j in taken}, commit
 
 
 def _has_lora(params: dict) -> bool:

@@ -657,7 +657,19 @@ _FLOAT_BITS = {"float16": (10, 5), "bfloat16": (7, 8), "float32": (23, 8), "floa
 def narrowing(src_dtype: Any, dst_dtype: Any) -> bool:
     """Does casting ``src_dtype`` values into ``dst_dtype`` lose precision or range (float32 into
     bfloat16, bfloat16 into float16)? Widening (bfloat16 into float32) is exact."""
+    key = (src_dtype, dst_dtype)
+    try:
+        return _NARROWING[key]
+    except (KeyError, TypeError):  # not asked yet, or a dtype object that is no dict key
+        pass
     a, b = _FLOAT_BITS.get(np.dtype(src_dtype).name), _FLOAT_BITS.get(np.dtype(dst_dtype).name)
-    if a is None or b is None:
-        return False
-    return b[0] < a[0] or b[1] < a[1]
+    found = a is not None and b is not None and (b[0] < a[0] or b[1] < a[1])
+    try:
+        _NARROWING[key] = found
+    except TypeError:
+        pass
+    return found
+
+
+#: (src dtype, dst dtype) -> :func:`narrowing`'s answer: a handful of pairs, asked once per tensor
+_NARROWING: dict[tuple, bool] = {}

@@ -20,6 +20,8 @@ from ._layouts import Entry
 
 __all__ = ["walk", "linear_layers", "LINEAR_KINDS", "Side", "sides", "suggest"]
 
+_UNREAD = object()  # a read not made yet (None is a reading: "not on the device path")
+
 #: Entry kinds that are linear layers: "quantized" ones read and write through dense_bridge/quant.
 LINEAR_KINDS = ("linear", "quantized")
 
@@ -100,6 +102,9 @@ class Side:
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
         self._device: dict[int, dict | None] = {}  # id(entry) -> canonical params on the device, read once
+        self._device_reader = getattr(self.adapter, "device_params", None)
+        # the adapter's LoRA test (``lora_base``, a context manager), looked up once for every layer
+        self._lora_base = getattr(self.adapter, "lora_base", None)
         #: parameter path -> an adapter's update to add to it as it is read (``lora="merge"`` of an
         #: adapter on a raw parameter: ``lora._moves.LoraMoves.prepare``), float64 in its own layout
         self.updates: dict[str, Any] = {}
@@ -167,23 +172,26 @@ class Side:
         """Canonical params of linear ``e`` as the framework's arrays where they live (the adapter's
         ``device_params``, ``devices`` capability: nothing copied), read once; None where the
         adapter has no such reading or ``e`` holds a LoRA adapter (then :meth:`linear_params`)."""
-        key = id(e)
-        if key not in self._device:
-            reader = getattr(self.adapter, "device_params", None)
-            found = None
-            if reader is not None:
-                from ..lora import base_of
+        found = self._device.get(id(e), _UNREAD)
+        if found is _UNREAD:
+            found = self._device[id(e)] = self._read_device(e)
+        return found
 
-                try:
-                    with base_of(self.adapter, e.layer) as base:
-                        wrapped = base is not None
-                    found = None if wrapped else reader(e.layer)
-                except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
-                    found = None
-                if found is not None and any(k.startswith("lora_") for k in found):
-                    found = None
-            self._device[key] = found
-        return self._device[key]
+    def _read_device(self, e: Entry) -> dict | None:
+        reader = self._device_reader
+        if reader is None:
+            return None
+        try:
+            if self._lora_base is not None:  # the adapter's own test of a wrapped layer, then its reading
+                with self._lora_base(e.layer) as base:
+                    if base is not None:
+                        return None
+            found = reader(e.layer)
+        except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
+            return None
+        if found is not None and any(k.startswith("lora_") for k in found):
+            return None
+        return found
 
     def kernel_shape(self, e: Entry) -> tuple[int, ...]:
         """The canonical kernel's shape of linear ``e``, read as metadata: from
