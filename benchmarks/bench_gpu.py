@@ -18,9 +18,11 @@ number a median over ``--repeats`` rounds, every variant once per round:
    (target <= 3x); and with ``grads=False, judge="carried"`` (the check of ``transfer(mapping="auto")``
    and of the port) against two forward passes.
 
-The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). The CPU
-fixed cost per tensor is measured by ``--cpu`` (no GPU needed): a 24-layer tiny Llama, transfer
-against ``load_state_dict``.
+The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). ``--cpu``
+measures on the CPU (no GPU needed), transfer against ``load_state_dict``: the fixed cost per
+tensor on a 24-layer tiny Llama, and the copy throughput between two Llamas of 1.13 GB of float32
+each (``--cpu-layers 3``; the CPU's memory bandwidth bounds both, so their ratio means what it
+means on a GPU; two models and no more: a transfer allocates nothing the size of a model).
 """
 from __future__ import annotations
 
@@ -69,6 +71,23 @@ def fixed_cost_rows(torch, transformers, db, device, repeats: int, sync) -> list
              f"{t_tr / t_sd:.2f}x (target <= 2x)")]
 
 
+def throughput_row(torch, transformers, db, device, layers: int, big: dict, repeats: int, sync,
+                   where: str) -> tuple[str, str, str, str]:
+    """The copy throughput of a transfer between two Llamas on one device (``layers`` layers of
+    ``big``'s widths, float32) against ``load_state_dict`` of one into the other: both bounded by
+    the device's memory bandwidth (a transfer reads src once more, for its NaN/Inf test)."""
+    a = _llama(transformers, torch, 0, device, layers, big["hidden"], big["inter"], big["vocab"])
+    b = _llama(transformers, torch, 1, device, layers, big["hidden"], big["inter"], big["vocab"])
+    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    db.transfer(a, b)
+    t_tr = _median(lambda: db.transfer(a, b), repeats, sync)
+    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), repeats, sync)
+    return (f"transfer, two Llamas {where} ({nbytes / 1e9:.2f} GB float32)",
+            f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
+            f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
+            f"{t_sd / t_tr:.2f} (target >= 0.5)")
+
+
 def _row(rows: list, row: tuple) -> None:
     """Keep ``row`` and print it at once: a run cut short still shows what it measured."""
     rows.append(row)
@@ -85,7 +104,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=8, help="layers of the >= 2 GB Llama pair")
-    ap.add_argument("--cpu", action="store_true", help="only the CPU fixed cost per tensor (no GPU needed)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="only the CPU rows (no GPU needed): the fixed cost per tensor and the copy throughput")
+    ap.add_argument("--cpu-layers", type=int, default=3,
+                    help="layers of the CPU throughput pair (3: 1.13 GB of float32 each; 0: no throughput row)")
     ap.add_argument("--smoke", action="store_true",
                     help="every step on small models on the CPU, to check the script runs (numbers meaningless)")
     args = ap.parse_args(argv)
@@ -95,7 +117,12 @@ def main(argv=None) -> int:
 
     transformers = __import__("transformers")
     if args.cpu:
-        print(_table(fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None), "CPU"))
+        rows = fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None)
+        if args.cpu_layers:  # >= 1 GB of float32 per model: 3 layers of the GPU pair's widths, 1.13 GB
+            cpu_big = dict(hidden=2048, inter=5504, vocab=32000)
+            rows.append(throughput_row(torch, transformers, db, "cpu", args.cpu_layers, cpu_big, args.repeats,
+                                       lambda: None, "on the CPU"))
+        print(_table(rows, f"CPU, torch {torch.__version__}"))
         return 0
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA: not measured (torch sees no CUDA device; benchmarks/bench_gpu.py measures only on a GPU)")
@@ -108,17 +135,7 @@ def main(argv=None) -> int:
     rows: list = []
 
     # 1. two same-device Llamas, >= 2 GB of float32 each
-    a = _llama(transformers, torch, 0, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
-    b = _llama(transformers, torch, 1, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
-    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
-    db.transfer(a, b)
-    t_tr = _median(lambda: db.transfer(a, b), args.repeats, sync)
-    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), args.repeats, sync)
-    _row(rows, (f"transfer, two Llamas on the GPU ({nbytes / 1e9:.2f} GB float32)",
-                 f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
-                 f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
-                 f"{t_sd / t_tr:.2f} (target >= 0.5)"))
-    del a, b
+    _row(rows, throughput_row(torch, transformers, db, dev, args.layers, big, args.repeats, sync, "on the GPU"))
     if not args.smoke:
         torch.cuda.empty_cache()
     for row in fixed_cost_rows(torch, transformers, db, dev, args.repeats, sync):

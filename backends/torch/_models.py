@@ -55,18 +55,20 @@ def walk(model: nn.Module) -> list[Entry]:
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     raw = raw_adapter_wrappers(model)  # LoRA on raw parameters: its factor modules are no linear layers
     kinds: dict[type, str | None] = {}  # class -> its kind by class alone (decided once per class in a walk)
-    for path, m in model.named_modules():
+    linears: dict[type, bool] = {}  # class -> a subclass of nn.Linear (which may hold a torchao weight)
+    for path, m in _named_modules(model):
         if inside and any(path.startswith(w + ".") for w in inside):
             continue
         if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
             inside.append(path)
-            out.append(_entry(path, m, "linear", wrapper_params(m)))
+            out.append(_entry(path, m, "linear", wrapper_params(m), lora=True))
             continue
         cls = type(m)
         if cls not in kinds:
             kinds[cls] = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
+            linears[cls] = issubclass(cls, nn.Linear)
         # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
-        torchao = is_torchao(m)
+        torchao = linears[cls] and is_torchao(m)
         kind = "quantized" if torchao else kinds[cls]
         if kind is not None and raw and any(path.startswith(w + ".") and not (path == b or path.startswith(b + "."))
                                             for w, b in raw.items()):
@@ -85,13 +87,37 @@ def walk(model: nn.Module) -> list[Entry]:
     return out
 
 
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()``: every module once, at its first path, in definition order
+    (preorder), found with one stack instead of a generator per level of nesting (that recursion
+    costs more than the walk's own work on a model of many small layers). A tree where a class
+    overrides ``named_modules`` gets its own answer."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack = [("", model)]
+    base = nn.Module.named_modules
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen:
+            continue
+        if type(m).named_modules is not base:
+            return list(model.named_modules())
+        seen.add(id(m))
+        out.append((path, m))
+        children = m._modules
+        if children:
+            prefix = path + "." if path else ""
+            stack.extend((prefix + name, c) for name, c in reversed(list(children.items())) if c is not None)
+    return out
+
+
 def _shape(p) -> tuple[int, ...]:
     if isinstance(p, nn.parameter.UninitializedTensorMixin):
         return ()
     return tuple(p.shape)  # torch.Size: a tuple of ints already
 
 
-def _entry(path: str, m: nn.Module, kind: str, params: dict, torchao: bool | None = None) -> Entry:
+def _entry(path: str, m: nn.Module, kind: str, params: dict, torchao: bool | None = None, lora: bool = False) -> Entry:
     torchao = is_torchao(m) if torchao is None else torchao
 
     def read() -> dict[str, np.ndarray]:
@@ -112,7 +138,9 @@ def _entry(path: str, m: nn.Module, kind: str, params: dict, torchao: bool | Non
 
     note = "" if kind != "quantized" else "its weights are quantized (packed integers and scales)"
     # the tensors where they live, for moves that stay on the device (dense_bridge/models/_device.py)
-    extra = {} if torchao else {"read_device": lambda: {n: p.detach() for n, p in params.items()},
-                                "snapshot_device": lambda: {n: p.detach().clone() for n, p in params.items()}}
+    # "holds_lora": whether the layer wraps a LoRA adapter, known here (spares the core asking lora_base)
+    extra = {"holds_lora": lora} if torchao else {
+        "read_device": lambda: {n: p.detach() for n, p in params.items()},
+        "snapshot_device": lambda: {n: p.detach().clone() for n, p in params.items()}, "holds_lora": lora}
     return Entry(path, m, kind, tuple(params), {n: id(p) for n, p in params.items()},
                  {n: _shape(p) for n, p in params.items()}, read, write, note, extra=extra)

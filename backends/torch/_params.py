@@ -138,8 +138,9 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
     view: nothing is copied, no device is left); None for a quantized layer (its dequantized
     floats are computed on the host)."""
-    if _plain_linear(native):
-        w, b = native.weight.detach(), native.bias
+    if _plain_linear(native):  # read from _parameters: the checks of Module.__getattr__ cost more than the views
+        params = native._parameters
+        w, b = params["weight"].detach(), params.get("bias")
         return {"kernel": w.t()} if b is None else {"kernel": w.t(), "bias": b.detach()}
     if quant_layer(native) is not None:
         return None

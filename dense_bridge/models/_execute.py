@@ -214,7 +214,8 @@ class Execution:
             if _mapping.narrowing(dtype_of(params[k]), dtype_of(have[k])):
                 return False
         for k in params:
-            self.dev.check(params[k], f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {dtype_of(have[k])})")
+            self.dev.check(params[k], lambda k=k: f"src {s.where()} {k} holds NaN or Inf (in dst's dtype "
+                                                  f"{dtype_of(have[k])})")
         self.writes.append((d, "linear", dict(params)))
         return None
 
@@ -470,7 +471,7 @@ class Execution:
             return (f"src parameter {src_path!r} {shape} does not fit dst parameter {d.param_path(name)!r} "
                     f"{d.shapes[name]}")
         if not is_host(value):  # the device path: the test queued for one synchronisation
-            self.dev.check(value, f"src parameter {src_path!r} holds NaN or Inf")
+            self.dev.check(value, lambda: f"src parameter {src_path!r} holds NaN or Inf")
             dst_native = self.dev.native(self.b, d)
             dst_dtype = dtype_of((dst_native or self.b.native(d))[name])
             if _mapping.narrowing(dtype_of(value), dst_dtype):

@@ -20,6 +20,7 @@ from ._layouts import Entry
 
 __all__ = ["walk", "linear_layers", "LINEAR_KINDS", "Side", "sides", "suggest"]
 
+_PLAIN = frozenset(("kernel", "bias", "mask"))  # canonical keys of a layer without an adapter
 _UNREAD = object()  # a read not made yet (None is a reading: "not on the device path")
 
 #: Entry kinds that are linear layers: "quantized" ones read and write through dense_bridge/quant.
@@ -182,14 +183,17 @@ class Side:
         if reader is None:
             return None
         try:
-            if self._lora_base is not None:  # the adapter's own test of a wrapped layer, then its reading
+            wrapped = e.extra.get("holds_lora")  # the walk's answer where it gives one, else the adapter's test
+            if wrapped:
+                return None
+            if wrapped is None and self._lora_base is not None:
                 with self._lora_base(e.layer) as base:
                     if base is not None:
                         return None
             found = reader(e.layer)
         except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
             return None
-        if found is not None and any(k.startswith("lora_") for k in found):
+        if found is not None and not found.keys() <= _PLAIN and any(k.startswith("lora_") for k in found):
             return None
         return found
 
@@ -199,7 +203,7 @@ class Side:
         :meth:`linear_params`."""
         arrays = self.device_params(e)
         if arrays and "kernel" in arrays:
-            return tuple(int(s) for s in arrays["kernel"].shape)
+            return tuple(map(int, arrays["kernel"].shape))
         return tuple(self.linear_params(e)["kernel"].shape)
 
     def native(self, e: Entry) -> dict:
