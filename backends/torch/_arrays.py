@@ -175,6 +175,11 @@ def nonfinite_flags(arrays) -> list[bool]:
 def _norms(tensors: list, order: float) -> torch.Tensor:
     """The ``order``-norm of each of ``tensors`` (one device; ord=inf: the max-abs) as one float32
     vector: one fused launch per dtype where torch has the kernel, else one by one."""
+    if len({t.dtype for t in tensors}) == 1:  # the usual case (nonfinite_flags groups by dtype): one launch
+        try:
+            return torch.stack(torch._foreach_norm(tensors, order)).float()
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return torch.stack([torch.linalg.vector_norm(t, order) for t in tensors]).float()
     found: dict[int, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[int]] = {}
     for j, t in enumerate(tensors):

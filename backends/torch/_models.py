@@ -11,13 +11,16 @@ written in torch's own layout under their own names.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+import torch
 from torch import nn
 
 from dense_bridge.models._layouts import Entry, Layout, declared
 
 from ._arrays import copy_in, to_numpy
-from ._lora import is_lora, raw_adapter_wrappers, wrapper_params
+from ._lora import raw_adapter_wrappers, wrapper_params
 from ._quant import is_quantized as is_torchao
 from ._quant import quant_layer
 from ._to_spec import LINEAR_TYPES as _LINEAR_TYPES
@@ -54,12 +57,13 @@ def walk(model: nn.Module) -> list[Entry]:
     out = []
     inside: list[str] = []  # paths of LoRA wrappers: their parts are the wrapper's parameters
     raw = raw_adapter_wrappers(model)  # LoRA on raw parameters: its factor modules are no linear layers
+    lora_cls = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)  # what is_lora looks for
     kinds: dict[type, str | None] = {}  # class -> its kind by class alone (decided once per class in a walk)
     linears: dict[type, bool] = {}  # class -> a subclass of nn.Linear (which may hold a torchao weight)
-    for path, m in _named_modules(model):
+    for path, m in model.named_modules():
         if inside and any(path.startswith(w + ".") for w in inside):
             continue
-        if is_lora(m):  # one linear layer under the wrapped layer's path (PEFT "...q_proj")
+        if lora_cls is not None and type(m) is lora_cls:  # is_lora: one linear layer under the wrapped layer's path
             inside.append(path)
             out.append(_entry(path, m, "linear", wrapper_params(m), lora=True))
             continue
@@ -68,7 +72,7 @@ def walk(model: nn.Module) -> list[Entry]:
             kinds[cls] = "linear" if linear_kind(m) else "quantized" if _quantized(m) else None
             linears[cls] = issubclass(cls, nn.Linear)
         # an nn.Linear holding a torchao tensor is quantized (read through _quant.py)
-        torchao = linears[cls] and is_torchao(m)
+        torchao = linears[cls] and type(m._parameters.get("weight")) is not nn.Parameter and is_torchao(m)
         kind = "quantized" if torchao else kinds[cls]
         if kind is not None and raw and any(path.startswith(w + ".") and not (path == b or path.startswith(b + "."))
                                             for w, b in raw.items()):
@@ -84,30 +88,6 @@ def walk(model: nn.Module) -> list[Entry]:
                 continue
             kind = "other"
         out.append(_entry(path, m, kind, params, torchao))
-    return out
-
-
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()``: every module once, at its first path, in definition order
-    (preorder), found with one stack instead of a generator per level of nesting (that recursion
-    costs more than the walk's own work on a model of many small layers). A tree where a class
-    overrides ``named_modules`` gets its own answer."""
-    out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    stack = [("", model)]
-    base = nn.Module.named_modules
-    while stack:
-        path, m = stack.pop()
-        if id(m) in seen:
-            continue
-        if type(m).named_modules is not base:
-            return list(model.named_modules())
-        seen.add(id(m))
-        out.append((path, m))
-        children = m._modules
-        if children:
-            prefix = path + "." if path else ""
-            stack.extend((prefix + name, c) for name, c in reversed(list(children.items())) if c is not None)
     return out
 
 
@@ -142,5 +122,8 @@ def _entry(path: str, m: nn.Module, kind: str, params: dict, torchao: bool | Non
     extra = {"holds_lora": lora} if torchao else {
         "read_device": lambda: {n: p.detach() for n, p in params.items()},
         "snapshot_device": lambda: {n: p.detach().clone() for n, p in params.items()}, "holds_lora": lora}
-    return Entry(path, m, kind, tuple(params), {n: id(p) for n, p in params.items()},
-                 {n: _shape(p) for n, p in params.items()}, read, write, note, extra=extra)
+    ident, shapes = {}, {}
+    for n, p in params.items():
+        ident[n] = id(p)
+        shapes[n] = tuple(p.shape) if type(p) is nn.Parameter or type(p) is torch.Tensor else _shape(p)
+    return Entry(path, m, kind, tuple(params), ident, shapes, read, write, note, extra=extra)

@@ -154,7 +154,7 @@ def _plain(t) -> bool:
     """A dense tensor of torch's own (no subclass: no torchao, DTensor or fake tensor, whose
     ``copy_`` is someone else's code), floating, with data (not meta)."""
     return (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.layout is torch.strided \
-        and t.is_floating_point() and t.device.type != "meta"
+        and t.is_floating_point() and not t.is_meta
 
 
 def _writable(dst, src) -> bool:
@@ -165,7 +165,7 @@ def _writable(dst, src) -> bool:
     if not (_plain(dst) and _plain(src)) or dst.shape != src.shape or dst.device != src.device or dst.is_inference():
         return False
     try:
-        return dst.is_contiguous() or torch._C._debug_has_internal_overlap(dst) == 0  # MemOverlap::No
+        return dst.is_contiguous() or torch._debug_has_internal_overlap(dst) == 0  # MemOverlap::No
     except (AttributeError, RuntimeError):
         return False
 

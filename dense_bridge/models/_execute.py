@@ -206,7 +206,7 @@ class Execution:
         adapter to copy device to device. False: this pair takes the host path (a LoRA adapter,
         a quantized or lazy layer, a narrowing cast whose overflow is judged in dst's dtype)."""
         params, have = self.dev.linear(self.a, s), self.dev.linear(self.b, d)
-        if params is None or have is None or sorted(params) != sorted(have):
+        if params is None or have is None or params.keys() != have.keys():
             return False
         for k in params:
             if shape_of(params[k]) != shape_of(have[k]):

@@ -314,14 +314,19 @@ class Plan:
             repl: Any = dst if len(dst) > 1 else dst[0]
             if m.heads is not None:
                 repl = {"to": repl, "heads": m.heads}
-            src = [re.escape(st(s.path)) for s in m.src]
+            src = [_escape(st(s.path)) for s in m.src]
             out.append((src if len(src) > 1 else src[0], repl))
         for p in self.params:
-            out.append((re.escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
+            out.append((_escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
         for am in self.axis_moves:
-            src = [re.escape(st(x)) for x in am.src]
+            src = [_escape(st(x)) for x in am.src]
             out.append((src if len(src) > 1 else src[0], am.replacement(st)))
         return out
+
+
+#: ``re.escape`` of a path, remembered: a report's rules escape every moved path, the same paths
+#: at every transfer of one model (bounded: paths of a few models)
+_escape = functools.lru_cache(maxsize=1 << 14)(re.escape)
 
 
 def _expand(target: Target, match: re.Match | None) -> Target:

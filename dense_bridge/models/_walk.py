@@ -111,11 +111,16 @@ class Side:
         self.updates: dict[str, Any] = {}
         first: dict[Any, str] = {}
         for e in self.entries:
-            stable = e.extra.get("stable_path")
+            extra = e.extra
+            stable = extra.get("stable_path")
             if stable is not None and stable != e.path:
                 self._alias(e.path, stable)
+            given = extra.get("param_paths") or {}  # Entry.param_path, its two lookups made once per layer
+            prefix = e.path + e.sep if e.path else ""
             for n in e.names:
-                p = e.param_path(n)
+                p = given.get(n)
+                if p is None:
+                    p = prefix + n
                 if stable is not None and stable != e.path and p.startswith(e.path):
                     self._alias(p, stable + p[len(e.path):])
                 self.params[p] = (e, n)
@@ -146,7 +151,7 @@ class Side:
 
     def fully_tied(self, e: Entry) -> bool:
         """A layer all of whose parameters are another layer's (GPT-2's lm_head is wte's weight)."""
-        return bool(e.names) and all(e.param_path(n) in self.tied_to for n in e.names)
+        return bool(self.tied_to) and bool(e.names) and all(e.param_path(n) in self.tied_to for n in e.names)
 
     def unknown(self, path: str, what: str) -> str:
         known = list(self.layers) + list(self.params)
