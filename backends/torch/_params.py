@@ -150,19 +150,19 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     return {prefix + k: v for prefix, m in modules for k, v in _module_params(m, _detached).items()}
 
 
-def _plain(t) -> bool:
-    """A dense tensor of torch's own (no subclass: no torchao, DTensor or fake tensor, whose
-    ``copy_`` is someone else's code), floating, with data (not meta)."""
-    return (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.layout is torch.strided \
-        and t.is_floating_point() and not t.is_meta
+_PLAIN_TYPES = frozenset((torch.Tensor, nn.Parameter))
 
 
 def _writable(dst, src) -> bool:
-    """Can ``dst.copy_(src)`` neither fail nor allocate: both plain (:func:`_plain`), one shape, one
-    device, dst no inference tensor (torch refuses an in-place update of one outside inference
-    mode) and no element of dst sharing memory with another (an expanded tensor: torch refuses to
-    write it)."""
-    if not (_plain(dst) and _plain(src)) or dst.shape != src.shape or dst.device != src.device or dst.is_inference():
+    """Can ``dst.copy_(src)`` neither fail nor allocate: both dense tensors of torch's own (no
+    subclass: no torchao, DTensor or fake tensor, whose ``copy_`` is someone else's code),
+    floating, with data (not meta), of one shape on one device; dst no inference tensor (torch
+    refuses an in-place update of one outside inference mode) and no element of dst sharing
+    memory with another (an expanded tensor: torch refuses to write it)."""
+    if type(dst) not in _PLAIN_TYPES or type(src) not in _PLAIN_TYPES or dst.layout is not torch.strided \
+            or src.layout is not torch.strided or dst.shape != src.shape or not dst.is_floating_point() \
+            or not src.is_floating_point() or dst.is_meta or src.is_meta or dst.is_inference() \
+            or dst.device != src.device:
         return False
     try:
         return dst.is_contiguous() or torch._debug_has_internal_overlap(dst) == 0  # MemOverlap::No
@@ -193,11 +193,16 @@ def in_place_copies(writes: list) -> tuple[list[int], Any]:
     taken, dsts, srcs = [], [], []
     for i, (layer, form, arrays) in enumerate(writes):
         pairs = _targets(layer, form, arrays)
-        if pairs is None or not all(_writable(d, s) for d, s in pairs):
+        if pairs is None:
             continue
-        taken.append(i)
-        dsts += [d for d, _ in pairs]
-        srcs += [s for _, s in pairs]
+        for d, s in pairs:
+            if not _writable(d, s):
+                break
+        else:
+            taken.append(i)
+            for d, s in pairs:
+                dsts.append(d)
+                srcs.append(s)
     if not taken:
         return [], None
     read = {s.untyped_storage().data_ptr() for s in srcs}
@@ -214,13 +219,19 @@ def _targets(layer, form: str, arrays: dict) -> list | None:
     """(dst tensor, src tensor in dst's layout) for each array of one write; None where the write
     is not a plain copy (a layer read through a declaration, a mask, a quantized weight)."""
     if form == "canonical":
-        if not _plain_linear(layer) or not arrays.keys() <= {"kernel", "bias"}:
+        if not _plain_linear(layer):
             return None
+        params = layer._parameters  # what _plain_linear checked: a plain weight, a plain bias or None
         out = []
         for k, v in arrays.items():
-            if not isinstance(v, torch.Tensor) or (k == "bias" and layer.bias is None):
+            if not isinstance(v, torch.Tensor):
                 return None
-            out.append((layer.weight, v.t()) if k == "kernel" else (layer.bias, v))
+            if k == "kernel":
+                out.append((params["weight"], v.t()))
+            elif k == "bias" and params.get("bias") is not None:
+                out.append((params["bias"], v))
+            else:
+                return None
         return out
     if form == "native":
         out = []
