@@ -151,3 +151,15 @@ def test_large_finite_values_pass_the_nonfinite_test_and_move():
     with pytest.raises(db.ConversionError, match="'model.norm.weight' holds NaN or Inf"):
         db.transfer(a, b)
     _assert_unchanged(b, before)
+
+
+def test_a_widening_transfer_copies_in_place_with_the_cast():
+    """bfloat16 into float32 (exact): the plain copies cast as they copy, in the same one call."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    b = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    with Ops() as ops:
+        db.transfer(a, b)
+    assert ops.ops.get("_foreach_copy_") == 1 and ops.ops.get("clone", 0) == 0, ops.ops
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert y.dtype == torch.float32 and torch.equal(x.float(), y), k
