@@ -48,6 +48,20 @@ def _median(fn, repeats: int, sync=lambda: None) -> float:
     return statistics.median(times)
 
 
+def _medians(fns, repeats: int, sync=lambda: None) -> list[float]:
+    """The median time of each of ``fns``, run in rounds (each once per round, in turn): on a shared
+    machine a change of load then falls on all of them alike, and their ratio keeps its meaning."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _llama(transformers, torch, seed, device, layers, hidden, inter, vocab, heads=16, kv=16):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -64,8 +78,7 @@ def fixed_cost_rows(torch, transformers, db, device, repeats: int, sync) -> list
     b = _llama(transformers, torch, 1, device, 24, 64, 128, 256, heads=4, kv=2)
     n = len(list(b.parameters()))
     db.transfer(a, b)  # first-use imports and caches
-    t_tr = _median(lambda: db.transfer(a, b), repeats, sync)
-    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), repeats, sync)
+    t_tr, t_sd = _medians([lambda: db.transfer(a, b), lambda: b.load_state_dict(a.state_dict())], repeats, sync)
     return [(f"fixed cost per tensor, 24-layer tiny Llama ({n} tensors, {device})",
              f"{t_tr / n * 1e6:.0f} us ({t_tr * 1e3:.1f} ms)", f"{t_sd / n * 1e6:.0f} us ({t_sd * 1e3:.1f} ms)",
              f"{t_tr / t_sd:.2f}x (target <= 2x)")]
@@ -80,8 +93,7 @@ def throughput_row(torch, transformers, db, device, layers: int, big: dict, repe
     b = _llama(transformers, torch, 1, device, layers, big["hidden"], big["inter"], big["vocab"])
     nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
     db.transfer(a, b)
-    t_tr = _median(lambda: db.transfer(a, b), repeats, sync)
-    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), repeats, sync)
+    t_tr, t_sd = _medians([lambda: db.transfer(a, b), lambda: b.load_state_dict(a.state_dict())], repeats, sync)
     return (f"transfer, two Llamas {where} ({nbytes / 1e9:.2f} GB float32)",
             f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
             f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
