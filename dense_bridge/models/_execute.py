@@ -109,12 +109,12 @@ class Execution:
         return True
 
     def _moved_layers(self, m: _mapping.LayerMove) -> str:
-        label = "+".join(e.path for e in m.src)
+        label = m.src[0].path if len(m.src) == 1 else "+".join(e.path for e in m.src)
         for dd in m.dst:
             for n in dd.names:
                 self.claim(dd, n, label)
         for ss in m.src:
-            self.moved_src.update(ss.param_path(n) for n in ss.names)
+            self.moved_src.update(self.a.param_paths(ss))
         return label
 
     # ------------------------------------------------------------------------- layer moves
@@ -163,7 +163,11 @@ class Execution:
         how = "split" if len(m.dst) > 1 else "concatenated" if len(m.src) > 1 else ""
         heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
         for ww in self.writes[-len(m.dst):]:
-            what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+            what = _WHAT.get((tuple(ww[2]), how))
+            if what is None or heads:
+                what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+                if not heads:
+                    _WHAT[(tuple(ww[2]), how)] = what
             self.report.moved.append((label, ww[0].path, what))
 
     def canonical(self, s: Entry, d: Entry, writes: list | None = None, casts: list | None = None,
@@ -573,6 +577,10 @@ class Execution:
             return set(), None
         taken, commit = verb([(self.writes[i][0].layer, forms[self.writes[i][1]], self.writes[i][2]) for i in index])
         return {index[j] for j in taken}, commit
+
+
+#: (canonical keys, "split"/"concatenated"/"") -> the report's words for a linear move: a few forms
+_WHAT: dict[tuple, str] = {}
 
 
 def _has_lora(params: dict) -> bool:

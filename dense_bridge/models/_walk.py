@@ -109,6 +109,7 @@ class Side:
         #: parameter path -> an adapter's update to add to it as it is read (``lora="merge"`` of an
         #: adapter on a raw parameter: ``lora._moves.LoraMoves.prepare``), float64 in its own layout
         self.updates: dict[str, Any] = {}
+        self._paths: dict[int, list[str]] = {}  # id(entry) -> its parameter paths, by name order
         first: dict[Any, str] = {}
         for e in self.entries:
             extra = e.extra
@@ -117,10 +118,12 @@ class Side:
                 self._alias(e.path, stable)
             given = extra.get("param_paths") or {}  # Entry.param_path, its two lookups made once per layer
             prefix = e.path + e.sep if e.path else ""
+            paths = self._paths[id(e)] = []
             for n in e.names:
                 p = given.get(n)
                 if p is None:
                     p = prefix + n
+                paths.append(p)
                 if stable is not None and stable != e.path and p.startswith(e.path):
                     self._alias(p, stable + p[len(e.path):])
                 self.params[p] = (e, n)
@@ -145,6 +148,11 @@ class Side:
             return path
         actual = self.alias.get(path)
         return actual if actual in self.params else None
+
+    def param_paths(self, e: Entry) -> list[str]:
+        """The paths of ``e``'s parameters (``Entry.param_path`` of each name, in order), found once."""
+        found = self._paths.get(id(e))
+        return found if found is not None else [e.param_path(n) for n in e.names]
 
     def linear(self) -> list[Entry]:
         return [e for e in self.entries if e.kind in LINEAR_KINDS]
