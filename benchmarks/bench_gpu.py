@@ -18,9 +18,11 @@ number a median over ``--repeats`` rounds, every variant once per round:
    (target <= 3x); and with ``grads=False, judge="carried"`` (the check of ``transfer(mapping="auto")``
    and of the port) against two forward passes.
 
-The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). The CPU
-fixed cost per tensor is measured by ``--cpu`` (no GPU needed): a 24-layer tiny Llama, transfer
-against ``load_state_dict``.
+The table goes to stdout and to ``benchmarks/results/gpu.md`` (with the card's name). ``--cpu``
+measures on the CPU (no GPU needed), transfer against ``load_state_dict``: the fixed cost per
+tensor on a 24-layer tiny Llama, and the copy throughput between two Llamas of 1.13 GB of float32
+each (``--cpu-layers 3``; the CPU's memory bandwidth bounds both, so their ratio means what it
+means on a GPU; two models and no more: a transfer allocates nothing the size of a model).
 """
 from __future__ import annotations
 
@@ -46,6 +48,20 @@ def _median(fn, repeats: int, sync=lambda: None) -> float:
     return statistics.median(times)
 
 
+def _medians(fns, repeats: int, sync=lambda: None) -> list[float]:
+    """The median time of each of ``fns``, run in rounds (each once per round, in turn): on a shared
+    machine a change of load then falls on all of them alike, and their ratio keeps its meaning."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _llama(transformers, torch, seed, device, layers, hidden, inter, vocab, heads=16, kv=16):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -62,11 +78,26 @@ def fixed_cost_rows(torch, transformers, db, device, repeats: int, sync) -> list
     b = _llama(transformers, torch, 1, device, 24, 64, 128, 256, heads=4, kv=2)
     n = len(list(b.parameters()))
     db.transfer(a, b)  # first-use imports and caches
-    t_tr = _median(lambda: db.transfer(a, b), repeats, sync)
-    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), repeats, sync)
+    t_tr, t_sd = _medians([lambda: db.transfer(a, b), lambda: b.load_state_dict(a.state_dict())], repeats, sync)
     return [(f"fixed cost per tensor, 24-layer tiny Llama ({n} tensors, {device})",
              f"{t_tr / n * 1e6:.0f} us ({t_tr * 1e3:.1f} ms)", f"{t_sd / n * 1e6:.0f} us ({t_sd * 1e3:.1f} ms)",
              f"{t_tr / t_sd:.2f}x (target <= 2x)")]
+
+
+def throughput_row(torch, transformers, db, device, layers: int, big: dict, repeats: int, sync,
+                   where: str) -> tuple[str, str, str, str]:
+    """The copy throughput of a transfer between two Llamas on one device (``layers`` layers of
+    ``big``'s widths, float32) against ``load_state_dict`` of one into the other: both bounded by
+    the device's memory bandwidth (a transfer reads src once more, for its NaN/Inf test)."""
+    a = _llama(transformers, torch, 0, device, layers, big["hidden"], big["inter"], big["vocab"])
+    b = _llama(transformers, torch, 1, device, layers, big["hidden"], big["inter"], big["vocab"])
+    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    db.transfer(a, b)
+    t_tr, t_sd = _medians([lambda: db.transfer(a, b), lambda: b.load_state_dict(a.state_dict())], repeats, sync)
+    return (f"transfer, two Llamas {where} ({nbytes / 1e9:.2f} GB float32)",
+            f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
+            f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
+            f"{t_sd / t_tr:.2f} (target >= 0.5)")
 
 
 def _row(rows: list, row: tuple) -> None:
@@ -85,7 +116,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=8, help="layers of the >= 2 GB Llama pair")
-    ap.add_argument("--cpu", action="store_true", help="only the CPU fixed cost per tensor (no GPU needed)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="only the CPU rows (no GPU needed): the fixed cost per tensor and the copy throughput")
+    ap.add_argument("--cpu-layers", type=int, default=3,
+                    help="layers of the CPU throughput pair (3: 1.13 GB of float32 each; 0: no throughput row)")
     ap.add_argument("--smoke", action="store_true",
                     help="every step on small models on the CPU, to check the script runs (numbers meaningless)")
     args = ap.parse_args(argv)
@@ -95,7 +129,12 @@ def main(argv=None) -> int:
 
     transformers = __import__("transformers")
     if args.cpu:
-        print(_table(fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None), "CPU"))
+        rows = fixed_cost_rows(torch, transformers, db, "cpu", args.repeats, lambda: None)
+        if args.cpu_layers:  # >= 1 GB of float32 per model: 3 layers of the GPU pair's widths, 1.13 GB
+            cpu_big = dict(hidden=2048, inter=5504, vocab=32000)
+            rows.append(throughput_row(torch, transformers, db, "cpu", args.cpu_layers, cpu_big, args.repeats,
+                                       lambda: None, "on the CPU"))
+        print(_table(rows, f"CPU, torch {torch.__version__}"))
         return 0
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA: not measured (torch sees no CUDA device; benchmarks/bench_gpu.py measures only on a GPU)")
@@ -108,17 +147,7 @@ def main(argv=None) -> int:
     rows: list = []
 
     # 1. two same-device Llamas, >= 2 GB of float32 each
-    a = _llama(transformers, torch, 0, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
-    b = _llama(transformers, torch, 1, dev, args.layers, big["hidden"], big["inter"], big["vocab"])
-    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
-    db.transfer(a, b)
-    t_tr = _median(lambda: db.transfer(a, b), args.repeats, sync)
-    t_sd = _median(lambda: b.load_state_dict(a.state_dict()), args.repeats, sync)
-    _row(rows, (f"transfer, two Llamas on the GPU ({nbytes / 1e9:.2f} GB float32)",
-                 f"{t_tr * 1e3:.1f} ms, {nbytes / t_tr / 1e9:.1f} GB/s",
-                 f"load_state_dict {t_sd * 1e3:.1f} ms, {nbytes / t_sd / 1e9:.1f} GB/s",
-                 f"{t_sd / t_tr:.2f} (target >= 0.5)"))
-    del a, b
+    _row(rows, throughput_row(torch, transformers, db, dev, args.layers, big, args.repeats, sync, "on the GPU"))
     if not args.smoke:
         torch.cuda.empty_cache()
     for row in fixed_cost_rows(torch, transformers, db, dev, args.repeats, sync):

@@ -53,7 +53,7 @@ from __future__ import annotations
 from ._activations import ExactActivation
 from ._arrays import device_of, from_numpy, nonfinite_flags, parse_device, place, to_numpy  # devices: placement, device moves
 from ._layers import DenseLinear, LazyDense, _check_width, compile, owns
-from ._params import device_params, get_params, quant_position_build, quant_positions, set_params
+from ._params import device_params, get_params, in_place_copies, quant_position_build, quant_positions, set_params
 from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model

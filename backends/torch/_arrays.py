@@ -140,31 +140,58 @@ def parse_device(value, argument: str = "device") -> torch.device:
 
 def nonfinite_flags(arrays) -> list[bool]:
     """Which of ``arrays`` (floating tensors, on any devices) hold NaN or Inf: one reduction per
-    tensor on its own device (its max-abs, ``torch._foreach_norm`` with ord=inf: the tensors of one
-    device and dtype in one fused launch; NaN propagates, Inf stays Inf), the peaks of each device
-    tested together, and one host synchronisation for the verdict; only when something is
-    non-finite, one more copy says which."""
+    tensor on its own device, the tensors of one device and dtype in one fused launch
+    (``torch._foreach_norm``), the results of each device tested together, and one host
+    synchronisation for the verdict.
+
+    The reduction is the 2-norm: it is finite exactly when every element is finite and the sum
+    of their squares does not overflow (NaN propagates, Inf stays Inf), and it is the fused
+    kernel every device runs at memory speed (the max-abs, ord=inf, is several times slower on
+    the CPU). A tensor whose 2-norm is not finite is then judged exactly by its max-abs: only
+    when something is non-finite or large enough for its squares to overflow (|x| >~ 1e19 in
+    float32), one more reduction of those tensors and one more synchronisation say which."""
     flags: list[bool] = [False] * len(arrays)
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for i, a in enumerate(arrays):
         t = as_tensor(a)
         if t.is_floating_point() and t.numel():
             groups.setdefault((t.device, t.dtype), []).append((i, t))
-    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (device, _), pairs in groups.items():
+    by_device: dict[torch.device, list[tuple[list[tuple[int, torch.Tensor]], torch.Tensor]]] = {}
+    for (device, _), pairs in groups.items():  # one launch per device and dtype
         tensors = [t for _, t in pairs]
-        try:  # the max-abs of each tensor (NaN propagates, Inf stays Inf): one fused launch per group
-            peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
-        except (AttributeError, RuntimeError, NotImplementedError):  # no fused kernel: one by one
-            peaks = torch.stack([t.abs().amax().float() for t in tensors])
-        by_device.setdefault(device, []).append(([i for i, _ in pairs], torch.isfinite(peaks)))
+        by_device.setdefault(device, []).append((pairs, torch.isfinite(_norms(tensors, 2.0))))
     for parts in by_device.values():
         finite = torch.cat([f for _, f in parts])
         if bool(finite.all()):  # the one host synchronisation
             continue
-        for i, ok in zip([i for idx, _ in parts for i in idx], finite.cpu().tolist()):
+        suspects = [p for pairs, _ in parts for p in pairs]  # in the order of ``finite``
+        suspects = [p for p, ok in zip(suspects, finite.cpu().tolist()) if not ok]
+        exact = torch.isfinite(_norms([t for _, t in suspects], float("inf"))).cpu().tolist()
+        for (i, _), ok in zip(suspects, exact):
             flags[i] = not ok
     return flags
+
+
+def _norms(tensors: list, order: float) -> torch.Tensor:
+    """The ``order``-norm of each of ``tensors`` (one device; ord=inf: the max-abs) as one float32
+    vector: one fused launch per dtype where torch has the kernel, else one by one."""
+    if len({t.dtype for t in tensors}) == 1:  # the usual case (nonfinite_flags groups by dtype): one launch
+        try:
+            return torch.stack(torch._foreach_norm(tensors, order)).float()
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return torch.stack([torch.linalg.vector_norm(t, order) for t in tensors]).float()
+    found: dict[int, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for j, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(j)
+    for idx in by_dtype.values():
+        group = [tensors[j] for j in idx]
+        try:
+            norms = torch._foreach_norm(group, order)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            norms = [torch.linalg.vector_norm(t, order) for t in group]
+        found.update(zip(idx, norms))
+    return torch.stack([found[j].float() for j in range(len(tensors))])
 
 
 def place(native, device):

@@ -214,6 +214,8 @@ def lora_raw_updates(model) -> list[tuple[str, str, np.ndarray, list[str]]]:
 def lora_leftovers(model) -> list[tuple[str, str, list[str]]]:
     """PEFT parts that are not a LoRA linear layer: (wrapper path, what it is, the parameter paths
     holding its trained values). A transfer that leaves those parameters behind names them."""
+    if "peft" not in sys.modules:  # every such part is a PEFT class: none exists before peft is imported
+        return []
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     base_tuner = getattr(tuners, "BaseTunerLayer", None)
     out = []

@@ -4,6 +4,8 @@ weight is canonical as is).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -136,8 +138,9 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     """Canonical params as detached tensors where the model keeps them (kernel = ``weight.t()``, a
     view: nothing is copied, no device is left); None for a quantized layer (its dequantized
     floats are computed on the host)."""
-    if _plain_linear(native):
-        w, b = native.weight.detach(), native.bias
+    if _plain_linear(native):  # read from _parameters: the checks of Module.__getattr__ cost more than the views
+        params = native._parameters
+        w, b = params["weight"].detach(), params.get("bias")
         return {"kernel": w.t()} if b is None else {"kernel": w.t(), "bias": b.detach()}
     if quant_layer(native) is not None:
         return None
@@ -145,3 +148,99 @@ def device_params(native: nn.Module) -> dict[str, torch.Tensor] | None:
     if any(quant_layer(m) is not None for _, m in modules):
         return None
     return {prefix + k: v for prefix, m in modules for k, v in _module_params(m, _detached).items()}
+
+
+_PLAIN_TYPES = frozenset((torch.Tensor, nn.Parameter))
+
+
+def _writable(dst, src) -> bool:
+    """Can ``dst.copy_(src)`` neither fail nor allocate: both dense tensors of torch's own (no
+    subclass: no torchao, DTensor or fake tensor, whose ``copy_`` is someone else's code),
+    floating, with data (not meta), of one shape on one device; dst no inference tensor (torch
+    refuses an in-place update of one outside inference mode) and no element of dst sharing
+    memory with another (an expanded tensor: torch refuses to write it)."""
+    if type(dst) not in _PLAIN_TYPES or type(src) not in _PLAIN_TYPES or dst.layout is not torch.strided \
+            or src.layout is not torch.strided or dst.shape != src.shape or not dst.is_floating_point() \
+            or not src.is_floating_point() or dst.is_meta or src.is_meta or dst.is_inference() \
+            or dst.device != src.device:
+        return False
+    try:
+        return dst.is_contiguous() or torch._debug_has_internal_overlap(dst) == 0  # MemOverlap::No
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def in_place_copies(writes: list) -> tuple[list[int], Any]:
+    """The writes of a transfer that are plain in-place copies, done together (``devices`` extra).
+
+    Args:
+        writes: ``(layer, form, arrays)`` per write: ``form`` "canonical" (a linear layer's
+            ``kernel`` (in_features, units) and ``bias``, as :func:`device_params` gives them) or
+            "native" (the layer's own parameters and floating buffers by name, torch's layout);
+            ``arrays``: src's tensors, checked already (shapes, dtypes, NaN/Inf).
+
+    Returns:
+        ``(taken, commit)``: the indices of the writes that are copies of plain tensors into
+        plain tensors of the same shape on the same device (:func:`_writable`), none of them
+        reading memory another writes; ``commit()`` copies all of them in one
+        ``torch._foreach_copy_`` (one call: nothing is left half-done between two of them, not
+        even by a KeyboardInterrupt, and nothing is allocated). None when nothing is taken. The
+        rest is the caller's (written one by one, each with its undo).
+    """
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is None:
+        return [], None
+    taken, dsts, srcs = [], [], []
+    for i, (layer, form, arrays) in enumerate(writes):
+        pairs = _targets(layer, form, arrays)
+        if pairs is None:
+            continue
+        for d, s in pairs:
+            if not _writable(d, s):
+                break
+        else:
+            taken.append(i)
+            for d, s in pairs:
+                dsts.append(d)
+                srcs.append(s)
+    if not taken:
+        return [], None
+    read = {s.untyped_storage().data_ptr() for s in srcs}
+    if any(d.untyped_storage().data_ptr() in read for d in dsts):  # a model writing into itself: one by one
+        return [], None
+
+    def commit() -> None:
+        with torch.no_grad():
+            copy_all(dsts, srcs)
+    return taken, commit
+
+
+def _targets(layer, form: str, arrays: dict) -> list | None:
+    """(dst tensor, src tensor in dst's layout) for each array of one write; None where the write
+    is not a plain copy (a layer read through a declaration, a mask, a quantized weight)."""
+    if form == "canonical":
+        if not _plain_linear(layer):
+            return None
+        params = layer._parameters  # what _plain_linear checked: a plain weight, a plain bias or None
+        out = []
+        for k, v in arrays.items():
+            if not isinstance(v, torch.Tensor):
+                return None
+            if k == "kernel":
+                out.append((params["weight"], v.t()))
+            elif k == "bias" and params.get("bias") is not None:
+                out.append((params["bias"], v))
+            else:
+                return None
+        return out
+    if form == "native":
+        out = []
+        for n, v in arrays.items():
+            t = layer._parameters.get(n)
+            if t is None:
+                t = layer._buffers.get(n)
+            if t is None or not isinstance(v, torch.Tensor):
+                return None
+            out.append((t, v))
+        return out
+    return None

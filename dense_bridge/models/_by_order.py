@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import re
-
 from . import _plan as _mapping
 from ._layouts import Entry
 from ._walk import LINEAR_KINDS, Side
@@ -40,7 +38,8 @@ def kernel_shape(side: Side, e: Entry) -> tuple:
 
 
 def _last(path: str) -> str:
-    return re.split(r"[./]", path)[-1] if path else ""
+    """The last component of a path ("a.b/c" -> "c"): what follows its last "." or "/"."""
+    return path[max(path.rfind("."), path.rfind("/")) + 1:]
 
 
 def _linear_by_order(src: Side, dst: Side, plan: _mapping.Plan) -> None:

@@ -84,8 +84,9 @@ class DeviceMoves:
             self._native[key] = None if reader is None else reader()
         return self._native[key]
 
-    def check(self, value: Any, problem: str) -> None:
-        """Queue the NaN/Inf test of ``value`` (a device array of src): :meth:`verdict` runs them all."""
+    def check(self, value: Any, problem: Any) -> None:
+        """Queue the NaN/Inf test of ``value`` (a device array of src): :meth:`verdict` runs them all.
+        ``problem``: its sentence, or a function making it (worded only for a value that fails)."""
         dtype = dtype_of(value)
         if dtype.kind == "f" or dtype.name == "bfloat16":
             self._checks.append((value, problem))
@@ -96,7 +97,7 @@ class DeviceMoves:
         if not self._checks:
             return []
         flags = self.a.adapter.nonfinite_flags([v for v, _ in self._checks])
-        problems = [p for (_, p), bad in zip(self._checks, flags) if bad]
+        problems = [p() if callable(p) else p for (_, p), bad in zip(self._checks, flags) if bad]
         self._checks = []
         return problems
 

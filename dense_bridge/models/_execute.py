@@ -109,12 +109,12 @@ class Execution:
         return True
 
     def _moved_layers(self, m: _mapping.LayerMove) -> str:
-        label = "+".join(e.path for e in m.src)
+        label = m.src[0].path if len(m.src) == 1 else "+".join(e.path for e in m.src)
         for dd in m.dst:
             for n in dd.names:
                 self.claim(dd, n, label)
         for ss in m.src:
-            self.moved_src.update(ss.param_path(n) for n in ss.names)
+            self.moved_src.update(self.a.param_paths(ss))
         return label
 
     # ------------------------------------------------------------------------- layer moves
@@ -163,7 +163,11 @@ class Execution:
         how = "split" if len(m.dst) > 1 else "concatenated" if len(m.src) > 1 else ""
         heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
         for ww in self.writes[-len(m.dst):]:
-            what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+            what = _WHAT.get((tuple(ww[2]), how))
+            if what is None or heads:
+                what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+                if not heads:
+                    _WHAT[(tuple(ww[2]), how)] = what
             self.report.moved.append((label, ww[0].path, what))
 
     def canonical(self, s: Entry, d: Entry, writes: list | None = None, casts: list | None = None,
@@ -206,15 +210,17 @@ class Execution:
         adapter to copy device to device. False: this pair takes the host path (a LoRA adapter,
         a quantized or lazy layer, a narrowing cast whose overflow is judged in dst's dtype)."""
         params, have = self.dev.linear(self.a, s), self.dev.linear(self.b, d)
-        if params is None or have is None or sorted(params) != sorted(have):
+        if params is None or have is None or params.keys() != have.keys():
             return False
         for k in params:
-            if shape_of(params[k]) != shape_of(have[k]):
+            src, dst = params[k], have[k]
+            if src.shape != dst.shape and shape_of(src) != shape_of(dst):  # shapes are tuples (or tuple-like)
                 return False  # the host path words the problem
-            if _mapping.narrowing(dtype_of(params[k]), dtype_of(have[k])):
+            if src.dtype is not dst.dtype and _mapping.narrowing(dtype_of(src), dtype_of(dst)):  # one dtype: no cast
                 return False
         for k in params:
-            self.dev.check(params[k], f"src {s.where()} {k} holds NaN or Inf (in dst's dtype {dtype_of(have[k])})")
+            self.dev.check(params[k], lambda k=k: f"src {s.where()} {k} holds NaN or Inf (in dst's dtype "
+                                                  f"{dtype_of(have[k])})")
         self.writes.append((d, "linear", dict(params)))
         return None
 
@@ -474,7 +480,7 @@ class Execution:
             return (f"src parameter {src_path!r} {shape} does not fit dst parameter {d.param_path(name)!r} "
                     f"{d.shapes[name]}")
         if not is_host(value):  # the device path: the test queued for one synchronisation
-            self.dev.check(value, f"src parameter {src_path!r} holds NaN or Inf")
+            self.dev.check(value, lambda: f"src parameter {src_path!r} holds NaN or Inf")
             dst_native = self.dev.native(self.b, d)
             dst_dtype = dtype_of((dst_native or self.b.native(d))[name])
             if _mapping.narrowing(dtype_of(value), dst_dtype):
@@ -523,10 +529,19 @@ class Execution:
                                  f"parameter of dst: map them, or pass strict=False to leave them as they are)")
 
     def write(self) -> None:
-        """Write everything queued; on a failure, put back what was written (all-or-nothing)."""
+        """Write everything queued; on a failure, put back what was written (all-or-nothing).
+
+        Every check (shapes, dtypes, NaN/Inf, completeness) has passed before this runs. What can
+        still fail is a write itself: each is written with an undo (a copy of what it overwrites)
+        except those dst's adapter takes as plain in-place copies (:meth:`_in_place`), which can
+        neither fail nor allocate and are done last, all in one call, so that a failure of any
+        other write leaves them unwritten and the undo of the others restores dst whole."""
+        taken, commit = self._in_place()
         done: list[tuple[Entry, Any]] = []
         try:
-            for d, how, arrays in self.writes:
+            for i, (d, how, arrays) in enumerate(self.writes):
+                if i in taken:
+                    continue
                 if how == "quantized":  # a dense_bridge.quant.Candidate: writing returns its own undo
                     done.append((d, arrays.write()))
                     continue
@@ -538,6 +553,8 @@ class Execution:
                     self.b.set_linear(d, arrays)
                 else:
                     d.write(arrays)
+            if commit is not None:
+                commit()
         except BaseException:
             self.adapters.undo()
             for d, before in reversed(done):
@@ -546,6 +563,28 @@ class Execution:
                 except Exception:  # noqa: BLE001 - restoring as much as possible; the first error is raised
                     pass
             raise
+
+    def _in_place(self) -> tuple[set[int], Any]:
+        """The queued writes dst's adapter does as plain in-place copies (``in_place_copies``, an
+        extra of the ``devices`` capability: same shape, same device, nothing allocated, nothing
+        that can raise) and the call doing them; ``(set(), None)`` off the device path, or when
+        the two models share a parameter (a write could change what another reads)."""
+        verb = getattr(self.b.adapter, "in_place_copies", None) if self.dev.on else None
+        if verb is None:
+            return set(), None
+        forms = {"linear": "canonical", "native": "native"}
+        index = [i for i, (_, how, _) in enumerate(self.writes) if how in forms]
+        if not index:
+            return set(), None
+        shared = {k for e, _ in self.a.params.values() for k in e.ident.values()}
+        if any(e.ident[n] in shared for e, n in self.b.params.values()):
+            return set(), None
+        taken, commit = verb([(self.writes[i][0].layer, forms[self.writes[i][1]], self.writes[i][2]) for i in index])
+        return {index[j] for j in taken}, commit
+
+
+#: (canonical keys, "split"/"concatenated"/"") -> the report's words for a linear move: a few forms
+_WHAT: dict[tuple, str] = {}
 
 
 def _has_lora(params: dict) -> bool:

@@ -329,14 +329,19 @@ class Plan:
             repl: Any = dst if len(dst) > 1 else dst[0]
             if m.heads is not None:
                 repl = {"to": repl, "heads": m.heads}
-            src = [re.escape(st(s.path)) for s in m.src]
+            src = [_escape(st(s.path)) for s in m.src]
             out.append((src if len(src) > 1 else src[0], repl))
         for p in self.params:
-            out.append((re.escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
+            out.append((_escape(st(p.src)), st(p.dst) if p.fn is None else (st(p.dst), p.fn)))
         for am in self.axis_moves:
-            src = [re.escape(st(x)) for x in am.src]
+            src = [_escape(st(x)) for x in am.src]
             out.append((src if len(src) > 1 else src[0], am.replacement(st)))
         return out
+
+
+#: ``re.escape`` of a path, remembered: a report's rules escape every moved path, the same paths
+#: at every transfer of one model (bounded: paths of a few models)
+_escape = functools.lru_cache(maxsize=1 << 14)(re.escape)
 
 
 def _expand(target: Target, match: re.Match | None) -> Target:
@@ -673,7 +678,19 @@ _FLOAT_BITS = {"float16": (10, 5), "bfloat16": (7, 8), "float32": (23, 8), "floa
 def narrowing(src_dtype: Any, dst_dtype: Any) -> bool:
     """Does casting ``src_dtype`` values into ``dst_dtype`` lose precision or range (float32 into
     bfloat16, bfloat16 into float16)? Widening (bfloat16 into float32) is exact."""
+    key = (src_dtype, dst_dtype)
+    try:
+        return _NARROWING[key]
+    except (KeyError, TypeError):  # not asked yet, or a dtype object that is no dict key
+        pass
     a, b = _FLOAT_BITS.get(np.dtype(src_dtype).name), _FLOAT_BITS.get(np.dtype(dst_dtype).name)
-    if a is None or b is None:
-        return False
-    return b[0] < a[0] or b[1] < a[1]
+    found = a is not None and b is not None and (b[0] < a[0] or b[1] < a[1])
+    try:
+        _NARROWING[key] = found
+    except TypeError:
+        pass
+    return found
+
+
+#: (src dtype, dst dtype) -> :func:`narrowing`'s answer: a handful of pairs, asked once per tensor
+_NARROWING: dict[tuple, bool] = {}

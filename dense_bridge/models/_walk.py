@@ -20,6 +20,9 @@ from ._layouts import Entry
 
 __all__ = ["walk", "linear_layers", "LINEAR_KINDS", "Side", "sides", "suggest"]
 
+_PLAIN = frozenset(("kernel", "bias", "mask"))  # canonical keys of a layer without an adapter
+_UNREAD = object()  # a read not made yet (None is a reading: "not on the device path")
+
 #: Entry kinds that are linear layers: "quantized" ones read and write through dense_bridge/quant.
 LINEAR_KINDS = ("linear", "quantized")
 
@@ -100,16 +103,27 @@ class Side:
         self._linear: dict[int, dict] = {}  # id(entry) -> canonical params, read once
         self._native: dict[int, dict] = {}  # id(entry) -> native arrays, read once
         self._device: dict[int, dict | None] = {}  # id(entry) -> canonical params on the device, read once
+        self._device_reader = getattr(self.adapter, "device_params", None)
+        # the adapter's LoRA test (``lora_base``, a context manager), looked up once for every layer
+        self._lora_base = getattr(self.adapter, "lora_base", None)
         #: parameter path -> an adapter's update to add to it as it is read (``lora="merge"`` of an
         #: adapter on a raw parameter: ``lora._moves.LoraMoves.prepare``), float64 in its own layout
         self.updates: dict[str, Any] = {}
+        self._paths: dict[int, list[str]] = {}  # id(entry) -> its parameter paths, by name order
         first: dict[Any, str] = {}
         for e in self.entries:
-            stable = e.extra.get("stable_path")
+            extra = e.extra
+            stable = extra.get("stable_path")
             if stable is not None and stable != e.path:
                 self._alias(e.path, stable)
+            given = extra.get("param_paths") or {}  # Entry.param_path, its two lookups made once per layer
+            prefix = e.path + e.sep if e.path else ""
+            paths = self._paths[id(e)] = []
             for n in e.names:
-                p = e.param_path(n)
+                p = given.get(n)
+                if p is None:
+                    p = prefix + n
+                paths.append(p)
                 if stable is not None and stable != e.path and p.startswith(e.path):
                     self._alias(p, stable + p[len(e.path):])
                 self.params[p] = (e, n)
@@ -135,12 +149,17 @@ class Side:
         actual = self.alias.get(path)
         return actual if actual in self.params else None
 
+    def param_paths(self, e: Entry) -> list[str]:
+        """The paths of ``e``'s parameters (``Entry.param_path`` of each name, in order), found once."""
+        found = self._paths.get(id(e))
+        return found if found is not None else [e.param_path(n) for n in e.names]
+
     def linear(self) -> list[Entry]:
         return [e for e in self.entries if e.kind in LINEAR_KINDS]
 
     def fully_tied(self, e: Entry) -> bool:
         """A layer all of whose parameters are another layer's (GPT-2's lm_head is wte's weight)."""
-        return bool(e.names) and all(e.param_path(n) in self.tied_to for n in e.names)
+        return bool(self.tied_to) and bool(e.names) and all(e.param_path(n) in self.tied_to for n in e.names)
 
     def unknown(self, path: str, what: str) -> str:
         known = list(self.layers) + list(self.params)
@@ -167,23 +186,29 @@ class Side:
         """Canonical params of linear ``e`` as the framework's arrays where they live (the adapter's
         ``device_params``, ``devices`` capability: nothing copied), read once; None where the
         adapter has no such reading or ``e`` holds a LoRA adapter (then :meth:`linear_params`)."""
-        key = id(e)
-        if key not in self._device:
-            reader = getattr(self.adapter, "device_params", None)
-            found = None
-            if reader is not None:
-                from ..lora import base_of
+        found = self._device.get(id(e), _UNREAD)
+        if found is _UNREAD:
+            found = self._device[id(e)] = self._read_device(e)
+        return found
 
-                try:
-                    with base_of(self.adapter, e.layer) as base:
-                        wrapped = base is not None
-                    found = None if wrapped else reader(e.layer)
-                except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
-                    found = None
-                if found is not None and any(k.startswith("lora_") for k in found):
-                    found = None
-            self._device[key] = found
-        return self._device[key]
+    def _read_device(self, e: Entry) -> dict | None:
+        reader = self._device_reader
+        if reader is None:
+            return None
+        try:
+            wrapped = e.extra.get("holds_lora")  # the walk's answer where it gives one, else the adapter's test
+            if wrapped:
+                return None
+            if wrapped is None and self._lora_base is not None:
+                with self._lora_base(e.layer) as base:
+                    if base is not None:
+                        return None
+            found = reader(e.layer)
+        except Exception:  # noqa: BLE001 - an unbuilt lazy layer: linear_params says why
+            return None
+        if found is not None and not found.keys() <= _PLAIN and any(k.startswith("lora_") for k in found):
+            return None
+        return found
 
     def kernel_shape(self, e: Entry) -> tuple[int, ...]:
         """The canonical kernel's shape of linear ``e``, read as metadata: from
@@ -191,7 +216,7 @@ class Side:
         :meth:`linear_params`."""
         arrays = self.device_params(e)
         if arrays and "kernel" in arrays:
-            return tuple(int(s) for s in arrays["kernel"].shape)
+            return tuple(map(int, arrays["kernel"].shape))
         return tuple(self.linear_params(e)["kernel"].shape)
 
     def native(self, e: Entry) -> dict:

@@ -25,7 +25,7 @@ naming the capability (``dense_bridge.registry._backends.require``).
 | ``quant_files`` (needs quant, files) | quant_file_layers, quant_file_template | | quantized checkpoint files |
 | ``parallel`` (manifest) | PARALLEL_VERBS | | db.compile(parallel=) and parallel models |
 | ``dcp`` (manifest) | save_dcp, load_dcp | | distributed checkpoint directories |
-| ``devices`` | device_of, parse_device, place, device_params, nonfinite_flags | | device=, inputs placed on the model's device, device-to-device moves |
+| ``devices`` | device_of, parse_device, place, device_params, nonfinite_flags | in_place_copies | device=, inputs placed on the model's device, device-to-device moves |
 
 Files: every adapter package has exactly the files of :data:`REQUIRED_FILES` (plus any of
 :data:`OPTIONAL_FILES`).
@@ -163,6 +163,10 @@ devices). Without it every array crosses through host numpy (correct, slower on 
   themselves), which a failed transfer writes back.
 - ``nonfinite_flags(arrays) -> list[bool]``: which arrays hold NaN/Inf: one reduction per array
   on its device and one host synchronisation for the verdict.
+- extra ``in_place_copies(writes) -> (taken, commit)``: of a transfer's checked writes
+  (``(layer, "canonical" | "native", src arrays)``), those that are plain in-place copies of
+  one shape on one device that can neither fail nor allocate, and one ``commit()`` doing them
+  all at once, done after every other write: they need no undo snapshot (``models/_execute.py``).
 - With the capability, ``set_params`` and a walk's ``Entry.write`` also take arrays of any
   framework that speaks DLPack (``__dlpack__``), moved into the model device to device: the
   transpose and the cast done there, one transfer per array when the devices differ.
@@ -296,7 +300,8 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
 #: Models on accelerators (``dense_bridge/models/_device.py``): where a model lives, placing arrays
 #: there, and moves between two models that never leave the device.
 DEVICES = Capability("devices", ("device_of", "parse_device", "place", "device_params", "nonfinite_flags"),
-                     "models on devices: placement (device=) and moves that stay on the device")
+                     "models on devices: placement (device=) and moves that stay on the device",
+                     extras=("in_place_copies",))
 
 #: Every capability, by name. The names of the manifest-declared ones are
 #: ``dense_bridge.registry._manifest.PARALLEL`` and ``DCP``.

@@ -2,8 +2,8 @@
 
 - torch -> torch: a ``TorchFunctionMode`` and a ``TorchDispatchMode`` record every call and aten op
   of a transfer between two Llamas: no ``.numpy()``/``.cpu()``/``__array__``/``.tolist()``, one
-  ``aten.copy_`` per written tensor straight from src's storage, one reduction per tensor
-  (their max-abs, in one fused ``aten._foreach_norm``) and exactly one host synchronisation (``aten._local_scalar_dense``: the NaN/Inf
+  copy per written tensor straight from src's storage (all in one ``aten._foreach_copy_``, no undo
+  snapshot), one reduction per tensor (their 2-norm, in one fused ``aten._foreach_norm``) and exactly one host synchronisation (``aten._local_scalar_dense``: the NaN/Inf
   verdict). The same recorders see the host path of ``get_params`` (a control: they can fail).
 - torch -> Flax/Equinox and back: DLPack, under ``jax.transfer_guard("disallow")`` (no host
   <-> device transfer of JAX's) and the same torch recorders (no numpy conversion of a tensor).
@@ -60,6 +60,8 @@ class Ops(TorchDispatchMode):
         self.ops[name] += 1
         if name == "copy_":
             self.copy_sources.append(args[1].untyped_storage().data_ptr())
+        if name == "_foreach_copy_":  # the plain in-place copies of a transfer, all in one call
+            self.copy_sources += [t.untyped_storage().data_ptr() for t in args[1]]
         if name == "_foreach_norm":
             self.reduced += len(args[0])
         if name == "_to_copy" and str(kwargs.get("device", "")) == "cpu":
@@ -87,12 +89,14 @@ def test_torch_transfer_makes_no_host_round_trip_and_one_sync():
     assert not (HOST_CALLS & set(calls.names)), {k: calls.names[k] for k in HOST_CALLS & set(calls.names)}
     assert ops.ops["_local_scalar_dense"] == 1, ops.ops  # the NaN/Inf verdict, once for the whole model
     assert ops.to_cpu == 0
-    # one reduction per tensor (their max-abs, fused: one aten._foreach_norm of all of them; lm_head is
+    # one reduction per tensor (their 2-norm, fused: one aten._foreach_norm of all of them; lm_head is
     # tied: not read twice), one test of the peaks
     assert ops.ops["_foreach_norm"] == 1 and ops.reduced == n and ops.ops["all"] == 1, (ops.reduced, ops.ops)
-    # every write is one copy straight from src's storage, plus one undo snapshot (clone) of dst's
+    # every write is one copy straight from src's storage, all in one call, and no undo snapshot
+    # (clone) of dst: each is an in-place copy that cannot fail once the checks passed
     writes = [s for s in ops.copy_sources if s in src_storages]
-    assert len(writes) == n, (len(writes), n, ops.ops)
+    assert len(writes) == n and ops.ops["_foreach_copy_"] == 1, (len(writes), n, ops.ops)
+    assert ops.ops["clone"] == 0 and ops.ops["copy_"] == 0, ops.ops
     assert report.not_moved_dst == []
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), k
