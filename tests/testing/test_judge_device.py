@@ -1,0 +1,225 @@
+"""compare_models judges torch captures in torch (``array_namespace``), float64 where they live.
+
+Held against the reference path (``_namespace.host_only``: captures read as numpy, judged with
+numpy) on the same comparisons, row by row and number by number: a Llama pair that agrees, one
+with a perturbed layer (must fail at the same row), in float32 and bfloat16, float32 against
+bfloat16. Then the proof that nothing whole reaches numpy while capturing and judging: every
+host reading of a tensor larger than a few scalars raises there, and the verdict is the same.
+CUDA: the same equality on a CUDA pair and a CUDA-vs-CPU pair (skipped without CUDA).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import dense_bridge as db  # noqa: E402
+from dense_bridge.testing import _namespace  # noqa: E402
+
+cm_module = importlib.import_module("dense_bridge.testing.compare_models")  # the module, not the verb
+
+REL = 1e-12
+
+
+def _llama(seed: int, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                   max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+def _pair(dtype_a=torch.float32, dtype_b=torch.float32, perturb: str | None = None):
+    """(a, b): the same Llama, ``perturb``'s weight in a scaled by 1.01 (1.5 in bfloat16, whose
+    allowances are 256 times wider)."""
+    a, b = _llama(0, dtype_a), _llama(1, dtype_b)
+    b.load_state_dict({k: v.to(dtype_b) for k, v in a.state_dict().items()})
+    if perturb is not None:
+        with torch.no_grad():
+            a.get_submodule(perturb).weight.mul_(1.5 if dtype_a == torch.bfloat16 else 1.01)
+    return a, b
+
+
+IDS = [np.random.default_rng(0).integers(0, 97, (2, 12))]
+
+
+@contextlib.contextmanager
+def _chosen():
+    """Records the namespace each comparison is judged in."""
+    seen = []
+    original = _namespace.choose
+
+    def spy(*args, **kwargs):
+        got = original(*args, **kwargs)
+        seen.append(got[0].name)
+        return got
+    _namespace.choose = spy
+    try:
+        yield seen
+    finally:
+        _namespace.choose = original
+
+
+def _close(x, y) -> bool:
+    if isinstance(x, float) or isinstance(y, float):
+        if x is None or y is None:
+            return x is y
+        if math.isnan(x) or math.isnan(y):
+            return math.isnan(x) and math.isnan(y)
+        if math.isinf(x) or math.isinf(y):
+            return x == y
+        return abs(x - y) <= REL * max(abs(x), abs(y)) or x == y
+    return x == y
+
+
+def _fields(q) -> dict:
+    d = {"layer": q.layer, "label": q.layer_type, "quantity": q.quantity, "err": q.max_abs_error,
+         "units": q.units, "passed": q.passed, "k": q.fan_in, "shape": tuple(q.shape), "note": q.note}
+    if q.stats is not None:
+        d.update({f"stats.{k}": (v if not isinstance(v, list) else tuple(v)) for k, v in vars(q.stats).items()})
+    else:
+        d["stats"] = None
+    return d
+
+
+def assert_same_reports(ra, rb) -> None:
+    """Every row of the two reports equal: strings, counts and verdicts exactly, numbers to 1e-12."""
+    rows_a = [_fields(q) for layer in ra.layers for q in layer.quantities]
+    rows_b = [_fields(q) for layer in rb.layers for q in layer.quantities]
+    assert len(rows_a) == len(rows_b) and rows_a, (len(rows_a), len(rows_b))
+    for x, y in zip(rows_a, rows_b):
+        assert x.keys() == y.keys(), (x, y)
+        bad = {k: (x[k], y[k]) for k in x if not _close(x[k], y[k])}
+        assert not bad, (x["label"], x["quantity"], bad)
+    assert ra.passed == rb.passed and ra.first_divergence == rb.first_divergence
+    assert ra.notes == rb.notes
+
+
+def _both(a, b, **kw):
+    with _chosen() as seen:
+        with _namespace.host_only():
+            ref = db.testing.compare_models(a, b, IDS, **kw)
+        got = db.testing.compare_models(a, b, IDS, **kw)
+    assert seen == ["numpy", "torch"], seen
+    return ref, got
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f32-bf16"])
+def test_agreeing_pair_same_report(dtypes):
+    ref, got = _both(*_pair(*dtypes))
+    assert ref.passed, ref.verdict()
+    assert_same_reports(ref, got)
+    assert any(q.stats is not None and q.stats.n_total for layer in got.layers for q in layer.quantities)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_perturbed_layer_fails_at_same_row(dtype):
+    ref, got = _both(*_pair(dtype, dtype, perturb="model.layers.1.mlp.down_proj"))
+    assert not ref.passed
+    assert ref.first_divergence == "model.layers.1.mlp.down_proj", ref.verdict()
+    assert_same_reports(ref, got)
+    f = got.first_failure
+    assert f.quantity == "output" and f.stats is not None and f.stats.n_out > 0 and f.stats.worst_index is not None
+
+
+def test_carried_judge_same_report():
+    a, b = _pair(perturb="model.layers.0.self_attn.o_proj")
+    ref, got = _both(a, b, grads=False, judge="carried")
+    assert not ref.passed
+    assert_same_reports(ref, got)
+
+
+#: tensors up to this many elements may reach the host (the stacked scalars of one row)
+SMALL = 64
+
+
+@contextlib.contextmanager
+def _no_whole_tensor_on_host():
+    """Every way a torch tensor's values reach numpy or Python (``numpy()``, so ``np.asarray`` and
+    ``__array__`` too, ``tolist``, ``cpu()`` of a device tensor) raises for a tensor of more than
+    SMALL elements."""
+    saved = {name: getattr(torch.Tensor, name) for name in ("numpy", "tolist", "cpu", "__array__")}
+
+    def guard(name):
+        original = saved[name]
+
+        def method(self, *args, **kwargs):
+            if self.numel() > SMALL:
+                raise AssertionError(f"a tensor of {tuple(self.shape)} read on the host ({name}) while judging")
+            return original(self, *args, **kwargs)
+        return method
+    for name in saved:
+        setattr(torch.Tensor, name, guard(name))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _guard(monkeypatch) -> None:
+    """From here on, capturing and judging (everything after the parameters are read) run under
+    :func:`_no_whole_tensor_on_host`."""
+    from dense_bridge.testing import _comparison
+
+    capture, judge = _comparison.Comparison.capture, cm_module.judge_rows
+
+    def guarded_capture(self, *args, **kwargs):
+        with _no_whole_tensor_on_host():
+            return capture(self, *args, **kwargs)
+
+    def guarded_judge(*args, **kwargs):
+        with _no_whole_tensor_on_host():
+            return judge(*args, **kwargs)
+    monkeypatch.setattr(_comparison.Comparison, "capture", guarded_capture)
+    monkeypatch.setattr(cm_module, "judge_rows", guarded_judge)
+
+
+@pytest.fixture
+def guarded_judging(monkeypatch):
+    _guard(monkeypatch)
+
+
+def test_guard_catches_host_path(guarded_judging):
+    """The guard is not vacuous: the host path reads whole tensors and fails under it."""
+    a, b = _pair()
+    with _namespace.host_only(), pytest.raises(AssertionError, match="read on the host"):
+        db.testing.compare_models(a, b, IDS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_judged_without_whole_tensors_on_host(dtype, monkeypatch):
+    a, b = _pair(dtype, dtype, perturb="model.layers.0.mlp.up_proj")
+    with _namespace.host_only():
+        ref = db.testing.compare_models(a, b, IDS)
+    _guard(monkeypatch)
+    got = db.testing.compare_models(a, b, IDS)
+    assert got.first_divergence == ref.first_divergence == "model.layers.0.mlp.up_proj"
+    assert_same_reports(ref, got)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("where", ["cuda-cuda", "cuda-cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_same_report(where, dtype):
+    a, b = _pair(dtype, dtype, perturb="model.layers.1.self_attn.q_proj")
+    ref_a, ref_b = a, b
+    with _namespace.host_only():
+        ref = db.testing.compare_models(ref_a, ref_b, IDS)
+    a = a.to("cuda")
+    b = b.to("cuda") if where == "cuda-cuda" else b
+    got = db.testing.compare_models(a, b, IDS)
+    assert got.first_divergence == ref.first_divergence
+    for x, y in zip([q for layer in ref.layers for q in layer.quantities],
+                    [q for layer in got.layers for q in layer.quantities]):
+        assert x.passed == y.passed and x.quantity == y.quantity
