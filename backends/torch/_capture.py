@@ -60,14 +60,12 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor], native: bool = False
     The gradients are swapped into the parameters' ``.data`` for one ``get_params`` call and the
     values swapped back (no copies): whatever layout the layer declares (nn.Linear's (out, in),
     transformers' Conv1D (in, out), ...) applies to its gradients exactly as to its weights.
-    ``native``: a plain ``nn.Linear``'s gradients stay tensors where autograd made them
+    ``native``: an ``nn.Linear``'s gradients (of its plain ``weight`` and ``bias``) stay tensors where autograd made them
     ("kernel" the (in, out) transposed view of dL/dweight); any other layer's are read as numpy.
     """
     from dense_bridge._api import get_params  # the core dispatch: declarations of third-party classes
 
-    from ._params import _plain_linear
-
-    if native and _plain_linear(layer) and set(grads) <= {"weight", "bias"}:
+    if native and type(layer) is torch.nn.Linear and set(grads) <= {"weight", "bias"}:
         return {"kernel" if name == "weight" else "bias": g.detach().t() if name == "weight" else g.detach()
                 for name, g in grads.items()}
 

@@ -168,16 +168,15 @@ def ulp_distance(a, b, dtype: str, xp: ArrayNamespace = NUMPY):
 
 def histogram(units, xp: ArrayNamespace = NUMPY) -> tuple[int, ...]:
     """Counts of elements per tolerance-unit bin (:data:`HISTOGRAM_EDGES`)."""
-    return tuple(int(c) for c in xp.scalars(*_bins(xp.asarray(units), xp)))
+    return tuple(int(c) for c in xp.scalars(_bins(xp.asarray(units), xp)))
 
 
-def _bins(u, xp: ArrayNamespace) -> list:
-    """The histogram's counts as 0-d arrays of ``xp`` (read with the other scalars at once)."""
+def _bins(u, xp: ArrayNamespace):
+    """The histogram's counts, (len(HISTOGRAM_EDGES) + 1,) of ``xp`` (read with the other scalars at once)."""
     u = u.reshape(-1)
     with xp.errstate():
         logs = xp.where(u > 0, xp.log10(xp.where(u > 0, u, 1.0)), -math.inf)
-    counts = xp.bins(logs, HISTOGRAM_EDGES)
-    return [counts[i] for i in range(len(HISTOGRAM_EDGES) + 1)]
+    return xp.bins(logs, HISTOGRAM_EDGES)
 
 
 def element_stats(values_a, values_b, units, dtype: str, xp: ArrayNamespace = NUMPY) -> ElementStats:
@@ -200,10 +199,7 @@ def element_stats(values_a, values_b, units, dtype: str, xp: ArrayNamespace = NU
     if n:
         dist = ulp_distance(fa, fb, dtype, xp)
         undefined = xp.isnan(dist)
-        comparable = dist[~undefined]
-        has_comparable = xp.size(comparable) > 0
-        summary = [xp.sum(undefined), comparable.max() if has_comparable else math.inf,
-                   xp.median(comparable) if has_comparable else math.inf]
+        summary = [xp.sum(undefined), *xp.max_median(dist)]
         score = xp.where(mismatch, math.inf, u)
         with xp.errstate():
             d = xp.abs(fa - fb)  # as numpy's nan_to_num(nan=inf): NaN -> inf, inf -> the largest float
@@ -212,7 +208,7 @@ def element_stats(values_a, values_b, units, dtype: str, xp: ArrayNamespace = NU
         score = xp.where(xp.sum(score > 0) > 0, score, raw)
         flat = xp.argmax(xp.where(xp.isnan(score), math.inf, score))
         summary += [flat, xp.take(fa, flat), xp.take(fb, flat)]
-    got = xp.scalars(*counts, *summary, *_bins(xp.where(mismatch, math.inf, u), xp))
+    got = xp.scalars(*counts, *summary, _bins(xp.where(mismatch, math.inf, u), xp))
     n_same, n_out, na, nb, ia, ib, n_mis = (int(v) for v in got[:7])
     hist = tuple(int(c) for c in got[7 + len(summary):])
     bit_identical = n_same == n

@@ -191,7 +191,8 @@ def judge(report, cmp: Comparison, cap_b: Capture | None = None, *, carried_only
         carried_only: ``judge="carried"``: a call whose two sides apply the same map gets the
             value rows of :meth:`_Judge.carried_rows` instead of its own contribution.
     """
-    _Judge(report, cmp, cap_b or cmp.cap_b, carried_only).run()
+    with getattr(cmp, "xp", NUMPY).scope():
+        _Judge(report, cmp, cap_b or cmp.cap_b, carried_only).run()
 
 
 class _Judge:

@@ -26,14 +26,17 @@ The namespace interface (``xp`` below; ``A`` an array of the namespace, shapes k
 - ``zeros(shape)``, ``zeros_like(x)`` float64; ``sum(x, axis=None)``, ``mean(x)`` (0-d A);
 - ``ordinal(x, dtype) -> A`` int64: ``x`` rounded to ``dtype`` ("float16", "bfloat16",
   "float32", "float64"), its bits read as an integer, sign-magnitude folded (+0 and -0 both 0);
-- ``as_float64(i) -> A`` of an integer array; ``median(x)`` 0-d (numpy's: the mean of the
-  two middle values for an even count); ``bins(x, edges) -> A`` counts per bin of ``x``
+- ``as_float64(i) -> A`` of an integer array; ``max_median(x) -> (A, A)`` 0-d: the max and
+  the median (numpy's: the mean of the two middle values for an even count) of the values of
+  ``x`` that are not NaN, both inf when every one is; ``bins(x, edges) -> A`` counts per bin of ``x``
   against sorted ``edges`` (``searchsorted(..., side="right")`` then ``bincount``, length
   len(edges) + 1); ``argmax(x) -> A`` flat index of the first maximum, 0-d int;
   ``take(x, i) -> A`` the element at flat index ``i`` (a 0-d A), 0-d;
-- ``scalars(*values) -> list[float]``: 0-d arrays (or Python numbers) to Python floats, with one
-  host synchronisation for all of them;
+- ``scalars(*values) -> list[float]``: arrays (every element, flattened in order: 0-d ones and
+  short vectors) and Python numbers to Python floats, with one host synchronisation for all;
 - ``errstate()``: a context in which invalid operations are silent (numpy warns);
+- ``scope()``: the context a whole judgement runs in (the framework's own settings for many
+  small ops; nothing for numpy);
 - ``to_host(x) -> np.ndarray`` float64 (the few paths computed by numpy code: activations
   inside a layer, adapters' own rounding; one copy of that quantity).
 """
@@ -96,8 +99,11 @@ class NumpyNamespace(ArrayNamespace):
         return np.asarray(i).astype(np.float64)
 
     @staticmethod
-    def median(x):
-        return np.median(x)
+    def max_median(x) -> tuple:
+        comparable = x[~np.isnan(x)]
+        if not comparable.size:
+            return math.inf, math.inf
+        return comparable.max(), np.median(comparable)
 
     @staticmethod
     def bins(x, edges) -> np.ndarray:
@@ -114,11 +120,15 @@ class NumpyNamespace(ArrayNamespace):
 
     @staticmethod
     def scalars(*values) -> list[float]:
-        return [float(v) for v in values]
+        return [float(x) for v in values for x in np.ravel(v)]
 
     @staticmethod
     def errstate():
         return np.errstate(all="ignore")
+
+    @staticmethod
+    def scope():
+        return contextlib.nullcontext()
 
     @staticmethod
     def to_host(x) -> np.ndarray:

@@ -136,6 +136,43 @@ def test_carried_judge_same_report():
     assert_same_reports(ref, got)
 
 
+def _awkward(rng, n: int, dtype: str) -> np.ndarray:
+    """Values that test every branch of the element statistics: +-0, NaN, +-Inf, tiny, huge, repeats."""
+    span = 3 if dtype == "float16" else 8  # within the dtype's range (numpy warns on an overflowing cast)
+    x = rng.standard_normal(n) * 10.0 ** rng.integers(-span, span, n)
+    special = [0.0, -0.0, np.nan, np.inf, -np.inf, {"float64": 1e-310, "float16": 1e-7}.get(dtype, 1e-40), -1.0, 1.0]
+    x[rng.integers(0, n, n // 4)] = rng.choice(special, n // 4)
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_element_stats_same_in_torch(dtype):
+    """Element statistics (ULPs in every dtype, NaN/Inf bookkeeping, the worst element, the
+    histogram) and units are the same computed by numpy and by torch, element for element."""
+    from dense_bridge.backends.torch._namespace import TorchNamespace
+    from dense_bridge.testing._elements import element_stats, elementwise_units, ulp_distance
+
+    tx = TorchNamespace(torch.device("cpu"))
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        a = _awkward(rng, 301, dtype)
+        b = a.copy() if trial == 0 else (_awkward(rng, 301, dtype) if trial == 1 else
+                                          a * (1 + rng.standard_normal(301) * 1e-3))
+        if trial == 2:
+            b[:] = np.nan  # nothing comparable: max and median ULP infinite
+        allowed = np.abs(b) * 1e-3 if trial != 3 else 0.0  # 0: every difference is inf units
+        d_np, u_np = elementwise_units(a, b, allowed)
+        d_t, u_t = elementwise_units(a, b, allowed, tx)
+        np.testing.assert_array_equal(d_t.numpy(), d_np)
+        np.testing.assert_array_equal(u_t.numpy(), u_np)
+        np.testing.assert_array_equal(ulp_distance(a, b, dtype, tx).numpy(), ulp_distance(a, b, dtype))
+        shaped = (a.reshape(7, 43), b.reshape(7, 43), u_np.reshape(7, 43))
+        ref = element_stats(*shaped, dtype)
+        got = element_stats(*(torch.from_numpy(v) for v in shaped), dtype, tx)
+        assert vars(got) == vars(ref) or all(_close(x, y) for x, y in zip(vars(got).values(), vars(ref).values())), \
+            (vars(got), vars(ref))
+
+
 #: tensors up to this many elements may reach the host (the stacked scalars of one row)
 SMALL = 64
 
