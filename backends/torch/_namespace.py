@@ -115,8 +115,8 @@ class TorchNamespace:
         k = (~torch.isnan(s)).sum()
         lo, hi = ((k - 1).clamp(min=0) // 2), k // 2
         hi = hi.clamp(max=max(s.numel() - 1, 0))
-        median = (s[lo] + s[hi]) / 2  # numpy's mean of the two middle values (one value when k is odd)
-        top = s[(k - 1).clamp(min=0)]
+        median = (_at(s, lo) + _at(s, hi)) / 2  # numpy's mean of the two middle values (one when k is odd)
+        top = _at(s, (k - 1).clamp(min=0))
         none = k == 0
         return torch.where(none, torch.inf, top), torch.where(none, torch.inf, median)
 
@@ -131,7 +131,7 @@ class TorchNamespace:
 
     @staticmethod
     def take(x: torch.Tensor, i) -> torch.Tensor:
-        return x.reshape(-1)[i]
+        return _at(x.reshape(-1), i)
 
     # ------------------------------------------------------------------ to the host
     def scalars(self, *values) -> list[float]:
@@ -173,6 +173,12 @@ class TorchNamespace:
     @staticmethod
     def size(x) -> int:
         return int(x.numel()) if isinstance(x, torch.Tensor) else int(np.size(x))
+
+
+def _at(flat: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``flat[i]`` for a 0-d index tensor, 0-d, gathered on the device (indexing with a 0-d tensor
+    would read it on the host first)."""
+    return flat.index_select(0, i.reshape(1)).reshape(())
 
 
 def array_namespace(model) -> TorchNamespace | None:
