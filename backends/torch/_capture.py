@@ -60,14 +60,13 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor], native: bool = False
     The gradients are swapped into the parameters' ``.data`` for one ``get_params`` call and the
     values swapped back (no copies): whatever layout the layer declares (nn.Linear's (out, in),
     transformers' Conv1D (in, out), ...) applies to its gradients exactly as to its weights.
-    ``native``: an ``nn.Linear``'s gradients (of its plain ``weight`` and ``bias``) stay tensors where autograd made them
-    ("kernel" the (in, out) transposed view of dL/dweight); any other layer's are read as numpy.
+    ``native``: read by ``device_params`` instead, so they stay tensors where autograd made them
+    (canonical views of the gradients: the kernel of an (out, in) weight is its transpose); a
+    LoRA wrapper's, or a layer's that ``device_params`` does not read, are read as numpy.
     """
     from dense_bridge._api import get_params  # the core dispatch: declarations of third-party classes
 
-    if native and type(layer) is torch.nn.Linear and set(grads) <= {"weight", "bias"}:
-        return {"kernel" if name == "weight" else "bias": g.detach().t() if name == "weight" else g.detach()
-                for name, g in grads.items()}
+    from ._params import device_params
 
     saved = {}
     try:
@@ -75,8 +74,10 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor], native: bool = False
             p = layer.get_parameter(name)  # dotted inside a LoRA wrapper ("lora_A.default.weight")
             saved[name] = p.data
             p.data = g.detach().to(p.dtype)
+        found = device_params(layer) if native and not is_lora(layer) else None
         # the mask and a LoRA scale are not trained: no gradient to compare
-        out = {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
+        out = {k: v for k, v in (get_params(layer) if found is None else found).items()
+               if k not in ("mask", "lora_scale")}
     finally:
         for name, data in saved.items():
             layer.get_parameter(name).data = data

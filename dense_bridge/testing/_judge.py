@@ -306,7 +306,7 @@ class _Judge:
         if layer is None or len(cb.inputs) != 1 or len(ca.inputs) != 1:
             ya, yb = self.xp.asarray(ca.output), self.xp.asarray(cb.output)
             self.results.append(LayerResult(idx, at[1], (self.row(at, "output", ya, yb, allowed_error(
-                yb, self.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
+                yb, self.dtype, 1, tol.c_output, tol.atol, self.xp), 0, "not a one-input linear map: compared as values"),)))
             self.judged.append(None)
             return
         q = self.cmp.quant.get(pb)

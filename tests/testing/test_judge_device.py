@@ -282,6 +282,36 @@ def guarded_judging(monkeypatch):
     _guard(monkeypatch)
 
 
+class _TwoInputs(torch.nn.Module):
+    """A Bilinear (two inputs: judged as values) between two Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.bil, self.out = torch.nn.Linear(6, 5), torch.nn.Bilinear(5, 5, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(torch.tanh(self.bil(h, h)))
+
+
+def test_two_input_layer_judged_as_values_on_the_device(monkeypatch):
+    """A layer of two inputs is compared as values, and its parameter gradients (read by
+    ``device_params``) stay tensors: nothing whole reaches the host."""
+    torch.manual_seed(0)
+    a = _TwoInputs()
+    b = _TwoInputs()
+    b.load_state_dict(a.state_dict())
+    x = [np.random.default_rng(0).standard_normal((4, 6))]
+    with _namespace.host_only():
+        ref = db.testing.compare_models(a, b, x)
+    _guard(monkeypatch)
+    with _chosen() as seen:
+        got = db.testing.compare_models(a, b, x)
+    assert seen == ["torch"] and ref.passed
+    assert any(q.note.startswith("not a one-input linear map") for layer in got.layers for q in layer.quantities)
+    assert_same_reports(ref, got)
+
+
 def test_guard_catches_host_path(guarded_judging):
     """The guard is not vacuous: the host path reads whole tensors and fails under it."""
     a, b = _pair()
