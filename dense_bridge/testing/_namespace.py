@@ -180,8 +180,3 @@ def choose(sides: tuple, *, host: bool = False) -> tuple[ArrayNamespace, tuple[b
     if xp is None:
         return NUMPY, (False, False)
     return xp, tuple(o is not None and o.name == xp.name for o in offers)  # type: ignore[return-value]
-
-
-def size_of(shape) -> int:
-    """The number of elements of ``shape``."""
-    return int(math.prod(int(d) for d in shape))
