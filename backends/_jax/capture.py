@@ -96,10 +96,12 @@ def recording_class(cls, path: str, state: dict, dense_cls):
 
 @full_precision
 def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[str], *,
-                   cotangent: Callable[[tuple], np.ndarray], grads: bool) -> tuple[Capture, Any]:
+                   cotangent: Callable[[tuple], np.ndarray], grads: bool, native: bool = False) -> tuple[Capture, Any]:
     """The Capture of ``run`` (see module doc) and the gradient tree of ``params`` (None without
     ``grads``). ``run(params, probes)`` must reset ``state`` (:func:`new_state`'s keys) and set
-    its probes before calling the model."""
+    its probes before calling the model. ``native``: the recorded arrays stay JAX arrays on the
+    model's device (immutable: nothing copied); else numpy copies."""
+    keep = (lambda x: x) if native else to_numpy_copy
     try:
         out_shape, log_shapes = jax.eval_shape(run, params, None)  # traces once: the calls and their shapes
     except jax.errors.UnexpectedTracerError as exc:
@@ -109,12 +111,11 @@ def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[
     order = [(p, n) for p, n, _, _ in state["log"]]
 
     def calls_of(logs) -> list[Call]:
-        return [Call(p, n, tuple(to_numpy_copy(x) for x in xs), to_numpy_copy(y))
-                for (p, n), (xs, y) in zip(order, logs)]
+        return [Call(p, n, tuple(keep(x) for x in xs), keep(y)) for (p, n), (xs, y) in zip(order, logs)]
 
     if not grads:
         out, logs = jax.jit(run)(params, None)
-        return Capture(calls_of(logs), {}, to_numpy_copy(out), pre_activation=pre_activation), None
+        return Capture(calls_of(logs), {}, keep(out), pre_activation=pre_activation), None
     like = first_array(params)  # the cotangent and the probes on the model's device
     cot = to_jax(np.asarray(cotangent(tuple(out_shape.shape))), np.dtype(out_shape.dtype).name, like=like)
 
@@ -135,14 +136,16 @@ def probed_capture(run: Callable, params: Any, state: dict, pre_activation: set[
                               "not deterministic")
     calls = calls_of(logs)
     reached = set()
-    for call, g in zip(calls, g_probes):
-        call.output_grad = to_numpy_copy(g)
-        if np.any(call.output_grad != 0):
+    # which probes got a nonzero gradient: one reduction each on the device, one transfer for all
+    nonzero = np.asarray(jnp.stack([jnp.any(g != 0) for g in g_probes])) if native and g_probes else ()
+    for i, (call, g) in enumerate(zip(calls, g_probes)):
+        call.output_grad = keep(g)
+        if nonzero[i] if native else np.any(call.output_grad != 0):
             reached.add(call.path)
     for call in calls:
         if call.path not in reached:
             call.output_grad = None
-    return Capture(calls, {}, to_numpy_copy(out), pre_activation=pre_activation), g_params
+    return Capture(calls, {}, keep(out), pre_activation=pre_activation), g_params
 
 
 def reached_paths(capture: Capture) -> set[str]:

@@ -25,6 +25,7 @@ from ._arrays import from_numpy, nonfinite_flags, parse_device, to_numpy  # devi
 
 COMPILES_FROM_DEVICE_ARRAYS = True  # compile copies another framework's device arrays on their device
 from ._capture import capture
+from ._namespace import array_namespace  # compare_models judges captures on the model's device (64-bit mode)
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, compile
 from ._models import walk
@@ -33,7 +34,7 @@ from ._to_spec import to_spec
 from ._trace import run_layer, trace
 
 __all__ = ["DenseLinear", "Bilinear", "Flatten",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
+           "array_namespace", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer"]
 
 
 def owns(obj) -> bool:

@@ -64,8 +64,11 @@ def _at(tree, keypath):
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
-            select=None, grads: bool = True) -> Capture:
-    """One vmapped forward (and backward) of ``model`` recording every call of ``layers`` (path -> module)."""
+            select=None, grads: bool = True, native: bool = False) -> Capture:
+    """One vmapped forward (and backward) of ``model`` recording every call of ``layers`` (path -> module).
+
+    ``native``: the per-call records stay JAX arrays on the model's device (``array_namespace``;
+    parameter gradients are canonical numpy either way); else numpy copies."""
     args, kwargs = inputs_of(inputs, _float_dtype(model), first_array(model))  # on the model's device
     state = new_state()
     swapped = []
@@ -86,7 +89,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
 
         pre = {p for p, layer in layers.items()
                if isinstance(layer, DenseLinear) and not layer.activation.is_identity}
-        result, g_params = probed_capture(run, params, state, pre, cotangent=cotangent, grads=grads)
+        result, g_params = probed_capture(run, params, state, pre, cotangent=cotangent, grads=grads, native=native)
         if g_params is None:
             return result
         # the gradient tree has the model's structure: each layer's gradients sit at its key path

@@ -26,6 +26,7 @@ from ._arrays import from_numpy, nonfinite_flags, parse_device, to_numpy  # devi
 
 COMPILES_FROM_DEVICE_ARRAYS = True  # compile copies another framework's device arrays on their device
 from ._capture import capture
+from ._namespace import array_namespace  # compare_models judges captures on the model's device (64-bit mode)
 from ._files import file_info, file_views, read_file, write_file
 from ._layers import Bilinear, DenseLinear, Flatten, Identity, LazyDenseLinear, Mask, compile
 from ._models import walk
@@ -37,7 +38,7 @@ from ._trace import run_layer, trace
 
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "lora_folds_scale", "attach_lora", "detach_lora",
            "DenseLinear", "LazyDenseLinear", "Bilinear", "Identity", "Flatten", "Mask",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer",
+           "array_namespace", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "file_info", "file_views", "read_file", "write_file", "to_numpy", "from_numpy", "run_layer",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed"]
 

@@ -39,11 +39,13 @@ def _grads_by_path(grads) -> dict[str, Any]:
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
-            select=None, grads: bool = True) -> Capture:
+            select=None, grads: bool = True, native: bool = False) -> Capture:
     """One forward (and backward) of ``model`` recording every call of ``layers`` (path -> module).
 
     ``inputs``: a list of numpy arrays (positional) or a dict (keyword); floating arrays are cast
-    to the model's parameter dtype, integer and bool arrays keep their type.
+    to the model's parameter dtype, integer and bool arrays keep their type. ``native``: the
+    records (parameter gradients included) stay JAX arrays on the model's device
+    (``array_namespace``); else numpy copies.
     """
     args, kwargs = inputs_of(inputs, _float_dtype(model), first_array(nnx.state(model)))  # on the model's device
     state = new_state()
@@ -62,13 +64,14 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
 
         pre = {p for p, layer in layers.items()
                if isinstance(layer, DenseLinear) and not layer.activation.is_identity}
-        result, g_params = probed_capture(run, params, state, pre, cotangent=cotangent, grads=grads)
+        result, g_params = probed_capture(run, params, state, pre, cotangent=cotangent, grads=grads, native=native)
         if g_params is None:
             return result
         flat = _grads_by_path(g_params)  # Flax's layouts are canonical: kernel (in, out)
         for p in reached_paths(result):
             prefix = f"{p}." if p else ""
-            found = {name: to_numpy_copy(flat[prefix + name]) for name in ("kernel", "bias") if prefix + name in flat}
+            found = {name: flat[prefix + name] if native else to_numpy_copy(flat[prefix + name])
+                     for name in ("kernel", "bias") if prefix + name in flat}
             if found:
                 result.param_grads[p] = found
         return result

@@ -57,6 +57,7 @@ from ._params import device_params, get_params, in_place_copies, quant_position_
 from ._to_spec import to_spec
 from ._trace import run_layer, trace, train_sgd
 from ._capture import capture, load_model
+from ._namespace import array_namespace  # compare_models judges captures on the model's device
 from ._models import walk
 from ._lora import (attach_lora, detach_lora, lora_base, lora_dora, lora_heads, lora_leftovers, lora_raw_updates, lora_root, read_lora, write_lora)
 from ._quant import quant_build, quant_layer  # torchao weight-only layers: dense_bridge/quant.py
@@ -65,7 +66,7 @@ from ._parallel import (load_dcp, parallel_agree_seed, parallel_barrier, paralle
 
 from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open)  # noqa: E501  model directories (db.port)
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
-           "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
+           "array_namespace", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
            "train_sgd", "run_layer", "lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
            "lora_leftovers", "lora_raw_updates", "lora_root", "quant_layer", "quant_build", "quant_positions", "quant_position_build",

@@ -54,14 +54,19 @@ def _numpy(t) -> np.ndarray:
     return np.array(_to_numpy(t), copy=True)
 
 
-def _canonical_grads(layer, grads: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def _canonical_grads(layer, grads: dict[str, torch.Tensor], native: bool = False) -> dict:
     """Native parameter gradients -> canonical names and layout, read by ``get_params`` itself.
 
     The gradients are swapped into the parameters' ``.data`` for one ``get_params`` call and the
     values swapped back (no copies): whatever layout the layer declares (nn.Linear's (out, in),
     transformers' Conv1D (in, out), ...) applies to its gradients exactly as to its weights.
+    ``native``: read by ``device_params`` instead, so they stay tensors where autograd made them
+    (canonical views of the gradients: the kernel of an (out, in) weight is its transpose); a
+    LoRA wrapper's, or a layer's that ``device_params`` does not read, are read as numpy.
     """
     from dense_bridge._api import get_params  # the core dispatch: declarations of third-party classes
+
+    from ._params import device_params
 
     saved = {}
     try:
@@ -69,8 +74,10 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor]) -> dict[str, np.ndar
             p = layer.get_parameter(name)  # dotted inside a LoRA wrapper ("lora_A.default.weight")
             saved[name] = p.data
             p.data = g.detach().to(p.dtype)
+        found = device_params(layer) if native and not is_lora(layer) else None
         # the mask and a LoRA scale are not trained: no gradient to compare
-        out = {k: v for k, v in get_params(layer).items() if k not in ("mask", "lora_scale")}
+        out = {k: v for k, v in (get_params(layer) if found is None else found).items()
+               if k not in ("mask", "lora_scale")}
     finally:
         for name, data in saved.items():
             layer.get_parameter(name).data = data
@@ -78,12 +85,15 @@ def _canonical_grads(layer, grads: dict[str, torch.Tensor]) -> dict[str, np.ndar
 
 
 def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple], np.ndarray],
-            select=None, grads: bool = True) -> Capture:
+            select=None, grads: bool = True, native: bool = False) -> Capture:
     """One forward (and backward) of ``model`` recording every call of ``layers`` (path -> module).
 
     ``inputs``: a list of numpy arrays (positional) or a dict (keyword); floating arrays are cast
-    to the model's parameter dtype, integer and bool arrays keep their type.
+    to the model's parameter dtype, integer and bool arrays keep their type. ``native``: the
+    recorded arrays stay detached tensors on the model's device (judged there through
+    ``array_namespace``); else numpy copies.
     """
+    keep = (lambda t: t.detach()) if native else _numpy
     dtype, device = _float_dtype(model), _device(model)
     if isinstance(inputs, dict):
         args, kwargs = [], {k: _to_torch(v, dtype, device) for k, v in inputs.items()}
@@ -123,9 +133,10 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         for h in handles:
             h.remove()
         handles = []
-        calls = [Call(path, n, tuple(_numpy(x) for x in xs), _numpy(y) if y is not None else np.zeros((0,), np.float32))
+        # the model has finished with them: nothing writes a recorded tensor after this point
+        calls = [Call(path, n, tuple(keep(x) for x in xs), keep(y) if y is not None else np.zeros((0,), np.float32))
                  for path, n, xs, y in records]
-        result = Capture(calls, {}, _numpy(out))
+        result = Capture(calls, {}, keep(out))
         if not grads:
             return result
         cot = _to_torch(cotangent(tuple(out.shape)), out.dtype, out.device)
@@ -137,7 +148,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
         by_id = {id(t): g for t, g in zip(sources, got)}
         for call, y in zip(calls, outs):
             g = by_id.get(id(y))
-            call.output_grad = None if g is None else _numpy(g)
+            call.output_grad = None if g is None else keep(g)
         uses: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
@@ -150,7 +161,7 @@ def capture(model, inputs, layers: dict[str, Any], *, cotangent: Callable[[tuple
             gs = {n: by_id.get(id(p)) for n, p in ps}
             if ps and all(g is not None for g in gs.values()):
                 try:
-                    result.param_grads[path] = _canonical_grads(layers[path], gs)
+                    result.param_grads[path] = _canonical_grads(layers[path], gs, native)
                 except ConversionError as exc:  # a layer get_params cannot read: say so, compare the rest
                     result.notes.append(f"{path}: parameter gradients not compared ({exc})")
         return result

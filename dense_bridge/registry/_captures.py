@@ -8,6 +8,8 @@ records every call of every layer in ``layers`` (a dict path -> native layer, fr
 ``ml_dtypes.bfloat16``) and in the layer's NATIVE shapes: a Keras ``EinsumDense`` output stays
 (batch, seq, heads, head_dim); the core reshapes to the canonical (..., in_features) / (..., units).
 Parameter gradients are canonical (the layout ``get_params`` gives: "kernel" (in, units), "bias").
+An adapter offering ``array_namespace`` also takes ``native=True``: the same arrays as the
+framework's own, where the model computed them (``dense_bridge/testing/_namespace``).
 """
 from __future__ import annotations
 

@@ -96,6 +96,12 @@ on it name the missing capability, ``linear_layers`` and ``transfer`` the missin
   probabilities (the demo: torch, and numpy's reference backward).
 - extra ``inference(native) -> context manager``: a scope in which masked layers may reuse kernel *
   mask without a change signal (Keras on TensorFlow), behind ``db.inference``.
+- extra ``array_namespace(model) -> namespace | None`` (``_namespace.py``): the operations
+  ``compare_models`` judges with (``dense_bridge/testing/_namespace.py`` lists them; numpy's is the
+  reference), float64 on the model's own device, so whole activations never cross to the host.
+  An adapter offering it also takes ``capture(..., native=True)``: the recorded arrays (inputs,
+  outputs, dL/d(output), the model output; parameter gradients where it can) stay the
+  framework's own, on the model's device.
 
 Capability ``files`` (:data:`FILES`): the framework's own checkpoint files. A manifest that
 declares file formats needs it.
@@ -261,7 +267,7 @@ class Capability:
 
 RUNNING = Capability("running", ("trace", "capture", "walk", "run_layer"),
                      "running models and looking inside them (compare, compare_models, linear_layers, transfer)",
-                     extras=("train_sgd", "inference"))
+                     extras=("train_sgd", "inference", "array_namespace"))
 FILES = Capability("files", ("file_info", "read_file", "write_file"), "the framework's own checkpoint files",
                    extras=("file_views", "file_layout", "load_model"))
 LORA = Capability("lora", ("lora_base", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora",
@@ -379,6 +385,7 @@ REQUIRED_FILES: tuple[str, ...] = (
 #: in REQUIRED_FILES).
 OPTIONAL_FILES: tuple[str, ...] = (
     "_capture.py",   # capture: per-layer inputs/outputs/gradients inside a whole model
+    "_namespace.py",  # array_namespace: compare_models' judge computing on the captures' own device
     "_parallel.py",  # PARALLEL_VERBS: tensor parallelism on the framework's own machinery (dense_bridge/parallel/)
     "_engine.py",    # a framework that runs on several engines (Keras 3): what differs per engine
     "_graph.py",     # a framework whose models are graphs (ONNX): the graph index and node patterns

@@ -5,7 +5,8 @@ split or fused side as one group: ``_split_groups``), reads each pair's canonica
 finds quantized pairs, and rounds the inputs to values both models hold; :meth:`Comparison.capture`
 then runs each model once forward and backward with its framework's autograd. Judging
 (``_judge``) and teacher forcing (``_isolated``) read everything from the one
-:class:`Comparison`.
+:class:`Comparison`, computing in its array namespace ``xp`` (``_namespace``: chosen at capture,
+where the captures of a side whose adapter offers it stay in its framework and on its device).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from .._dtypes import EPS
 from ..registry._captures import Capture, LeafOutput
+from ._namespace import NUMPY
 from ._rounding import coarsest, round_common
 from ._tolerance import Tolerance
 
@@ -57,12 +59,13 @@ def _activation(layer):
 class Options:
     """How a comparison runs and judges: ``grads`` (a backward pass too), ``tol`` (the formula's
     scales), ``seed`` (of the cotangent), ``carried`` (``judge="carried"``: values only where
-    that suffices)."""
+    that suffices), ``isolated`` (teacher forcing follows: its helpers read the captures as numpy)."""
 
     grads: bool
     tol: Tolerance
     seed: int
     carried: bool = False
+    isolated: bool = False
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Comparison:
     quant: dict = field(default_factory=dict)  # path in b -> _quantized.QuantPair
     cap_a: Capture | None = None
     cap_b: Capture | None = None
+    xp: Any = NUMPY  # the array namespace the captures are judged in (set by capture)
     _acts: dict = field(default_factory=dict, repr=False)
     _cotangents: dict = field(default_factory=dict, repr=False)
 
@@ -162,14 +166,28 @@ class Comparison:
 
     def capture(self, select_a, select_b) -> None:
         """Run both models once (forward, and backward with ``grads``) and keep the captures,
-        each group's member calls merged into one call."""
+        each group's member calls merged into one call.
+
+        The judging namespace is chosen here (``_namespace.choose``): a side whose adapter offers
+        it captures natively (``capture(..., native=True)``: its framework's arrays where the model
+        computed them); teacher forcing and quantized pairs, whose helpers are numpy code, judge on
+        the host."""
+        from ._namespace import choose
         from ._split_groups import merge
 
-        cap_a = self.adapter_a.capture(self.a, self.inputs_a, {p: self.layers_a[p] for p in self.members("a")},
-                                       cotangent=self.cotangent, select=select_a, grads=self.grads)
-        cap_b = self.adapter_b.capture(self.b, self.inputs_b, {p: self.layers_b[p] for p in self.members("b")},
-                                       cotangent=self.cotangent, select=select_b, grads=self.grads)
-        self.cap_a, self.cap_b = merge(cap_a, self.groups, self.widths), merge(cap_b, self.groups, self.widths)
+        self.xp, native = choose(((self.adapter_a, self.a), (self.adapter_b, self.b)),
+                                 host=self.options.isolated or bool(self.quant))
+        caps = []
+        for adapter, model, inputs, side, select, own in ((self.adapter_a, self.a, self.inputs_a, "a", select_a,
+                                                           native[0]),
+                                                          (self.adapter_b, self.b, self.inputs_b, "b", select_b,
+                                                           native[1])):
+            layers = self.layers_a if side == "a" else self.layers_b
+            extra = {"native": True} if own else {}
+            cap = adapter.capture(model, inputs, {p: layers[p] for p in self.members(side)}, cotangent=self.cotangent,
+                                  select=select, grads=self.grads, **extra)
+            caps.append(merge(cap, self.groups, self.widths, adapter.to_numpy if own else None))
+        self.cap_a, self.cap_b = caps
         self._acts.clear()
 
 

@@ -35,8 +35,19 @@ def refuse_nonfinite_inputs(named: Iterable[tuple[str, object]]) -> None:
                         f"Received: {names} of shape(s) {', '.join(str(a.shape) for _, a in floating)}")
 
 
-def refuse_nonfinite_outputs(out_a, out_b) -> None:
-    """SpecError when both models' outputs are all NaN/Inf: they would agree whatever the models."""
+def refuse_nonfinite_outputs(out_a, out_b, xp=None) -> None:
+    """SpecError when both models' outputs are all NaN/Inf: they would agree whatever the models.
+
+    ``xp``: the comparison's array namespace (``_namespace``); outputs of a device framework are
+    tested where they are (one reduction, one scalar to the host)."""
+    if xp is not None and xp.name != "numpy":
+        found = [o for o in (out_a, out_b) if o is not None and "float" in xp.dtype_name(o)]
+        if len(found) == 2 and all(xp.size(o) and not xp.scalars(xp.sum(xp.isfinite(xp.asarray(o))))[0]
+                                   for o in found):
+            raise SpecError(f"both models' outputs are all NaN or Inf (a {tuple(np.shape(out_a))}, b "
+                            f"{tuple(np.shape(out_b))}): they agree whatever the models compute, so equivalence "
+                            "cannot be judged (NaN/Inf parameters, or inputs that overflow them?)")
+        return
     a, b = (None if o is None else _floating(o) for o in (out_a, out_b))
     if a is not None and b is not None and _all_nonfinite(a) and _all_nonfinite(b):
         raise SpecError(f"both models' outputs are all NaN or Inf (a {a.shape}, b {b.shape}): they agree whatever "

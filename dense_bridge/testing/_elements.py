@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dtypes import EPS, numpy_dtype
+from .._dtypes import EPS
+from ._namespace import NUMPY, ArrayNamespace
 
 __all__ = ["ElementStats", "element_stats", "elementwise_units", "ulp_distance", "HISTOGRAM_EDGES", "coarser_dtype",
            "format_fraction", "fmt_ulp"]
@@ -34,8 +35,6 @@ __all__ = ["ElementStats", "element_stats", "elementwise_units", "ulp_distance",
 #: 1e-3 units, bin i (1..6) holds [1e(i-4), 1e(i-3)), the last bin everything from 1e3 units up
 #: (infinite included). Bins 0..3 pass, 4.. fail.
 HISTOGRAM_EDGES: tuple[float, ...] = (-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0)
-
-_BITS = {"float16": (np.int16, 15), "bfloat16": (np.int16, 15), "float32": (np.int32, 31), "float64": (np.int64, 63)}
 
 
 @dataclass(frozen=True)
@@ -124,89 +123,104 @@ def _json(x: float):
     return x if math.isfinite(x) else ("nan" if math.isnan(x) else ("inf" if x > 0 else "-inf"))
 
 
-def _f64(x) -> np.ndarray:
-    return np.asarray(x).astype(np.float64)
+_FMAX = float(np.finfo(np.float64).max)
 
 
-def elementwise_units(diff_a, diff_b, allowed) -> tuple[np.ndarray, np.ndarray]:
-    """(|diff_a - diff_b|, that in tolerance units) elementwise, float64.
+def elementwise_units(diff_a, diff_b, allowed, xp: ArrayNamespace = NUMPY):
+    """(|diff_a - diff_b|, that in tolerance units) elementwise, float64, in namespace ``xp``
+    (``_namespace``; arrays of any shape, ``allowed`` broadcast to it).
 
     Equal non-finite values (NaN with NaN, Inf with the same Inf) differ by 0; any other
     non-finite difference is inf units. Where ``allowed`` is 0 any difference is inf units.
     """
-    a, b = _f64(diff_a), _f64(diff_b)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a - b)
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
-    diff = np.where(same, 0.0, diff)
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        units = np.where(diff == 0, 0.0, diff / np.broadcast_to(_f64(allowed), diff.shape))
-    return diff, np.where(np.isnan(units), np.inf, units)
+    a, b = xp.asarray(diff_a), xp.asarray(diff_b)
+    with xp.errstate():
+        diff = xp.abs(a - b)
+    same = (a == b) | (xp.isnan(a) & xp.isnan(b))
+    diff = xp.where(same, 0.0, diff)
+    diff = xp.where(xp.isnan(diff), math.inf, diff)
+    with xp.errstate():
+        units = xp.where(diff == 0, 0.0, diff / xp.broadcast_to(xp.asarray(allowed), diff.shape))
+    return diff, xp.where(xp.isnan(units), math.inf, units)
 
 
 def _ordinal(x: np.ndarray, dtype: str) -> np.ndarray:
     """Integers ordered like the floats of ``x`` rounded to ``dtype`` (+0 and -0 both 0), int64."""
-    int_type, sign_bit = _BITS[dtype]
-    bits = x.astype(numpy_dtype(dtype)).view(int_type).astype(np.int64)
-    magnitude = bits & ((1 << sign_bit) - 1)
-    return np.where(bits < 0, -magnitude, magnitude)
+    return NUMPY.ordinal(x, dtype)
 
 
-def ulp_distance(a, b, dtype: str) -> np.ndarray:
-    """Elementwise ULP distance of ``a`` and ``b`` in ``dtype`` (float64 array; NaN where exactly
-    one side is NaN, 0 where both are)."""
-    fa, fb = _f64(a), _f64(b)
-    nan_a, nan_b = np.isnan(fa), np.isnan(fb)
-    oa, ob = _ordinal(np.where(nan_a, 0.0, fa), dtype), _ordinal(np.where(nan_b, 0.0, fb), dtype)
+def ulp_distance(a, b, dtype: str, xp: ArrayNamespace = NUMPY):
+    """Elementwise ULP distance of ``a`` and ``b`` in ``dtype`` (float64 array of ``a``'s shape,
+    in namespace ``xp``; NaN where exactly one side is NaN, 0 where both are)."""
+    fa, fb = xp.asarray(a), xp.asarray(b)
+    nan_a, nan_b = xp.isnan(fa), xp.isnan(fb)
+    oa, ob = xp.ordinal(xp.where(nan_a, 0.0, fa), dtype), xp.ordinal(xp.where(nan_b, 0.0, fb), dtype)
     if dtype == "float64":  # int64 ordinals of opposite signs may overflow a subtraction
         same_sign = (oa >= 0) == (ob >= 0)
-        exact = np.abs(np.where(same_sign, oa - np.where(same_sign, ob, 0), 0)).astype(np.float64)
-        far = np.abs(oa.astype(np.float64)) + np.abs(ob.astype(np.float64))
-        dist = np.where(same_sign, exact, far)
+        exact = xp.as_float64(xp.abs(xp.where(same_sign, oa - xp.where(same_sign, ob, 0), 0)))
+        far = xp.abs(xp.as_float64(oa)) + xp.abs(xp.as_float64(ob))
+        dist = xp.where(same_sign, exact, far)
     else:
-        dist = np.abs(oa - ob).astype(np.float64)
-    dist = np.where(nan_a & nan_b, 0.0, dist)
-    return np.where(nan_a ^ nan_b, np.nan, dist)
+        dist = xp.as_float64(xp.abs(oa - ob))
+    dist = xp.where(nan_a & nan_b, 0.0, dist)
+    return xp.where(nan_a ^ nan_b, math.nan, dist)
 
 
-def histogram(units: np.ndarray) -> tuple[int, ...]:
+def histogram(units, xp: ArrayNamespace = NUMPY) -> tuple[int, ...]:
     """Counts of elements per tolerance-unit bin (:data:`HISTOGRAM_EDGES`)."""
-    u = np.asarray(units, dtype=np.float64).reshape(-1)
-    with np.errstate(divide="ignore"):
-        logs = np.where(u > 0, np.log10(np.where(u > 0, u, 1.0)), -np.inf)
-    idx = np.searchsorted(np.asarray(HISTOGRAM_EDGES), logs, side="right")
-    return tuple(int(c) for c in np.bincount(idx, minlength=len(HISTOGRAM_EDGES) + 1))
+    return tuple(int(c) for c in xp.scalars(_bins(xp.asarray(units), xp)))
 
 
-def element_stats(values_a, values_b, units, dtype: str) -> ElementStats:
-    """The :class:`ElementStats` of one quantity (see the module docstring for the arguments)."""
+def _bins(u, xp: ArrayNamespace):
+    """The histogram's counts, (len(HISTOGRAM_EDGES) + 1,) of ``xp`` (read with the other scalars at once)."""
+    u = u.reshape(-1)
+    with xp.errstate():
+        logs = xp.where(u > 0, xp.log10(xp.where(u > 0, u, 1.0)), -math.inf)
+    return xp.bins(logs, HISTOGRAM_EDGES)
+
+
+def element_stats(values_a, values_b, units, dtype: str, xp: ArrayNamespace = NUMPY) -> ElementStats:
+    """The :class:`ElementStats` of one quantity (see the module docstring for the arguments),
+    computed in namespace ``xp``; what reaches the host is one batch of scalars (counts, maxima,
+    the median, the histogram, the worst element's index and values)."""
     dtype = dtype if dtype in EPS else "float32"
-    fa, fb = _f64(values_a), _f64(values_b)
-    u = np.asarray(units, dtype=np.float64)
-    n = int(u.size)
-    nan_a, nan_b = np.isnan(fa), np.isnan(fb)
-    inf_a, inf_b = np.isinf(fa), np.isinf(fb)
+    fa, fb = xp.asarray(values_a), xp.asarray(values_b)
+    u = xp.asarray(units)
+    shape = tuple(int(d) for d in u.shape)
+    n = xp.size(u)
+    nan_a, nan_b = xp.isnan(fa), xp.isnan(fb)
+    inf_a, inf_b = xp.isinf(fa), xp.isinf(fb)
     mismatch = (nan_a ^ nan_b) | ((inf_a | inf_b) & ~(nan_a | nan_b) & (fa != fb))
     out = (u > 1.0) | mismatch
     same = (fa == fb) | (nan_a & nan_b)
-    bit_identical = bool(same.all())
+    counts = [xp.sum(same), xp.sum(out), xp.sum(nan_a), xp.sum(nan_b), xp.sum(inf_a), xp.sum(inf_b),
+              xp.sum(mismatch)]
+    summary: list = []
     if n:
-        dist = ulp_distance(fa, fb, dtype)
-        comparable = dist[~np.isnan(dist)]
-        ulp_max = math.inf if np.isnan(dist).any() else float(comparable.max())
-        ulp_median = float(np.median(comparable)) if comparable.size else math.inf
+        dist = ulp_distance(fa, fb, dtype, xp)
+        undefined = xp.isnan(dist)
+        summary = [xp.sum(undefined), *xp.max_median(dist)]
+        score = xp.where(mismatch, math.inf, u)
+        with xp.errstate():
+            d = xp.abs(fa - fb)  # as numpy's nan_to_num(nan=inf): NaN -> inf, inf -> the largest float
+            raw = xp.where(same, 0.0, xp.where(xp.isnan(d), math.inf, xp.where(xp.isinf(d), _FMAX, d)))
+        # units 0 everywhere (nothing allowed nowhere): the worst is the largest raw difference
+        score = xp.where(xp.sum(score > 0) > 0, score, raw)
+        flat = xp.argmax(xp.where(xp.isnan(score), math.inf, score))
+        summary += [flat, xp.take(fa, flat), xp.take(fb, flat)]
+    got = xp.scalars(*counts, *summary, _bins(xp.where(mismatch, math.inf, u), xp))
+    n_same, n_out, na, nb, ia, ib, n_mis = (int(v) for v in got[:7])
+    hist = tuple(int(c) for c in got[7 + len(summary):])
+    bit_identical = n_same == n
+    if n:
+        n_undefined, ulp_max, ulp_median, flat_i, worst_a, worst_b = got[7:13]
+        ulp_max = math.inf if n_undefined else ulp_max
     else:
         ulp_max = ulp_median = 0.0
-    worst = worst_a = worst_b = None
+    worst = None
     if n and not bit_identical:
-        score = np.where(mismatch, np.inf, u)
-        if not np.any(score > 0):  # units 0 everywhere (nothing allowed nowhere): the largest raw difference
-            with np.errstate(invalid="ignore"):
-                score = np.where(same, 0.0, np.nan_to_num(np.abs(fa - fb), nan=np.inf))
-        flat = int(np.argmax(np.where(np.isnan(score), np.inf, score)))
-        worst = tuple(int(i) for i in np.unravel_index(flat, u.shape))
-        worst_a, worst_b = float(fa.reshape(-1)[flat]), float(fb.reshape(-1)[flat])
-    return ElementStats(n, int(out.sum()), dtype, ulp_max, ulp_median, bit_identical, worst, worst_a, worst_b,
-                        int(nan_a.sum()), int(nan_b.sum()), int(inf_a.sum()), int(inf_b.sum()), int(mismatch.sum()),
-                        histogram(np.where(mismatch, np.inf, u)))
+        worst = tuple(int(i) for i in np.unravel_index(int(flat_i), shape))
+    else:
+        worst_a = worst_b = None
+    return ElementStats(n, n_out, dtype, ulp_max, ulp_median, bit_identical, worst, worst_a, worst_b,
+                        na, nb, ia, ib, n_mis, hist)

@@ -2,7 +2,9 @@
 
 The rows and their allowances are described in testing/compare_models.py's module docstring;
 this module computes them from one :class:`~dense_bridge.testing._comparison.Comparison`.
-Everything is float64 on the host; b is the reference.
+Everything is float64, computed in the comparison's array namespace (``cmp.xp``, ``_namespace``:
+the captures' own framework and device, or host numpy); only scalars come to the host. b is the
+reference. Arrays below are of that namespace unless named numpy.
 
 Positions. A value computed by the code between linear layers (a layer's input, dL/d(output),
 the model output) may come out of attention, which mixes the T positions of each example: a
@@ -24,9 +26,10 @@ import numpy as np
 from .._dtypes import EPS
 from .._errors import ConversionError
 from ..registry._captures import Call, Capture
-from ._adapters import adapter_allowance, effective_kernel
+from ._adapters import adapter_allowance, adapter_of, effective_kernel
 from ._comparison import Comparison, dtype_name
 from ._elements import element_stats, elementwise_units
+from ._namespace import NUMPY, ArrayNamespace
 from ._report import LayerResult, QuantityResult, first_failure
 from ._tolerance import Tolerance, allowed_error, rms
 
@@ -38,18 +41,19 @@ GROWTH = 32.0
 
 
 # ---------------------------------------------------------------------------- values
-def rows_of(x: np.ndarray, width: int, what: str) -> np.ndarray:
-    """A capture as canonical (rows, width) float64: the trailing axes whose sizes multiply to
-    ``width`` are the features (an EinsumDense's (batch, seq, heads, head_dim) -> (batch*seq, hidden))."""
-    x = np.asarray(x)
+def rows_of(x, width: int, what: str, xp: ArrayNamespace = NUMPY):
+    """A capture (any array ``xp`` reads) as canonical (rows, width) float64 of ``xp``: the trailing
+    axes whose sizes multiply to ``width`` are the features (an EinsumDense's (batch, seq, heads,
+    head_dim) -> (batch*seq, hidden))."""
+    shape = tuple(int(d) for d in np.shape(x))
     size = 1
-    for k in range(x.ndim - 1, -1, -1):
-        size *= x.shape[k]
+    for k in range(len(shape) - 1, -1, -1):
+        size *= shape[k]
         if size == width:
-            return x.astype(np.float64).reshape(-1, width)
+            return xp.asarray(x).reshape(-1, width)
         if size > width:
             break
-    raise ConversionError(f"{what} of shape {x.shape} cannot be read as (..., {width}): no trailing axes "
+    raise ConversionError(f"{what} of shape {shape} cannot be read as (..., {width}): no trailing axes "
                           f"hold {width} features")
 
 
@@ -64,18 +68,19 @@ def positions(shape: tuple, width: int) -> int:
     return int(np.prod(lead[1:])) if len(lead) > 1 else 1
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    """The typical relative size of a difference, rms(a - b) / rms(b) (0 when b is all 0)."""
-    if a.shape != b.shape or not a.size:
+def rel(a, b, xp: ArrayNamespace = NUMPY) -> float:
+    """The typical relative size of a difference, rms(a - b) / rms(b) (0 when b is all 0); one
+    host synchronisation."""
+    if a.shape != b.shape or not xp.size(a):
         return 0.0 if a.shape == b.shape else math.inf
-    scale = rms(b)
-    d = rms(np.where(np.isfinite(a - b), a - b, 0.0))
+    scale, d = xp.scalars(rms(b, xp), rms(xp.where(xp.isfinite(a - b), a - b, 0.0), xp))
     return d / scale if scale > 0 else 0.0
 
 
-def row(at: tuple, name: str, a: np.ndarray, b: np.ndarray, allowed, k: int, note: str = "", *, values=None,
-        dtype: str = "float32", stats: bool = True) -> QuantityResult:
-    """One judged row: ``a - b`` against ``allowed`` elementwise.
+def row(at: tuple, name: str, a, b, allowed, k: int, note: str = "", *, values=None,
+        dtype: str = "float32", stats: bool = True, xp: ArrayNamespace = NUMPY) -> QuantityResult:
+    """One judged row: ``a - b`` against ``allowed`` elementwise (arrays of ``xp``, any one shape;
+    ``allowed`` broadcast to it).
 
     Args:
         at: (row index or None for the model, label).
@@ -86,68 +91,72 @@ def row(at: tuple, name: str, a: np.ndarray, b: np.ndarray, allowed, k: int, not
         stats: False leaves those statistics out (a pass/fail verdict needs only the units).
     """
     i, label = at
+    shape = tuple(int(d) for d in a.shape)
     if a.shape != b.shape:
-        return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
-                              f"shape {a.shape} vs {b.shape}")
-    if not a.size:
-        return QuantityResult(i, label, name, 0.0, 0.0, True, k, tuple(a.shape), note)
-    diff, units = elementwise_units(a, b, allowed)
-    va, vb = (a, b) if values is None or np.shape(values[0]) != a.shape else values
-    stats = element_stats(va, vb, units, dtype) if stats else None
-    if not np.isfinite(diff).all():
-        return QuantityResult(i, label, name, math.inf, math.inf, False, k, tuple(a.shape),
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, shape,
+                              f"shape {shape} vs {tuple(int(d) for d in b.shape)}")
+    if not xp.size(a):
+        return QuantityResult(i, label, name, 0.0, 0.0, True, k, shape, note)
+    diff, units = elementwise_units(a, b, allowed, xp)
+    va, vb = (a, b) if values is None or tuple(np.shape(values[0])) != shape else values
+    stats = element_stats(va, vb, units, dtype, xp) if stats else None
+    err, u = xp.scalars(diff.max(), units.max())  # diff is inf where it is not finite
+    if not math.isfinite(err):
+        return QuantityResult(i, label, name, math.inf, math.inf, False, k, shape,
                               note or "non-finite values in one model only", stats)
-    err, u = float(diff.max()), float(units.max())
-    return QuantityResult(i, label, name, err, u, u <= 1.0, k, tuple(a.shape), note, stats)
+    return QuantityResult(i, label, name, err, u, u <= 1.0, k, shape, note, stats)
 
 
 # ---------------------------------------------------------------------------- allowances
-def carried(b: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance, prev: float, t: int = 1) -> np.ndarray:
+def carried(b, dtype: str, k: int, c: float, tol: Tolerance, prev: float, t: int = 1, xp: ArrayNamespace = NUMPY):
     """Allowance of a value computed by undescribed code: its rounding (fan-in ``k`` + 2 ``t``)
     plus GROWTH x sqrt(``t``) x what it was given, or x its own dtype's roundoff where that is
     more (attention's softmax amplifies the rounding of its logits, ~eps x |logit|, in bfloat16 a
-    few eps of its output on its own). ``t``: positions per example (the module docstring)."""
-    return (allowed_error(b, dtype, k + 2 * (t - 1), c, tol.atol)
-            + GROWTH * math.sqrt(t) * max(prev, EPS[dtype]) * (np.abs(b) + rms(b)))
+    few eps of its output on its own). ``t``: positions per example (the module docstring).
+    ``b``: an array of ``xp``; returns its shape."""
+    return (allowed_error(b, dtype, k + 2 * (t - 1), c, tol.atol, xp)
+            + GROWTH * math.sqrt(t) * max(prev, EPS[dtype]) * (xp.abs(b) + rms(b, xp)))
 
 
-def rounding(v: np.ndarray, terms: np.ndarray, dtype: str, k: int, c: float, tol: Tolerance) -> np.ndarray:
+def rounding(v, terms, dtype: str, k: int, c: float, tol: Tolerance, xp: ArrayNamespace = NUMPY):
     """Allowed rounding of a sum v of k products whose absolute values sum to ``terms``: the
     docs/FACTS.md formula plus eps * terms, which also covers a sum that cancels to about 0
     (the gradient of a key projection's bias is 0 in exact arithmetic: its rounding is not).
     eps is the compared dtype's: XLA (Keras on JAX) sums bfloat16 gradients in bfloat16."""
-    return allowed_error(v, dtype, k, c, tol.atol) + c * EPS[dtype] * terms
+    return allowed_error(v, dtype, k, c, tol.atol, xp) + c * EPS[dtype] * terms
 
 
-def _cast_term(x: np.ndarray, w: np.ndarray, x_dtype: str, w_dtype: str, c: float) -> np.ndarray | float:
-    """A layer whose input arrives wider than its kernel rounds it first: eps * |x| @ |W| more."""
+def _cast_term(x, w, x_dtype: str, w_dtype: str, c: float, xp: ArrayNamespace = NUMPY):
+    """A layer whose input arrives wider than its kernel rounds it first: eps * |x| @ |W| more
+    (x (rows, in), w (in, units) -> (rows, units), or 0.0)."""
     if EPS[x_dtype] >= EPS[w_dtype]:
         return 0.0
-    return c * EPS[w_dtype] * (np.abs(x) @ np.abs(w))
+    return c * EPS[w_dtype] * (xp.abs(x) @ xp.abs(w))
 
 
 @dataclass
 class _Side:
-    """One model's call of a layer, canonical and float64, with what its own rounding allows."""
+    """One model's call of a layer, canonical and float64 (arrays of the judge's namespace), with
+    what its own rounding allows."""
 
-    x: np.ndarray  # (rows, in)
-    y: np.ndarray  # (rows, units), what the layer returned (after its activation, if any)
-    z: np.ndarray  # x @ W_b + b_b: the pre-activation with the reference's parameters
-    pred: np.ndarray  # f(z): what the layer returns if its parameters are b's
-    allowed: np.ndarray  # rounding allowed in y - pred
+    x: Any  # (rows, in)
+    y: Any  # (rows, units), what the layer returned (after its activation, if any)
+    z: Any  # x @ W_b + b_b: the pre-activation with the reference's parameters
+    pred: Any  # f(z): what the layer returns if its parameters are b's
+    allowed: Any  # rounding allowed in y - pred
     act: Any
     x_dtype: str
 
 
 @dataclass
 class _Pair:
-    """A compared pair of layers: b's effective kernel and bias (float64), sizes, dtype, and the
-    activation each side's recorded output includes."""
+    """A compared pair of layers: b's effective kernel and bias (float64, in the judge's namespace:
+    one copy there per pair), sizes, dtype, and the activation each side's recorded output includes."""
 
     pa: str
     pb: str
-    w: np.ndarray  # (in, units): b's kernel, with its adapter's update where it holds one
-    bias: np.ndarray | None
+    w: Any  # (in, units): b's kernel, with its adapter's update where it holds one
+    bias: Any  # (units,) or None
     w_dtype: str
     acts: tuple  # (a's, b's)
 
@@ -182,7 +191,8 @@ def judge(report, cmp: Comparison, cap_b: Capture | None = None, *, carried_only
         carried_only: ``judge="carried"``: a call whose two sides apply the same map gets the
             value rows of :meth:`_Judge.carried_rows` instead of its own contribution.
     """
-    _Judge(report, cmp, cap_b or cmp.cap_b, carried_only).run()
+    with getattr(cmp, "xp", NUMPY).scope():
+        _Judge(report, cmp, cap_b or cmp.cap_b, carried_only).run()
 
 
 class _Judge:
@@ -193,6 +203,7 @@ class _Judge:
     def __init__(self, report, cmp: Comparison, cap_b: Capture, carried_only: bool) -> None:
         self.report, self.cmp, self.cap_a, self.cap_b = report, cmp, cmp.cap_a, cap_b
         self.dtype, self.tol, self.carried_only = report.dtype, cmp.tol, carried_only
+        self.xp: ArrayNamespace = getattr(cmp, "xp", NUMPY)
         self.results: list[LayerResult] = []
         self.judged: list[_Judged | None] = []  # per row: what the backward pass needs, or None
         self.dzs: dict[int, tuple] = {}  # per row: (dL/dz a, dL/dz b, their allowances)
@@ -200,11 +211,18 @@ class _Judge:
         self.prev = 0.0  # largest relative difference of anything computed so far
 
     def row(self, at, name, a, b, allowed, k, note="", *, values=None, stats=True) -> QuantityResult:
-        return row(at, name, a, b, allowed, k, note, values=values, dtype=self.dtype, stats=stats)
+        return row(at, name, a, b, allowed, k, note, values=values, dtype=self.dtype, stats=stats, xp=self.xp)
 
-    def carried(self, b: np.ndarray, k: int, c: float, shape: tuple, width: int) -> np.ndarray:
+    def carried(self, b, k: int, c: float, shape: tuple, width: int):
         """:func:`carried` for a value of native ``shape`` whose trailing axes hold ``width``."""
-        return carried(b, self.dtype, k, c, self.tol, self.prev, positions(shape, width))
+        return carried(b, self.dtype, k, c, self.tol, self.prev, positions(tuple(shape), width), self.xp)
+
+    def rows(self, x, width: int, what: str):
+        """:func:`rows_of` in this judge's namespace."""
+        return rows_of(x, width, what, self.xp)
+
+    def rel(self, a, b) -> float:
+        return rel(a, b, self.xp)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
@@ -268,7 +286,7 @@ class _Judge:
             params = self.cmp.params_b[pb]
             kb, bias = params.get("kernel"), params.get("bias")
             self.pairs[pb] = None if kb is None or kb.ndim != 2 else _Pair(
-                pa, pb, effective_kernel(params), None if bias is None else bias.astype(np.float64),
+                pa, pb, self.xp.asarray(effective_kernel(params)), None if bias is None else self.xp.asarray(bias),
                 dtype_name(kb), self.cmp.acts(pa, pb))
         return self.pairs[pb]
 
@@ -286,9 +304,9 @@ class _Judge:
             self.judged.append(None)
             return
         if layer is None or len(cb.inputs) != 1 or len(ca.inputs) != 1:
-            ya, yb = np.asarray(ca.output, np.float64), np.asarray(cb.output, np.float64)
+            ya, yb = self.xp.asarray(ca.output), self.xp.asarray(cb.output)
             self.results.append(LayerResult(idx, at[1], (self.row(at, "output", ya, yb, allowed_error(
-                yb, self.dtype, 1, tol.c_output, tol.atol), 0, "not a one-input linear map: compared as values"),)))
+                yb, self.dtype, 1, tol.c_output, tol.atol, self.xp), 0, "not a one-input linear map: compared as values"),)))
             self.judged.append(None)
             return
         q = self.cmp.quant.get(pb)
@@ -303,11 +321,12 @@ class _Judge:
                                                                   n_in) if same_x else 0.0, n_in)]
         if same_x and sa.y.shape == sb.y.shape:
             # the layer's own contribution: each side's output minus what b's parameters make of its input
+            xp = self.xp
             rows.append(self.row(at, "output", sa.y - sa.pred, sb.y - sb.pred,
-                                 np.sqrt(np.square(sa.allowed) + np.square(sb.allowed)), n_in, values=(sa.y, sb.y)))
-            self.prev = max(self.prev, rel(sa.x, sb.x))
+                                 xp.sqrt(xp.square(sa.allowed) + xp.square(sb.allowed)), n_in, values=(sa.y, sb.y)))
+            self.prev = max(self.prev, self.rel(sa.x, sb.x))
             if self.cmp.same_activation(pa, pb):
-                self.prev = max(self.prev, rel(sa.y, sb.y))
+                self.prev = max(self.prev, self.rel(sa.y, sb.y))
         else:
             rows.append(self.row(at, "output", sa.y, sb.y, 0.0, n_in))
         if q is not None and same_x:
@@ -320,27 +339,30 @@ class _Judge:
         side's own adapter (if any) rounds on its path."""
         from ._propagate import activation_output_allowance
 
-        tol, dtype, q = self.tol, self.dtype, self.cmp.quant.get(layer.pb)
+        tol, dtype, q, xp = self.tol, self.dtype, self.cmp.quant.get(layer.pb), self.xp
         if which == "a":
             w, bias = (layer.w, layer.bias) if q is None else (q.kernel_a, q.bias_a)
             params, act, x_fn, what = self.cmp.params_a[layer.pa], layer.acts[0], q and q.input_a, layer.pa
         else:
             w, bias = layer.w, layer.bias
             params, act, x_fn, what = self.cmp.params_b[layer.pb], layer.acts[1], q and q.input_b, layer.pb
-        x = rows_of(call.inputs[0], layer.n_in, f"{what} input")
-        y = rows_of(call.output, layer.n_out, f"{what} output")
+        x = self.rows(call.inputs[0], layer.n_in, f"{what} input")
+        y = self.rows(call.output, layer.n_out, f"{what} output")
         xm = x if x_fn is None else x_fn(x)  # what the layer multiplies (Keras int8 quantizes its input)
         z = xm @ w + (0.0 if bias is None else bias)
-        terms = np.abs(xm) @ np.abs(w) + (0.0 if bias is None else np.abs(bias))
-        x_dtype = dtype_name(call.inputs[0])
-        az = (rounding(z, terms, dtype, layer.n_in, tol.c_output, tol)
-              + _cast_term(x, w, x_dtype, layer.w_dtype, tol.c_output)
-              + adapter_allowance(xm, params, dtype, tol, tol.c_output))
+        terms = xp.abs(xm) @ xp.abs(w) + (0.0 if bias is None else xp.abs(bias))
+        name = xp.dtype_name(call.inputs[0])
+        x_dtype = name if name in EPS else "float32"
+        az = (rounding(z, terms, dtype, layer.n_in, tol.c_output, tol, xp)
+              + _cast_term(x, w, x_dtype, layer.w_dtype, tol.c_output, xp)
+              + (0.0 if adapter_of(params) is None else _on_host(xp, adapter_allowance, xm, params, dtype, tol,
+                                                                   tol.c_output)))
         if act is None:
             return _Side(x, y, z, z, az, None, x_dtype)
         with np.errstate(all="ignore"):
-            pred = np.asarray(act.forward(z), dtype=np.float64)
-        return _Side(x, y, z, pred, activation_output_allowance(act, z, az, y, dtype, tol), act, x_dtype)
+            pred = xp.asarray(np.asarray(act.forward(xp.to_host(z)), dtype=np.float64))
+        return _Side(x, y, z, pred, _on_host(xp, activation_output_allowance, act, z, az, y, dtype, tol), act,
+                     x_dtype)
 
     def carried_rows(self, at: tuple, ca: Call, cb: Call, layer: _Pair) -> tuple:
         """``judge="carried"``'s rows of one call, (input row, output row). Each is judged as a
@@ -348,30 +370,31 @@ class _Judge:
         in_features, plus GROWTH x ``prev``, which the output's row takes after adding its
         input's)."""
         n_in, n_out, c = layer.n_in, layer.n_out, self.tol.c_output
-        xa, xb = rows_of(ca.inputs[0], n_in, f"{layer.pa} input"), rows_of(cb.inputs[0], n_in, f"{layer.pb} input")
-        ya, yb = rows_of(ca.output, n_out, f"{layer.pa} output"), rows_of(cb.output, n_out, f"{layer.pb} output")
-        shape = np.shape(cb.inputs[0])
+        xa, xb = self.rows(ca.inputs[0], n_in, f"{layer.pa} input"), self.rows(cb.inputs[0], n_in, f"{layer.pb} input")
+        ya, yb = self.rows(ca.output, n_out, f"{layer.pa} output"), self.rows(cb.output, n_out, f"{layer.pb} output")
+        shape = tuple(np.shape(cb.inputs[0]))
         same_x = xa.shape == xb.shape
         x_row = self.row(at, "input", xa, xb, self.carried(xb, n_in, c, shape, n_in) if same_x else 0.0, n_in,
                          stats=False)
-        self.prev = max(self.prev, rel(xa, xb)) if same_x else self.prev
+        self.prev = max(self.prev, self.rel(xa, xb)) if same_x else self.prev
         same_y = ya.shape == yb.shape
         y_row = self.row(at, "output", ya, yb, self.carried(yb, n_in, c, shape, n_in) if same_y else 0.0, n_in,
                          stats=False)
-        self.prev = max(self.prev, rel(ya, yb)) if same_y else self.prev
+        self.prev = max(self.prev, self.rel(ya, yb)) if same_y else self.prev
         return x_row, y_row
 
     def model_output(self) -> QuantityResult | None:
         if self.cap_a.output is None or self.cap_b.output is None:
             return None
-        oa, ob = np.asarray(self.cap_a.output).astype(np.float64), np.asarray(self.cap_b.output).astype(np.float64)
-        if oa.size == ob.size and oa.shape != ob.shape:
+        xp = self.xp
+        oa, ob = xp.asarray(self.cap_a.output), xp.asarray(self.cap_b.output)
+        if xp.size(oa) == xp.size(ob) and oa.shape != ob.shape:
             oa = oa.reshape(ob.shape)
-        width = ob.shape[-1] if ob.ndim else 1
+        width = int(ob.shape[-1]) if ob.ndim else 1
         final = self.row((None, "model"), "model output", oa, ob,
                          self.carried(ob, width, self.tol.c_output, ob.shape, width) if oa.shape == ob.shape else 0.0,
                          width, stats=not self.carried_only)
-        self.prev = max(self.prev, rel(oa, ob))
+        self.prev = max(self.prev, self.rel(oa, ob))
         return final
 
     # ------------------------------------------------------------------ backward
@@ -404,23 +427,27 @@ class _Judge:
         """The dL/dy row of call ``i`` (before the activation, dL/dz, where only one side's layer
         applies it); keeps each side's dL/dz for the parameter-gradient rows."""
         n_out, (pa, pb) = j.layer.n_out, (j.layer.pa, j.layer.pb)
-        ga, aga = _dz(j.sa, j.ca.output_grad, n_out, self.dtype, pa)
-        gb, agb = _dz(j.sb, j.cb.output_grad, n_out, self.dtype, pb)
+        xp = self.xp
+        ga, aga = _dz(j.sa, j.ca.output_grad, n_out, self.dtype, pa, xp)
+        gb, agb = _dz(j.sb, j.cb.output_grad, n_out, self.dtype, pb, xp)
         self.dzs[i] = (ga, gb, aga, agb)
-        if (j.sa.act is None) == (j.sb.act is None) and (j.sa.act is None or j.sa.act == j.sb.act):
-            qa = np.zeros_like(j.sa.y) if j.ca.output_grad is None else rows_of(j.ca.output_grad, n_out, pa)
-            qb = np.zeros_like(j.sb.y) if j.cb.output_grad is None else rows_of(j.cb.output_grad, n_out, pb)
+        if j.sa.act is None and j.sb.act is None:  # no activation: dL/dz is dL/dy, read once
+            qa, qb, note, extra_allowed = ga, gb, "", 0.0
+        elif (j.sa.act is None) == (j.sb.act is None) and j.sa.act == j.sb.act:
+            qa = xp.zeros_like(j.sa.y) if j.ca.output_grad is None else self.rows(j.ca.output_grad, n_out, pa)
+            qb = xp.zeros_like(j.sb.y) if j.cb.output_grad is None else self.rows(j.cb.output_grad, n_out, pb)
             note, extra_allowed = "", 0.0  # compare what each framework gave: dL/dy
         else:  # the activation sits inside one layer only: compare before it, dL/dz
-            qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", np.sqrt(aga ** 2 + agb ** 2)
-        allowed = self.carried(qb, n_out, self.tol.c_gradient, np.shape(j.cb.output), n_out) + extra_allowed
-        self.prev = max(self.prev, rel(qa, qb))
+            qa, qb, note, extra_allowed = ga, gb, "before the activation (dL/dz)", xp.sqrt(aga ** 2 + agb ** 2)
+        allowed = self.carried(qb, n_out, self.tol.c_gradient, tuple(np.shape(j.cb.output)), n_out) + extra_allowed
+        self.prev = max(self.prev, self.rel(qa, qb))
         return self.row((i, self.results[i].layer_type), "dL/dy", qa, qb, allowed, n_out, note)
 
     def param_rows(self, first: _Judged) -> list:
         """dL/dkernel, dL/dbias of ``first``'s layer on their own contribution: each side's
         autograd gradient minus the sum over the layer's calls of x^T dL/dz (resp. of dL/dz),
-        computed in float64 from its captures."""
+        computed in float64 from its captures (in the judge's namespace)."""
+        xp = self.xp
         pa, pb = first.layer.pa, first.layer.pb
         at = (first.at[0], self.results[first.at[0]].layer_type)
         pg_a, pg_b = self.cap_a.param_grads.get(pa), self.cap_b.param_grads.get(pb)
@@ -435,10 +462,10 @@ class _Judge:
             for side, (x, g, ag) in enumerate(((j.sa.x, ga, aga), (j.sb.x, gb, agb))):
                 k, bb = want["kernel"], want["bias"]
                 k[side] = k[side] + x.T @ g
-                k[2 + side] = k[2 + side] + np.abs(x).T @ np.abs(g)  # the size of the terms summed
-                k[4 + side] = k[4 + side] + np.abs(x).T @ ag  # what dL/dz's own evaluation adds
+                k[2 + side] = k[2 + side] + xp.abs(x).T @ xp.abs(g)  # the size of the terms summed
+                k[4 + side] = k[4 + side] + xp.abs(x).T @ ag  # what dL/dz's own evaluation adds
                 bb[side] = bb[side] + g.sum(0)
-                bb[2 + side] = bb[2 + side] + np.abs(g).sum(0)
+                bb[2 + side] = bb[2 + side] + xp.abs(g).sum(0)
                 bb[4 + side] = bb[4 + side] + ag.sum(0)
             n_rows += j.sb.x.shape[0]
         out = []
@@ -449,10 +476,10 @@ class _Judge:
                 continue
             q = f"dL/d{name}"
             # a layer the backward pass does not reach: torch reports no gradient, Keras and MLX zeros
-            if va is None and not np.any(np.asarray(vb, dtype=np.float64)):
-                va = np.zeros(np.shape(vb))
-            if vb is None and not np.any(np.asarray(va, dtype=np.float64)):
-                vb = np.zeros(np.shape(va))
+            if va is None and not _any(xp, vb):
+                va = xp.zeros(np.shape(vb))
+            if vb is None and not _any(xp, va):
+                vb = xp.zeros(np.shape(va))
             if va is None or vb is None:
                 side = "a" if va is None else "b"
                 shape = tuple(np.shape(vb if va is None else va))
@@ -460,23 +487,47 @@ class _Judge:
                                           f"absent in {side}"))
                 continue
             ea, eb, ta, tb, xa, xb = want[name]
-            va, vb = np.asarray(va).astype(np.float64), np.asarray(vb).astype(np.float64)
-            if va.shape != np.shape(ea) or vb.shape != np.shape(eb):
-                out.append(QuantityResult(at[0], at[1], q, math.inf, math.inf, False, n_rows, va.shape,
-                                          f"shape {va.shape} vs {vb.shape}, expected {np.shape(eb)}"))
+            va, vb = xp.asarray(va), xp.asarray(vb)
+            sa, sb, se = (tuple(int(d) for d in np.shape(v)) for v in (va, vb, eb))
+            if sa != tuple(np.shape(ea)) or sb != se:
+                out.append(QuantityResult(at[0], at[1], q, math.inf, math.inf, False, n_rows, sa,
+                                          f"shape {sa} vs {sb}, expected {se}"))
                 continue
             c = self.tol.c_gradient
-            allowed = np.sqrt(np.square(rounding(va, ta, self.dtype, n_rows, c, self.tol) + xa)
-                              + np.square(rounding(vb, tb, self.dtype, n_rows, c, self.tol) + xb))
+            allowed = xp.sqrt(xp.square(rounding(va, ta, self.dtype, n_rows, c, self.tol, xp) + xa)
+                              + xp.square(rounding(vb, tb, self.dtype, n_rows, c, self.tol, xp) + xb))
             out.append(self.row(at, q, va - ea, vb - eb, allowed, n_rows, values=(va, vb)))
         return out
 
 
-def _dz(side: _Side, g, n_out: int, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """dL/dz of one side's call (dL/dy through its own activation) and the allowance that adds."""
+def _dz(side: _Side, g, n_out: int, dtype: str, what: str, xp: ArrayNamespace = NUMPY) -> tuple:
+    """dL/dz (rows, units) of one side's call (dL/dy through its own activation) and the
+    allowance that adds, both arrays of ``xp``."""
     from ._propagate import activation_vjp
 
-    g = np.zeros_like(side.y) if g is None else rows_of(g, n_out, f"{what} dL/dy")
+    g = xp.zeros_like(side.y) if g is None else rows_of(g, n_out, f"{what} dL/dy", xp)
     if side.act is None:
-        return g, np.zeros_like(g)
-    return activation_vjp(side.act, side.z, g, dtype)
+        return g, xp.zeros_like(g)
+    if xp is NUMPY:
+        return activation_vjp(side.act, side.z, g, dtype)
+    dz, allowed = activation_vjp(side.act, xp.to_host(side.z), xp.to_host(g), dtype)
+    return xp.asarray(dz), xp.asarray(allowed)
+
+
+def _any(xp: ArrayNamespace, v) -> bool:
+    """Does ``v`` (any array ``xp`` reads) hold a nonzero value? One scalar to the host."""
+    v = xp.asarray(v)
+    return bool(xp.scalars(xp.sum(v != 0))[0]) if xp.size(v) else False
+
+
+def _on_host(xp: ArrayNamespace, fn, *args):
+    """``fn(*args)``, numpy code (an activation's or an adapter's own rounding), run on the host:
+    ``xp``'s arrays among ``args`` copied there once, an array result copied back (a float kept)."""
+    if xp is NUMPY:
+        return fn(*args)
+    got = fn(*(xp.to_host(a) if _is_array(a) else a for a in args))
+    return got if isinstance(got, float) else xp.asarray(got)
+
+
+def _is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, np.ndarray)

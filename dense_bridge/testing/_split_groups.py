@@ -69,13 +69,21 @@ def group_params(label: str, groups: dict[str, Group], layers: dict, get_params)
     return joined
 
 
-def merge(cap: Capture, groups: dict[str, Group], widths: dict[str, int]) -> Capture:
+def merge(cap: Capture, groups: dict[str, Group], widths: dict[str, int], to_numpy=None) -> Capture:
     """``cap`` with every group's member calls merged into one call per call number, in the
     position of the first member's call; outputs and dL/d(output) as (rows, units) joined along
-    units; parameter gradients joined like the parameters. ``widths``: path -> units."""
+    units; parameter gradients joined like the parameters. ``widths``: path -> units.
+    ``to_numpy``: the adapter's verb, for a capture holding its framework's arrays (``native``):
+    the members' outputs, gradients and parameter gradients are joined on the host."""
     mine = {p: label for label, g in groups.items() for p in g.paths}
     if not any(c.path in mine for c in cap.calls):
         return cap
+    if to_numpy is not None:
+        host = lambda x: None if x is None else np.asarray(to_numpy(x))  # noqa: E731
+        cap = Capture([Call(c.path, c.call, c.inputs, host(c.output), host(c.output_grad)) if c.path in mine else c
+                       for c in cap.calls],
+                      {k: ({n: host(v) for n, v in pg.items()} if k in mine else pg) for k, pg in cap.param_grads.items()},
+                      cap.output, list(cap.notes), set(cap.pre_activation))
     by: dict[tuple[str, int], dict[str, Call]] = {}
     for c in cap.calls:
         if c.path in mine:

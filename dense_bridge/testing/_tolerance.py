@@ -8,7 +8,7 @@ bfloat16 in float32). The first term is rounding of each value in its dtype (the
 values near 0 from demanding exactness: a relative error alone is useless there); the second is
 accumulation error that grows like sqrt(K). C = 4 for outputs, 10 for gradients: on 416 fresh
 comparisons the worst needs were 1.8 and 4.2, and a single weight scaled by 1.001 still fails.
-All arithmetic is float64 on the host.
+All arithmetic is float64, on the host or in the captures' own namespace (``_namespace``).
 
 This is the allowance for one layer fed exact inputs. Inside a model, ``compare`` adds the
 differences a layer inherits from its inputs (see ``_propagate``) and passes the result to
@@ -23,6 +23,7 @@ import numpy as np
 
 from .._dtypes import EPS
 from .._errors import SpecError
+from ._namespace import NUMPY, ArrayNamespace
 
 C_OUTPUT = 4.0
 C_GRADIENT = 10.0
@@ -50,17 +51,23 @@ def as_float64(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def rms(b: np.ndarray) -> float:
-    b = as_float64(b)
-    return float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
+def rms(b, xp: ArrayNamespace = NUMPY):
+    """sqrt(mean(b^2)), 0 for an empty ``b``: a float on the host namespace, a 0-d array of ``xp``
+    otherwise (no host synchronisation)."""
+    if xp is NUMPY:
+        b = as_float64(b)
+        return float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
+    b = xp.asarray(b)
+    return xp.sqrt(xp.mean(xp.square(b))) if xp.size(b) else 0.0
 
 
-def allowed_error(reference, dtype: str, fan_in: int, c: float, atol: float = 0.0) -> np.ndarray:
-    """Elementwise allowed |a - b| for reference ``b`` in ``dtype`` with reduction length ``fan_in``."""
-    b = as_float64(reference)
-    r = rms(b)
+def allowed_error(reference, dtype: str, fan_in: int, c: float, atol: float = 0.0, xp: ArrayNamespace = NUMPY):
+    """Elementwise allowed |a - b| for reference ``b`` in ``dtype`` with reduction length ``fan_in``
+    (float64, ``b``'s shape, in namespace ``xp``)."""
+    b = xp.asarray(reference)
+    r = rms(b, xp)
     eps = EPS[dtype]
-    return c * (eps * (np.abs(b) + r) + EPS["float32"] * math.sqrt(max(1, fan_in)) * r) + atol
+    return c * (eps * (xp.abs(b) + r) + EPS["float32"] * math.sqrt(max(1, fan_in)) * r) + atol
 
 
 def error_units(actual, reference, dtype: str, fan_in: int, c: float, atol: float = 0.0, *,

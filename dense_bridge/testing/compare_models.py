@@ -7,7 +7,9 @@ every matched linear layer's inputs, outputs, dL/d(output) and parameter gradien
 call by call. Captures are reshaped to the canonical (rows, in_features) / (rows, units), so a
 Keras ``EinsumDense`` output (batch, seq, heads, head_dim) meets torch's (batch, seq, hidden).
 
-What is judged, per call of each matched layer (b is the reference; float64 on the host):
+What is judged, per call of each matched layer (b is the reference; float64, in the captures'
+own framework and device where the adapter offers an array namespace, else on the host:
+``_namespace``; only scalars and small summaries reach the host):
 
 - ``output``, the layer's OWN contribution: r = (y_a - y_b) - (x_a - x_b) @ W_b, the output
   difference beyond what the difference already in its input explains (for a correct pair r is
@@ -188,7 +190,8 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     for side, given in (("inputs", in_a), ("inputs_b", in_b)):
         refuse_nonfinite_inputs(given.items() if isinstance(given, dict) else
                                 ((f"{side}[{i}]", x) for i, x in enumerate(given)))
-    cmp = prepare(a, b, mapping, (in_a, in_b), Options(grads, tol, seed, carried=judge == "carried"))
+    cmp = prepare(a, b, mapping, (in_a, in_b), Options(grads, tol, seed, carried=judge == "carried",
+                                                           isolated=isolated))
     cmp.capture(select_a, select_b)
     output_note = None
     if outputs is None and cmp.cap_a.output is not None and cmp.cap_b.output is not None \
@@ -199,7 +202,7 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
             output_note = (f"outputs: the models' first floating outputs differ in shape ({select_a.shapes[0]} vs "
                            f"{select_b.shapes[0]}); compared a's floating output #{paired[0]} with b's #{paired[1]}, "
                            f"both {select_a.shapes[paired[0]]} (the one same-shaped pair); pass outputs= to choose")
-    refuse_nonfinite_outputs(cmp.cap_a.output, cmp.cap_b.output)
+    refuse_nonfinite_outputs(cmp.cap_a.output, cmp.cap_b.output, cmp.xp)
     report = _new_report(cmp, [output_note] if output_note else [], [grads_note] if grads_note else [])
     judge_rows(report, cmp, carried_only=cmp.carried)
     if isolated:
