@@ -363,26 +363,27 @@ def _pair_run(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> bool:
 
 
 def _pair_within(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan, extras: list) -> bool:
-    """Two runs from one input each where one holds every layer of the other (by widths) and
-    exactly one more: the common layers pair as :func:`_pair_run` pairs them, the one more is
-    appended to ``extras`` as ``(side, layer)``. False (nothing recorded) otherwise."""
+    """Two runs from one input each where one holds one layer more than :func:`_pair_run` can pair
+    with the other (the rest pair one to one, or as a fused layer against its parts): the rest
+    pair, the one more is appended to ``extras`` as ``(side, layer)``. False (nothing recorded)
+    when no layer, or more than one, is the one more, or it is alike in widths to the other run's."""
     for big, small, side in ((a, b, "src"), (b, a, "dst")):
-        if len(big) != len(small) + 1 or not small:
+        if len(big) < 2 or not small:
             continue
+        fits = []
         for k, extra in enumerate(big):
             rest = big[:k] + big[k + 1:]
-            if sorted(x.signature for x in rest) != sorted(y.signature for y in small):
-                continue
-            if extra.signature in [y.signature for y in small]:
-                return False  # which of the alike layers is the extra one is not decidable
             trial = _mapping.Plan()
-            if not _pair_run(rest, small, trial) if side == "src" else not _pair_run(small, rest, trial):
-                return False
-            plan.layers += trial.layers
-            plan.params += trial.params
-            plan.axis_moves += trial.axis_moves
-            extras.append((side, extra))
-            return True
+            if _pair_run(rest, small, trial) if side == "src" else _pair_run(small, rest, trial):
+                fits.append((extra, trial))
+        if len(fits) != 1 or fits[0][0].signature in [y.signature for y in small]:
+            continue  # none, or which of the alike layers is the extra one is not decidable
+        extra, trial = fits[0]
+        plan.layers += trial.layers
+        plan.params += trial.params
+        plan.axis_moves += trial.axis_moves
+        extras.append((side, extra))
+        return True
     return False
 
 
