@@ -274,14 +274,9 @@ def test_float32_original_against_bfloat16_port_is_judged_at_bfloat16():
 def test_mlps_with_activations_inside_their_layers(pair):
     """Keras captures a Dense before its activation, torch's and MLX's dense_bridge layers apply it
     inside: each output is judged through its own activation, gradients before it."""
-    from conftest import require_backend
+    from _mlp_pairs import activated_mlp_pair
 
-    for name in pair:
-        require_backend(name)
-    spec = db.Sequential([db.Dense(16, activation="gelu"), db.Dense(8, activation="tanh"), db.Dense(4)],
-                         in_features=6)
-    a, b = (db.compile(spec, name, seed=0) for name in pair)
-    x = [np.random.default_rng(0).standard_normal((5, 6))]
+    a, b, x = activated_mlp_pair(pair)
     report = db.testing.compare_models(a, b, x)
     assert report.passed, str(report)
     # a wrong bias in b's middle layer is named there

@@ -157,14 +157,9 @@ def test_mixed_frameworks_same_report(pair):
     """A torch model against one whose captures are numpy (judged in torch, the other side's
     arrays brought there once per quantity), with activations inside the layers (computed on the
     host from the namespace's arrays): the same report as the host path, faults included."""
-    from conftest import require_backend
+    from _mlp_pairs import activated_mlp_pair
 
-    for name in pair:
-        require_backend(name)
-    spec = db.Sequential([db.Dense(16, activation="gelu"), db.Dense(8, activation="tanh"), db.Dense(4)],
-                         in_features=6)
-    a, b = (db.compile(spec, name, seed=0) for name in pair)
-    x = [np.random.default_rng(0).standard_normal((5, 6))]
+    a, b, x = activated_mlp_pair(pair)
     for broken in (False, True):
         if broken:
             layer = list(db.linear_layers(b).values())[1]
