@@ -11,6 +11,6 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=3
 nvidia-smi -L
 python3 -c "import sys, torch, jax; print(sys.version.split()[0], 'torch', torch.__version__, 'jax', jax.__version__, jax.devices())"
-timeout "${T1:-170}" python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/gpu tests/core/test_devices.py tests/core/test_devices_cli.py} 2>&1 | tee "$OUT/pytest.log" | grep -v "^  " | tail -60
+timeout "${T1:-170}" python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/gpu tests/core/test_devices.py tests/core/test_devices_cli.py tests/testing/test_judge_device.py tests/models/test_transfer_in_place.py} 2>&1 | tee "$OUT/pytest.log" | grep -v "^  " | tail -60
 timeout "${T2:-200}" python3 benchmarks/bench_gpu.py --repeats "${REPEATS:-5}" 2>&1 | tee "$OUT/bench.log" | tail -30
 cp benchmarks/results/gpu.md "$OUT/" 2>/dev/null
