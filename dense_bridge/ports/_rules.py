@@ -386,7 +386,7 @@ def _made(name, d, src, where, wide, candidates, t):
             return None
         per_head = _per_head(name, d, src)  # before the reshaped views: their search is far wider
         if per_head is not None:
-            return per_head[:3] + (wide,)
+            return per_head[:3] + (wide, 0.0)
         if wide is None:  # a tensor seen through a reshaped view of its own or of a source's
             extended = dict(src)
             for s_name, s in src.items():
