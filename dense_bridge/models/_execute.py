@@ -163,11 +163,7 @@ class Execution:
         how = "split" if len(m.dst) > 1 else "concatenated" if len(m.src) > 1 else ""
         heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
         for ww in self.writes[-len(m.dst):]:
-            what = _WHAT.get((tuple(ww[2]), how))
-            if what is None or heads:
-                what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
-                if not heads:
-                    _WHAT[(tuple(ww[2]), how)] = what
+            what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
             self.report.moved.append((label, ww[0].path, what))
 
     def canonical(self, s: Entry, d: Entry, writes: list | None = None, casts: list | None = None,
@@ -581,10 +577,6 @@ class Execution:
             return set(), None
         taken, commit = verb([(self.writes[i][0].layer, forms[self.writes[i][1]], self.writes[i][2]) for i in index])
         return {index[j] for j in taken}, commit
-
-
-#: (canonical keys, "split"/"concatenated"/"") -> the report's words for a linear move: a few forms
-_WHAT: dict[tuple, str] = {}
 
 
 def _has_lora(params: dict) -> bool:

@@ -387,15 +387,21 @@ def _pair_within(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan, extras: 
     return False
 
 
+def _param_shape(side, path: str) -> tuple[int, ...]:
+    """The stored shape of ``side``'s parameter ``path``."""
+    owner, name = side.params[path]
+    return tuple(owner.shapes[name])
+
+
 def _pair_matrices(extras: list, left_a: list[str], left_b: list[str], a, b,
-                   plan: _mapping.Plan) -> tuple[list, list[str], list[str]]:
+                   plan: _mapping.Plan) -> tuple[list, list, list[str], list[str]]:
     """Each linear layer :func:`_pair_within` set aside, paired with the other side's raw matrix
     left unpaired in the same block whose stored shape is the layer's kernel as stored, or its
     transpose (a router kept as a bare (experts, hidden) weight that the block's own code
     multiplies by). The move is the matrix, transposed where the two store it apart; a square
-    matrix (either orientation fits) stays unpaired. Returns (layers still unpaired, src raw
-    parameters left, dst raw parameters left)."""
-    left_a, left_b, still = list(left_a), list(left_b), []
+    matrix (either orientation fits) stays unpaired. Returns (src layers still unpaired, dst layers
+    still unpaired, src raw parameters left, dst raw parameters left)."""
+    left_a, left_b, still = list(left_a), list(left_b), {"src": [], "dst": []}
     for side, layer in extras:
         e = layer.entry
         mats = [n for n in e.names if len(e.shapes[n]) == 2]
@@ -404,21 +410,20 @@ def _pair_matrices(extras: list, left_a: list[str], left_b: list[str], a, b,
         if len(mats) == 1 and len(e.names) == 1:
             stored = tuple(e.shapes[mats[0]])
             for q in other_left:
-                owner, name = other.params[q]
-                qs = tuple(owner.shapes[name])
+                qs = _param_shape(other, q)
                 if _block(q) != _block(e.path) or len(qs) != 2 or qs[0] == qs[1]:
                     continue
                 if qs == stored or qs == stored[::-1]:
                     hit = (q, qs != stored)
                     break
         if hit is None:
-            still.append(layer)
+            still[side].append(layer)
             continue
         other_left.remove(hit[0])
         mine = e.param_path(mats[0])
         src, dst = (mine, hit[0]) if side == "src" else (hit[0], mine)
         plan.axis_moves.append(_mapping.AxisMove((src,), (dst,), None, hit[1], rule="auto"))
-    return still, left_a, left_b
+    return still["src"], still["dst"], left_a, left_b
 
 
 def _as_params(left: list, raw: list[str]) -> tuple[list, list[str]]:
@@ -439,13 +444,11 @@ def _pair_leftover_params(left_a: list[str], left_b: list[str], a, b,
     """Parameters still unpaired on both sides after every kind has paired its own: one into the
     one of the same name, shape and block on the other side, when exactly one fits (a router's
     score bias held by the router on one side, by a module of its own on the other)."""
-    def shape(side, p):
-        owner, name = side.params[p]
-        return tuple(owner.shapes[name])
     left_b = list(left_b)
     rest_a = []
     for p in left_a:
-        fits = [q for q in left_b if _last(q) == _last(p) and _block(q) == _block(p) and shape(b, q) == shape(a, p)]
+        fits = [q for q in left_b if _last(q) == _last(p) and _block(q) == _block(p)
+                and _param_shape(b, q) == _param_shape(a, p)]
         if len(fits) != 1:
             rest_a.append(p)
             continue
@@ -653,26 +656,27 @@ def _swapped(shape: tuple, swap: bool) -> tuple:
     return tuple(shape[:-2]) + (shape[-1], shape[-2]) if swap and len(shape) >= 2 else tuple(shape)
 
 
-def _joins(whole: tuple, parts: list[tuple]) -> tuple[int | None, bool] | None:
+def _joins(whole: tuple, parts: list[tuple], first: int = 1) -> tuple[int | None, bool] | None:
     """(axis, swap) such that ``parts`` (each with its last two axes exchanged when swap) joined
-    along axis make ``whole`` (axis None: one part, equal to it); None when no axis does."""
+    along axis make ``whole`` (axis None: one part, equal to it); None when no axis does. Axes from
+    ``first`` on: 1 for expert stacks (axis 0 counts experts), 0 for channels."""
     for swap in (False, True):
         ps = [_swapped(p, swap) for p in parts]
         if len(ps) == 1 and ps[0] == tuple(whole):
             return None, swap
-        for axis in range(1, len(whole)):
+        for axis in range(first, len(whole)):
             if len(ps) > 1 and all(len(p) == len(whole) and p[:axis] + p[axis + 1:] == whole[:axis] + whole[axis + 1:]
                                    for p in ps) and sum(p[axis] for p in ps) == whole[axis]:
                 return axis, swap
     return None
 
 
-def _splits(whole: tuple, parts: list[tuple]) -> tuple[int, bool] | None:
+def _splits(whole: tuple, parts: list[tuple], first: int = 1) -> tuple[int, bool] | None:
     """(axis, swap) such that ``whole`` (its last two axes exchanged when swap) cut along axis
-    makes ``parts``; None when no axis does."""
+    makes ``parts``; None when no axis does. Axes from ``first`` on, as for :func:`_joins`."""
     for swap in (False, True):
         w = _swapped(whole, swap)
-        for axis in range(1, len(w)):
+        for axis in range(first, len(w)):
             if all(len(p) == len(w) and p[:axis] + p[axis + 1:] == w[:axis] + w[axis + 1:] for p in parts) \
                     and sum(p[axis] for p in parts) == w[axis]:
                 return axis, swap
@@ -810,9 +814,9 @@ def _pair_raw(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple[li
             continue
         taken.add(hit[0])
         plan.axis_moves.append(_mapping.AxisMove((path,), (pb[hit[0]][0],), None, hit[1], rule="auto"))
-    left_b = [(q, qs) for j, (q, qs) in enumerate(pb) if j not in taken]
-    left_a, left_b = _pair_raw_channels([(p, s) for p, s in pa if p in left_a], left_b, plan)
-    return left_a, left_b
+    unpaired = set(left_a)
+    return _pair_raw_channels([(p, s) for p, s in pa if p in unpaired],
+                              [(q, qs) for j, (q, qs) in enumerate(pb) if j not in taken], plan)
 
 
 def _pair_raw_channels(pa: list, pb: list, plan: _mapping.Plan) -> tuple[list[str], list[str]]:
@@ -826,16 +830,13 @@ def _pair_raw_channels(pa: list, pb: list, plan: _mapping.Plan) -> tuple[list[st
             group = [(q, qs) for q, qs in many if _last(q) == _last(path) and _block(q) == _block(path)]
             for k in range(2, min(4, len(group)) + 1):
                 parts = group[:k]
-                for swap in (False, True):  # the exchange applies to the source side (AxisMove)
-                    ps = [_swapped(qs, swap and not forward) for _, qs in parts]
-                    w = _swapped(shape, swap and forward)
-                    if all(len(p_) == len(w) and p_[1:] == w[1:] for p_ in ps) and sum(p_[0] for p_ in ps) == w[0]:
-                        break
-                else:
+                shapes = [qs for _, qs in parts]  # the exchange applies to the source side (AxisMove)
+                found = _splits(shape, shapes, first=0) if forward else _joins(shape, shapes, first=0)
+                if found is None or found[0] != 0:
                     continue
                 names = tuple(q for q, _ in parts)
                 src, dst = ((path,), names) if forward else (names, (path,))
-                plan.axis_moves.append(_mapping.AxisMove(src, dst, 0, swap, rule="auto"))
+                plan.axis_moves.append(_mapping.AxisMove(src, dst, 0, found[1], rule="auto"))
                 one.remove((path, shape))
                 for x in parts:
                     many.remove(x)
@@ -948,10 +949,10 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     ra, rb = _pair_raw(run_a.layers.get("raw", []), run_b.layers.get("raw", []), plan)
     left_a, ra = _as_params(left_a, ra)
     left_b, rb = _as_params(left_b, rb)
-    still, ra, rb = _pair_matrices(extras, ra, rb, a, b, plan)
+    still_a, still_b, ra, rb = _pair_matrices(extras, ra, rb, a, b, plan)
     ra, rb = _pair_leftover_params(ra, rb, a, b, plan)
-    left_a += ra + [x for x in still if any(x is y for _, y in extras if _ == "src")]
-    left_b += rb + [x for x in still if any(x is y for _, y in extras if _ == "dst")]
+    left_a += ra + still_a
+    left_b += rb + still_b
     _mapping.record_ties(a, plan)
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]

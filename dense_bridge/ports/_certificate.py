@@ -51,12 +51,13 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
 
 
 def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None, stack: bool = False,
-         pick: bool = False) -> np.ndarray:
+         pick: bool = False, offset: float = 0.0) -> np.ndarray:
     """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, its
     ``view`` undone into ``shape`` when given (see the module docstring). Views where the recipe
     allows (a single transposed piece is written from its view). ``stack``: the pieces stacked
     along a new axis ``axis`` (expert stacks); ``pick``: the one piece's stored axis ``axis``
-    (sliced to one entry) dropped before any transpose."""
+    (sliced to one entry) dropped before any transpose. ``offset``: added to every value, summed in
+    float64 (exact for any float32 + 1) and rounded once to ``dtype``."""
     parts = []
     for arr, sl, transpose, *source_view in sources:
         if source_view and source_view[0] is not None:
@@ -71,6 +72,8 @@ def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, vi
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
     if view is not None:
         out = _rules.undo_view(out, view, tuple(shape))
+    if offset:
+        out = np.asarray(out, np.float64) + offset
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -153,8 +156,8 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry, offset=offset):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
                 flags = {k: bool(entry.get(k)) for k in ("stack", "pick")}
-                if offset:  # summed in float64 (exact for any float32 + 1), rounded once to the destination's dtype
-                    exact = make(arrays, m.axis, np.dtype(np.float64), m.shape, m.view, **flags) + offset
+                if offset:  # the sum as float64, its rounding to the destination's dtype stated
+                    exact = make(arrays, m.axis, np.dtype(np.float64), m.shape, m.view, **flags, offset=offset)
                     entry["max_ulp"] = _max_ulp(exact, dst_dt)
                     entry["exact"] = entry["max_ulp"] == 0
                     return exact.astype(dst_dt)
@@ -400,12 +403,8 @@ def verify_port(out: Any) -> VerifyReport:
         if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not np.isfinite(offset):
             problems.append(f"tensor {target!r}: its 'offset' is not a number. {received('offset', offset)}")
             continue
-        flags = {"stack": bool(entry.get("stack")), "pick": bool(entry.get("pick"))}
-        if offset:
-            want = (make(arrays, entry["axis"], np.dtype(np.float64), entry.get("shape"), entry.get("view"), **flags)
-                    + offset).astype(got.dtype)
-        else:
-            want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"), **flags)
+        want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"),
+                    stack=bool(entry.get("stack")), pick=bool(entry.get("pick")), offset=offset)
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")
