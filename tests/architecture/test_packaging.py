@@ -1,6 +1,7 @@
 """Packaging: import pulls in no framework; the wheel installs dense_bridge.backends only."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -53,12 +54,18 @@ def test_missing_framework_names_the_extra(monkeypatch):
 
 def test_wheel_contains_dense_bridge_backends_and_no_top_level_backends(tmp_path):
     pytest.importorskip("setuptools")
+    # built from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds, and a
+    # stale build/ from an earlier run makes the next build fail on files that exist
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"))
+    out = tmp_path / "wheel"
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path)], capture_output=True, text=True)
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out)], capture_output=True, text=True)
     # setuptools is in the test extra, so the build has what it needs: a failure is the subject failing
     assert result.returncode == 0, f"the wheel did not build: {result.stderr.strip()[-2000:]}"
-    wheel = next(tmp_path.glob("*.whl"))
+    wheel = next(out.glob("*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "dense_bridge/backends/__init__.py" in names and "dense_bridge/backends/numpy/__init__.py" in names
     for fw in ("numpy", "torch", "keras", "mlx"):
