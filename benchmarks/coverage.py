@@ -69,6 +69,9 @@ OVERRIDES: dict[str, dict] = {
     "hunyuan_v1_dense": {"head_dim": 128},
     # mlx-lm's DeepSeek-V2 always runs YaRN rope (it reads rope_scaling's factor): the released models' setting;
     # transformers' default config routes to None experts per token
+    # the default places attention at one layer in eight (from the fifth), so the 2-layer model has none,
+    # which mlx-lm's model requires (it looks the first one up): one attention and one expert layer in two
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
