@@ -213,6 +213,19 @@ def _own_variables(layer) -> list:
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
 
 
+def _computed_state(layer) -> bool:
+    """Whether ``layer``'s variables are state it computes from its own configuration (a rotary
+    embedding's ``inv_freq``): every one was created non-trainable (``add_weight(trainable=False)``;
+    freezing a layer later does not move its variables out of ``_trainable_variables``) and the layer
+    is not a normalization whose running statistics are learnt from data."""
+    import keras
+
+    if layer._trainable_variables or not layer._non_trainable_variables:
+        return False
+    stats = (keras.layers.BatchNormalization,)
+    return not isinstance(layer, stats)
+
+
 def _children(layer) -> list:
     return [l for l in layer._flatten_layers(include_self=False, recursive=False)]
 
@@ -268,6 +281,8 @@ def walk(model) -> list[Entry]:
         variables = _own_variables(layer)
         kind = _kind(layer)
         first = len(out)
+        if kind == "other" and _computed_state(layer):
+            variables = []  # set by the layer from its configuration: nothing to carry
         if untied_reversible(layer):
             # two entries: the table (an embedding) and the untied head (a linear map, in, out)
             head = layer.reverse_embeddings
