@@ -719,8 +719,8 @@ def _window(config: dict) -> int | None:
 
 
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions", "window"}`` of an mlx-lm config (Hugging Face names);
-    None where it does not say."""
+    """``{"architecture", "vocab_size", "max_positions", "window", "fields"}`` of an mlx-lm config (Hugging
+    Face names); None where it does not say (``fields``: the settings its model takes, :func:`_fields`)."""
     text = config.get("text_config")
     if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
         return {**port_describe(fmt, text), "architecture": config.get("architectures") or [config.get("model_type")]}
@@ -729,4 +729,16 @@ def port_describe(fmt: str, config: dict) -> dict:
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
             "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
-            "window": _window(config)}
+            "window": _window(config), "fields": _fields(config)}
+
+
+def _fields(config: dict) -> frozenset[str] | None:
+    """The settings mlx-lm's model for ``config`` takes: its ``ModelArgs`` fields (``from_dict``
+    drops every other key); None where the model is not found."""
+    import dataclasses
+
+    try:
+        _, args_class = _classes(config)
+        return frozenset(f.name for f in dataclasses.fields(args_class))
+    except (ConversionError, TypeError):
+        return None
