@@ -1,0 +1,55 @@
+"""Ports whose weights pair but whose two libraries compute different functions: refused as such.
+
+transformers' GLM rotates half of each attention head (``partial_rotary_factor`` 0.5 in its
+``rope_parameters``); mlx-lm's GLM rotates the whole head and its config has no setting for the
+fraction. Every linear layer of the twins agrees run alone, the next-token distributions part:
+the port refuses, saying that the libraries compute different functions (not that the mapping is
+wrong), where (between the value projection and the output projection), and which setting
+explains it (the source twin rebuilt with the fraction at 1 computes what mlx-lm computes). With
+the fraction at 1 in the source's config the same model ports. Real transformers and mlx-lm, tiny
+configs, no downloads.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("mlx_lm")
+
+import dense_bridge as db  # noqa: E402
+from dense_bridge.ports._port import PortMismatch  # noqa: E402
+
+
+def _glm(path, fraction: float) -> None:
+    import torch
+    import transformers
+
+    from dense_bridge.backends.torch import _ports as tp
+
+    cfg = transformers.GlmConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                                 max_position_embeddings=512, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": fraction})
+    model = transformers.GlmForCausalLM(cfg).to(torch.float32).eval()
+    tp._randomize(model, seed=7)
+    model.save_pretrained(path)
+
+
+def test_a_setting_the_destination_has_no_field_for_is_named_as_the_cause(tmp_path):
+    _glm(tmp_path / "T", 0.5)
+    with pytest.raises(PortMismatch) as got:
+        db.port(tmp_path / "T", tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
+    words = str(got.value)
+    assert "compute different functions" in words and "the mapping was found" in words
+    assert "mapping is wrong" not in words
+    assert "self_attn.o_proj" in words and "KL" in words
+    assert "The cause: mlx-lm's config for this model has no setting for rope_parameters.partial_rotary_factor=0.5" \
+        in words and "set to 1.0" in words
+    assert not (tmp_path / "P").exists()  # nothing written
+
+
+def test_the_same_model_without_the_setting_ports(tmp_path):
+    _glm(tmp_path / "T", 1.0)
+    report = db.port(tmp_path / "T", tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
+    assert report.verification["passed"] and not report.discrepancies
