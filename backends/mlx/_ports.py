@@ -732,13 +732,20 @@ def port_describe(fmt: str, config: dict) -> dict:
             "window": _window(config), "fields": _fields(config)}
 
 
-def _fields(config: dict) -> frozenset[str] | None:
-    """The settings mlx-lm's model for ``config`` takes: its ``ModelArgs`` fields (``from_dict``
-    drops every other key); None where the model is not found."""
+def _fields(config: dict) -> dict | None:
+    """The settings mlx-lm's model for ``config`` takes, with the values it computes with: its
+    ``ModelArgs`` fields (``from_dict`` drops every other key; defaults filled); None where the
+    model is not found."""
     import dataclasses
 
     try:
         _, args_class = _classes(config)
-        return frozenset(f.name for f in dataclasses.fields(args_class))
+        fields = dataclasses.fields(args_class)
     except (ConversionError, TypeError):
         return None
+    try:
+        args = args_class.from_dict(config)
+        return {f.name: getattr(args, f.name, None) for f in fields}
+    except Exception:  # noqa: BLE001 - a config its ModelArgs cannot take: the values as written
+        return {f.name: config.get(f.name, None if _required(f) or f.default is dataclasses.MISSING else f.default)
+                for f in fields}

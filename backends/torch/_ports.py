@@ -731,10 +731,11 @@ def port_describe(fmt: str, config: dict) -> dict:
             "window": _window(config), "fields": _fields(config)}
 
 
-def _fields(config: dict) -> frozenset[str] | None:
+def _fields(config: dict) -> dict | None:
     """The settings transformers' config class for ``config`` declares for its architecture (the
     annotated fields of the class and of its bases up to the generic config class, and the names
-    of its ``attribute_map``); None where the class is not found."""
+    of its ``attribute_map``), with the values its config object holds (defaults filled); None
+    where the class is not found."""
     try:
         cls = _config_class(config)
     except ConversionError:
@@ -746,4 +747,10 @@ def _fields(config: dict) -> frozenset[str] | None:
             continue
         names.update(getattr(k, "__annotations__", {}))
     amap = dict(getattr(cls, "attribute_map", {}) or {})
-    return frozenset(names | set(amap) | set(amap.values()))
+    names |= set(amap) | set(amap.values())
+    try:
+        with _quiet():
+            obj = _config(config)
+    except Exception:  # noqa: BLE001 - a config its class refuses: the values as written
+        return {n: config.get(n) for n in names}
+    return {n: getattr(obj, n, config.get(n)) for n in names}

@@ -7,14 +7,19 @@ its counterpart in the source twin received (``compare_models(isolated=True)``, 
 - every one agrees and the next-token distributions stay close (``_port._KL_LIMIT``, ``_TOP1_LIMIT``):
   a library difference small enough to port, named as a discrepancy;
 - every one agrees and the distributions part: the weights pair (the mapping was found), but the
-  destination library's code computes another function than the source's for this config. That
-  is refused (:func:`refusal`), naming where the values part (between which linear layers), the
-  KL and top-1 agreement, the settings of the source's config that the destination's config
-  does not take (the ``fields`` of each side's ``port_describe``: the source's declared settings,
-  set to something, that the destination has no field for), and, where one is found, the setting
-  whose removal from the source's config makes the source library compute what the destination
-  computes: the source twin is rebuilt with it left out (removed, or a number set to 1 or 0: the
-  same parameters, by the same seed and shapes) and its logits compared with the destination twin's.
+  twins compute different functions. That is refused (:func:`refusal`), naming where the values
+  part (between which linear layers), the KL and top-1 agreement, and why, from the two configs'
+  settings (:func:`compare_settings`: each side's ``port_describe`` ``fields``, the settings its
+  library's config declares with the values it computes with):
+
+  - a setting the destination takes with another value than the source's (a rope base lost in
+    translation) that explains the difference: the source twin rebuilt with the destination's
+    value (the same parameters: the same seed and shapes) computes what the destination twin
+    computes. The port's translation is at fault, and the message says so;
+  - else the destination library's code computes otherwise for this config: the settings of the
+    source it has no field for are listed, and the one whose leaving out (removed, or a number
+    set to 1 or 0) makes the rebuilt source twin compute what the destination computes is named
+    as the cause; the settings the destination adds, and those whose values differ, are listed.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import numpy as np
 
 from .._errors import DenseBridgeError
 
-__all__ = ["Isolation", "isolate", "untaken", "refusal"]
+__all__ = ["Isolation", "isolate", "Settings", "compare_settings", "refusal"]
 
 #: At most this many source twins are rebuilt with one setting left out (``_probes``).
 _TRIED = 16
@@ -82,37 +87,81 @@ def _neutral(value: Any) -> bool:
     return isinstance(value, (str, list, tuple, dict)) and not value
 
 
-def _settings(config: dict, declared: frozenset[str]) -> list[tuple[str, Any]]:
-    """(name, value) of each declared setting of ``config`` set to something; a dictionary's
-    entries one by one, named ``"outer.inner"``."""
-    out = []
-    for k in sorted(declared):
-        v = config.get(k)
+def _settings(values: dict) -> dict[str, Any]:
+    """Each setting of ``values`` (name -> value) set to something; a dictionary's entries one by
+    one, named ``"outer.inner"``."""
+    out = {}
+    for k in sorted(values):
+        v = values[k]
         if isinstance(v, dict):
-            out += [(f"{k}.{i}", x) for i, x in v.items() if not _neutral(x) and not isinstance(x, dict)]
+            out.update({f"{k}.{i}": x for i, x in v.items() if not _neutral(x) and not isinstance(x, dict)})
         elif not _neutral(v):
-            out.append((k, v))
+            out[k] = v
     return out
 
 
-def untaken(src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict) -> list[tuple[str, Any]] | None:
-    """The settings of the source's config (those its library declares, set to something) that the
-    destination's config for the same model does not take (no field of that name, nor, for a
-    dictionary's entry, of its inner name, nor an entry of that name in a dictionary it takes);
-    None where a side cannot say."""
+def _plain(v: Any) -> Any:
+    """A value as JSON holds it (tuples as lists, integers as floats), to compare two configs' values."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+@dataclass
+class Settings:
+    """How the two twins' configs compare, setting by setting (values as each library computes with
+    them): ``untaken`` (source settings the destination has no field for), ``lost`` (source settings
+    the destination takes, holding another value: name -> (source value, destination value)),
+    ``added`` (destination settings the source has no field for, at the destination's values)."""
+
+    untaken: dict[str, Any]
+    lost: dict[str, tuple[Any, Any]]
+    added: dict[str, Any]
+
+
+def compare_settings(src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict) -> Settings | None:
+    """The :class:`Settings` of the twins' configs (each side's ``port_describe`` ``fields``: the
+    settings its library's config declares for the model, with the values it computes with); a
+    setting is the destination's when it has a field of its name, of a dictionary entry's inner
+    name, or an entry of that name in a dictionary it takes (rope_parameters' rope_theta); None
+    where a side cannot say."""
     src = (src_fmt.port_describe(src_cfg) or {}).get("fields")
     dst = (dst_fmt.port_describe(dst_cfg) or {}).get("fields")
     if not src or not dst:
         return None
-    # a dictionary the destination takes holds settings under their own names (rope_parameters' rope_theta)
-    held = {k for f in dst if isinstance(dst_cfg.get(f), dict) for k in dst_cfg[f]}
-    out = []
-    for name, value in _settings(src_cfg, frozenset(src) - {"model_type"}):  # the key that selects the model
-        leaf = name.partition(".")[2] or name
-        if name in dst or leaf in dst or leaf in held:
-            continue
-        out.append((name, value))
-    return out
+    src, dst = {k: v for k, v in src.items() if k != "model_type"}, {k: v for k, v in dst.items() if k != "model_type"}
+
+    def finder(values: dict):
+        flat = _settings(values)
+        held = {i: x for v in values.values() if isinstance(v, dict) for i, x in v.items()}
+
+        def find(name: str):
+            leaf = name.partition(".")[2] or name
+            for table in (flat, values, held):
+                if name in table:
+                    return True, table[name]
+                if leaf in table:
+                    return True, table[leaf]
+            return False, None
+        return flat, find
+
+    src_flat, in_src = finder(src)
+    dst_flat, in_dst = finder(dst)
+    untaken, lost, added = {}, {}, {}
+    for name, value in src_flat.items():
+        taken, theirs = in_dst(name)
+        if not taken:
+            untaken[name] = value
+        elif _plain(theirs) != _plain(value):
+            lost[name] = (value, theirs)
+    for name, value in dst_flat.items():
+        if not in_src(name)[0]:
+            added[name] = value
+    return Settings(untaken, lost, added)
 
 
 def _with(config: dict, name: str, value: Any = None, drop: bool = False) -> dict:
@@ -152,13 +201,13 @@ def _probes(candidates: list[tuple[str, Any]]) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _cause(candidates, src_fmt, dst_fmt, src_cfg: dict, b, ids, rebuild: Callable, shapes: dict, kl_top1,
+def _cause(probes, src_fmt, dst_fmt, src_cfg: dict, b, ids, rebuild: Callable, shapes: dict, kl_top1,
            kl_limit: float, top1_limit: float) -> tuple[str, str, float, float] | None:
-    """(name, how it was left out, KL, top-1) of the first setting among ``candidates`` whose
-    leaving out (:func:`_probes`) makes the source twin (rebuilt by ``rebuild(config)`` with the same
-    parameter shapes, hence values) compute what ``b`` computes; None when none does."""
+    """(name, how it was changed, KL, top-1) of the first of ``probes`` ((name, words, change) per
+    change of one setting) that makes the source twin (rebuilt by ``rebuild(config)`` with the
+    same parameter shapes, hence values) compute what ``b`` computes; None when none does."""
     reference = dst_fmt.port_logits(b, ids)
-    for name, how, change in _probes(candidates)[:_TRIED]:
+    for name, how, change in probes[:_TRIED]:
         cfg = _with(src_cfg, name, **change)
         try:
             if src_fmt.port_shapes(cfg) != shapes:
@@ -171,10 +220,17 @@ def _cause(candidates, src_fmt, dst_fmt, src_cfg: dict, b, ids, rebuild: Callabl
     return None
 
 
+def _listed(values: dict, pairs: bool = False) -> str:
+    items = list(values.items())
+    words = [f"{n}={v[0]!r} (there {v[1]!r})" if pairs else f"{n}={v!r}" for n, v in items[:10]]
+    return ", ".join(words) + (" ..." if len(items) > 10 else "")
+
+
 def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, ids, rebuild: Callable, kl_top1,
             kl_limit: float, top1_limit: float) -> str:
-    """The PortMismatch message for twins whose weights pair but whose libraries compute different
-    functions (module docstring).
+    """The PortMismatch message for twins whose weights pair but that compute different functions
+    (module docstring): a setting lost in translating the config, where rebuilding the source twin
+    with the destination's value explains the difference; else the two libraries' code.
 
     Args:
         iso: the isolated comparison's findings (``agree`` True).
@@ -183,30 +239,42 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
         kl_top1: ``(logits_a, logits_b) -> (KL, top-1)``; ``kl_limit``, ``top1_limit``: what agrees.
     """
     src, dst = src_fmt.name, dst_fmt.name
-    words = (f"the {src} and {dst} libraries' models compute different functions for this config (nothing was "
-             f"written): every linear layer agrees run alone on what its counterpart received, so the weights pair "
-             f"(the mapping was found), but the values part {iso.place}, and the next-token distributions differ "
-             f"(KL {iso.kl:.3g}, top-1 agreement {iso.top1:.4f}; a port needs KL <= {kl_limit:g} and top-1 >= "
-             f"{top1_limit:g}): {dst}'s code for this model computes otherwise than {src}'s")
+    measured = (f"every linear layer agrees run alone on what its counterpart received, so the weights pair (the "
+                f"mapping was found), but the values part {iso.place}, and the next-token distributions differ (KL "
+                f"{iso.kl:.3g}, top-1 agreement {iso.top1:.4f}; a port needs KL <= {kl_limit:g} and top-1 >= "
+                f"{top1_limit:g})")
     try:
-        dropped = untaken(src_fmt, dst_fmt, src_cfg, dst_cfg)
+        settings = compare_settings(src_fmt, dst_fmt, src_cfg, dst_cfg)
+        shapes = src_fmt.port_shapes(src_cfg)
     except DenseBridgeError:
-        dropped = None
-    if dropped:
-        try:
-            found = _cause(dropped, src_fmt, dst_fmt, src_cfg, b, ids, rebuild, src_fmt.port_shapes(src_cfg),
-                           kl_top1, kl_limit, top1_limit)
-        except DenseBridgeError:
-            found = None
+        settings = None
+    if settings is not None and settings.lost:
+        probes = [(n, f"set to {v[1]!r}", {"value": v[1]}) for n, v in settings.lost.items()]
+        found = _cause(probes, src_fmt, dst_fmt, src_cfg, b, ids, rebuild, shapes, kl_top1, kl_limit, top1_limit)
+        if found is not None:
+            name, _, kl, top1 = found
+            value, theirs = settings.lost[name]
+            return (f"the twins disagree because a setting was lost in translating the config (nothing was written): "
+                    f"{measured}. The cause: {name}={value!r} in the {src} config is {theirs!r} in the {dst} config "
+                    f"the port wrote; with {theirs!r} the {src} model computes what the {dst} model computes (KL "
+                    f"{kl:.3g}, top-1 agreement {top1:.4f}). This is the port's translation at fault: report it, "
+                    f"with the source's config")
+    words = (f"the {src} and {dst} libraries' models compute different functions for this config (nothing was "
+             f"written): {measured}: {dst}'s code for this model computes otherwise than {src}'s")
+    if settings is not None:
+        found = _cause(_probes(list(settings.untaken.items())), src_fmt, dst_fmt, src_cfg, b, ids, rebuild, shapes,
+                       kl_top1, kl_limit, top1_limit) if settings.untaken else None
         if found is not None:
             name, how, kl, top1 = found
-            value = dict(dropped)[name]
-            words += (f". The cause: {dst}'s config for this model has no setting for {name}={value!r}; with it "
-                      f"{how}, {src} computes what {dst} computes (KL {kl:.3g}, top-1 agreement {top1:.4f}), so "
-                      f"{dst} cannot run this model as {src} does")
-        listed = ", ".join(f"{n}={v!r}" for n, v in dropped[:10]) + (" ..." if len(dropped) > 10 else "")
-        words += f". Settings of the {src} config that {dst}'s config for this model does not take: {listed}"
-    elif dropped is not None:
-        words += f"; {dst}'s config takes every setting the {src} config declares, so the difference lies in its code"
+            words += (f". The cause: {dst}'s config for this model has no setting for {name}="
+                      f"{settings.untaken[name]!r}; with it {how}, {src} computes what {dst} computes (KL {kl:.3g}, "
+                      f"top-1 agreement {top1:.4f}), so {dst} cannot run this model as {src} does")
+        if settings.untaken:
+            words += f". Settings of the {src} config that {dst}'s config does not take: {_listed(settings.untaken)}"
+        if settings.added:
+            words += (f". Settings of the {dst} config (at its values) that {src}'s config has no field for: "
+                      f"{_listed(settings.added)}")
+        if settings.lost:
+            words += f". Settings whose values differ between the two configs: {_listed(settings.lost, pairs=True)}"
     return words + (". Port to a library that implements this configuration, or ask the destination library's "
                     "maintainers; nothing here can make the two compute the same function")

@@ -53,3 +53,22 @@ def test_the_same_model_without_the_setting_ports(tmp_path):
     _glm(tmp_path / "T", 1.0)
     report = db.port(tmp_path / "T", tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
     assert report.verification["passed"] and not report.discrepancies
+
+
+def test_a_setting_lost_in_translation_is_named_as_the_port_s_fault(tmp_path, monkeypatch):
+    """Without mlx-lm's key table the rope base (500000 in the source) never reaches mlx-lm's
+    rope_theta (its default, 10000, is what it computes with): the source twin rebuilt with 10000
+    computes what mlx-lm computes, so the translation is named, not the libraries."""
+    import transformers  # noqa: F401
+
+    from _models import save
+    from dense_bridge.backends.mlx import _ports as mp
+
+    save(transformers, "llama", tmp_path / "src")
+    monkeypatch.setattr(mp, "READS_AS", {})
+    with pytest.raises(PortMismatch) as got:
+        db.port(tmp_path / "src", tmp_path / "out", to="mlx-lm", verify="twins", progress=False)
+    words = str(got.value)
+    assert "twins disagree because a setting was lost in translating the config" in words
+    assert "rope_theta=500000.0 in the transformers config is 10000" in words
+    assert "compute different functions" not in words
