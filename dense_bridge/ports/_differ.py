@@ -240,9 +240,8 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
     """
     src, dst = src_fmt.name, dst_fmt.name
     measured = (f"every linear layer agrees run alone on what its counterpart received, so the weights pair (the "
-                f"mapping was found), but the values part {iso.place}, and the next-token distributions differ (KL "
-                f"{iso.kl:.3g}, top-1 agreement {iso.top1:.4f}; a port needs KL <= {kl_limit:g} and top-1 >= "
-                f"{top1_limit:g})")
+                f"mapping was found); the values part {iso.place}; next-token KL {iso.kl:.3g}, top-1 agreement "
+                f"{iso.top1:.4f} (a port needs KL <= {kl_limit:g} and top-1 >= {top1_limit:g})")
     try:
         settings = compare_settings(src_fmt, dst_fmt, src_cfg, dst_cfg)
         shapes = src_fmt.port_shapes(src_cfg)
@@ -255,20 +254,26 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
             name, _, kl, top1 = found
             value, theirs = settings.lost[name]
             return (f"the twins disagree because a setting was lost in translating the config (nothing was written): "
-                    f"{measured}. The cause: {name}={value!r} in the {src} config is {theirs!r} in the {dst} config "
-                    f"the port wrote; with {theirs!r} the {src} model computes what the {dst} model computes (KL "
-                    f"{kl:.3g}, top-1 agreement {top1:.4f}). This is the port's translation at fault: report it, "
-                    f"with the source's config")
-    words = (f"the {src} and {dst} libraries' models compute different functions for this config (nothing was "
-             f"written): {measured}: {dst}'s code for this model computes otherwise than {src}'s")
-    if settings is not None:
+                    f"{name}={value!r} in the {src} config is {theirs!r} in the {dst} config the port wrote; with "
+                    f"{theirs!r} the {src} model computes what the {dst} model computes (KL {kl:.3g}, top-1 agreement "
+                    f"{top1:.4f}). The port's translation is at fault: report it, with the source's config. "
+                    f"{measured[0].upper()}{measured[1:]}")
+    head = f"the {src} and {dst} libraries compute different functions for this config (nothing was written): "
+    found = None
+    if settings is not None and settings.untaken:
         found = _cause(_probes(list(settings.untaken.items())), src_fmt, dst_fmt, src_cfg, b, ids, rebuild, shapes,
-                       kl_top1, kl_limit, top1_limit) if settings.untaken else None
-        if found is not None:
-            name, how, kl, top1 = found
-            words += (f". The cause: {dst}'s config for this model has no setting for {name}="
-                      f"{settings.untaken[name]!r}; with it {how}, {src} computes what {dst} computes (KL {kl:.3g}, "
-                      f"top-1 agreement {top1:.4f}), so {dst} cannot run this model as {src} does")
+                       kl_top1, kl_limit, top1_limit)
+    if found is not None:
+        name, how, kl, top1 = found
+        words = (head + f"{dst}'s config for this model has no setting for {name}={settings.untaken[name]!r}; with "
+                 f"it {how}, {src} computes what {dst} computes (KL {kl:.3g}, top-1 agreement {top1:.4f}), so {dst} "
+                 f"cannot run this model as {src} does. {measured[0].upper()}{measured[1:]}")
+    else:
+        where = iso.place.split(" (")[0]
+        words = (head + f"{dst}'s code for this model computes otherwise than {src}'s, in what runs {where}, and no "
+                 f"setting the port could change in the source's config explains it. "
+                 f"{measured[0].upper()}{measured[1:]}")
+    if settings is not None:
         if settings.untaken:
             words += f". Settings of the {src} config that {dst}'s config does not take: {_listed(settings.untaken)}"
         if settings.added:

@@ -120,7 +120,8 @@ def join_row_calls(cap_a: Capture, cap_b: Capture, pairs: list[tuple[str, str]],
                 path, other = (pa, pb) if side == "a" else (pb, pa)
                 note = (f"{path}: called {len(many)} time(s) here, while its counterpart {other} is never called as a "
                         f"module (its model reads the weights directly): these calls are not compared; what the "
-                        f"layer computes is judged where it arrives (the next compared layer's input, the model output)")
+                        f"layer computes is judged where it arrives (the next compared layer's input, the model "
+                        f"output)")
                 kept = _replace(cap_a if side == "a" else cap_b, path, None, note)
                 cap_a, cap_b = (kept, cap_b) if side == "a" else (cap_a, kept)
                 break
