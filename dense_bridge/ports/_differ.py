@@ -19,7 +19,10 @@ its counterpart in the source twin received (``compare_models(isolated=True)``, 
   - else the destination library's code computes otherwise for this config: the settings of the
     source it has no field for are listed, and the one whose leaving out (removed, or a number
     set to 1 or 0) makes the rebuilt source twin compute what the destination computes is named
-    as the cause; the settings the destination adds, and those whose values differ, are listed.
+    as the cause; failing that, the destination's settings the source has no field for are
+    probed the same way on the destination twin (rebuilt, the source twin's weights moved in by
+    the twins' mapping: :func:`destination_builder`), naming a value the source's code assumes;
+    the settings the destination adds, and those whose values differ, are listed.
 """
 from __future__ import annotations
 
@@ -201,23 +204,38 @@ def _probes(candidates: list[tuple[str, Any]]) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _cause(probes, src_fmt, dst_fmt, src_cfg: dict, b, ids, rebuild: Callable, shapes: dict, kl_top1,
-           kl_limit: float, top1_limit: float) -> tuple[str, str, float, float] | None:
+def _cause(probes, fmt, cfg: dict, rebuild: Callable, reference: np.ndarray, ids, kl_top1, kl_limit: float,
+           top1_limit: float, source: bool = True) -> tuple[str, str, float, float] | None:
     """(name, how it was changed, KL, top-1) of the first of ``probes`` ((name, words, change) per
-    change of one setting) that makes the source twin (rebuilt by ``rebuild(config)`` with the
-    same parameter shapes, hence values) compute what ``b`` computes; None when none does."""
-    reference = dst_fmt.port_logits(b, ids)
+    change of one setting of ``cfg``, ``fmt``'s config) that makes the twin rebuilt by
+    ``rebuild(config)`` (the same parameter shapes, hence values) compute what the other twin
+    computes (its logits ``reference``; ``source``: the rebuilt twin is the source, whose
+    distribution the KL is taken from); None when none does."""
+    shapes = fmt.port_shapes(cfg)
     for name, how, change in probes[:_TRIED]:
-        cfg = _with(src_cfg, name, **change)
+        changed = _with(cfg, name, **change)
         try:
-            if src_fmt.port_shapes(cfg) != shapes:
+            if fmt.port_shapes(changed) != shapes:
                 continue
-            kl, top1 = kl_top1(src_fmt.port_logits(rebuild(cfg), ids), reference)
+            got = fmt.port_logits(rebuild(changed), ids)
+            kl, top1 = kl_top1(got, reference) if source else kl_top1(reference, got)
         except Exception:  # noqa: BLE001 - a config its library cannot build so
             continue
         if np.isfinite(kl) and kl <= kl_limit and top1 >= top1_limit:
             return name, how, kl, top1
     return None
+
+
+def destination_builder(a, dst_fmt, transfer, rules, device=None) -> Callable:
+    """``rebuild(config) -> destination twin``: the destination's model for ``config`` with ``a``'s
+    weights moved in by ``rules`` (the twins' mapping), for probing a setting on that side."""
+    from ..registry._devices import place_for_run
+
+    def rebuild(cfg: dict):
+        twin = place_for_run(dst_fmt.port_twin(cfg, seed=1), device)
+        transfer(a, twin, mapping=rules, verify=False)
+        return twin
+    return rebuild
 
 
 def _listed(values: dict, pairs: bool = False) -> str:
@@ -226,16 +244,19 @@ def _listed(values: dict, pairs: bool = False) -> str:
     return ", ".join(words) + (" ..." if len(items) > 10 else "")
 
 
-def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, ids, rebuild: Callable, kl_top1,
-            kl_limit: float, top1_limit: float) -> str:
+def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, a, b, ids, rebuild: Callable, kl_top1,
+            kl_limit: float, top1_limit: float, rebuild_dst: Callable | None = None) -> str:
     """The PortMismatch message for twins whose weights pair but that compute different functions
     (module docstring): a setting lost in translating the config, where rebuilding the source twin
-    with the destination's value explains the difference; else the two libraries' code.
+    with the destination's value explains the difference; else the two libraries' code, with the
+    setting that explains it where one does.
 
     Args:
         iso: the isolated comparison's findings (``agree`` True).
-        src_cfg, dst_cfg: the twins' own configs; ``b``: the destination twin; ``ids``: its token ids.
+        src_cfg, dst_cfg: the twins' own configs; ``a``, ``b``: the twins; ``ids``: their token ids.
         rebuild: ``rebuild(config) -> source twin`` for a source config (the same seed).
+        rebuild_dst: ``rebuild_dst(config) -> destination twin`` holding ``a``'s weights
+            (:func:`destination_builder`), or None: the destination's own settings are not probed.
         kl_top1: ``(logits_a, logits_b) -> (KL, top-1)``; ``kl_limit``, ``top1_limit``: what agrees.
     """
     src, dst = src_fmt.name, dst_fmt.name
@@ -244,12 +265,13 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
                 f"{iso.top1:.4f} (a port needs KL <= {kl_limit:g} and top-1 >= {top1_limit:g})")
     try:
         settings = compare_settings(src_fmt, dst_fmt, src_cfg, dst_cfg)
-        shapes = src_fmt.port_shapes(src_cfg)
+        src_logits, dst_logits = src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids)
     except DenseBridgeError:
         settings = None
+    limits = (kl_top1, kl_limit, top1_limit)
     if settings is not None and settings.lost:
         probes = [(n, f"set to {v[1]!r}", {"value": v[1]}) for n, v in settings.lost.items()]
-        found = _cause(probes, src_fmt, dst_fmt, src_cfg, b, ids, rebuild, shapes, kl_top1, kl_limit, top1_limit)
+        found = _cause(probes, src_fmt, src_cfg, rebuild, dst_logits, ids, *limits)
         if found is not None:
             name, _, kl, top1 = found
             value, theirs = settings.lost[name]
@@ -259,15 +281,23 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
                     f"{top1:.4f}). The port's translation is at fault: report it, with the source's config. "
                     f"{measured[0].upper()}{measured[1:]}")
     head = f"the {src} and {dst} libraries compute different functions for this config (nothing was written): "
-    found = None
+    found = added = None
     if settings is not None and settings.untaken:
-        found = _cause(_probes(list(settings.untaken.items())), src_fmt, dst_fmt, src_cfg, b, ids, rebuild, shapes,
-                       kl_top1, kl_limit, top1_limit)
+        found = _cause(_probes(list(settings.untaken.items())), src_fmt, src_cfg, rebuild, dst_logits, ids, *limits)
+    if found is None and settings is not None and settings.added and rebuild_dst is not None:
+        added = _cause(_probes(list(settings.added.items())), dst_fmt, dst_cfg, rebuild_dst, src_logits, ids, *limits,
+                       source=False)
     if found is not None:
         name, how, kl, top1 = found
         words = (head + f"{dst}'s config for this model has no setting for {name}={settings.untaken[name]!r}; with "
                  f"it {how}, {src} computes what {dst} computes (KL {kl:.3g}, top-1 agreement {top1:.4f}), so {dst} "
                  f"cannot run this model as {src} does. {measured[0].upper()}{measured[1:]}")
+    elif added is not None:
+        name, how, kl, top1 = added
+        words = (head + f"{dst}'s config for this model sets {name}={settings.added[name]!r}, which {src}'s config "
+                 f"has no setting for; with it {how}, {dst} computes what {src} computes (KL {kl:.3g}, top-1 "
+                 f"agreement {top1:.4f}): {src}'s code for this model assumes another value, and the port does not "
+                 f"write settings the source does not hold. {measured[0].upper()}{measured[1:]}")
     else:
         where = iso.place.split(" (")[0]
         words = (head + f"{dst}'s code for this model computes otherwise than {src}'s, in what runs {where}, and no "
@@ -281,5 +311,7 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, b, i
                       f"{_listed(settings.added)}")
         if settings.lost:
             words += f". Settings whose values differ between the two configs: {_listed(settings.lost, pairs=True)}"
+    if added is not None:
+        return words
     return words + (". Port to a library that implements this configuration, or ask the destination library's "
                     "maintainers; nothing here can make the two compute the same function")

@@ -208,9 +208,11 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
         inside = None if where is not None else _within_window(a, b, ids, report.rules, src_fmt, dst_fmt, src_cfg,
                                                                    dst_cfg, compare_models)
         if where is None and inside is None and iso is not None and iso.agree:  # the weights pair; the code differs
-            raise PortMismatch(_differ.refusal(iso, src_fmt, dst_fmt, src_cfg, dst_cfg, b, ids, lambda cfg: place_for_run(
-                _tying.source_twin(src_fmt, src_fmt.port_twin(cfg, seed=0), src_fmt.port_shapes(cfg), stored), device),
-                _kl_top1, _KL_LIMIT, _TOP1_LIMIT)) from None
+            raise PortMismatch(_differ.refusal(
+                iso, src_fmt, dst_fmt, src_cfg, dst_cfg, a, b, ids, lambda cfg: place_for_run(_tying.source_twin(
+                    src_fmt, src_fmt.port_twin(cfg, seed=0), src_fmt.port_shapes(cfg), stored), device),
+                _kl_top1, _KL_LIMIT, _TOP1_LIMIT, _differ.destination_builder(a, dst_fmt, transfer, report.rules,
+                                                                               device))) from None
         if where is None and inside is None:
             raise PortMismatch(f"the twins disagree, so the mapping is wrong or a setting was lost (nothing was "
                                f"written): {compared.verdict()}") from None

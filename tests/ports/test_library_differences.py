@@ -6,7 +6,9 @@ fraction. Every linear layer of the twins agrees run alone, the next-token distr
 the port refuses, saying that the libraries compute different functions (not that the mapping is
 wrong), where (between the value projection and the output projection), and which setting
 explains it (the source twin rebuilt with the fraction at 1 computes what mlx-lm computes). With
-the fraction at 1 in the source's config the same model ports. Real transformers and mlx-lm, tiny
+the fraction at 1 in the source's config the same model ports. mlx-lm's own GLM into transformers:
+the fraction transformers' config adds is named the other way. A rope base lost in translating the
+config is named as the port's fault, not the libraries'. Real transformers and mlx-lm, tiny
 configs, no downloads.
 """
 from __future__ import annotations
@@ -73,3 +75,24 @@ def test_a_setting_lost_in_translation_is_named_as_the_port_s_fault(tmp_path, mo
     assert "twins disagree because a setting was lost in translating the config" in words
     assert "rope_theta=500000.0 in the transformers config is 10000" in words
     assert "compute different functions" not in words
+
+
+def test_a_setting_only_the_destination_has_is_named_the_other_way(tmp_path):
+    """mlx-lm's own GLM (its loader's model of the same files, saved by mlx-lm) into transformers:
+    transformers' config adds the rotary fraction 0.5 mlx-lm has no setting for; the destination
+    twin rebuilt with it at 1 computes what mlx-lm computes, and the refusal says so first."""
+    import json
+
+    import mlx_lm.utils as mu
+
+    _glm(tmp_path / "T", 0.5)
+    model, config = mu.load_model(tmp_path / "T")
+    mu.save_model(tmp_path / "M", model)
+    (tmp_path / "M" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PortMismatch) as got:
+        db.port(tmp_path / "M", tmp_path / "Q", to="transformers", verify="twins", progress=False)
+    words = str(got.value)
+    cause = ("transformers's config for this model sets rope_parameters.partial_rotary_factor=0.5, which mlx-lm's "
+             "config has no setting for; with it set to 1.0")
+    assert "compute different functions" in words and cause in words and words.index(cause) < 300
+    assert not (tmp_path / "Q").exists()
