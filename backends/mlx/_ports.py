@@ -734,8 +734,8 @@ def port_describe(fmt: str, config: dict) -> dict:
 
 def _fields(config: dict) -> dict | None:
     """The settings mlx-lm's model for ``config`` takes, with the values it computes with: its
-    ``ModelArgs`` fields (``from_dict`` drops every other key; defaults filled); None where the
-    model is not found."""
+    ``ModelArgs`` fields but ``model_type`` (``from_dict`` drops every other key; defaults
+    filled); None where the model is not found."""
     import dataclasses
 
     try:
@@ -743,6 +743,7 @@ def _fields(config: dict) -> dict | None:
         fields = dataclasses.fields(args_class)
     except (ConversionError, TypeError):
         return None
+    fields = [f for f in fields if f.name != "model_type"]  # the key that selects the model, not a setting of it
     try:
         args = args_class.from_dict(config)
         return {f.name: getattr(args, f.name, None) for f in fields}

@@ -747,7 +747,7 @@ def _fields(config: dict) -> dict | None:
             continue
         names.update(getattr(k, "__annotations__", {}))
     amap = dict(getattr(cls, "attribute_map", {}) or {})
-    names |= set(amap) | set(amap.values())
+    names = (names | set(amap) | set(amap.values())) - {"model_type"}  # the key that selects the model
     try:
         with _quiet():
             obj = _config(config)

@@ -136,7 +136,6 @@ def compare_settings(src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict) -> Settings
     dst = (dst_fmt.port_describe(dst_cfg) or {}).get("fields")
     if not src or not dst:
         return None
-    src, dst = {k: v for k, v in src.items() if k != "model_type"}, {k: v for k, v in dst.items() if k != "model_type"}
 
     def finder(values: dict):
         flat = _settings(values)
