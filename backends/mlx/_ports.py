@@ -719,8 +719,8 @@ def _window(config: dict) -> int | None:
 
 
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions", "window"}`` of an mlx-lm config (Hugging Face names);
-    None where it does not say."""
+    """``{"architecture", "vocab_size", "max_positions", "window", "fields"}`` of an mlx-lm config (Hugging
+    Face names); None where it does not say (``fields``: the settings its model takes, :func:`_fields`)."""
     text = config.get("text_config")
     if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
         return {**port_describe(fmt, text), "architecture": config.get("architectures") or [config.get("model_type")]}
@@ -729,4 +729,24 @@ def port_describe(fmt: str, config: dict) -> dict:
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
             "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
-            "window": _window(config)}
+            "window": _window(config), "fields": _fields(config)}
+
+
+def _fields(config: dict) -> dict | None:
+    """The settings mlx-lm's model for ``config`` takes, with the values it computes with: its
+    ``ModelArgs`` fields but ``model_type`` (``from_dict`` drops every other key; defaults
+    filled); None where the model is not found."""
+    import dataclasses
+
+    try:
+        _, args_class = _classes(config)
+        fields = dataclasses.fields(args_class)
+    except (ConversionError, TypeError):
+        return None
+    fields = [f for f in fields if f.name != "model_type"]  # the key that selects the model, not a setting of it
+    try:
+        args = args_class.from_dict(config)
+        return {f.name: getattr(args, f.name, None) for f in fields}
+    except Exception:  # noqa: BLE001 - a config its ModelArgs cannot take: the values as written
+        return {f.name: config.get(f.name, None if _required(f) or f.default is dataclasses.MISSING else f.default)
+                for f in fields}

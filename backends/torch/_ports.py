@@ -718,8 +718,9 @@ def _window(config: dict) -> int | None:
 
 
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions", "window"}`` of a transformers config (names through the
-    config class's ``attribute_map``: GPT-2's ``n_positions``); None where it does not say."""
+    """``{"architecture", "vocab_size", "max_positions", "window", "fields"}`` of a transformers config (names
+    through the config class's ``attribute_map``: GPT-2's ``n_positions``); None where it does not say
+    (``fields``: the settings its config class declares, :func:`_fields`)."""
     amap = dict(getattr(_config_class(config), "attribute_map", {}) or {})
     vocab = config.get(amap.get("vocab_size", "vocab_size"))
     limits = [config[k] for k in (amap.get("max_position_embeddings", "max_position_embeddings"), "n_ctx")
@@ -727,4 +728,29 @@ def port_describe(fmt: str, config: dict) -> dict:
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
             "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
-            "window": _window(config)}
+            "window": _window(config), "fields": _fields(config)}
+
+
+def _fields(config: dict) -> dict | None:
+    """The settings transformers' config class for ``config`` declares for its architecture (the
+    annotated fields of the class and of its bases up to the generic config class, and the names
+    of its ``attribute_map``), with the values its config object holds (defaults filled); None
+    where the class is not found."""
+    try:
+        cls = _config_class(config)
+    except ConversionError:
+        return None
+    base = _transformers().PreTrainedConfig
+    names = set()
+    for k in cls.__mro__:
+        if k is base or not (isinstance(k, type) and issubclass(k, base)):
+            continue
+        names.update(getattr(k, "__annotations__", {}))
+    amap = dict(getattr(cls, "attribute_map", {}) or {})
+    names = (names | set(amap) | set(amap.values())) - {"model_type"}  # the key that selects the model
+    try:
+        with _quiet():
+            obj = _config(config)
+    except Exception:  # noqa: BLE001 - a config its class refuses: the values as written
+        return {n: config.get(n) for n in names}
+    return {n: getattr(obj, n, config.get(n)) for n in names}

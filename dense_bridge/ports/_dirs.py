@@ -17,9 +17,10 @@ A backend whose manifest declares the ``ports`` capability names its formats in
   without memory (meta device, lazy arrays);
 - ``port_layout(fmt, count) -> {"shards", "index", "metadata", "config", "extras"}``: file names;
 - ``port_load(fmt, path)``: the library's own loader; ``port_logits(fmt, model, ids)``;
-- ``port_describe(fmt, config) -> {"architecture", "kind", "vocab_size", "max_positions", "window"}``:
+- ``port_describe(fmt, config) -> {"architecture", "kind", "vocab_size", "max_positions", "window", "fields"}``:
   what the port reports and sizes its inputs by (None where the config does not say; ``window``: the
-  sliding-window length of attention, optional);
+  sliding-window length of attention, optional; ``fields``: the settings the library's config for
+  this architecture takes, optional, which names the settings a destination drops, ``_differ``);
 - ``port_open(fmt, path)`` (optional): one of its weight files opened for streaming, an object
   read like :class:`~dense_bridge.checkpoints._safetensors.SafetensorsFile` (``tensors``: name ->
   ``shape``, ``numpy_dtype``; ``get``, ``keys``, ``close``); without it files are read as safetensors;

@@ -31,7 +31,7 @@ from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
 from ..registry._devices import check_device_value, place_for_run, place_model, where as device_where
-from . import _adapters, _certificate, _codes, _dirs, _rules, _tying
+from . import _adapters, _certificate, _codes, _differ, _dirs, _rules, _tying
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -201,11 +201,18 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
         # the mapping may be right while the libraries compute different functions: judge every
         # linear layer alone; if each agrees, the difference lies in the code between them
         try:
-            where = _library_difference(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models)
+            iso = _isolate(a, b, ids, report.rules, src_fmt, dst_fmt, compare_models)
         except DenseBridgeError:
-            where = None
+            iso = None
+        where = iso.discrepancy(src_fmt.name, dst_fmt.name, _KL_LIMIT, _TOP1_LIMIT) if iso is not None else None
         inside = None if where is not None else _within_window(a, b, ids, report.rules, src_fmt, dst_fmt, src_cfg,
                                                                    dst_cfg, compare_models)
+        if where is None and inside is None and iso is not None and iso.agree:  # the weights pair; the code differs
+            raise PortMismatch(_differ.refusal(
+                iso, src_fmt, dst_fmt, src_cfg, dst_cfg, a, b, ids, lambda cfg: place_for_run(_tying.source_twin(
+                    src_fmt, src_fmt.port_twin(cfg, seed=0), src_fmt.port_shapes(cfg), stored), device),
+                _kl_top1, _KL_LIMIT, _TOP1_LIMIT, _differ.destination_builder(a, dst_fmt, transfer, report.rules,
+                                                                               device))) from None
         if where is None and inside is None:
             raise PortMismatch(f"the twins disagree, so the mapping is wrong or a setting was lost (nothing was "
                                f"written): {compared.verdict()}") from None
@@ -272,24 +279,20 @@ def _measure(a, b, ids, rules, src_fmt, dst_fmt, compare_models, report=None) ->
             "max_abs_logit_error": float(np.max(np.abs(la.astype(np.float64) - lb)))}
 
 
+def _isolate(a, b, ids, rules, src_fmt, dst_fmt, compare_models) -> "_differ.Isolation":
+    """Every linear layer of b run alone on what its counterpart in a received, and the next-token
+    KL and top-1 agreement (``_differ.isolate``)."""
+    return _differ.isolate(a, b, ids, rules, src_fmt, dst_fmt, compare_models, _kl_top1,
+                           model_inputs(src_fmt, dst_fmt, ids, a, b))
+
+
 def _library_difference(a, b, ids, rules, src_fmt, dst_fmt, compare_models) -> str | None:
     """Words for where two models that the mapping pairs right compute different functions, or
     None when the mapping itself is at fault: every linear layer of b run alone on what its
     counterpart in a received agrees (isolated comparison), only the code between them differs, and
     the next-token distributions stay close (KL, top-1)."""
-    iso = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=rules, grads=False, isolated=True)
-    rows = [q for layer in iso.layers for q in layer.quantities]
-    own = [q for q in rows if q.quantity != "input" and q.layer is not None]
-    if not own or not all(q.passed for q in own):
-        return None
-    kl, top1 = _kl_top1(src_fmt.port_logits(a, ids), dst_fmt.port_logits(b, ids))
-    if kl > _KL_LIMIT or top1 < _TOP1_LIMIT:
-        return None
-    enters = next((q for q in rows if q.quantity == "input" and not q.passed), None)
-    place = f"between the linear layer before {enters.layer_type!r} and it ({enters.units:.3g} tolerance units)" \
-        if enters is not None else "after the last linear layer"
-    return (f"every linear layer agrees run alone, but the {src_fmt.name} and {dst_fmt.name} models compute different "
-            f"functions {place}: next-token KL {kl:.3g}, top-1 agreement {top1:.4f}")
+    return _isolate(a, b, ids, rules, src_fmt, dst_fmt, compare_models).discrepancy(
+        src_fmt.name, dst_fmt.name, _KL_LIMIT, _TOP1_LIMIT)
 
 
 # ------------------------------------------------------------------------------ writing

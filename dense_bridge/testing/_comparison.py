@@ -166,13 +166,15 @@ class Comparison:
 
     def capture(self, select_a, select_b) -> None:
         """Run both models once (forward, and backward with ``grads``) and keep the captures,
-        each group's member calls merged into one call.
+        each group's member calls merged into one call, and one side's calls over shares of the
+        rows joined where the other side makes one call over them all (``_row_calls``).
 
         The judging namespace is chosen here (``_namespace.choose``): a side whose adapter offers
         it captures natively (``capture(..., native=True)``: its framework's arrays where the model
         computed them); teacher forcing and quantized pairs, whose helpers are numpy code, judge on
         the host."""
         from ._namespace import choose
+        from ._row_calls import join_row_calls
         from ._split_groups import merge
 
         self.xp, native = choose(((self.adapter_a, self.a), (self.adapter_b, self.b)),
@@ -187,7 +189,8 @@ class Comparison:
             cap = adapter.capture(model, inputs, {p: layers[p] for p in self.members(side)}, cotangent=self.cotangent,
                                   select=select, grads=self.grads, **extra)
             caps.append(merge(cap, self.groups, self.widths, adapter.to_numpy if own else None))
-        self.cap_a, self.cap_b = caps
+        self.cap_a, self.cap_b = join_row_calls(*caps, self.pairs, self.params_a, self.params_b, tuple(
+            adapter.to_numpy if own else None for adapter, own in zip((self.adapter_a, self.adapter_b), native)))
         self._acts.clear()
 
 

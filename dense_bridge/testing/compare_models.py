@@ -149,6 +149,10 @@ def compare_models(a, b, inputs, *, mapping=None, grads: bool = True, outputs=No
     index; default: each model's first floating output (a ``ModelOutput``'s first field, a dict's
     first value). The backward pass starts there with the same standard-normal cotangent (from
     ``seed``) on both sides. ``grads=False``: forward only. ``tolerance``: a :class:`Tolerance`.
+    A layer one model calls once over all rows and the other N times over a share of them each
+    (a scan written as a loop over positions) is compared as one call, the N calls joined along
+    the rows; the calls of a layer whose counterpart is never called as a module (its weights read
+    directly) are left out, noted, and judged where their values arrive (``_row_calls``).
     ``isolated=True``: every matched layer of b also runs alone on the input and output gradient
     its counterpart in a received (teacher forcing, ``_isolated``), so its output and gradient
     rows hold its own error with nothing carried from before it.

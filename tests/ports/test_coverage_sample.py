@@ -1,8 +1,8 @@
 """A fixed sample of the coverage table (benchmarks/coverage.py), so that a regression shows in CI:
 one dense and one mixture-of-experts architecture ported transformers -> mlx-lm, every weight
 bit-identical to mlx-lm's own loader on the same source, and back, bit-identical to the source;
-a state-space architecture refused with its reason; the dense one into keras-hub (equal to
-keras-hub's own import of the same directory) and back; the dense one with a PEFT adapter kept
+a state-space architecture ported both ways and another refused with its reason; the dense one
+into keras-hub (equal to keras-hub's own import of the same directory) and back; the dense one with a PEFT adapter kept
 for mlx-lm; and an mlx-lm quantized model ported as its exact dequantization. And no
 architecture named in the package."""
 from __future__ import annotations
@@ -82,15 +82,22 @@ def test_a_mixture_of_experts_ports_both_ways_bit_identical(tmp_path, model_type
     _port_both_ways(tmp_path, model_type)
 
 
+def test_a_state_space_architecture_ports_both_ways_bit_identical(tmp_path):
+    """Mamba: the depthwise conv1d with its last two axes exchanged, A_log and D by name; mlx-lm
+    runs x_proj once per position where transformers runs it once on all of them (the calls joined
+    for the comparison) and transformers never calls dt_proj as a module (its calls in mlx-lm left
+    uncompared, judged where their values arrive)."""
+    _port_both_ways(tmp_path, "mamba")
+
+
 def test_a_state_space_architecture_is_refused_with_its_reason(tmp_path):
-    # expected refusal: every parameter pairs (the depthwise conv1d with its last two axes
-    # exchanged, A_log and D by name, dt_proj never called as a module by transformers' reference
-    # path), but mlx-lm's Mamba runs x_proj once per position where transformers runs it once on
-    # all of them, so the twins' layer-by-layer verification cannot line their calls up
+    # expected refusal: every weight pairs, but transformers' Mamba2 normalises the gated output per
+    # group of channels (n_groups) where mlx-lm's normalises all of them at once
     t = tmp_path / "T"
-    _tiny("mamba", str(t))
-    with pytest.raises(db.ConversionError, match="the twins disagree"):
+    _tiny("mamba2", str(t))
+    with pytest.raises(db.ConversionError, match="compute different functions") as got:
         db.port(t, tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
+    assert "mixer.in_proj" in str(got.value) and "mixer.out_proj" in str(got.value)
     assert not (tmp_path / "P").exists()
 
 
