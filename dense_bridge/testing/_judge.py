@@ -236,8 +236,6 @@ class _Judge:
         for idx, cb in enumerate(self.cap_b.calls):
             pb = cb.path
             pa = b_to_a[pb]
-            if pa not in by_a:  # never called in a: noted, nothing to judge it alone by
-                continue
             self.report.calls.append((pa, pb, cb.call))
             label = pb if counts_b[pb] == 1 else f"{pb} [call {cb.call}]"
             if pa != pb:
@@ -263,13 +261,7 @@ class _Judge:
         extra_calls = []
         for pa, pb in cmp.pairs:
             na, nb = len(by_a.get(pa, [])), counts_b.get(pb, 0)
-            if na != nb and 0 in (na, nb):
-                # one side uses the layer's parameters without calling it as a layer (a fused kernel
-                # reads the weight): nothing to judge it alone by, the layers after it judge its work
-                side, path = ("a", pa) if na == 0 else ("b", pb)
-                report.notes.append(f"{path} is never called as a layer in {side} (its parameters are used "
-                                    f"directly): not compared alone, the layers after it carry what it computed")
-            elif na != nb:
+            if na != nb:
                 report.notes.append(f"{pb}: called {nb} time(s) in b but {pa} {na} time(s) in a")
                 if na > nb:  # calls b never made fail the report (fewer are failed rows below)
                     extra_calls.append(QuantityResult(None, pb, "calls", math.inf, math.inf, False, 0, (na,),
