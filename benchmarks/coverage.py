@@ -72,6 +72,13 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+    # transformers' default configs leave the multimodal rope's sections unset, which its model code then takes
+    # for a 128-wide head (the released models' setting, written out so the port's shrink scales it with the head)
+    "qwen2_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+    "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+    "qwen3_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [24, 20, 20]}},
+    "qwen3_vl_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                         "mrope_section": [24, 20, 20]}},
 }
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
@@ -162,6 +169,41 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     return small, notes
 
 
+def _tiny_model(cfg: dict, notes: list[str]):
+    """transformers' own model for the tiny text config ``cfg``, as a user's checkpoint holds it:
+    its causal language model; or, where transformers builds that text model only inside a
+    multimodal composite (no causal language model for its class), the whole composite
+    (``AutoModelForImageTextToText``) with ``cfg`` as its text part and its other towers' default
+    configs shrunk the same way (noted). ValueError (a no-reference row) where it has neither, saying
+    what transformers does build for the config."""
+    import torch
+    import transformers
+
+    from dense_bridge.backends.torch import _ports as tp
+
+    found = tp._composite(cfg)
+    if found is not None:
+        whole_cls, key = found
+        whole = whole_cls(**tp._towers_shrunk(whole_cls, key, cfg))
+        model = transformers.AutoModelForImageTextToText.from_config(whole, dtype=torch.float32).eval()
+        notes.append(f"whole model {type(model).__name__} (model_type {whole_cls.model_type}, other towers tiny): "
+                     "ported with text_only=True, its text part judged")
+        return model
+    try:
+        return tp._auto(cfg).from_config(tp._config(cfg), dtype=torch.float32).eval()
+    except ValueError:
+        cls = tp._config_class(cfg)
+        from transformers.models.auto import modeling_auto as ma
+        built = sorted({getattr(ma, n)[cfg["model_type"]] for n in dir(ma) if n.endswith("_MAPPING_NAMES")
+                        and isinstance(getattr(ma, n), dict) and cfg["model_type"] in getattr(ma, n)})
+        if built and not any(k.startswith("vocab_size") for k in cfg) and "text_config" not in cfg:
+            raise ValueError(f"transformers' {cfg['model_type']!r} config ({cls.__name__}) is a model without a "
+                             f"vocabulary (it builds {', '.join(built)} only): no text model; mlx-lm's module of this "
+                             "name reads the text part of another checkpoint layout, which transformers does not "
+                             "write under this model_type") from None
+        raise
+
+
 def _params_mlx(model) -> dict:
     import numpy as np
     from mlx.utils import tree_flatten
@@ -236,9 +278,20 @@ def _short(exc: BaseException) -> str:
 
 
 def _port(src, out, to):
+    """``db.port`` with the twins' verification; a multimodal transformers source (a config naming
+    another tower) is ported with ``text_only=True``, as a user asks for its text model."""
     import dense_bridge as db
 
-    return db.port(src, out, to=to, verify="twins", progress=False)
+    text_only = False
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            c = json.load(f)
+        from dense_bridge.backends.torch import _ports as tp
+        from dense_bridge.ports import _dirs
+        text_only = any(c.get(k) for k in tp.MULTIMODAL_KEYS) and _dirs.detect(src).name == "transformers"
+    except (OSError, ValueError):
+        pass
+    return db.port(src, out, to=to, verify="twins", progress=False, text_only=text_only)
 
 
 def _rounded(report) -> list[str]:
@@ -293,7 +346,7 @@ def run_row(mt: str) -> list[dict]:
         try:
             cfg, notes = _tiny_config(mt)
             with tp._quiet():
-                model = transformers.AutoModelForCausalLM.from_config(tp._config(cfg), dtype=torch.float32).eval()
+                model = _tiny_model(cfg, notes)
             tp._randomize(model, seed=7)
             with tp._quiet():
                 model.save_pretrained(t)
@@ -407,9 +460,9 @@ def run_row(mt: str) -> list[dict]:
                 try:
                     with tp._quiet():
                         want = {k: v.detach().float().numpy() for k, v in
-                                transformers.AutoModelForCausalLM.from_pretrained(t).state_dict().items()}
+                                tp._auto(t_config).from_pretrained(t).state_dict().items()}
                         got = {k: v.detach().float().numpy() for k, v in
-                               transformers.AutoModelForCausalLM.from_pretrained(q).state_dict().items()}
+                               tp._auto(t_config).from_pretrained(q).state_dict().items()}
                     diff = _first_difference(got, want, "vs transformers' own load of the source", lossy)
                     if diff:
                         row = {"class": "fails", "detail": diff}
