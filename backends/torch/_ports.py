@@ -352,9 +352,9 @@ def port_complete_config(fmt: str, config: dict, shapes: dict) -> dict:
     towers = sorted(k for k in (getattr(whole_cls, "sub_configs", None) or {}) if k != key)
     model = transformers.AutoModelForImageTextToText._model_mapping[whole_cls].__name__
     raise ConversionError(f"transformers {transformers.__version__} builds the text model {config.get('model_type')!r} "
-                          f"only inside {model} (model_type {whole_cls.model_type!r}), whose checkpoint also holds "
-                          f"{', '.join(towers)} towers that this source does not have: what would be written is no "
-                          "model transformers loads (nothing was written). Port the original multimodal transformers "
+                          f"only inside {model} (model_type {whole_cls.model_type!r}), whose checkpoint also holds the "
+                          f"other towers ({', '.join(towers)}), which this source does not have: what would be "
+                          "written is no model transformers loads (nothing was written). Port the original multimodal transformers "
                           "checkpoint, or keep the text model in a library that builds it alone")
 
 
