@@ -28,7 +28,9 @@ def _qwen2_vl(transformers, path):
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
     vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
-    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+    # a tied head: transformers 5 keeps the setting at the composite's top level only, and mlx-lm's own loader,
+    # reading the text config, would otherwise want an untied head from the whole checkpoint
+    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
                                      image_token_id=95, video_token_id=94, vision_start_token_id=93,
                                      vision_end_token_id=92)
     torch.manual_seed(0)
@@ -65,7 +67,7 @@ def test_the_text_part_ports_into_mlx_lm_as_its_own_loader_reads_it(qwen2_vl, tm
     want, _ = load_model(Path(src), model_config=config)  # mlx-lm's own conversion of the whole checkpoint
     got, _ = load_model(Path(tmp_path / "mlx"))
     want, got = _mlx_params(want), _mlx_params(got)
-    assert got.keys() == want.keys() and any(k.endswith("lm_head.weight") for k in got)
+    assert got.keys() == want.keys() and not any(k.endswith("lm_head.weight") for k in got)
     for k in want:
         assert np.array_equal(got[k], want[k]), k
     # the vision tower: every stored tensor of it listed as dropped, none ported, none silently lost
@@ -149,3 +151,27 @@ def test_a_text_model_filed_only_under_image_text_to_text_builds_as_the_twin():
     twin = tp.port_twin("transformers", small)
     assert twin.get_output_embeddings() is not None and type(twin).__name__.endswith("ForCausalLM")
     assert set(tp.port_shapes("transformers", small)) == set(twin.state_dict())
+
+
+def test_an_untied_head_set_at_the_composite_s_top_level_is_carried_with_the_text_config(tmp_path):
+    transformers = transformers_or_skip()
+    mlx_lm_or_skip()
+    import torch
+
+    from dense_bridge.backends.torch import _ports as tp
+
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2)
+    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    whole = transformers.AutoModelForImageTextToText.from_config(cfg).eval()
+    randomize(whole, seed=0)
+    whole.save_pretrained(tmp_path / "src")
+    assert "tie_word_embeddings" not in json.loads((tmp_path / "src" / "config.json").read_text())["text_config"]
+    contents = tp.port_contents("transformers", str(tmp_path / "src"), text_only=True)
+    assert contents["config"]["tie_word_embeddings"] is False and "lm_head.weight" in contents["weights"]
+    report = db.port(tmp_path / "src", tmp_path / "mlx", to="mlx-lm", verify="twins", text_only=True)
+    head = report.certificate["tensors"]["language_model.lm_head.weight"]
+    assert [s["tensor"] for s in head["sources"]] == ["lm_head.weight"] and head["exact"]
