@@ -84,6 +84,8 @@ OVERRIDES: dict[str, dict] = {
     "qwen3_vl_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
                                          "mrope_section": [24, 20, 20]}},
 }
+#: The most parameters a tiny model may have (a multimodal composite whose towers the shrink cannot reach).
+MAX_TINY = 50_000_000
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
@@ -189,6 +191,17 @@ def _tiny_model(cfg: dict, notes: list[str]):
     if found is not None:
         whole_cls, key = found
         whole = whole_cls(**tp._towers_shrunk(whole_cls, key, cfg))
+        with torch.device("meta"):  # sized before it is built: a tower the shrink cannot reach stays released-size
+            meta = transformers.AutoModelForImageTextToText.from_config(whole)
+        sizes: dict[str, int] = {}
+        for name, p in meta.named_parameters():
+            part = ".".join(name.split(".")[:3])
+            sizes[part] = sizes.get(part, 0) + p.numel()
+        if sum(sizes.values()) > MAX_TINY:
+            big = sorted(sizes.items(), key=lambda x: -x[1])[:3]
+            raise ValueError(f"transformers' {type(meta).__name__} cannot be made tiny: {sum(sizes.values()):,} parameters "
+                             "after the port's shrink, widths it does not reach keeping their released sizes ("
+                             + ", ".join(f"{k} {v:,}" for k, v in big) + ")")
         model = transformers.AutoModelForImageTextToText.from_config(whole, dtype=torch.float32).eval()
         notes.append(f"whole model {type(model).__name__} (model_type {whole_cls.model_type}, other towers tiny): "
                      "ported with text_only=True, its text part judged")

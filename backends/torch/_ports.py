@@ -294,7 +294,8 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
             try:
                 small[k] = port_shrink(FORMAT, config[k])
             except ConversionError:
-                pass  # kept as it is: a tower without heads to shrink by
+                small[k] = dict(config[k])  # kept as it is: a tower without heads to shrink by
+            _to_text_width(config[k], small[k], text_dict.get("hidden_size"), small[text_key].get("hidden_size"))
     small.pop("quantization_config", None)
     try:
         with _quiet(), tempfile.TemporaryDirectory(prefix="dense-bridge-text-part-") as tmp:
@@ -712,6 +713,7 @@ def _towers_shrunk(whole_cls, text_key: str, text: dict) -> dict:
     if isinstance(text.get(TIE), bool):  # the composite ties its text model's head by its own setting
         out[TIE] = text[TIE]
     default = whole_cls()
+    width = getattr(getattr(default, text_key, None), "hidden_size", None)
     for key in getattr(whole_cls, "sub_configs", None) or {}:
         sub = getattr(default, key, None)
         if key == text_key or sub is None or not hasattr(sub, "to_dict"):
@@ -721,8 +723,20 @@ def _towers_shrunk(whole_cls, text_key: str, text: dict) -> dict:
         try:
             out[key] = port_shrink(FORMAT, d)
         except ConversionError:
-            out[key] = d
+            out[key] = dict(d)
+        _to_text_width(d, out[key], width, text.get("hidden_size"))
     return out
+
+
+def _to_text_width(tower: dict, small: dict, before, after) -> None:
+    """A tower's width that is the text model's (``before``: its output projected onto the text
+    embeddings) and that the tower's own shrink left as it was, set to the shrunk text width
+    ``after`` in ``small`` (in place): a composite may require the two to match."""
+    if not isinstance(before, int) or not isinstance(after, int):
+        return
+    for k, v in tower.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v == before and small.get(k) == v:
+            small[k] = after
 
 
 def _text_view(model):

@@ -175,3 +175,20 @@ def test_an_untied_head_set_at_the_composite_s_top_level_is_carried_with_the_tex
     report = db.port(tmp_path / "src", tmp_path / "mlx", to="mlx-lm", verify="twins", text_only=True)
     head = report.certificate["tensors"]["language_model.lm_head.weight"]
     assert [s["tensor"] for s in head["sources"]] == ["lm_head.weight"] and head["exact"]
+
+
+def test_a_tower_width_the_composite_requires_to_be_the_text_width_follows_the_shrunk_text():
+    transformers = transformers_or_skip()
+    if "muse_spark" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Muse Spark")
+    from dense_bridge.backends.torch import _ports as tp
+
+    whole_cls = transformers.CONFIG_MAPPING["muse_spark"]
+    text = {k: v for k, v in tp._plain_floats(whole_cls().text_config.to_dict()).items() if k != "transformers_version"}
+    small = tp.port_shrink("transformers", text)
+    found = tp._composite(small)
+    assert found is not None and found[0] is whole_cls
+    kw = tp._towers_shrunk(whole_cls, found[1], small)
+    # its audio encoder's output is scattered onto the text embeddings: the composite validates the match
+    assert kw["audio_config"]["out_hidden_size"] == small["hidden_size"] != whole_cls().audio_config.out_hidden_size
+    whole_cls(**kw)
