@@ -85,7 +85,7 @@ OVERRIDES: dict[str, dict] = {
                                          "mrope_section": [24, 20, 20]}},
 }
 #: The most parameters a tiny model may have (a multimodal composite whose towers the shrink cannot reach).
-MAX_TINY = 50_000_000
+MAX_TINY = 150_000_000
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
