@@ -199,8 +199,8 @@ def _tiny_model(cfg: dict, notes: list[str]):
             sizes[part] = sizes.get(part, 0) + p.numel()
         if sum(sizes.values()) > MAX_TINY:
             big = sorted(sizes.items(), key=lambda x: -x[1])[:3]
-            raise ValueError(f"transformers' {type(meta).__name__} cannot be made tiny: {sum(sizes.values()):,} parameters "
-                             "after the port's shrink, widths it does not reach keeping their released sizes ("
+            raise ValueError(f"transformers' {type(meta).__name__} cannot be made tiny: {sum(sizes.values()):,} "
+                             "parameters after the port's shrink, widths it does not reach keeping their released sizes ("
                              + ", ".join(f"{k} {v:,}" for k, v in big) + ")")
         model = transformers.AutoModelForImageTextToText.from_config(whole, dtype=torch.float32).eval()
         notes.append(f"whole model {type(model).__name__} (model_type {whole_cls.model_type}, other towers tiny): "
@@ -211,7 +211,8 @@ def _tiny_model(cfg: dict, notes: list[str]):
     except ValueError:
         cls = tp._config_class(cfg)
         from transformers.models.auto import modeling_auto as ma
-        built = sorted({getattr(ma, n)[cfg["model_type"]] for n in dir(ma) if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES")
+        built = sorted({getattr(ma, n)[cfg["model_type"]] for n in dir(ma)
+                        if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES")
                         and isinstance(getattr(ma, n), dict) and cfg["model_type"] in getattr(ma, n)})
         if built and not any(k.startswith("vocab_size") for k in cfg) and "text_config" not in cfg:
             raise ValueError(f"transformers' {cfg['model_type']!r} config ({cls.__name__}) is a model without a "
@@ -428,9 +429,10 @@ def run_row(mt: str) -> list[dict]:
                 except DenseBridgeError as exc:
                     before = ""
                     if r1.dropped:  # the text part of a multimodal source: judged, then refused back
-                        before = (f"the text part ported ({len(r1.dropped)} tensors of the other towers dropped, listed in "
-                                  "the certificate) " + ("bit-identical to mlx-lm's own load of the source" if ref is not None
-                                                         else f"verified on the twins only ({ref_err})") + "; ")
+                        judged = "bit-identical to mlx-lm's own load of the source" if ref is not None \
+                            else f"verified on the twins only ({ref_err})"
+                        before = (f"the text part ported ({len(r1.dropped)} tensors of the other towers dropped, "
+                                  f"listed in the certificate) {judged}; ")
                     r2, row = None, {"class": "refused", "detail": f"{before}round trip to transformers: {_short(exc)}"}
                 except Exception as exc:  # noqa: BLE001
                     r2, row = None, {"class": "fails", "detail": f"round trip to transformers: {_short(exc)}"}

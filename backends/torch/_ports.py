@@ -355,8 +355,9 @@ def port_complete_config(fmt: str, config: dict, shapes: dict) -> dict:
     raise ConversionError(f"transformers {transformers.__version__} builds the text model {config.get('model_type')!r} "
                           f"only inside {model} (model_type {whole_cls.model_type!r}), whose checkpoint also holds the "
                           f"other towers ({', '.join(towers)}), which this source does not have: what would be "
-                          "written is no model transformers loads (nothing was written). Port the original multimodal transformers "
-                          "checkpoint, or keep the text model in a library that builds it alone")
+                          "written is no model transformers loads (nothing was written). Port the original "
+                          "multimodal transformers checkpoint, or keep the text model in a library that builds it "
+                          "alone")
 
 
 def port_common_config(fmt: str, config: dict) -> dict:

@@ -115,8 +115,8 @@ def test_an_mlx_lm_directory_naming_towers_it_holds_no_weights_of_reads_as_its_t
     # a tensor of the tower beside them: the directory is multimodal, refused as before
     from safetensors.numpy import save_file
 
-    save_file({"vision_tower.patch.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "m" / "model-extra.safetensors"),
-              metadata={"format": "mlx"})
+    save_file({"vision_tower.patch.weight": np.zeros((2, 2), np.float32)},
+              str(tmp_path / "m" / "model-extra.safetensors"), metadata={"format": "mlx"})
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
     index["weight_map"]["vision_tower.patch.weight"] = "model-extra.safetensors"
     (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
