@@ -10,7 +10,12 @@ with a timeout (a crash or a hang is a row, not the end of the table):
    (``port_shrink``: widths, 2 layers, vocabulary; structure kept), the expert count capped at 4
    and the vocabulary set to 96 (so the real model differs from the port's twins), plus the
    overrides of :data:`OVERRIDES` (defaults that cannot run; each one counted and shown);
-   ``AutoModelForCausalLM.from_config``, every parameter random, ``save_pretrained`` -> ``T``;
+   ``AutoModelForCausalLM.from_config``, every parameter random, ``save_pretrained`` -> ``T``. Where
+   transformers builds that text model only inside its multimodal composite (no causal language model
+   for the text config's class), ``T`` is the whole composite (``AutoModelForImageTextToText``, its
+   other towers' default configs shrunk too), as a user's checkpoint holds it, ported with
+   ``text_only=True``: its text part is judged, the towers dropped are listed by the port; such a text
+   model cannot come back into transformers without its towers, which the port refuses by name;
 2. ``transformers -> mlx-lm``: ``db.port(T, P, to="mlx-lm")``; every parameter of mlx-lm's model
    loaded from ``P`` (``mlx_lm.utils.load_model``) must be bit-identical to mlx-lm's own loader on
    ``T``'s files (``load_model(T)`` with the config the port wrote: its ``sanitize`` does
