@@ -10,7 +10,12 @@ with a timeout (a crash or a hang is a row, not the end of the table):
    (``port_shrink``: widths, 2 layers, vocabulary; structure kept), the expert count capped at 4
    and the vocabulary set to 96 (so the real model differs from the port's twins), plus the
    overrides of :data:`OVERRIDES` (defaults that cannot run; each one counted and shown);
-   ``AutoModelForCausalLM.from_config``, every parameter random, ``save_pretrained`` -> ``T``;
+   ``AutoModelForCausalLM.from_config``, every parameter random, ``save_pretrained`` -> ``T``. Where
+   transformers builds that text model only inside its multimodal composite (no causal language model
+   for the text config's class), ``T`` is the whole composite (``AutoModelForImageTextToText``, its
+   other towers' default configs shrunk too), as a user's checkpoint holds it, ported with
+   ``text_only=True``: its text part is judged, the towers dropped are listed by the port; such a text
+   model cannot come back into transformers without its towers, which the port refuses by name;
 2. ``transformers -> mlx-lm``: ``db.port(T, P, to="mlx-lm")``; every parameter of mlx-lm's model
    loaded from ``P`` (``mlx_lm.utils.load_model``) must be bit-identical to mlx-lm's own loader on
    ``T``'s files (``load_model(T)`` with the config the port wrote: its ``sanitize`` does
@@ -75,7 +80,20 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v2": {"num_experts_per_tok": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+    # transformers' Step3p7 text model always builds a sliding-window mask, which its default config (no window)
+    # cannot: the window and the alternating sliding layers mlx-lm's model assumes when the config names none
+    "step3p5": {"sliding_window": 512,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(45)]},
+    # transformers' default configs leave the multimodal rope's sections unset, which its model code then takes
+    # for a 128-wide head (the released models' setting, written out so the port's shrink scales it with the head)
+    "qwen2_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+    "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+    "qwen3_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [24, 20, 20]}},
+    "qwen3_vl_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                         "mrope_section": [24, 20, 20]}},
 }
+#: The most parameters a tiny model may have (a multimodal composite whose towers the shrink cannot reach).
+MAX_TINY = 150_000_000
 CLASSES = ("pass", "pass-rounded", "discrepancy", "refused", "fails", "no-reference")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
@@ -165,6 +183,53 @@ def _tiny_config(mt: str) -> tuple[dict, list[str]]:
     return small, notes
 
 
+def _tiny_model(cfg: dict, notes: list[str]):
+    """transformers' own model for the tiny text config ``cfg``, as a user's checkpoint holds it:
+    its causal language model; or, where transformers builds that text model only inside a
+    multimodal composite (no causal language model for its class), the whole composite
+    (``AutoModelForImageTextToText``) with ``cfg`` as its text part and its other towers' default
+    configs shrunk the same way (noted). ValueError (a no-reference row) where it has neither, saying
+    what transformers does build for the config."""
+    import torch
+    import transformers
+
+    from dense_bridge.backends.torch import _ports as tp
+
+    found = tp._composite(cfg)
+    if found is not None:
+        whole_cls, key = found
+        whole = whole_cls(**tp._towers_shrunk(whole_cls, key, cfg))
+        with torch.device("meta"):  # sized before it is built: a tower the shrink cannot reach stays released-size
+            meta = transformers.AutoModelForImageTextToText.from_config(whole)
+        sizes: dict[str, int] = {}
+        for name, p in meta.named_parameters():
+            part = ".".join(name.split(".")[:3])
+            sizes[part] = sizes.get(part, 0) + p.numel()
+        if sum(sizes.values()) > MAX_TINY:
+            big = sorted(sizes.items(), key=lambda x: -x[1])[:3]
+            raise ValueError(f"transformers' {type(meta).__name__} cannot be made tiny: {sum(sizes.values()):,} "
+                             "parameters after the port's shrink, widths it does not reach keeping their released sizes ("
+                             + ", ".join(f"{k} {v:,}" for k, v in big) + ")")
+        model = transformers.AutoModelForImageTextToText.from_config(whole, dtype=torch.float32).eval()
+        notes.append(f"whole model {type(model).__name__} (model_type {whole_cls.model_type}, other towers tiny): "
+                     "ported with text_only=True, its text part judged")
+        return model
+    try:
+        return tp._auto(cfg).from_config(tp._config(cfg), dtype=torch.float32).eval()
+    except ValueError:
+        cls = tp._config_class(cfg)
+        from transformers.models.auto import modeling_auto as ma
+        built = sorted({getattr(ma, n)[cfg["model_type"]] for n in dir(ma)
+                        if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES")
+                        and isinstance(getattr(ma, n), dict) and cfg["model_type"] in getattr(ma, n)})
+        if built and not any(k.startswith("vocab_size") for k in cfg) and "text_config" not in cfg:
+            raise ValueError(f"transformers' {cfg['model_type']!r} config ({cls.__name__}) is a model without a "
+                             f"vocabulary (it builds {', '.join(built)} only): no text model; mlx-lm's module of this "
+                             "name reads the text part of another checkpoint layout, which transformers does not "
+                             "write under this model_type") from None
+        raise
+
+
 def _params_mlx(model) -> dict:
     import numpy as np
     from mlx.utils import tree_flatten
@@ -239,9 +304,20 @@ def _short(exc: BaseException) -> str:
 
 
 def _port(src, out, to):
+    """``db.port`` with the twins' verification; a multimodal transformers source (a config naming
+    another tower) is ported with ``text_only=True``, as a user asks for its text model."""
     import dense_bridge as db
 
-    return db.port(src, out, to=to, verify="twins", progress=False)
+    text_only = False
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            c = json.load(f)
+        from dense_bridge.backends.torch import _ports as tp
+        from dense_bridge.ports import _dirs
+        text_only = any(c.get(k) for k in tp.MULTIMODAL_KEYS) and _dirs.detect(src).name == "transformers"
+    except (OSError, ValueError):
+        pass
+    return db.port(src, out, to=to, verify="twins", progress=False, text_only=text_only)
 
 
 def _rounded(report) -> list[str]:
@@ -296,7 +372,7 @@ def run_row(mt: str) -> list[dict]:
         try:
             cfg, notes = _tiny_config(mt)
             with tp._quiet():
-                model = transformers.AutoModelForCausalLM.from_config(tp._config(cfg), dtype=torch.float32).eval()
+                model = _tiny_model(cfg, notes)
             tp._randomize(model, seed=7)
             with tp._quiet():
                 model.save_pretrained(t)
@@ -359,7 +435,13 @@ def run_row(mt: str) -> list[dict]:
                     diff = _first_difference(_files(pb), _files(t), "round trip vs the source", _rounded_back(r1, r2))
                     row = {"class": "fails", "detail": diff} if diff else {}
                 except DenseBridgeError as exc:
-                    r2, row = None, {"class": "refused", "detail": f"round trip to transformers: {_short(exc)}"}
+                    before = ""
+                    if r1.dropped:  # the text part of a multimodal source: judged, then refused back
+                        judged = "bit-identical to mlx-lm's own load of the source" if ref is not None \
+                            else f"verified on the twins only ({ref_err})"
+                        before = (f"the text part ported ({len(r1.dropped)} tensors of the other towers dropped, "
+                                  f"listed in the certificate) {judged}; ")
+                    r2, row = None, {"class": "refused", "detail": f"{before}round trip to transformers: {_short(exc)}"}
                 except Exception as exc:  # noqa: BLE001
                     r2, row = None, {"class": "fails", "detail": f"round trip to transformers: {_short(exc)}"}
             if not row:
@@ -380,9 +462,11 @@ def run_row(mt: str) -> list[dict]:
         m = os.path.join(tmp, "M")
         q, qb = os.path.join(tmp, "Q"), os.path.join(tmp, "QB")
         m_note = ""
-        if ref_model is None and rows[0]["class"] in ("pass", "pass-rounded", "discrepancy"):
+        text_part = r1 is not None and bool(r1.dropped)  # the text part of a multimodal source, verified on the twins
+        if ref_model is None and (rows[0]["class"] in ("pass", "pass-rounded", "discrepancy") or text_part):
             # mlx-lm's loader cannot read T, but the port's own mlx-lm directory passed its round trip (its
-            # weights; a discrepancy is the two libraries' code, stated): M is
+            # weights; a discrepancy is the two libraries' code, stated), or is the text part of a multimodal
+            # T (whose round trip needs the other towers): M is
             # mlx-lm's load of that (the transformers side is still judged against from_pretrained(T))
             try:
                 ref_model, ref_cfg = mu.load_model(Path(p))
@@ -410,9 +494,9 @@ def run_row(mt: str) -> list[dict]:
                 try:
                     with tp._quiet():
                         want = {k: v.detach().float().numpy() for k, v in
-                                transformers.AutoModelForCausalLM.from_pretrained(t).state_dict().items()}
+                                tp._auto(t_config).from_pretrained(t).state_dict().items()}
                         got = {k: v.detach().float().numpy() for k, v in
-                               transformers.AutoModelForCausalLM.from_pretrained(q).state_dict().items()}
+                               tp._auto(t_config).from_pretrained(q).state_dict().items()}
                     diff = _first_difference(got, want, "vs transformers' own load of the source", lossy)
                     if diff:
                         row = {"class": "fails", "detail": diff}

@@ -99,7 +99,7 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
             raise ConversionError(f"{os.path.join(path, CONFIG)} asks for code from outside the installed libraries "
                                   f"({key}={config[key]!r}): refused, never run")
     towers = [k for k in MULTIMODAL_KEYS if config.get(k)]
-    if towers:
+    if towers and not _text_alone(path, config):
         raise ConversionError(f"{path} is a multimodal checkpoint ({', '.join(towers)} in its {CONFIG}): only its text "
                               "part would be written, so it is refused "
                               + ("(text_only=True is implemented for transformers sources only, not yet for mlx-lm "
@@ -125,6 +125,24 @@ def port_contents(fmt: str, path: str, text_only: bool = False) -> dict:
     hidden = code_names(path, config, weights, lambda c: port_shapes(fmt, c))  # a quantized directory reads as its float model (_port_quant)
     weights = {k: v for k, v in weights.items() if k not in hidden}
     return {"config": config, "weights": weights, "extras": extras}
+
+
+def _text_alone(path: str, config: dict) -> bool:
+    """Whether the directory ``path``, whose config names other towers (a vision encoder's
+    settings, kept by mlx-lm's own converter), holds only tensors of the text model mlx-lm builds
+    for that config (its composite drops the towers when it loads a multimodal checkpoint): then
+    the towers are settings without weights, and nothing would be left behind by a port."""
+    try:
+        own = set(port_shapes(FORMAT, config))
+    except Exception:  # noqa: BLE001 - a model mlx-lm cannot build: refused as multimodal, by name
+        return False
+    stored: set[str] = set()
+    for name in _weight_files(path):
+        with SafetensorsFile(os.path.join(path, name)) as f:
+            stored.update(f.keys())
+    suffixes = (".scales", ".biases")  # a quantized layer's codes beside its weight
+    return bool(stored) and all(k in own or (k.endswith(suffixes) and k.rsplit(".", 1)[0] + ".weight" in own)
+                                for k in stored)
 
 
 def port_open(fmt: str, path: str):

@@ -32,6 +32,8 @@ EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", 
           "added_tokens.json")
 #: Sub-configs of a multimodal checkpoint's other towers: only its text part would be written.
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config")
+#: The setting of a tied output head, which a multimodal composite keeps at its top level.
+TIE = "tie_word_embeddings"
 #: Keys of config.json that ask for code stored outside the installed library.
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
 #: The twin's sizes: per-head width, vocabulary, layers (at least; a per-layer pattern keeps one period).
@@ -282,6 +284,9 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
     text_key = next((k for k in (getattr(whole, "sub_configs", None) or {}) if getattr(whole, k, None) is text),
                     "text_config")
     text_dict = {k: v for k, v in text.to_dict().items() if k != "transformers_version"}
+    tie = getattr(whole, TIE, None)
+    if TIE not in text_dict and isinstance(tie, bool):  # the composite's setting, which its text model computes with
+        text_dict[TIE] = tie
     small = dict(config)
     small[text_key] = port_shrink(FORMAT, text_dict)
     for k in MULTIMODAL_KEYS:
@@ -289,19 +294,23 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
             try:
                 small[k] = port_shrink(FORMAT, config[k])
             except ConversionError:
-                pass  # kept as it is: a tower without heads to shrink by
+                small[k] = dict(config[k])  # kept as it is: a tower without heads to shrink by
+            _to_text_width(config[k], small[k], text_dict.get("hidden_size"), small[text_key].get("hidden_size"))
     small.pop("quantization_config", None)
     try:
         with _quiet(), tempfile.TemporaryDirectory(prefix="dense-bridge-text-part-") as tmp:
-            a = transformers.AutoModelForCausalLM.from_config(_config(small), dtype=torch.float32).eval()
+            a = _auto(small).from_config(_config(small), dtype=torch.float32).eval()
             _randomize(a, seed=0)
-            b = transformers.AutoModelForCausalLM.from_config(_config(small[text_key]), dtype=torch.float32).eval()
-            b.get_decoder().load_state_dict(a.get_decoder().state_dict())
-            head_a, head_b = a.get_output_embeddings(), b.get_output_embeddings()
-            if head_b is not None and head_a is not None and head_b.weight is not b.get_input_embeddings().weight:
-                with torch.no_grad():
-                    head_b.weight.copy_(head_a.weight)
             saved_a = _saved(a, os.path.join(tmp, "whole"))
+            if _composite(small[text_key]) is not None:  # no text model of its own: the whole one's text part
+                b = _text_view(a)
+            else:
+                b = transformers.AutoModelForCausalLM.from_config(_config(small[text_key]), dtype=torch.float32).eval()
+                b.get_decoder().load_state_dict(a.get_decoder().state_dict())
+                head_a, head_b = a.get_output_embeddings(), b.get_output_embeddings()
+                if head_b is not None and head_a is not None and head_b.weight is not b.get_input_embeddings().weight:
+                    with torch.no_grad():
+                        head_b.weight.copy_(head_a.weight)
             saved_b = _saved(b, os.path.join(tmp, "text"))
     except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
         raise ConversionError(f"{path}: transformers cannot build the text model of this {config.get('model_type')!r} "
@@ -329,6 +338,26 @@ def _text_part(path: str, config: dict, weights: dict[str, str]) -> tuple[dict, 
         else:
             dropped.append(key)
     return text_dict, file_keys, sorted(dropped)
+
+
+def port_complete_config(fmt: str, config: dict, shapes: dict) -> dict:
+    """``config`` as it is, where transformers can load a directory written for it; ConversionError
+    for a text sub-config transformers builds only inside a multimodal composite (:func:`_composite`):
+    its loader would want the composite's other towers (a vision encoder), which the source does not
+    hold, and a directory without them is no model ``from_pretrained`` reads."""
+    found = _composite(config)
+    if found is None:
+        return config
+    whole_cls, key = found
+    transformers = _transformers()
+    towers = sorted(k for k in (getattr(whole_cls, "sub_configs", None) or {}) if k != key)
+    model = transformers.AutoModelForImageTextToText._model_mapping[whole_cls].__name__
+    raise ConversionError(f"transformers {transformers.__version__} builds the text model {config.get('model_type')!r} "
+                          f"only inside {model} (model_type {whole_cls.model_type!r}), whose checkpoint also holds the "
+                          f"other towers ({', '.join(towers)}), which this source does not have: what would be "
+                          "written is no model transformers loads (nothing was written). Port the original "
+                          "multimodal transformers checkpoint, or keep the text model in a library that builds it "
+                          "alone")
 
 
 def port_common_config(fmt: str, config: dict) -> dict:
@@ -441,6 +470,30 @@ def _per_head_widths(config: dict, per_head: int, exact: str | None = None) -> N
             _keep_products(config, k, v, config[k])
 
 
+def _rope_sections(config: dict, per_head: int) -> None:
+    """Lists of positive ints inside the rope settings (``rope_*`` dicts) that split the rotary
+    frequencies of a head (summing to half the head width ``per_head``, or to all of it: the
+    sections of a multimodal rope) split the twin's head the same way, in proportion (largest
+    remainders), in place."""
+    for k, v in list(config.items()):
+        if not (k.startswith("rope") and isinstance(v, dict)):
+            continue
+        new = dict(v)
+        for name, parts in v.items():
+            if not (isinstance(parts, list) and parts and all(isinstance(i, int) and not isinstance(i, bool) and i > 0
+                                                                for i in parts)):
+                continue
+            if sum(parts) not in (per_head // 2, per_head):
+                continue
+            total = TWIN_HEAD_DIM * sum(parts) // per_head
+            exact = [p * total / sum(parts) for p in parts]
+            got = [int(x) for x in exact]
+            for i in sorted(range(len(parts)), key=lambda i: -(exact[i] - got[i]))[:total - sum(got)]:
+                got[i] += 1
+            new[name] = got
+        config[k] = new
+
+
 def _keep_products(config: dict, key: str, before: int, after: int) -> None:
     """A width of ``key``'s family (``mamba_d_ssm`` beside ``mamba_d_head``) that was the head
     width ``before`` times the family's head count (``mamba_n_heads``) becomes ``after`` times it:
@@ -513,6 +566,7 @@ def port_shrink(fmt: str, common: dict) -> dict:
     per_head = head_dim if isinstance(head_dim, int) else hidden // heads if heads and hidden % heads == 0 else None
     if per_head:
         _per_head_widths(out, per_head)
+        _rope_sections(out, per_head)
     for k, v in list(out.items()):  # low-rank latent widths
         if k.endswith("_lora_rank") and isinstance(v, int) and not isinstance(v, bool) and v > 4 * TWIN_HEAD_DIM:
             out[k] = 4 * TWIN_HEAD_DIM
@@ -611,14 +665,117 @@ def _randomize(model, seed: int) -> None:
 
 def _auto(config: dict):
     """transformers' auto class for ``config``: a sequence classifier where its ``architectures``
-    names one (transformers' own mapping says which), else a causal language model."""
+    names one (transformers' own mapping says which), a causal language model where transformers
+    maps the config class to one, else its image-text-to-text model where it maps it there (a
+    multimodal checkpoint's whole model, or a text model transformers files only there)."""
     transformers = _transformers()
     from transformers.models.auto import modeling_auto
 
     arch = (config.get("architectures") or [None])[0]
     if arch in set(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()):
         return transformers.AutoModelForSequenceClassification
+    try:
+        cls = _config_class(config)
+    except ConversionError:
+        return transformers.AutoModelForCausalLM  # refused by name where it is built
+    if cls not in transformers.AutoModelForCausalLM._model_mapping \
+            and cls in transformers.AutoModelForImageTextToText._model_mapping:
+        return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
+
+
+def _composite(config: dict):
+    """For a text sub-config that transformers builds no model of its own for (no causal language
+    model, no image-text-to-text model maps its class): (the composite config class of the same
+    model family that holds it as a sub-config and has an image-text-to-text model, the sub-config's
+    key), else None."""
+    transformers = _transformers()
+    try:
+        cls = _config_class(config)
+    except ConversionError:
+        return None
+    mapped = (transformers.AutoModelForCausalLM._model_mapping, transformers.AutoModelForImageTextToText._model_mapping)
+    if any(cls in m for m in mapped):
+        return None
+    family = cls.__module__.rsplit(".", 1)[0]
+    for whole in dict.fromkeys(transformers.CONFIG_MAPPING.values()):
+        if whole.__module__.rsplit(".", 1)[0] != family or whole not in mapped[1]:
+            continue
+        for key, sub in (getattr(whole, "sub_configs", None) or {}).items():
+            if sub is cls:
+                return whole, key
+    return None
+
+
+def _towers_shrunk(whole_cls, text_key: str, text: dict) -> dict:
+    """The composite ``whole_cls``'s config dict with ``text`` as its text sub-config and every other
+    sub-config its class default shrunk (kept as it is where it has no heads to shrink by)."""
+    out = {text_key: text}
+    if isinstance(text.get(TIE), bool):  # the composite ties its text model's head by its own setting
+        out[TIE] = text[TIE]
+    default = whole_cls()
+    width = getattr(getattr(default, text_key, None), "hidden_size", None)
+    for key in getattr(whole_cls, "sub_configs", None) or {}:
+        sub = getattr(default, key, None)
+        if key == text_key or sub is None or not hasattr(sub, "to_dict"):
+            continue
+        d = _plain_floats(sub.to_dict())
+        d.pop("transformers_version", None)
+        try:
+            out[key] = port_shrink(FORMAT, d)
+        except ConversionError:
+            out[key] = dict(d)
+        _to_text_width(d, out[key], width, text.get("hidden_size"))
+    return out
+
+
+def _to_text_width(tower: dict, small: dict, before, after) -> None:
+    """A tower's width that is the text model's (``before``: its output projected onto the text
+    embeddings) and that the tower's own shrink left as it was, set to the shrunk text width
+    ``after`` in ``small`` (in place): a composite may require the two to match."""
+    if not isinstance(before, int) or not isinstance(after, int):
+        return
+    for k, v in tower.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v == before and small.get(k) == v:
+            small[k] = after
+
+
+def _text_view(model):
+    """``model`` (a multimodal model, built or loaded whole) with every submodule that holds none of
+    its text model's parameters (those of ``get_decoder()`` and the output head) replaced by an empty
+    module: the text model transformers builds only inside its composite, its state keyed as the
+    composite stores it. A forward on token ids never reaches the modules emptied (the other
+    towers run on the other modalities' inputs). Returns ``model``, changed in place."""
+    import torch
+
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    keep = {id(p) for p in decoder.parameters()} | ({id(p) for p in head.parameters()} if head is not None else set())
+
+    def strip(module):
+        for name, child in list(module.named_children()):
+            params = list(child.parameters())
+            if params and not any(id(p) in keep for p in params):
+                setattr(module, name, torch.nn.Module())
+            elif params:
+                strip(child)
+    strip(model)
+    return model
+
+
+def _build(config: dict, dtype=None):
+    """transformers' model for ``config`` built from the config (``from_config``): its auto class's
+    (:func:`_auto`), or for a text sub-config transformers builds only inside a composite
+    (:func:`_composite`), that composite with the other towers tiny, seen as its text model
+    (:func:`_text_view`). ValueError where transformers has neither."""
+    transformers = _transformers()
+    kw = {} if dtype is None else {"dtype": dtype}
+    found = _composite(config)
+    if found is None:
+        return _auto(config).from_config(_config(config), **kw)
+    whole_cls, key = found
+    text = {k: v for k, v in _plain_floats(config).items() if k != "transformers_version"}
+    whole = whole_cls(**_towers_shrunk(whole_cls, key, text))
+    return _text_view(transformers.AutoModelForImageTextToText.from_config(whole, **kw))
 
 
 def port_twin(fmt: str, config: dict, seed: int = 0):
@@ -627,10 +784,9 @@ def port_twin(fmt: str, config: dict, seed: int = 0):
     transformers = _transformers()
     import torch
 
-    cfg = _config(config)
     try:
         with _quiet():
-            model = _auto(config).from_config(cfg, dtype=torch.float32)
+            model = _build(config, dtype=torch.float32)
     except ValueError as exc:
         raise ConversionError(f"transformers {transformers.__version__} has no causal language model for "
                               f"model_type {config.get('model_type')!r}: {str(exc).splitlines()[0][:300]}") from None
@@ -652,9 +808,8 @@ def port_shapes(fmt: str, config: dict) -> dict[str, tuple[int, ...]]:
     transformers = _transformers()
     import torch
 
-    cfg = _config(config)
     with torch.device("meta"), _quiet():
-        model = _auto(config).from_config(cfg)
+        model = _build(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -689,6 +844,8 @@ def port_load(fmt: str, path: str, text_only: bool = False):
         whole = _auto(read_json_file(os.path.join(path, CONFIG), "transformers config")).from_pretrained(path).eval()
         if not text_only:
             return whole
+        if _composite(whole.config.get_text_config().to_dict()) is not None:  # no text model of its own
+            return _text_view(whole)
         text = transformers.AutoModelForCausalLM.from_config(whole.config.get_text_config(), dtype=whole.dtype)
     text.get_decoder().load_state_dict(whole.get_decoder().state_dict())
     head_w, head_t = whole.get_output_embeddings(), text.get_output_embeddings()
