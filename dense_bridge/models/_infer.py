@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _pair_banks
 from . import _plan as _mapping
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
@@ -915,6 +916,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     run_b = _record(dst_model, b, in_b, taken_b)
     for run, side in ((run_a, a), (run_b, b)):
         _drop_adapter_parts(run, side)
+    _pair_banks.pair_banks(run_a, run_b, a, b, plan)  # per-expert linear layers against one stored parameter
     _pair_unseen(run_a, run_b, plan)
     lone: list = []
     extras: list = []

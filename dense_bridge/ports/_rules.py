@@ -401,6 +401,13 @@ def _made(name, d, src, where, wide, candidates, t):
                 continue
         else:
             raise exc from None
+    from . import _flat_stacks  # expert matrices flattened into one tensor on one side
+    flat = _flat_stacks.recipes(name, d, src, axis, found) if view is None else None
+    if flat is not None:
+        kept = [r for r in candidates.get(t, flat) if r in flat]
+        if kept:
+            candidates[t] = kept
+            return None
     if axis is not None and len(found) > 1 and not all(f[4] for f in found):
         raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({f[0] for f in found})}: "
                               "an interleaving other than per head (nothing was written)")
@@ -613,9 +620,13 @@ def _new_axis_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recip
     """The move of a stack or pick recipe for the real destination tensor ``key``."""
     p = recipe.pieces[0]
     if recipe.stack:
-        count = shape[recipe.axis] if recipe.axis < len(shape) else 0
-        inner = shape[:recipe.axis] + shape[recipe.axis + 1:]
-        move = Move(key, shape, recipe.axis, stack=True)
+        view = recipe.view
+        if view == HEADS:  # stacked, then flattened: as many as the real sources hold
+            view = f"{HEADS}{_count(p.source, idx, recipe.vary, real_src)}"
+        made = shape if view is None else view_shape(shape, view)
+        count = made[recipe.axis] if recipe.axis < len(made) else 0
+        inner = made[:recipe.axis] + made[recipe.axis + 1:]
+        move = Move(key, shape, recipe.axis, stack=True, view=view)
         for e in range(count):
             s_key = fill(p.source, idx[:recipe.vary] + (e,) + idx[recipe.vary:])
             if s_key not in real_src:
@@ -630,17 +641,49 @@ def _new_axis_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recip
         return move
     s_key = fill(p.source, tuple(i for k, i in enumerate(idx) if k != recipe.vary))
     entry = idx[recipe.vary]
+    s_key, k = split_view(s_key)
     if s_key not in real_src:
         problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
         return None
     s_shape = real_src[s_key]
+    if k == HEADS:  # one entry of a flattened stack: as many entries as the real tensor's rows hold
+        rows = _shape_of(shape, p.transpose)[0] if shape else 0
+        if not rows or s_shape[0] % rows:
+            problems.append(f"destination tensor {key!r} {shape} as one entry of {s_key!r} {s_shape}: its rows "
+                            f"do not divide the source's")
+            return None
+        used.add(s_key)
+        k = f"{HEADS}{s_shape[0] // rows}"
+        s_shape = view_shape(s_shape, k)
+        s_key = f"{s_key}{VIEW}{k}"
+    else:
+        used.add(s_key)
     inner = tuple(x for k, x in enumerate(s_shape) if k != recipe.axis)
     if entry >= s_shape[recipe.axis] or _shape_of(inner, p.transpose) != shape:
         problems.append(f"destination tensor {key!r} {shape} as entry {entry} of {s_key!r} {s_shape} along axis "
                         f"{recipe.axis}: shapes disagree")
         return None
-    used.add(s_key)
     return Move(key, shape, recipe.axis, [(s_key, p.transpose, entry, entry + 1)], pick=True)
+
+
+def _count(source: str, idx: tuple[int, ...], vary: int, real_src: dict[str, tuple[int, ...]]) -> int:
+    """How many real source tensors of template ``source`` there are for the destination's indices
+    ``idx``, their index at position ``vary`` running 0, 1, ..."""
+    n = 0
+    while fill(source, idx[:vary] + (n,) + idx[vary:]) in real_src:
+        n += 1
+    return n
+
+
+def _shared_indices(src, dst) -> int | None:
+    """The number of leading indices every path of one rule has, where its paths differ in how many
+    they have (None where they agree: every index generalises)."""
+    srcs = [src] if isinstance(src, str) else list(src)
+    to = dst.get("to") if isinstance(dst, dict) else dst[0] if isinstance(dst, tuple) else dst
+    dsts = [to] if isinstance(to, str) else list(to)
+    counts = {len(re.findall(r"(?<=\\\.)\d+(?=\\\.|$)", p)) for p in srcs} | \
+        {len(re.findall(r"(?<=\.)\d+(?=\.|$)", p)) for p in dsts}
+    return min(counts) if len(counts) > 1 else None
 
 
 def generalise_layer_rules(rules: list) -> list:
@@ -648,20 +691,24 @@ def generalise_layer_rules(rules: list) -> list:
     ``layers\\.(\\d+)\\.`` and ``\\1`` in the target), duplicates dropped: rules for the full models."""
     out, seen = [], set()
     for src, dst in rules:
+        # a move between a bank of experts and one stored parameter: the expert index (the
+        # indices one side has more) stays as it is, the block's index generalises
+        keep = _shared_indices(src, dst)
+
         def pat(p):
             n = [0]
 
-            def sub(_m):
+            def sub(m):
                 n[0] += 1
-                return r"(\d+)"
+                return r"(\d+)" if keep is None or n[0] <= keep else m.group()
             return re.sub(r"(?<=\\\.)\d+(?=\\\.|$)", sub, p), n[0]
 
         def tgt(t):
             n = [0]
 
-            def sub(_m):
+            def sub(m):
                 n[0] += 1
-                return f"\\{n[0]}"
+                return f"\\{n[0]}" if keep is None or n[0] <= keep else m.group()
             return re.sub(r"(?<=\.)\d+(?=\.|$)", sub, t)
 
         if isinstance(src, (list, tuple)) and not isinstance(src, str):
