@@ -369,7 +369,7 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
     if not shapes:
         return out
     if not (guess or switches):
-        return _refine_defaults(out, args_class, shapes)
+        return _composite_if_it_fits_better(_refine_defaults(out, args_class, shapes), shapes)
     layers = _layer_count(out)
     if switches and layers:
         out.update({f.name: [False] * layers for f in switches})  # every switch off, then turned on layer by layer below
@@ -418,7 +418,15 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
             s = _fit({**out, f.name: trial}, shapes)
             if s is not None and s < score:
                 out[f.name], score = trial, s
-    return _refine_defaults(out, args_class, shapes)
+    return _composite_if_it_fits_better(_refine_defaults(out, args_class, shapes), shapes)
+
+
+def _composite_if_it_fits_better(config: dict, shapes: dict) -> dict:
+    """``config``, or its composite form where mlx-lm's composite holds the weights and its text-only
+    model does not (``_composite_fit``)."""
+    from ._composite_fit import composite_if_it_fits_better
+
+    return composite_if_it_fits_better(config, shapes, TEXT_SUFFIX, _implements, _build)
 
 
 def _refine_defaults(config: dict, args_class, shapes: dict) -> dict:
