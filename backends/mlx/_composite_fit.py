@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["composite_if_it_fits_better"]
+__all__ = ["composite_if_it_fits_better", "as_composite"]
 
 
 def _count(model) -> int | None:
@@ -76,3 +76,12 @@ def composite_if_it_fits_better(config: dict, shapes: dict[str, tuple[int, ...]]
     if other is None or (own is not None and abs(own - want) <= abs(other - want)):
         return config
     return composite
+
+
+def as_composite(config: dict, suffix: str) -> dict:
+    """``config`` of a ``"<name><suffix>"`` text model as its composite's config (itself where it is
+    no such text model)."""
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or not kind.endswith(suffix):
+        return config
+    return {"model_type": kind[:-len(suffix)], "text_config": dict(config)}

@@ -421,6 +421,16 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
     return _composite_if_it_fits_better(_refine_defaults(out, args_class, shapes), shapes)
 
 
+def port_source_form(fmt: str, config: dict, real: dict, stored: dict[str, tuple[int, ...]]) -> dict:
+    """The twin's ``config`` (as :func:`port_own_config` wrote it) in the form the source directory's
+    own config takes: a text model whose real config ``real`` mlx-lm's composite holds the weights
+    ``stored`` of (and its text-only model does not) is built as that composite (``_composite_fit``)."""
+    from ._composite_fit import as_composite
+
+    chosen = _composite_if_it_fits_better(real, stored)
+    return config if chosen is real else as_composite(config, TEXT_SUFFIX)
+
+
 def _composite_if_it_fits_better(config: dict, shapes: dict) -> dict:
     """``config``, or its composite form where mlx-lm's composite holds the weights and its text-only
     model does not (``_composite_fit``)."""

@@ -57,6 +57,7 @@ import numpy as np
 
 from . import _pair_banks
 from . import _plan as _mapping
+from . import _structure
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
 from ._inputs import model_inputs
@@ -958,7 +959,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     _mapping.record_ties(a, plan)
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
-    hint = _head_hint(run_a, run_b, left_a, left_b)
+    hint = _head_hint(run_a, run_b, left_a, left_b) or _structure.different_blocks(
+        a, b, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled)  # layers no mapping makes alike
     return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
 
 
