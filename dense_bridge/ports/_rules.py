@@ -401,8 +401,7 @@ def _made(name, d, src, where, wide, candidates, t):
                 continue
         else:
             raise exc from None
-    from . import _flat_stacks  # expert matrices flattened into one tensor on one side
-    flat = _flat_stacks.recipes(name, d, src, axis, found) if view is None else None
+    flat = flat_stack_recipes(name, d, src, axis, found) if view is None else None  # experts flattened on one side
     if flat is not None:
         kept = [r for r in candidates.get(t, flat) if r in flat]
         if kept:
@@ -727,3 +726,82 @@ def generalise_layer_rules(rules: list) -> list:
             seen.add(key)
             out.append((new_src, new_dst))
     return out
+
+
+# ----------------------------------------------------------------------------- flattened expert stacks
+# One library may save every expert's matrix of one projection as ONE tensor (E * F, H) (expert
+# 0's (F, H) rows, then expert 1's, ...) where the other saves one tensor per expert, (F, H) or its
+# transpose. Matched by value, the per-expert tensor is a run of rows of the flattened one whose
+# start moves with the expert index, which no recipe of fixed slices generalises; seen through the
+# per-head view (HEADS: (E * F, H) as (E, F, H)) it is one entry along the new axis 0 (a pick), and
+# the flattened tensor is the per-expert tensors stacked along a new axis 0, the view undone (a
+# stack). The count E is left to the real checkpoint's tensors ("|h" without a number), so the
+# twin's few experts give the recipe for any number of them.
+
+
+def flat_stack_recipes(name: str, d, src: dict, axis: int | None, found: list) -> list | None:
+    """The pick or stack recipes (several where the indices agree by chance: layer 0's expert 0)
+    that make the destination twin's tensor ``name`` from the pieces ``found`` along ``axis``
+    (:func:`_match`), when they show a flattened expert stack; None otherwise.
+
+    Args:
+        name: the destination file key; ``d``: its float32 array (2-D).
+        src: the source twin's file key -> array.
+        axis, found: what ``_match`` found: pieces ``(source, transpose, start, stop, whole)``
+            concatenated along ``axis`` make ``d``.
+
+    Returns:
+        A list of :class:`Recipe` (``pick`` or ``stack`` with the view
+        ``"h"``), or None.
+    """
+    if axis is None or getattr(d, "ndim", 0) != 2 or not found:
+        return None
+    t, idx = template(name)
+    if len(found) == 1 and not found[0][4]:
+        return _flat_pick(t, idx, d, src, axis, found[0])
+    if len(found) >= 2 and all(f[4] for f in found) and axis == 0:
+        return _flat_stack(t, idx, d, src, found)
+    return None
+
+
+def _flat_pick(t: str, idx: tuple, d, src: dict, axis: int, piece) -> list | None:
+    """``d`` as entry e of a source (E * r, c) seen as (E, r, c), its two axes exchanged when the
+    piece is transposed: the run [e * r, (e + 1) * r) of the source's rows."""
+    s_name, transpose, start, stop, _ = piece
+    s = src[s_name]
+    if s.ndim != 2:
+        return None
+    stored = (1 - axis) if transpose else axis
+    length = stop - start
+    if stored != 0 or length <= 0 or s.shape[0] % length or start % length or s.shape[0] // length < 2:
+        return None
+    entry = start // length
+    st, s_idx = template(s_name)
+    out = [Recipe(t, 0, (Piece(f"{st}{VIEW}{HEADS}", transpose, 0, 0, True),),
+                         pick=True, vary=k)
+           for k in range(len(idx)) if idx[k] == entry and idx[:k] + idx[k + 1:] == s_idx]
+    return out or None
+
+
+def _flat_stack(t: str, idx: tuple, d, src: dict, found: list) -> list | None:
+    """``d`` (E * r, c) as E whole sources of one template, one per value 0 .. E-1 of one of its
+    indices, each (r, c) (or (c, r) transposed), stacked along a new axis 0 and flattened."""
+    names = [f[0] for f in found]
+    transposes = {f[1] for f in found}
+    templates = {template(n)[0] for n in names}
+    if len(transposes) != 1 or len(templates) != 1 or d.shape[0] % len(found):
+        return None
+    shapes = {_shape_of(src[n].shape, found[0][1]) for n in names}
+    if shapes != {(d.shape[0] // len(found), d.shape[1])}:
+        return None
+    indices = [template(n)[1] for n in names]
+    varying = [k for k in range(len(indices[0])) if len({i[k] for i in indices}) > 1]
+    if len(varying) != 1 or [i[varying[0]] for i in indices] != list(range(len(found))):
+        return None
+    vary = varying[0]
+    if tuple(i for k, i in enumerate(indices[0]) if k != vary) != idx:
+        return None
+    st = templates.pop()
+    return [Recipe(t, 0, (Piece(st, found[0][1], 0, 0, True),), view=HEADS, stack=True,
+                         vary=vary)]
+
