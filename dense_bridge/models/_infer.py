@@ -959,8 +959,13 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     _mapping.record_ties(a, plan)
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
-    hint = _head_hint(run_a, run_b, left_a, left_b) or _structure.different_blocks(
-        a, b, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled)  # layers no mapping makes alike
+    hint = _head_hint(run_a, run_b, left_a, left_b)
+    different = "" if hint else _structure.different_blocks(a, b, names(left_a) + run_a.uncalled,
+                                                             names(left_b) + run_b.uncalled)
+    if different and plan.problems:  # layers no mapping makes alike: the cause, before what it shows up as
+        plan.problems.insert(0, different)
+    elif different:  # only layers left unpaired (strict=False may leave them): said beside them
+        hint = different
     return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
 
 

@@ -62,9 +62,8 @@ def different_blocks(a, b, left_a: list[str], left_b: list[str]) -> str:
             continue
         only_a = [p for p in left_a if _first_number(p) == n][:4]
         only_b = [p for p in left_b if _first_number(p) == n][:4]
-        return (f"the layers numbered {n} hold {wa[0]} weights in src and {wb[0]} in dst: no mapping (every rule "
-                f"rearranges weights, none adds or drops one) makes one from the other, so the two libraries build "
-                f"different layers there for this config (src's {only_a} against dst's {only_b}); the destination "
-                f"library's model for it implements another variant of the architecture, which this model cannot "
-                f"be carried into")
+        return (f"the two libraries build different layers numbered {n} for this config ({wa[0]} weights in src, "
+                f"{wb[0]} in dst; no mapping adds or drops a weight): the destination library's model implements "
+                f"another variant of the architecture, which this model cannot be carried into (src's {only_a} "
+                f"against dst's {only_b})")
     return ""

@@ -72,5 +72,5 @@ def test_blocks_holding_different_numbers_of_weights_are_named_as_no_mapping_can
     text = str(err.value)
     attn = 32 * 32 * 2 + 2 * 32 * 16  # q and o; k and v (2 key-value heads of 8: 16 wide)
     want_src, want_dst = attn + 3 * 32 * 64 + 2 * 32, attn + 3 * 32 * 48 + 2 * 32
-    assert f"the layers numbered 0 hold {want_src} weights in src and {want_dst} in dst" in text, text
-    assert "different layers" in text
+    assert f"different layers numbered 0 for this config ({want_src} weights in src, {want_dst} in dst" in text, text
+    assert text.index("different layers numbered 0") < text.index("differ in structure")  # the cause first
