@@ -108,6 +108,13 @@ def _fit(bank: _Bank, shape: tuple[int, ...]) -> tuple[bool, bool] | None:
     return None
 
 
+def _name(path: str) -> str:
+    """A parameter's own name, or its layer's where the parameter is the layer's matrix
+    (``experts.gate_proj.weight``: ``gate_proj``)."""
+    parts = re.split(r"[./]", path)
+    return parts[-2] if len(parts) > 1 and parts[-1] in ("weight", "kernel") else parts[-1]
+
+
 def _choose(bank: _Bank, fits: list[tuple[str, tuple[bool, bool]]]) -> tuple[str, tuple[bool, bool]] | None:
     """The parameter that holds the bank among those whose shapes fit: the one named as the
     bank's projection (``w1`` for ``experts.<e>.w1``), else the one sharing the most words with
@@ -115,7 +122,7 @@ def _choose(bank: _Bank, fits: list[tuple[str, tuple[bool, bool]]]) -> tuple[str
     if not fits:
         return None
     own = re.split(r"[./]", bank.rest.strip("./"))[-1] if bank.rest.strip("./") else ""
-    named = [f for f in fits if own and re.split(r"[./]", f[0])[-1] == own]
+    named = [f for f in fits if own and _name(f[0]) == own]
     if len(named) == 1:
         return named[0]
     words = _words(bank.prefix + bank.rest)
@@ -163,27 +170,17 @@ def pair_banks(run_a, run_b, a, b, plan: _mapping.Plan) -> None:
             if chosen is None:
                 continue
             p, (stacked, swap) = chosen
-            if stacked and not _STACKS:
-                continue
             holder = next(h for q, _, h in fits if q == p)
             taken.setdefault(id(holder), set()).add(p)
             members = bank.params()
             if mine is run_a:  # the bank's matrices joined into the one parameter
-                move = _mapping.AxisMove(members, (p,), 0, swap, rule="auto", **_stack(stacked))
+                move = _mapping.AxisMove(members, (p,), 0, swap, rule="auto", stack=stacked)
             else:  # the one parameter cut into the bank's matrices (exchanged first when swap)
                 axis = 0 if stacked or not swap else 1
-                move = _mapping.AxisMove((p,), members, axis, swap, rule="auto", **_stack(stacked))
+                move = _mapping.AxisMove((p,), members, axis, swap, rule="auto", stack=stacked)
             plan.axis_moves.append(move)
             _remove(mine, bank.members)
         _drop_taken(theirs, taken)
-
-
-#: whether the rule language moves along a new axis (``AxisMove.stack``)
-_STACKS = "stack" in {f.name for f in dataclasses.fields(_mapping.AxisMove)}
-
-
-def _stack(stacked: bool) -> dict:
-    return {"stack": True} if stacked else {}
 
 
 def _remove(run, members: list) -> None:

@@ -145,3 +145,74 @@ def test_port_recipes_pick_from_and_stack_into_a_flattened_expert_tensor(transpo
         assert got.keys() == dst_r.keys()
         for k in dst_r:
             np.testing.assert_array_equal(got[k], dst_r[k], err_msg=k)
+
+
+def _mlx_moe(stacked: bool, seed: int):
+    """A one-block mlx model whose experts are a bank of mlx-lm's MLPs (one ``gate_proj``,
+    ``up_proj``, ``down_proj`` linear layer each) or one mlx-lm ``SwitchGLU`` (three (experts, ., .)
+    stacks), routed alike: softmax over the router's top-2 logits."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.llama4_text import MLP
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(H, EXPERTS, bias=False)
+            if stacked:
+                self.experts = SwitchGLU(H, FF, EXPERTS)
+            else:
+                self.experts = [MLP(H, FF) for _ in range(EXPERTS)]
+
+        def __call__(self, x):
+            logits = self.router(x)
+            inds = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+            scores = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1)
+            if stacked:
+                return (self.experts(x, inds) * scores[..., None]).sum(axis=-2)
+            flat, fs, fi = x.reshape(-1, H), scores.reshape(-1, 2), inds.reshape(-1, 2).tolist()
+            out = [sum(self.experts[e](xt) * st[k] for k, e in enumerate(it)) for xt, st, it in zip(flat, fs, fi)]
+            return mx.stack(out).reshape(x.shape)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(V, H)
+            self.layers = [Block()]
+            self.head = nn.Linear(H, V, bias=False)
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return self.head(x)
+
+    mx.random.seed(seed)
+    net = Net()
+    mx.eval(net.parameters())
+    return net
+
+
+def test_a_bank_of_per_expert_linear_layers_pairs_with_expert_stacks_along_a_new_axis():
+    """A bank against ``SwitchGLU``'s (experts, ffn, hidden) stacks: stacked along a new axis 0 and
+    unstacked back (``{"to", "axis": 0, "stack": True}``), bit for bit, the rules reusable as they are."""
+    _mlx_lm()
+    bank, stack = _mlx_moe(False, 0), _mlx_moe(True, 1)
+    report = db.transfer(bank, stack, mapping="auto", inputs=[IDS])
+    assert "verified" in report.verification and "NOT" not in report.verification
+    moves = [r for r in report.rules if isinstance(r[1], dict) and r[1].get("stack")]
+    assert len(moves) == 3 and all(r[1]["axis"] == 0 and not r[1].get("swap") for r in moves), report.rules
+    got = _mlx_params(stack)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        want = np.stack([_mlx_params(bank)[f"layers.0.experts.{e}.{name}.weight"] for e in range(EXPERTS)])
+        np.testing.assert_array_equal(got[f"layers.0.experts.{name}.weight"], want, err_msg=name)
+    back = _mlx_moe(False, 2)
+    db.transfer(stack, back, mapping="auto", inputs=[IDS])
+    a, b = _mlx_params(back), _mlx_params(bank)
+    for k in b:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    again = _mlx_moe(True, 3)
+    db.transfer(bank, again, mapping=json.loads(json.dumps(report.rules)))  # the rules as plain data
+    for k, v in got.items():
+        np.testing.assert_array_equal(_mlx_params(again)[k], v, err_msg=k)
