@@ -216,3 +216,10 @@ def test_a_bank_of_per_expert_linear_layers_pairs_with_expert_stacks_along_a_new
     db.transfer(bank, again, mapping=json.loads(json.dumps(report.rules)))  # the rules as plain data
     for k, v in got.items():
         np.testing.assert_array_equal(_mlx_params(again)[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("bad", [{"to": "x", "axis": 0, "stack": "yes"}, {"to": "x", "axis": None, "stack": True}])
+def test_a_stack_rule_that_is_not_one_is_refused_naming_it(bad):
+    with pytest.raises(TypeError, match="'stack' must be a bool") as err:
+        db.auto({"a.weight": bad})
+    assert repr(bad["stack"]) in str(err.value)
