@@ -68,7 +68,7 @@ from ._quant_files import model_dir_layers, quant_file_layers, quant_file_templa
 
 from ._parallel import (ColumnDense, RowDense, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace)
 
-from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_quantize, port_parse_quantize, port_recompute_codes, port_complete_config, port_as_loaded)  # noqa: E501  model directories (db.port)
+from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_quantize, port_parse_quantize, port_recompute_codes, port_complete_config, port_as_loaded, port_source_form)  # noqa: E501  model directories (db.port)
 __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "attach_lora", "detach_lora", "lora_quantized",
            "lora_dequantize", "lora_requantize", "replace_lora",
            "DenseLinear", "LazyDenseLinear", "Flatten", "ExactActivation", "ColumnDense", "RowDense",
@@ -79,7 +79,7 @@ __all__ = ["lora_base", "lora_dora", "read_lora", "write_lora", "lora_heads", "a
            "quant_file_layers", "quant_file_template", "model_dir_layers"]
 from ._port_quant import port_keep_codes  # noqa: E402  keep_codes=True: the source's codes in mlx-lm's layout
 __all__ += ["port_keep_codes"]
-__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_quantize", "port_parse_quantize", "port_recompute_codes", "port_complete_config", "port_as_loaded"]
+__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_quantize", "port_parse_quantize", "port_recompute_codes", "port_complete_config", "port_as_loaded", "port_source_form"]
 
 
 def owns(obj) -> bool:

@@ -384,7 +384,11 @@ class Execution:
             v = np.asarray(self.a.native(s)[ns])
             values.append(np.swapaxes(v, -1, -2) if am.swap and v.ndim >= 2 else v)
         dsts = [self.b.params[p] for p in am.dst]
-        if am.axis is None:
+        if am.stack:  # along a new axis: several stacked into one, or one unstacked into several
+            pieces = self._stacked(am, values, dsts, names)
+            if pieces is None:
+                return
+        elif am.axis is None:
             if len(values) != 1 or len(dsts) != 1:
                 self.problems.append(f"{names}: several parameters on one side need an axis to join or split along")
                 return
@@ -414,9 +418,26 @@ class Execution:
                 dst_dtype = np.asarray(self.b.native(d)[nd]).dtype
                 piece = (np.asarray(piece, np.float64) + am.offset).astype(dst_dtype)
             fitted.append(piece)
-        self._write_pieces(am, dsts, fitted, names, f"parameter along axis {am.axis}"
+        self._write_pieces(am, dsts, fitted, names, f"parameter along {'new ' if am.stack else ''}axis {am.axis}"
                            + (" (last two axes swapped)" if am.swap else "")
                            + (f" plus {am.offset:g}, rounded to the destination's dtype" if am.offset else ""))
+
+    def _stacked(self, am: _mapping.AxisMove, values: list, dsts: list, names: str) -> list | None:
+        """``am.stack``: the source arrays (several) stacked along the new axis ``am.axis`` into the
+        one destination, or the one source's entries along ``am.axis`` (that axis dropped) into the
+        destinations, one each; None (the problem recorded) where the counts or axes do not agree."""
+        if len(values) > 1 and len(dsts) == 1:
+            if am.axis > values[0].ndim or any(v.shape != values[0].shape for v in values):
+                self.problems.append(f"{names}: the src parameters {[tuple(v.shape) for v in values]} do not stack "
+                                     f"along a new axis {am.axis}")
+                return None
+            return [np.stack(values, axis=am.axis)]
+        if len(values) == 1 and len(dsts) > 1 and am.axis < values[0].ndim \
+                and values[0].shape[am.axis] == len(dsts):
+            return [np.take(values[0], i, axis=am.axis) for i in range(len(dsts))]
+        self.problems.append(f"{names}: a stack joins several parameters into one along a new axis or cuts one "
+                             f"into as many as its axis {am.axis} holds ({len(values)} src, {len(dsts)} dst)")
+        return None
 
     def _write_pieces(self, am: _mapping.AxisMove, dsts: list, pieces: list, names: str, how: str) -> None:
         """Check each piece against its dst parameter and queue the writes; nothing is queued for a

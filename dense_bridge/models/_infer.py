@@ -55,7 +55,9 @@ from typing import Any
 
 import numpy as np
 
+from . import _pair_banks
 from . import _plan as _mapping
+from . import _structure
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
 from ._inputs import model_inputs
@@ -915,6 +917,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     run_b = _record(dst_model, b, in_b, taken_b)
     for run, side in ((run_a, a), (run_b, b)):
         _drop_adapter_parts(run, side)
+    _pair_banks.pair_banks(run_a, run_b, a, b, plan)  # per-expert linear layers against one stored parameter
     _pair_unseen(run_a, run_b, plan)
     lone: list = []
     extras: list = []
@@ -957,6 +960,12 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
     hint = _head_hint(run_a, run_b, left_a, left_b)
+    different = "" if hint else _structure.different_blocks(a, b, names(left_a) + run_a.uncalled,
+                                                             names(left_b) + run_b.uncalled)
+    if different and plan.problems:  # layers no mapping makes alike: the cause, before what it shows up as
+        plan.problems.insert(0, different)
+    elif different:  # only layers left unpaired (strict=False may leave them): said beside them
+        hint = different
     return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
 
 

@@ -12,7 +12,8 @@ The forms (``db.transfer`` and ``db.testing.compare_models`` take all of them):
     array: ``fn`` takes the canonical numpy array and returns the destination's;
   - a value ``{"to": <path or list of paths>, "axis": k or None, "swap": bool, "offset": c}`` on
     parameter paths moves stored arrays as they are stored: joined and split along ``axis``
-    (expert stacks), their last two axes exchanged first when ``swap``, ``c`` added to every
+    (expert stacks; with ``"stack": True`` stacked or unstacked along a NEW axis ``axis``: one
+    matrix per expert against one (experts, ...) array), their last two axes exchanged first when ``swap``, ``c`` added to every
     value after (a norm scale stored as ``w`` on one side and ``1 + w`` on the other: ``offset``
     1.0 or -1.0; the sum rounds in the destination's dtype, which the report states);
   - a value ``{"to": <path or list of paths>, "heads": n}`` declares a fused layer whose units
@@ -80,10 +81,12 @@ class Target:
     axis: int | None = None
     swap: bool | tuple[bool, ...] = False  # a tuple: one per part of a move per head
     offset: float = 0.0  # added to every value moved along an axis, after the move
+    #: the pieces stack along a NEW axis ``axis`` (one per expert), or one array unstacks along it
+    stack: bool = False
 
     @property
     def along_axis(self) -> bool:
-        return self.axis is not None or bool(self.swap) or bool(self.offset)
+        return self.axis is not None or bool(self.swap) or bool(self.offset) or self.stack
 
 
 @dataclass
@@ -109,10 +112,15 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     if isinstance(value, dict) and "heads" in value and "axis" in value:
         return _per_head_target(value, where, mapping)
     if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value or "offset" in value):
-        if set(value) - {"to", "axis", "swap", "offset"}:
+        if set(value) - {"to", "axis", "swap", "offset", "stack"}:
             raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
-                            f"'swap': bool, 'offset': number}}; got {value!r}. {received('mapping', mapping)}")
+                            f"'swap': bool, 'offset': number, 'stack': bool}}; got {value!r}. "
+                            f"{received('mapping', mapping)}")
         axis, swap, offset = value.get("axis"), value.get("swap", False), value.get("offset", 0.0)
+        stack = value.get("stack", False)
+        if not isinstance(stack, bool) or (stack and axis is None):
+            raise TypeError(f"{where}: 'stack' must be a bool, and a stack needs the new axis 'axis'; got "
+                            f"stack={stack!r}, axis={axis!r}. {received('mapping', mapping)}")
         if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
             raise TypeError(f"{where}: 'offset' must be a finite number; got {offset!r}. "
                             f"{received('mapping', mapping)}")
@@ -124,7 +132,7 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
         inner = _target(value.get("to"), where, mapping)
         if inner.fn is not None:
             raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
-        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset))
+        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset), stack)
     if isinstance(value, dict):
         if set(value) - {"to", "heads"} or "to" not in value:
             raise TypeError(f"{where}: a dict value must be {{'to': path or [paths], 'heads': n}}; got {value!r}. "
@@ -286,6 +294,10 @@ class AxisMove:
     #: added to every value after the move (a norm's scale stored as ``w`` on one side and as
     #: ``1 + w`` on the other), the sum rounded in the destination's dtype
     offset: float = 0.0
+    #: along a NEW axis ``axis``: the source arrays stacked into the one destination (a bank of
+    #: per-expert matrices into an (experts, rows, cols) stack), or the one source unstacked into
+    #: the destinations, one entry each
+    stack: bool = False
 
     def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
         to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
@@ -297,6 +309,8 @@ class AxisMove:
             out["swap"] = True
         if self.offset:
             out["offset"] = self.offset
+        if self.stack:
+            out["stack"] = True
         return out
 
 
@@ -352,7 +366,7 @@ def _expand(target: Target, match: re.Match | None) -> Target:
     except (re.error, IndexError) as exc:
         raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
                         f"({exc})") from None
-    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset)
+    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset, target.stack)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:
@@ -440,7 +454,7 @@ def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, pla
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
         return
     plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
-                                    target.swap, text, target.heads, target.offset))
+                                    target.swap, text, target.heads, target.offset, target.stack))
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
@@ -561,7 +575,7 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
                                  f"{len(rule.src)} patterns match a src parameter")
             continue
         joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap,
-                        offset=rule.target.offset)
+                        offset=rule.target.offset, stack=rule.target.stack)
         _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 

@@ -44,6 +44,9 @@ Optional verbs, for a destination whose files are not safetensors beside one JSO
 - ``port_as_loaded(fmt, model, names) -> {parameter names}`` (optional): a twin made what its loader
   makes of files holding only the tensors ``names`` (a head it ties when the files hold none), see
   ``ports/_tying.py``; without it twins are as built;
+- ``port_source_form(fmt, config, real, stored) -> config`` (optional): the source twin's ``config`` in
+  the form the source directory's own config ``real`` takes for its weights ``stored`` (a text model
+  its library builds both alone and inside a composite);
 - ``port_write_config(fmt, directory, config, src) -> [names]``: its non-weight files (several
   configs, metadata) written into ``directory`` for ``config``, ``src`` the source directory
   (whose files it may translate, or refuse naming them); without it ``config`` is written as

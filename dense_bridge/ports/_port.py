@@ -182,6 +182,9 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
     src_cfg = src_fmt.port_own_config(small)
+    form = _dirs.optional(src_fmt, "port_source_form")
+    if form is not None and stored:  # the twin built in the form the source's own directory takes
+        src_cfg = form(src_cfg, src_fmt.port_own_config(common), stored)
     dst_cfg = _dirs.complete(dst_fmt, dst_fmt.port_own_config(small), src_fmt.port_shapes(src_cfg))
     a = _tying.source_twin(src_fmt, src_fmt.port_twin(src_cfg, seed=0), src_fmt.port_shapes(src_cfg), stored)
     a = place_for_run(a, device)  # None: the GPU when present

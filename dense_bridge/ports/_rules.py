@@ -401,6 +401,12 @@ def _made(name, d, src, where, wide, candidates, t):
                 continue
         else:
             raise exc from None
+    flat = flat_stack_recipes(name, d, src, axis, found) if view is None else None  # experts flattened on one side
+    if flat is not None:
+        kept = [r for r in candidates.get(t, flat) if r in flat]
+        if kept:
+            candidates[t] = kept
+            return None
     if axis is not None and len(found) > 1 and not all(f[4] for f in found):
         raise ConversionError(f"the twins' tensor {name!r} interleaves slices of {sorted({f[0] for f in found})}: "
                               "an interleaving other than per head (nothing was written)")
@@ -613,9 +619,13 @@ def _new_axis_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recip
     """The move of a stack or pick recipe for the real destination tensor ``key``."""
     p = recipe.pieces[0]
     if recipe.stack:
-        count = shape[recipe.axis] if recipe.axis < len(shape) else 0
-        inner = shape[:recipe.axis] + shape[recipe.axis + 1:]
-        move = Move(key, shape, recipe.axis, stack=True)
+        view = recipe.view
+        if view == HEADS:  # stacked, then flattened: as many as the real sources hold
+            view = f"{HEADS}{_count(p.source, idx, recipe.vary, real_src)}"
+        made = shape if view is None else view_shape(shape, view)
+        count = made[recipe.axis] if recipe.axis < len(made) else 0
+        inner = made[:recipe.axis] + made[recipe.axis + 1:]
+        move = Move(key, shape, recipe.axis, stack=True, view=view)
         for e in range(count):
             s_key = fill(p.source, idx[:recipe.vary] + (e,) + idx[recipe.vary:])
             if s_key not in real_src:
@@ -630,17 +640,49 @@ def _new_axis_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recip
         return move
     s_key = fill(p.source, tuple(i for k, i in enumerate(idx) if k != recipe.vary))
     entry = idx[recipe.vary]
+    s_key, k = split_view(s_key)
     if s_key not in real_src:
         problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
         return None
     s_shape = real_src[s_key]
+    if k == HEADS:  # one entry of a flattened stack: as many entries as the real tensor's rows hold
+        rows = _shape_of(shape, p.transpose)[0] if shape else 0
+        if not rows or s_shape[0] % rows:
+            problems.append(f"destination tensor {key!r} {shape} as one entry of {s_key!r} {s_shape}: its rows "
+                            f"do not divide the source's")
+            return None
+        used.add(s_key)
+        k = f"{HEADS}{s_shape[0] // rows}"
+        s_shape = view_shape(s_shape, k)
+        s_key = f"{s_key}{VIEW}{k}"
+    else:
+        used.add(s_key)
     inner = tuple(x for k, x in enumerate(s_shape) if k != recipe.axis)
     if entry >= s_shape[recipe.axis] or _shape_of(inner, p.transpose) != shape:
         problems.append(f"destination tensor {key!r} {shape} as entry {entry} of {s_key!r} {s_shape} along axis "
                         f"{recipe.axis}: shapes disagree")
         return None
-    used.add(s_key)
     return Move(key, shape, recipe.axis, [(s_key, p.transpose, entry, entry + 1)], pick=True)
+
+
+def _count(source: str, idx: tuple[int, ...], vary: int, real_src: dict[str, tuple[int, ...]]) -> int:
+    """How many real source tensors of template ``source`` there are for the destination's indices
+    ``idx``, their index at position ``vary`` running 0, 1, ..."""
+    n = 0
+    while fill(source, idx[:vary] + (n,) + idx[vary:]) in real_src:
+        n += 1
+    return n
+
+
+def _shared_indices(src, dst) -> int | None:
+    """The number of leading indices every path of one rule has, where its paths differ in how many
+    they have (None where they agree: every index generalises)."""
+    srcs = [src] if isinstance(src, str) else list(src)
+    to = dst.get("to") if isinstance(dst, dict) else dst[0] if isinstance(dst, tuple) else dst
+    dsts = [to] if isinstance(to, str) else list(to)
+    counts = {len(re.findall(r"(?<=\\\.)\d+(?=\\\.|$)", p)) for p in srcs} | \
+        {len(re.findall(r"(?<=\.)\d+(?=\.|$)", p)) for p in dsts}
+    return min(counts) if len(counts) > 1 else None
 
 
 def generalise_layer_rules(rules: list) -> list:
@@ -648,20 +690,24 @@ def generalise_layer_rules(rules: list) -> list:
     ``layers\\.(\\d+)\\.`` and ``\\1`` in the target), duplicates dropped: rules for the full models."""
     out, seen = [], set()
     for src, dst in rules:
+        # a move between a bank of experts and one stored parameter: the expert index (the
+        # indices one side has more) stays as it is, the block's index generalises
+        keep = _shared_indices(src, dst)
+
         def pat(p):
             n = [0]
 
-            def sub(_m):
+            def sub(m):
                 n[0] += 1
-                return r"(\d+)"
+                return r"(\d+)" if keep is None or n[0] <= keep else m.group()
             return re.sub(r"(?<=\\\.)\d+(?=\\\.|$)", sub, p), n[0]
 
         def tgt(t):
             n = [0]
 
-            def sub(_m):
+            def sub(m):
                 n[0] += 1
-                return f"\\{n[0]}"
+                return f"\\{n[0]}" if keep is None or n[0] <= keep else m.group()
             return re.sub(r"(?<=\.)\d+(?=\.|$)", sub, t)
 
         if isinstance(src, (list, tuple)) and not isinstance(src, str):
@@ -680,3 +726,82 @@ def generalise_layer_rules(rules: list) -> list:
             seen.add(key)
             out.append((new_src, new_dst))
     return out
+
+
+# ----------------------------------------------------------------------------- flattened expert stacks
+# One library may save every expert's matrix of one projection as ONE tensor (E * F, H) (expert
+# 0's (F, H) rows, then expert 1's, ...) where the other saves one tensor per expert, (F, H) or its
+# transpose. Matched by value, the per-expert tensor is a run of rows of the flattened one whose
+# start moves with the expert index, which no recipe of fixed slices generalises; seen through the
+# per-head view (HEADS: (E * F, H) as (E, F, H)) it is one entry along the new axis 0 (a pick), and
+# the flattened tensor is the per-expert tensors stacked along a new axis 0, the view undone (a
+# stack). The count E is left to the real checkpoint's tensors ("|h" without a number), so the
+# twin's few experts give the recipe for any number of them.
+
+
+def flat_stack_recipes(name: str, d, src: dict, axis: int | None, found: list) -> list | None:
+    """The pick or stack recipes (several where the indices agree by chance: layer 0's expert 0)
+    that make the destination twin's tensor ``name`` from the pieces ``found`` along ``axis``
+    (:func:`_match`), when they show a flattened expert stack; None otherwise.
+
+    Args:
+        name: the destination file key; ``d``: its float32 array (2-D).
+        src: the source twin's file key -> array.
+        axis, found: what ``_match`` found: pieces ``(source, transpose, start, stop, whole)``
+            concatenated along ``axis`` make ``d``.
+
+    Returns:
+        A list of :class:`Recipe` (``pick`` or ``stack`` with the view
+        ``"h"``), or None.
+    """
+    if axis is None or getattr(d, "ndim", 0) != 2 or not found:
+        return None
+    t, idx = template(name)
+    if len(found) == 1 and not found[0][4]:
+        return _flat_pick(t, idx, d, src, axis, found[0])
+    if len(found) >= 2 and all(f[4] for f in found) and axis == 0:
+        return _flat_stack(t, idx, d, src, found)
+    return None
+
+
+def _flat_pick(t: str, idx: tuple, d, src: dict, axis: int, piece) -> list | None:
+    """``d`` as entry e of a source (E * r, c) seen as (E, r, c), its two axes exchanged when the
+    piece is transposed: the run [e * r, (e + 1) * r) of the source's rows."""
+    s_name, transpose, start, stop, _ = piece
+    s = src[s_name]
+    if s.ndim != 2:
+        return None
+    stored = (1 - axis) if transpose else axis
+    length = stop - start
+    if stored != 0 or length <= 0 or s.shape[0] % length or start % length or s.shape[0] // length < 2:
+        return None
+    entry = start // length
+    st, s_idx = template(s_name)
+    out = [Recipe(t, 0, (Piece(f"{st}{VIEW}{HEADS}", transpose, 0, 0, True),),
+                         pick=True, vary=k)
+           for k in range(len(idx)) if idx[k] == entry and idx[:k] + idx[k + 1:] == s_idx]
+    return out or None
+
+
+def _flat_stack(t: str, idx: tuple, d, src: dict, found: list) -> list | None:
+    """``d`` (E * r, c) as E whole sources of one template, one per value 0 .. E-1 of one of its
+    indices, each (r, c) (or (c, r) transposed), stacked along a new axis 0 and flattened."""
+    names = [f[0] for f in found]
+    transposes = {f[1] for f in found}
+    templates = {template(n)[0] for n in names}
+    if len(transposes) != 1 or len(templates) != 1 or d.shape[0] % len(found):
+        return None
+    shapes = {_shape_of(src[n].shape, found[0][1]) for n in names}
+    if shapes != {(d.shape[0] // len(found), d.shape[1])}:
+        return None
+    indices = [template(n)[1] for n in names]
+    varying = [k for k in range(len(indices[0])) if len({i[k] for i in indices}) > 1]
+    if len(varying) != 1 or [i[varying[0]] for i in indices] != list(range(len(found))):
+        return None
+    vary = varying[0]
+    if tuple(i for k, i in enumerate(indices[0]) if k != vary) != idx:
+        return None
+    st = templates.pop()
+    return [Recipe(t, 0, (Piece(st, found[0][1], 0, 0, True),), view=HEADS, stack=True,
+                         vary=vary)]
+

@@ -297,7 +297,7 @@ PORTS = Capability("ports", ("port_detect", "port_contents", "port_common_config
                    # written by its format (port_write) and a one-file model described (port_inspect); a destination's own
                    # inputs, weight-file writer and config files (ports/_dirs.py)
                    extras=("port_open", "port_write", "port_inspect", "port_inputs", "port_write_weights", "port_write_config",
-                           "port_complete_config", "port_as_loaded",
+                           "port_complete_config", "port_as_loaded", "port_source_form",
                            # codes: ports/_codes.py
                            "port_parse_quantize", "port_quantize", "port_keep_codes", "port_recompute_codes",
                            # a one-file source's tokenizer written as the destination directory's files
