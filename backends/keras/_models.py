@@ -213,7 +213,7 @@ def _own_variables(layer) -> list:
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
 
 
-def _computed_state(layer) -> bool:
+def computed_state(layer) -> bool:
     """Whether ``layer``'s variables are state it computes from its own configuration (a rotary
     embedding's ``inv_freq``): every one was created non-trainable (``add_weight(trainable=False)``;
     freezing a layer later does not move its variables out of ``_trainable_variables``) and the layer
@@ -281,7 +281,7 @@ def walk(model) -> list[Entry]:
         variables = _own_variables(layer)
         kind = _kind(layer)
         first = len(out)
-        if kind == "other" and _computed_state(layer):
+        if kind == "other" and computed_state(layer):
             variables = []  # set by the layer from its configuration: nothing to carry
         if untied_reversible(layer):
             # two entries: the table (an embedding) and the untied head (a linear map, in, out)

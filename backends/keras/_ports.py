@@ -716,13 +716,13 @@ def _task(backbone, config: dict):
 def port_twin(fmt: str, config: dict, seed: int = 0):
     """keras-hub's own causal LM for ``config`` (backbone from the serialized config, task around
     it, no preprocessor), every variable random (seeded) but the state layers compute from their
-    configuration (a rotary embedding's frequencies: ``_models._computed_state``)."""
-    from ._models import _computed_state
+    configuration (a rotary embedding's frequencies: ``_models.computed_state``)."""
+    from ._models import computed_state
 
     model = _task(_build(config), config)
     rng = np.random.default_rng(seed)
     seen = {id(v) for layer in model._flatten_layers(include_self=True, recursive=True)
-            if _computed_state(layer) for v in layer._non_trainable_variables}
+            if computed_state(layer) for v in layer._non_trainable_variables}
     for v in model.weights:
         if id(v) in seen:
             continue
