@@ -591,6 +591,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
         if isinstance(out.get(pattern_key), int):
             layers = max(layers, out[pattern_key])
     total = get("num_hidden_layers", layers)
+    for k, v in out.items():  # a pattern of block kinds the layers cycle through (block_types): one whole cycle,
+        # so every kind of block is in the twin (cut short, a kind the model needs is missing)
+        if k != "layer_types" and k.endswith("_types") and isinstance(v, list) and isinstance(total, int) \
+                and 1 < len(v) < total and all(isinstance(x, str) for x in v) and len(set(v)) > 1:
+            layers = max(layers, len(v))
     out[key("num_hidden_layers")] = min(layers, total)
     indices = _index_lists(common, out, total)
     for k, v in list(out.items()):  # settings per layer keyed by layer index (per_layer_config): the same layers kept

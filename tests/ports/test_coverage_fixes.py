@@ -256,3 +256,15 @@ def test_norm_scales_stored_as_1_plus_w_port_with_the_offset_stated_and_checked(
     r2 = db.port(tmp_path / "P2", back, to="transformers", verify="twins", progress=False)
     assert h._first_difference(h._files(str(back)), h._files(str(t)), "round trip", h._rounded_back(r1_back, r2)) is None
     assert all(e["exact"] for e in r2.certificate["tensors"].values())  # (1 + w) - 1 is exact in float32
+
+
+def test_a_cycle_of_block_kinds_is_kept_whole_in_the_twins():
+    # 26 layers cycling (recurrent, recurrent, attention): cut to two layers, the twin would have no
+    # attention block, which transformers' own cache needs to run at all
+    import transformers
+
+    common = {**transformers.RecurrentGemmaConfig().to_dict(), "model_type": "recurrent_gemma"}
+    small = _tp().port_shrink("transformers", common)
+    assert small["num_hidden_layers"] == 3 and small["block_types"] == ["recurrent", "recurrent", "attention"]
+    small_plain = _tp().port_shrink("transformers", {**common, "block_types": ["recurrent"]})
+    assert small_plain["num_hidden_layers"] == _tp().TWIN_LAYERS  # one kind: nothing to keep whole
