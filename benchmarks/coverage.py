@@ -84,6 +84,9 @@ OVERRIDES: dict[str, dict] = {
     # cannot: the window and the alternating sliding layers mlx-lm's model assumes when the config names none
     "step3p5": {"sliding_window": 512,
                 "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(45)]},
+    # transformers' default config makes every layer state-space, which its own model cannot run with its cache
+    # (get_seq_length needs an attention layer): one state-space and one attention layer, as the released models mix
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
     # transformers' default configs leave the multimodal rope's sections unset, which its model code then takes
     # for a 128-wide head (the released models' setting, written out so the port's shrink scales it with the head)
     "qwen2_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},

@@ -350,6 +350,11 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
        integer no weight depends on at all takes mlx-lm's usual default for it, else, for a
        feed-forward width (:data:`NONE_WIDTHS`), 0 (none); any other stays unset.
 
+    Before and after these, settings mlx-lm reads in another form are put in that form, found by
+    value (:mod:`._port_kinds`): a settings mapping left None that mlx-lm reads as a mapping, a
+    per-layer list of layer kinds under the names mlx-lm's module uses, a string of per-layer
+    letters for the config's list of layer kinds.
+
     The twins' verification judges every value so filled. A field none of this fills is left unset,
     and building the model refuses naming it.
 
@@ -359,6 +364,27 @@ def port_complete_config(fmt: str, config: dict, shapes: dict[str, tuple[int, ..
     Returns:
         The config, completed (a new dictionary; ``config`` is not changed).
     """
+    out = _in_mlx_forms(dict(config), shapes)
+    return _in_mlx_forms(_complete(out, shapes), shapes)
+
+
+def _in_mlx_forms(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """``config`` with the settings mlx-lm reads in another form put in that form (:mod:`._port_kinds`)."""
+    from . import _port_kinds
+
+    try:
+        _, args_class = _classes(config)
+    except ConversionError:
+        return config
+    config = _port_kinds.letter_pattern(config, args_class, _build, _mistyped)
+    config = _port_kinds.empty_settings(config, args_class, _build)
+    if shapes:
+        config = _port_kinds.renamed_kinds(config, args_class, _build, lambda c: _fit(c, shapes))
+    return config
+
+
+def _complete(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Steps 1-4 of :func:`port_complete_config`."""
     import dataclasses
     import itertools
 
