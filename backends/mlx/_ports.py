@@ -631,10 +631,15 @@ def _build(config: dict):
         if mistyped:  # named before anything unset: the value is there, in a type mlx-lm does not read
             raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config: "
                                   + "; ".join(mistyped) + " (the setting has no translation into what mlx-lm reads: "
-                                  f"refused, nothing was written): {type(exc).__name__}: {str(exc)[:200]}") from None
+                                  "refused, nothing was written; where the source's library also reads that type, "
+                                  "write the setting so in the source's config.json and port again): "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}") from None
         unset = _unset(config, args_class)
         why = (f" ({', '.join(unset)}: required by its ModelArgs, set neither by the source's config nor, under "
-               "another name, by its weights)") if unset else ""
+               "another name, by its weights; nothing was written: add "
+               + ("it" if len(unset) == 1 else "them") + " to the source's config.json under "
+               + ("that name" if len(unset) == 1 else "those names") + ", with the values the model was made "
+               "with, and port again)") if unset else ""
         raise ConversionError(f"mlx-lm cannot build model_type {config.get('model_type')!r} from this config{why}: "
                               f"{type(exc).__name__}: {str(exc)[:300]}") from None
 
