@@ -141,6 +141,11 @@ class Recipe:
     #: added to every value of the one whole source (a norm's scale stored as ``w`` on one side,
     #: ``1 + w`` on the other), the sum rounded once in the destination's dtype
     offset: float = 0.0
+    #: a group repeated per entry (experts stacked, each a concatenation): the pieces, whole,
+    #: filled for every value 0, 1, ... of the source index at position ``vary`` (as many as the
+    #: real source holds), all concatenated along ``axis`` in that order, make the destination seen
+    #: through ``view`` (``(E, H, 2F)`` seen as ``(E * 2F, H)``: gate_0, up_0, gate_1, up_1, ...)
+    group: bool = False
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
@@ -149,6 +154,9 @@ class Recipe:
             return f"{self.target} <- stack axis {self.axis}({parts[0]} over index #{self.vary})"
         if self.pick:
             return f"{self.target} <- {parts[0]} entry [index #{self.vary}] of axis {self.axis}"
+        if self.group:
+            return (f"{self.target} <- reshape(concat axis {self.axis}(for each index #{self.vary}: "
+                    f"{', '.join(parts)}))")
         made = parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})"
         if self.offset:
             made = f"{made} + {self.offset:g}"
@@ -401,7 +409,8 @@ def _made(name, d, src, where, wide, candidates, t):
                 continue
         else:
             raise exc from None
-    flat = flat_stack_recipes(name, d, src, axis, found) if view is None else None  # experts flattened on one side
+    flat = flat_stack_recipes(name, d, src, axis, found) if view is None \
+        else grouped_stack_recipes(name, view, src, axis, found)  # experts flattened / stacked on one side
     if flat is not None:
         kept = [r for r in candidates.get(t, flat) if r in flat]
         if kept:
@@ -500,13 +509,18 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None
+        if t in dst_templates or recipe.group or not (recipe.stack or recipe.pick or recipe.axis is None
                                       or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
         t, idx = template(key)
         recipe = recipes.get(t)
+        if recipe is not None and recipe.group:
+            move = _group_move(key, tuple(shape), idx, recipe, real_src, used, problems)
+            if move is not None:
+                moves.append(move)
+            continue
         if recipe is not None and (recipe.stack or recipe.pick):
             move = _new_axis_move(key, tuple(shape), idx, recipe, real_src, used, problems)
             if move is not None:
@@ -805,3 +819,92 @@ def _flat_stack(t: str, idx: tuple, d, src: dict, found: list) -> list | None:
     return [Recipe(t, 0, (Piece(st, found[0][1], 0, 0, True),), view=HEADS, stack=True,
                          vary=vary)]
 
+
+
+# ----------------------------------------------------------------------------- grouped expert stacks
+# One library may keep every expert's projections of one block as ONE tensor stacked along a new
+# axis, each entry the concatenation of several per-expert matrices, transposed ((E, H, 2F): expert
+# e's gate and up (F, H) each, transposed and joined), where the other saves one tensor per expert
+# and projection. Seen through a reshaped view ((E, H, 2F) as (E * 2F, H)) the destination is the
+# concatenation of whole sources gate_0, up_0, gate_1, up_1, ...: a group of templates repeated
+# once per value of one source index. The recipe keeps the group and that index's position; the
+# count E is left to the real checkpoint's tensors, so the twin's few experts carry to any number.
+
+
+def grouped_stack_recipes(name: str, view: str, src: dict, axis: int | None, found: list) -> list | None:
+    """The group recipe (:attr:`Recipe.group`) that makes the destination twin's tensor ``name``
+    seen through ``view`` from the whole pieces ``found`` concatenated along ``axis``, when they are
+    one group of source templates repeated once per value 0 .. E-1 (E >= 2) of one source index
+    (the others the destination's own indices); None otherwise.
+
+    Args:
+        name: the destination file key; ``view``: the view of it the pieces make (``"021-2"``).
+        src: the source twin's file key -> array (unused but for symmetry with
+            :func:`flat_stack_recipes`).
+        axis, found: what ``_match`` found: pieces ``(source, transpose, start, stop, whole)``.
+
+    Returns:
+        ``[Recipe]`` with ``group=True``, or None.
+    """
+    del src
+    if axis is None or _heads(view) is not None or len(found) < 2 or not all(f[4] for f in found):
+        return None
+    t, idx = template(name)
+    for g in range(1, len(found) // 2 + 1):
+        if len(found) % g:
+            continue
+        groups = [found[i:i + g] for i in range(0, len(found), g)]
+        shape = [(template(f[0])[0], f[1]) for f in groups[0]]
+        if any([(template(f[0])[0], f[1]) for f in grp] != shape for grp in groups):
+            continue
+        if len(set(shape)) != g:  # a template twice in one group: no one index tells its entries apart
+            continue
+        indices = [[template(f[0])[1] for f in grp] for grp in groups]
+        n = len(indices[0][0])
+        varying = [k for k in range(n) if len({i[0][k] for i in indices}) > 1]
+        if len(varying) != 1:
+            continue
+        vary = varying[0]
+        ok = all(len({i[vary] for i in grp}) == 1 and grp[0][vary] == e and
+                 all(tuple(x for k, x in enumerate(i) if k != vary) == idx for i in grp)
+                 for e, grp in enumerate(indices))
+        if ok:
+            pieces = tuple(Piece(st, tr, 0, 0, True) for st, tr in shape)
+            return [Recipe(t, axis, pieces, view=view, vary=vary, group=True)]
+    return None
+
+
+def _group_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                real_src: dict[str, tuple[int, ...]], used: set[str], problems: list[str]) -> Move | None:
+    """The move of a group recipe for the real destination tensor ``key`` (``shape``): the group's
+    sources for every entry the real source holds, whole, concatenated along the recipe's axis of
+    the destination's view."""
+    count = _count(recipe.pieces[0].source, idx, recipe.vary, real_src)
+    if count == 0:
+        problems.append(f"destination tensor {key!r} needs source tensor "
+                        f"{fill(recipe.pieces[0].source, idx[:recipe.vary] + (0,) + idx[recipe.vary:])!r}, "
+                        "which the source lacks")
+        return None
+    move = Move(key, shape, recipe.axis, view=recipe.view)
+    made = move.made
+    total = 0
+    for e in range(count):
+        for p in recipe.pieces:
+            s_key = fill(p.source, idx[:recipe.vary] + (e,) + idx[recipe.vary:])
+            if s_key not in real_src:
+                problems.append(f"destination tensor {key!r} joins {count} entries; the source lacks {s_key!r}")
+                return None
+            s_shape = _shape_of(real_src[s_key], p.transpose)
+            if len(s_shape) != len(made) or any(a != b for k, (a, b) in enumerate(zip(s_shape, made))
+                                                 if k != recipe.axis):
+                problems.append(f"destination tensor {key!r} {shape} seen as {made} joins {s_key!r} "
+                                f"{real_src[s_key]}{' transposed' if p.transpose else ''}: shapes disagree")
+                return None
+            total += s_shape[recipe.axis]
+            used.add(s_key)
+            move.sources.append((s_key, p.transpose, 0, None))
+    if total != made[recipe.axis]:
+        problems.append(f"destination tensor {key!r} {shape} seen as {made}: its {count} entries join to {total} "
+                        f"along axis {recipe.axis}")
+        return None
+    return move
