@@ -146,6 +146,9 @@ class Recipe:
     #: real source holds), all concatenated along ``axis`` in that order, make the destination seen
     #: through ``view`` (``(E, H, 2F)`` seen as ``(E * 2F, H)``: gate_0, up_0, gate_1, up_1, ...)
     group: bool = False
+    #: with ``group`` and ``pick``: the twin's entry width along the source view's ``axis`` (the
+    #: one piece's run [start, stop) lies within it)
+    width: int = 0
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
@@ -154,6 +157,9 @@ class Recipe:
             return f"{self.target} <- stack axis {self.axis}({parts[0]} over index #{self.vary})"
         if self.pick:
             return f"{self.target} <- {parts[0]} entry [index #{self.vary}] of axis {self.axis}"
+        if self.group and self.pick:
+            return (f"{self.target} <- {parts[0]} of entry [index #{self.vary}] (width {self.width}) "
+                    f"along axis {self.axis}")
         if self.group:
             return (f"{self.target} <- reshape(concat axis {self.axis}(for each index #{self.vary}: "
                     f"{', '.join(parts)}))")
@@ -411,6 +417,8 @@ def _made(name, d, src, where, wide, candidates, t):
             raise exc from None
     flat = flat_stack_recipes(name, d, src, axis, found) if view is None \
         else grouped_stack_recipes(name, view, src, axis, found)  # experts flattened / stacked on one side
+    if flat is None and view is None:
+        flat = grouped_pick_recipes(name, d, src, axis, found)
     if flat is not None:
         kept = [r for r in candidates.get(t, flat) if r in flat]
         if kept:
@@ -506,10 +514,11 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     used: set[str] = set()
     splits: dict[tuple[str, bool, int], list[tuple[int, Move, int]]] = {}
     problems: list[str] = []
+    covered: dict[str, int] = {}  # a source view's key -> the rows group picks take of it
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or recipe.group or not (recipe.stack or recipe.pick or recipe.axis is None
+        if t in dst_templates or (recipe.group and not recipe.pick) or not (recipe.stack or recipe.pick or recipe.axis is None
                                       or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
@@ -517,7 +526,8 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         t, idx = template(key)
         recipe = recipes.get(t)
         if recipe is not None and recipe.group:
-            move = _group_move(key, tuple(shape), idx, recipe, real_src, used, problems)
+            move = (_group_pick_move(key, tuple(shape), idx, recipe, real_src, used, covered, problems)
+                    if recipe.pick else _group_move(key, tuple(shape), idx, recipe, real_src, used, problems))
             if move is not None:
                 moves.append(move)
             continue
@@ -583,6 +593,11 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         if at != s_shape[axis]:
             problems.append(f"source tensor {s_key!r} {real_src[base]} splits into destination tensors "
                             f"{[m.target for _, m, _, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
+    for s_key, rows in covered.items():
+        base, k = split_view(s_key)
+        total = view_shape(real_src[base], k)[0]
+        if rows != total:
+            problems.append(f"source tensor {s_key!r} {real_src[base]}: its entries' runs take {rows} of its {total} rows")
     unused = sorted(set(real_src) - used)
     if unused:
         problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
@@ -601,7 +616,10 @@ def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[st
     out = {}
     for key, shape in real_src.items():
         st, s_idx = template(key)
-        if st != p.source:
+        if st != (split_view(p.source)[0] if recipe.group else p.source):
+            continue
+        if recipe.group:  # entries' runs of a source seen through a view: their widths scaled from the twin
+            out.update(_group_pick_saved(recipe, key, shape, s_idx))
             continue
         if not (recipe.pick or recipe.stack):  # whole sources, maybe transposed, saved under their own name
             if recipe.target.count("{}") != len(s_idx):
@@ -782,8 +800,8 @@ def _flat_pick(t: str, idx: tuple, d, src: dict, axis: int, piece) -> list | Non
     """``d`` as entry e of a source (E * r, c) seen as (E, r, c), its two axes exchanged when the
     piece is transposed: the run [e * r, (e + 1) * r) of the source's rows."""
     s_name, transpose, start, stop, _ = piece
-    s = src[s_name]
-    if s.ndim != 2:
+    s = src.get(s_name)  # a source seen through a view is no flattened stack (see grouped_pick_recipes)
+    if s is None or s.ndim != 2:
         return None
     stored = (1 - axis) if transpose else axis
     length = stop - start
@@ -908,3 +926,101 @@ def _group_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: 
                         f"along axis {recipe.axis}")
         return None
     return move
+
+
+def _view_entries(shape: tuple[int, ...], view: str) -> tuple[int, int] | None:
+    """(entries E, entry width G) of a tensor of ``shape`` seen through the reshaped ``view``
+    (``"021-2"``): E is the leading axis the view merges into its rows, G the rows each holds."""
+    if _heads(view) is not None:
+        return None
+    perm, k = _parse_view(view)
+    if k < 2 or len(shape) < 2:
+        return None
+    rows = view_shape(tuple(shape), view)[0]
+    e = shape[perm[0]]
+    return (e, rows // e) if e >= 2 and rows % e == 0 else None
+
+
+def grouped_pick_recipes(name: str, d, src: dict, axis: int | None, found: list) -> list | None:
+    """The reverse of :func:`grouped_stack_recipes`: the destination twin's tensor ``name`` (a
+    matrix ``d``) as one run of an entry of a source seen through a reshaped view (``(E, H, 2F)``
+    seen as ``(E * 2F, H)``: gate_e is rows [e * 2F, e * 2F + F)), the entry ``e`` one of the
+    destination's indices. Several recipes where the indices agree by chance (layer 0's expert 0).
+
+    Args:
+        name, d: the destination file key and its float32 array.
+        src: the source twin's file key -> array (without views).
+        axis, found: what ``_match`` found among the viewed sources: one piece
+            ``(source|view, transpose, start, stop, whole)`` along ``axis``.
+
+    Returns:
+        A list of :class:`Recipe` with ``group`` and ``pick``, or None.
+    """
+    if axis is None or getattr(d, "ndim", 0) != 2 or len(found) != 1 or found[0][4]:
+        return None
+    s_key, transpose, start, stop, _ = found[0]
+    base, view = split_view(s_key)
+    if view is None or base not in src or (((1 - axis) if transpose else axis) != 0):
+        return None
+    entries = _view_entries(tuple(np.shape(src[base])), view)
+    if entries is None:
+        return None
+    _, width = entries
+    e, off = divmod(start, width)
+    if off + (stop - start) > width:
+        return None
+    t, idx = template(name)
+    st, s_idx = template(base)
+    out = [Recipe(t, axis, (Piece(f"{st}{VIEW}{view}", transpose, off, off + stop - start, False),),
+                  vary=k, group=True, pick=True, width=width)
+           for k in range(len(idx)) if idx[k] == e and idx[:k] + idx[k + 1:] == s_idx]
+    return out or None
+
+
+def _scaled(recipe: Recipe, real_width: int) -> tuple[int, int] | None:
+    """The piece's run within an entry of ``real_width`` rows, scaled from the twin's entry (the
+    runs of one entry keep their proportions: gate and up alike), or None where it does not divide."""
+    p = recipe.pieces[0]
+    lo, hi = p.start * real_width, p.stop * real_width
+    if lo % recipe.width or hi % recipe.width:
+        return None
+    return lo // recipe.width, hi // recipe.width
+
+
+def _group_pick_saved(recipe: Recipe, key: str, shape: tuple[int, ...], s_idx: tuple[int, ...]) -> dict:
+    """The destination tensors a group pick recipe makes from the real source ``key`` (``shape``),
+    where the destination model holds them under other names (its saver writes them per entry)."""
+    _, view = split_view(recipe.pieces[0].source)
+    entries = _view_entries(tuple(shape), view)
+    run = _scaled(recipe, entries[1]) if entries else None
+    if run is None:
+        return {}
+    cols = view_shape(tuple(shape), view)[1]
+    inner = _shape_of((run[1] - run[0], cols), recipe.pieces[0].transpose)
+    return {fill(recipe.target, s_idx[:recipe.vary] + (e,) + s_idx[recipe.vary:]): inner for e in range(entries[0])}
+
+
+def _group_pick_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                     real_src: dict[str, tuple[int, ...]], used: set[str], covered: dict[str, int],
+                     problems: list[str]) -> Move | None:
+    """The move of a group pick recipe for the real destination tensor ``key``: the run of entry
+    ``idx[vary]`` of the real source seen through the recipe's view, its rows counted in
+    ``covered`` (every row of the source taken once, checked by :func:`plan`)."""
+    p = recipe.pieces[0]
+    s_key = fill(p.source, tuple(i for k, i in enumerate(idx) if k != recipe.vary))
+    base, view = split_view(s_key)
+    if base not in real_src:
+        problems.append(f"destination tensor {key!r} needs source tensor {base!r}, which the source lacks")
+        return None
+    entries = _view_entries(tuple(real_src[base]), view)
+    run = _scaled(recipe, entries[1]) if entries else None
+    e = idx[recipe.vary]
+    seen = view_shape(tuple(real_src[base]), view)
+    if run is None or e >= entries[0] or _shape_of((run[1] - run[0], seen[1]), p.transpose) != tuple(shape):
+        problems.append(f"destination tensor {key!r} {shape} as entry {e} of {s_key!r} {real_src[base]} "
+                        f"seen as {seen}: shapes disagree")
+        return None
+    used.add(base)
+    covered[s_key] = covered.get(s_key, 0) + run[1] - run[0]
+    start = e * entries[1] + run[0]
+    return Move(key, shape, recipe.axis, [(s_key, p.transpose, start, start + run[1] - run[0])])

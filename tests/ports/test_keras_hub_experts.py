@@ -57,3 +57,20 @@ def test_an_expert_bank_stacked_from_per_expert_gate_and_up_is_keras_hubs_own_im
     for (k, x), (_, y) in zip(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y), k
     assert db.verify_port(tmp_path / "preset").passed
+
+
+def test_the_way_back_cuts_every_expert_out_of_the_bank_bit_identical(tmp_path):
+    transformers = transformers_or_skip()
+    keras_hub_or_skip()
+    import torch
+
+    src = _tiny_moe(transformers, tmp_path / "src")
+    db.port(tmp_path / "src", tmp_path / "preset", to="keras-hub")
+    report = db.port(tmp_path / "preset", tmp_path / "back", to="transformers")
+    assert report.verification["passed"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    a, b = src.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert db.verify_port(tmp_path / "back").passed
