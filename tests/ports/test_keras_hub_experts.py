@@ -15,7 +15,7 @@ import numpy as np
 
 import dense_bridge as db
 
-from _port_helpers import keras_hub_or_skip, randomize, transformers_or_skip
+from _port_helpers import keras_hub_or_skip, mlx_lm_or_skip, randomize, transformers_or_skip
 
 
 def _tiny_moe(transformers, path):
@@ -74,3 +74,25 @@ def test_the_way_back_cuts_every_expert_out_of_the_bank_bit_identical(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert db.verify_port(tmp_path / "back").passed
+
+
+def test_mlx_lm_gate_and_up_stacks_join_into_the_bank_gate_first(tmp_path):
+    """mlx-lm keeps gate and up as two stacks alike in shape and runs up first; keras-hub's bank is
+    named after its gate and holds gate, then up: the join follows the name, not the execution."""
+    transformers = transformers_or_skip()
+    keras_hub = keras_hub_or_skip()
+    mlx_lm_or_skip()
+    from pathlib import Path
+
+    from mlx_lm.utils import load_model, save_model
+
+    _tiny_moe(transformers, tmp_path / "src")
+    model, _ = load_model(Path(tmp_path / "src"))  # mlx-lm's own load, written by its own saver
+    save_model(tmp_path / "mlx", model)
+    (tmp_path / "mlx" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    report = db.port(tmp_path / "mlx", tmp_path / "preset", to="keras-hub")
+    assert report.source == "mlx-lm" and report.verification["passed"]
+    mine = keras_hub.models.Backbone.from_preset(str(tmp_path / "preset"))
+    theirs = keras_hub.models.Backbone.from_preset(str(tmp_path / "src"))
+    for (k, x), (_, y) in zip(_weights(mine), _weights(theirs)):
+        assert np.array_equal(x, y), k
