@@ -96,3 +96,29 @@ def test_mlx_lm_gate_and_up_stacks_join_into_the_bank_gate_first(tmp_path):
     theirs = keras_hub.models.Backbone.from_preset(str(tmp_path / "src"))
     for (k, x), (_, y) in zip(_weights(mine), _weights(theirs)):
         assert np.array_equal(x, y), k
+
+
+def test_a_preset_whose_importer_reads_keys_transformers_does_not_write_goes_back(tmp_path):
+    """keras-hub's importer reads ``head_dim`` and ``num_experts`` from a Qwen3-MoE config, which
+    transformers' config class does not write (it names the expert count ``num_local_experts``): the
+    way back writes them as the importer reads them, and transformers gets its model back bit for bit."""
+    transformers = transformers_or_skip()
+    keras_hub_or_skip()
+    import torch
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    randomize(src, seed=0)
+    src.save_pretrained(tmp_path / "src")
+    db.port(tmp_path / "src", tmp_path / "preset", to="keras-hub")
+    report = db.port(tmp_path / "preset", tmp_path / "back", to="transformers")
+    assert report.verification["passed"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    a, b = src.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
