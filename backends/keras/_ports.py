@@ -465,7 +465,9 @@ def _common_config(config: dict, cls, model_type: str, conv) -> dict:
     does not give the preset's config back."""
     backbone = config["backbone"]
     base = _hf_defaults(model_type)
-    k0 = _import_config(conv, base)
+    declared = set(base)
+    k0 = _read_unwritten(conv, base)
+    unwritten = [k for k in base if k not in declared]  # read by the importer, not written by transformers
     follows: dict[str, tuple] = {}  # keras-hub key -> (transformers key path, factor)
     for n, (path, value) in enumerate(_numbers(base)):
         if isinstance(value, bool):
@@ -514,6 +516,7 @@ def _common_config(config: dict, cls, model_type: str, conv) -> dict:
         kwargs["architectures"] = [arch]
     def given_back(kw):
         hf = _hf_config(model_type, kw)  # what follows from these (a head width) recomputed by transformers
+        hf.update({k: kw[k] for k in unwritten if k in kw and k not in hf})  # kept as the importer reads them
         again = {**_defaults(cls), **_import_config(conv, hf)}
         wrong = sorted(k for k in preset if k in again and _differs(again[k], preset[k]))
         return hf, again, wrong + sorted(k for k in preset if k not in again)
@@ -544,6 +547,27 @@ def _common_config(config: dict, cls, model_type: str, conv) -> dict:
                               + ", ".join(f"{k}={preset[k]!r} (imported back as {again.get(k, 'nothing')!r})"
                                           for k in wrong), len(wrong))
     return hf
+
+
+#: a number the importer reads under a key transformers' config class does not write (a head width
+#: it computes from others): put into the defaults so the importer runs, then probed as any other
+_UNWRITTEN = 64
+
+
+def _read_unwritten(conv, base: dict, limit: int = 8) -> dict:
+    """keras-hub's import of transformers' default config ``base``; where the importer reads a key
+    the config class does not write (KeyError), that key added to ``base`` (in place) as the number
+    :data:`_UNWRITTEN`, so that the probes learn which keras-hub key follows it and the transformers
+    config written carries it (a config class keeps a key it does not declare)."""
+    for _ in range(limit):
+        try:
+            return _import_config(conv, base)
+        except KeyError as exc:
+            key = exc.args[0] if exc.args else None
+            if not isinstance(key, str) or key in base:
+                raise
+            base[key] = _UNWRITTEN
+    return _import_config(conv, base)
 
 
 def _differs(a, b) -> bool:

@@ -638,7 +638,8 @@ def _stack_params(layers: list[_Layer]) -> list[tuple[str, tuple[int, ...]]]:
 
 def _order_by_name(fused: str, pieces: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
     """Pieces of a fused parameter in the order the fused name lists their names (``gate_up_proj``:
-    gate, then up); execution order where the name does not say."""
+    gate, then up); where it names only some (``expert_feedforward_gate_dense`` holding gate and
+    up), those first, the others after them in execution order; execution order where it names none."""
     name = _last(fused)
 
     def at(piece):
@@ -649,8 +650,9 @@ def _order_by_name(fused: str, pieces: list[tuple[str, tuple]]) -> list[tuple[st
         pos = name.find(head) if head else -1
         return pos if pos >= 0 else len(name)
     positions = [at(p) for p in pieces]
-    if len(set(positions)) == len(positions) and max(positions) < len(name):
-        return [p for _, p in sorted(zip(positions, pieces))]
+    named = [x for x in positions if x < len(name)]
+    if named and len(set(named)) == len(named):  # the unnamed keep their order (sorted is stable)
+        return [p for _, p in sorted(zip(positions, pieces), key=lambda q: q[0])]
     return pieces
 
 

@@ -141,6 +141,14 @@ class Recipe:
     #: added to every value of the one whole source (a norm's scale stored as ``w`` on one side,
     #: ``1 + w`` on the other), the sum rounded once in the destination's dtype
     offset: float = 0.0
+    #: a group repeated per entry (experts stacked, each a concatenation): the pieces, whole,
+    #: filled for every value 0, 1, ... of the source index at position ``vary`` (as many as the
+    #: real source holds), all concatenated along ``axis`` in that order, make the destination seen
+    #: through ``view`` (``(E, H, 2F)`` seen as ``(E * 2F, H)``: gate_0, up_0, gate_1, up_1, ...)
+    group: bool = False
+    #: with ``group`` and ``pick``: the twin's entry width along the source view's ``axis`` (the
+    #: one piece's run [start, stop) lies within it)
+    width: int = 0
 
     def describe(self) -> str:
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
@@ -149,6 +157,12 @@ class Recipe:
             return f"{self.target} <- stack axis {self.axis}({parts[0]} over index #{self.vary})"
         if self.pick:
             return f"{self.target} <- {parts[0]} entry [index #{self.vary}] of axis {self.axis}"
+        if self.group and self.pick:
+            return (f"{self.target} <- {parts[0]} of entry [index #{self.vary}] (width {self.width}) "
+                    f"along axis {self.axis}")
+        if self.group:
+            return (f"{self.target} <- reshape(concat axis {self.axis}(for each index #{self.vary}: "
+                    f"{', '.join(parts)}))")
         made = parts[0] if self.axis is None else f"concat axis {self.axis}({', '.join(parts)})"
         if self.offset:
             made = f"{made} + {self.offset:g}"
@@ -401,7 +415,10 @@ def _made(name, d, src, where, wide, candidates, t):
                 continue
         else:
             raise exc from None
-    flat = flat_stack_recipes(name, d, src, axis, found) if view is None else None  # experts flattened on one side
+    flat = flat_stack_recipes(name, d, src, axis, found) if view is None \
+        else grouped_stack_recipes(name, view, src, axis, found)  # experts flattened / stacked on one side
+    if flat is None and view is None:
+        flat = grouped_pick_recipes(name, d, src, axis, found)
     if flat is not None:
         kept = [r for r in candidates.get(t, flat) if r in flat]
         if kept:
@@ -497,16 +514,23 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     used: set[str] = set()
     splits: dict[tuple[str, bool, int], list[tuple[int, Move, int]]] = {}
     problems: list[str] = []
+    covered: dict[str, int] = {}  # a source view's key -> the rows group picks take of it
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None
+        if t in dst_templates or (recipe.group and not recipe.pick) or not (recipe.stack or recipe.pick or recipe.axis is None
                                       or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
         t, idx = template(key)
         recipe = recipes.get(t)
+        if recipe is not None and recipe.group:
+            move = (_group_pick_move(key, tuple(shape), idx, recipe, real_src, used, covered, problems)
+                    if recipe.pick else _group_move(key, tuple(shape), idx, recipe, real_src, used, problems))
+            if move is not None:
+                moves.append(move)
+            continue
         if recipe is not None and (recipe.stack or recipe.pick):
             move = _new_axis_move(key, tuple(shape), idx, recipe, real_src, used, problems)
             if move is not None:
@@ -569,6 +593,11 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         if at != s_shape[axis]:
             problems.append(f"source tensor {s_key!r} {real_src[base]} splits into destination tensors "
                             f"{[m.target for _, m, _, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
+    for s_key, rows in covered.items():
+        base, k = split_view(s_key)
+        total = view_shape(real_src[base], k)[0]
+        if rows != total:
+            problems.append(f"source tensor {s_key!r} {real_src[base]}: its entries' runs take {rows} of its {total} rows")
     unused = sorted(set(real_src) - used)
     if unused:
         problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
@@ -587,7 +616,10 @@ def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[st
     out = {}
     for key, shape in real_src.items():
         st, s_idx = template(key)
-        if st != p.source:
+        if st != (split_view(p.source)[0] if recipe.group else p.source):
+            continue
+        if recipe.group:  # entries' runs of a source seen through a view: their widths scaled from the twin
+            out.update(_group_pick_saved(recipe, key, shape, s_idx))
             continue
         if not (recipe.pick or recipe.stack):  # whole sources, maybe transposed, saved under their own name
             if recipe.target.count("{}") != len(s_idx):
@@ -768,8 +800,8 @@ def _flat_pick(t: str, idx: tuple, d, src: dict, axis: int, piece) -> list | Non
     """``d`` as entry e of a source (E * r, c) seen as (E, r, c), its two axes exchanged when the
     piece is transposed: the run [e * r, (e + 1) * r) of the source's rows."""
     s_name, transpose, start, stop, _ = piece
-    s = src[s_name]
-    if s.ndim != 2:
+    s = src.get(s_name)  # a source seen through a view is no flattened stack (see grouped_pick_recipes)
+    if s is None or s.ndim != 2:
         return None
     stored = (1 - axis) if transpose else axis
     length = stop - start
@@ -805,3 +837,190 @@ def _flat_stack(t: str, idx: tuple, d, src: dict, found: list) -> list | None:
     return [Recipe(t, 0, (Piece(st, found[0][1], 0, 0, True),), view=HEADS, stack=True,
                          vary=vary)]
 
+
+
+# ----------------------------------------------------------------------------- grouped expert stacks
+# One library may keep every expert's projections of one block as ONE tensor stacked along a new
+# axis, each entry the concatenation of several per-expert matrices, transposed ((E, H, 2F): expert
+# e's gate and up (F, H) each, transposed and joined), where the other saves one tensor per expert
+# and projection. Seen through a reshaped view ((E, H, 2F) as (E * 2F, H)) the destination is the
+# concatenation of whole sources gate_0, up_0, gate_1, up_1, ...: a group of templates repeated
+# once per value of one source index. The recipe keeps the group and that index's position; the
+# count E is left to the real checkpoint's tensors, so the twin's few experts carry to any number.
+
+
+def grouped_stack_recipes(name: str, view: str, src: dict, axis: int | None, found: list) -> list | None:
+    """The group recipe (:attr:`Recipe.group`) that makes the destination twin's tensor ``name``
+    seen through ``view`` from the whole pieces ``found`` concatenated along ``axis``, when they are
+    one group of source templates repeated once per value 0 .. E-1 (E >= 2) of one source index
+    (the others the destination's own indices); None otherwise.
+
+    Args:
+        name: the destination file key; ``view``: the view of it the pieces make (``"021-2"``).
+        src: the source twin's file key -> array (unused but for symmetry with
+            :func:`flat_stack_recipes`).
+        axis, found: what ``_match`` found: pieces ``(source, transpose, start, stop, whole)``.
+
+    Returns:
+        ``[Recipe]`` with ``group=True``, or None.
+    """
+    del src
+    if axis is None or _heads(view) is not None or len(found) < 2 or not all(f[4] for f in found):
+        return None
+    t, idx = template(name)
+    for g in range(1, len(found) // 2 + 1):
+        if len(found) % g:
+            continue
+        groups = [found[i:i + g] for i in range(0, len(found), g)]
+        shape = [(template(f[0])[0], f[1]) for f in groups[0]]
+        if any([(template(f[0])[0], f[1]) for f in grp] != shape for grp in groups):
+            continue
+        if len(set(shape)) != g:  # a template twice in one group: no one index tells its entries apart
+            continue
+        indices = [[template(f[0])[1] for f in grp] for grp in groups]
+        n = len(indices[0][0])
+        varying = [k for k in range(n) if len({i[0][k] for i in indices}) > 1]
+        if len(varying) != 1:
+            continue
+        vary = varying[0]
+        ok = all(len({i[vary] for i in grp}) == 1 and grp[0][vary] == e and
+                 all(tuple(x for k, x in enumerate(i) if k != vary) == idx for i in grp)
+                 for e, grp in enumerate(indices))
+        if ok:
+            pieces = tuple(Piece(st, tr, 0, 0, True) for st, tr in shape)
+            return [Recipe(t, axis, pieces, view=view, vary=vary, group=True)]
+    return None
+
+
+def _group_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                real_src: dict[str, tuple[int, ...]], used: set[str], problems: list[str]) -> Move | None:
+    """The move of a group recipe for the real destination tensor ``key`` (``shape``): the group's
+    sources for every entry the real source holds, whole, concatenated along the recipe's axis of
+    the destination's view."""
+    count = _count(recipe.pieces[0].source, idx, recipe.vary, real_src)
+    if count == 0:
+        problems.append(f"destination tensor {key!r} needs source tensor "
+                        f"{fill(recipe.pieces[0].source, idx[:recipe.vary] + (0,) + idx[recipe.vary:])!r}, "
+                        "which the source lacks")
+        return None
+    move = Move(key, shape, recipe.axis, view=recipe.view)
+    made = move.made
+    total = 0
+    for e in range(count):
+        for p in recipe.pieces:
+            s_key = fill(p.source, idx[:recipe.vary] + (e,) + idx[recipe.vary:])
+            if s_key not in real_src:
+                problems.append(f"destination tensor {key!r} joins {count} entries; the source lacks {s_key!r}")
+                return None
+            s_shape = _shape_of(real_src[s_key], p.transpose)
+            if len(s_shape) != len(made) or any(a != b for k, (a, b) in enumerate(zip(s_shape, made))
+                                                 if k != recipe.axis):
+                problems.append(f"destination tensor {key!r} {shape} seen as {made} joins {s_key!r} "
+                                f"{real_src[s_key]}{' transposed' if p.transpose else ''}: shapes disagree")
+                return None
+            total += s_shape[recipe.axis]
+            used.add(s_key)
+            move.sources.append((s_key, p.transpose, 0, None))
+    if total != made[recipe.axis]:
+        problems.append(f"destination tensor {key!r} {shape} seen as {made}: its {count} entries join to {total} "
+                        f"along axis {recipe.axis}")
+        return None
+    return move
+
+
+def _view_entries(shape: tuple[int, ...], view: str) -> tuple[int, int] | None:
+    """(entries E, entry width G) of a tensor of ``shape`` seen through the reshaped ``view``
+    (``"021-2"``): E is the leading axis the view merges into its rows, G the rows each holds."""
+    if _heads(view) is not None:
+        return None
+    perm, k = _parse_view(view)
+    if k < 2 or len(shape) < 2:
+        return None
+    rows = view_shape(tuple(shape), view)[0]
+    e = shape[perm[0]]
+    return (e, rows // e) if e >= 2 and rows % e == 0 else None
+
+
+def grouped_pick_recipes(name: str, d, src: dict, axis: int | None, found: list) -> list | None:
+    """The reverse of :func:`grouped_stack_recipes`: the destination twin's tensor ``name`` (a
+    matrix ``d``) as one run of an entry of a source seen through a reshaped view (``(E, H, 2F)``
+    seen as ``(E * 2F, H)``: gate_e is rows [e * 2F, e * 2F + F)), the entry ``e`` one of the
+    destination's indices. Several recipes where the indices agree by chance (layer 0's expert 0).
+
+    Args:
+        name, d: the destination file key and its float32 array.
+        src: the source twin's file key -> array (without views).
+        axis, found: what ``_match`` found among the viewed sources: one piece
+            ``(source|view, transpose, start, stop, whole)`` along ``axis``.
+
+    Returns:
+        A list of :class:`Recipe` with ``group`` and ``pick``, or None.
+    """
+    if axis is None or getattr(d, "ndim", 0) != 2 or len(found) != 1 or found[0][4]:
+        return None
+    s_key, transpose, start, stop, _ = found[0]
+    base, view = split_view(s_key)
+    if view is None or base not in src or (((1 - axis) if transpose else axis) != 0):
+        return None
+    entries = _view_entries(tuple(np.shape(src[base])), view)
+    if entries is None:
+        return None
+    _, width = entries
+    e, off = divmod(start, width)
+    if off + (stop - start) > width:
+        return None
+    t, idx = template(name)
+    st, s_idx = template(base)
+    out = [Recipe(t, axis, (Piece(f"{st}{VIEW}{view}", transpose, off, off + stop - start, False),),
+                  vary=k, group=True, pick=True, width=width)
+           for k in range(len(idx)) if idx[k] == e and idx[:k] + idx[k + 1:] == s_idx]
+    return out or None
+
+
+def _scaled(recipe: Recipe, real_width: int) -> tuple[int, int] | None:
+    """The piece's run within an entry of ``real_width`` rows, scaled from the twin's entry (the
+    runs of one entry keep their proportions: gate and up alike), or None where it does not divide."""
+    p = recipe.pieces[0]
+    lo, hi = p.start * real_width, p.stop * real_width
+    if lo % recipe.width or hi % recipe.width:
+        return None
+    return lo // recipe.width, hi // recipe.width
+
+
+def _group_pick_saved(recipe: Recipe, key: str, shape: tuple[int, ...], s_idx: tuple[int, ...]) -> dict:
+    """The destination tensors a group pick recipe makes from the real source ``key`` (``shape``),
+    where the destination model holds them under other names (its saver writes them per entry)."""
+    _, view = split_view(recipe.pieces[0].source)
+    entries = _view_entries(tuple(shape), view)
+    run = _scaled(recipe, entries[1]) if entries else None
+    if run is None:
+        return {}
+    cols = view_shape(tuple(shape), view)[1]
+    inner = _shape_of((run[1] - run[0], cols), recipe.pieces[0].transpose)
+    return {fill(recipe.target, s_idx[:recipe.vary] + (e,) + s_idx[recipe.vary:]): inner for e in range(entries[0])}
+
+
+def _group_pick_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                     real_src: dict[str, tuple[int, ...]], used: set[str], covered: dict[str, int],
+                     problems: list[str]) -> Move | None:
+    """The move of a group pick recipe for the real destination tensor ``key``: the run of entry
+    ``idx[vary]`` of the real source seen through the recipe's view, its rows counted in
+    ``covered`` (every row of the source taken once, checked by :func:`plan`)."""
+    p = recipe.pieces[0]
+    s_key = fill(p.source, tuple(i for k, i in enumerate(idx) if k != recipe.vary))
+    base, view = split_view(s_key)
+    if base not in real_src:
+        problems.append(f"destination tensor {key!r} needs source tensor {base!r}, which the source lacks")
+        return None
+    entries = _view_entries(tuple(real_src[base]), view)
+    run = _scaled(recipe, entries[1]) if entries else None
+    e = idx[recipe.vary]
+    seen = view_shape(tuple(real_src[base]), view)
+    if run is None or e >= entries[0] or _shape_of((run[1] - run[0], seen[1]), p.transpose) != tuple(shape):
+        problems.append(f"destination tensor {key!r} {shape} as entry {e} of {s_key!r} {real_src[base]} "
+                        f"seen as {seen}: shapes disagree")
+        return None
+    used.add(base)
+    covered[s_key] = covered.get(s_key, 0) + run[1] - run[0]
+    start = e * entries[1] + run[0]
+    return Move(key, shape, recipe.axis, [(s_key, p.transpose, start, start + run[1] - run[0])])
