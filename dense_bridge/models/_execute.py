@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan as _mapping
+from . import _one_sided, _plan as _mapping
 from .._errors import ConversionError, SpecError
 from ._device import DeviceMoves, dtype_of, is_host, shape_of, snapshot
 from ._layouts import Entry
@@ -90,6 +90,7 @@ class Execution:
         self.moved_dst: dict[Any, str] = {}  # dst storage identity -> the src path written into it
         self.casts: list[tuple[str, Any, Any]] = []  # (dst parameter path, src dtype, dst dtype), narrowing
         self.dev = DeviceMoves(a, b)  # moves that stay on the device, where both adapters offer them
+        self.bias_notes: dict[str, str] = {}  # dst layer path -> how a bias on one side only moved
 
     # ------------------------------------------------------------------------- bookkeeping
     def claim(self, d: Entry, name: str, source: str) -> bool:
@@ -164,6 +165,8 @@ class Execution:
         heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
         for ww in self.writes[-len(m.dst):]:
             what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+            if ww[0].path in self.bias_notes:
+                what += f"; {self.bias_notes[ww[0].path]}"
             self.report.moved.append((label, ww[0].path, what))
 
     def canonical(self, s: Entry, d: Entry, writes: list | None = None, casts: list | None = None,
@@ -182,6 +185,11 @@ class Execution:
             have = self.b.linear_params(d)
         except (ConversionError, SpecError) as exc:
             return f"{s.path!r} -> {d.path!r}: {exc}"
+        params, note, problem = _one_sided.reconcile(params, have, s.where(), d.where())
+        if problem:
+            return problem
+        if note:
+            self.bias_notes[d.path] = note
         if sorted(params) != sorted(have):
             return (f"src {s.where()} has parameters {sorted(params)} but dst {d.where()} has {sorted(have)} "
                     f"(a bias or mask on one side only)")

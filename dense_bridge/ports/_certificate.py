@@ -13,6 +13,8 @@ stacks its pieces along the new axis ``axis`` instead (expert stacks); one with 
 takes one entry of the stored axis ``axis`` and drops that axis. A transpose exchanges the last
 two axes. An entry with ``"offset": c`` adds c to every value (summed in float64, rounded once to
 ``dtypes[-1]``): a norm's scale one library stores as ``w`` and the other as ``1 + w``.
+An entry with ``"zeros": true`` has no sources and holds exact zeros of its ``shape`` (``ops``
+``["zeros"]``): a bias the destination's layer holds and the source's lacks (``_zeros``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .._errors import CheckpointError, received
 from .._version import __version__
 from ..checkpoints import _port_files as files
 from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
-from . import _dirs, _rules
+from . import _dirs, _rules, _zeros
 
 NAME = "port_certificate.json"
 VERSION = 1
@@ -124,6 +126,13 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
     for moves, name in zip(shards, layout["shards"]):
         tensors = {}
         for m in moves:
+            if getattr(m, "zeros", False):  # no source: exact zeros (a bias the source's layer lacks)
+                dst_dt = out_dtype[m.target]
+                entries[m.target] = _zeros.entry(tuple(m.shape), _dtype_name(dst_dt), name)
+                tensors[m.target] = PendingTensor(dst_dt, tuple(m.shape),
+                                                  lambda m=m, dt=dst_dt: np.zeros(tuple(m.shape), dt))
+                weight_map[m.target] = name
+                continue
             pieces = []
             for s_key, transpose, start, stop in m.sources:
                 s_key, k = _rules.split_view(s_key)
@@ -387,6 +396,12 @@ def verify_port(out: Any) -> VerifyReport:
                                cert["destination"].get("format", ""), make)
             if why:
                 problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it {why}")
+            continue
+        if entry.get("zeros"):
+            got = dst.get(target)
+            if list(got.shape) != list(entry.get("shape", [])) or np.any(got):
+                problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it is not the "
+                                f"{entry.get('shape')} zeros its entry states")
             continue
         arrays = []
         for s in entry["sources"]:

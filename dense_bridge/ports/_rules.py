@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConversionError
+from . import _zeros
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 #: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
@@ -141,8 +142,12 @@ class Recipe:
     #: added to every value of the one whole source (a norm's scale stored as ``w`` on one side,
     #: ``1 + w`` on the other), the sum rounded once in the destination's dtype
     offset: float = 0.0
+    #: no source: a tensor of exact zeros (a bias the source's layer lacks, ``_zeros``)
+    zeros: bool = False
 
     def describe(self) -> str:
+        if self.zeros:
+            return f"{self.target} <- zeros"
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
                  for p in self.pieces]
         if self.stack:
@@ -300,6 +305,9 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
         t, idx = template(name)
+        if _zeros.written(d, src):
+            recipes[t] = Recipe(t, None, (), zeros=True)
+            continue
         made = _made(name, d, src, where, wide, candidates, t)
         if made is None:
             continue
@@ -469,6 +477,8 @@ class Move:
     pick: bool = False
     #: added to every value (:attr:`Recipe.offset`), the sum rounded once in the destination's dtype
     offset: float = 0.0
+    #: no sources: exact zeros (:attr:`Recipe.zeros`)
+    zeros: bool = False
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -478,14 +488,16 @@ def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
 
 
 def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_templates: set[str],
-         real_src: dict[str, tuple[int, ...]], real_dst: dict[str, tuple[int, ...]]) -> list[Move]:
+         real_src: dict[str, tuple[int, ...]], real_dst: dict[str, tuple[int, ...]],
+         dropped: set[str] = frozenset()) -> list[Move]:
     """The moves for a real checkpoint: ``real_src`` (source file key -> shape), ``real_dst``
     (every parameter of the destination model built for the real config -> shape).
 
     A destination parameter whose template the destination twin's file did not hold but its model
     did (a tied head) is not written, as the library's saver does not write it. ConversionError
     naming what does not fit: a destination tensor no recipe makes, a missing or unused source
-    tensor, a shape that disagrees.
+    tensor, a shape that disagrees. ``dropped``: templates of source tensors no destination tensor
+    needs because every value is exactly zero (``_zeros.real_zero_templates``).
     """
     moves: list[Move] = []
     used: set[str] = set()
@@ -494,13 +506,16 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or not (recipe.stack or recipe.pick or recipe.axis is None
+        if t in dst_templates or recipe.zeros or not (recipe.stack or recipe.pick or recipe.axis is None
                                       or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
         t, idx = template(key)
         recipe = recipes.get(t)
+        if recipe is not None and recipe.zeros:
+            moves.append(Move(key, tuple(shape), None, zeros=True))
+            continue
         if recipe is not None and (recipe.stack or recipe.pick):
             move = _new_axis_move(key, tuple(shape), idx, recipe, real_src, used, problems)
             if move is not None:
@@ -563,7 +578,7 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         if at != s_shape[axis]:
             problems.append(f"source tensor {s_key!r} {real_src[base]} splits into destination tensors "
                             f"{[m.target for _, m, _, _ in members]} of {at} along axis {axis}, not {s_shape[axis]}")
-    unused = sorted(set(real_src) - used)
+    unused = sorted(k for k in set(real_src) - used if template(k)[0] not in dropped)
     if unused:
         problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
                         f"{' and %d more' % (len(unused) - 8) if len(unused) > 8 else ''}")
