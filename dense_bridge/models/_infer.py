@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan as _mapping
+from . import _one_sided, _plan as _mapping
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
 from ._inputs import model_inputs
@@ -891,6 +891,8 @@ class Inferred:
     unpaired_dst: list[str]
     #: what the leftovers say about the models as a whole (:func:`_head_hint`), "" when nothing
     hint: str = ""
+    #: src vectors of exact zeros with no counterpart, left behind (``_one_sided.zero_leftovers``)
+    zeros_left: list = field(default_factory=list)
 
     def unpaired_text(self, hint: bool = True) -> str:
         """The hint (``hint=True``) and the layers left unpaired on each side, as one sentence."""
@@ -957,7 +959,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
     hint = _head_hint(run_a, run_b, left_a, left_b)
-    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
+    unpaired_a, zeros = _one_sided.zero_leftovers(names(left_a) + run_a.uncalled, a)
+    return Inferred(plan, unpaired_a, names(left_b) + run_b.uncalled, hint, zeros)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:

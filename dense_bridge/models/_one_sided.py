@@ -53,3 +53,35 @@ def reconcile(params: dict, have: dict, src_where: str, dst_where: str) -> tuple
                               f"{int(np.count_nonzero(bias))} non-zero values): give a dst whose layer has a bias "
                               f"(its config's bias setting)")
     return params, None, None
+
+
+def zero_leftovers(left: list[str], side) -> tuple[list[str], list[str]]:
+    """Source parameters the pairing left over, split into those still unpaired and the vectors of
+    exact zeros among them (a bias or a router's score correction the destination's model has no
+    place for): an added zero changes nothing, so they need no counterpart. The transfer's
+    verification still judges the whole model without them (a zero that multiplies is caught there).
+
+    Args:
+        left: parameter or layer paths of ``side`` left unpaired.
+        side: ``_walk.Side`` of the source.
+    Returns:
+        (still unpaired, dropped as exact zeros).
+    """
+    kept, zeros = [], []
+    for path in left:
+        found = side.params.get(path) if isinstance(path, str) else None
+        if found is None:
+            kept.append(path)
+            continue
+        e, name = found
+        try:
+            value = np.asarray(side.native(e)[name])
+        except Exception:  # noqa: BLE001 - a parameter the walk cannot read stays unpaired, named
+            kept.append(path)
+            continue
+        vector = 1 <= value.ndim <= 2 and sum(1 for n in value.shape if n > 1) <= 1
+        if vector and value.size and not np.any(value):
+            zeros.append(path)
+        else:
+            kept.append(path)
+    return kept, zeros

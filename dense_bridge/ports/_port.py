@@ -177,7 +177,8 @@ def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
     return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
 
 
-def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None, stored=None, zeros=frozenset()):
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None, stored=None, zeros=frozenset(),
+           unplaced=None):
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
@@ -194,7 +195,9 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
         report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids, a, b), verify=False)
     except ConversionError as exc:
-        raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
+        why = _zeros.explain(str(exc), unplaced or {})  # a source vector the destination's model has no place for
+        raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): "
+                           f"{why + ': ' if why else ''}{exc}") from None
     compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
                               judge="carried")
     verification = {"mode": "twins", "passed": True, "positions": positions, "devices": {"a": device_where(a), "b": device_where(b)}}
@@ -429,10 +432,11 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     dst_config = _dirs.complete(dst_fmt, dst_fmt.port_own_config(common), real_src)
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
-    dropped = _zeros.real_zero_templates(real_src, lambda k: opened[contents["weights"][k]].get(
+    dropped, unplaced = _zeros.real_zero_templates(real_src, lambda k: opened[contents["weights"][k]].get(
         contents["file_keys"].get(k, k)), real_dst)
     report, recipes, stored, twin_params, discrepancies, verification = _twins(
-        src_fmt, dst_fmt, common, transfer, compare_models, device, stored=real_src, zeros=dropped)
+        src_fmt, dst_fmt, common, transfer, compare_models, device, stored=real_src, zeros=dropped,
+        unplaced=unplaced)
     moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst, dropped)
     rules = _rules.generalise_layer_rules(report.rules)
     if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read

@@ -118,3 +118,44 @@ def test_phimoe_ports_both_ways_with_the_zero_biases_stated(tmp_path):
     assert "exactly zero" in str(info.value)
     assert not (tmp_path / "bad").exists()
     json.dumps(r1.certificate)  # the certificate stays JSON
+
+
+def test_a_router_correction_the_destination_lacks_is_dropped_only_when_zero(tmp_path):
+    """transformers' ERNIE-4.5-MoE adds a per-expert correction (moe_statics.e_score_correction_bias,
+    (1, experts)) to the router's scores before choosing experts; mlx-lm's model has no such
+    parameter (its loader drops it). Non-zero, the port refuses, naming it and its largest value;
+    exact zeros change nothing: dropped, named in the certificate, the models verified equal."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("mlx_lm")
+    import importlib.util
+    import os
+
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_coverage_fixes.py")
+    spec = importlib.util.spec_from_file_location("test_coverage_fixes_", here)
+    fixes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixes)
+    h, _tp = fixes._harness(), fixes._tp
+    t = tmp_path / "T"
+    cfg, _ = h._tiny_config("ernie4_5_moe")
+    model = transformers.AutoModelForCausalLM.from_config(_tp()._config(cfg), dtype=torch.float32).eval()
+    _tp()._randomize(model, seed=7)
+    model.save_pretrained(t)
+    with pytest.raises(db.DenseBridgeError) as info:
+        db.port(t, tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
+    msg = str(info.value)
+    assert "e_score_correction_bias" in msg and "has no parameter for" in msg and "largest |value|" in msg
+    assert not (tmp_path / "P").exists()
+    f = sorted(t.glob("*.safetensors"))[0]
+    tensors = load_file(f)
+    keys = [k for k in tensors if k.endswith("e_score_correction_bias")]
+    assert keys
+    for k in keys:
+        tensors[k] = np.zeros_like(tensors[k])
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = db.port(t, tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
+    assert r.certificate["dropped_zeros"] == keys
+    assert r.verification["passed"]
