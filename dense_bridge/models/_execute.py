@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _one_sided, _plan as _mapping
+from . import _one_sided, _plan as _mapping, _stride
 from .._errors import ConversionError, SpecError
 from ._device import DeviceMoves, dtype_of, is_host, shape_of, snapshot
 from ._layouts import Entry
@@ -401,17 +401,27 @@ class Execution:
             if any(v.ndim <= am.axis for v in values):
                 self.problems.append(f"{names}: axis {am.axis} is beyond the parameters' {[v.ndim for v in values]} axes")
                 return
+            stride = getattr(am, "stride", None)
+            if stride is not None and stride != max(len(values), len(dsts)):
+                self.problems.append(f"{names}: 'stride' {stride} interleaves {stride} pieces; the move has "
+                                     f"{max(len(values), len(dsts))}")
+                return
             try:
-                whole = values[0] if len(values) == 1 else np.concatenate(values, axis=am.axis)
+                whole = values[0] if len(values) == 1 else _stride.interleave(values, am.axis) if stride \
+                    else np.concatenate(values, axis=am.axis)
             except ValueError as exc:
-                self.problems.append(f"{names}: the src parameters do not join along axis {am.axis} ({exc})")
+                whole = f"({exc})"
+            if isinstance(whole, str):
+                self.problems.append(f"{names}: the src parameters do not join along axis {am.axis} {whole}")
                 return
             widths = [d.shapes[n][am.axis] if len(d.shapes[n]) > am.axis else -1 for d, n in dsts]
-            if sum(widths) != whole.shape[am.axis]:
+            if sum(widths) != whole.shape[am.axis] or (stride and len(dsts) > 1 and len(set(widths)) != 1):
                 self.problems.append(f"{names}: src holds {whole.shape[am.axis]} along axis {am.axis}, the dst "
-                                     f"parameters {widths} = {sum(widths)}")
+                                     f"parameters {widths} = {sum(widths)}"
+                                     + (" (interleaved pieces share one width)" if stride else ""))
                 return
-            pieces = np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
+            pieces = _stride.cut(whole, len(dsts), am.axis) if stride and len(dsts) > 1 \
+                else np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
         fitted = []
         for (d, nd), piece in zip(dsts, pieces):
             piece, want = np.ascontiguousarray(piece), d.shapes[nd]
@@ -424,6 +434,7 @@ class Execution:
             fitted.append(piece)
         self._write_pieces(am, dsts, fitted, names, f"parameter along axis {am.axis}"
                            + (" (last two axes swapped)" if am.swap else "")
+                           + (f" (interleaved, stride {am.stride})" if getattr(am, "stride", None) else "")
                            + (f" plus {am.offset:g}, rounded to the destination's dtype" if am.offset else ""))
 
     def _write_pieces(self, am: _mapping.AxisMove, dsts: list, pieces: list, names: str, how: str) -> None:

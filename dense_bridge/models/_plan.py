@@ -14,7 +14,10 @@ The forms (``db.transfer`` and ``db.testing.compare_models`` take all of them):
     parameter paths moves stored arrays as they are stored: joined and split along ``axis``
     (expert stacks), their last two axes exchanged first when ``swap``, ``c`` added to every
     value after (a norm scale stored as ``w`` on one side and ``1 + w`` on the other: ``offset``
-    1.0 or -1.0; the sum rounds in the destination's dtype, which the report states);
+    1.0 or -1.0; the sum rounds in the destination's dtype, which the report states); with
+    ``"stride": n`` the n pieces interleave along ``axis`` instead of lying one after another:
+    piece k holds entries k, k + n, k + 2n, ... of the joined array (GPT-OSS keeps its experts'
+    gate and up projections interleaved in one ``gate_up_proj``), so every piece has the same width;
   - a value ``{"to": <path or list of paths>, "heads": n}`` declares a fused layer whose units
     interleave per head (GPT-NeoX ``query_key_value``: q, k, v for head 0, then head 1, ...):
     the fused units are n blocks, each holding 1/n of every piece, in order;
@@ -80,6 +83,8 @@ class Target:
     axis: int | None = None
     swap: bool | tuple[bool, ...] = False  # a tuple: one per part of a move per head
     offset: float = 0.0  # added to every value moved along an axis, after the move
+    #: the pieces interleave along ``axis`` (piece k: entries k, k + n, ...), n = the number of pieces
+    stride: int | None = None
 
     @property
     def along_axis(self) -> bool:
@@ -109,9 +114,16 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     if isinstance(value, dict) and "heads" in value and "axis" in value:
         return _per_head_target(value, where, mapping)
     if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value or "offset" in value):
-        if set(value) - {"to", "axis", "swap", "offset"}:
+        if set(value) - {"to", "axis", "swap", "offset", "stride"}:
             raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
-                            f"'swap': bool, 'offset': number}}; got {value!r}. {received('mapping', mapping)}")
+                            f"'swap': bool, 'offset': number, 'stride': n}}; got {value!r}. "
+                            f"{received('mapping', mapping)}")
+        stride = value.get("stride")
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 2
+                                   or value.get("axis") is None):
+            raise TypeError(f"{where}: 'stride' must be an integer of at least 2 (the number of interleaved pieces) "
+                            f"with an 'axis' to interleave along; got stride={stride!r}, axis={value.get('axis')!r}. "
+                            f"{received('mapping', mapping)}")
         axis, swap, offset = value.get("axis"), value.get("swap", False), value.get("offset", 0.0)
         if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
             raise TypeError(f"{where}: 'offset' must be a finite number; got {offset!r}. "
@@ -124,7 +136,7 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
         inner = _target(value.get("to"), where, mapping)
         if inner.fn is not None:
             raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
-        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset))
+        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset), stride)
     if isinstance(value, dict):
         if set(value) - {"to", "heads"} or "to" not in value:
             raise TypeError(f"{where}: a dict value must be {{'to': path or [paths], 'heads': n}}; got {value!r}. "
@@ -286,6 +298,9 @@ class AxisMove:
     #: added to every value after the move (a norm's scale stored as ``w`` on one side and as
     #: ``1 + w`` on the other), the sum rounded in the destination's dtype
     offset: float = 0.0
+    #: the pieces interleave along ``axis``: piece k holds entries k, k + n, ... (n = ``stride``,
+    #: the number of pieces); None: they lie one after another
+    stride: int | None = None
 
     def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
         to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
@@ -297,6 +312,8 @@ class AxisMove:
             out["swap"] = True
         if self.offset:
             out["offset"] = self.offset
+        if self.stride:
+            out["stride"] = self.stride
         return out
 
 
@@ -352,7 +369,7 @@ def _expand(target: Target, match: re.Match | None) -> Target:
     except (re.error, IndexError) as exc:
         raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
                         f"({exc})") from None
-    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset)
+    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset, target.stride)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:
@@ -440,7 +457,7 @@ def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, pla
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
         return
     plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
-                                    target.swap, text, target.heads, target.offset))
+                                    target.swap, text, target.heads, target.offset, target.stride))
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
@@ -561,7 +578,7 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
                                  f"{len(rule.src)} patterns match a src parameter")
             continue
         joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap,
-                        offset=rule.target.offset)
+                        offset=rule.target.offset, stride=rule.target.stride)
         _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 

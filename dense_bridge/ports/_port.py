@@ -31,7 +31,7 @@ from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
 from ..registry._devices import check_device_value, place_for_run, place_model, where as device_where
-from . import _adapters, _certificate, _codes, _dirs, _rules, _tying, _zeros
+from . import _adapters, _certificate, _codes, _dirs, _interleaved, _rules, _tying, _zeros
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -201,6 +201,11 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
                               judge="carried")
     verification = {"mode": "twins", "passed": True, "positions": positions, "devices": {"a": device_where(a), "b": device_where(b)}}
+    if not compared.passed:  # a cut that shapes cannot tell from an interleaving: the interleaved one tried
+        again = _interleaved.retry(a, b, report.rules, model_inputs(src_fmt, dst_fmt, ids, a, b), transfer,
+                                   compare_models)
+        if again is not None:
+            report, compared = again
     if not compared.passed:
         # the mapping may be right while the libraries compute different functions: judge every
         # linear layer alone; if each agrees, the difference lies in the code between them

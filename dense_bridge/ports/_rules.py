@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConversionError
-from . import _zeros
+from . import _strided, _zeros
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 #: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
@@ -144,10 +144,19 @@ class Recipe:
     offset: float = 0.0
     #: no source: a tensor of exact zeros (a bias the source's layer lacks, ``_zeros``)
     zeros: bool = False
+    #: the pieces interleave along ``axis`` (``_strided``): one piece, every ``stride``-th entry of
+    #: its source from ``start``; or ``stride`` whole pieces interleaved
+    stride: int | None = None
 
     def describe(self) -> str:
         if self.zeros:
             return f"{self.target} <- zeros"
+        if self.stride:
+            p = self.pieces
+            if len(p) == 1:
+                return (f"{self.target} <- {'transpose ' if p[0].transpose else ''}{p[0].source}"
+                        f"[{p[0].start}::{self.stride} along axis {self.axis}]")
+            return f"{self.target} <- interleave axis {self.axis}({', '.join(q.source for q in p)})"
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
                  for p in self.pieces]
         if self.stack:
@@ -308,7 +317,15 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         if _zeros.written(d, src):
             recipes[t] = Recipe(t, None, (), zeros=True)
             continue
-        made = _made(name, d, src, where, wide, candidates, t)
+        stride = None
+        try:
+            made = _made(name, d, src, where, wide, candidates, t)
+        except ConversionError:
+            interleaved = _strided.find(d, src, where, lambda x: _whole(x, src, where))
+            if interleaved is None:
+                raise
+            axis, parts, stride = interleaved
+            made = (axis, [(n, tr, k, k + 1, len(parts) > 1) for n, tr, k in parts], None, None, 0.0)
         if made is None:
             continue
         axis, found, view, made_wide, offset = made
@@ -322,7 +339,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
             # a whole source is the same piece whatever its width (layers of one kind may differ in it)
             pieces.append(Piece(_symbolic(st), transpose, 0 if whole else start, 0 if whole else stop, whole))
         recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view,
-                        offset=offset)
+                        offset=offset, stride=stride)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
@@ -479,6 +496,9 @@ class Move:
     offset: float = 0.0
     #: no sources: exact zeros (:attr:`Recipe.zeros`)
     zeros: bool = False
+    #: interleaved along ``axis`` (:attr:`Recipe.stride`): one source's every stride-th entry from
+    #: its ``start``, or the sources interleaved
+    stride: int | None = None
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -515,6 +535,11 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         recipe = recipes.get(t)
         if recipe is not None and recipe.zeros:
             moves.append(Move(key, tuple(shape), None, zeros=True))
+            continue
+        if recipe is not None and recipe.stride:
+            move = _strided_move(key, tuple(shape), idx, recipe, real_src, used, problems)
+            if move is not None:
+                moves.append(move)
             continue
         if recipe is not None and (recipe.stack or recipe.pick):
             move = _new_axis_move(key, tuple(shape), idx, recipe, real_src, used, problems)
@@ -586,6 +611,28 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         raise ConversionError("the twins' rules do not fit the real checkpoint (nothing was written):\n  - "
                               + "\n  - ".join(problems[:20]))
     return moves
+
+
+def _strided_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                  real_src: dict[str, tuple[int, ...]], used: set[str], problems: list[str]) -> Move | None:
+    """The move of an interleaving recipe (:attr:`Recipe.stride`) for the real destination tensor ``key``."""
+    n, axis = recipe.stride, recipe.axis
+    move = Move(key, shape, axis, stride=n)
+    for p in recipe.pieces:
+        s_key = fill(p.source, idx[:p.source.count("{}")])
+        if s_key not in real_src:
+            problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
+            return None
+        seen = list(_shape_of(real_src[s_key], p.transpose))
+        if len(recipe.pieces) == 1:
+            seen[axis] = seen[axis] // n if len(seen) > axis and seen[axis] % n == 0 else -1
+        if tuple(seen) != tuple(shape):
+            problems.append(f"destination tensor {key!r} {shape} interleaves {s_key!r} {real_src[s_key]} "
+                            f"{'transposed ' if p.transpose else ''}with stride {n} along axis {axis}: shapes disagree")
+            return None
+        used.add(s_key)
+        move.sources.append((s_key, p.transpose, p.start if len(recipe.pieces) == 1 else 0, None))
+    return move
 
 
 def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
