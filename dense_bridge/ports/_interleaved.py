@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["retry"]
 
 
-def retry(a: Any, b: Any, rules: list, inputs: Any, transfer, compare_models) -> tuple[Any, Any] | None:
+def retry(a: Any, b: Any, rules: list, inputs: Any, transfer, compare_models, distance=None) -> tuple[Any, Any] | None:
     """The twins transferred again with ``rules``' equal cuts interleaved, where that makes them agree.
 
     Args:
@@ -23,9 +23,12 @@ def retry(a: Any, b: Any, rules: list, inputs: Any, transfer, compare_models) ->
         inputs: the twins' inputs, as ``transfer``/``compare_models`` take them.
         transfer: ``db.transfer``.
         compare_models: ``db.testing.compare_models``.
+        distance: ``() -> float``, how far the twins' outputs lie apart as ``b`` now holds them (the
+            next-token KL): where neither mapping makes them agree (the libraries also differ
+            elsewhere, which the caller judges next), the one whose outputs lie closer is kept.
     Returns:
-        (the transfer report, its comparison) when the interleaved mapping makes the twins agree,
-        else None (``b`` then holds what ``rules`` write).
+        (the transfer report, its comparison) when the interleaved mapping makes the twins agree or
+        (with ``distance``) brings them closer, else None (``b`` then holds what ``rules`` write).
     """
     from ..models import _stride
     from ..models._walk import sides
@@ -37,9 +40,10 @@ def retry(a: Any, b: Any, rules: list, inputs: Any, transfer, compare_models) ->
     alt = _stride.strided_rules(rules, shapes(sa), shapes(sb))
     if alt is None:
         return None
+    before = distance() if distance is not None else None
     report = transfer(a, b, mapping=alt, inputs=inputs, verify=False)
     compared = compare_models(a, b, inputs, mapping=report.rules, grads=False, judge="carried")
-    if compared.passed:
+    if compared.passed or (before is not None and distance() < before):
         return report, compared
     transfer(a, b, mapping=rules, inputs=inputs, verify=False)  # b as the first mapping wrote it
     return None

@@ -203,7 +203,8 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     verification = {"mode": "twins", "passed": True, "positions": positions, "devices": {"a": device_where(a), "b": device_where(b)}}
     if not compared.passed:  # a cut that shapes cannot tell from an interleaving: the interleaved one tried
         again = _interleaved.retry(a, b, report.rules, model_inputs(src_fmt, dst_fmt, ids, a, b), transfer,
-                                   compare_models)
+                                   compare_models, lambda: _kl_top1(src_fmt.port_logits(a, ids),
+                                                                    dst_fmt.port_logits(b, ids))[0])
         if again is not None:
             report, compared = again
     if not compared.passed:
