@@ -321,7 +321,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         try:
             made = _made(name, d, src, where, wide, candidates, t)
         except ConversionError:
-            interleaved = _strided.find(d, src, where, lambda x: _whole(x, src, where))
+            interleaved = _strided.find(d, src, where)
             if interleaved is None:
                 raise
             axis, parts, stride = interleaved

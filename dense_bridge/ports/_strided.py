@@ -45,16 +45,29 @@ def _cut(d: np.ndarray, src: dict[str, np.ndarray], where) -> tuple | None:
     return None
 
 
-def _joined(d: np.ndarray, src: dict[str, np.ndarray], whole) -> tuple | None:
+def _whole(x: np.ndarray, src: dict[str, np.ndarray], where) -> tuple[str, bool] | None:
+    """The source equal to ``x``, or to ``x`` with its last two axes exchanged: (name, transpose)."""
+    if not x.size:
+        return None
+    for s_name, _ in where.find(x.reshape(-1)[0]):
+        s = src[s_name]
+        for transpose in ((False, True) if s.ndim >= 2 else (False,)):
+            so = _oriented(s, transpose)
+            if so.shape == x.shape and np.array_equal(so, x):
+                return s_name, transpose
+    return None
+
+
+def _joined(d: np.ndarray, src: dict[str, np.ndarray], where) -> tuple | None:
     """``d`` as n whole sources (maybe transposed) interleaved along one axis:
-    (axis, [(source, transpose, 0), ...], n), or None. ``whole``: ``_rules._whole`` bound to the sources."""
+    (axis, [(source, transpose, 0), ...], n), or None."""
     for axis in range(d.ndim):
         for n in range(2, MOST + 1):
             if d.shape[axis] % n or d.shape[axis] == n:
                 continue
             found = []
             for k in range(n):
-                hit = whole(np.take(d, np.arange(k, d.shape[axis], n), axis=axis))
+                hit = _whole(np.take(d, np.arange(k, d.shape[axis], n), axis=axis), src, where)
                 if hit is None:
                     break
                 found.append((hit[0], hit[1], 0))
@@ -63,7 +76,7 @@ def _joined(d: np.ndarray, src: dict[str, np.ndarray], whole) -> tuple | None:
     return None
 
 
-def find(d: np.ndarray, src: dict[str, np.ndarray], where, whole) -> tuple | None:
+def find(d: np.ndarray, src: dict[str, np.ndarray], where) -> tuple | None:
     """How ``d`` is made by interleaving: (axis, pieces [(source, transpose, first entry)], stride)
     with one piece (a cut: every stride-th entry of the source from the first) or stride pieces
     (a join: whole sources interleaved), or None.
@@ -72,6 +85,5 @@ def find(d: np.ndarray, src: dict[str, np.ndarray], where, whole) -> tuple | Non
         d: the destination twin's tensor (float32).
         src: the source twin's tensors.
         where: ``_rules._Index`` of ``src``.
-        whole: ``array -> (source name, transpose) | None`` (``_rules._whole`` over ``src``).
     """
-    return _cut(d, src, where) or _joined(d, src, whole)
+    return _cut(d, src, where) or _joined(d, src, where)
