@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConversionError
-from . import _strided, _zeros
+from . import _strided
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 #: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
@@ -303,6 +303,21 @@ def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) 
                           "(nothing was written)")
 
 
+def _zeros_made(d: np.ndarray, src: dict[str, np.ndarray]) -> bool:
+    """Is the destination twin's tensor ``d`` a tensor of zeros that no source tensor is?
+
+    Args:
+        d: the destination twin's saved tensor (float32).
+        src: the source twin's saved tensors (file key -> float32 array).
+    Returns:
+        True when every value of ``d`` is zero and no source tensor of its shape is all zeros
+        (an all-zero source of its shape is a copy, which the value search finds).
+    """
+    if not d.size or np.any(d):
+        return False
+    return not any(np.shape(s) == d.shape and not np.any(s) for s in src.values())
+
+
 def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, Recipe]:
     """One recipe per destination template, from the twins' saved tensors (``src``/``dst``: file
     key -> float32 array). ConversionError when a tensor has no recipe or two layers of one
@@ -314,7 +329,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
         t, idx = template(name)
-        if _zeros.written(d, src):
+        if _zeros_made(d, src):
             recipes[t] = Recipe(t, None, (), zeros=True)
             continue
         stride = None

@@ -2,7 +2,7 @@
 
 A destination layer with a bias its source layer lacks computes ``x @ W + 0``: the twins'
 transfer writes the bias as exact zeros (``models._one_sided``), the destination twin's saved
-tensor is all zeros and no source tensor, and its recipe is ``zeros`` (:func:`written`): the
+tensor is all zeros and no source tensor, and its recipe is ``zeros`` (``_rules._zeros_made``): the
 certificate entry has no sources, ``"zeros": true`` and ``ops`` ``["zeros"]``, and
 ``verify_port`` checks every value is zero.
 
@@ -23,25 +23,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["written", "unplaced", "real_zero_templates", "explain", "zero_twin", "fill_dtype", "entry", "ZEROS_OP"]
+__all__ = ["unplaced", "real_zero_templates", "explain", "zero_twin", "fill_dtype", "entry", "ZEROS_OP"]
 
 #: the certificate's ``ops`` of a tensor written as zeros
 ZEROS_OP = "zeros"
-
-
-def written(d: np.ndarray, src: dict[str, np.ndarray]) -> bool:
-    """Is the destination twin's tensor ``d`` a tensor of zeros that no source tensor is?
-
-    Args:
-        d: the destination twin's saved tensor (float32).
-        src: the source twin's saved tensors (file key -> float32 array).
-    Returns:
-        True when every value of ``d`` is zero and no source tensor of its shape is all zeros
-        (an all-zero source of its shape is a copy, which the value search finds).
-    """
-    if not d.size or np.any(d):
-        return False
-    return not any(np.shape(s) == d.shape and not np.any(s) for s in src.values())
 
 
 def _role(name: str) -> str:
