@@ -195,7 +195,7 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
         report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids, a, b), verify=False)
     except ConversionError as exc:
-        why = _zeros.explain(str(exc), unplaced or {})  # a source vector the destination's model has no place for
+        why = _zeros.explain(str(exc), unplaced or {}, dst_fmt.name)  # a source vector the destination's model has no place for
         raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): "
                            f"{why + ': ' if why else ''}{exc}") from None
     compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,

@@ -82,13 +82,14 @@ def real_zero_templates(real_src: dict[str, tuple[int, ...]], read, dst_names) -
     return zeros, largest
 
 
-def explain(message: str, largest: dict[str, float]) -> str:
+def explain(message: str, largest: dict[str, float], destination: str = "the destination") -> str:
     """The sentence that says why the twins' pairing left a source vector over, where the real
     source holds it with values that are not zero: "" when the message names none of them.
 
     Args:
         message: the twins' refusal (it names the source twin's parameters left unpaired).
         largest: {real source tensor: largest |value|} (:func:`real_zero_templates`).
+        destination: the destination format's name, as the sentence says it.
     """
     from . import _rules
 
@@ -106,7 +107,7 @@ def explain(message: str, largest: dict[str, float]) -> str:
     if not named:
         return ""
     listed = ", ".join(f"{k!r} (largest |value| {v:.6g})" for k, v in named[:4])
-    return (f"the destination's model has no parameter for the source's {listed}: its library does not apply it, "
+    return (f"{destination}'s model has no parameter for the source's {listed}: that library does not apply it, "
             f"and the real source holds it with values that are not zero, so a port without it would compute "
             f"differently (a tensor of exact zeros would be dropped, as it changes nothing). Port to a library "
             f"whose model applies it")

@@ -147,7 +147,7 @@ def test_a_router_correction_the_destination_lacks_is_dropped_only_when_zero(tmp
     with pytest.raises(db.DenseBridgeError) as info:
         db.port(t, tmp_path / "P", to="mlx-lm", verify="twins", progress=False)
     msg = str(info.value)
-    assert "e_score_correction_bias" in msg and "has no parameter for" in msg and "largest |value|" in msg
+    assert "e_score_correction_bias" in msg and "mlx-lm's model has no parameter for" in msg and "largest |value|" in msg
     assert not (tmp_path / "P").exists()
     f = sorted(t.glob("*.safetensors"))[0]
     tensors = load_file(f)
