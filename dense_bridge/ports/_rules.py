@@ -639,8 +639,12 @@ def _strided_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe
             problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
             return None
         seen = list(_shape_of(real_src[s_key], p.transpose))
-        if len(recipe.pieces) == 1:
-            seen[axis] = seen[axis] // n if len(seen) > axis and seen[axis] % n == 0 else -1
+        if len(seen) <= axis:
+            seen = [-1]
+        elif len(recipe.pieces) == 1:  # a cut: every n-th entry
+            seen[axis] = seen[axis] // n if seen[axis] % n == 0 else -1
+        else:  # a join: n pieces of one width
+            seen[axis] *= n
         if tuple(seen) != tuple(shape):
             problems.append(f"destination tensor {key!r} {shape} interleaves {s_key!r} {real_src[s_key]} "
                             f"{'transposed ' if p.transpose else ''}with stride {n} along axis {axis}: shapes disagree")

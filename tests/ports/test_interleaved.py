@@ -117,7 +117,10 @@ def test_an_interleaving_is_learnt_from_the_twins_and_replayed_on_the_real_shape
     assert r.stride == 2 and [p.source for p in r.pieces] == ["m.layers.{}.experts.gate_proj.weight",
                                                             "m.layers.{}.experts.up_proj.weight"]
     g, u = np.swapaxes(real[..., 0::2], -1, -2), np.swapaxes(real[..., 1::2], -1, -2)
-    got = make([(g, None, True), (u, None, True)], r.axis, np.dtype(np.float32), stride=2)
+    m = {m.target: m for m in _rules.plan(back, set(), set(), real_dst, real_src)}["m.layers.2.experts.gate_up_proj"]
+    assert m.stride == 2 and [s[0] for s in m.sources] == ["m.layers.2.experts.gate_proj.weight",
+                                                           "m.layers.2.experts.up_proj.weight"]
+    got = make([(g, None, True), (u, None, True)], m.axis, np.dtype(np.float32), stride=2)
     np.testing.assert_array_equal(got, real)
 
 
