@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan as _mapping
+from . import _one_sided, _plan as _mapping, _stride
 from .._errors import ConversionError, SpecError
 from ._device import DeviceMoves, dtype_of, is_host, shape_of, snapshot
 from ._layouts import Entry
@@ -90,6 +90,7 @@ class Execution:
         self.moved_dst: dict[Any, str] = {}  # dst storage identity -> the src path written into it
         self.casts: list[tuple[str, Any, Any]] = []  # (dst parameter path, src dtype, dst dtype), narrowing
         self.dev = DeviceMoves(a, b)  # moves that stay on the device, where both adapters offer them
+        self.bias_notes: dict[str, str] = {}  # dst layer path -> how a bias on one side only moved
 
     # ------------------------------------------------------------------------- bookkeeping
     def claim(self, d: Entry, name: str, source: str) -> bool:
@@ -164,6 +165,8 @@ class Execution:
         heads = f", {m.heads} heads interleaved" if m.heads is not None else ""
         for ww in self.writes[-len(m.dst):]:
             what = ", ".join(sorted(ww[2])) + " (canonical" + (f", {how}{heads}" if how else "") + ")"
+            if ww[0].path in self.bias_notes:
+                what += f"; {self.bias_notes[ww[0].path]}"
             self.report.moved.append((label, ww[0].path, what))
 
     def canonical(self, s: Entry, d: Entry, writes: list | None = None, casts: list | None = None,
@@ -182,6 +185,11 @@ class Execution:
             have = self.b.linear_params(d)
         except (ConversionError, SpecError) as exc:
             return f"{s.path!r} -> {d.path!r}: {exc}"
+        params, note, problem = _one_sided.reconcile(params, have, s.where(), d.where())
+        if problem:
+            return problem
+        if note:
+            self.bias_notes[d.path] = note
         if sorted(params) != sorted(have):
             return (f"src {s.where()} has parameters {sorted(params)} but dst {d.where()} has {sorted(have)} "
                     f"(a bias or mask on one side only)")
@@ -397,17 +405,27 @@ class Execution:
             if any(v.ndim <= am.axis for v in values):
                 self.problems.append(f"{names}: axis {am.axis} is beyond the parameters' {[v.ndim for v in values]} axes")
                 return
+            stride = getattr(am, "stride", None)
+            if stride is not None and stride != max(len(values), len(dsts)):
+                self.problems.append(f"{names}: 'stride' {stride} interleaves {stride} pieces; the move has "
+                                     f"{max(len(values), len(dsts))}")
+                return
             try:
-                whole = values[0] if len(values) == 1 else np.concatenate(values, axis=am.axis)
+                whole = values[0] if len(values) == 1 else _stride.interleave(values, am.axis) if stride \
+                    else np.concatenate(values, axis=am.axis)
             except ValueError as exc:
-                self.problems.append(f"{names}: the src parameters do not join along axis {am.axis} ({exc})")
+                whole = f"({exc})"
+            if isinstance(whole, str):
+                self.problems.append(f"{names}: the src parameters do not join along axis {am.axis} {whole}")
                 return
             widths = [d.shapes[n][am.axis] if len(d.shapes[n]) > am.axis else -1 for d, n in dsts]
-            if sum(widths) != whole.shape[am.axis]:
+            if sum(widths) != whole.shape[am.axis] or (stride and len(dsts) > 1 and len(set(widths)) != 1):
                 self.problems.append(f"{names}: src holds {whole.shape[am.axis]} along axis {am.axis}, the dst "
-                                     f"parameters {widths} = {sum(widths)}")
+                                     f"parameters {widths} = {sum(widths)}"
+                                     + (" (interleaved pieces share one width)" if stride else ""))
                 return
-            pieces = np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
+            pieces = _stride.cut(whole, len(dsts), am.axis) if stride and len(dsts) > 1 \
+                else np.split(whole, np.cumsum(widths)[:-1], axis=am.axis)
         fitted = []
         for (d, nd), piece in zip(dsts, pieces):
             piece, want = np.ascontiguousarray(piece), d.shapes[nd]
@@ -420,6 +438,7 @@ class Execution:
             fitted.append(piece)
         self._write_pieces(am, dsts, fitted, names, f"parameter along {'new ' if am.stack else ''}axis {am.axis}"
                            + (" (last two axes swapped)" if am.swap else "")
+                           + (f" (interleaved, stride {am.stride})" if getattr(am, "stride", None) else "")
                            + (f" plus {am.offset:g}, rounded to the destination's dtype" if am.offset else ""))
 
     def _stacked(self, am: _mapping.AxisMove, values: list, dsts: list, names: str) -> list | None:

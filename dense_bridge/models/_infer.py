@@ -55,9 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _pair_banks
+from . import _one_sided, _pair_banks, _pair_raw_linear, _stack_ranks, _structure
 from . import _plan as _mapping
-from . import _structure
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
 from ._inputs import model_inputs
@@ -230,7 +229,10 @@ def _record(model, side, inputs, skip: set[str]) -> _Run:
         kind = _kind(side, e)
         if kind == "embedding" and call.inputs and _floating(call.inputs[0]) and _applied(e.shapes[e.names[0]], call):
             kind = "matrix"  # a 2-D weight applied to activations (a router), stored (units, in_features)
-        if kind == "linear":
+        applied = _pair_raw_linear.matrix_signature(e, call) if kind == "raw" else None
+        if applied is not None:  # a bare weight (and bias) its module's code applies as a linear layer
+            kind, sig = "linear", applied
+        elif kind == "linear":
             sig = side.kernel_shape(e)
         elif kind == "matrix":
             kind, sig = "linear", tuple(e.shapes[e.names[0]][::-1])
@@ -644,7 +646,7 @@ def _order_by_name(fused: str, pieces: list[tuple[str, tuple]]) -> list[tuple[st
 
     def at(piece):
         word = _last(piece[0])
-        if word in ("weight", "kernel"):
+        if word in ("weight", "kernel", "bias"):
             word = _last(piece[0].rsplit(".", 1)[0])
         head = word.split("_")[0]
         pos = name.find(head) if head else -1
@@ -691,8 +693,24 @@ def _pair_stacks(a: list[_Layer], b: list[_Layer], plan: _mapping.Plan) -> tuple
     """Expert stacks, parameter by parameter in execution order: one into one (its last two axes
     exchanged where the layouts differ), a fused one cut along an axis into the next few of the
     other side (``gate_up_proj`` into ``gate_proj`` and ``up_proj``, in the order the fused name
-    lists them), or the next few joined into one. Returns the parameters left unpaired."""
-    pa, pb = _stack_params(a), _stack_params(b)
+    lists them), or the next few joined into one; what that leaves on both sides pairs again rank
+    by rank (``_stack_ranks``: matrices, then biases). Returns the parameters left unpaired."""
+    left_a, left_b = _pair_stack_params(_stack_params(a), _stack_params(b), plan)
+    return _stack_ranks.pair_by_rank(left_a, left_b, lambda p: _shape_in(a, p), lambda q: _shape_in(b, q),
+                                     lambda pa, pb: _pair_stack_params(pa, pb, plan))
+
+
+def _shape_in(layers: list[_Layer], path: str) -> tuple[int, ...]:
+    """The stored shape of the parameter ``path`` of one of ``layers``."""
+    for x in layers:
+        for n in x.entry.names:
+            if x.entry.param_path(n) == path:
+                return tuple(x.entry.shapes[n])
+    return ()
+
+
+def _pair_stack_params(pa: list, pb: list, plan: _mapping.Plan) -> tuple[list[str], list[str]]:
+    """The pairing of :func:`_pair_stacks` on two lists of ``(path, shape)`` in execution order."""
     i = j = 0
     while i < len(pa) and j < len(pb):
         move = None
@@ -895,6 +913,8 @@ class Inferred:
     unpaired_dst: list[str]
     #: what the leftovers say about the models as a whole (:func:`_head_hint`), "" when nothing
     hint: str = ""
+    #: src vectors of exact zeros with no counterpart, left behind (``_one_sided.zero_leftovers``)
+    zeros_left: list = field(default_factory=list)
 
     def unpaired_text(self, hint: bool = True) -> str:
         """The hint (``hint=True``) and the layers left unpaired on each side, as one sentence."""
@@ -962,13 +982,14 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
     hint = _head_hint(run_a, run_b, left_a, left_b)
-    different = "" if hint else _structure.different_blocks(a, b, names(left_a) + run_a.uncalled,
-                                                             names(left_b) + run_b.uncalled)
+    unpaired_a, zeros = _one_sided.zero_leftovers(names(left_a) + run_a.uncalled, a)
+    unpaired_b = names(left_b) + run_b.uncalled
+    different = "" if hint else _structure.different_blocks(a, b, unpaired_a, unpaired_b)
     if different and plan.problems:  # layers no mapping makes alike: the cause, before what it shows up as
         plan.problems.insert(0, different)
     elif different:  # only layers left unpaired (strict=False may leave them): said beside them
         hint = different
-    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
+    return Inferred(plan, unpaired_a, unpaired_b, hint, zeros)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:

@@ -15,7 +15,10 @@ The forms (``db.transfer`` and ``db.testing.compare_models`` take all of them):
     (expert stacks; with ``"stack": True`` stacked or unstacked along a NEW axis ``axis``: one
     matrix per expert against one (experts, ...) array), their last two axes exchanged first when ``swap``, ``c`` added to every
     value after (a norm scale stored as ``w`` on one side and ``1 + w`` on the other: ``offset``
-    1.0 or -1.0; the sum rounds in the destination's dtype, which the report states);
+    1.0 or -1.0; the sum rounds in the destination's dtype, which the report states); with
+    ``"stride": n`` the n pieces interleave along ``axis`` instead of lying one after another:
+    piece k holds entries k, k + n, k + 2n, ... of the joined array (GPT-OSS keeps its experts'
+    gate and up projections interleaved in one ``gate_up_proj``), so every piece has the same width;
   - a value ``{"to": <path or list of paths>, "heads": n}`` declares a fused layer whose units
     interleave per head (GPT-NeoX ``query_key_value``: q, k, v for head 0, then head 1, ...):
     the fused units are n blocks, each holding 1/n of every piece, in order;
@@ -83,6 +86,8 @@ class Target:
     offset: float = 0.0  # added to every value moved along an axis, after the move
     #: the pieces stack along a NEW axis ``axis`` (one per expert), or one array unstacks along it
     stack: bool = False
+    #: the pieces interleave along ``axis`` (piece k: entries k, k + n, ...), n = the number of pieces
+    stride: int | None = None
 
     @property
     def along_axis(self) -> bool:
@@ -112,9 +117,15 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
     if isinstance(value, dict) and "heads" in value and "axis" in value:
         return _per_head_target(value, where, mapping)
     if isinstance(value, dict) and "heads" not in value and ("axis" in value or "swap" in value or "offset" in value):
-        if set(value) - {"to", "axis", "swap", "offset", "stack"}:
+        if set(value) - {"to", "axis", "swap", "offset", "stack", "stride"}:
             raise TypeError(f"{where}: a parameter move along an axis is {{'to': path or [paths], 'axis': k, "
-                            f"'swap': bool, 'offset': number, 'stack': bool}}; got {value!r}. "
+                            f"'swap': bool, 'offset': number, 'stack': bool, 'stride': n}}; got {value!r}. "
+                            f"{received('mapping', mapping)}")
+        stride = value.get("stride")
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 2
+                                   or value.get("axis") is None):
+            raise TypeError(f"{where}: 'stride' must be an integer of at least 2 (the number of interleaved pieces) "
+                            f"with an 'axis' to interleave along; got stride={stride!r}, axis={value.get('axis')!r}. "
                             f"{received('mapping', mapping)}")
         axis, swap, offset = value.get("axis"), value.get("swap", False), value.get("offset", 0.0)
         stack = value.get("stack", False)
@@ -132,7 +143,7 @@ def _target(value: Any, where: str, mapping: Any) -> Target:
         inner = _target(value.get("to"), where, mapping)
         if inner.fn is not None:
             raise TypeError(f"{where}: 'to' must be a path or a list of paths. {received('mapping', mapping)}")
-        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset), stack)
+        return Target(inner.paths, inner.split, None, None, axis, swap, float(offset), stack, stride)
     if isinstance(value, dict):
         if set(value) - {"to", "heads"} or "to" not in value:
             raise TypeError(f"{where}: a dict value must be {{'to': path or [paths], 'heads': n}}; got {value!r}. "
@@ -298,6 +309,9 @@ class AxisMove:
     #: per-expert matrices into an (experts, rows, cols) stack), or the one source unstacked into
     #: the destinations, one entry each
     stack: bool = False
+    #: the pieces interleave along ``axis``: piece k holds entries k, k + n, ... (n = ``stride``,
+    #: the number of pieces); None: they lie one after another
+    stride: int | None = None
 
     def replacement(self, st: Callable[[str], str] = lambda p: p) -> dict:
         to: Any = [st(d) for d in self.dst] if len(self.dst) > 1 else st(self.dst[0])
@@ -311,6 +325,8 @@ class AxisMove:
             out["offset"] = self.offset
         if self.stack:
             out["stack"] = True
+        if self.stride:
+            out["stride"] = self.stride
         return out
 
 
@@ -366,7 +382,7 @@ def _expand(target: Target, match: re.Match | None) -> Target:
     except (re.error, IndexError) as exc:
         raise SpecError(f"mapping replacement {target.paths!r} does not fit the rule {match.re.pattern!r} "
                         f"({exc})") from None
-    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset, target.stack)
+    return Target(paths, target.split, target.fn, target.heads, target.axis, target.swap, target.offset, target.stack, target.stride)
 
 
 def _ask(rule: Rule, path: str) -> Target | None:
@@ -454,7 +470,7 @@ def _axis_move(src, dst, paths: tuple[str, ...], target: Target, where: str, pla
         plan.problems.append(f"{where}: {dst.unknown(unknown[0], 'parameter')}")
         return
     plan.axis_moves.append(AxisMove(tuple(paths), tuple(dst.param(p) for p in target.paths), target.axis,
-                                    target.swap, text, target.heads, target.offset, target.stack))
+                                    target.swap, text, target.heads, target.offset, target.stack, target.stride))
 
 
 def _param(src, dst, path: str, target: Target, where: str, plan: Plan, text: str) -> None:
@@ -575,7 +591,7 @@ def _by_rules(src, dst, rules: list[Rule], plan: Plan) -> None:
                                  f"{len(rule.src)} patterns match a src parameter")
             continue
         joined = Target((path,), heads=rule.target.heads, axis=rule.target.axis, swap=rule.target.swap,
-                        offset=rule.target.offset, stack=rule.target.stack)
+                        offset=rule.target.offset, stack=rule.target.stack, stride=rule.target.stride)
         _axis_move(src, dst, tuple(group[i] for i in range(len(rule.src))), joined, f"mapping rule {rule.text} joins into {path!r}, and", plan, rule.text)
 
 

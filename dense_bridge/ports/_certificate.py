@@ -13,6 +13,10 @@ stacks its pieces along the new axis ``axis`` instead (expert stacks); one with 
 takes one entry of the stored axis ``axis`` and drops that axis. A transpose exchanges the last
 two axes. An entry with ``"offset": c`` adds c to every value (summed in float64, rounded once to
 ``dtypes[-1]``): a norm's scale one library stores as ``w`` and the other as ``1 + w``.
+A slice may carry a step (``[start, stop, step]``: every step-th entry, a piece of an
+interleaving); an entry with ``"stride": n`` interleaves its n pieces along ``axis`` (entry i of
+piece k at i * n + k) instead of concatenating them. An entry with ``"zeros": true`` has no sources and holds exact zeros of its ``shape`` (``ops``
+``["zeros"]``): a bias the destination's layer holds and the source's lacks (``_zeros``).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from .._errors import CheckpointError, received
 from .._version import __version__
 from ..checkpoints import _port_files as files
 from ..checkpoints._safetensors import PendingTensor, SafetensorsFile
-from . import _dirs, _rules
+from . import _dirs, _rules, _zeros
 
 NAME = "port_certificate.json"
 VERSION = 1
@@ -51,23 +55,31 @@ def _source_slice(shape: tuple[int, ...], transpose: bool, axis: int | None, sta
 
 
 def make(sources: list[tuple], axis: int | None, dtype: np.dtype, shape=None, view=None, stack: bool = False,
-         pick: bool = False, offset: float = 0.0) -> np.ndarray:
+         pick: bool = False, offset: float = 0.0, stride: int | None = None) -> np.ndarray:
     """A destination tensor from its source pieces ``(array, slice, transpose[, view])``, its
     ``view`` undone into ``shape`` when given (see the module docstring). Views where the recipe
     allows (a single transposed piece is written from its view). ``stack``: the pieces stacked
     along a new axis ``axis`` (expert stacks); ``pick``: the one piece's stored axis ``axis``
     (sliced to one entry) dropped before any transpose. ``offset``: added to every value, summed in
-    float64 (exact for any float32 + 1) and rounded once to ``dtype``."""
+    float64 (exact for any float32 + 1) and rounded once to ``dtype``. A slice may carry a step
+    (``[start, stop, step]``: every step-th entry); ``stride``: the pieces interleaved along
+    ``axis`` instead of concatenated."""
     parts = []
     for arr, sl, transpose, *source_view in sources:
         if source_view and source_view[0] is not None:
             arr = _rules.apply_view(arr, source_view[0])
-        piece = arr[tuple(slice(a, b) for a, b in sl)] if sl else arr
+        piece = arr[tuple(slice(*x) for x in sl)] if sl else arr
         if pick:
             piece = np.squeeze(piece, axis=axis)
         parts.append(np.swapaxes(piece, -1, -2) if transpose and piece.ndim >= 2 else piece)
     if stack:
         out = np.stack(parts, axis=axis)
+    elif stride and len(parts) > 1:
+        from ..models._stride import interleave
+
+        out = interleave(parts, axis)
+        if isinstance(out, str):
+            raise CheckpointError(f"the pieces do not interleave: {out}")
     else:
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
     if view is not None:
@@ -85,8 +97,8 @@ def _ops(entry_sources: list[dict], axis, src_dt: np.dtype, dst_dt: np.dtype) ->
         if s.get("view") is not None:
             full = _rules.view_shape(tuple(s["shape"]), s["view"])
             ops.append(f"view {s['tensor']} as {full} (axes {s['view']})")
-        if any(a != 0 or b != n for (a, b), n in zip(shape_slice, full)):
-            ops.append(f"slice {s['tensor']} " + "[" + ", ".join(f"{a}:{b}" for a, b in shape_slice) + "]")
+        if any(x[0] != 0 or x[1] != n or len(x) > 2 for x, n in zip(shape_slice, full)):
+            ops.append(f"slice {s['tensor']} " + "[" + ", ".join(":".join(map(str, x)) for x in shape_slice) + "]")
         if s["transpose"]:
             ops.append(f"transpose {s['tensor']}")
     if len(entry_sources) > 1:
@@ -124,6 +136,13 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
     for moves, name in zip(shards, layout["shards"]):
         tensors = {}
         for m in moves:
+            if getattr(m, "zeros", False):  # no source: exact zeros (a bias the source's layer lacks)
+                dst_dt = out_dtype[m.target]
+                entries[m.target] = _zeros.entry(tuple(m.shape), _dtype_name(dst_dt), name)
+                tensors[m.target] = PendingTensor(dst_dt, tuple(m.shape),
+                                                  lambda m=m, dt=dst_dt: np.zeros(tuple(m.shape), dt))
+                weight_map[m.target] = name
+                continue
             pieces = []
             for s_key, transpose, start, stop in m.sources:
                 s_key, k = _rules.split_view(s_key)
@@ -134,6 +153,12 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
                                "slice": _source_slice(seen, transpose and not getattr(m, "pick", False),
                                                       None if getattr(m, "stack", False) else m.axis, start, stop),
                                "transpose": transpose, "view": k})
+            stride = getattr(m, "stride", None)
+            if stride and len(pieces) == 1:  # every stride-th entry of the one source, along its stored axis
+                n_ax = len(pieces[0]["shape"])
+                tr = pieces[0]["transpose"]
+                stored_axis = (2 * n_ax - 3 - m.axis) if tr and m.axis >= n_ax - 2 else m.axis
+                pieces[0]["slice"][stored_axis] = [m.sources[0][2], pieces[0]["shape"][stored_axis], stride]
             first = _rules.split_view(m.sources[0][0])[0]
             src_dt = opened[weights[first]].tensors[file_keys.get(first, first)].numpy_dtype
             dst_dt = out_dtype[m.target]
@@ -147,6 +172,10 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
             if offset:  # a sum: exact only where every value comes out unrounded (known once written)
                 entry.update(offset=offset, exact=False, max_ulp=None)
                 entry["ops"].append(f"add {offset:g}")
+            if stride and len(pieces) > 1:
+                entry["stride"] = stride
+                entry["ops"] = [op if not op.startswith("concatenate") else f"interleave axis {m.axis} (stride {stride})"
+                                for op in entry["ops"]]
             new_axis = {k: True for k in ("stack", "pick") if getattr(m, k, False)}
             if new_axis:  # along a new axis: stacked, or one entry taken (and the ops say so)
                 entry.update(new_axis)
@@ -156,6 +185,7 @@ def write_all(tmp: str, shards, layout: dict, opened: dict[str, SafetensorsFile]
             def produce(m=m, pieces=pieces, dst_dt=dst_dt, entry=entry, offset=offset):
                 arrays = [(opened[p["file"]].get(p["tensor"]), p["slice"], p["transpose"], p["view"]) for p in pieces]
                 flags = {k: bool(entry.get(k)) for k in ("stack", "pick")}
+                flags["stride"] = entry.get("stride")
                 if offset:  # the sum as float64, its rounding to the destination's dtype stated
                     exact = make(arrays, m.axis, np.dtype(np.float64), m.shape, m.view, **flags, offset=offset)
                     entry["max_ulp"] = _max_ulp(exact, dst_dt)
@@ -388,6 +418,12 @@ def verify_port(out: Any) -> VerifyReport:
             if why:
                 problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it {why}")
             continue
+        if entry.get("zeros"):
+            got = dst.get(target)
+            if list(got.shape) != list(entry.get("shape", [])) or np.any(got):
+                problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it is not the "
+                                f"{entry.get('shape')} zeros its entry states")
+            continue
         arrays = []
         for s in entry["sources"]:
             f = open_(src_dir, s["file"], "source")
@@ -404,7 +440,8 @@ def verify_port(out: Any) -> VerifyReport:
             problems.append(f"tensor {target!r}: its 'offset' is not a number. {received('offset', offset)}")
             continue
         want = make(arrays, entry["axis"], got.dtype, entry.get("shape"), entry.get("view"),
-                    stack=bool(entry.get("stack")), pick=bool(entry.get("pick")), offset=offset)
+                    stack=bool(entry.get("stack")), pick=bool(entry.get("pick")), offset=offset,
+                    stride=entry.get("stride") if isinstance(entry.get("stride"), int) else None)
         if want.shape != got.shape or want.tobytes() != got.tobytes():
             problems.append(f"tensor {target!r} in {entry['file']!r} does not hold: it differs from what its sources "
                             f"{[s['tensor'] for s in entry['sources']]} give with {entry['ops']}")

@@ -31,7 +31,7 @@ from ..checkpoints import _port_files as files
 from ..checkpoints._io import parse_size
 from ..checkpoints._safetensors import SafetensorsFile
 from ..registry._devices import check_device_value, place_for_run, place_model, where as device_where
-from . import _adapters, _certificate, _codes, _differ, _dirs, _rules, _tying
+from . import _adapters, _certificate, _codes, _differ, _dirs, _interleaved, _rules, _tying, _zeros
 
 #: Token positions of the generated inputs (a wrong rope base barely moves the first positions).
 POSITIONS = 256
@@ -177,7 +177,8 @@ def model_inputs(src_fmt, dst_fmt, ids: np.ndarray, a=None, b=None):
     return [ids] if isinstance(a, list) and isinstance(b, list) else (a, b)
 
 
-def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None, stored=None):
+def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None, stored=None, zeros=frozenset(),
+           unplaced=None):
     """Build, transfer and verify the twins; returns (transfer report, recipes, stored templates,
     twin parameter templates, discrepancies, twin verification dict)."""
     small = _dirs.shrink(common, src_fmt, dst_fmt)
@@ -187,6 +188,7 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
         src_cfg = form(src_cfg, src_fmt.port_own_config(common), stored)
     dst_cfg = _dirs.complete(dst_fmt, dst_fmt.port_own_config(small), src_fmt.port_shapes(src_cfg))
     a = _tying.source_twin(src_fmt, src_fmt.port_twin(src_cfg, seed=0), src_fmt.port_shapes(src_cfg), stored)
+    _zeros.zero_twin(a, zeros)  # biases the real source holds as exact zeros, zero in its twin too
     a = place_for_run(a, device)  # None: the GPU when present
     b = place_for_run(dst_fmt.port_twin(dst_cfg, seed=1), device)
     vocab = vocab_of(src_fmt, src_cfg, src_fmt.port_shapes(src_cfg))
@@ -196,10 +198,18 @@ def _twins(src_fmt, dst_fmt, common: dict, transfer, compare_models, device=None
     try:  # inferred here, judged below by the same comparison transfer(verify=True) makes, measured once
         report = transfer(a, b, mapping="auto", inputs=model_inputs(src_fmt, dst_fmt, ids, a, b), verify=False)
     except ConversionError as exc:
-        raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): {exc}") from None
+        why = _zeros.explain(str(exc), unplaced or {}, dst_fmt.name)  # a source vector the destination's model has no place for
+        raise PortMismatch(f"the twins cannot be paired, so no mapping was found (nothing was written): "
+                           f"{why + ': ' if why else ''}{exc}") from None
     compared = compare_models(a, b, model_inputs(src_fmt, dst_fmt, ids, a, b), mapping=report.rules, grads=False,
                               judge="carried")
     verification = {"mode": "twins", "passed": True, "positions": positions, "devices": {"a": device_where(a), "b": device_where(b)}}
+    if not compared.passed:  # a cut that shapes cannot tell from an interleaving: the interleaved one tried
+        again = _interleaved.retry(a, b, report.rules, model_inputs(src_fmt, dst_fmt, ids, a, b), transfer,
+                                   compare_models, lambda: _kl_top1(src_fmt.port_logits(a, ids),
+                                                                    dst_fmt.port_logits(b, ids))[0])
+        if again is not None:
+            report, compared = again
     if not compared.passed:
         # the mapping may be right while the libraries compute different functions: judge every
         # linear layer alone; if each agrees, the difference lies in the code between them
@@ -434,16 +444,19 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
     dst_config = _dirs.complete(dst_fmt, dst_fmt.port_own_config(common), real_src)
     real_dst = dst_fmt.port_shapes(dst_config)  # an architecture it does not build is refused here
 
+    dropped, unplaced = _zeros.real_zero_templates(real_src, lambda k: opened[contents["weights"][k]].get(
+        contents["file_keys"].get(k, k)), real_dst)
     report, recipes, stored, twin_params, discrepancies, verification = _twins(
-        src_fmt, dst_fmt, common, transfer, compare_models, device, stored=real_src)
-    moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst)
+        src_fmt, dst_fmt, common, transfer, compare_models, device, stored=real_src, zeros=dropped,
+        unplaced=unplaced)
+    moves = _rules.plan(recipes, stored, twin_params, real_src, real_dst, dropped)
     rules = _rules.generalise_layer_rules(report.rules)
     if adapter is not None:  # checked against the source; merge: the adapted weights merged as they are read
         opened = adapter.bind(src_fmt, dst_fmt, common, real_src, src_dtype, opened, contents["weights"],
                               contents["file_keys"], rules, dtype, real_dst)
 
-    out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else src_dtype[_rules.split_view(m.sources[0][0])[0]])
-                 for m in moves}
+    out_dtype = {m.target: (np.dtype(_numpy_dtype(dtype)) if dtype else _zeros.fill_dtype(src_dtype) if not m.sources
+                            else src_dtype[_rules.split_view(m.sources[0][0])[0]]) for m in moves}
 
     def nbytes(m):
         return out_dtype[m.target].itemsize * int(np.prod(m.shape))
@@ -508,6 +521,10 @@ def _port(src, out, src_fmt, dst_fmt, contents, src_paths, opened, real_src, src
                           verification=verification)
         certificate = _certificate.build(root, src_fmt, dst_fmt, tmp, src_paths, contents, report, rules,
                                          verification, cert_tensors, discrepancies, shared, hashes)
+        used = {_rules.split_view(x[0])[0] for m in moves for x in m.sources}
+        gone = sorted(k for k in real_src if k not in used and _rules.template(k)[0] in dropped)
+        if gone:  # source biases of exact zeros that the destination's layers have no place for
+            certificate["dropped_zeros"] = gone
         if one_file:
             certificate["destination"]["outtype"] = outtype
         if adapter is not None:

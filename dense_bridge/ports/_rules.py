@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConversionError
+from . import _strided
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 #: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
@@ -149,8 +150,21 @@ class Recipe:
     #: with ``group`` and ``pick``: the twin's entry width along the source view's ``axis`` (the
     #: one piece's run [start, stop) lies within it)
     width: int = 0
+    #: no source: a tensor of exact zeros (a bias the source's layer lacks, ``_zeros``)
+    zeros: bool = False
+    #: the pieces interleave along ``axis`` (``_strided``): one piece, every ``stride``-th entry of
+    #: its source from ``start``; or ``stride`` whole pieces interleaved
+    stride: int | None = None
 
     def describe(self) -> str:
+        if self.zeros:
+            return f"{self.target} <- zeros"
+        if self.stride:
+            p = self.pieces
+            if len(p) == 1:
+                return (f"{self.target} <- {'transpose ' if p[0].transpose else ''}{p[0].source}"
+                        f"[{p[0].start}::{self.stride} along axis {self.axis}]")
+            return f"{self.target} <- interleave axis {self.axis}({', '.join(q.source for q in p)})"
         parts = [("transpose " if p.transpose else "") + p.source + ("" if p.whole else f"[{p.start}:{p.stop}]")
                  for p in self.pieces]
         if self.stack:
@@ -303,6 +317,21 @@ def _match(name: str, d: np.ndarray, src: dict[str, np.ndarray], where: _Index) 
                           "(nothing was written)")
 
 
+def _zeros_made(d: np.ndarray, src: dict[str, np.ndarray]) -> bool:
+    """Is the destination twin's tensor ``d`` a tensor of zeros that no source tensor is?
+
+    Args:
+        d: the destination twin's saved tensor (float32).
+        src: the source twin's saved tensors (file key -> float32 array).
+    Returns:
+        True when every value of ``d`` is zero and no source tensor of its shape is all zeros
+        (an all-zero source of its shape is a copy, which the value search finds).
+    """
+    if not d.size or np.any(d):
+        return False
+    return not any(np.shape(s) == d.shape and not np.any(s) for s in src.values())
+
+
 def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, Recipe]:
     """One recipe per destination template, from the twins' saved tensors (``src``/``dst``: file
     key -> float32 array). ConversionError when a tensor has no recipe or two layers of one
@@ -314,7 +343,18 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
     for name, d in dst.items():
         d = np.asarray(d, np.float32)
         t, idx = template(name)
-        made = _made(name, d, src, where, wide, candidates, t)
+        if _zeros_made(d, src):
+            recipes[t] = Recipe(t, None, (), zeros=True)
+            continue
+        stride = None
+        try:
+            made = _made(name, d, src, where, wide, candidates, t)
+        except ConversionError:
+            interleaved = _strided.find(d, src, where)
+            if interleaved is None:
+                raise
+            axis, parts, stride = interleaved
+            made = (axis, [(n, tr, k, k + 1, len(parts) > 1) for n, tr, k in parts], None, None, 0.0)
         if made is None:
             continue
         axis, found, view, made_wide, offset = made
@@ -328,7 +368,7 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
             # a whole source is the same piece whatever its width (layers of one kind may differ in it)
             pieces.append(Piece(_symbolic(st), transpose, 0 if whole else start, 0 if whole else stop, whole))
         recipe = Recipe(t, axis, tuple(pieces), view=HEADS if view is not None and _heads(view) else view,
-                        offset=offset)
+                        offset=offset, stride=stride)
         if t in recipes and recipes[t] != recipe:
             raise ConversionError(f"the twins' layers disagree on how {t!r} is made: {recipes[t].describe()} vs "
                                   f"{recipe.describe()} (nothing was written)")
@@ -492,6 +532,11 @@ class Move:
     pick: bool = False
     #: added to every value (:attr:`Recipe.offset`), the sum rounded once in the destination's dtype
     offset: float = 0.0
+    #: no sources: exact zeros (:attr:`Recipe.zeros`)
+    zeros: bool = False
+    #: interleaved along ``axis`` (:attr:`Recipe.stride`): one source's every stride-th entry from
+    #: its ``start``, or the sources interleaved
+    stride: int | None = None
 
 
 def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
@@ -501,14 +546,16 @@ def _shape_of(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
 
 
 def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_templates: set[str],
-         real_src: dict[str, tuple[int, ...]], real_dst: dict[str, tuple[int, ...]]) -> list[Move]:
+         real_src: dict[str, tuple[int, ...]], real_dst: dict[str, tuple[int, ...]],
+         dropped: set[str] = frozenset()) -> list[Move]:
     """The moves for a real checkpoint: ``real_src`` (source file key -> shape), ``real_dst``
     (every parameter of the destination model built for the real config -> shape).
 
     A destination parameter whose template the destination twin's file did not hold but its model
     did (a tied head) is not written, as the library's saver does not write it. ConversionError
     naming what does not fit: a destination tensor no recipe makes, a missing or unused source
-    tensor, a shape that disagrees.
+    tensor, a shape that disagrees. ``dropped``: templates of source tensors no destination tensor
+    needs because every value is exactly zero (``_zeros.real_zero_templates``).
     """
     moves: list[Move] = []
     used: set[str] = set()
@@ -518,16 +565,22 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
     real_dst = dict(real_dst)
     dst_templates = {template(k)[0] for k in real_dst}
     for t, recipe in recipes.items():  # tensors the library's saver writes but its model does not hold
-        if t in dst_templates or (recipe.group and not recipe.pick) or not (recipe.stack or recipe.pick or recipe.axis is None
+        if t in dst_templates or (recipe.group and not recipe.pick) or recipe.zeros or not (recipe.stack or recipe.pick or recipe.axis is None
                                       or all(p.whole for p in recipe.pieces)):
             continue
         real_dst.update(_saved_only(recipe, real_src))
     for key, shape in real_dst.items():
         t, idx = template(key)
         recipe = recipes.get(t)
-        if recipe is not None and recipe.group:
-            move = (_group_pick_move(key, tuple(shape), idx, recipe, real_src, used, covered, problems)
-                    if recipe.pick else _group_move(key, tuple(shape), idx, recipe, real_src, used, problems))
+        if recipe is not None and recipe.zeros:
+            moves.append(Move(key, tuple(shape), None, zeros=True))
+            continue
+        if recipe is not None and (recipe.group or recipe.stride):
+            if recipe.group:
+                move = (_group_pick_move(key, tuple(shape), idx, recipe, real_src, used, covered, problems)
+                        if recipe.pick else _group_move(key, tuple(shape), idx, recipe, real_src, used, problems))
+            else:
+                move = _strided_move(key, tuple(shape), idx, recipe, real_src, used, problems)
             if move is not None:
                 moves.append(move)
             continue
@@ -598,7 +651,7 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         total = view_shape(real_src[base], k)[0]
         if rows != total:
             problems.append(f"source tensor {s_key!r} {real_src[base]}: its entries' runs take {rows} of its {total} rows")
-    unused = sorted(set(real_src) - used)
+    unused = sorted(k for k in set(real_src) - used if template(k)[0] not in dropped)
     if unused:
         problems.append(f"source tensors no destination tensor uses: {unused[:8]}"
                         f"{' and %d more' % (len(unused) - 8) if len(unused) > 8 else ''}")
@@ -606,6 +659,32 @@ def plan(recipes: dict[str, Recipe], stored_templates: set[str], twin_param_temp
         raise ConversionError("the twins' rules do not fit the real checkpoint (nothing was written):\n  - "
                               + "\n  - ".join(problems[:20]))
     return moves
+
+
+def _strided_move(key: str, shape: tuple[int, ...], idx: tuple[int, ...], recipe: Recipe,
+                  real_src: dict[str, tuple[int, ...]], used: set[str], problems: list[str]) -> Move | None:
+    """The move of an interleaving recipe (:attr:`Recipe.stride`) for the real destination tensor ``key``."""
+    n, axis = recipe.stride, recipe.axis
+    move = Move(key, shape, axis, stride=n)
+    for p in recipe.pieces:
+        s_key = fill(p.source, idx[:p.source.count("{}")])
+        if s_key not in real_src:
+            problems.append(f"destination tensor {key!r} needs source tensor {s_key!r}, which the source lacks")
+            return None
+        seen = list(_shape_of(real_src[s_key], p.transpose))
+        if len(seen) <= axis:
+            seen = [-1]
+        elif len(recipe.pieces) == 1:  # a cut: every n-th entry
+            seen[axis] = seen[axis] // n if seen[axis] % n == 0 else -1
+        else:  # a join: n pieces of one width
+            seen[axis] *= n
+        if tuple(seen) != tuple(shape):
+            problems.append(f"destination tensor {key!r} {shape} interleaves {s_key!r} {real_src[s_key]} "
+                            f"{'transposed ' if p.transpose else ''}with stride {n} along axis {axis}: shapes disagree")
+            return None
+        used.add(s_key)
+        move.sources.append((s_key, p.transpose, p.start if len(recipe.pieces) == 1 else 0, None))
+    return move
 
 
 def _saved_only(recipe: Recipe, real_src: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
