@@ -394,6 +394,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "_quant.py",     # quant_layer: quantized linear layers in the canonical quantized form (dense_bridge/quant.py)
     "_ports.py",     # PORTS: the whole model directories of the libraries built on it (db.port)
     "_port_quant.py",  # PORTS extras: quantized codes in ports (ports/_codes.py: keep_codes, quantize=)
+    "_port_kinds.py",  # PORTS extras: config settings one library writes in another form (a pattern, renamed kinds)
     "_quant_files.py",  # quant_file_template: the framework's quantized checkpoint files (checkpoints/_quantized.py)
 )
 
