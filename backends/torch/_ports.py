@@ -673,8 +673,8 @@ def _randomize(model, seed: int) -> None:
 
 
 def _auto(config: dict):
-    """transformers' auto class for ``config``: a sequence classifier where its ``architectures``
-    names one (transformers' own mapping says which), a causal language model where transformers
+    """transformers' auto class for ``config``: a sequence classifier or a sequence-to-sequence
+    model where its ``architectures`` names one (transformers' own mappings say which), a causal language model where transformers
     maps the config class to one, else its image-text-to-text model where it maps it there (a
     multimodal checkpoint's whole model, or a text model transformers files only there)."""
     transformers = _transformers()
@@ -683,6 +683,8 @@ def _auto(config: dict):
     arch = (config.get("architectures") or [None])[0]
     if arch in set(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()):
         return transformers.AutoModelForSequenceClassification
+    if arch in set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()):
+        return transformers.AutoModelForSeq2SeqLM  # the whole encoder-decoder, not its decoder alone
     try:
         cls = _config_class(config)
     except ConversionError:
