@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _pair_banks
+from . import _offset_tables, _pair_banks
 from . import _plan as _mapping
 from . import _structure
 from .._errors import ConversionError, received
@@ -941,6 +941,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
                                               rule="auto"))
         left_b = []
     la, lb = _pair_by_shape(run_a.layers.get("embedding", []), run_b.layers.get("embedding", []), plan)
+    la, lb = _offset_tables.pair_offset_tables(la, lb, b, plan)  # a position table with reserved leading rows
     left_a += la
     left_b += lb
     la, lb = _pair_norms(run_a.layers.get("norm", []), run_b.layers.get("norm", []), a, b, plan)
@@ -966,7 +967,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
         plan.problems.insert(0, different)
     elif different:  # only layers left unpaired (strict=False may leave them): said beside them
         hint = different
-    return Inferred(plan, names(left_a) + run_a.uncalled, names(left_b) + run_b.uncalled, hint)
+    unpaired_a = _offset_tables.drop_tied_copies(names(left_a) + run_a.uncalled, a, plan)  # one table, several names
+    return Inferred(plan, unpaired_a, names(left_b) + run_b.uncalled, hint)
 
 
 def inferred_rules(src_model, dst_model, inputs, mapping, sides) -> list:
