@@ -97,3 +97,27 @@ def drop_tied_copies(left: list[str], a, plan: _mapping.Plan) -> list[str]:
             continue
         out.append(name)
     return out
+
+
+def lacking_tables(left_a: list[str], left_b: list[str], a, b) -> str:
+    """The sentence for src embedding tables (one 2-D parameter) left unpaired while dst leaves no
+    table of their width: dst's model looks up no such table (a token-type table whose one row the
+    source adds to every token), so its rows would be lost. "" when there is none."""
+    def tables(left, side):
+        out = []
+        for name in left:
+            hit = side.params.get(name)
+            if hit is None:
+                e = next((x for x in side.entries if x.path == name), None)
+                hit = (e, e.names[0]) if e is not None and len(e.names) == 1 else None
+            if hit is not None and len(hit[0].names) == 1 and len(hit[0].shapes[hit[1]]) == 2:
+                out.append((hit[0].param_path(hit[1]), tuple(int(n) for n in hit[0].shapes[hit[1]])))
+        return out
+    widths_b = {s[1] for _, s in tables(left_b, b)}
+    lost = [(p, s) for p, s in tables(left_a, a) if s[1] not in widths_b]
+    if not lost:
+        return ""
+    listed = ", ".join(f"{p!r} {s}" for p, s in lost)
+    return (f"src's table(s) {listed} have no counterpart in dst: dst's model looks up no such table, so the rows "
+            f"src adds to its embeddings (a token-type table adds one to every token) cannot be carried; the port is "
+            f"exact only for a model whose rows there are zero (strict=False leaves the table out)")

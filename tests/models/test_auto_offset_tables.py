@@ -84,3 +84,22 @@ def test_an_encoder_decoder_token_table_held_under_three_names_moves_once_with_b
     for path, got, want in pairs:
         assert np.array_equal(got, want), path
     assert sum("rows[2:]" in repr(r[1]) for r in report.rules) == 2
+
+
+def test_a_token_type_row_the_destination_cannot_hold_is_refused_by_name(tmp_path):
+    import pytest
+
+    transformers = _transformers()
+    keras_hub = _keras_hub()
+    cfg = transformers.RobertaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS,
+                                     intermediate_size=FF, max_position_embeddings=POS, type_vocab_size=1,
+                                     pad_token_id=1, layer_norm_eps=1e-5)
+    src = transformers.RobertaModel(cfg, add_pooling_layer=False).eval()
+    _randomize(src)  # a random token-type row: added to every token by transformers, absent from keras-hub
+    dst = keras_hub.models.RobertaBackbone(vocabulary_size=V, num_layers=1, num_heads=HEADS, hidden_dim=H,
+                                           intermediate_dim=FF, max_sequence_length=POS - 2, dropout=0.0)
+    before = [np.asarray(w).copy() for w in dst.weights]
+    inputs = ([IDS], {"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    with pytest.raises(db.DenseBridgeError, match=r"token_type_embeddings.weight' \(1, 32\) have no counterpart in dst"):
+        db.transfer(src, dst, mapping="auto", inputs=inputs)
+    assert all(np.array_equal(np.asarray(w), x) for w, x in zip(dst.weights, before))  # nothing written
