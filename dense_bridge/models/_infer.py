@@ -968,7 +968,8 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     elif different:  # only layers left unpaired (strict=False may leave them): said beside them
         hint = different
     unpaired_a = _offset_tables.drop_tied_copies(names(left_a) + run_a.uncalled, a, plan)  # one table, several names
-    lost = _offset_tables.lacking_tables(unpaired_a, names(left_b) + run_b.uncalled, a, b)
+    lost = _offset_tables.lacking_tables([n for n in unpaired_a if n not in run_a.uncalled],
+                                         names(left_b) + run_b.uncalled, a, b)  # tables looked up, not buffers
     hint = "; ".join(h for h in (hint, lost) if h)
     return Inferred(plan, unpaired_a, names(left_b) + run_b.uncalled, hint)
 

@@ -100,7 +100,7 @@ def drop_tied_copies(left: list[str], a, plan: _mapping.Plan) -> list[str]:
 
 
 def lacking_tables(left_a: list[str], left_b: list[str], a, b) -> str:
-    """The sentence for src embedding tables (one 2-D parameter) left unpaired while dst leaves no
+    """The sentence for src embedding tables (one 2-D parameter) looked up and left unpaired while dst leaves no
     table of their width: dst's model looks up no such table (a token-type table whose one row the
     source adds to every token), so its rows would be lost. "" when there is none."""
     def tables(left, side):
