@@ -110,7 +110,8 @@ def lacking_tables(left_a: list[str], left_b: list[str], a, b) -> str:
             if hit is None:
                 e = next((x for x in side.entries if x.path == name), None)
                 hit = (e, e.names[0]) if e is not None and len(e.names) == 1 else None
-            if hit is not None and len(hit[0].names) == 1 and len(hit[0].shapes[hit[1]]) == 2:
+            # a layer of its own: a parameter the model itself holds (a bias its code adds) is no table
+            if hit is not None and hit[0].path and len(hit[0].names) == 1 and len(hit[0].shapes[hit[1]]) == 2:
                 out.append((hit[0].param_path(hit[1]), tuple(int(n) for n in hit[0].shapes[hit[1]])))
         return out
     widths_b = {s[1] for _, s in tables(left_b, b)}
