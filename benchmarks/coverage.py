@@ -94,6 +94,9 @@ OVERRIDES: dict[str, dict] = {
     "qwen3_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [24, 20, 20]}},
     "qwen3_vl_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
                                          "mrope_section": [24, 20, 20]}},
+    # transformers' default ESM config leaves the padding id None, which its own position ids compare tokens
+    # with (the released ESM-2 models' padding id)
+    "esm": {"pad_token_id": 1},
 }
 #: The most parameters a tiny model may have (a multimodal composite whose towers the shrink cannot reach).
 MAX_TINY = 150_000_000

@@ -883,10 +883,14 @@ def port_load(fmt: str, path: str):
 
 def port_inputs(fmt: str, ids: np.ndarray, model=None) -> dict:
     """keras-hub's inputs for the token ids ``ids`` (batch, positions): the ids, a full padding
-    mask, and segment ids 0 where ``model``'s backbone takes them (transformers' default)."""
+    mask, and segment ids 0 where ``model``'s backbone takes them (transformers' default); an
+    encoder-decoder backbone gets the ids on both sides, as the transformers side does
+    (``port_inputs`` of the transformers adapter)."""
     ids = np.asarray(ids)
     out = {"token_ids": ids.astype(np.int32), "padding_mask": np.ones_like(ids, dtype=np.int32)}
     wanted = getattr(getattr(model, "backbone", model), "input", None)
+    if isinstance(wanted, dict) and "encoder_token_ids" in wanted and "decoder_token_ids" in wanted:
+        return {f"{side}_{k}": v for side in ("encoder", "decoder") for k, v in out.items()}
     if isinstance(wanted, dict) and "segment_ids" in wanted:
         out["segment_ids"] = np.zeros_like(ids, dtype=np.int32)
     return out

@@ -64,7 +64,7 @@ from ._quant import quant_build, quant_layer  # torchao weight-only layers: dens
 from ._files import file_info, file_layout, file_views, read_file, write_file  # native checkpoint files
 from ._parallel import (load_dcp, parallel_agree_seed, parallel_barrier, parallel_compile, parallel_get_params, parallel_set_params, parallel_state, parallel_to_spec, parallel_trace, save_dcp)
 
-from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_complete_config)  # noqa: E501  model directories (db.port)
+from ._ports import (port_detect, port_contents, port_common_config, port_own_config, port_shrink, port_twin, port_save, port_shapes, port_layout, port_load, port_logits, port_example, port_describe, port_open, port_complete_config, port_inputs)  # noqa: E501  model directories (db.port)
 __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "array_namespace", "owns", "compile", "get_params", "set_params", "to_spec", "trace", "capture", "walk", "to_numpy", "from_numpy",
            "file_info", "file_layout", "file_views", "read_file", "write_file",
@@ -72,7 +72,7 @@ __all__ = ["DenseLinear", "LazyDense", "ExactActivation",
            "lora_leftovers", "lora_raw_updates", "lora_root", "quant_layer", "quant_build", "quant_positions", "quant_position_build",
            "parallel_compile", "parallel_state", "parallel_get_params", "parallel_set_params", "parallel_to_spec",
            "parallel_trace", "parallel_barrier", "parallel_agree_seed", "save_dcp", "load_dcp"]
-__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_complete_config"]
+__all__ += ["port_detect", "port_contents", "port_common_config", "port_own_config", "port_shrink", "port_twin", "port_save", "port_shapes", "port_layout", "port_load", "port_logits", "port_example", "port_describe", "port_open", "port_complete_config", "port_inputs"]
 from ._port_quant import port_keep_codes, port_recompute_codes  # noqa: E402  keep_codes=True: torchao codes (db.port)
 __all__ += ["port_keep_codes", "port_recompute_codes"]
 

@@ -597,6 +597,10 @@ def port_shrink(fmt: str, common: dict) -> dict:
                 and 1 < len(v) < total and all(isinstance(x, str) for x in v) and len(set(v)) > 1:
             layers = max(layers, len(v))
     out[key("num_hidden_layers")] = min(layers, total)
+    for k, v in list(out.items()):  # another stack of as many layers (an encoder-decoder's decoder_layers): shrunk
+        # alike, as the library sizes one per-layer cache for both from num_hidden_layers
+        if k.endswith("_layers") and k != key("num_hidden_layers") and type(v) is int and v == total and v > 1:
+            out[k] = out[key("num_hidden_layers")]
     indices = _index_lists(common, out, total)
     for k, v in list(out.items()):  # settings per layer keyed by layer index (per_layer_config): the same layers kept
         keys = _layer_keys(v, total)
@@ -669,8 +673,8 @@ def _randomize(model, seed: int) -> None:
 
 
 def _auto(config: dict):
-    """transformers' auto class for ``config``: a sequence classifier where its ``architectures``
-    names one (transformers' own mapping says which), a causal language model where transformers
+    """transformers' auto class for ``config``: a sequence classifier or a sequence-to-sequence
+    model where its ``architectures`` names one (transformers' own mappings say which), a causal language model where transformers
     maps the config class to one, else its image-text-to-text model where it maps it there (a
     multimodal checkpoint's whole model, or a text model transformers files only there)."""
     transformers = _transformers()
@@ -679,6 +683,8 @@ def _auto(config: dict):
     arch = (config.get("architectures") or [None])[0]
     if arch in set(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()):
         return transformers.AutoModelForSequenceClassification
+    if arch in set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()):
+        return transformers.AutoModelForSeq2SeqLM  # the whole encoder-decoder, not its decoder alone
     try:
         cls = _config_class(config)
     except ConversionError:
@@ -867,9 +873,24 @@ def port_logits(fmt: str, model, ids: np.ndarray) -> np.ndarray:
     import torch
 
     device = next((p.device for p in model.parameters()), None)  # the ids go where the model is
+    given = port_inputs(fmt, ids, model)
     with torch.no_grad():
-        out = model(torch.as_tensor(np.asarray(ids, np.int64), device=device)).logits
+        if isinstance(given, dict):
+            out = model(**{k: torch.as_tensor(v, device=device) for k, v in given.items()}).logits
+        else:
+            out = model(torch.as_tensor(np.asarray(ids, np.int64), device=device)).logits
     return out.float().cpu().numpy()  # one copy to the host
+
+
+def port_inputs(fmt: str, ids: np.ndarray, model=None):
+    """``model``'s inputs for the token ids ``ids`` (batch, positions): ``[ids]``; for an
+    encoder-decoder model the ids on both sides (``input_ids`` and ``decoder_input_ids``), since the
+    decoder ids transformers makes by itself (the ids shifted right after a start id its config
+    holds) are no input another library's model derives alike."""
+    ids = np.asarray(ids)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return {"input_ids": ids.astype(np.int64), "decoder_input_ids": ids.astype(np.int64)}
+    return [ids]
 
 
 def _window(config: dict) -> int | None:

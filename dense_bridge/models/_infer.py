@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _one_sided, _pair_banks, _pair_raw_linear, _stack_ranks, _structure
+from . import _offset_tables, _one_sided, _pair_banks, _pair_raw_linear, _stack_ranks, _structure
 from . import _plan as _mapping
 from .._errors import ConversionError, received
 from ..registry._captures import HEAD_CALL
@@ -963,6 +963,7 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
                                               rule="auto"))
         left_b = []
     la, lb = _pair_by_shape(run_a.layers.get("embedding", []), run_b.layers.get("embedding", []), plan)
+    la, lb = _offset_tables.pair_offset_tables(la, lb, b, plan)  # a position table with reserved leading rows
     left_a += la
     left_b += lb
     la, lb = _pair_norms(run_a.layers.get("norm", []), run_b.layers.get("norm", []), a, b, plan)
@@ -982,13 +983,17 @@ def infer(src_model, dst_model, a, b, inputs, mapping) -> Inferred:
     def names(left):  # layers, and the parameters of stacks and raw layers left unpaired
         return [x if isinstance(x, str) else x.path for x in left]
     hint = _head_hint(run_a, run_b, left_a, left_b)
-    unpaired_a, zeros = _one_sided.zero_leftovers(names(left_a) + run_a.uncalled, a)
+    unpaired_a = _offset_tables.drop_tied_copies(names(left_a) + run_a.uncalled, a, plan)  # one table, several names
+    unpaired_a, zeros = _one_sided.zero_leftovers(unpaired_a, a)
     unpaired_b = names(left_b) + run_b.uncalled
     different = "" if hint else _structure.different_blocks(a, b, unpaired_a, unpaired_b)
     if different and plan.problems:  # layers no mapping makes alike: the cause, before what it shows up as
         plan.problems.insert(0, different)
     elif different:  # only layers left unpaired (strict=False may leave them): said beside them
         hint = different
+    lost = _offset_tables.lacking_tables([n for n in unpaired_a if n not in run_a.uncalled],
+                                         unpaired_b, a, b)  # tables looked up, not buffers
+    hint = "; ".join(h for h in (hint, lost) if h)
     return Inferred(plan, unpaired_a, unpaired_b, hint, zeros)
 
 

@@ -362,7 +362,9 @@ def learn(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> dict[str, R
         pieces = []
         for s_name, transpose, start, stop, whole in found:
             st, s_idx = template(s_name)
-            if s_idx != idx[:len(s_idx)] or len(s_idx) > len(idx):
+            if idx == () and s_idx:  # one destination tensor from a layer at fixed indices (one block shared by all)
+                st = s_name
+            elif s_idx != idx[:len(s_idx)] or len(s_idx) > len(idx):
                 raise ConversionError(f"the twins' tensor {name!r} comes from {s_name!r}: indices that do not "
                                       "carry over to the real model's layers (nothing was written)")
             # a whole source is the same piece whatever its width (layers of one kind may differ in it)
