@@ -672,7 +672,25 @@ def _var_path(group: str, key: str) -> str:
     return f"{group}/vars/{key}" if group else f"vars/{key}"
 
 
+#: :func:`_structure`'s answers for the last few configs (by their JSON text): one port asks for the
+#: same config's structure several times (shapes, completion, the writer), and each answer builds the
+#: whole backbone (seconds for a model with many layer kinds).
+_STRUCTURES: dict[str, list] = {}
+_STRUCTURES_KEPT = 4
+
+
 def _structure(config: dict) -> list[tuple[str, list, list, list[str], list[str]]]:
+    """:func:`_built_structure` of ``config``, remembered for the last few configs (the answer is
+    read, never changed, by its callers)."""
+    key = json.dumps(config, sort_keys=True, default=repr)
+    if key not in _STRUCTURES:
+        while len(_STRUCTURES) >= _STRUCTURES_KEPT:
+            _STRUCTURES.pop(next(iter(_STRUCTURES)))
+        _STRUCTURES[key] = _built_structure(config)
+    return _STRUCTURES[key]
+
+
+def _built_structure(config: dict) -> list[tuple[str, list, list, list[str], list[str]]]:
     """Per weights file of the preset for ``config``: (file name, groups, variables, their dataset
     paths, their port names, the variables not ported (:func:`_own`)), as Keras' saver writes them: the backbone (built in a
     ``keras.StatelessScope``, nothing allocated) into ``model.weights.h5``, and a task with weights
