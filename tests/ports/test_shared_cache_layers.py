@@ -59,3 +59,24 @@ def test_a_rotary_base_per_layer_type_is_read_by_mlx_lm_under_its_top_level_name
     assert text["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
     model_class, args_class = mp._classes(own)
     args_class.from_dict(own)  # mlx-lm's arguments build (they required both names)
+
+
+def test_layers_one_library_builds_in_the_cache_sharing_layers_are_named_in_the_refusal(tmp_path):
+    """transformers builds no key/value projections in the layers that reuse caches; mlx-lm's model
+    has them (and computes with them when run without a cache): the port refuses, naming them."""
+    import torch
+
+    from dense_bridge.ports import PortMismatch
+
+    import dense_bridge as db
+
+    tp = _tp()
+    small = tp.port_shrink("transformers", _shared_cache_config())
+    model = __import__("transformers").AutoModelForCausalLM.from_config(tp._config(small), dtype=torch.float32)
+    tp._randomize(model.eval(), seed=7)
+    model.save_pretrained(tmp_path / "T")
+    with pytest.raises(PortMismatch) as err:
+        db.port(tmp_path / "T", tmp_path / "P", to="mlx-lm", progress=False)
+    words = str(err.value)
+    assert "dst's have ['self_attn.k_norm', 'self_attn.k_proj', 'self_attn.v_proj']" in words, words
+    assert not (tmp_path / "P").exists()
