@@ -23,6 +23,7 @@ Everything about keras-hub presets lives here:
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import json
 import math
@@ -396,11 +397,31 @@ def _hf_config(model_type: str, kwargs: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _unallocated():
+    """A ``keras.StatelessScope`` whose variables stay declared, never allocated: Keras' own scope
+    allocates every variable declared in it when it is left (``initialize_variables``), and keeps
+    those it does not in a process-wide list that the next scope's exit allocates; both are undone."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    before = list(global_state.get_global_attribute("uninitialized_variables", None) or [])
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", before)
+
+
 def _import_config(conv, hf: dict) -> dict:
     """keras-hub's own translation of the transformers config ``hf`` (its importer's
-    ``convert_backbone_config``), with the backbone's defaults for what it leaves out."""
-    kw = conv.convert_backbone_config(hf) if len(inspect.signature(conv.convert_backbone_config).parameters) == 1 \
-        else conv.convert_backbone_config(hf, conv.backbone_cls)
+    ``convert_backbone_config``), with the backbone's defaults for what it leaves out. Run in a
+    ``keras.StatelessScope``: an importer that builds a sub-model while translating (a vision
+    encoder handed to the backbone) declares its variables without allocating them (probing a
+    multimodal config's numbers would otherwise allocate encoders of thousands of layers)."""
+    with _unallocated():
+        kw = conv.convert_backbone_config(hf) if len(inspect.signature(conv.convert_backbone_config).parameters) \
+            == 1 else conv.convert_backbone_config(hf, conv.backbone_cls)
     return dict(kw)
 
 
@@ -449,7 +470,8 @@ def port_common_config(fmt: str, config: dict) -> dict:
             return _common_config(config, cls, model_type, conv)
         except _NotGivenBack as exc:
             errors.append((exc.count, str(exc)))
-        except (ConversionError, KeyError, TypeError, ValueError) as exc:  # this importer cannot read its own
+        except Exception as exc:  # noqa: BLE001  this importer cannot read its own (transformers' strict
+            # validation of a sub-config raises its own error class)
             errors.append((math.inf, f"{model_type!r}: {type(exc).__name__}: {exc}"))  # default config
     raise ConversionError(min(errors, key=lambda e: e[0])[1])
 
@@ -637,7 +659,7 @@ def _build(config: dict, stateless: bool = False):
 
     _keras_hub()
     if stateless:
-        with keras.StatelessScope():
+        with _unallocated():
             return keras.saving.deserialize_keras_object(config["backbone"])
     return keras.saving.deserialize_keras_object(config["backbone"])
 
