@@ -533,12 +533,12 @@ def port_shrink(fmt: str, common: dict) -> dict:
     period of a per-layer pattern, a sliding window the inputs reach, special-token ids inside the
     shrunk vocabulary. Names go through the config class's ``attribute_map`` (GPT-2's ``n_embd``).
 
-    A count of a part of the layers (``num_*_layers`` below the layer count: the trailing layers that
-    reuse earlier layers' key/value caches) shrinks with the layers, in proportion, at least one and
-    leaving at least one layer outside it. Where transformers' config class then rejects the shrunk
-    config (its constructor or one of its computed properties raises: no producer of some layer
-    kind is left before the sharing layers), the twin grows by whole periods of the layer pattern
-    until it accepts it (at most four more periods; past them the last config is returned and
+    Where transformers' config class rejects the shrunk config and it holds a count of a part of the
+    layers (``num_*_layers`` below the layer count: the trailing layers that reuse earlier layers'
+    key/value caches), that count shrinks with the layers, in proportion, at least one and leaving at
+    least one layer outside it; where the class still rejects it (its constructor or one of its
+    computed properties raises: no producer of some layer kind is left before the sharing layers),
+    the twin grows by whole periods of the layer pattern until it accepts it (at most four more periods; past them the last config is returned and
     transformers names the problem when the twin is built).
 
     Args:
@@ -549,18 +549,18 @@ def port_shrink(fmt: str, common: dict) -> dict:
         The shrunk config dict (a new dict; ``common`` is unchanged).
     """
     out = _shrink(common)
-    counts = _part_counts(common)
-    if not counts:
+    if not _part_counts(common) or _rejection(out) is None:  # a count its class does not couple stays as it is
         return out
     n_key = dict(getattr(_config_class(common), "attribute_map", {}) or {}).get("num_hidden_layers",
                                                                                "num_hidden_layers")
     types = common.get("layer_types")
     step = _period(types) if isinstance(types, list) and types else 1
+    out = _shrink(common, parts=True)
     for _ in range(4):
         if _rejection(out) is None or not isinstance(out.get(n_key), int) \
                 or out[n_key] >= common.get(n_key, 0):
             return out
-        out = _shrink(common, at_least=out[n_key] + step)
+        out = _shrink(common, at_least=out[n_key] + step, parts=True)
     return out
 
 
@@ -599,9 +599,9 @@ def _rejection(config: dict) -> str | None:
     return None
 
 
-def _shrink(common: dict, at_least: int = 0) -> dict:
+def _shrink(common: dict, at_least: int = 0, parts: bool = False) -> dict:
     """The body of :func:`port_shrink`: ``common`` shrunk to at least ``at_least`` layers (within the
-    model's own count)."""
+    model's own count); with ``parts``, its counts of a part of the layers in proportion."""
     cls = _config_class(common)
     amap = dict(getattr(cls, "attribute_map", {}) or {})
     out = dict(common)
@@ -671,7 +671,7 @@ def _shrink(common: dict, at_least: int = 0) -> dict:
             layers = max(layers, len(v))
     out[key("num_hidden_layers")] = min(layers, total)
     small_n = out[key("num_hidden_layers")]
-    if isinstance(total, int) and isinstance(small_n, int) and small_n < total:
+    if parts and isinstance(total, int) and isinstance(small_n, int) and small_n < total:
         for k, v in _part_counts(common).items():  # a part of the layers (the trailing cache-sharing ones) in
             # proportion: at least one layer in it and one outside it, so every role is in the twin
             out[k] = max(1, min(small_n - 1, round(v * small_n / total)))

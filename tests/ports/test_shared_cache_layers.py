@@ -46,6 +46,9 @@ def test_a_count_of_separate_layers_is_left_alone():
     assert tp._part_counts(common) == {}
     assert tp._part_counts({**common, "num_kv_shared_layers": 4}) == {}  # not a part: all of them
     assert tp._part_counts({**common, "num_kv_shared_layers": 2}) == {"num_kv_shared_layers": 2}
+    # a count the config class does not couple to the layers (it accepts the twin as shrunk) is kept
+    assert tp.port_shrink("transformers", {**common, "num_hidden_layers": 12,
+                                           "num_kv_shared_layers": 7})["num_kv_shared_layers"] == 7
 
 
 def test_a_rotary_base_per_layer_type_is_read_by_mlx_lm_under_its_top_level_names():
