@@ -23,6 +23,7 @@ Everything about keras-hub presets lives here:
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import json
 import math
@@ -396,11 +397,31 @@ def _hf_config(model_type: str, kwargs: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _unallocated():
+    """A ``keras.StatelessScope`` whose variables stay declared, never allocated: Keras' own scope
+    allocates every variable declared in it when it is left (``initialize_variables``), and keeps
+    those it does not in a process-wide list that the next scope's exit allocates; both are undone."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    before = list(global_state.get_global_attribute("uninitialized_variables", None) or [])
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", before)
+
+
 def _import_config(conv, hf: dict) -> dict:
     """keras-hub's own translation of the transformers config ``hf`` (its importer's
-    ``convert_backbone_config``), with the backbone's defaults for what it leaves out."""
-    kw = conv.convert_backbone_config(hf) if len(inspect.signature(conv.convert_backbone_config).parameters) == 1 \
-        else conv.convert_backbone_config(hf, conv.backbone_cls)
+    ``convert_backbone_config``), with the backbone's defaults for what it leaves out. Run in a
+    ``keras.StatelessScope``: an importer that builds a sub-model while translating (a vision
+    encoder handed to the backbone) declares its variables without allocating them (probing a
+    multimodal config's numbers would otherwise allocate encoders of thousands of layers)."""
+    with _unallocated():
+        kw = conv.convert_backbone_config(hf) if len(inspect.signature(conv.convert_backbone_config).parameters) \
+            == 1 else conv.convert_backbone_config(hf, conv.backbone_cls)
     return dict(kw)
 
 
@@ -449,7 +470,8 @@ def port_common_config(fmt: str, config: dict) -> dict:
             return _common_config(config, cls, model_type, conv)
         except _NotGivenBack as exc:
             errors.append((exc.count, str(exc)))
-        except (ConversionError, KeyError, TypeError, ValueError) as exc:  # this importer cannot read its own
+        except Exception as exc:  # noqa: BLE001  this importer cannot read its own (transformers' strict
+            # validation of a sub-config raises its own error class)
             errors.append((math.inf, f"{model_type!r}: {type(exc).__name__}: {exc}"))  # default config
     raise ConversionError(min(errors, key=lambda e: e[0])[1])
 
@@ -661,7 +683,7 @@ def _build(config: dict, stateless: bool = False):
 
     _keras_hub()
     if stateless:
-        with keras.StatelessScope():
+        with _unallocated():
             return keras.saving.deserialize_keras_object(config["backbone"])
     return keras.saving.deserialize_keras_object(config["backbone"])
 
@@ -696,7 +718,25 @@ def _var_path(group: str, key: str) -> str:
     return f"{group}/vars/{key}" if group else f"vars/{key}"
 
 
+#: :func:`_structure`'s answers for the last few configs (by their JSON text): one port asks for the
+#: same config's structure several times (shapes, completion, the writer), and each answer builds the
+#: whole backbone (seconds for a model with many layer kinds).
+_STRUCTURES: dict[str, list] = {}
+_STRUCTURES_KEPT = 4
+
+
 def _structure(config: dict) -> list[tuple[str, list, list, list[str], list[str]]]:
+    """:func:`_built_structure` of ``config``, remembered for the last few configs (the answer is
+    read, never changed, by its callers)."""
+    key = json.dumps(config, sort_keys=True, default=repr)
+    if key not in _STRUCTURES:
+        while len(_STRUCTURES) >= _STRUCTURES_KEPT:
+            _STRUCTURES.pop(next(iter(_STRUCTURES)))
+        _STRUCTURES[key] = _built_structure(config)
+    return _STRUCTURES[key]
+
+
+def _built_structure(config: dict) -> list[tuple[str, list, list, list[str], list[str]]]:
     """Per weights file of the preset for ``config``: (file name, groups, variables, their dataset
     paths, their port names, the variables not ported (:func:`_own`)), as Keras' saver writes them: the backbone (built in a
     ``keras.StatelessScope``, nothing allocated) into ``model.weights.h5``, and a task with weights

@@ -37,6 +37,9 @@ REMOTE_CODE_KEYS = ("model_file", "auto_map", "trust_remote_code")
 #: Interchange keys inside ``rope_parameters`` that mlx-lm reads at the top level, under these names;
 #: what is left of a non-default ``rope_parameters`` is read as ``rope_scaling``.
 READS_AS = {"rope_theta": "rope_theta", "partial_rotary_factor": "partial_rotary_factor"}
+#: The rotary base of each layer type, where ``rope_parameters`` holds one setting per layer type, under
+#: the top-level names transformers' configs still accept for it (and mlx-lm reads).
+READS_AS_PER_TYPE = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
 #: Top-level interchange keys mlx-lm reads under another name: {name mlx-lm reads: interchange name}.
 ALIASES = {"n_ctx": "n_positions"}
 #: Names a required ``ModelArgs`` field may have in the interchange config when the config lacks the
@@ -220,6 +223,10 @@ def _flat_own_config(common: dict) -> dict:
             out[theirs] = out[ours]
     _optional_fields(out)
     rope = _one_rope(out.get("rope_parameters"))
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        for layer_type, outer in READS_AS_PER_TYPE.items():  # a base per layer type, read at the top level
+            if isinstance(rope.get(layer_type, {}).get("rope_theta"), (int, float)) and outer not in out:
+                out[outer] = rope[layer_type]["rope_theta"]
     if isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values()):
         for inner, outer in READS_AS.items():
             if inner in rope and outer not in out:

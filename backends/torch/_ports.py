@@ -531,7 +531,77 @@ def port_shrink(fmt: str, common: dict) -> dict:
     """``common`` (the interchange config) with widths, layer count and vocabulary shrunk and the
     structure kept: head counts and grouping, tying, biases, activation, norms, rope settings, one
     period of a per-layer pattern, a sliding window the inputs reach, special-token ids inside the
-    shrunk vocabulary. Names go through the config class's ``attribute_map`` (GPT-2's ``n_embd``)."""
+    shrunk vocabulary. Names go through the config class's ``attribute_map`` (GPT-2's ``n_embd``).
+
+    Where transformers' config class rejects the shrunk config and it holds a count of a part of the
+    layers (``num_*_layers`` below the layer count: the trailing layers that reuse earlier layers'
+    key/value caches), that count shrinks with the layers, in proportion, at least one and leaving at
+    least one layer outside it; where the class still rejects it (its constructor or one of its
+    computed properties raises: no producer of some layer kind is left before the sharing layers),
+    the twin grows by whole periods of the layer pattern until it accepts it (at most four more periods; past them the last config is returned and
+    transformers names the problem when the twin is built).
+
+    Args:
+        fmt: the format name (unused: transformers' config classes judge every format's config).
+        common: the interchange config (a transformers config dict, ``model_type`` set).
+
+    Returns:
+        The shrunk config dict (a new dict; ``common`` is unchanged).
+    """
+    out = _shrink(common)
+    if not _part_counts(common) or _rejection(out) is None:  # a count its class does not couple stays as it is
+        return out
+    n_key = dict(getattr(_config_class(common), "attribute_map", {}) or {}).get("num_hidden_layers",
+                                                                               "num_hidden_layers")
+    types = common.get("layer_types")
+    step = _period(types) if isinstance(types, list) and types else 1
+    out = _shrink(common, parts=True)
+    for _ in range(4):
+        if _rejection(out) is None or not isinstance(out.get(n_key), int) \
+                or out[n_key] >= common.get(n_key, 0):
+            return out
+        out = _shrink(common, at_least=out[n_key] + step, parts=True)
+    return out
+
+
+def _part_counts(common: dict) -> dict[str, int]:
+    """{key: value} of ``common``'s counts of a part of the layers: ``num_*_layers`` integers (other than
+    the layer count itself) above zero and below the layer count (the trailing layers that share
+    earlier layers' caches); a count of separate layers (an encoder's, equal to or above it) is none."""
+    amap = dict(getattr(_config_class(common), "attribute_map", {}) or {})
+    n_key = amap.get("num_hidden_layers", "num_hidden_layers")
+    total = common.get(n_key)
+    if not isinstance(total, int) or isinstance(total, bool):
+        return {}
+    return {k: v for k, v in common.items() if k.startswith("num_") and k.endswith("_layers") and k != n_key
+            and k not in amap and isinstance(v, int) and not isinstance(v, bool) and 0 < v < total}
+
+
+def _rejection(config: dict) -> str | None:
+    """Why transformers' config class rejects ``config`` (its constructor, or a computed property of
+    the class such as the per-layer cache-sharing modes, raises ValueError), or None when it accepts it."""
+    try:
+        cfg = _config(config)
+        base = _transformers().PreTrainedConfig
+        names = [name for klass in type(cfg).__mro__ if issubclass(klass, base) and klass is not base
+                 for name, attr in vars(klass).items() if isinstance(attr, property) and not name.startswith("_")]
+        for name in names:  # the model's own properties (the base class's are generic, some only warn)
+            try:
+                getattr(cfg, name)
+            except ValueError:
+                raise
+            except Exception:  # noqa: BLE001  a property that needs more than the config (a device, a tokenizer)
+                continue
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001  anything else: not this shrink's to judge (the twin's build names it)
+        return None
+    return None
+
+
+def _shrink(common: dict, at_least: int = 0, parts: bool = False) -> dict:
+    """The body of :func:`port_shrink`: ``common`` shrunk to at least ``at_least`` layers (within the
+    model's own count); with ``parts``, its counts of a part of the layers in proportion."""
     cls = _config_class(common)
     amap = dict(getattr(cls, "attribute_map", {}) or {})
     out = dict(common)
@@ -578,11 +648,14 @@ def port_shrink(fmt: str, common: dict) -> dict:
 
     if isinstance(get("intermediate_size"), int) and not isinstance(out.get("expand"), (int, float)):
         out[key("intermediate_size")] = inner(get("intermediate_size"))
+    elif isinstance(get("intermediate_size"), list) and get("intermediate_size") \
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in get("intermediate_size")):
+        out[key("intermediate_size")] = [inner(w) for w in get("intermediate_size")]  # one width per layer
     if isinstance(out.get("n_inner"), int):
         out["n_inner"] = inner(out["n_inner"])
     if isinstance(out.get("moe_intermediate_size"), int):
         out["moe_intermediate_size"] = small_hidden + 16
-    layers = TWIN_LAYERS
+    layers = max(TWIN_LAYERS, at_least)
     types = out.get("layer_types")
     if isinstance(types, list) and types:
         layers = max(layers, _period(types))
@@ -601,6 +674,11 @@ def port_shrink(fmt: str, common: dict) -> dict:
         # alike, as the library sizes one per-layer cache for both from num_hidden_layers
         if k.endswith("_layers") and k != key("num_hidden_layers") and type(v) is int and v == total and v > 1:
             out[k] = out[key("num_hidden_layers")]
+    small_n = out[key("num_hidden_layers")]
+    if parts and isinstance(total, int) and isinstance(small_n, int) and small_n < total:
+        for k, v in _part_counts(common).items():  # a part of the layers (the trailing cache-sharing ones) in
+            # proportion: at least one layer in it and one outside it, so every role is in the twin
+            out[k] = max(1, min(small_n - 1, round(v * small_n / total)))
     indices = _index_lists(common, out, total)
     for k, v in list(out.items()):  # settings per layer keyed by layer index (per_layer_config): the same layers kept
         keys = _layer_keys(v, total)

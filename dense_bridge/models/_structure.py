@@ -24,6 +24,13 @@ def _first_number(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _within(path: str) -> str:
+    """``path`` after its first number (``model.layers.6.self_attn.k_proj`` -> ``self_attn.k_proj``):
+    the layer's place inside its block, the same on both sides where the libraries name alike."""
+    m = _NUMBER.search(path)
+    return path[m.end():].lstrip("./") if m else path
+
+
 def _weights(side, number: int) -> tuple[int, list[str]] | None:
     """(how many weights ``side``'s layers numbered ``number`` hold, their paths); None where one of
     them is quantized (its stored codes are not its weights)."""
@@ -62,8 +69,13 @@ def different_blocks(a, b, left_a: list[str], left_b: list[str]) -> str:
             continue
         only_a = [p for p in left_a if _first_number(p) == n][:4]
         only_b = [p for p in left_b if _first_number(p) == n][:4]
+        kinds_a, kinds_b = {_within(p) for p in wa[1]}, {_within(p) for p in wb[1]}
+        lacks = [f"{side}'s have {sorted(mine - theirs)[:6]}, which {other}'s have not"
+                 for side, other, mine, theirs in (("dst", "src", kinds_b, kinds_a), ("src", "dst", kinds_a, kinds_b))
+                 if mine - theirs]
         return (f"the two libraries build different layers numbered {n} for this config ({wa[0]} weights in src, "
-                f"{wb[0]} in dst; no mapping adds or drops a weight): the destination library's model implements "
-                f"another variant of the architecture, which this model cannot be carried into (src's {only_a} "
-                f"against dst's {only_b})")
+                f"{wb[0]} in dst; no mapping adds or drops a weight"
+                + (f"; of the layers inside it, {' and '.join(lacks)}" if lacks else "")
+                + f"): the destination library's model implements another variant of the architecture, which this "
+                  f"model cannot be carried into (src's {only_a} against dst's {only_b})")
     return ""

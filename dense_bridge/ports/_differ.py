@@ -35,7 +35,8 @@ from .._errors import DenseBridgeError
 
 __all__ = ["Isolation", "isolate", "Settings", "compare_settings", "refusal"]
 
-#: At most this many source twins are rebuilt with one setting left out (``_probes``).
+#: At most this many twins are rebuilt with one setting left out (``_probes``; a change of the weights'
+#: shapes is not counted: no twin is built for it).
 _TRIED = 16
 
 
@@ -166,6 +167,23 @@ def compare_settings(src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict) -> Settings
     return Settings(untaken, lost, added)
 
 
+def _special(fmt, cfg: dict) -> dict[str, Any]:
+    """The settings of ``cfg`` (``fmt``'s config; its ``port_describe`` ``fields``) whose values differ
+    from those ``fmt``'s library gives a config naming only its kind (the defaults), each set to
+    something; {} where ``fmt`` cannot say."""
+    try:
+        own = (fmt.port_describe(cfg) or {}).get("fields")
+        kind = {k: v for k, v in cfg.items() if k in ("model_type", "architectures")}
+        default = (fmt.port_describe(kind) or {}).get("fields") if kind else None
+    except DenseBridgeError:
+        return {}
+    if not own or not default:
+        return {}
+    flat, base = _settings(own), _settings(default)
+    return {k: v for k, v in flat.items() if k in base or "." not in k
+            if _plain(base.get(k)) != _plain(v)}
+
+
 def _with(config: dict, name: str, value: Any = None, drop: bool = False) -> dict:
     """``config`` with the setting ``name`` (``"outer.inner"``: a dictionary's entry) set to
     ``value``, or removed with ``drop``."""
@@ -211,11 +229,15 @@ def _cause(probes, fmt, cfg: dict, rebuild: Callable, reference: np.ndarray, ids
     computes (its logits ``reference``; ``source``: the rebuilt twin is the source, whose
     distribution the KL is taken from); None when none does."""
     shapes = fmt.port_shapes(cfg)
-    for name, how, change in probes[:_TRIED]:
+    tried = 0
+    for name, how, change in probes:
+        if tried >= _TRIED:
+            break
         changed = _with(cfg, name, **change)
         try:
             if fmt.port_shapes(changed) != shapes:
-                continue
+                continue  # another model (a width put back): not run, not counted
+            tried += 1
             got = fmt.port_logits(rebuild(changed), ids)
             kl, top1 = kl_top1(got, reference) if source else kl_top1(reference, got)
         except Exception:  # noqa: BLE001 - a config its library cannot build so
@@ -283,10 +305,24 @@ def refusal(iso: Isolation, src_fmt, dst_fmt, src_cfg: dict, dst_cfg: dict, a, b
     found = added = None
     if settings is not None and settings.untaken:
         found = _cause(_probes(list(settings.untaken.items())), src_fmt, src_cfg, rebuild, dst_logits, ids, *limits)
+    special = None
+    if found is None and settings is None:  # the destination cannot say which settings it takes: the source's
+        # settings away from its library's default, each put back to the default, may still name the cause
+        special = _special(src_fmt, src_cfg)
+        if special:
+            found = _cause([p for p in _probes(list(special.items())) if p[1] == "removed"], src_fmt, src_cfg,
+                           rebuild, dst_logits, ids, *limits)
     if found is None and settings is not None and settings.added and rebuild_dst is not None:
         added = _cause(_probes(list(settings.added.items())), dst_fmt, dst_cfg, rebuild_dst, src_logits, ids, *limits,
                        source=False)
-    if found is not None:
+    if found is not None and special is not None:
+        name, how, kl, top1 = found
+        words = (head + f"{name}={special[name]!r} in the {src} config is not its library's default; with it {how} "
+                 f"(the default), {src} computes what {dst} computes (KL {kl:.3g}, top-1 agreement {top1:.4f}), so "
+                 f"{dst}'s model for this config does not do what {name} asks ({dst}'s config has no such setting, or "
+                 f"the translation into it leaves it out) and cannot run this model as {src} does. "
+                 f"{measured[0].upper()}{measured[1:]}")
+    elif found is not None:
         name, how, kl, top1 = found
         words = (head + f"{dst}'s config for this model has no setting for {name}={settings.untaken[name]!r}; with "
                  f"it {how}, {src} computes what {dst} computes (KL {kl:.3g}, top-1 agreement {top1:.4f}), so {dst} "
