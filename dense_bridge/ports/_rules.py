@@ -795,7 +795,9 @@ def _shared_indices(src, dst) -> int | None:
     dsts = [to] if isinstance(to, str) else list(to)
     counts = {len(re.findall(r"(?<=\\\.)\d+(?=\\\.|$)", p)) for p in srcs} | \
         {len(re.findall(r"(?<=\.)\d+(?=\.|$)", p)) for p in dsts}
-    return min(counts) if len(counts) > 1 else None
+    # a side whose paths hold no dotted index at all (keras' "transformer_layer_0/...") numbers its
+    # layers otherwise: nothing to keep
+    return min(counts) if len(counts) > 1 and min(counts) > 0 else None
 
 
 def generalise_layer_rules(rules: list) -> list:
