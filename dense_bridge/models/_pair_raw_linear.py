@@ -26,7 +26,7 @@ def _first_output(output: Any) -> Any:
 
 def matrix_signature(e: Any, call: Any) -> tuple[int, int] | None:
     """(in_features, units) where the layer ``e`` holds one 2-D parameter (units, in_features)
-    and at most a vector of ``units`` beside it, and its recorded ``call`` read floating-point
+    and at most its bias (a vector of ``units`` named ``bias``) beside it, and its recorded ``call`` read floating-point
     activations whose last axis is ``in_features`` and returned (first, in a tuple) values whose
     last axis is ``units``; None otherwise (a table looked up by index, a convolution, anything
     else).
@@ -42,7 +42,10 @@ def matrix_signature(e: Any, call: Any) -> tuple[int, int] | None:
         return None
     units, n_in = (int(x) for x in e.shapes[mats[0]])
     vecs = [n for n in e.names if n not in mats]
-    if len(vecs) > 1 or any(tuple(e.shapes[n]) != (units,) for n in vecs) or units == n_in:
+    # the vector beside it must be the map's bias: a router's score correction (e_score_correction_bias)
+    # is added to the scores after the map, no bias of it
+    if len(vecs) > 1 or any(tuple(e.shapes[n]) != (units,) or n.rsplit(".", 1)[-1] != "bias" for n in vecs) \
+            or units == n_in:
         return None
     if not call.inputs:
         return None

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._errors import ConversionError
 from . import _strided
+from ._placed import oriented as _oriented, placed
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 #: ``name|<perm>-<k>``: the tensor ``name`` seen through a view (:func:`apply_view`), where one
@@ -183,12 +184,6 @@ class Recipe:
         return f"{self.target} <- " + (made if self.view is None else f"reshape({made})")
 
 
-def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
-    """``a`` transposed: its last two axes exchanged (a matrix's transpose; a convolution's
-    (channels, 1, width) <-> (channels, width, 1))."""
-    return np.swapaxes(a, -1, -2) if transpose else a
-
-
 class _Index:
     """Where a float32 value lies among the source tensors, found by a vectorised scan of their bit
     patterns (no table of every value: a twin holds millions)."""
@@ -212,25 +207,15 @@ def _cover(d: np.ndarray, axis: int, src: dict[str, np.ndarray], where: _Index):
         lead = [0] * d.ndim
         lead[axis] = cursor
         found = None
-        for name, flat in where.find(d[tuple(lead)]):
-            s = src[name]
-            for transpose in ((False, True) if s.ndim >= 2 else (False,)):
-                so = _oriented(s, transpose)
-                if so.ndim != d.ndim:
-                    continue
-                coord = list(np.unravel_index(flat, s.shape))
-                if transpose:
-                    coord[-2], coord[-1] = coord[-1], coord[-2]
-                if any(coord[k] != 0 or so.shape[k] != d.shape[k] for k in range(d.ndim) if k != axis):
-                    continue
-                start = int(coord[axis])
-                length = min(n - cursor, so.shape[axis] - start)
-                a = np.take(d, range(cursor, cursor + length), axis=axis)
-                b = np.take(so, range(start, start + length), axis=axis)
-                if np.array_equal(a, b):
-                    found = (name, transpose, start, start + length, start == 0 and length == so.shape[axis])
-                    break
-            if found:
+        for name, transpose, so, coord in placed(where, src, d[tuple(lead)], d.ndim):
+            if any(coord[k] != 0 or so.shape[k] != d.shape[k] for k in range(d.ndim) if k != axis):
+                continue
+            start = int(coord[axis])
+            length = min(n - cursor, so.shape[axis] - start)
+            a = np.take(d, range(cursor, cursor + length), axis=axis)
+            b = np.take(so, range(start, start + length), axis=axis)
+            if np.array_equal(a, b):
+                found = (name, transpose, start, start + length, start == 0 and length == so.shape[axis])
                 break
         if not found:
             return None

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._placed import oriented as _oriented, placed
+
 __all__ = ["find"]
 
 #: how many interleaved pieces are looked for (a fused gate/up: 2; q, k, v: 3)
 MOST = 4
-
-
-def _oriented(a: np.ndarray, transpose: bool) -> np.ndarray:
-    return np.swapaxes(a, -1, -2) if transpose else a
 
 
 def _cut(d: np.ndarray, src: dict[str, np.ndarray], where) -> tuple | None:
@@ -24,24 +22,16 @@ def _cut(d: np.ndarray, src: dict[str, np.ndarray], where) -> tuple | None:
     (axis, [(source, transpose, k)], n), or None."""
     if not d.size:
         return None
-    for s_name, flat in where.find(d.reshape(-1)[0]):
-        s = src[s_name]
-        for transpose in ((False, True) if s.ndim >= 2 else (False,)):
-            so = _oriented(s, transpose)
-            if so.ndim != d.ndim:
+    for s_name, transpose, so, coord in placed(where, src, d.reshape(-1)[0], d.ndim):
+        for axis in range(d.ndim):
+            n, rem = divmod(so.shape[axis], d.shape[axis]) if d.shape[axis] else (0, 1)
+            k = int(coord[axis])
+            if rem or not 2 <= n <= MOST or k >= n:
                 continue
-            coord = list(np.unravel_index(flat, s.shape))
-            if transpose:
-                coord[-2], coord[-1] = coord[-1], coord[-2]
-            for axis in range(d.ndim):
-                n, rem = divmod(so.shape[axis], d.shape[axis]) if d.shape[axis] else (0, 1)
-                k = int(coord[axis])
-                if rem or not 2 <= n <= MOST or k >= n:
-                    continue
-                if any(coord[x] != 0 or so.shape[x] != d.shape[x] for x in range(d.ndim) if x != axis):
-                    continue
-                if np.array_equal(np.take(so, np.arange(k, so.shape[axis], n), axis=axis), d):
-                    return axis, [(s_name, transpose, k)], n
+            if any(coord[x] != 0 or so.shape[x] != d.shape[x] for x in range(d.ndim) if x != axis):
+                continue
+            if np.array_equal(np.take(so, np.arange(k, so.shape[axis], n), axis=axis), d):
+                return axis, [(s_name, transpose, k)], n
     return None
 
 
