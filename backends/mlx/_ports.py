@@ -791,8 +791,9 @@ def _window(config: dict) -> int | None:
 
 
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions", "window", "fields"}`` of an mlx-lm config (Hugging
-    Face names); None where it does not say (``fields``: the settings its model takes, :func:`_fields`)."""
+    """``{"architecture", "vocab_size", "max_positions", "window", "fields", "kind_only"}`` of an mlx-lm config (Hugging
+    Face names); None where it does not say (``fields``: the settings its model takes, :func:`_fields`;
+    ``kind_only``: a config naming only the model's kind, whose ``fields`` are mlx-lm's defaults)."""
     text = config.get("text_config")
     if isinstance(text, dict) and not isinstance(config.get("vocab_size"), int):
         return {**port_describe(fmt, text), "architecture": config.get("architectures") or [config.get("model_type")]}
@@ -801,7 +802,8 @@ def port_describe(fmt: str, config: dict) -> dict:
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
             "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
-            "window": _window(config), "fields": _fields(config)}
+            "window": _window(config), "fields": _fields(config),
+            "kind_only": {k: config[k] for k in ("model_type", "architectures") if k in config}}
 
 
 def _fields(config: dict) -> dict | None:

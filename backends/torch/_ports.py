@@ -979,9 +979,10 @@ def _window(config: dict) -> int | None:
 
 
 def port_describe(fmt: str, config: dict) -> dict:
-    """``{"architecture", "vocab_size", "max_positions", "window", "fields"}`` of a transformers config (names
+    """``{"architecture", "vocab_size", "max_positions", "window", "fields", "kind_only"}`` of a transformers config (names
     through the config class's ``attribute_map``: GPT-2's ``n_positions``); None where it does not say
-    (``fields``: the settings its config class declares, :func:`_fields`)."""
+    (``fields``: the settings its config class declares, :func:`_fields`; ``kind_only``: a config naming
+    only the model's kind, whose ``fields`` are the library's defaults)."""
     amap = dict(getattr(_config_class(config), "attribute_map", {}) or {})
     vocab = config.get(amap.get("vocab_size", "vocab_size"))
     limits = [config[k] for k in (amap.get("max_position_embeddings", "max_position_embeddings"), "n_ctx")
@@ -989,7 +990,8 @@ def port_describe(fmt: str, config: dict) -> dict:
     arch = config.get("architectures") or [config.get("model_type")]
     return {"architecture": arch, "kind": config.get("model_type"),
             "vocab_size": vocab if isinstance(vocab, int) else None, "max_positions": min(limits) if limits else None,
-            "window": _window(config), "fields": _fields(config)}
+            "window": _window(config), "fields": _fields(config),
+            "kind_only": {k: config[k] for k in ("model_type", "architectures") if k in config}}
 
 
 def _fields(config: dict) -> dict | None:

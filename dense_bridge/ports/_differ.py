@@ -172,8 +172,8 @@ def _special(fmt, cfg: dict) -> dict[str, Any]:
     from those ``fmt``'s library gives a config naming only its kind (the defaults), each set to
     something; {} where ``fmt`` cannot say."""
     try:
-        own = (fmt.port_describe(cfg) or {}).get("fields")
-        kind = {k: v for k, v in cfg.items() if k in ("model_type", "architectures")}
+        described = fmt.port_describe(cfg) or {}
+        own, kind = described.get("fields"), described.get("kind_only")
         default = (fmt.port_describe(kind) or {}).get("fields") if kind else None
     except DenseBridgeError:
         return {}

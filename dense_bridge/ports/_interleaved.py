@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._errors import DenseBridgeError
+
 __all__ = ["retry"]
 
 
@@ -41,7 +43,10 @@ def retry(a: Any, b: Any, rules: list, inputs: Any, transfer, compare_models, di
     if alt is None:
         return None
     before = distance() if distance is not None else None
-    report = transfer(a, b, mapping=alt, inputs=inputs, verify=False)
+    try:
+        report = transfer(a, b, mapping=alt, inputs=inputs, verify=False)
+    except DenseBridgeError:  # the interleaved mapping does not apply (a failed transfer changes nothing)
+        return None
     compared = compare_models(a, b, inputs, mapping=report.rules, grads=False, judge="carried")
     if compared.passed or (before is not None and distance() < before):
         return report, compared
